@@ -1,0 +1,176 @@
+"""HTTP API request and response bodies (JSON), shared by the server, the OpenAPI
+document and the Python client."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+
+class ErrorDetail(msgspec.Struct):
+    code: str
+    message: str
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorDetail
+
+
+class TaskSubmission(msgspec.Struct, forbid_unknown_fields=True):
+    """One task. ``deadline`` / ``start_after``: RFC 3339 time with a zone, or Unix seconds."""
+
+    type: str
+    tenant: str = "default"
+    params: msgspec.Raw | UnsetType = UNSET  # any JSON value (default null)
+    slot: str | None = None
+    max_attempts: int = 1
+    deadline: datetime | float | None = None
+    start_after: datetime | float | None = None
+    resources: dict[str, float] = {}
+    transaction: int | None = None
+    code: str | None = None
+
+
+class SubmitBody(msgspec.Struct, forbid_unknown_fields=True):
+    """Either ``{"tasks": [TaskSubmission, ...]}`` or one TaskSubmission's fields."""
+
+    tasks: list[TaskSubmission] | None = None
+    type: str | None = None
+    tenant: str = "default"
+    params: msgspec.Raw | UnsetType = UNSET  # any JSON value (default null)
+    slot: str | None = None
+    max_attempts: int = 1
+    deadline: datetime | float | None = None
+    start_after: datetime | float | None = None
+    resources: dict[str, float] = {}
+    transaction: int | None = None
+    code: str | None = None
+
+
+class SubmittedTask(msgspec.Struct, omit_defaults=True):
+    id: int | None = None
+    state: str | None = None
+    error: ErrorDetail | None = None
+
+
+class SubmitBatchResponse(msgspec.Struct):
+    tasks: list[SubmittedTask]
+
+
+class TaskRefBody(msgspec.Struct):
+    id: int
+    state: str
+
+
+class TaskView(msgspec.Struct):
+    id: int
+    type: str
+    tenant: str
+    state: str
+    params: msgspec.Raw
+    attempt: int
+    max_attempts: int
+    created_at: str
+    updated_at: str
+    slot: str | None = None
+    transaction: int | None = None
+    code: str | None = None
+    resources: dict[str, float] = {}
+    worker: str | None = None
+    result: msgspec.Raw | None = None
+    error: str | None = None
+    deadline: str | None = None
+    start_after: str | None = None
+    finished_at: str | None = None
+
+
+class TaskList(msgspec.Struct):
+    tasks: list[TaskView]
+    next_after: int | None
+
+
+class TransactionBegin(msgspec.Struct, forbid_unknown_fields=True):
+    tenant: str = "default"
+    ttl_s: float = 60.0
+
+
+class TransactionView(msgspec.Struct):
+    id: int
+    tenant: str
+    expires_at: str
+
+
+class TransactionOutcome(msgspec.Struct):
+    id: int
+    outcome: str
+    tasks: list[int]
+
+
+class TenantLimits(msgspec.Struct, forbid_unknown_fields=True):
+    """Service level; fields left out keep their value. 0 means unlimited."""
+
+    max_waiting: int | None = None
+    max_running: int | None = None
+    weight: float | None = None
+
+
+class TenantView(msgspec.Struct):
+    name: str
+    max_waiting: int
+    max_running: int
+    weight: float
+    counts: dict[str, int]
+
+
+class Position(msgspec.Struct):
+    ledger_id: int
+    entry_id: int
+
+
+class BrokerSummary(msgspec.Struct):
+    id: str
+    host: str
+    port: int
+    uptime_secs: float
+    is_leader: bool
+    version: str
+    position: Position
+
+
+class WorkerSummary(msgspec.Struct):
+    id: str
+    state: str
+    address: str
+    running_tasks: int
+    resources: dict[str, float]
+
+
+class ClusterSummary(msgspec.Struct):
+    cluster_id: str
+    leader: str | None
+    brokers: list[BrokerSummary]
+    workers: list[WorkerSummary]
+    tasks: dict[str, int]
+    tenants: int
+
+
+class DigestBody(msgspec.Struct):
+    position: Position
+    digest: str
+
+
+class Health(msgspec.Struct):
+    status: str
+    writable: bool
+    position: Position
+    reason: str | None = None
+
+
+def schema_components(types: list[Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    refs, components = msgspec.json.schema_components(
+        types, ref_template="#/components/schemas/{name}"
+    )
+    return list(refs), dict(components)

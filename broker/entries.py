@@ -1,0 +1,161 @@
+"""Log entries: the only module that encodes or decodes them.
+
+Every entry is a msgpack map with a ``type`` tag and a format version ``v``.
+Everything an entry needs to be applied deterministically (ids, the leader's
+clock) travels inside it: ``apply`` never consults a clock or a random source.
+
+Task params and results are carried as raw JSON text (bytes): the state
+machine never looks inside them, so they are stored and served verbatim.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+#: Highest entry format version this code can apply. A broker that meets a
+#: newer entry must stop rather than skip it (skipping would fork the state).
+ENTRY_FORMAT_VERSION: Final = 1
+
+
+class EntryDecodeError(Exception):
+    """Bytes that are not a valid log entry of a supported version."""
+
+
+class _Entry(msgspec.Struct, tag_field="type", omit_defaults=True, frozen=True):
+    # Leader's clock when the entry was created; apply() advances time with it.
+    time_ms: int
+    v: int = ENTRY_FORMAT_VERSION
+
+
+class TaskSpec(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
+    """One task as submitted, with the id the leader chose for it."""
+
+    id: int
+    type: str
+    tenant: str
+    params: bytes = b"null"  # raw JSON text
+    slot: str | None = None
+    max_attempts: int = 1
+    deadline_ms: int | None = None
+    start_after_ms: int | None = None
+    resources: dict[str, float] = {}
+    transaction: int | None = None
+    code: str | None = None
+
+
+class SubmitTasks(_Entry, frozen=True, tag="submit"):
+    tasks: tuple[TaskSpec, ...] = ()
+
+
+class CancelTask(_Entry, frozen=True, tag="cancel"):
+    task_id: int = 0
+    reason: str = "cancelled by request"
+
+
+class BeginTransaction(_Entry, frozen=True, tag="txn_begin"):
+    transaction_id: int = 0
+    tenant: str = ""
+    ttl_ms: int = 60_000
+
+
+class CommitTransaction(_Entry, frozen=True, tag="txn_commit"):
+    transaction_id: int = 0
+
+
+class RollbackTransaction(_Entry, frozen=True, tag="txn_rollback"):
+    transaction_id: int = 0
+
+
+class TenantLimitsPatch(msgspec.Struct, omit_defaults=True, frozen=True):
+    """Fields left as None keep their current value."""
+
+    max_waiting: int | None = None
+    max_running: int | None = None
+    weight: float | None = None
+
+
+class SetTenant(_Entry, frozen=True, tag="tenant_set"):
+    tenant: str = ""
+    limits: TenantLimitsPatch = TenantLimitsPatch()
+
+
+class SetConfig(_Entry, frozen=True, tag="config_set"):
+    finished_task_retention_ms: int | None = None
+
+
+class Tick(_Entry, frozen=True, tag="tick"):
+    """Advances the replicated clock (timers fire) and marks the writer's LAC when idle."""
+
+
+class RegisterWorker(_Entry, frozen=True, tag="worker_register"):
+    worker_id: str = ""
+    address: str = ""
+    process_id: str = ""
+    resources: dict[str, float] = {}
+    task_types: dict[str, int] = {}  # capacity per task type ("*" for any)
+    tenants: tuple[str, ...] = ()  # empty: serves every tenant
+
+
+class WorkerDead(_Entry, frozen=True, tag="worker_dead"):
+    worker_id: str = ""
+    reason: str = "heartbeat deadline missed"
+
+
+class Assignment(msgspec.Struct, frozen=True, array_like=True):
+    task_id: int
+    worker_id: str
+
+
+class AssignTasks(_Entry, frozen=True, tag="assign"):
+    assignments: tuple[Assignment, ...] = ()
+
+
+class TaskOutcome(msgspec.Struct, omit_defaults=True, frozen=True):
+    task_id: int
+    worker_id: str
+    attempt: int
+    ok: bool
+    result: bytes | None = None  # raw JSON text when ok
+    error: str | None = None  # message and traceback when not ok
+
+
+class FinishTasks(_Entry, frozen=True, tag="finish"):
+    outcomes: tuple[TaskOutcome, ...] = ()
+
+
+Entry = (
+    SubmitTasks
+    | CancelTask
+    | BeginTransaction
+    | CommitTransaction
+    | RollbackTransaction
+    | SetTenant
+    | SetConfig
+    | Tick
+    | RegisterWorker
+    | WorkerDead
+    | AssignTasks
+    | FinishTasks
+)
+
+_encoder: Final = msgspec.msgpack.Encoder()
+_decoder: Final = msgspec.msgpack.Decoder(Entry)
+
+
+def encode_entry(entry: Entry) -> bytes:
+    return _encoder.encode(entry)
+
+
+def decode_entry(data: bytes) -> Entry:
+    try:
+        entry: Entry = _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise EntryDecodeError(f"undecodable log entry: {exc}") from exc
+    if entry.v > ENTRY_FORMAT_VERSION:
+        raise EntryDecodeError(
+            f"log entry format version {entry.v} is newer than this broker's "
+            f"{ENTRY_FORMAT_VERSION}: upgrade the broker"
+        )
+    return entry

@@ -1,0 +1,689 @@
+"""The HTTP JSON API under ``/api/v1/``: a small ASGI app.
+
+Deliberately frameworkless: the submission path is the hot path, and routing,
+validation (msgspec) and encoding here cost a few microseconds per request.
+Every client mistake gets a 4xx with ``{"error": {"code", "message"}}``;
+nothing is logged for a request that is rejected before it is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Final, TypeVar
+from urllib.parse import parse_qsl
+
+import msgspec
+from msgspec import UnsetType
+
+from broker import api_models as m
+from broker import entries as e
+from broker.node import VERSION, BrokerUnavailableError, Node, Stamp
+from broker.state import (
+    NAME_RE,
+    ErrorCode,
+    Rejected,
+    TaskRef,
+    TaskState,
+    Tenant,
+    TransactionDone,
+    TransactionRef,
+    validate_limits,
+    validate_task_spec,
+)
+
+logger = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+_json_encoder: Final = msgspec.json.Encoder()
+_submit_decoder: Final = msgspec.json.Decoder(m.SubmitBody)
+_txn_decoder: Final = msgspec.json.Decoder(m.TransactionBegin)
+_limits_decoder: Final = msgspec.json.Decoder(m.TenantLimits)
+
+_STATUS_BY_CODE: Final = {
+    ErrorCode.INVALID: 400,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.SLOT_BUSY: 409,
+    ErrorCode.CONFLICT: 409,
+    ErrorCode.STALE: 409,
+    ErrorCode.TENANT_QUEUE_FULL: 429,
+}
+_TASK_STATES: Final = frozenset(s.value for s in TaskState)
+_MAX_TTL_S: Final = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_request_bytes: int = 8 * 1024 * 1024
+    max_tasks_per_request: int = 10_000
+    max_params_bytes: int = 64 * 1024
+    max_list_limit: int = 1_000
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+def _rejected_error(rejected: Rejected) -> HttpError:
+    return HttpError(_STATUS_BY_CODE.get(rejected.code, 400), rejected.code.value, rejected.message)
+
+
+def iso_ms(epoch_ms: int | None) -> str | None:
+    if epoch_ms is None:
+        return None
+    return (
+        datetime.fromtimestamp(epoch_ms / 1000, tz=UTC).isoformat(timespec="milliseconds")[:-6]
+        + "Z"
+    )
+
+
+def _to_epoch_ms(value: datetime | float | None, field_name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise HttpError(400, "invalid_request", f"{field_name} must include a time zone")
+        return int(value.timestamp() * 1000)
+    if not math.isfinite(value) or not 0 <= value < 1e11:
+        raise HttpError(400, "invalid_request", f"{field_name} must be Unix seconds or RFC 3339")
+    return int(value * 1000)
+
+
+_T = TypeVar("_T")
+
+Handler = Callable[["Request"], Awaitable[tuple[int, bytes]]]
+
+
+@dataclass(slots=True)
+class Request:
+    method: str
+    path: str
+    query: dict[str, str]
+    body: bytes
+    params: tuple[str, ...]
+
+
+class Route:
+    __slots__ = ("handlers", "pattern")
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = re.compile("^" + pattern + "$")
+        self.handlers: dict[str, Handler] = {}
+
+
+class ApiApp:
+    """ASGI application serving the broker's API."""
+
+    def __init__(self, node: Node, config: ApiConfig) -> None:
+        self.node = node
+        self.config = config
+        self._routes: list[Route] = []
+        self._openapi: bytes | None = None
+        self._add("/healthz", GET=self.health)
+        self._add("/api/v1/openapi.json", GET=self.openapi)
+        self._add("/api/v1/tasks", POST=self.submit, GET=self.list_tasks)
+        self._add(r"/api/v1/tasks/(\d{1,18})", GET=self.get_task)
+        self._add(r"/api/v1/tasks/(\d{1,18})/cancel", POST=self.cancel_task)
+        self._add("/api/v1/transactions", POST=self.begin_transaction)
+        self._add(r"/api/v1/transactions/(\d{1,18})/commit", POST=self.commit_transaction)
+        self._add(r"/api/v1/transactions/(\d{1,18})/rollback", POST=self.rollback_transaction)
+        self._add("/api/v1/tenants", GET=self.list_tenants)
+        self._add(r"/api/v1/tenants/([^/]+)", GET=self.get_tenant, PUT=self.put_tenant)
+        self._add("/api/v1/cluster", GET=self.cluster)
+        self._add("/api/v1/state/digest", GET=self.digest)
+
+    def _add(self, pattern: str, **handlers: Handler) -> None:
+        route = Route(pattern)
+        route.handlers.update(handlers)
+        self._routes.append(route)
+
+    # --- ASGI ---------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        try:
+            status, body = await self._dispatch(scope, receive)
+        except HttpError as exc:
+            status, body = exc.status, _error_bytes(exc.code, exc.message)
+        except BrokerUnavailableError as exc:
+            status, body = 503, _error_bytes("unavailable", str(exc))
+        except Exception:
+            logger.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
+            status, body = 500, _error_bytes("internal", "internal error; see the broker log")
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _dispatch(self, scope: Scope, receive: Receive) -> tuple[int, bytes]:
+        path: str = scope["path"]
+        method: str = scope["method"]
+        for route in self._routes:
+            match = route.pattern.match(path)
+            if match is None:
+                continue
+            handler = route.handlers.get(method)
+            if handler is None:
+                allowed = ", ".join(sorted(route.handlers))
+                raise HttpError(405, "method_not_allowed", f"{method} {path}: use {allowed}")
+            body = await self._read_body(scope, receive) if method in ("POST", "PUT") else b""
+            query = _parse_query(scope.get("query_string", b""))
+            return await handler(Request(method, path, query, body, match.groups()))
+        raise HttpError(404, "not_found", f"no such endpoint: {path}")
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.config.max_request_bytes
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    raise HttpError(400, "invalid_request", "bad Content-Length") from None
+                if declared > limit:
+                    raise HttpError(413, "too_large", f"request body over {limit} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise HttpError(400, "invalid_request", "client disconnected")
+            chunk: bytes = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise HttpError(413, "too_large", f"request body over {limit} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    # --- tasks ---------------------------------------------------------------------------
+
+    def _spec_fields(self, item: m.TaskSubmission | m.SubmitBody, index: int | None) -> e.TaskSpec:
+        where = "" if index is None else f"tasks[{index}]: "
+        if item.type is None:
+            raise HttpError(400, "invalid_request", f"{where}type is required")
+        params = b"null" if isinstance(item.params, UnsetType) else bytes(item.params)
+        if len(params) > self.config.max_params_bytes:
+            raise HttpError(
+                413, "too_large", f"{where}params over {self.config.max_params_bytes} bytes"
+            )
+        try:
+            deadline_ms = _to_epoch_ms(item.deadline, "deadline")
+            start_after_ms = _to_epoch_ms(item.start_after, "start_after")
+        except HttpError as exc:
+            raise HttpError(exc.status, exc.code, where + exc.message) from None
+        # id 0 is a placeholder: the leader assigns ids when it logs the entry.
+        spec = e.TaskSpec(
+            id=0,
+            type=item.type,
+            tenant=item.tenant,
+            params=params,
+            slot=item.slot,
+            max_attempts=item.max_attempts,
+            deadline_ms=deadline_ms,
+            start_after_ms=start_after_ms,
+            resources=item.resources,
+            transaction=item.transaction,
+            code=item.code,
+        )
+        problem = validate_task_spec(spec)
+        if problem is not None:
+            raise HttpError(400, "invalid_request", where + problem)
+        return spec
+
+    async def submit(self, request: Request) -> tuple[int, bytes]:
+        body = _decode(_submit_decoder, request.body)
+        if body.tasks is not None:
+            if body.type is not None:
+                raise HttpError(
+                    400, "invalid_request", "send either {'tasks': [...]} or one task, not both"
+                )
+            if not 0 < len(body.tasks) <= self.config.max_tasks_per_request:
+                raise HttpError(
+                    400,
+                    "invalid_request",
+                    f"tasks must hold 1 to {self.config.max_tasks_per_request} tasks",
+                )
+            specs = [self._spec_fields(item, i) for i, item in enumerate(body.tasks)]
+        else:
+            specs = [self._spec_fields(body, None)]
+
+        def build(stamp: Stamp) -> e.Entry:
+            ids = stamp.task_ids(len(specs))
+            return e.SubmitTasks(
+                time_ms=stamp.now_ms,
+                tasks=tuple(
+                    msgspec.structs.replace(spec, id=task_id)
+                    for spec, task_id in zip(specs, ids, strict=True)
+                ),
+            )
+
+        results = await self.node.propose(build)
+        assert isinstance(results, list)
+        if body.tasks is None:
+            result = results[0]
+            if isinstance(result, Rejected):
+                raise _rejected_error(result)
+            return 201, _json_encoder.encode(m.TaskRefBody(result.id, result.state))
+        out = [
+            m.SubmittedTask(error=m.ErrorDetail(r.code.value, r.message))
+            if isinstance(r, Rejected)
+            else m.SubmittedTask(id=r.id, state=r.state)
+            for r in results
+        ]
+        return 200, _json_encoder.encode(m.SubmitBatchResponse(out))
+
+    def _task_view(self, task_id: int) -> m.TaskView:
+        task = self.node.state.tasks.get(task_id)
+        if task is None:
+            raise HttpError(404, "not_found", f"task {task_id} does not exist")
+        return task_view(task)
+
+    async def get_task(self, request: Request) -> tuple[int, bytes]:
+        return 200, _json_encoder.encode(self._task_view(int(request.params[0])))
+
+    async def list_tasks(self, request: Request) -> tuple[int, bytes]:
+        query = request.query
+        unknown = set(query) - {"state", "tenant", "type", "limit", "after"}
+        if unknown:
+            raise HttpError(400, "invalid_request", f"unknown query parameters: {sorted(unknown)}")
+        state = query.get("state")
+        if state is not None and state not in _TASK_STATES:
+            raise HttpError(400, "invalid_request", f"state must be one of {sorted(_TASK_STATES)}")
+        limit = _int_param(query, "limit", 100, 1, self.config.max_list_limit)
+        after = _int_param(query, "after", 0, 0, 2**62)
+        tasks = self.node.state.list_tasks(
+            state=state,
+            tenant=query.get("tenant"),
+            task_type=query.get("type"),
+            after_id=after,
+            limit=limit,
+        )
+        next_after = tasks[-1].id if len(tasks) == limit else None
+        return 200, _json_encoder.encode(m.TaskList([task_view(t) for t in tasks], next_after))
+
+    async def cancel_task(self, request: Request) -> tuple[int, bytes]:
+        task_id = int(request.params[0])
+        if request.body.strip():
+            raise HttpError(400, "invalid_request", "cancel takes no body")
+        self._task_view(task_id)  # 404 before logging anything
+        result = await self.node.propose(
+            lambda stamp: e.CancelTask(time_ms=stamp.now_ms, task_id=task_id)
+        )
+        if isinstance(result, Rejected):
+            raise _rejected_error(result)
+        assert isinstance(result, TaskRef)
+        return 200, _json_encoder.encode(m.TaskRefBody(result.id, result.state))
+
+    # --- transactions -------------------------------------------------------------------------
+
+    async def begin_transaction(self, request: Request) -> tuple[int, bytes]:
+        body = _decode(_txn_decoder, request.body or b"{}")
+        if not NAME_RE.match(body.tenant):
+            raise HttpError(400, "invalid_request", "tenant name is not valid")
+        if not (math.isfinite(body.ttl_s) and 0 < body.ttl_s <= _MAX_TTL_S):
+            raise HttpError(400, "invalid_request", f"ttl_s must be in (0, {_MAX_TTL_S:.0f}]")
+        ttl_ms = max(1, int(body.ttl_s * 1000))
+        result = await self.node.propose(
+            lambda stamp: e.BeginTransaction(
+                time_ms=stamp.now_ms,
+                transaction_id=stamp.transaction_id(),
+                tenant=body.tenant,
+                ttl_ms=ttl_ms,
+            )
+        )
+        if isinstance(result, Rejected):
+            raise _rejected_error(result)
+        assert isinstance(result, TransactionRef)
+        view = m.TransactionView(result.id, result.tenant, iso_ms(result.expires_ms) or "")
+        return 201, _json_encoder.encode(view)
+
+    async def _end_transaction(self, request: Request, commit: bool) -> tuple[int, bytes]:
+        txn_id = int(request.params[0])
+        if request.body.strip():
+            raise HttpError(400, "invalid_request", "commit and rollback take no body")
+        if txn_id not in self.node.state.transactions:
+            raise HttpError(404, "not_found", f"transaction {txn_id} is not open")
+
+        def build(stamp: Stamp) -> e.Entry:
+            if commit:
+                return e.CommitTransaction(time_ms=stamp.now_ms, transaction_id=txn_id)
+            return e.RollbackTransaction(time_ms=stamp.now_ms, transaction_id=txn_id)
+
+        result = await self.node.propose(build)
+        if isinstance(result, Rejected):
+            raise _rejected_error(result)
+        assert isinstance(result, TransactionDone)
+        outcome = m.TransactionOutcome(result.id, result.outcome, list(result.task_ids))
+        return 200, _json_encoder.encode(outcome)
+
+    async def commit_transaction(self, request: Request) -> tuple[int, bytes]:
+        return await self._end_transaction(request, commit=True)
+
+    async def rollback_transaction(self, request: Request) -> tuple[int, bytes]:
+        return await self._end_transaction(request, commit=False)
+
+    # --- tenants ------------------------------------------------------------------------------
+
+    def _tenant_view(self, tenant: Tenant) -> m.TenantView:
+        return m.TenantView(
+            name=tenant.name,
+            max_waiting=tenant.max_waiting,
+            max_running=tenant.max_running,
+            weight=tenant.weight,
+            counts=self.node.state.tenant_counts_view(tenant.name),
+        )
+
+    def _tenant_name(self, request: Request) -> str:
+        name = request.params[0]
+        if not NAME_RE.match(name):
+            raise HttpError(400, "invalid_request", f"tenant name {name!r} is not valid")
+        return name
+
+    async def list_tenants(self, request: Request) -> tuple[int, bytes]:
+        views = [self._tenant_view(t) for t in self.node.state.tenants.values()]
+        return 200, _json_encoder.encode({"tenants": views})
+
+    async def get_tenant(self, request: Request) -> tuple[int, bytes]:
+        name = self._tenant_name(request)
+        tenant = self.node.state.tenants.get(name)
+        if tenant is None:
+            raise HttpError(
+                404, "not_found", f"tenant {name!r} is unknown (PUT creates it with limits)"
+            )
+        return 200, _json_encoder.encode(self._tenant_view(tenant))
+
+    async def put_tenant(self, request: Request) -> tuple[int, bytes]:
+        name = self._tenant_name(request)
+        limits = _decode(_limits_decoder, request.body)
+        patch = e.TenantLimitsPatch(
+            max_waiting=limits.max_waiting, max_running=limits.max_running, weight=limits.weight
+        )
+        problem = validate_limits(patch)
+        if problem is not None:
+            raise HttpError(400, "invalid_request", problem)
+        result = await self.node.propose(
+            lambda stamp: e.SetTenant(time_ms=stamp.now_ms, tenant=name, limits=patch)
+        )
+        if isinstance(result, Rejected):
+            raise _rejected_error(result)
+        assert isinstance(result, Tenant)
+        return 200, _json_encoder.encode(self._tenant_view(result))
+
+    # --- cluster --------------------------------------------------------------------------------
+
+    def _position(self) -> m.Position:
+        ledger_id, entry_id = self.node.position
+        return m.Position(ledger_id, entry_id)
+
+    async def cluster(self, request: Request) -> tuple[int, bytes]:
+        node = self.node
+        state = node.state
+        broker = m.BrokerSummary(
+            id=node.config.broker_id,
+            host=self.config.host,
+            port=self.config.port,
+            uptime_secs=round((node.clock_ms() - node.stats.started_ms) / 1000, 3),
+            is_leader=True,
+            version=VERSION,
+            position=self._position(),
+        )
+        workers = [
+            m.WorkerSummary(
+                id=w.id,
+                state=w.state,
+                address=w.address,
+                running_tasks=len(state.running_by_worker.get(w.id, ())),
+                resources=w.resources,
+            )
+            for w in state.workers.values()
+        ]
+        summary = m.ClusterSummary(
+            cluster_id=node.config.cluster_id,
+            leader=node.config.broker_id,
+            brokers=[broker],
+            workers=workers,
+            tasks=state.count_by_state(),
+            tenants=len(state.tenants),
+        )
+        return 200, _json_encoder.encode(summary)
+
+    async def digest(self, request: Request) -> tuple[int, bytes]:
+        body = m.DigestBody(position=self._position(), digest=self.node.state.digest())
+        return 200, _json_encoder.encode(body)
+
+    async def health(self, request: Request) -> tuple[int, bytes]:
+        node = self.node
+        writable = node.writable
+        reason = None if writable else node._unavailable_reason()
+        body = m.Health(
+            status="ok" if writable else "unavailable",
+            writable=writable,
+            position=self._position(),
+            reason=reason,
+        )
+        return (200 if writable else 503), _json_encoder.encode(body)
+
+    async def openapi(self, request: Request) -> tuple[int, bytes]:
+        if self._openapi is None:
+            self._openapi = _json_encoder.encode(openapi_document())
+        return 200, self._openapi
+
+
+def task_view(task: Any) -> m.TaskView:
+    return m.TaskView(
+        id=task.id,
+        type=task.type,
+        tenant=task.tenant,
+        state=task.state,
+        params=msgspec.Raw(task.params),
+        attempt=task.attempt,
+        max_attempts=task.max_attempts,
+        created_at=iso_ms(task.created_ms) or "",
+        updated_at=iso_ms(task.updated_ms) or "",
+        slot=task.slot,
+        transaction=task.transaction,
+        code=task.code,
+        resources=task.resources,
+        worker=task.worker,
+        result=msgspec.Raw(task.result) if task.result is not None else None,
+        error=task.error,
+        deadline=iso_ms(task.deadline_ms),
+        start_after=iso_ms(task.start_after_ms),
+        finished_at=iso_ms(task.finished_ms),
+    )
+
+
+def _decode(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
+    if not body.strip():
+        raise HttpError(400, "invalid_request", "a JSON request body is required")
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise HttpError(400, "invalid_request", str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise HttpError(400, "invalid_json", f"malformed JSON: {exc}") from None
+
+
+def _error_bytes(code: str, message: str) -> bytes:
+    return _json_encoder.encode(m.ErrorBody(m.ErrorDetail(code, message)))
+
+
+def _parse_query(raw: bytes) -> dict[str, str]:
+    if not raw:
+        return {}
+    try:
+        pairs = parse_qsl(raw.decode("ascii"), keep_blank_values=True, strict_parsing=True)
+    except (UnicodeDecodeError, ValueError):
+        raise HttpError(400, "invalid_request", "malformed query string") from None
+    query: dict[str, str] = {}
+    for key, value in pairs:
+        if key in query:
+            raise HttpError(400, "invalid_request", f"query parameter {key!r} given twice")
+        query[key] = value
+    return query
+
+
+def _int_param(query: dict[str, str], name: str, default: int, low: int, high: int) -> int:
+    raw = query.get(name)
+    if raw is None:
+        return default
+    if not re.fullmatch(r"\d{1,19}", raw) or not low <= int(raw) <= high:
+        raise HttpError(400, "invalid_request", f"{name} must be an integer in [{low}, {high}]")
+    return int(raw)
+
+
+def openapi_document() -> dict[str, Any]:
+    types: list[Any] = [
+        m.SubmitBody,
+        m.SubmitBatchResponse,
+        m.TaskRefBody,
+        m.TaskView,
+        m.TaskList,
+        m.TransactionBegin,
+        m.TransactionView,
+        m.TransactionOutcome,
+        m.TenantLimits,
+        m.TenantView,
+        m.ClusterSummary,
+        m.DigestBody,
+        m.Health,
+        m.ErrorBody,
+    ]
+    refs, components = m.schema_components(types)
+    ref = {t.__name__: r for t, r in zip(types, refs, strict=True)}
+
+    def response(name: str, description: str = "OK") -> dict[str, Any]:
+        return {"description": description, "content": {"application/json": {"schema": ref[name]}}}
+
+    error = response("ErrorBody", "Error")
+    errors = {"4XX": error, "503": response("ErrorBody", "Retry later")}
+    id_param = {"name": "id", "in": "path", "required": True, "schema": {"type": "integer"}}
+    name_param = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+
+    def body(name: str, required: bool = True) -> dict[str, Any]:
+        return {"required": required, "content": {"application/json": {"schema": ref[name]}}}
+
+    def query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+        return {"name": name, "in": "query", "required": False, "schema": schema}
+
+    paths: dict[str, Any] = {
+        "/healthz": {"get": {"summary": "Liveness", "responses": {"200": response("Health")}}},
+        "/api/v1/tasks": {
+            "post": {
+                "summary": "Submit one task or a batch ({'tasks': [...]})",
+                "requestBody": body("SubmitBody"),
+                "responses": {
+                    "200": response("SubmitBatchResponse", "Batch results"),
+                    "201": response("TaskRefBody", "Single task accepted"),
+                    **errors,
+                },
+            },
+            "get": {
+                "summary": "List tasks (ascending id, paginate with after)",
+                "parameters": [
+                    query("state", {"type": "string", "enum": sorted(_TASK_STATES)}),
+                    query("tenant", {"type": "string"}),
+                    query("type", {"type": "string"}),
+                    query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
+                    query("after", {"type": "integer", "minimum": 0}),
+                ],
+                "responses": {"200": response("TaskList"), **errors},
+            },
+        },
+        "/api/v1/tasks/{id}": {
+            "get": {
+                "summary": "One task",
+                "parameters": [id_param],
+                "responses": {"200": response("TaskView"), **errors},
+            }
+        },
+        "/api/v1/tasks/{id}/cancel": {
+            "post": {
+                "summary": "Cancel a live task",
+                "parameters": [id_param],
+                "responses": {"200": response("TaskRefBody"), **errors},
+            }
+        },
+        "/api/v1/transactions": {
+            "post": {
+                "summary": "Begin a transaction",
+                "requestBody": body("TransactionBegin", required=False),
+                "responses": {"201": response("TransactionView"), **errors},
+            }
+        },
+        "/api/v1/transactions/{id}/commit": {
+            "post": {
+                "summary": "Commit: all its tasks become waiting at once",
+                "parameters": [id_param],
+                "responses": {"200": response("TransactionOutcome"), **errors},
+            }
+        },
+        "/api/v1/transactions/{id}/rollback": {
+            "post": {
+                "summary": "Roll back: its tasks are dropped",
+                "parameters": [id_param],
+                "responses": {"200": response("TransactionOutcome"), **errors},
+            }
+        },
+        "/api/v1/tenants/{name}": {
+            "get": {
+                "summary": "A tenant's service level and task counts",
+                "parameters": [name_param],
+                "responses": {"200": response("TenantView"), **errors},
+            },
+            "put": {
+                "summary": "Change a tenant's service level (effective at once)",
+                "parameters": [name_param],
+                "requestBody": body("TenantLimits"),
+                "responses": {"200": response("TenantView"), **errors},
+            },
+        },
+        "/api/v1/cluster": {
+            "get": {"summary": "Cluster summary", "responses": {"200": response("ClusterSummary")}}
+        },
+        "/api/v1/state/digest": {
+            "get": {
+                "summary": "Digest of the replicated state at the applied position",
+                "responses": {"200": response("DigestBody")},
+            }
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Steward", "version": VERSION},
+        "paths": paths,
+        "components": {"schemas": components},
+    }

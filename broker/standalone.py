@@ -1,0 +1,120 @@
+"""The standalone broker: one process, file ledgers in its data dir, no ZooKeeper."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import signal
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+
+from broker.http_api import ApiApp, ApiConfig
+from broker.node import BrokerStartupError, DataDirLock, Node, NodeConfig
+from log.file import FileLedgerListStore, FileLedgerStore
+from snapshot.store import SnapshotStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StandaloneConfig:
+    node: NodeConfig
+    api: ApiConfig = field(default_factory=ApiConfig)
+
+
+def build_node(config: NodeConfig) -> Node:
+    data_dir = config.data_dir
+    return Node(
+        config,
+        ledgers=FileLedgerStore(data_dir / "ledgers"),
+        ledger_list=FileLedgerListStore(data_dir / "ledgers.list"),
+        snapshots=SnapshotStore(data_dir / "snapshots", keep=config.snapshot_keep),
+    )
+
+
+async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | None = None) -> None:
+    """Run until SIGINT/SIGTERM, then shut down cleanly (drain, close ledger, snapshot)."""
+    lock = DataDirLock(config.node.data_dir)
+    lock.acquire()
+    node = build_node(config.node)
+    try:
+        await node.start()
+        # Boot created most long-lived objects: keep them out of GC passes (latency).
+        gc.collect()
+        gc.freeze()
+        app = ApiApp(node, config.api)
+        server = _Server(
+            uvicorn.Config(
+                app,
+                host=config.api.host,
+                port=config.api.port,
+                log_level="warning",
+                access_log=False,
+                lifespan="off",
+                http="httptools",
+                backlog=4096,
+                timeout_keep_alive=30,
+            )
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        server_task = asyncio.create_task(server.serve())
+        await asyncio.wait(
+            [asyncio.create_task(server.startup_done.wait()), server_task],
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        if not server.started:
+            server.should_exit = True
+            raise BrokerStartupError(f"could not serve HTTP on {config.api.host}:{config.api.port}")
+        logger.info("steward standalone serving on http://%s:%d", config.api.host, config.api.port)
+        print(
+            f"steward standalone ready on http://{config.api.host}:{config.api.port} "
+            f"(data dir {config.node.data_dir})",
+            flush=True,
+        )
+        if ready is not None:
+            ready.set()
+        await asyncio.wait(
+            [asyncio.create_task(stop.wait()), server_task], return_when=asyncio.FIRST_COMPLETED
+        )
+        logger.info("shutting down")
+        # Stop accepting, let in-flight requests finish (the node still runs), then
+        # drain and close the log.
+        server.should_exit = True
+        try:
+            await asyncio.wait_for(server_task, timeout=15)
+        except TimeoutError:
+            logger.warning("HTTP server did not stop within 15 s")
+        await node.stop()
+    finally:
+        await node.ledgers.close()
+        lock.release()
+
+
+class _Server(uvicorn.Server):
+    # The broker handles SIGINT/SIGTERM itself (drain, close the ledger, snapshot).
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.startup_done = asyncio.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().startup(sockets)
+        finally:
+            self.startup_done.set()
+
+
+def default_data_dir() -> Path:
+    return Path("data")

@@ -1,0 +1,771 @@
+"""The replicated state machine: ``StateMachine.apply(entry) -> result``.
+
+Pure and deterministic: no IO, no clock, no randomness, no threads. The
+leader, every follower, snapshot loading and the simulation tests run this
+same code, so two replicas that applied the same entries hold identical state
+(``digest()`` compares them).
+
+Time only moves when an entry carries a later ``time_ms``; timers (delayed
+start, deadlines, transaction TTL, purge of old finished tasks) fire in
+``(due_ms, kind, id)`` order at the start of the first entry past their due
+time, identically on every replica.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+import re
+from collections.abc import Callable, Iterable, Iterator
+from enum import IntEnum, StrEnum
+from typing import Any, Final
+
+import msgspec
+
+from broker import entries as e
+
+
+class TaskState(StrEnum):
+    PENDING = "pending"  # inside an uncommitted transaction
+    DELAYED = "delayed"  # waiting for its start_after time
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ERROR = "error"
+    CANCELLED = "cancelled"
+
+
+LIVE_STATES: Final = frozenset(
+    {TaskState.PENDING, TaskState.DELAYED, TaskState.WAITING, TaskState.RUNNING}
+)
+FINAL_STATES: Final = frozenset({TaskState.FINISHED, TaskState.ERROR, TaskState.CANCELLED})
+# States that count against a tenant's max_waiting.
+QUEUED_STATES: Final = frozenset({TaskState.PENDING, TaskState.DELAYED, TaskState.WAITING})
+
+
+class WorkerState(StrEnum):
+    CONNECTED = "connected"
+    DEAD = "dead"
+
+
+class ErrorCode(StrEnum):
+    INVALID = "invalid"
+    NOT_FOUND = "not_found"
+    SLOT_BUSY = "slot_busy"
+    TENANT_QUEUE_FULL = "tenant_queue_full"
+    CONFLICT = "conflict"
+    STALE = "stale"
+
+
+class Task(msgspec.Struct, array_like=True, gc=False):
+    id: int
+    type: str
+    tenant: str
+    params: bytes
+    state: str
+    created_ms: int
+    updated_ms: int
+    slot: str | None = None
+    max_attempts: int = 1
+    attempt: int = 0
+    deadline_ms: int | None = None
+    start_after_ms: int | None = None
+    resources: dict[str, float] = {}
+    transaction: int | None = None
+    code: str | None = None
+    worker: str | None = None
+    result: bytes | None = None
+    error: str | None = None
+    finished_ms: int | None = None
+
+
+class Tenant(msgspec.Struct, array_like=True, gc=False):
+    name: str
+    max_waiting: int = 0  # 0: unlimited
+    max_running: int = 0  # 0: unlimited
+    weight: float = 1.0
+
+
+class Transaction(msgspec.Struct, array_like=True, gc=False):
+    id: int
+    tenant: str
+    created_ms: int
+    expires_ms: int
+    task_ids: list[int] = []
+
+
+class Worker(msgspec.Struct, array_like=True, gc=False):
+    id: str
+    address: str
+    process_id: str
+    state: str
+    connected_ms: int
+    updated_ms: int
+    resources: dict[str, float] = {}
+    task_types: dict[str, int] = {}
+    tenants: list[str] = []
+    reason: str | None = None
+
+
+class Config(msgspec.Struct):
+    finished_task_retention_ms: int = 24 * 3600 * 1000
+
+
+# --- apply results ---------------------------------------------------------
+
+
+class Rejected(msgspec.Struct, frozen=True):
+    code: ErrorCode
+    message: str
+
+
+class TaskRef(msgspec.Struct, frozen=True):
+    id: int
+    state: str
+
+
+class TransactionRef(msgspec.Struct, frozen=True):
+    id: int
+    tenant: str
+    expires_ms: int
+
+
+class TransactionDone(msgspec.Struct, frozen=True):
+    id: int
+    outcome: str  # "committed" | "rolled_back"
+    task_ids: tuple[int, ...]
+
+
+ApplyResult = (
+    list[TaskRef | Rejected] | TaskRef | TransactionRef | TransactionDone | Tenant | Rejected | None
+)
+
+# --- validation shared by the API (before logging) and apply (authority) ----
+
+NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+TASK_TYPE_RE: Final = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}$")
+MAX_SLOT_CHARS: Final = 256
+MAX_RESOURCES: Final = 32
+MAX_ATTEMPTS_LIMIT: Final = 1000
+
+
+def validate_task_spec(spec: e.TaskSpec) -> str | None:
+    """Why this spec is invalid regardless of state, or None."""
+    if not TASK_TYPE_RE.match(spec.type):
+        return "type must be 1-128 characters of letters, digits and _ . : -"
+    if not NAME_RE.match(spec.tenant):
+        return "tenant must be 1-64 characters of letters, digits and _ . - (not first)"
+    if spec.slot is not None and not 0 < len(spec.slot) <= MAX_SLOT_CHARS:
+        return f"slot must be 1-{MAX_SLOT_CHARS} characters"
+    if not 1 <= spec.max_attempts <= MAX_ATTEMPTS_LIMIT:
+        return f"max_attempts must be between 1 and {MAX_ATTEMPTS_LIMIT}"
+    if len(spec.resources) > MAX_RESOURCES:
+        return f"at most {MAX_RESOURCES} resources per task"
+    for name, amount in spec.resources.items():
+        if not NAME_RE.match(name):
+            return f"resource name {name!r} is not valid"
+        if not (math.isfinite(amount) and amount >= 0):
+            return f"resource {name!r} must be a finite number >= 0"
+    if spec.code is not None and not re.fullmatch(r"[0-9a-f]{64}", spec.code):
+        return "code must be the sha256 (64 lowercase hex digits) of an uploaded artifact"
+    return None
+
+
+def validate_limits(patch: e.TenantLimitsPatch) -> str | None:
+    if patch.max_waiting is not None and patch.max_waiting < 0:
+        return "max_waiting must be >= 0 (0: unlimited)"
+    if patch.max_running is not None and patch.max_running < 0:
+        return "max_running must be >= 0 (0: unlimited)"
+    if patch.weight is not None and not (math.isfinite(patch.weight) and patch.weight > 0):
+        return "weight must be a finite number > 0"
+    return None
+
+
+class _Timer(IntEnum):
+    # Order in which timers due at the same millisecond fire.
+    TXN_EXPIRE = 0
+    START = 1
+    DEADLINE = 2
+    PURGE = 3
+
+
+class SnapshotBody(msgspec.Struct):
+    """The whole replicated state, as stored in snapshots and hashed by digest()."""
+
+    format_version: int
+    now_ms: int
+    max_task_id: int
+    max_transaction_id: int
+    config: Config
+    tenants: list[Tenant]
+    tasks: list[Task]
+    transactions: list[Transaction]
+    workers: list[Worker]
+    # Exact FIFO order of each tenant's waiting queue (scheduling depends on it).
+    waiting: dict[str, list[int]]
+
+
+SNAPSHOT_BODY_VERSION: Final = 1
+_snapshot_encoder: Final = msgspec.msgpack.Encoder()
+_snapshot_decoder: Final = msgspec.msgpack.Decoder(SnapshotBody)
+
+
+class InvariantError(AssertionError):
+    pass
+
+
+class StateMachine:
+    def __init__(self) -> None:
+        self.now_ms = 0
+        self.max_task_id = 0
+        self.max_transaction_id = 0
+        self.config = Config()
+        self.tasks: dict[int, Task] = {}
+        self.tenants: dict[str, Tenant] = {}
+        self.transactions: dict[int, Transaction] = {}
+        self.workers: dict[str, Worker] = {}
+        # Per-tenant FIFO of waiting task ids (a dict used as an ordered set).
+        self.waiting: dict[str, dict[int, None]] = {}
+        # Derived indexes, rebuilt on snapshot load.
+        self.slots: dict[str, int] = {}
+        self.by_state: dict[str, set[int]] = {s.value: set() for s in TaskState}
+        self.tenant_counts: dict[str, dict[str, int]] = {}
+        self.running_by_worker: dict[str, set[int]] = {}
+        self._timers: list[tuple[int, int, int]] = []  # (due_ms, kind, id)
+        self.entries_applied = 0
+        self._handlers: dict[type[Any], Callable[[Any], ApplyResult]] = {
+            e.SubmitTasks: self._submit,
+            e.CancelTask: self._cancel,
+            e.BeginTransaction: self._begin,
+            e.CommitTransaction: self._commit,
+            e.RollbackTransaction: self._rollback,
+            e.SetTenant: self._set_tenant,
+            e.SetConfig: self._set_config,
+            e.Tick: self._tick,
+            e.RegisterWorker: self._register_worker,
+            e.WorkerDead: self._worker_dead,
+            e.AssignTasks: self._assign,
+            e.FinishTasks: self._finish,
+        }
+
+    # --- entry point ---------------------------------------------------------
+
+    def apply(self, entry: e.Entry) -> ApplyResult:
+        self._advance_clock(entry.time_ms)
+        self.entries_applied += 1
+        return self._handlers[type(entry)](entry)
+
+    # --- time ----------------------------------------------------------------
+
+    def next_timer_ms(self) -> int | None:
+        """When the earliest timer is due (it may turn out moot), or None."""
+        return self._timers[0][0] if self._timers else None
+
+    def _advance_clock(self, time_ms: int) -> None:
+        if time_ms > self.now_ms:
+            self.now_ms = time_ms
+        timers = self._timers
+        while timers and timers[0][0] <= self.now_ms:
+            due_ms, kind, ident = heapq.heappop(timers)
+            self._fire(due_ms, _Timer(kind), ident)
+
+    def _push_timer(self, due_ms: int, kind: _Timer, ident: int) -> None:
+        heapq.heappush(self._timers, (due_ms, int(kind), ident))
+
+    def _fire(self, due_ms: int, kind: _Timer, ident: int) -> None:
+        # Timers are never removed when they become moot; each one re-checks
+        # the state it was set for, so stale ones are ignored deterministically.
+        if kind is _Timer.TXN_EXPIRE:
+            txn = self.transactions.get(ident)
+            if txn is not None and txn.expires_ms == due_ms:
+                self._drop_transaction(txn)
+            return
+        task = self.tasks.get(ident)
+        if task is None:
+            return
+        if kind is _Timer.START:
+            if task.state == TaskState.DELAYED and task.start_after_ms == due_ms:
+                self._move(task, TaskState.WAITING)
+        elif kind is _Timer.DEADLINE:
+            if task.state in LIVE_STATES and task.deadline_ms == due_ms:
+                task.error = "deadline exceeded"
+                self._move(task, TaskState.ERROR)
+        elif kind is _Timer.PURGE and task.state in FINAL_STATES and task.finished_ms is not None:
+            purge_ms = task.finished_ms + self.config.finished_task_retention_ms
+            if purge_ms <= self.now_ms:
+                self._delete_task(task)
+            elif purge_ms != due_ms:
+                self._push_timer(purge_ms, _Timer.PURGE, task.id)
+
+    # --- state transitions -----------------------------------------------------
+
+    def _counts(self, tenant: str) -> dict[str, int]:
+        counts = self.tenant_counts.get(tenant)
+        if counts is None:
+            counts = self.tenant_counts[tenant] = {s.value: 0 for s in TaskState}
+        return counts
+
+    def _add_task(self, task: Task) -> None:
+        self.tasks[task.id] = task
+        self.by_state[task.state].add(task.id)
+        self._counts(task.tenant)[task.state] += 1
+        if task.slot is not None and task.state in LIVE_STATES:
+            self.slots[task.slot] = task.id
+        if task.state == TaskState.WAITING:
+            self.waiting.setdefault(task.tenant, {})[task.id] = None
+        elif task.state == TaskState.RUNNING and task.worker is not None:
+            self.running_by_worker.setdefault(task.worker, set()).add(task.id)
+        self._push_task_timers(task)
+
+    def _push_task_timers(self, task: Task) -> None:
+        if task.state == TaskState.DELAYED and task.start_after_ms is not None:
+            self._push_timer(task.start_after_ms, _Timer.START, task.id)
+        if task.state in LIVE_STATES and task.deadline_ms is not None:
+            self._push_timer(task.deadline_ms, _Timer.DEADLINE, task.id)
+        if task.state in FINAL_STATES and task.finished_ms is not None:
+            self._push_timer(
+                task.finished_ms + self.config.finished_task_retention_ms, _Timer.PURGE, task.id
+            )
+
+    def _move(self, task: Task, new: TaskState) -> None:
+        old = task.state
+        if old == new:
+            return
+        self.by_state[old].discard(task.id)
+        self.by_state[new].add(task.id)
+        counts = self._counts(task.tenant)
+        counts[old] -= 1
+        counts[new] += 1
+        if old == TaskState.WAITING:
+            del self.waiting[task.tenant][task.id]
+        elif old == TaskState.RUNNING and task.worker is not None:
+            self.running_by_worker[task.worker].discard(task.id)
+        elif old == TaskState.PENDING and task.transaction is not None:
+            # Leaving a transaction other than by its commit (which pops it first).
+            txn = self.transactions.get(task.transaction)
+            if txn is not None:
+                txn.task_ids.remove(task.id)
+        if new == TaskState.WAITING:
+            self.waiting.setdefault(task.tenant, {})[task.id] = None
+            task.worker = None
+        elif new == TaskState.RUNNING and task.worker is not None:
+            self.running_by_worker.setdefault(task.worker, set()).add(task.id)
+        task.state = new
+        task.updated_ms = self.now_ms
+        if new in FINAL_STATES:
+            if task.slot is not None and self.slots.get(task.slot) == task.id:
+                del self.slots[task.slot]
+            task.finished_ms = self.now_ms
+            self._push_timer(
+                self.now_ms + self.config.finished_task_retention_ms, _Timer.PURGE, task.id
+            )
+
+    def _delete_task(self, task: Task) -> None:
+        del self.tasks[task.id]
+        self.by_state[task.state].discard(task.id)
+        self._counts(task.tenant)[task.state] -= 1
+        if task.state == TaskState.WAITING:
+            del self.waiting[task.tenant][task.id]
+        elif task.state == TaskState.RUNNING and task.worker is not None:
+            self.running_by_worker[task.worker].discard(task.id)
+        if task.slot is not None and self.slots.get(task.slot) == task.id:
+            del self.slots[task.slot]
+
+    def _tenant(self, name: str) -> Tenant:
+        tenant = self.tenants.get(name)
+        if tenant is None:
+            tenant = self.tenants[name] = Tenant(name=name)
+            self._counts(name)
+        return tenant
+
+    def _queued(self, tenant: str) -> int:
+        counts = self._counts(tenant)
+        return sum(counts[s] for s in QUEUED_STATES)
+
+    # --- handlers ------------------------------------------------------------------
+
+    def _submit(self, entry: e.SubmitTasks) -> list[TaskRef | Rejected]:
+        return [self._submit_one(spec) for spec in entry.tasks]
+
+    def _submit_one(self, spec: e.TaskSpec) -> TaskRef | Rejected:
+        if spec.id <= self.max_task_id:
+            return Rejected(ErrorCode.INVALID, f"task id {spec.id} was already used")
+        self.max_task_id = spec.id
+        problem = validate_task_spec(spec)
+        if problem is not None:
+            return Rejected(ErrorCode.INVALID, problem)
+        now_ms = self.now_ms
+        if spec.deadline_ms is not None and spec.deadline_ms <= now_ms:
+            return Rejected(ErrorCode.INVALID, "deadline has already passed")
+        txn: Transaction | None = None
+        if spec.transaction is not None:
+            txn = self.transactions.get(spec.transaction)
+            if txn is None:
+                return Rejected(ErrorCode.NOT_FOUND, f"transaction {spec.transaction} is not open")
+            if txn.tenant != spec.tenant:
+                return Rejected(
+                    ErrorCode.INVALID,
+                    f"transaction {txn.id} belongs to tenant {txn.tenant!r}, not {spec.tenant!r}",
+                )
+        if spec.slot is not None and spec.slot in self.slots:
+            return Rejected(
+                ErrorCode.SLOT_BUSY, f"slot {spec.slot!r} is held by task {self.slots[spec.slot]}"
+            )
+        tenant = self._tenant(spec.tenant)
+        if tenant.max_waiting and self._queued(spec.tenant) >= tenant.max_waiting:
+            return Rejected(
+                ErrorCode.TENANT_QUEUE_FULL,
+                f"tenant {spec.tenant!r} already has {tenant.max_waiting} queued tasks "
+                "(its max_waiting)",
+            )
+        if txn is not None:
+            state = TaskState.PENDING
+        elif spec.start_after_ms is not None and spec.start_after_ms > now_ms:
+            state = TaskState.DELAYED
+        else:
+            state = TaskState.WAITING
+        task = Task(
+            id=spec.id,
+            type=spec.type,
+            tenant=spec.tenant,
+            params=spec.params,
+            state=state.value,
+            created_ms=now_ms,
+            updated_ms=now_ms,
+            slot=spec.slot,
+            max_attempts=spec.max_attempts,
+            deadline_ms=spec.deadline_ms,
+            start_after_ms=spec.start_after_ms,
+            resources=dict(spec.resources),
+            transaction=spec.transaction,
+            code=spec.code,
+        )
+        self._add_task(task)
+        if txn is not None:
+            txn.task_ids.append(task.id)
+        return TaskRef(task.id, task.state)
+
+    def _cancel(self, entry: e.CancelTask) -> TaskRef | Rejected:
+        task = self.tasks.get(entry.task_id)
+        if task is None:
+            return Rejected(ErrorCode.NOT_FOUND, f"task {entry.task_id} does not exist")
+        if task.state in FINAL_STATES:
+            return Rejected(ErrorCode.CONFLICT, f"task {task.id} is already {task.state}")
+        task.error = entry.reason
+        self._move(task, TaskState.CANCELLED)
+        return TaskRef(task.id, task.state)
+
+    def _begin(self, entry: e.BeginTransaction) -> TransactionRef | Rejected:
+        if entry.transaction_id <= self.max_transaction_id:
+            return Rejected(
+                ErrorCode.INVALID, f"transaction id {entry.transaction_id} was already used"
+            )
+        self.max_transaction_id = entry.transaction_id
+        if not NAME_RE.match(entry.tenant):
+            return Rejected(ErrorCode.INVALID, "tenant name is not valid")
+        if entry.ttl_ms <= 0:
+            return Rejected(ErrorCode.INVALID, "ttl_ms must be > 0")
+        self._tenant(entry.tenant)
+        txn = Transaction(
+            id=entry.transaction_id,
+            tenant=entry.tenant,
+            created_ms=self.now_ms,
+            expires_ms=self.now_ms + entry.ttl_ms,
+        )
+        self.transactions[txn.id] = txn
+        self._push_timer(txn.expires_ms, _Timer.TXN_EXPIRE, txn.id)
+        return TransactionRef(txn.id, txn.tenant, txn.expires_ms)
+
+    def _commit(self, entry: e.CommitTransaction) -> TransactionDone | Rejected:
+        txn = self.transactions.pop(entry.transaction_id, None)
+        if txn is None:
+            return Rejected(ErrorCode.NOT_FOUND, f"transaction {entry.transaction_id} is not open")
+        committed: list[int] = []
+        for task_id in txn.task_ids:
+            task = self.tasks.get(task_id)
+            if task is None or task.state != TaskState.PENDING:
+                continue
+            task.transaction = None
+            if task.start_after_ms is not None and task.start_after_ms > self.now_ms:
+                self._move(task, TaskState.DELAYED)
+                self._push_timer(task.start_after_ms, _Timer.START, task.id)
+            else:
+                self._move(task, TaskState.WAITING)
+            committed.append(task_id)
+        return TransactionDone(txn.id, "committed", tuple(committed))
+
+    def _rollback(self, entry: e.RollbackTransaction) -> TransactionDone | Rejected:
+        txn = self.transactions.get(entry.transaction_id)
+        if txn is None:
+            return Rejected(ErrorCode.NOT_FOUND, f"transaction {entry.transaction_id} is not open")
+        dropped = self._drop_transaction(txn)
+        return TransactionDone(txn.id, "rolled_back", tuple(dropped))
+
+    def _drop_transaction(self, txn: Transaction) -> list[int]:
+        # A rolled back (or expired) transaction's tasks never existed.
+        del self.transactions[txn.id]
+        dropped: list[int] = []
+        for task_id in txn.task_ids:
+            task = self.tasks.get(task_id)
+            if task is not None and task.state == TaskState.PENDING:
+                self._delete_task(task)
+                dropped.append(task_id)
+        return dropped
+
+    def _set_tenant(self, entry: e.SetTenant) -> Tenant | Rejected:
+        if not NAME_RE.match(entry.tenant):
+            return Rejected(ErrorCode.INVALID, "tenant name is not valid")
+        problem = validate_limits(entry.limits)
+        if problem is not None:
+            return Rejected(ErrorCode.INVALID, problem)
+        tenant = self._tenant(entry.tenant)
+        if entry.limits.max_waiting is not None:
+            tenant.max_waiting = entry.limits.max_waiting
+        if entry.limits.max_running is not None:
+            tenant.max_running = entry.limits.max_running
+        if entry.limits.weight is not None:
+            tenant.weight = entry.limits.weight
+        return tenant
+
+    def _set_config(self, entry: e.SetConfig) -> None:
+        if entry.finished_task_retention_ms is not None and entry.finished_task_retention_ms > 0:
+            self.config.finished_task_retention_ms = entry.finished_task_retention_ms
+            self._rebuild_timers()
+
+    def _tick(self, entry: e.Tick) -> None:
+        return None
+
+    def _register_worker(self, entry: e.RegisterWorker) -> Rejected | None:
+        if not entry.worker_id:
+            return Rejected(ErrorCode.INVALID, "worker_id must not be empty")
+        worker = self.workers.get(entry.worker_id)
+        if worker is None:
+            worker = self.workers[entry.worker_id] = Worker(
+                id=entry.worker_id,
+                address=entry.address,
+                process_id=entry.process_id,
+                state=WorkerState.CONNECTED.value,
+                connected_ms=self.now_ms,
+                updated_ms=self.now_ms,
+            )
+        worker.address = entry.address
+        worker.process_id = entry.process_id
+        worker.state = WorkerState.CONNECTED.value
+        worker.connected_ms = self.now_ms
+        worker.updated_ms = self.now_ms
+        worker.resources = dict(entry.resources)
+        worker.task_types = dict(entry.task_types)
+        worker.tenants = list(entry.tenants)
+        worker.reason = None
+        return None
+
+    def _worker_dead(self, entry: e.WorkerDead) -> Rejected | None:
+        worker = self.workers.get(entry.worker_id)
+        if worker is None:
+            return Rejected(ErrorCode.NOT_FOUND, f"worker {entry.worker_id!r} is unknown")
+        worker.state = WorkerState.DEAD.value
+        worker.updated_ms = self.now_ms
+        worker.reason = entry.reason
+        for task_id in sorted(self.running_by_worker.get(worker.id, ())):
+            task = self.tasks[task_id]
+            self._retry_or_fail(task, f"worker {worker.id} died: {entry.reason}")
+        return None
+
+    def _retry_or_fail(self, task: Task, error: str) -> None:
+        task.error = error
+        if task.attempt >= task.max_attempts:
+            task.error = f"{error} (attempt {task.attempt} of {task.max_attempts})"
+            self._move(task, TaskState.ERROR)
+        else:
+            self._move(task, TaskState.WAITING)
+
+    def _assign(self, entry: e.AssignTasks) -> list[TaskRef | Rejected]:
+        results: list[TaskRef | Rejected] = []
+        for assignment in entry.assignments:
+            task = self.tasks.get(assignment.task_id)
+            worker = self.workers.get(assignment.worker_id)
+            if task is None or task.state != TaskState.WAITING:
+                results.append(Rejected(ErrorCode.STALE, f"task {assignment.task_id} not waiting"))
+            elif worker is None or worker.state != WorkerState.CONNECTED:
+                results.append(
+                    Rejected(ErrorCode.STALE, f"worker {assignment.worker_id} not connected")
+                )
+            else:
+                task.attempt += 1
+                task.worker = worker.id
+                self._move(task, TaskState.RUNNING)
+                results.append(TaskRef(task.id, task.state))
+        return results
+
+    def _finish(self, entry: e.FinishTasks) -> list[TaskRef | Rejected]:
+        results: list[TaskRef | Rejected] = []
+        for outcome in entry.outcomes:
+            task = self.tasks.get(outcome.task_id)
+            if (
+                task is None
+                or task.state != TaskState.RUNNING
+                or task.worker != outcome.worker_id
+                or task.attempt != outcome.attempt
+            ):
+                # A duplicate or late report of an attempt that is over.
+                results.append(Rejected(ErrorCode.STALE, f"task {outcome.task_id} not running"))
+                continue
+            if outcome.ok:
+                task.result = outcome.result
+                task.error = None
+                self._move(task, TaskState.FINISHED)
+            else:
+                self._retry_or_fail(task, outcome.error or "task failed")
+            results.append(TaskRef(task.id, task.state))
+        return results
+
+    # --- queries (read-only) ---------------------------------------------------------
+
+    def count_by_state(self) -> dict[str, int]:
+        return {state: len(ids) for state, ids in self.by_state.items()}
+
+    def tenant_counts_view(self, tenant: str) -> dict[str, int]:
+        return dict(self.tenant_counts.get(tenant) or {s.value: 0 for s in TaskState})
+
+    def list_tasks(
+        self,
+        *,
+        state: str | None = None,
+        tenant: str | None = None,
+        task_type: str | None = None,
+        after_id: int = 0,
+        limit: int = 100,
+    ) -> list[Task]:
+        """Matching tasks with id > after_id, ascending by id, at most ``limit``."""
+        candidates: Iterable[int] = self.by_state[state] if state is not None else self.tasks
+        tasks = self.tasks
+
+        def matching() -> Iterator[int]:
+            for task_id in candidates:
+                if task_id <= after_id:
+                    continue
+                task = tasks[task_id]
+                if tenant is not None and task.tenant != tenant:
+                    continue
+                if task_type is not None and task.type != task_type:
+                    continue
+                yield task_id
+
+        return [tasks[i] for i in heapq.nsmallest(limit, matching())]
+
+    # --- snapshots and digest ----------------------------------------------------------
+
+    def snapshot_body(self) -> SnapshotBody:
+        return SnapshotBody(
+            format_version=SNAPSHOT_BODY_VERSION,
+            now_ms=self.now_ms,
+            max_task_id=self.max_task_id,
+            max_transaction_id=self.max_transaction_id,
+            config=self.config,
+            tenants=list(self.tenants.values()),
+            tasks=list(self.tasks.values()),
+            transactions=list(self.transactions.values()),
+            workers=list(self.workers.values()),
+            waiting={name: list(queue) for name, queue in self.waiting.items() if queue},
+        )
+
+    def encode_snapshot(self) -> bytes:
+        return _snapshot_encoder.encode(self.snapshot_body())
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.encode_snapshot()).hexdigest()
+
+    @classmethod
+    def from_snapshot(cls, data: bytes) -> StateMachine:
+        body = _snapshot_decoder.decode(data)
+        if body.format_version != SNAPSHOT_BODY_VERSION:
+            raise ValueError(f"unsupported snapshot body version {body.format_version}")
+        machine = cls()
+        machine.now_ms = body.now_ms
+        machine.max_task_id = body.max_task_id
+        machine.max_transaction_id = body.max_transaction_id
+        machine.config = body.config
+        machine.tenants = {t.name: t for t in body.tenants}
+        for name in machine.tenants:
+            machine._counts(name)
+        machine.transactions = {t.id: t for t in body.transactions}
+        machine.workers = {w.id: w for w in body.workers}
+        # Restore the exact waiting order first; _add_task keeps it (setdefault).
+        machine.waiting = {name: dict.fromkeys(ids) for name, ids in body.waiting.items()}
+        for task in body.tasks:
+            machine._add_task(task)
+        for txn in machine.transactions.values():
+            machine._push_timer(txn.expires_ms, _Timer.TXN_EXPIRE, txn.id)
+        return machine
+
+    def _rebuild_timers(self) -> None:
+        self._timers = []
+        for task in self.tasks.values():
+            self._push_task_timers(task)
+        for txn in self.transactions.values():
+            self._push_timer(txn.expires_ms, _Timer.TXN_EXPIRE, txn.id)
+
+    # --- invariants (simulation tests and debug mode) ---------------------------------------
+
+    def check_invariants(self) -> None:
+        """Recompute every derived index from scratch and compare; raise on a mismatch."""
+
+        def fail(message: str) -> None:
+            raise InvariantError(message)
+
+        by_state: dict[str, set[int]] = {s.value: set() for s in TaskState}
+        counts: dict[str, dict[str, int]] = {}
+        slots: dict[str, int] = {}
+        running: dict[str, set[int]] = {}
+        for task_id, task in self.tasks.items():
+            if task_id != task.id:
+                fail(f"task keyed {task_id} has id {task.id}")
+            if task.id > self.max_task_id:
+                fail(f"task {task.id} above max_task_id {self.max_task_id}")
+            by_state[task.state].add(task.id)
+            per = counts.setdefault(task.tenant, {s.value: 0 for s in TaskState})
+            per[task.state] += 1
+            if task.slot is not None and task.state in LIVE_STATES:
+                if task.slot in slots:
+                    fail(f"slot {task.slot!r} held by live tasks {slots[task.slot]} and {task.id}")
+                slots[task.slot] = task.id
+            if task.state == TaskState.RUNNING:
+                if task.worker is None:
+                    fail(f"running task {task.id} has no worker")
+                else:
+                    running.setdefault(task.worker, set()).add(task.id)
+                    worker = self.workers.get(task.worker)
+                    if worker is None or worker.state != WorkerState.CONNECTED:
+                        fail(f"task {task.id} runs on a worker that is not connected")
+                if not 1 <= task.attempt <= task.max_attempts:
+                    fail(f"running task {task.id} has attempt {task.attempt}")
+            if task.state == TaskState.PENDING:
+                txn = self.transactions.get(task.transaction or -1)
+                if txn is None or task.id not in txn.task_ids:
+                    fail(f"pending task {task.id} outside an open transaction")
+            if task.tenant not in self.tenants:
+                fail(f"task {task.id} of unknown tenant {task.tenant!r}")
+        if by_state != self.by_state:
+            fail("by_state index differs from tasks")
+        for tenant in set(counts) | set(self.tenant_counts):
+            expected = counts.get(tenant, {s.value: 0 for s in TaskState})
+            if self.tenant_counts.get(tenant, expected) != expected:
+                fail(f"counters of tenant {tenant!r} differ: {self.tenant_counts[tenant]}")
+        if slots != self.slots:
+            fail(f"slot index differs: {self.slots} vs {slots}")
+        actual_running = {w: ids for w, ids in self.running_by_worker.items() if ids}
+        if running != actual_running:
+            fail("running-by-worker index differs")
+        for tenant, queue in self.waiting.items():
+            for task_id in queue:
+                queued = self.tasks.get(task_id)
+                if queued is None or queued.state != TaskState.WAITING or queued.tenant != tenant:
+                    fail(f"waiting queue of {tenant!r} holds task {task_id} wrongly")
+        waiting_total = sum(len(q) for q in self.waiting.values())
+        if waiting_total != len(self.by_state[TaskState.WAITING]):
+            fail("waiting queues and waiting tasks differ in number")
+        for txn in self.transactions.values():
+            states = {self.tasks[i].state for i in txn.task_ids if i in self.tasks}
+            if states - {TaskState.PENDING.value}:
+                fail(f"transaction {txn.id} holds non-pending tasks: {states}")
