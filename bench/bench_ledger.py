@@ -16,10 +16,14 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from log.file import FileLedgerStore  # noqa: E402
+from log.file import FileLedgerStore
+
+if TYPE_CHECKING:
+    from _typeshed import FileDescriptorLike
 
 ENTRY_SIZE_BYTES = 200
 CONCURRENCIES = (1, 32, 1000)
@@ -33,7 +37,7 @@ async def run_case(directory: str, appenders: int, duration_s: float) -> None:
     fsyncs = 0
     real_fdatasync = os.fdatasync
 
-    def counting_fdatasync(fd: int) -> None:
+    def counting_fdatasync(fd: FileDescriptorLike) -> None:
         nonlocal fsyncs
         fsyncs += 1
         real_fdatasync(fd)

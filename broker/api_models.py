@@ -4,10 +4,13 @@ document and the Python client."""
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
+
+# Integers that travel in log entries must fit msgpack (and most clients' JSON): int64.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class ErrorDetail(msgspec.Struct):
@@ -30,7 +33,7 @@ class TaskSubmission(msgspec.Struct, forbid_unknown_fields=True):
     deadline: datetime | float | None = None
     start_after: datetime | float | None = None
     resources: dict[str, float] = {}
-    transaction: int | None = None
+    transaction: Int64 | None = None
     code: str | None = None
 
 
@@ -46,7 +49,7 @@ class SubmitBody(msgspec.Struct, forbid_unknown_fields=True):
     deadline: datetime | float | None = None
     start_after: datetime | float | None = None
     resources: dict[str, float] = {}
-    transaction: int | None = None
+    transaction: Int64 | None = None
     code: str | None = None
 
 
@@ -112,8 +115,8 @@ class TransactionOutcome(msgspec.Struct):
 class TenantLimits(msgspec.Struct, forbid_unknown_fields=True):
     """Service level; fields left out keep their value. 0 means unlimited."""
 
-    max_waiting: int | None = None
-    max_running: int | None = None
+    max_waiting: Int64 | None = None
+    max_running: Int64 | None = None
     weight: float | None = None
 
 

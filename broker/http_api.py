@@ -96,9 +96,14 @@ def _to_epoch_ms(value: datetime | float | None, field_name: str) -> int | None:
     if isinstance(value, datetime):
         if value.tzinfo is None:
             raise HttpError(400, "invalid_request", f"{field_name} must include a time zone")
-        return int(value.timestamp() * 1000)
+        # Same range as Unix seconds: outside it the time cannot be shown back as RFC 3339.
+        value = value.timestamp()
     if not math.isfinite(value) or not 0 <= value < 1e11:
-        raise HttpError(400, "invalid_request", f"{field_name} must be Unix seconds or RFC 3339")
+        raise HttpError(
+            400,
+            "invalid_request",
+            f"{field_name} must be Unix seconds or RFC 3339, from 1970 to 5138",
+        )
     return int(value * 1000)
 
 
@@ -535,6 +540,8 @@ def _decode(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
         raise HttpError(400, "invalid_request", str(exc)) from None
     except msgspec.DecodeError as exc:
         raise HttpError(400, "invalid_json", f"malformed JSON: {exc}") from None
+    except RecursionError:
+        raise HttpError(400, "invalid_json", "JSON nested too deeply") from None
 
 
 def _error_bytes(code: str, message: str) -> bytes:
@@ -656,6 +663,27 @@ def openapi_document() -> dict[str, Any]:
                 "summary": "Roll back: its tasks are dropped",
                 "parameters": [id_param],
                 "responses": {"200": response("TransactionOutcome"), **errors},
+            }
+        },
+        "/api/v1/tenants": {
+            "get": {
+                "summary": "Every tenant's service level and task counts",
+                "responses": {
+                    "200": {
+                        "description": "OK",
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "properties": {
+                                        "tenants": {"type": "array", "items": ref["TenantView"]}
+                                    },
+                                    "required": ["tenants"],
+                                }
+                            }
+                        },
+                    }
+                },
             }
         },
         "/api/v1/tenants/{name}": {

@@ -437,7 +437,8 @@ class StateMachine:
             max_attempts=spec.max_attempts,
             deadline_ms=spec.deadline_ms,
             start_after_ms=spec.start_after_ms,
-            resources=dict(spec.resources),
+            # float(): an int from an entry object (the leader's) must store as a follower's float.
+            resources={name: float(amount) for name, amount in spec.resources.items()},
             transaction=spec.transaction,
             code=spec.code,
         )
@@ -525,7 +526,7 @@ class StateMachine:
         if entry.limits.max_running is not None:
             tenant.max_running = entry.limits.max_running
         if entry.limits.weight is not None:
-            tenant.weight = entry.limits.weight
+            tenant.weight = float(entry.limits.weight)
         return tenant
 
     def _set_config(self, entry: e.SetConfig) -> None:
@@ -554,7 +555,7 @@ class StateMachine:
         worker.state = WorkerState.CONNECTED.value
         worker.connected_ms = self.now_ms
         worker.updated_ms = self.now_ms
-        worker.resources = dict(entry.resources)
+        worker.resources = {name: float(amount) for name, amount in entry.resources.items()}
         worker.task_types = dict(entry.task_types)
         worker.tenants = list(entry.tenants)
         worker.reason = None
@@ -667,7 +668,9 @@ class StateMachine:
             tasks=list(self.tasks.values()),
             transactions=list(self.transactions.values()),
             workers=list(self.workers.values()),
-            waiting={name: list(queue) for name, queue in self.waiting.items() if queue},
+            # Sorted: a tenant's emptied queue keeps its place in self.waiting but
+            # is left out here, so insertion order would differ after a reload.
+            waiting={name: list(queue) for name, queue in sorted(self.waiting.items()) if queue},
         )
 
     def encode_snapshot(self) -> bytes:

@@ -73,8 +73,14 @@ _Ts = TypeVarTuple("_Ts")
 
 
 async def _in_thread(func: Callable[[*_Ts], _T], *args: *_Ts) -> _T:
-    # The default executor: blocking disk IO must never run on the event loop thread.
-    return await asyncio.get_running_loop().run_in_executor(None, func, *args)
+    """Run blocking disk IO in the default executor, never on the event loop thread.
+
+    OS errors come out as :class:`LedgerError`, so callers need to catch only that.
+    """
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, func, *args)
+    except OSError as exc:
+        raise LedgerError(f"IO error: {exc}") from exc
 
 
 def frame_crc(entry_id: int, last_add_confirmed: int, payload: bytes | memoryview) -> int:
@@ -316,14 +322,13 @@ class FileLedgerWriter(LedgerWriter):
                 lac = self._last_add_confirmed
                 try:
                     await _in_thread(self._write_batch_sync, payloads, batch[0][0], lac)
-                except LedgerError as exc:
-                    self._fail(type(exc), str(exc), batch)
-                    return
-                except OSError as exc:
+                except Exception as exc:
                     # Never retried: after a failed fsync the page cache may have dropped
                     # the dirty data, so a later "successful" fsync would prove nothing.
-                    logger.error("ledger %d: write or fsync failed: %s", self._ledger_id, exc)
-                    self._fail(LedgerError, f"ledger {self._ledger_id}: IO error: {exc}", batch)
+                    error_type = type(exc) if isinstance(exc, LedgerError) else LedgerError
+                    if error_type is not LedgerFencedError:
+                        logger.error("ledger %d: write failed: %s", self._ledger_id, exc)
+                    self._fail(error_type, f"ledger {self._ledger_id}: {exc}", batch)
                     return
                 self._last_add_confirmed = batch[-1][0]
                 for entry_id, _, future in batch:
@@ -348,9 +353,9 @@ class FileLedgerWriter(LedgerWriter):
             # Checked under the lock recovery takes to create the marker: once the marker
             # exists, no byte of ours lands in the file.
             if os.path.exists(self._marker_path):
-                raise LedgerFencedError(f"ledger {self._ledger_id} was fenced by recovery")
+                raise LedgerFencedError("fenced by recovery")
             if os.fstat(self._fd).st_nlink == 0:
-                raise NoSuchLedgerError(f"ledger {self._ledger_id} was deleted")
+                raise NoSuchLedgerError("deleted")
             _write_all(self._fd, data)
             os.fdatasync(self._fd)
         finally:
@@ -500,7 +505,9 @@ class FileLedgerStore(LedgerStore):
 
     can_fence = True
 
-    def __init__(self, directory: str | os.PathLike[str], *, poll_interval_s: float = 0.005):
+    def __init__(
+        self, directory: str | os.PathLike[str], *, poll_interval_s: float = 0.005
+    ) -> None:
         self._directory = os.fspath(directory)
         os.makedirs(self._directory, exist_ok=True)
         #: How often a tailing reader checks the segment's size.

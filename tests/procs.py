@@ -1,0 +1,258 @@
+"""Process helpers for integration tests: free ports, a standalone broker subprocess.
+
+Every wait here is bounded, and :class:`BrokerProcess` is a context manager that
+always kills its subprocess (by pid, never by name) when the block ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+import httpx
+
+HOST = "127.0.0.1"
+DEFAULT_START_TIMEOUT_S = 30.0
+DEFAULT_STOP_TIMEOUT_S = 30.0
+
+
+def free_port(host: str = HOST) -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def steward_command() -> list[str]:
+    """How to run the ``steward`` CLI of the environment running the tests."""
+    script = Path(sys.executable).parent / "steward"
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    found = shutil.which("steward")
+    if found is not None and Path(found).parent == Path(sys.executable).parent:
+        return [found]
+    return [sys.executable, "-m", "clients.cli"]
+
+
+class BrokerStartError(RuntimeError):
+    """The broker subprocess did not become healthy in time (its log tail is included)."""
+
+
+class BrokerProcess:
+    """One ``steward standalone`` subprocess on ``data_dir``; output goes to ``log_path``.
+
+    ``start()`` picks a fresh port each time (so a restart never waits for the old
+    socket), waits for ``/healthz`` to answer 200 and retries on a lost port race.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        log_path: Path,
+        snapshot_interval_s: float | None = None,
+        ledger_roll_mb: float | None = None,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.data_dir = data_dir
+        self.log_path = log_path
+        self.snapshot_interval_s = snapshot_interval_s
+        self.ledger_roll_mb = ledger_roll_mb
+        self.extra_args = extra_args
+        self.env = env
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        self._log_file: IO[bytes] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "broker not started"
+        return self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _command(self, port: int) -> list[str]:
+        cmd = [
+            *steward_command(),
+            "standalone",
+            "--data-dir",
+            str(self.data_dir),
+            "--http",
+            f"{HOST}:{port}",
+            "--log-level",
+            "INFO",
+        ]
+        if self.snapshot_interval_s is not None:
+            cmd += ["--snapshot-interval-s", str(self.snapshot_interval_s)]
+        if self.ledger_roll_mb is not None:
+            cmd += ["--ledger-roll-mb", str(self.ledger_roll_mb)]
+        return cmd + list(self.extra_args)
+
+    def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S, *, attempts: int = 3) -> None:
+        """Start the broker and wait until it is healthy (at most ``timeout_s`` per attempt)."""
+        assert not self.running(), "broker already running"
+        last_error: BrokerStartError | None = None
+        for _ in range(attempts):
+            self._spawn(free_port())
+            try:
+                self.wait_healthy(timeout_s)
+                return
+            except BrokerStartError as exc:
+                last_error = exc
+                self.kill()
+                if "could not serve HTTP" not in self.log_tail():
+                    raise  # not a lost port race: a real failure
+        assert last_error is not None
+        raise last_error
+
+    def _spawn(self, port: int) -> None:
+        self.port = port
+        self.starts += 1
+        self._close_log()
+        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in _close_log
+        header = f"\n===== start #{self.starts} on port {port} at {time.time():.3f} =====\n"
+        self._log_file.write(header.encode())
+        self._log_file.flush()
+        env = dict(os.environ if self.env is None else self.env)
+        env["PYTHONUNBUFFERED"] = "1"
+        self.proc = subprocess.Popen(
+            self._command(port),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # a ^C of the test run does not hit the broker first
+        )
+
+    def wait_healthy(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> dict[str, Any]:
+        """Poll ``/healthz`` until it answers 200; raise if the process dies or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        last: str = "no answer yet"
+        with httpx.Client(base_url=self.url, timeout=2.0) as client:
+            while True:
+                if not self.running():
+                    code = self.proc.returncode if self.proc is not None else None
+                    raise BrokerStartError(
+                        f"broker exited with code {code} before it was healthy\n{self.log_tail()}"
+                    )
+                try:
+                    response = client.get("/healthz")
+                    if response.status_code == 200:
+                        body: dict[str, Any] = response.json()
+                        return body
+                    last = f"HTTP {response.status_code}: {response.text}"
+                except httpx.TransportError as exc:
+                    last = repr(exc)
+                if time.monotonic() >= deadline:
+                    raise BrokerStartError(
+                        f"broker not healthy within {timeout_s} s ({last})\n{self.log_tail()}"
+                    )
+                time.sleep(0.05)
+
+    def kill9(self, timeout_s: float = 10.0) -> None:
+        """SIGKILL the broker and reap it (bounded)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=timeout_s)
+        self._close_log()
+
+    kill = kill9
+
+    def terminate(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> int:
+        """SIGTERM (clean shutdown) and wait for the exit code; SIGKILL if it hangs."""
+        assert self.proc is not None, "broker not started"
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill9()
+            raise AssertionError(
+                f"broker did not exit within {timeout_s} s of SIGTERM\n{self.log_tail()}"
+            ) from None
+        self._close_log()
+        return code
+
+    def _close_log(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def log_tail(self, max_bytes: int = 8000) -> str:
+        try:
+            with open(self.log_path, "rb") as log_file:
+                log_file.seek(0, os.SEEK_END)
+                size = log_file.tell()
+                log_file.seek(max(0, size - max_bytes))
+                return log_file.read().decode(errors="replace")
+        except FileNotFoundError:
+            return "(no log)"
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def __enter__(self) -> BrokerProcess:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.kill9()
+
+
+# -- HTTP helpers ------------------------------------------------------------------------------
+
+
+def fetch_all_tasks(
+    client: httpx.Client, *, page: int = 1000, max_pages: int = 10_000
+) -> list[dict[str, Any]]:
+    """Every task, by paging ``GET /api/v1/tasks`` (ascending ids)."""
+    tasks: list[dict[str, Any]] = []
+    after = 0
+    for _ in range(max_pages):
+        response = client.get("/api/v1/tasks", params={"limit": page, "after": after})
+        response.raise_for_status()
+        body = response.json()
+        tasks.extend(body["tasks"])
+        next_after = body.get("next_after")
+        if next_after is None:
+            return tasks
+        assert next_after > after, f"paging does not advance: {after} -> {next_after}"
+        after = next_after
+    raise AssertionError(f"more than {max_pages} pages of tasks")
+
+
+def get_digest(client: httpx.Client) -> dict[str, Any]:
+    response = client.get("/api/v1/state/digest")
+    response.raise_for_status()
+    body: dict[str, Any] = response.json()
+    return body
