@@ -128,6 +128,13 @@ class TenantView(msgspec.Struct):
     counts: dict[str, int]
 
 
+class ArtifactView(msgspec.Struct):
+    sha256: str
+    name: str
+    size_bytes: int
+    created_at: str
+
+
 class Position(msgspec.Struct):
     ledger_id: int
     entry_id: int

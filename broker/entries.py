@@ -83,24 +83,36 @@ class SetTenant(_Entry, frozen=True, tag="tenant_set"):
 
 class SetConfig(_Entry, frozen=True, tag="config_set"):
     finished_task_retention_ms: int | None = None
+    global_limits: dict[str, float] | None = None  # replaces the whole map when given
 
 
 class Tick(_Entry, frozen=True, tag="tick"):
     """Advances the replicated clock (timers fire) and marks the writer's LAC when idle."""
 
 
+class TaskAttempt(msgspec.Struct, frozen=True, array_like=True):
+    task_id: int
+    attempt: int
+
+
 class RegisterWorker(_Entry, frozen=True, tag="worker_register"):
+    """A worker (re)connected. Tasks the state has running on it that it does
+    not report in ``running`` were lost (it restarted): they are re-queued."""
+
     worker_id: str = ""
     address: str = ""
     process_id: str = ""
     resources: dict[str, float] = {}
     task_types: dict[str, int] = {}  # capacity per task type ("*" for any)
     tenants: tuple[str, ...] = ()  # empty: serves every tenant
+    running: tuple[TaskAttempt, ...] = ()
 
 
 class WorkerDead(_Entry, frozen=True, tag="worker_dead"):
     worker_id: str = ""
     reason: str = "heartbeat deadline missed"
+    # The registration the leader judged dead; a later re-registration wins.
+    connected_ms: int | None = None
 
 
 class Assignment(msgspec.Struct, frozen=True, array_like=True):
@@ -125,6 +137,14 @@ class FinishTasks(_Entry, frozen=True, tag="finish"):
     outcomes: tuple[TaskOutcome, ...] = ()
 
 
+class AddCode(_Entry, frozen=True, tag="code_add"):
+    """A code artifact was stored by the leader (content-addressed)."""
+
+    sha256: str = ""
+    name: str = ""
+    size_bytes: int = 0
+
+
 Entry = (
     SubmitTasks
     | CancelTask
@@ -138,6 +158,7 @@ Entry = (
     | WorkerDead
     | AssignTasks
     | FinishTasks
+    | AddCode
 )
 
 _encoder: Final = msgspec.msgpack.Encoder()

@@ -8,12 +8,13 @@ nothing is logged for a request that is rejected before it is logged.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final, TypeVar
 from urllib.parse import parse_qsl
 
@@ -22,9 +23,12 @@ from msgspec import UnsetType
 
 from broker import api_models as m
 from broker import entries as e
+from broker.code_store import CodeStore, InvalidArtifactError, validate_artifact
 from broker.node import VERSION, BrokerUnavailableError, Node, Stamp
 from broker.state import (
+    FINAL_STATES,
     NAME_RE,
+    Artifact,
     ErrorCode,
     Rejected,
     TaskRef,
@@ -56,7 +60,10 @@ _STATUS_BY_CODE: Final = {
     ErrorCode.TENANT_QUEUE_FULL: 429,
 }
 _TASK_STATES: Final = frozenset(s.value for s in TaskState)
+_FINAL: Final = frozenset(s.value for s in FINAL_STATES)
+JSON_TYPE: Final = b"application/json"
 _MAX_TTL_S: Final = 24 * 3600.0
+_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 @dataclass(frozen=True)
@@ -64,9 +71,15 @@ class ApiConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     max_request_bytes: int = 8 * 1024 * 1024
+    max_code_bytes: int = 64 * 1024 * 1024
+    max_wait_s: float = 60.0
     max_tasks_per_request: int = 10_000
     max_params_bytes: int = 64 * 1024
     max_list_limit: int = 1_000
+
+
+class Binary(bytes):
+    """A response body served as application/octet-stream instead of JSON."""
 
 
 class HttpError(Exception):
@@ -84,10 +97,9 @@ def _rejected_error(rejected: Rejected) -> HttpError:
 def iso_ms(epoch_ms: int | None) -> str | None:
     if epoch_ms is None:
         return None
-    return (
-        datetime.fromtimestamp(epoch_ms / 1000, tz=UTC).isoformat(timespec="milliseconds")[:-6]
-        + "Z"
-    )
+    # Integer arithmetic: fromtimestamp(ms / 1000) can show .999 as .998 (float seconds).
+    moment = _EPOCH + timedelta(milliseconds=epoch_ms)
+    return moment.isoformat(timespec="milliseconds")[:-6] + "Z"
 
 
 def _to_epoch_ms(value: datetime | float | None, field_name: str) -> int | None:
@@ -104,7 +116,7 @@ def _to_epoch_ms(value: datetime | float | None, field_name: str) -> int | None:
             "invalid_request",
             f"{field_name} must be Unix seconds or RFC 3339, from 1970 to 5138",
         )
-    return int(value * 1000)
+    return round(value * 1000)  # round: int() would turn .999 into .998
 
 
 _T = TypeVar("_T")
@@ -132,9 +144,13 @@ class Route:
 class ApiApp:
     """ASGI application serving the broker's API."""
 
-    def __init__(self, node: Node, config: ApiConfig) -> None:
+    def __init__(self, node: Node, config: ApiConfig, code_store: CodeStore | None = None) -> None:
         self.node = node
         self.config = config
+        self.code_store = code_store
+        # Requests waiting for a task to reach a final state (long polling).
+        self._waiters: dict[int, list[asyncio.Future[None]]] = {}
+        node.listeners.append(self._on_applied)
         self._routes: list[Route] = []
         self._openapi: bytes | None = None
         self._add("/healthz", GET=self.health)
@@ -147,6 +163,8 @@ class ApiApp:
         self._add(r"/api/v1/transactions/(\d{1,18})/rollback", POST=self.rollback_transaction)
         self._add("/api/v1/tenants", GET=self.list_tenants)
         self._add(r"/api/v1/tenants/([^/]+)", GET=self.get_tenant, PUT=self.put_tenant)
+        self._add("/api/v1/code", POST=self.upload_code, GET=self.list_code)
+        self._add(r"/api/v1/code/([0-9a-f]{64})", GET=self.download_code)
         self._add("/api/v1/cluster", GET=self.cluster)
         self._add("/api/v1/state/digest", GET=self.digest)
 
@@ -172,12 +190,13 @@ class ApiApp:
         except Exception:
             logger.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
             status, body = 500, _error_bytes("internal", "internal error; see the broker log")
+        content_type = b"application/octet-stream" if isinstance(body, Binary) else JSON_TYPE
         await send(
             {
                 "type": "http.response.start",
                 "status": status,
                 "headers": [
-                    (b"content-type", b"application/json"),
+                    (b"content-type", content_type),
                     (b"content-length", str(len(body)).encode()),
                 ],
             }
@@ -204,13 +223,19 @@ class ApiApp:
             if handler is None:
                 allowed = ", ".join(sorted(route.handlers))
                 raise HttpError(405, "method_not_allowed", f"{method} {path}: use {allowed}")
-            body = await self._read_body(scope, receive) if method in ("POST", "PUT") else b""
+            limit = (
+                self.config.max_code_bytes
+                if handler == self.upload_code
+                else self.config.max_request_bytes
+            )
+            body = (
+                await self._read_body(scope, receive, limit) if method in ("POST", "PUT") else b""
+            )
             query = _parse_query(scope.get("query_string", b""))
             return await handler(Request(method, path, query, body, match.groups()))
         raise HttpError(404, "not_found", f"no such endpoint: {path}")
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.config.max_request_bytes
+    async def _read_body(self, scope: Scope, receive: Receive, limit: int) -> bytes:
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
@@ -317,7 +342,38 @@ class ApiApp:
         return task_view(task)
 
     async def get_task(self, request: Request) -> tuple[int, bytes]:
-        return 200, _json_encoder.encode(self._task_view(int(request.params[0])))
+        task_id = int(request.params[0])
+        unknown = set(request.query) - {"wait_s"}
+        if unknown:
+            raise HttpError(400, "invalid_request", f"unknown query parameters: {sorted(unknown)}")
+        view = self._task_view(task_id)
+        wait_s = _float_param(request.query, "wait_s", 0.0, 0.0, self.config.max_wait_s)
+        if wait_s > 0 and view.state not in _FINAL:
+            # Long poll: answer as soon as the task reaches a final state.
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.setdefault(task_id, []).append(waiter)
+            try:
+                await asyncio.wait_for(waiter, timeout=wait_s)
+            except TimeoutError:
+                pass
+            finally:
+                waiters = self._waiters.get(task_id)
+                if waiters is not None and waiter in waiters:
+                    waiters.remove(waiter)
+                    if not waiters:
+                        del self._waiters[task_id]
+            view = self._task_view(task_id)
+        return 200, _json_encoder.encode(view)
+
+    def _on_applied(
+        self, entry: e.Entry, result: object, became_final: list[int], stops: object
+    ) -> None:
+        if not self._waiters:
+            return
+        for task_id in became_final:
+            for waiter in self._waiters.pop(task_id, ()):
+                if not waiter.done():
+                    waiter.set_result(None)
 
     async def list_tasks(self, request: Request) -> tuple[int, bytes]:
         query = request.query
@@ -447,6 +503,48 @@ class ApiApp:
         assert isinstance(result, Tenant)
         return 200, _json_encoder.encode(self._tenant_view(result))
 
+    # --- code artifacts ---------------------------------------------------------------------------
+
+    def _code_store(self) -> CodeStore:
+        if self.code_store is None:
+            raise HttpError(404, "not_found", "this broker stores no code artifacts")
+        return self.code_store
+
+    async def upload_code(self, request: Request) -> tuple[int, bytes]:
+        store = self._code_store()
+        unknown = set(request.query) - {"name"}
+        if unknown:
+            raise HttpError(400, "invalid_request", f"unknown query parameters: {sorted(unknown)}")
+        name = request.query.get("name")
+        if name is None:
+            raise HttpError(400, "invalid_request", "the name query parameter is required")
+        data = request.body
+        try:
+            await asyncio.to_thread(validate_artifact, name, data)
+        except InvalidArtifactError as exc:
+            raise HttpError(400, "invalid_artifact", str(exc)) from None
+        sha256 = await asyncio.to_thread(store.put, data)
+        result = await self.node.propose(
+            lambda stamp: e.AddCode(
+                time_ms=stamp.now_ms, sha256=sha256, name=name, size_bytes=len(data)
+            )
+        )
+        if isinstance(result, Rejected):
+            raise _rejected_error(result)
+        assert isinstance(result, Artifact)
+        return 201, _json_encoder.encode(artifact_view(result))
+
+    async def list_code(self, request: Request) -> tuple[int, bytes]:
+        views = [artifact_view(a) for a in self.node.state.artifacts.values()]
+        return 200, _json_encoder.encode({"artifacts": views})
+
+    async def download_code(self, request: Request) -> tuple[int, bytes]:
+        store = self._code_store()
+        sha256 = request.params[0]
+        if sha256 not in self.node.state.artifacts or not store.has(sha256):
+            raise HttpError(404, "not_found", f"code artifact {sha256} is not on this broker")
+        return 200, Binary(await asyncio.to_thread(store.read, sha256))
+
     # --- cluster --------------------------------------------------------------------------------
 
     def _position(self) -> m.Position:
@@ -507,6 +605,15 @@ class ApiApp:
         return 200, self._openapi
 
 
+def artifact_view(artifact: Artifact) -> m.ArtifactView:
+    return m.ArtifactView(
+        sha256=artifact.sha256,
+        name=artifact.name,
+        size_bytes=artifact.size_bytes,
+        created_at=iso_ms(artifact.created_ms) or "",
+    )
+
+
 def task_view(task: Any) -> m.TaskView:
     return m.TaskView(
         id=task.id,
@@ -561,6 +668,21 @@ def _parse_query(raw: bytes) -> dict[str, str]:
             raise HttpError(400, "invalid_request", f"query parameter {key!r} given twice")
         query[key] = value
     return query
+
+
+def _float_param(
+    query: dict[str, str], name: str, default: float, low: float, high: float
+) -> float:
+    raw = query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and low <= value <= high):
+        raise HttpError(400, "invalid_request", f"{name} must be a number in [{low}, {high}]")
+    return value
 
 
 def _int_param(query: dict[str, str], name: str, default: int, low: int, high: int) -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Final
 
 from broker import entries as e
-from broker.state import ApplyResult, StateMachine
+from broker.state import ApplyResult, StateMachine, StopRunning
 from log.api import (
     LedgerError,
     LedgerInfo,
@@ -87,6 +87,11 @@ class Stamp:
         return ident
 
 
+ApplyListener = Callable[[e.Entry, ApplyResult, list[int], list[StopRunning]], None]
+"""Called after each entry the leader applies: (entry, result, tasks that became
+final, running tasks to stop). Must not block; runs on the event loop."""
+
+
 @dataclass(slots=True)
 class _InFlight:
     entry: e.Entry
@@ -139,11 +144,16 @@ class Node:
         self._entries_at_snapshot = 0
         self._background: list[asyncio.Task[None]] = []
         self._snapshot_lock = asyncio.Lock()
+        # Ledger list updates are read-modify-CAS sequences: a roll and retention must
+        # not interleave theirs (the loser would fail the node).
+        self._ledger_list_lock = asyncio.Lock()
+        self.listeners: list[ApplyListener] = []
 
     # --- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
         await self._recover()
+        self.state.collect_effects = True
         await self._open_new_ledger()
         self._next_task_id = self.state.max_task_id + 1
         self._next_transaction_id = self.state.max_transaction_id + 1
@@ -213,6 +223,15 @@ class Node:
                 f"the newest usable snapshot is at ledger {snapshot_ledger}, which is no longer "
                 f"in the ledger list {ids}: the history after it is gone"
             )
+        first = ledger_list.first_ledger_id
+        if snapshot_ledger < 0 and ids and first is not None and ids[0] != first:
+            # Retention deleted the start of the history: replaying what is left would
+            # silently build a state that lacks everything before ledger ids[0].
+            raise BrokerStartupError(
+                f"no usable snapshot, and the ledgers from {first} to before {ids[0]} were "
+                "deleted by retention: the history cannot be replayed from its start; "
+                "restore a snapshot into the snapshots directory"
+            )
         for info in ledger_list.ledgers:
             if info.ledger_id < snapshot_ledger:
                 continue
@@ -275,13 +294,14 @@ class Node:
     async def _update_ledger_list(self, change: Callable[[LedgerList], LedgerList]) -> None:
         # Standalone: one broker owns the data dir (flock), so a failed CAS means
         # the list was changed behind our back: stop rather than overwrite it.
-        current, version = await self.ledger_list.get()
-        if version != self._list_version:
-            raise BrokerStartupError(
-                f"the ledger list changed behind this broker (version {version}, "
-                f"expected {self._list_version}): another broker is writing this history"
-            )
-        self._list_version = await self.ledger_list.compare_and_set(change(current), version)
+        async with self._ledger_list_lock:
+            current, version = await self.ledger_list.get()
+            if version != self._list_version:
+                raise BrokerStartupError(
+                    f"the ledger list changed behind this broker (version {version}, "
+                    f"expected {self._list_version}): another broker is writing this history"
+                )
+            self._list_version = await self.ledger_list.compare_and_set(change(current), version)
 
     # --- write path -------------------------------------------------------------------------
 
@@ -321,6 +341,12 @@ class Node:
                 return
             result = self.state.apply(item.entry)
             self.position = (item.ledger_id, item.durable.result())
+            final, stops = self.state.drain_effects()
+            for listener in self.listeners:
+                try:
+                    listener(item.entry, result, final, stops)
+                except Exception:
+                    logger.exception("apply listener failed")
             if not item.answer.done():
                 item.answer.set_result(result)
         self._maybe_roll()

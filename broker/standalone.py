@@ -14,8 +14,10 @@ from pathlib import Path
 
 import uvicorn
 
+from broker.code_store import CodeStore
 from broker.http_api import ApiApp, ApiConfig
 from broker.node import BrokerStartupError, DataDirLock, Node, NodeConfig
+from broker.worker_link import WorkerLink, WorkerLinkConfig
 from log.file import FileLedgerListStore, FileLedgerStore
 from snapshot.store import SnapshotStore
 
@@ -26,6 +28,7 @@ logger = logging.getLogger(__name__)
 class StandaloneConfig:
     node: NodeConfig
     api: ApiConfig = field(default_factory=ApiConfig)
+    workers: WorkerLinkConfig = field(default_factory=WorkerLinkConfig)
 
 
 def build_node(config: NodeConfig) -> Node:
@@ -48,7 +51,9 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
         # Boot created most long-lived objects: keep them out of GC passes (latency).
         gc.collect()
         gc.freeze()
-        app = ApiApp(node, config.api)
+        link = WorkerLink(node, config.workers)
+        await link.start()
+        app = ApiApp(node, config.api, CodeStore(config.node.data_dir / "code"))
         server = _Server(
             uvicorn.Config(
                 app,
@@ -77,7 +82,8 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
         logger.info("steward standalone serving on http://%s:%d", config.api.host, config.api.port)
         print(
             f"steward standalone ready on http://{config.api.host}:{config.api.port} "
-            f"(data dir {config.node.data_dir})",
+            f"(workers connect to {config.workers.host}:{link.port}; "
+            f"data dir {config.node.data_dir})",
             flush=True,
         )
         if ready is not None:
@@ -93,6 +99,7 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
             await asyncio.wait_for(server_task, timeout=15)
         except TimeoutError:
             logger.warning("HTTP server did not stop within 15 s")
+        await link.stop()
         await node.stop()
     finally:
         await node.ledgers.close()

@@ -108,8 +108,18 @@ class Worker(msgspec.Struct, array_like=True, gc=False):
     reason: str | None = None
 
 
+class Artifact(msgspec.Struct, array_like=True, gc=False):
+    sha256: str
+    name: str
+    size_bytes: int
+    created_ms: int
+
+
 class Config(msgspec.Struct):
     finished_task_retention_ms: int = 24 * 3600 * 1000
+    # Cluster-wide caps on named resources summed over running tasks (e.g. a
+    # licence count); resources not listed are bounded by workers only.
+    global_limits: dict[str, float] = {}
 
 
 # --- apply results ---------------------------------------------------------
@@ -137,8 +147,31 @@ class TransactionDone(msgspec.Struct, frozen=True):
     task_ids: tuple[int, ...]
 
 
+class WorkerReconciled(msgspec.Struct, frozen=True):
+    worker_id: str
+    keep: tuple[e.TaskAttempt, ...]  # reported tasks still running on it
+    lost: tuple[int, ...]  # tasks it no longer runs: re-queued or failed
+
+
+class StopRunning(msgspec.Struct, frozen=True):
+    """A running task was ended by the broker (cancel, deadline): tell its worker."""
+
+    worker_id: str
+    task_id: int
+    attempt: int
+    reason: str
+
+
 ApplyResult = (
-    list[TaskRef | Rejected] | TaskRef | TransactionRef | TransactionDone | Tenant | Rejected | None
+    list[TaskRef | Rejected]
+    | TaskRef
+    | TransactionRef
+    | TransactionDone
+    | Tenant
+    | WorkerReconciled
+    | Artifact
+    | Rejected
+    | None
 )
 
 # --- validation shared by the API (before logging) and apply (authority) ----
@@ -202,6 +235,7 @@ class SnapshotBody(msgspec.Struct):
     tasks: list[Task]
     transactions: list[Transaction]
     workers: list[Worker]
+    artifacts: list[Artifact]
     # Exact FIFO order of each tenant's waiting queue (scheduling depends on it).
     waiting: dict[str, list[int]]
 
@@ -225,6 +259,7 @@ class StateMachine:
         self.tenants: dict[str, Tenant] = {}
         self.transactions: dict[int, Transaction] = {}
         self.workers: dict[str, Worker] = {}
+        self.artifacts: dict[str, Artifact] = {}
         # Per-tenant FIFO of waiting task ids (a dict used as an ordered set).
         self.waiting: dict[str, dict[int, None]] = {}
         # Derived indexes, rebuilt on snapshot load.
@@ -234,6 +269,11 @@ class StateMachine:
         self.running_by_worker: dict[str, set[int]] = {}
         self._timers: list[tuple[int, int, int]] = []  # (due_ms, kind, id)
         self.entries_applied = 0
+        # Effects for the node's listeners, drained after each apply; not state.
+        # Collected only when someone drains them (the node sets this).
+        self.collect_effects = False
+        self.became_final: list[int] = []
+        self.stop_running: list[StopRunning] = []
         self._handlers: dict[type[Any], Callable[[Any], ApplyResult]] = {
             e.SubmitTasks: self._submit,
             e.CancelTask: self._cancel,
@@ -247,6 +287,7 @@ class StateMachine:
             e.WorkerDead: self._worker_dead,
             e.AssignTasks: self._assign,
             e.FinishTasks: self._finish,
+            e.AddCode: self._add_code,
         }
 
     # --- entry point ---------------------------------------------------------
@@ -290,6 +331,7 @@ class StateMachine:
         elif kind is _Timer.DEADLINE:
             if task.state in LIVE_STATES and task.deadline_ms == due_ms:
                 task.error = "deadline exceeded"
+                self._stop_if_running(task, "deadline exceeded")
                 self._move(task, TaskState.ERROR)
         elif kind is _Timer.PURGE and task.state in FINAL_STATES and task.finished_ms is not None:
             purge_ms = task.finished_ms + self.config.finished_task_retention_ms
@@ -356,6 +398,8 @@ class StateMachine:
         if new in FINAL_STATES:
             if task.slot is not None and self.slots.get(task.slot) == task.id:
                 del self.slots[task.slot]
+            if self.collect_effects:
+                self.became_final.append(task.id)
             task.finished_ms = self.now_ms
             self._push_timer(
                 self.now_ms + self.config.finished_task_retention_ms, _Timer.PURGE, task.id
@@ -408,6 +452,8 @@ class StateMachine:
                     ErrorCode.INVALID,
                     f"transaction {txn.id} belongs to tenant {txn.tenant!r}, not {spec.tenant!r}",
                 )
+        if spec.code is not None and spec.code not in self.artifacts:
+            return Rejected(ErrorCode.NOT_FOUND, f"code artifact {spec.code} was never uploaded")
         if spec.slot is not None and spec.slot in self.slots:
             return Rejected(
                 ErrorCode.SLOT_BUSY, f"slot {spec.slot!r} is held by task {self.slots[spec.slot]}"
@@ -454,8 +500,13 @@ class StateMachine:
         if task.state in FINAL_STATES:
             return Rejected(ErrorCode.CONFLICT, f"task {task.id} is already {task.state}")
         task.error = entry.reason
+        self._stop_if_running(task, entry.reason)
         self._move(task, TaskState.CANCELLED)
         return TaskRef(task.id, task.state)
+
+    def _stop_if_running(self, task: Task, reason: str) -> None:
+        if self.collect_effects and task.state == TaskState.RUNNING and task.worker is not None:
+            self.stop_running.append(StopRunning(task.worker, task.id, task.attempt, reason))
 
     def _begin(self, entry: e.BeginTransaction) -> TransactionRef | Rejected:
         if entry.transaction_id <= self.max_transaction_id:
@@ -529,17 +580,35 @@ class StateMachine:
             tenant.weight = float(entry.limits.weight)
         return tenant
 
-    def _set_config(self, entry: e.SetConfig) -> None:
+    def _set_config(self, entry: e.SetConfig) -> Rejected | None:
+        if entry.global_limits is not None:
+            for name, amount in entry.global_limits.items():
+                if not NAME_RE.match(name) or not (math.isfinite(amount) and amount >= 0):
+                    return Rejected(ErrorCode.INVALID, f"global limit {name!r} is not valid")
+            self.config.global_limits = {n: float(v) for n, v in entry.global_limits.items()}
         if entry.finished_task_retention_ms is not None and entry.finished_task_retention_ms > 0:
             self.config.finished_task_retention_ms = entry.finished_task_retention_ms
             self._rebuild_timers()
+        return None
 
     def _tick(self, entry: e.Tick) -> None:
         return None
 
-    def _register_worker(self, entry: e.RegisterWorker) -> Rejected | None:
+    def _register_worker(self, entry: e.RegisterWorker) -> WorkerReconciled | Rejected:
         if not entry.worker_id:
             return Rejected(ErrorCode.INVALID, "worker_id must not be empty")
+        reported = {(r.task_id, r.attempt) for r in entry.running}
+        keep: list[e.TaskAttempt] = []
+        lost: list[int] = []
+        for task_id in sorted(self.running_by_worker.get(entry.worker_id, ())):
+            task = self.tasks[task_id]
+            if (task.id, task.attempt) in reported:
+                keep.append(e.TaskAttempt(task.id, task.attempt))
+            else:
+                lost.append(task.id)
+                self._retry_or_fail(
+                    task, f"worker {entry.worker_id} came back without task {task.id}"
+                )
         worker = self.workers.get(entry.worker_id)
         if worker is None:
             worker = self.workers[entry.worker_id] = Worker(
@@ -559,12 +628,14 @@ class StateMachine:
         worker.task_types = dict(entry.task_types)
         worker.tenants = list(entry.tenants)
         worker.reason = None
-        return None
+        return WorkerReconciled(entry.worker_id, tuple(keep), tuple(lost))
 
     def _worker_dead(self, entry: e.WorkerDead) -> Rejected | None:
         worker = self.workers.get(entry.worker_id)
         if worker is None:
             return Rejected(ErrorCode.NOT_FOUND, f"worker {entry.worker_id!r} is unknown")
+        if entry.connected_ms is not None and entry.connected_ms != worker.connected_ms:
+            return Rejected(ErrorCode.STALE, f"worker {worker.id} registered again since")
         worker.state = WorkerState.DEAD.value
         worker.updated_ms = self.now_ms
         worker.reason = entry.reason
@@ -621,6 +692,23 @@ class StateMachine:
             results.append(TaskRef(task.id, task.state))
         return results
 
+    def _add_code(self, entry: e.AddCode) -> Artifact | Rejected:
+        if not re.fullmatch(r"[0-9a-f]{64}", entry.sha256):
+            return Rejected(ErrorCode.INVALID, "sha256 must be 64 lowercase hex digits")
+        artifact = self.artifacts.get(entry.sha256)
+        if artifact is None:
+            artifact = self.artifacts[entry.sha256] = Artifact(
+                entry.sha256, entry.name, entry.size_bytes, self.now_ms
+            )
+        return artifact
+
+    def drain_effects(self) -> tuple[list[int], list[StopRunning]]:
+        """Tasks that became final and running tasks to stop since the last drain."""
+        final, stops = self.became_final, self.stop_running
+        if final or stops:
+            self.became_final, self.stop_running = [], []
+        return final, stops
+
     # --- queries (read-only) ---------------------------------------------------------
 
     def count_by_state(self) -> dict[str, int]:
@@ -668,6 +756,7 @@ class StateMachine:
             tasks=list(self.tasks.values()),
             transactions=list(self.transactions.values()),
             workers=list(self.workers.values()),
+            artifacts=list(self.artifacts.values()),
             # Sorted: a tenant's emptied queue keeps its place in self.waiting but
             # is left out here, so insertion order would differ after a reload.
             waiting={name: list(queue) for name, queue in sorted(self.waiting.items()) if queue},
@@ -694,6 +783,7 @@ class StateMachine:
             machine._counts(name)
         machine.transactions = {t.id: t for t in body.transactions}
         machine.workers = {w.id: w for w in body.workers}
+        machine.artifacts = {a.sha256: a for a in body.artifacts}
         # Restore the exact waiting order first; _add_task keeps it (setdefault).
         machine.waiting = {name: dict.fromkeys(ids) for name, ids in body.waiting.items()}
         for task in body.tasks:

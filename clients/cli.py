@@ -176,15 +176,15 @@ def run_client_command(args: argparse.Namespace) -> int:
             if args.count < 1:
                 raise UsageError("--count must be >= 1")
             if args.count == 1:
-                print(client.submit(**task))
+                print(client.submit(**task).id)
             else:
                 failed = 0
                 for result in client.submit_many([task] * args.count):
-                    if "error" in result:
+                    if isinstance(result, StewardError):
                         failed += 1
-                        print(f"error: {result['error']['message']}", file=sys.stderr)
+                        print(f"error: {result.message}", file=sys.stderr)
                     else:
-                        print(result["id"])
+                        print(result.id)
                 return 1 if failed else 0
         elif args.command == "task":
             found = client.task(args.id)
@@ -208,8 +208,8 @@ def run_client_command(args: argparse.Namespace) -> int:
                 if listing.get("next_after"):
                     print(f"(more: --after {listing['next_after']})")
         elif args.command == "cancel":
-            result = client.cancel(args.id)
-            print(f"task {result['id']} {result['state']}")
+            cancelled = client.cancel(args.id)
+            print(f"task {cancelled['id']} {cancelled['state']}")
         elif args.command == "tenant":
             limits = {
                 k: v

@@ -1,0 +1,186 @@
+"""The worker protocol: the only module that encodes or decodes worker frames.
+
+Sans-IO (h11's shape): :class:`FrameDecoder` takes bytes in and hands messages
+out; :func:`encode_message` turns a message into bytes. The asyncio server in
+the broker and the worker's client are thin wrappers around these.
+
+A frame is a 4-byte big-endian length, then one msgpack map with a ``type``
+tag and a message version ``v``. Frames above the size cap, undecodable
+frames, unknown types and newer versions raise :class:`ProtocolError`; the
+peer answers with an :class:`Error` frame and closes that one connection.
+
+Conversation::
+
+    worker -> Hello (id, capacities, resources, tenants, tasks it still runs)
+    broker -> Welcome (heartbeat timing, which reported tasks to keep / drop)
+    both   -> Heartbeat (every interval; a peer silent past the timeout is dead)
+    broker -> Assign (tasks, already logged as running)     worker -> Finish (batched)
+    broker -> FinishAck (resend until acknowledged)          broker -> Cancel
+    either -> Error (then closes)
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Final
+
+import msgspec
+
+PROTOCOL_VERSION: Final = 1
+DEFAULT_MAX_FRAME_BYTES: Final = 16 * 1024 * 1024
+_LENGTH: Final = struct.Struct(">I")
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a valid frame of this protocol."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class _Message(msgspec.Struct, tag_field="type", omit_defaults=True, frozen=True):
+    v: int = PROTOCOL_VERSION
+
+
+class TaskAttempt(msgspec.Struct, frozen=True, array_like=True):
+    task_id: int
+    attempt: int
+
+
+class Hello(_Message, frozen=True, tag="hello"):
+    worker_id: str = ""
+    process_id: str = ""  # changes when the worker process restarts
+    version: str = ""
+    # Concurrent tasks per task type; "*" is the default for any type.
+    task_types: dict[str, int] = {}
+    resources: dict[str, float] = {}  # e.g. {"cpu": 8, "memory_mb": 16000, "gpu": 1}
+    tenants: tuple[str, ...] = ()  # empty: serves every tenant
+    running: tuple[TaskAttempt, ...] = ()  # tasks this worker still runs
+    token: str | None = None
+
+
+class Welcome(_Message, frozen=True, tag="welcome"):
+    broker_id: str = ""
+    heartbeat_interval_ms: int = 1000
+    heartbeat_timeout_ms: int = 10_000
+    keep: tuple[TaskAttempt, ...] = ()  # reported tasks the broker still counts as running
+    drop: tuple[TaskAttempt, ...] = ()  # reported tasks to stop (already re-queued or over)
+
+
+class Heartbeat(_Message, frozen=True, tag="heartbeat"):
+    seq: int = 0
+
+
+class AssignedTask(msgspec.Struct, frozen=True, omit_defaults=True):
+    task_id: int
+    attempt: int
+    type: str
+    tenant: str
+    params: bytes = b"null"  # raw JSON text
+    code: str | None = None
+    deadline_ms: int | None = None
+    resources: dict[str, float] = {}
+
+
+class Assign(_Message, frozen=True, tag="assign"):
+    tasks: tuple[AssignedTask, ...] = ()
+
+
+class TaskReport(msgspec.Struct, frozen=True, omit_defaults=True):
+    task_id: int
+    attempt: int
+    ok: bool
+    result: bytes | None = None  # raw JSON text when ok
+    error: str | None = None  # message and traceback when not ok
+
+
+class Finish(_Message, frozen=True, tag="finish"):
+    reports: tuple[TaskReport, ...] = ()
+
+
+class FinishAck(_Message, frozen=True, tag="finish_ack"):
+    tasks: tuple[TaskAttempt, ...] = ()
+
+
+class Cancel(_Message, frozen=True, tag="cancel"):
+    tasks: tuple[TaskAttempt, ...] = ()
+    reason: str = ""
+
+
+class Error(_Message, frozen=True, tag="error"):
+    code: str = "protocol_error"
+    message: str = ""
+
+
+Message = Hello | Welcome | Heartbeat | Assign | Finish | FinishAck | Cancel | Error
+
+_encoder: Final = msgspec.msgpack.Encoder()
+_decoder: Final = msgspec.msgpack.Decoder(Message)
+
+
+def encode_message(message: Message, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
+    payload = _encoder.encode(message)
+    if len(payload) > max_frame_bytes:
+        raise ProtocolError(
+            "frame_too_large", f"{message.__class__.__name__} frame of {len(payload)} bytes"
+        )
+    return _LENGTH.pack(len(payload)) + payload
+
+
+def decode_payload(payload: bytes) -> Message:
+    try:
+        message: Message = _decoder.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError("bad_message", f"invalid message: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError("bad_frame", f"undecodable frame: {exc}") from None
+    if message.v > PROTOCOL_VERSION:
+        raise ProtocolError(
+            "unsupported_version",
+            f"message version {message.v} is newer than {PROTOCOL_VERSION}",
+        )
+    return message
+
+
+class FrameDecoder:
+    """Bytes in, messages out. After a ProtocolError the decoder is unusable."""
+
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self._buffer = bytearray()
+        self._failed: ProtocolError | None = None
+
+    @property
+    def buffered_bytes(self) -> int:
+        return len(self._buffer)
+
+    def feed(self, data: bytes) -> list[Message]:
+        """Add received bytes; return every message now complete, in order."""
+        if self._failed is not None:
+            raise self._failed
+        self._buffer += data
+        messages: list[Message] = []
+        buffer = self._buffer
+        offset = 0
+        try:
+            while len(buffer) - offset >= 4:
+                (length,) = _LENGTH.unpack_from(buffer, offset)
+                if length > self.max_frame_bytes:
+                    raise ProtocolError(
+                        "frame_too_large",
+                        f"frame of {length} bytes exceeds the {self.max_frame_bytes} byte cap",
+                    )
+                end = offset + 4 + length
+                if end > len(buffer):
+                    break
+                messages.append(decode_payload(bytes(buffer[offset + 4 : end])))
+                offset = end
+        except ProtocolError as exc:
+            self._failed = exc
+            raise
+        finally:
+            if offset:
+                del buffer[:offset]
+        return messages

@@ -1,0 +1,327 @@
+"""The scheduler: which waiting tasks start now, and on which workers.
+
+Pure and deterministic, beside the state machine: ``schedule(state)`` only
+reads the state (never a clock or a random source) and returns assignments;
+the leader logs them as one ``AssignTasks`` entry and ``apply`` moves the
+tasks to running, so the next call sees them running. The same state always
+yields the same assignments.
+
+Fair sharing is weighted Dominant Resource Fairness (DRF) across tenants. A
+tenant's dominant share is the largest fraction of any cluster resource its
+running tasks hold; every task also holds one unit of an implicit "tasks"
+resource whose total is the sum of the connected workers' task capacities, so
+tasks that ask for no resources share slots by weight. Each step serves the
+tenant with the smallest ``dominant share / weight`` (ties by tenant name):
+the first task of its FIFO that fits a worker goes to the fitting worker with
+the most free capacity for that task's type (ties by worker id).
+
+Cost per round, with W connected workers, R running tasks, T tenants with
+waiting tasks and A assignments made:
+
+- setup: O(W + R log(R/W) + T) -- running tasks are summed in sorted order so
+  float usage totals (and so the outcome) do not depend on set iteration order;
+- each assignment: O(log T) on the tenant heap plus O(log W) on the heap of
+  workers that can run its type (more only when the best workers are refused
+  by their tenant filter or resources, bounded by W);
+- queues are never scanned: each tenant's FIFO is read through an iterator, at
+  most ``A + lookahead`` entries per tenant per round. Usage only grows during
+  a round, so a task that did not fit cannot fit later in the same round: it
+  is skipped (it keeps its place in the queue) and so is any later task with
+  the same type and asks (memoised).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from typing import Final
+
+from broker.entries import Assignment
+from broker.state import StateMachine, Task, WorkerState
+
+DEFAULT_MAX_ASSIGNMENTS: Final = 1000
+DEFAULT_LOOKAHEAD: Final = 16
+
+# Absorbs float rounding when fractional asks add up exactly to a capacity
+# (ten tasks of 0.1 cpu on a 1-cpu worker); far below any meaningful amount.
+_EPSILON: Final = 1e-9
+
+# The pool shared by every task type a worker does not list by name.
+ANY_TYPE: Final = "*"
+
+
+class _Pool:
+    """Capacity for one task type (or the "*" pool) on one worker."""
+
+    __slots__ = ("free", "worker")
+
+    def __init__(self, worker: _Worker, capacity: int) -> None:
+        self.worker = worker
+        self.free = capacity  # may go negative if a worker came back smaller
+
+
+class _Worker:
+    __slots__ = ("free", "id", "pools", "tenants")
+
+    def __init__(self, worker_id: str, tenants: list[str], resources: dict[str, float]) -> None:
+        self.id = worker_id
+        self.tenants = frozenset(tenants) if tenants else None  # None: serves everyone
+        self.free = dict(resources)  # resources left after running tasks
+        self.pools: dict[str, _Pool] = {}
+
+    def pool_for(self, task_type: str) -> _Pool | None:
+        # A type listed by name uses its own capacity (even 0), never the "*" pool.
+        pool = self.pools.get(task_type)
+        return pool if pool is not None else self.pools.get(ANY_TYPE)
+
+
+class _Tenant:
+    __slots__ = ("name", "queue", "room", "running", "share", "skips_left", "usage", "weight")
+
+    def __init__(self, name: str, queue: Iterator[int], weight: float, lookahead: int) -> None:
+        self.name = name
+        self.queue = queue  # resumes where the previous step stopped
+        self.weight = weight
+        self.room: int | None = None  # tasks it may still start (max_running), None: no limit
+        self.running = 0
+        self.usage: dict[str, float] = {}
+        self.share = 0.0  # dominant share
+        self.skips_left = lookahead
+
+
+# A pool in a per-type heap: most free capacity first, then worker id. The
+# free count in the key may be stale (higher than the pool's): fixed on peek.
+_PoolEntry = tuple[int, str, _Pool]
+
+
+def schedule(
+    state: StateMachine,
+    max_assignments: int = DEFAULT_MAX_ASSIGNMENTS,
+    lookahead: int = DEFAULT_LOOKAHEAD,
+) -> list[Assignment]:
+    """Assignments for this round, in the order they were decided.
+
+    ``lookahead``: how many tasks per tenant may be found not to fit (and be
+    skipped) in one round before that tenant is passed over until the next
+    round; 1 is strict head-of-line FIFO.
+    """
+    if lookahead < 1:
+        raise ValueError("lookahead must be >= 1")
+    if max_assignments <= 0:
+        return []
+    return _Round(state, lookahead).run(max_assignments)
+
+
+class _Round:
+    def __init__(self, state: StateMachine, lookahead: int) -> None:
+        self.tasks = state.tasks
+        self.limits = state.config.global_limits
+        self.workers: list[_Worker] = []  # connected, by id
+        self.free_slots = 0
+        self.slots_total = 0
+        self.resource_totals: dict[str, float] = {}
+        self.by_type: dict[str, list[_PoolEntry]] = {}
+        # (type, tenant or "", asks) of tasks that did not fit this round.
+        self.no_fit: set[tuple[str, str, tuple[tuple[str, float], ...]]] = set()
+
+        by_id: dict[str, _Worker] = {}
+        for worker_id in sorted(state.workers):
+            worker = state.workers[worker_id]
+            if worker.state != WorkerState.CONNECTED:
+                continue
+            view = _Worker(worker_id, worker.tenants, worker.resources)
+            for task_type, capacity in worker.task_types.items():
+                view.pools[task_type] = _Pool(view, capacity)
+                self.slots_total += max(0, capacity)
+            for name, amount in worker.resources.items():
+                self.resource_totals[name] = self.resource_totals.get(name, 0.0) + amount
+            self.workers.append(view)
+            by_id[worker_id] = view
+        # Without tenant filters, a misfit is the same for every tenant.
+        self.filtered = any(view.tenants is not None for view in self.workers)
+
+        tenants: dict[str, _Tenant] = {}
+        for name, queue in state.waiting.items():
+            if queue:
+                limits = state.tenants.get(name)
+                weight = limits.weight if limits is not None else 1.0
+                view_t = tenants[name] = _Tenant(name, iter(queue), weight, lookahead)
+                if limits is not None and limits.max_running > 0:
+                    view_t.room = limits.max_running
+
+        self.global_used = dict.fromkeys(self.limits, 0.0)
+        for worker_id in sorted(state.running_by_worker):
+            running = state.running_by_worker[worker_id]
+            if not running:
+                continue
+            on = by_id.get(worker_id)  # None: not connected (holds nothing by invariant)
+            for task_id in sorted(running):
+                task = self.tasks[task_id]
+                if on is not None:
+                    self._take(on, task)
+                else:
+                    self._take_global(task)
+                owner = tenants.get(task.tenant)
+                if owner is not None:
+                    owner.running += 1
+                    for name, amount in task.resources.items():
+                        owner.usage[name] = owner.usage.get(name, 0.0) + amount
+
+        for view in self.workers:
+            for pool in view.pools.values():
+                self.free_slots += max(0, pool.free)
+
+        self.heap: list[tuple[float, str, _Tenant]] = []
+        for view_t in tenants.values():
+            if view_t.room is not None:
+                view_t.room = max(0, view_t.room - view_t.running)
+                if view_t.room == 0:
+                    continue  # at (or above, after a lowered limit) its max_running
+            view_t.share = self._dominant_share(view_t)
+            self.heap.append((view_t.share / view_t.weight, view_t.name, view_t))
+        heapq.heapify(self.heap)
+
+    def _dominant_share(self, tenant: _Tenant) -> float:
+        share = tenant.running / self.slots_total if self.slots_total else 0.0
+        totals = self.resource_totals
+        for name, used in tenant.usage.items():
+            total = totals.get(name, 0.0)
+            if total > 0:
+                share = max(share, used / total)
+        return share
+
+    def _take(self, worker: _Worker, task: Task) -> None:
+        """Count a task (running, or assigned this round) against a worker and the limits."""
+        pool = worker.pool_for(task.type)
+        if pool is not None:
+            pool.free -= 1
+        free = worker.free
+        for name, amount in task.resources.items():
+            if name in free:
+                free[name] -= amount
+        self._take_global(task)
+
+    def _take_global(self, task: Task) -> None:
+        used = self.global_used
+        for name, amount in task.resources.items():
+            if name in used:
+                used[name] += amount
+
+    # --- the round -------------------------------------------------------------------
+
+    def run(self, max_assignments: int) -> list[Assignment]:
+        out: list[Assignment] = []
+        heap = self.heap
+        while heap and self.free_slots > 0 and len(out) < max_assignments:
+            tenant = heap[0][2]
+            assignment = self._next_for(tenant)
+            if assignment is None:
+                heapq.heappop(heap)  # nothing (more) it can start this round
+                continue
+            out.append(assignment)
+            if tenant.room == 0:
+                heapq.heappop(heap)
+            else:
+                heapq.heapreplace(heap, (tenant.share / tenant.weight, tenant.name, tenant))
+        return out
+
+    def _next_for(self, tenant: _Tenant) -> Assignment | None:
+        """Start the first task in the tenant's window that fits somewhere, if any."""
+        tasks = self.tasks
+        for task_id in tenant.queue:
+            task = tasks[task_id]
+            pool = self._fit(task)
+            if pool is not None:
+                self._start(tenant, task, pool)
+                return Assignment(task_id, pool.worker.id)
+            tenant.skips_left -= 1
+            if tenant.skips_left == 0:
+                return None
+        return None
+
+    def _start(self, tenant: _Tenant, task: Task, pool: _Pool) -> None:
+        self._take(pool.worker, task)
+        self.free_slots -= 1
+        if tenant.room is not None:
+            tenant.room -= 1
+        # Usage only grows in a round, so the new dominant share is the old one
+        # or the share of a resource this task adds to.
+        tenant.running += 1
+        share = max(tenant.share, tenant.running / self.slots_total)
+        totals = self.resource_totals
+        usage = tenant.usage
+        for name, amount in task.resources.items():
+            used = usage[name] = usage.get(name, 0.0) + amount
+            total = totals.get(name, 0.0)
+            if total > 0:
+                share = max(share, used / total)
+        tenant.share = share
+
+    def _fit(self, task: Task) -> _Pool | None:
+        """The pool (on the best fitting worker) this task would use, or None."""
+        asks = task.resources
+        key = (
+            task.type,
+            task.tenant if self.filtered else "",
+            tuple(sorted(asks.items())) if asks else (),
+        )
+        if key in self.no_fit:
+            return None
+        pool = self._best_pool(task) if self._within_limits(asks) else None
+        if pool is None:
+            self.no_fit.add(key)
+        return pool
+
+    def _within_limits(self, asks: dict[str, float]) -> bool:
+        limits = self.limits
+        if not limits:
+            return True
+        used = self.global_used
+        for name, amount in asks.items():
+            limit = limits.get(name)
+            if limit is not None and amount > 0 and used[name] + amount > limit + _EPSILON:
+                return False
+        return True
+
+    def _best_pool(self, task: Task) -> _Pool | None:
+        heap = self.by_type.get(task.type)
+        if heap is None:
+            heap = self.by_type[task.type] = self._pools_for_type(task.type)
+        refused: list[_PoolEntry] = []
+        chosen: _Pool | None = None
+        while heap:
+            stale_free, worker_id, pool = heap[0]
+            if pool.free <= 0:
+                heapq.heappop(heap)  # full for the rest of the round
+            elif -stale_free != pool.free:
+                heapq.heapreplace(heap, (-pool.free, worker_id, pool))
+            elif self._accepts(pool.worker, task):
+                chosen = pool
+                break
+            else:
+                refused.append(heapq.heappop(heap))
+        for entry in refused:
+            heapq.heappush(heap, entry)
+        return chosen
+
+    def _pools_for_type(self, task_type: str) -> list[_PoolEntry]:
+        heap: list[_PoolEntry] = []
+        for view in self.workers:
+            pool = view.pool_for(task_type)
+            if pool is not None and pool.free > 0:
+                heap.append((-pool.free, view.id, pool))
+        heapq.heapify(heap)
+        return heap
+
+    @staticmethod
+    def _accepts(worker: _Worker, task: Task) -> bool:
+        if worker.tenants is not None and task.tenant not in worker.tenants:
+            return False
+        free = worker.free
+        for name, amount in task.resources.items():
+            if amount > 0:
+                left = free.get(name)
+                # A resource the worker does not have at all never fits a non-zero ask.
+                if left is None or amount > left + _EPSILON:
+                    return False
+        return True

@@ -1,0 +1,442 @@
+"""The leader's side of the worker protocol: one TCP connection per worker.
+
+Everything that changes state goes through the log first: a worker's
+(re)connection (with the reconciliation of the tasks it still runs), the
+assignments of a scheduling round, batches of finish reports, and a worker
+declared dead after missing its heartbeat deadline. Workers are told only
+after the entry is applied.
+
+The protocol itself (frames, messages) lives in :mod:`broker.protocol`; this
+module is the asyncio wrapper around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import msgspec
+
+from broker import entries as e
+from broker import protocol as p
+from broker.node import BrokerUnavailableError, Node, Stamp
+from broker.scheduler import schedule
+from broker.state import (
+    NAME_RE,
+    ApplyResult,
+    Rejected,
+    StopRunning,
+    TaskRef,
+    TaskState,
+    WorkerReconciled,
+    WorkerState,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerLinkConfig:
+    host: str = "127.0.0.1"
+    port: int = 7070
+    heartbeat_interval_ms: int = 1000
+    # A worker silent (or disconnected) this long is declared dead.
+    heartbeat_timeout_ms: int = 10_000
+    hello_timeout_s: float = 10.0
+    max_frame_bytes: int = p.DEFAULT_MAX_FRAME_BYTES
+    max_result_bytes: int = 1024 * 1024
+    max_assignments_per_round: int = 2000
+    max_reports_per_entry: int = 5000
+    token: str | None = None
+
+
+class _Session:
+    """One connected worker."""
+
+    def __init__(self, worker_id: str, writer: asyncio.StreamWriter, max_frame_bytes: int) -> None:
+        self.worker_id = worker_id
+        self.writer = writer
+        self.max_frame_bytes = max_frame_bytes
+        self.last_seen = time.monotonic()
+        self.closed = False
+
+    def send(self, message: p.Message) -> None:
+        if self.closed:
+            return
+        try:
+            self.writer.write(p.encode_message(message, self.max_frame_bytes))
+        except (ConnectionError, RuntimeError, p.ProtocolError) as exc:
+            logger.warning("cannot send to worker %s: %s", self.worker_id, exc)
+            self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.writer.close()
+
+
+class WorkerLink:
+    def __init__(self, node: Node, config: WorkerLinkConfig) -> None:
+        self.node = node
+        self.config = config
+        self.sessions: dict[str, _Session] = {}
+        self._server: asyncio.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._dirty = asyncio.Event()
+        self._reports: list[tuple[_Session, p.TaskReport]] = []
+        self._reports_ready = asyncio.Event()
+        # When a worker the state counts as connected was last seen (monotonic).
+        self._last_contact: dict[str, float] = {}
+        self._declaring_dead: set[str] = set()
+        self._started = time.monotonic()
+        node.listeners.append(self._on_applied)
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    async def start(self) -> None:
+        self._started = time.monotonic()
+        self._server = await asyncio.start_server(
+            self._handle_connection, self.config.host, self.config.port, limit=2**20
+        )
+        self._tasks = [
+            asyncio.create_task(self._schedule_loop(), name="steward-schedule"),
+            asyncio.create_task(self._finish_loop(), name="steward-finish"),
+            asyncio.create_task(self._heartbeat_loop(), name="steward-heartbeat"),
+        ]
+        self._dirty.set()
+        logger.info("worker endpoint on %s:%d", self.config.host, self.port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for session in list(self.sessions.values()):
+            session.close()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        if self._server is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), timeout=2)
+
+    # --- after each applied entry -------------------------------------------------------
+
+    def _on_applied(
+        self,
+        entry: e.Entry,
+        result: ApplyResult,
+        became_final: list[int],
+        stops: list[StopRunning],
+    ) -> None:
+        if not isinstance(entry, e.AssignTasks):
+            # Anything else may have freed capacity or queued work.
+            self._dirty.set()
+        by_worker: dict[str, list[p.TaskAttempt]] = defaultdict(list)
+        reasons: dict[str, str] = {}
+        for stop in stops:
+            by_worker[stop.worker_id].append(p.TaskAttempt(stop.task_id, stop.attempt))
+            reasons[stop.worker_id] = stop.reason
+        for worker_id, attempts in by_worker.items():
+            session = self.sessions.get(worker_id)
+            if session is not None:
+                session.send(p.Cancel(tasks=tuple(attempts), reason=reasons[worker_id]))
+
+    # --- connections ----------------------------------------------------------------------
+
+    async def _handle_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        peer = writer.get_extra_info("peername")
+        decoder = p.FrameDecoder(self.config.max_frame_bytes)
+        session: _Session | None = None
+        try:
+            hello = await asyncio.wait_for(
+                self._read_hello(reader, decoder), timeout=self.config.hello_timeout_s
+            )
+            session = await self._register(hello, writer)
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    break
+                session.last_seen = time.monotonic()
+                for message in decoder.feed(data):
+                    self._dispatch(session, message)
+                if session.closed:
+                    break
+        except p.ProtocolError as exc:
+            logger.warning("worker %s at %s: %s", _name(session), peer, exc.message)
+            _send_error(writer, exc.code, exc.message)
+        except TimeoutError:
+            _send_error(writer, "timeout", "no hello within the handshake timeout")
+        except BrokerUnavailableError as exc:
+            _send_error(writer, "unavailable", str(exc))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            if session is not None:
+                session.close()
+                if self.sessions.get(session.worker_id) is session:
+                    del self.sessions[session.worker_id]
+                    self._last_contact[session.worker_id] = time.monotonic()
+                    logger.info("worker %s disconnected", session.worker_id)
+            else:
+                writer.close()
+
+    async def _read_hello(self, reader: asyncio.StreamReader, decoder: p.FrameDecoder) -> p.Hello:
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                raise ConnectionError("closed before hello")
+            messages = decoder.feed(data)
+            if messages:
+                hello = messages[0]
+                if not isinstance(hello, p.Hello):
+                    raise p.ProtocolError("bad_handshake", "the first message must be hello")
+                if len(messages) > 1:
+                    raise p.ProtocolError("bad_handshake", "wait for welcome before sending more")
+                return hello
+
+    async def _register(self, hello: p.Hello, writer: asyncio.StreamWriter) -> _Session:
+        if self.config.token is not None and hello.token != self.config.token:
+            raise p.ProtocolError("unauthorized", "wrong or missing worker token")
+        if not NAME_RE.match(hello.worker_id):
+            raise p.ProtocolError("bad_handshake", "worker_id must be a valid name")
+        if any(n < 0 for n in hello.task_types.values()) or any(
+            not (a >= 0) for a in hello.resources.values()
+        ):
+            raise p.ProtocolError("bad_handshake", "capacities and resources must be >= 0")
+        previous = self.sessions.pop(hello.worker_id, None)
+        if previous is not None:
+            # The same worker reconnected before we noticed the old connection died.
+            previous.close()
+        address = writer.get_extra_info("peername")
+        entry_running = tuple(e.TaskAttempt(r.task_id, r.attempt) for r in hello.running)
+        result = await self.node.propose(
+            lambda stamp: e.RegisterWorker(
+                time_ms=stamp.now_ms,
+                worker_id=hello.worker_id,
+                address=f"{address[0]}:{address[1]}" if address else "",
+                process_id=hello.process_id,
+                resources=dict(hello.resources),
+                task_types=dict(hello.task_types),
+                tenants=tuple(hello.tenants),
+                running=entry_running,
+            )
+        )
+        if isinstance(result, Rejected):
+            raise p.ProtocolError("bad_handshake", result.message)
+        assert isinstance(result, WorkerReconciled)
+        keep = {(k.task_id, k.attempt) for k in result.keep}
+        session = _Session(hello.worker_id, writer, self.config.max_frame_bytes)
+        session.send(
+            p.Welcome(
+                broker_id=self.node.config.broker_id,
+                heartbeat_interval_ms=self.config.heartbeat_interval_ms,
+                heartbeat_timeout_ms=self.config.heartbeat_timeout_ms,
+                keep=tuple(p.TaskAttempt(t, a) for t, a in sorted(keep)),
+                drop=tuple(r for r in hello.running if (r.task_id, r.attempt) not in keep),
+            )
+        )
+        self.sessions[hello.worker_id] = session
+        self._last_contact[hello.worker_id] = time.monotonic()
+        logger.info(
+            "worker %s connected (process %s), keeps %d tasks, lost %d",
+            hello.worker_id,
+            hello.process_id,
+            len(keep),
+            len(result.lost),
+        )
+        self._dirty.set()
+        return session
+
+    def _dispatch(self, session: _Session, message: p.Message) -> None:
+        if isinstance(message, p.Heartbeat):
+            return
+        if isinstance(message, p.Finish):
+            for report in message.reports:
+                self._reports.append((session, report))
+            self._reports_ready.set()
+            return
+        if isinstance(message, p.Error):
+            logger.warning("worker %s reported: %s", session.worker_id, message.message)
+            session.close()
+            return
+        raise p.ProtocolError(
+            "unexpected_message", f"a worker may not send {message.__class__.__name__}"
+        )
+
+    # --- scheduling -------------------------------------------------------------------------
+
+    async def _schedule_loop(self) -> None:
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            if not self.sessions or not self.node.writable:
+                continue
+            state = self.node.state
+            assignments = [
+                a
+                for a in schedule(state, max_assignments=self.config.max_assignments_per_round)
+                if a.worker_id in self.sessions
+            ]
+            if not assignments:
+                continue
+            batch = tuple(assignments)
+
+            def build(stamp: Stamp, batch: tuple[e.Assignment, ...] = batch) -> e.Entry:
+                return e.AssignTasks(time_ms=stamp.now_ms, assignments=batch)
+
+            try:
+                results = await self.node.propose(build)
+            except BrokerUnavailableError:
+                continue
+            assert isinstance(results, list)
+            self._push_assignments(batch, results)
+            if len(batch) >= self.config.max_assignments_per_round:
+                self._dirty.set()
+
+    def _push_assignments(
+        self, batch: tuple[e.Assignment, ...], results: list[TaskRef | Rejected]
+    ) -> None:
+        state = self.node.state
+        by_worker: dict[str, list[p.AssignedTask]] = defaultdict(list)
+        for assignment, result in zip(batch, results, strict=True):
+            if isinstance(result, Rejected):
+                continue
+            task = state.tasks.get(assignment.task_id)
+            if task is None or task.state != TaskState.RUNNING:
+                continue  # already over (cancelled in the same instant)
+            by_worker[assignment.worker_id].append(
+                p.AssignedTask(
+                    task_id=task.id,
+                    attempt=task.attempt,
+                    type=task.type,
+                    tenant=task.tenant,
+                    params=task.params,
+                    code=task.code,
+                    deadline_ms=task.deadline_ms,
+                    resources=task.resources,
+                )
+            )
+        for worker_id, tasks in by_worker.items():
+            session = self.sessions.get(worker_id)
+            if session is not None:
+                session.send(p.Assign(tasks=tuple(tasks)))
+            # If it vanished meanwhile, it either reconnects without these tasks
+            # (reconciliation re-queues them) or is declared dead.
+
+    # --- finish reports ---------------------------------------------------------------------
+
+    async def _finish_loop(self) -> None:
+        while True:
+            await self._reports_ready.wait()
+            self._reports_ready.clear()
+            while self._reports:
+                limit = self.config.max_reports_per_entry
+                batch, self._reports = self._reports[:limit], self._reports[limit:]
+                outcomes = tuple(self._outcome(session, report) for session, report in batch)
+
+                def build(stamp: Stamp, outcomes: tuple[e.TaskOutcome, ...] = outcomes) -> e.Entry:
+                    return e.FinishTasks(time_ms=stamp.now_ms, outcomes=outcomes)
+
+                try:
+                    await self.node.propose(build)
+                except BrokerUnavailableError:
+                    # Not acknowledged: the worker resends after reconnecting.
+                    self._reports.clear()
+                    break
+                acks: dict[_Session, list[p.TaskAttempt]] = defaultdict(list)
+                for session, report in batch:
+                    acks[session].append(p.TaskAttempt(report.task_id, report.attempt))
+                for session, attempts in acks.items():
+                    session.send(p.FinishAck(tasks=tuple(attempts)))
+
+    def _outcome(self, session: _Session, report: p.TaskReport) -> e.TaskOutcome:
+        result = report.result
+        error = report.error
+        ok = report.ok
+        if ok:
+            if result is None:
+                result = b"null"
+            elif len(result) > self.config.max_result_bytes:
+                ok, result, error = False, None, "result too large for the broker"
+            else:
+                try:
+                    msgspec.json.decode(result)
+                except msgspec.DecodeError:
+                    ok, result, error = False, None, "the worker sent a result that is not JSON"
+        return e.TaskOutcome(
+            task_id=report.task_id,
+            worker_id=session.worker_id,
+            attempt=report.attempt,
+            ok=ok,
+            result=result if ok else None,
+            error=None if ok else (error or "task failed")[:65536],
+        )
+
+    # --- heartbeats and dead workers -------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        interval_s = self.config.heartbeat_interval_ms / 1000
+        timeout_s = self.config.heartbeat_timeout_ms / 1000
+        seq = 0
+        while True:
+            await asyncio.sleep(interval_s)
+            seq += 1
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                if now - session.last_seen > timeout_s:
+                    logger.warning("worker %s missed its heartbeat deadline", session.worker_id)
+                    session.close()
+                    continue
+                session.send(p.Heartbeat(seq=seq))
+            if self.node.writable:
+                await self._declare_dead_workers(now, timeout_s)
+
+    async def _declare_dead_workers(self, now: float, timeout_s: float) -> None:
+        for worker in list(self.node.state.workers.values()):
+            if worker.state != WorkerState.CONNECTED or worker.id in self.sessions:
+                continue
+            if worker.id in self._declaring_dead:
+                continue
+            last = self._last_contact.get(worker.id, self._started)
+            if now - last <= timeout_s:
+                continue
+            self._declaring_dead.add(worker.id)
+            dead = e.WorkerDead(
+                time_ms=0,
+                worker_id=worker.id,
+                reason=f"no heartbeat for {self.config.heartbeat_timeout_ms} ms",
+                connected_ms=worker.connected_ms,
+            )
+
+            def build(stamp: Stamp, dead: e.WorkerDead = dead) -> e.Entry:
+                return msgspec.structs.replace(dead, time_ms=stamp.now_ms)
+
+            try:
+                await self.node.propose(build)
+                logger.warning("worker %s declared dead", worker.id)
+            except BrokerUnavailableError:
+                return
+            finally:
+                self._declaring_dead.discard(worker.id)
+
+
+def _name(session: _Session | None) -> str:
+    return session.worker_id if session is not None else "(before hello)"
+
+
+def _send_error(writer: asyncio.StreamWriter, code: str, message: str) -> None:
+    with contextlib.suppress(Exception):
+        writer.write(p.encode_message(p.Error(code=code, message=message)))
+        writer.close()
