@@ -83,15 +83,29 @@ class Binary(bytes):
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.headers = headers
+
+
+def _error_code(code: ErrorCode) -> str:
+    # The API says "invalid_request" for every invalid input, wherever it is caught.
+    return "invalid_request" if code is ErrorCode.INVALID else code.value
 
 
 def _rejected_error(rejected: Rejected) -> HttpError:
-    return HttpError(_STATUS_BY_CODE.get(rejected.code, 400), rejected.code.value, rejected.message)
+    return HttpError(
+        _STATUS_BY_CODE.get(rejected.code, 400), _error_code(rejected.code), rejected.message
+    )
 
 
 def iso_ms(epoch_ms: int | None) -> str | None:
@@ -181,10 +195,12 @@ class ApiApp:
             return
         if scope["type"] != "http":
             return
+        extra_headers: tuple[tuple[bytes, bytes], ...] = ()
         try:
             status, body = await self._dispatch(scope, receive)
         except HttpError as exc:
             status, body = exc.status, _error_bytes(exc.code, exc.message)
+            extra_headers = exc.headers
         except BrokerUnavailableError as exc:
             status, body = 503, _error_bytes("unavailable", str(exc))
         except Exception:
@@ -198,6 +214,7 @@ class ApiApp:
                 "headers": [
                     (b"content-type", content_type),
                     (b"content-length", str(len(body)).encode()),
+                    *extra_headers,
                 ],
             }
         )
@@ -222,7 +239,12 @@ class ApiApp:
             handler = route.handlers.get(method)
             if handler is None:
                 allowed = ", ".join(sorted(route.handlers))
-                raise HttpError(405, "method_not_allowed", f"{method} {path}: use {allowed}")
+                raise HttpError(
+                    405,
+                    "method_not_allowed",
+                    f"{method} {path}: use {allowed}",
+                    ((b"allow", allowed.encode()),),
+                )
             limit = (
                 self.config.max_code_bytes
                 if handler == self.upload_code
@@ -328,7 +350,7 @@ class ApiApp:
                 raise _rejected_error(result)
             return 201, _json_encoder.encode(m.TaskRefBody(result.id, result.state))
         out = [
-            m.SubmittedTask(error=m.ErrorDetail(r.code.value, r.message))
+            m.SubmittedTask(error=m.ErrorDetail(_error_code(r.code), r.message))
             if isinstance(r, Rejected)
             else m.SubmittedTask(id=r.id, state=r.state)
             for r in results
@@ -706,6 +728,7 @@ def openapi_document() -> dict[str, Any]:
         m.TransactionOutcome,
         m.TenantLimits,
         m.TenantView,
+        m.ArtifactView,
         m.ClusterSummary,
         m.DigestBody,
         m.Health,
@@ -820,6 +843,54 @@ def openapi_document() -> dict[str, Any]:
                 "requestBody": body("TenantLimits"),
                 "responses": {"200": response("TenantView"), **errors},
             },
+        },
+        "/api/v1/code": {
+            "post": {
+                "summary": "Upload a code artifact (.py, .zip or wheel; the raw bytes as body)",
+                "parameters": [{**query("name", {"type": "string"}), "required": True}],
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/octet-stream": {"schema": {"type": "string"}}},
+                },
+                "responses": {"201": response("ArtifactView"), **errors},
+            },
+            "get": {
+                "summary": "Every code artifact",
+                "responses": {
+                    "200": {
+                        "description": "OK",
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "properties": {
+                                        "artifacts": {
+                                            "type": "array",
+                                            "items": ref["ArtifactView"],
+                                        }
+                                    },
+                                    "required": ["artifacts"],
+                                }
+                            }
+                        },
+                    }
+                },
+            },
+        },
+        "/api/v1/code/{sha256}": {
+            "get": {
+                "summary": "Download a code artifact by its sha256",
+                "parameters": [
+                    {"name": "sha256", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "responses": {
+                    "200": {
+                        "description": "The artifact's bytes",
+                        "content": {"application/octet-stream": {"schema": {"type": "string"}}},
+                    },
+                    **errors,
+                },
+            }
         },
         "/api/v1/cluster": {
             "get": {"summary": "Cluster summary", "responses": {"200": response("ClusterSummary")}}

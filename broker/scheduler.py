@@ -33,7 +33,7 @@ waiting tasks and A assignments made:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Final
 
 from broker.entries import Assignment
@@ -71,8 +71,7 @@ class _Worker:
 
     def pool_for(self, task_type: str) -> _Pool | None:
         # A type listed by name uses its own capacity (even 0), never the "*" pool.
-        pool = self.pools.get(task_type)
-        return pool if pool is not None else self.pools.get(ANY_TYPE)
+        return self.pools.get(task_type, self.pools.get(ANY_TYPE))
 
 
 class _Tenant:
@@ -98,8 +97,12 @@ def schedule(
     state: StateMachine,
     max_assignments: int = DEFAULT_MAX_ASSIGNMENTS,
     lookahead: int = DEFAULT_LOOKAHEAD,
+    eligible_workers: Collection[str] | None = None,
 ) -> list[Assignment]:
     """Assignments for this round, in the order they were decided.
+
+    ``eligible_workers``: when given, only these (connected) workers receive
+    tasks, e.g. those with a live connection to this leader.
 
     ``lookahead``: how many tasks per tenant may be found not to fit (and be
     skipped) in one round before that tenant is passed over until the next
@@ -109,11 +112,13 @@ def schedule(
         raise ValueError("lookahead must be >= 1")
     if max_assignments <= 0:
         return []
-    return _Round(state, lookahead).run(max_assignments)
+    return _Round(state, lookahead, eligible_workers).run(max_assignments)
 
 
 class _Round:
-    def __init__(self, state: StateMachine, lookahead: int) -> None:
+    def __init__(
+        self, state: StateMachine, lookahead: int, eligible: Collection[str] | None = None
+    ) -> None:
         self.tasks = state.tasks
         self.limits = state.config.global_limits
         self.workers: list[_Worker] = []  # connected, by id
@@ -128,6 +133,8 @@ class _Round:
         for worker_id in sorted(state.workers):
             worker = state.workers[worker_id]
             if worker.state != WorkerState.CONNECTED:
+                continue
+            if eligible is not None and worker_id not in eligible:
                 continue
             view = _Worker(worker_id, worker.tenants, worker.resources)
             for task_type, capacity in worker.task_types.items():
@@ -149,22 +156,35 @@ class _Round:
                 if limits is not None and limits.max_running > 0:
                     view_t.room = limits.max_running
 
-        self.global_used = dict.fromkeys(self.limits, 0.0)
+        # Usage of the running tasks (one pass, inlined: this is most of a round's cost).
+        global_used = self.global_used = dict.fromkeys(self.limits, 0.0)
+        tasks = self.tasks
+        no_resources: dict[str, float] = {}
         for worker_id in sorted(state.running_by_worker):
             running = state.running_by_worker[worker_id]
             if not running:
                 continue
             on = by_id.get(worker_id)  # None: not connected (holds nothing by invariant)
+            pools = on.pools if on is not None else {}
+            star = pools.get(ANY_TYPE)
+            free = on.free if on is not None else no_resources
             for task_id in sorted(running):
-                task = self.tasks[task_id]
-                if on is not None:
-                    self._take(on, task)
-                else:
-                    self._take_global(task)
+                task = tasks[task_id]
+                pool = pools.get(task.type, star)
+                if pool is not None:
+                    pool.free -= 1
                 owner = tenants.get(task.tenant)
                 if owner is not None:
                     owner.running += 1
-                    for name, amount in task.resources.items():
+                asks = task.resources
+                if not asks:
+                    continue
+                for name, amount in asks.items():
+                    if name in free:
+                        free[name] -= amount
+                    if name in global_used:
+                        global_used[name] += amount
+                    if owner is not None:
                         owner.usage[name] = owner.usage.get(name, 0.0) + amount
 
         for view in self.workers:
@@ -189,23 +209,6 @@ class _Round:
             if total > 0:
                 share = max(share, used / total)
         return share
-
-    def _take(self, worker: _Worker, task: Task) -> None:
-        """Count a task (running, or assigned this round) against a worker and the limits."""
-        pool = worker.pool_for(task.type)
-        if pool is not None:
-            pool.free -= 1
-        free = worker.free
-        for name, amount in task.resources.items():
-            if name in free:
-                free[name] -= amount
-        self._take_global(task)
-
-    def _take_global(self, task: Task) -> None:
-        used = self.global_used
-        for name, amount in task.resources.items():
-            if name in used:
-                used[name] += amount
 
     # --- the round -------------------------------------------------------------------
 
@@ -240,7 +243,8 @@ class _Round:
         return None
 
     def _start(self, tenant: _Tenant, task: Task, pool: _Pool) -> None:
-        self._take(pool.worker, task)
+        """Count a task assigned this round against its worker, the limits and its tenant."""
+        pool.free -= 1
         self.free_slots -= 1
         if tenant.room is not None:
             tenant.room -= 1
@@ -248,9 +252,15 @@ class _Round:
         # or the share of a resource this task adds to.
         tenant.running += 1
         share = max(tenant.share, tenant.running / self.slots_total)
+        free = pool.worker.free
+        global_used = self.global_used
         totals = self.resource_totals
         usage = tenant.usage
         for name, amount in task.resources.items():
+            if name in free:
+                free[name] -= amount
+            if name in global_used:
+                global_used[name] += amount
             used = usage[name] = usage.get(name, 0.0) + amount
             total = totals.get(name, 0.0)
             if total > 0:
@@ -290,10 +300,10 @@ class _Round:
         refused: list[_PoolEntry] = []
         chosen: _Pool | None = None
         while heap:
-            stale_free, worker_id, pool = heap[0]
+            neg_free, worker_id, pool = heap[0]
             if pool.free <= 0:
                 heapq.heappop(heap)  # full for the rest of the round
-            elif -stale_free != pool.free:
+            elif -neg_free != pool.free:  # stale key: re-file under the current count
                 heapq.heapreplace(heap, (-pool.free, worker_id, pool))
             elif self._accepts(pool.worker, task):
                 chosen = pool

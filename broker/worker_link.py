@@ -23,7 +23,7 @@ import msgspec
 
 from broker import entries as e
 from broker import protocol as p
-from broker.node import BrokerUnavailableError, Node, Stamp
+from broker.node import BrokerStartupError, BrokerUnavailableError, Node, Stamp
 from broker.scheduler import schedule
 from broker.state import (
     NAME_RE,
@@ -103,9 +103,15 @@ class WorkerLink:
 
     async def start(self) -> None:
         self._started = time.monotonic()
-        self._server = await asyncio.start_server(
-            self._handle_connection, self.config.host, self.config.port, limit=2**20
-        )
+        try:
+            self._server = await asyncio.start_server(
+                self._handle_connection, self.config.host, self.config.port, limit=2**20
+            )
+        except OSError as exc:
+            raise BrokerStartupError(
+                f"cannot listen for workers on {self.config.host}:{self.config.port}: "
+                f"{exc.strerror or exc}"
+            ) from None
         self._tasks = [
             asyncio.create_task(self._schedule_loop(), name="steward-schedule"),
             asyncio.create_task(self._finish_loop(), name="steward-finish"),
@@ -284,11 +290,11 @@ class WorkerLink:
             if not self.sessions or not self.node.writable:
                 continue
             state = self.node.state
-            assignments = [
-                a
-                for a in schedule(state, max_assignments=self.config.max_assignments_per_round)
-                if a.worker_id in self.sessions
-            ]
+            assignments = schedule(
+                state,
+                max_assignments=self.config.max_assignments_per_round,
+                eligible_workers=self.sessions.keys(),
+            )
             if not assignments:
                 continue
             batch = tuple(assignments)

@@ -7,11 +7,12 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from clients.client import StewardClient, StewardError
+from clients.client import StewardClient, StewardError, TaskHandle, TaskTimeoutError
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 
@@ -58,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("standalone", help="run one standalone broker (no ZooKeeper)")
     p.add_argument("--data-dir", type=Path, default=Path("data"), help="default: ./data")
     p.add_argument("--http", type=_host_port, default=("127.0.0.1", 8080), metavar="HOST:PORT")
+    p.add_argument(
+        "--worker-listen",
+        type=_host_port,
+        default=("127.0.0.1", 7070),
+        metavar="HOST:PORT",
+        help="where workers connect (default %(default)s; port 0 picks a free one)",
+    )
     p.add_argument("--snapshot-interval-s", type=float, default=60.0)
     p.add_argument("--ledger-roll-mb", type=float, default=64.0)
     p.add_argument("--log-level", default="INFO")
@@ -74,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transaction", type=int)
     p.add_argument("--code", help="sha256 of an uploaded code artifact")
     p.add_argument("--count", type=int, default=1, help="submit this many copies in one batch")
+    p.add_argument(
+        "--wait", action="store_true", help="wait for the tasks to end (progress bar for many)"
+    )
+    p.add_argument("--timeout-s", type=float, default=None, help="with --wait: give up after")
 
     p = sub.add_parser("task", help="show one task")
     p.add_argument("id", type=int)
@@ -102,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant", default="default")
     p.add_argument("--ttl-s", type=float, default=60.0)
 
+    p = sub.add_parser("code", help="code artifacts")
+    code_sub = p.add_subparsers(dest="code_command", required=True, metavar="ACTION")
+    p = code_sub.add_parser("upload", help="upload a .py, .zip or .whl; prints its sha256")
+    p.add_argument("file", type=Path)
+    p.add_argument("--name", help="artifact name (default: the file name)")
+    code_sub.add_parser("list", help="list uploaded artifacts")
+
+    sub.add_parser("status", help="brokers, workers, tenants and task counts as tables")
     sub.add_parser("cluster", help="show the cluster summary")
     sub.add_parser("digest", help="show the state digest and log position")
     return parser
@@ -155,6 +175,73 @@ def _print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)))
 
 
+def _progress(done: int, total: int, started: float, width: int = 30) -> None:
+    filled = int(width * done / max(1, total))
+    elapsed = time.monotonic() - started
+    bar = "#" * filled + "-" * (width - filled)
+    end = "\n" if done >= total else ""
+    print(f"\r[{bar}] {done}/{total} tasks done, {elapsed:.1f} s", end=end, flush=True)
+
+
+def _wait_for(handles: list[TaskHandle], timeout_s: float | None, *, expected: int) -> int:
+    """Wait for every handle; one line per task (or a progress bar for many)."""
+    started = time.monotonic()
+    deadline = None if timeout_s is None else started + timeout_s
+    many = len(handles) > 1 and sys.stdout.isatty()
+    failed = expected - len(handles)
+    for done, handle in enumerate(handles, start=1):
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            task = handle.wait(remaining)
+        except TaskTimeoutError:
+            print(f"\nsteward: task {handle.id} not finished within {timeout_s} s", file=sys.stderr)
+            return 1
+        if task["state"] != "finished":
+            failed += 1
+        if many:
+            _progress(done, len(handles), started)
+        else:
+            result = json.dumps(task.get("result")) if task["state"] == "finished" else ""
+            error = (task.get("error") or "").strip().splitlines()
+            print(f"{task['id']} {task['state']} {result or (error[0] if error else '')}")
+    if many:
+        states = f"{len(handles) - failed} finished, {failed} failed"
+        print(f"{states} in {time.monotonic() - started:.1f} s")
+    return 1 if failed else 0
+
+
+def _print_status(client: StewardClient) -> None:
+    summary = client.cluster()
+    print(f"cluster {summary['cluster_id']}  leader {summary['leader']}\n")
+    brokers = [
+        {**b, "position": f"{b['position']['ledger_id']}:{b['position']['entry_id']}"}
+        for b in summary["brokers"]
+    ]
+    _print_table(brokers, ["id", "host", "port", "is_leader", "position", "uptime_secs"])
+    print()
+    if summary["workers"]:
+        _print_table(summary["workers"], ["id", "state", "address", "running_tasks", "resources"])
+    else:
+        print("no workers")
+    print()
+    tenants = [
+        {
+            "name": t["name"],
+            "weight": t["weight"],
+            "max_running": t["max_running"] or "-",
+            "max_waiting": t["max_waiting"] or "-",
+            **{k: v for k, v in t["counts"].items() if k in ("waiting", "running", "finished")},
+            "failed": t["counts"].get("error", 0),
+        }
+        for t in client.tenants()
+    ]
+    if tenants:
+        columns = ["name", "weight", "max_running", "max_waiting", "waiting", "running"]
+        _print_table(tenants, [*columns, "finished", "failed"])
+        print()
+    print("tasks: " + ", ".join(f"{k}={v}" for k, v in summary["tasks"].items()))
+
+
 def run_client_command(args: argparse.Namespace) -> int:
     with StewardClient(args.url) as client:
         if args.command == "submit":
@@ -176,16 +263,19 @@ def run_client_command(args: argparse.Namespace) -> int:
             if args.count < 1:
                 raise UsageError("--count must be >= 1")
             if args.count == 1:
-                print(client.submit(**task).id)
+                handles = [client.submit(**task)]
             else:
-                failed = 0
+                handles = []
                 for result in client.submit_many([task] * args.count):
                     if isinstance(result, StewardError):
-                        failed += 1
                         print(f"error: {result.message}", file=sys.stderr)
                     else:
-                        print(result.id)
-                return 1 if failed else 0
+                        handles.append(result)
+            if not args.wait:
+                for handle in handles:
+                    print(handle.id)
+                return 0 if len(handles) == args.count else 1
+            return _wait_for(handles, args.timeout_s, expected=args.count)
         elif args.command == "task":
             found = client.task(args.id)
             if args.json:
@@ -232,6 +322,15 @@ def run_client_command(args: argparse.Namespace) -> int:
                     client.commit(args.id) if args.action == "commit" else client.rollback(args.id)
                 )
                 print(f"transaction {done['id']} {done['outcome']}: tasks {done['tasks']}")
+        elif args.command == "code":
+            if args.code_command == "upload":
+                if not args.file.is_file():
+                    raise UsageError(f"{args.file} is not a file")
+                print(client.upload_code(args.file, name=args.name))
+            else:
+                _print_table(client.code(), ["sha256", "name", "size_bytes", "created_at"])
+        elif args.command == "status":
+            _print_status(client)
         elif args.command == "cluster":
             summary = client.cluster()
             brokers = [
@@ -257,6 +356,7 @@ def run_standalone(args: argparse.Namespace) -> int:
     from broker.http_api import ApiConfig
     from broker.node import BrokerStartupError, NodeConfig
     from broker.standalone import StandaloneConfig, serve_standalone
+    from broker.worker_link import WorkerLinkConfig
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -269,6 +369,7 @@ def run_standalone(args: argparse.Namespace) -> int:
             ledger_roll_bytes=int(args.ledger_roll_mb * 1024 * 1024),
         ),
         api=ApiConfig(host=host, port=port),
+        workers=WorkerLinkConfig(host=args.worker_listen[0], port=args.worker_listen[1]),
     )
     try:
         uvloop.run(serve_standalone(config))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from pathlib import Path
 from typing import Any, Final
 
@@ -28,7 +28,7 @@ class StewardError(Exception):
     """An error answered by the broker (``status`` 4xx/5xx, ``code``, ``message``)."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(f"{message} ({code}, HTTP {status})")
+        super().__init__(f"{message} ({code}, HTTP {status})" if status else message)
         self.status = status
         self.code = code
         self.message = message
@@ -266,9 +266,7 @@ class StewardClient:
         return int(self._call("POST", "/api/v1/transactions", json=body)["id"])
 
     def commit(self, transaction_id: int) -> dict[str, Any]:
-        result: dict[str, Any] = self._call(
-            "POST", f"/api/v1/transactions/{transaction_id}/commit"
-        )
+        result: dict[str, Any] = self._call("POST", f"/api/v1/transactions/{transaction_id}/commit")
         return result
 
     def rollback(self, transaction_id: int) -> dict[str, Any]:
@@ -284,10 +282,9 @@ class StewardClient:
         try:
             yield txn
         except BaseException:
-            try:
+            # It may have expired already; the original error is what matters.
+            with suppress(StewardError):
                 self.rollback(txn.id)
-            except StewardError:
-                pass  # it may have expired already; the original error matters
             raise
         self.commit(txn.id)
 
@@ -348,7 +345,8 @@ class AsyncTaskHandle:
     def __repr__(self) -> str:
         return f"AsyncTaskHandle(id={self.id})"
 
-    async def wait(self, timeout: float | None = None) -> dict[str, Any]:
+    # Same signature as the sync handle (``result(timeout)``), hence the noqa.
+    async def wait(self, timeout: float | None = None) -> dict[str, Any]:  # noqa: ASYNC109
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
@@ -359,7 +357,7 @@ class AsyncTaskHandle:
             if deadline is not None and loop.time() >= deadline:
                 raise TaskTimeoutError(self.id, timeout or 0.0)
 
-    async def result(self, timeout: float | None = None) -> Any:
+    async def result(self, timeout: float | None = None) -> Any:  # noqa: ASYNC109
         return _result_of(await self.wait(timeout))
 
     async def cancel(self) -> dict[str, Any]:
@@ -488,10 +486,8 @@ class AsyncStewardClient:
         try:
             yield txn
         except BaseException:
-            try:
+            with suppress(StewardError):
                 await self.rollback(txn.id)
-            except StewardError:
-                pass
             raise
         await self.commit(txn.id)
 
@@ -501,7 +497,7 @@ class AsyncStewardClient:
             "POST",
             "/api/v1/code",
             params={"name": name or file.name},
-            content=file.read_bytes(),
+            content=await asyncio.to_thread(file.read_bytes),
             timeout_s=max(self._timeout_s, 300.0),
         )
         return str(answer["sha256"])

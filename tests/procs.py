@@ -7,7 +7,9 @@ always kills its subprocess (by pid, never by name) when the block ends.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import re
 import shutil
 import signal
 import socket
@@ -44,6 +46,27 @@ def steward_command() -> list[str]:
     return [sys.executable, "-m", "clients.cli"]
 
 
+@functools.cache
+def standalone_listen_options() -> tuple[str, ...]:
+    """Options of ``steward standalone`` besides ``--http`` that take a HOST:PORT to listen on.
+
+    Each broker a test starts gets a free port for every one of them, so brokers of
+    concurrent test runs never fight over a fixed default port.
+    """
+    try:
+        result = subprocess.run(
+            [*steward_command(), "standalone", "--help"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return ()
+    found = re.findall(r"(--[a-z][a-z0-9-]*)[ =]HOST:PORT", result.stdout)
+    return tuple(sorted(set(found) - {"--http"}))
+
+
 class BrokerStartError(RuntimeError):
     """The broker subprocess did not become healthy in time (its log tail is included)."""
 
@@ -75,6 +98,7 @@ class BrokerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self._log_file: IO[bytes] | None = None
+        self._start_offset = 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -105,30 +129,54 @@ class BrokerProcess:
             cmd += ["--snapshot-interval-s", str(self.snapshot_interval_s)]
         if self.ledger_roll_mb is not None:
             cmd += ["--ledger-roll-mb", str(self.ledger_roll_mb)]
+        for option in standalone_listen_options():
+            if option not in self.extra_args:
+                cmd += [option, f"{HOST}:{free_port()}"]
         return cmd + list(self.extra_args)
 
-    def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S, *, attempts: int = 3) -> None:
-        """Start the broker and wait until it is healthy (at most ``timeout_s`` per attempt)."""
+    def start(
+        self, timeout_s: float = DEFAULT_START_TIMEOUT_S, *, busy_port_wait_s: float = 60.0
+    ) -> None:
+        """Start the broker and wait until it is healthy (at most ``timeout_s`` per attempt).
+
+        A start that fails only because a port is taken is retried with a new HTTP port:
+        the free port may have been grabbed meanwhile, and the broker may also listen on
+        fixed ports (the workers' one) that other brokers on this host hold for a while.
+        Such retries go on for at most ``busy_port_wait_s``.
+        """
         assert not self.running(), "broker already running"
-        last_error: BrokerStartError | None = None
-        for _ in range(attempts):
+        give_up = time.monotonic() + busy_port_wait_s
+        pause_s = 0.1
+        while True:
             self._spawn(free_port())
             try:
                 self.wait_healthy(timeout_s)
                 return
-            except BrokerStartError as exc:
-                last_error = exc
-                self.kill()
-                if "could not serve HTTP" not in self.log_tail():
-                    raise  # not a lost port race: a real failure
-        assert last_error is not None
-        raise last_error
+            except BrokerStartError:
+                self.kill9()
+                output = self.start_output()
+                port_taken = "could not serve HTTP" in output or "address already in use" in output
+                if not port_taken or time.monotonic() + pause_s > give_up:
+                    raise
+            time.sleep(pause_s)
+            pause_s = min(pause_s * 2, 2.0)
+
+    def start_output(self) -> str:
+        """What the broker printed since its latest start."""
+        try:
+            with open(self.log_path, "rb") as log_file:
+                log_file.seek(self._start_offset)
+                return log_file.read().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
 
     def _spawn(self, port: int) -> None:
         self.port = port
         self.starts += 1
         self._close_log()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in _close_log
+        self._start_offset = self._log_file.tell()
         header = f"\n===== start #{self.starts} on port {port} at {time.time():.3f} =====\n"
         self._log_file.write(header.encode())
         self._log_file.flush()

@@ -9,16 +9,20 @@ applied to several replicas:
   state transition (it overrides the private ``_add_task``, ``_move`` and
   ``_delete_task`` hooks, calls the real code and changes nothing), so every
   transition of every task can be checked against the rules;
-- ``B``: a plain replica fed its own decoded copy of each entry;
-- ``L``: a "leader" replica applying the original entry objects, as a leader
-  applies what it has just logged;
-- ``S1``, ``S2``: replicas loaded from ``A``'s snapshot at two random points
-  and fed the rest of the stream.
+- ``B``: a plain replica fed its own decoded copy of each entry (it also
+  collects the node effects, checked against A's transitions);
+- ``L``: a "leader" replica applying the original entry objects, as the
+  leader's node applies what it has just logged;
+- ``S@<i>``: two replicas loaded from ``A``'s snapshot at random points i and
+  fed the rest of the stream.
 
 Their apply results must be identical entry by entry and their digests
-identical at checkpoints and at the end. ``check_invariants()`` runs often,
-plus the independent checks below (``_full_scan``, ``_check_events``,
-``_check_result``).
+identical at checkpoints and at the end. Besides ``check_invariants()``, the
+``Checker`` checks every transition against the rules (``_check_events``),
+every result against the entry and the state (``_check_result``), the
+atomicity of transactions, and rescans the whole state now and then
+(``full_scan``). The generator's ``Expect`` adds what it knows for sure
+about a result (a reused id must be rejected as invalid, ...).
 
 Seeds: ``STEWARD_SIM_SEEDS=N`` runs seeds 0..N-1 (``A:B`` runs A..B-1),
 ``STEWARD_SIM_SEED=n`` runs only seed n, ``STEWARD_SIM_ENTRIES`` sets the
@@ -27,6 +31,7 @@ stream length (default 10,000). A failure names its seed and entry index.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -34,7 +39,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Final
+from typing import Final, NoReturn
 
 import msgspec
 import pytest
@@ -45,22 +50,28 @@ from broker.state import (
     LIVE_STATES,
     QUEUED_STATES,
     ApplyResult,
+    Artifact,
     ErrorCode,
     Rejected,
     StateMachine,
+    StopRunning,
     Task,
     TaskRef,
     TaskState,
     Tenant,
     TransactionDone,
     TransactionRef,
+    WorkerReconciled,
     WorkerState,
 )
 
 DEFAULT_SEEDS: Final = 20
 DEFAULT_ENTRIES: Final = 10_000
-#: check_invariants() and the full independent scan run at least this often.
-SCAN_EVERY: Final = 25
+#: check_invariants() runs this often (and after SetConfig entries, and at the end).
+INVARIANTS_EVERY: Final = 50
+#: The independent full scan runs this often, half-way between two check_invariants()
+#: (and after entries that hit a timer's due time, and at the end).
+SCAN_EVERY: Final = 50
 #: Digests of all replicas are compared this often (and at the end).
 DIGEST_EVERY: Final = 500
 
@@ -71,7 +82,7 @@ TYPES: Final = ("py", "spark", "sql.query", "ns:job", "_private")
 BAD_TYPES: Final = ("", ".py", "bad type", "x" * 129, "café")
 SLOTS: Final = tuple(f"slot-{i}" for i in range(8))
 WORKERS: Final = ("w0", "w1", "w2", "w3", "w4")
-CODE_SHA: Final = "0123456789abcdef" * 4
+CODE_SHAS: Final = ("0123456789abcdef" * 4, "ab" * 32, "0" * 64)
 
 PENDING: Final = TaskState.PENDING.value
 DELAYED: Final = TaskState.DELAYED.value
@@ -108,7 +119,7 @@ class SimulationFailure(AssertionError):
     pass
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     raise SimulationFailure(message)
 
 
@@ -162,6 +173,7 @@ class Expect:
 
     reject: dict[int, frozenset[ErrorCode]] = field(default_factory=dict)
     accept: set[int] = field(default_factory=set)
+    scan: bool = False  # run the full scan right after this entry
 
 
 INVALID: Final = frozenset({ErrorCode.INVALID})
@@ -187,7 +199,7 @@ class EntryGenerator:
         self.submit_weight = self.rng.choice((18, 24, 30))
         self.slot_probability = self.rng.choice((0.1, 0.35, 0.6))
         for worker in WORKERS[:3]:
-            self.scripted.append(lambda worker=worker: self._register(worker))
+            self.scripted.append(functools.partial(self._register, worker))
         if self.small_retention:
             retention = self.rng.choice((1, 500, 5_000, 60_000))
             self.scripted.append(lambda: self._config(retention))
@@ -204,6 +216,7 @@ class EntryGenerator:
             (self._register_random, 3),
             (self._worker_dead, 2),
             (self._config_random, 0.3),
+            (self._add_code, 0.5),
         ]
         self.kinds = [k for k, _ in kinds]
         self.kind_weights = [w for _, w in kinds]
@@ -306,7 +319,7 @@ class EntryGenerator:
         spec_type = rng.choice(TYPES)
         slot = rng.choice(SLOTS) if rng.random() < self.slot_probability else None
         max_attempts = rng.randint(1, 3)
-        code = CODE_SHA if rng.random() < 0.05 else None
+        code = rng.choice(CODE_SHAS) if rng.random() < 0.05 else None
         if rng.random() < 0.06:
             bad = True
             variant = rng.randrange(9)
@@ -323,7 +336,7 @@ class EntryGenerator:
             elif variant == 5:
                 slot = rng.choice(("", "s" * 257))
             elif variant == 6:
-                code = rng.choice(("abc", CODE_SHA.upper(), CODE_SHA + "0"))
+                code = rng.choice(("abc", CODE_SHAS[0].upper(), CODE_SHAS[0] + "0"))
             elif variant == 7:
                 resources = {f"r{i}": 1.0 for i in range(33)}
             else:
@@ -407,7 +420,9 @@ class EntryGenerator:
             ttl = rng.randint(15_000, 600_000)
         if 0 not in expect.reject:
             expect.accept.add(0)
-        entry = e.BeginTransaction(time_ms=time_ms, transaction_id=txn_id, tenant=tenant, ttl_ms=ttl)
+        entry = e.BeginTransaction(
+            time_ms=time_ms, transaction_id=txn_id, tenant=tenant, ttl_ms=ttl
+        )
         return entry, expect
 
     def _txn_target(self, time_ms: int) -> tuple[int, Expect]:
@@ -468,8 +483,12 @@ class EntryGenerator:
         patch = e.TenantLimitsPatch(max_waiting=max_waiting, max_running=max_running, weight=weight)
         return e.SetTenant(time_ms=time_ms, tenant=tenant, limits=patch), expect
 
-    def _config(self, retention: int | None) -> tuple[e.Entry, Expect]:
-        entry = e.SetConfig(time_ms=self._time(), finished_task_retention_ms=retention)
+    def _config(
+        self, retention: int | None, limits: dict[str, float] | None = None
+    ) -> tuple[e.Entry, Expect]:
+        entry = e.SetConfig(
+            time_ms=self._time(), finished_task_retention_ms=retention, global_limits=limits
+        )
         return entry, Expect()
 
     def _config_random(self) -> tuple[e.Entry, Expect]:
@@ -478,10 +497,57 @@ class EntryGenerator:
             retention = rng.choice((None, 0, -1, 1, 200, 3_000, 30_000))
         else:
             retention = rng.choice((None, 0, -1, 3_600_000, 86_400_000, 2 * 86_400_000))
-        return self._config(retention)
+        limits: dict[str, float] | None = None
+        expect = Expect()
+        r = rng.random()
+        if r < 0.3:
+            choices: tuple[dict[str, float], ...] = ({}, {"licence": 2}, {"licence": 1.5, "gpu": 0})
+            limits = rng.choice(choices)  # ints too
+        elif r < 0.4:
+            limits = rng.choice(({"licence": -1.0}, {"bad name": 1.0}, {"gpu": math.inf}))
+            expect.reject[0] = INVALID
+        entry, _ = self._config(retention, limits)
+        return entry, expect
+
+    def _add_code(self) -> tuple[e.Entry, Expect]:
+        rng = self.rng
+        expect = Expect()
+        sha = rng.choice(CODE_SHAS)
+        if rng.random() < 0.2:
+            sha = rng.choice(("", "xyz", "A" * 64, sha[:-1], sha + "0"))
+            expect.reject[0] = INVALID
+        else:
+            expect.accept.add(0)
+        entry = e.AddCode(
+            time_ms=self._time(), sha256=sha, name="job.py", size_bytes=rng.randint(1, 10_000)
+        )
+        return entry, expect
+
+    def _due_times(self) -> list[int]:
+        """Some future times at which timers are due (to hit them exactly)."""
+        view = self.view
+        now = view.now_ms
+        due: list[int] = [t.expires_ms for t in view.transactions.values()]
+        for task_id in sorted(view.by_state[DELAYED])[:32]:
+            due.append(view.tasks[task_id].start_after_ms or 0)
+        for state in (WAITING, RUNNING, PENDING):
+            for task_id in sorted(view.by_state[state])[:32]:
+                due.append(view.tasks[task_id].deadline_ms or 0)
+        retention = view.config.finished_task_retention_ms
+        for task_id in list(self.recent_ids)[-32:]:
+            task = view.tasks.get(task_id)
+            if task is not None and task.finished_ms is not None:
+                due.append(task.finished_ms + retention)
+        return sorted({t for t in due if t > now})
 
     def _tick(self) -> tuple[e.Entry, Expect]:
         rng = self.rng
+        if rng.random() < 0.25:
+            due = self._due_times()
+            if due:
+                # Exactly at a timer's due time, or just before it.
+                self.now_ms = rng.choice(due[:4]) - rng.choice((0, 0, 0, 1))
+                return e.Tick(time_ms=self.now_ms), Expect(scan=True)
         r = rng.random()
         if r < 0.1:
             step = 0
@@ -497,11 +563,24 @@ class EntryGenerator:
         return e.Tick(time_ms=self.now_ms), Expect()
 
     def _register(self, worker_id: str) -> tuple[e.Entry, Expect]:
+        rng = self.rng
         expect = Expect()
         if worker_id:
             expect.accept.add(0)
         else:
             expect.reject[0] = INVALID
+        # A reconnecting worker reports the attempts it still runs: most of the
+        # state's, sometimes with a wrong attempt, sometimes tasks it never had.
+        running: list[e.TaskAttempt] = []
+        for task_id in sorted(self.view.running_by_worker.get(worker_id, ())):
+            task = self.view.tasks[task_id]
+            r = rng.random()
+            if r < 0.6:
+                running.append(e.TaskAttempt(task_id, task.attempt))
+            elif r < 0.7:
+                running.append(e.TaskAttempt(task_id, task.attempt + rng.choice((-1, 1))))
+        if rng.random() < 0.2:
+            running.append(e.TaskAttempt(self._recent(), 1))
         entry = e.RegisterWorker(
             time_ms=self._time(),
             worker_id=worker_id,
@@ -510,6 +589,7 @@ class EntryGenerator:
             resources={"cpu": self.rng.choice((2, 4.0, 8.0)), "mem": 16384.0},
             task_types={"*": self.rng.randint(1, 8)},
             tenants=tuple(self.rng.sample(TENANTS, self.rng.randint(0, 2))),
+            running=tuple(running),
         )
         return entry, expect
 
@@ -638,7 +718,7 @@ TRANSITIONS: Final[dict[tuple[str | None, str | None], frozenset[type] | None]] 
     (WAITING, CANCELLED): frozenset({e.CancelTask}),
     (WAITING, ERROR): TIMER,
     (RUNNING, FINISHED): frozenset({e.FinishTasks}),
-    (RUNNING, WAITING): frozenset({e.FinishTasks, e.WorkerDead}),
+    (RUNNING, WAITING): frozenset({e.FinishTasks, e.WorkerDead, e.RegisterWorker}),
     (RUNNING, ERROR): TIMER,  # deadline, or a last failed attempt (checked below)
     (RUNNING, CANCELLED): frozenset({e.CancelTask}),
     (FINISHED, None): TIMER,  # purge
@@ -652,9 +732,10 @@ RESULT_TYPES: Final[dict[type, tuple[type, ...]]] = {
     e.CommitTransaction: (TransactionDone, Rejected),
     e.RollbackTransaction: (TransactionDone, Rejected),
     e.SetTenant: (Tenant, Rejected),
-    e.SetConfig: (type(None),),
+    e.SetConfig: (type(None), Rejected),
     e.Tick: (type(None),),
-    e.RegisterWorker: (type(None), Rejected),
+    e.RegisterWorker: (WorkerReconciled, Rejected),
+    e.AddCode: (Artifact, Rejected),
     e.WorkerDead: (type(None), Rejected),
 }
 
@@ -668,6 +749,8 @@ class Pre:
     worker_running: frozenset[int] = frozenset()
     open_txns: frozenset[int] = frozenset()
     retention_ms: int = 0  # purge timers fire before the entry's own change of it
+    # RegisterWorker: the (task, attempt) pairs the state has running on that worker.
+    reported: frozenset[tuple[int, int]] = frozenset()
 
 
 class Checker:
@@ -682,6 +765,7 @@ class Checker:
         self.last_new_id = 0
         self.txn_members: dict[int, set[int]] = {}  # txn id -> ids submitted into it
         self.stats: Counter[str] = Counter()
+        self.last_events: list[Event] = []
 
     # --- before / after each entry --------------------------------------------------
 
@@ -696,12 +780,13 @@ class Checker:
             if txn is not None:
                 pre.txn_tasks = list(txn.task_ids)
                 pre.txn_tenant = txn.tenant
-        elif isinstance(entry, e.WorkerDead):
+        elif isinstance(entry, e.WorkerDead | e.RegisterWorker):
             pre.worker_running = frozenset(m.running_by_worker.get(entry.worker_id, ()))
+            pre.reported = frozenset((tid, m.tasks[tid].attempt) for tid in pre.worker_running)
         return pre
 
     def after(self, entry: e.Entry, result: ApplyResult, expect: Expect, pre: Pre) -> None:
-        events = self.m.events
+        events = self.last_events = self.m.events
         self.m.events = []
         self._check_events(entry, events, pre)
         self._check_result(entry, result, expect, pre)
@@ -752,6 +837,8 @@ class Checker:
                     fail(f"task {tid} left pending by a commit of another transaction")
                 if new == DELAYED and not (task.start_after_ms or 0) > now:
                     fail(f"task {tid} committed as delayed though start_after has passed")
+                if new == WAITING and (task.start_after_ms or 0) > now:
+                    fail(f"task {tid} committed as waiting before its start_after")
             elif (old, new) == (DELAYED, WAITING):
                 if task.start_after_ms is None or task.start_after_ms > now:
                     fail(f"task {tid} started before its start_after {task.start_after_ms}")
@@ -767,9 +854,12 @@ class Checker:
                     fail(f"task {tid} failed at attempt {ev.attempt} of {task.max_attempts}")
                 if not task.error:
                     fail(f"task {tid} failed without an error message")
-            if new is None and old in FINAL:
-                if task.finished_ms is None or task.finished_ms + pre.retention_ms > now:
-                    fail(f"task {tid} purged early: finished {task.finished_ms}, now {now}")
+            if (
+                new is None
+                and old in FINAL
+                and (task.finished_ms is None or task.finished_ms + pre.retention_ms > now)
+            ):
+                fail(f"task {tid} purged early: finished {task.finished_ms}, now {now}")
             if new is None and old == PENDING:
                 txn_id = task.transaction
                 if txn_id is None or txn_id in m.transactions:
@@ -799,6 +889,10 @@ class Checker:
         """Whether this entry ends the running attempt of task ``tid`` (failure or death)."""
         if isinstance(entry, e.FinishTasks):
             return any(o.task_id == tid and not o.ok for o in entry.outcomes)
+        if isinstance(entry, e.RegisterWorker):
+            # Lost: the state had it running there and the worker did not report that attempt.
+            attempt = dict(pre.reported).get(tid)
+            return attempt is not None and e.TaskAttempt(tid, attempt) not in entry.running
         return isinstance(entry, e.WorkerDead) and tid in pre.worker_running
 
     @staticmethod
@@ -858,7 +952,9 @@ class Checker:
                 if isinstance(entry, e.AssignTasks)
                 else [o.task_id for o in entry.outcomes]
             )
-            accepted = [tid for tid, item in zip(ids, items, strict=True) if isinstance(item, TaskRef)]
+            accepted = [
+                tid for tid, item in zip(ids, items, strict=True) if isinstance(item, TaskRef)
+            ]
             if len(accepted) != len(set(accepted)):
                 fail(f"a task was accepted twice in one entry: {accepted}")
             for i, item in enumerate(items):
@@ -915,14 +1011,38 @@ class Checker:
                     wanted = getattr(limits, name)
                     if wanted is not None and getattr(item, name) != wanted:
                         fail(f"tenant {item.name} {name} is {getattr(item, name)}, set {wanted}")
-        elif isinstance(entry, e.SetConfig):
+        elif isinstance(entry, e.SetConfig) and result is None:
             wanted = entry.finished_task_retention_ms
             if wanted is not None and wanted > 0 and m.config.finished_task_retention_ms != wanted:
                 fail(f"retention not set to {wanted}")
-        elif isinstance(entry, e.RegisterWorker):
+            if entry.global_limits is not None and m.config.global_limits != entry.global_limits:
+                fail(f"global limits not set to {entry.global_limits}")
+        elif isinstance(entry, e.RegisterWorker) and isinstance(result, WorkerReconciled):
             worker = m.workers.get(entry.worker_id)
-            if result is None and (worker is None or worker.state != WorkerState.CONNECTED):
+            if worker is None or worker.state != WorkerState.CONNECTED:
                 fail(f"registered worker {entry.worker_id!r} is not connected")
+            reported = {(r.task_id, r.attempt) for r in entry.running}
+            keep = {(k.task_id, k.attempt) for k in result.keep}
+            # What it ran when the handler started: less the tasks whose deadline just fired.
+            had = {
+                (tid, attempt)
+                for tid, attempt in pre.reported
+                if not self._deadline_error(m.tasks[tid], m.now_ms)
+            }
+            if result.worker_id != entry.worker_id or keep != had & reported:
+                fail(f"reconcile kept {sorted(keep)}; had {sorted(had)}")
+            self.stats["reconcile lost"] += len(result.lost)
+            self.stats["reconcile kept"] += len(result.keep)
+            if set(result.lost) != {tid for tid, _ in had - reported}:
+                fail(f"reconcile lost {result.lost}; had {sorted(had)}")
+            for tid in result.lost:
+                if m.tasks[tid].state not in (WAITING, ERROR):
+                    fail(f"lost task {tid} is {m.tasks[tid].state}")
+            if set(m.running_by_worker.get(entry.worker_id, ())) != {t for t, _ in keep}:
+                fail(f"worker {entry.worker_id} runs other tasks than the kept ones")
+        elif isinstance(entry, e.AddCode) and isinstance(result, Artifact):
+            if m.artifacts.get(entry.sha256) is not result or result.sha256 != entry.sha256:
+                fail(f"artifact {entry.sha256} not stored: {result!r}")
         elif isinstance(entry, e.WorkerDead) and result is None:
             worker = m.workers[entry.worker_id]
             if worker.state != WorkerState.DEAD or m.running_by_worker.get(worker.id):
@@ -931,7 +1051,25 @@ class Checker:
     def _check_submit(self, entry: e.SubmitTasks, items: list[object]) -> None:
         m = self.m
         now = m.now_ms
-        for spec, item in zip(entry.tasks, items, strict=True):
+        # Queued count of each tenant just before each spec was applied: nothing
+        # leaves a queue during a submission, so count back from the end.
+        queued_after: dict[str, int] = {}
+        queued_before: list[int] = []
+        for spec, item in reversed(list(zip(entry.tasks, items, strict=True))):
+            if spec.tenant not in queued_after:
+                counts = m.tenant_counts_view(spec.tenant)
+                queued_after[spec.tenant] = sum(counts[s] for s in QUEUED)
+            if isinstance(item, TaskRef):
+                queued_after[spec.tenant] -= 1
+            queued_before.append(queued_after[spec.tenant])
+        queued_before.reverse()
+        for spec, item, queued in zip(entry.tasks, items, queued_before, strict=True):
+            limit = m.tenants[spec.tenant].max_waiting if spec.tenant in m.tenants else 0
+            if isinstance(item, TaskRef) and limit and queued >= limit:
+                fail(f"task {spec.id} accepted with {queued} queued, max_waiting {limit}")
+            full = isinstance(item, Rejected) and item.code == ErrorCode.TENANT_QUEUE_FULL
+            if full and not 0 < limit <= queued:
+                fail(f"queue full for {spec.tenant} with {queued} queued, max {limit}")
             task = m.tasks.get(spec.id)
             if isinstance(item, TaskRef):
                 if item.id != spec.id or task is None or task.state != item.state:
@@ -970,13 +1108,11 @@ class Checker:
                     if holder is None or holder == spec.id or m.tasks[holder].state not in LIVE:
                         fail(f"slot {spec.slot!r} busy but held by {holder}")
                 elif item.code == ErrorCode.TENANT_QUEUE_FULL:
-                    tenant = m.tenants.get(spec.tenant)
-                    counts = m.tenant_counts_view(spec.tenant)
-                    queued = sum(counts[s] for s in QUEUED)
-                    if tenant is None or not 0 < tenant.max_waiting <= queued:
-                        fail(f"queue full for {spec.tenant} with {queued} queued, {tenant!r}")
+                    pass  # checked above
                 elif item.code == ErrorCode.NOT_FOUND:
-                    if spec.transaction is None or spec.transaction in m.transactions:
+                    no_txn = spec.transaction is not None and spec.transaction not in m.transactions
+                    no_code = spec.code is not None and spec.code not in m.artifacts
+                    if not (no_txn or no_code):
                         fail(f"not_found for spec {spec.id} with txn {spec.transaction}")
                 else:
                     fail(f"submit rejected with {item.code}")
@@ -1023,6 +1159,31 @@ class Checker:
         if isinstance(result, TransactionDone) and result.id not in closed:
             fail(f"transaction {result.id} reported done but was not open")
 
+    # --- effects for the node's listeners ----------------------------------------------------
+
+    def check_effects(self, entry: e.Entry, final: list[int], stops: list[StopRunning]) -> None:
+        """A replica's drained effects against this entry's transitions."""
+        now = self.m.now_ms
+        expected_final: list[int] = []
+        expected_stops: list[StopRunning] = []
+        for ev in self.last_events:
+            if ev.new in FINAL:
+                expected_final.append(ev.task_id)
+            if ev.old == RUNNING and ev.new == CANCELLED:
+                assert isinstance(entry, e.CancelTask)
+                expected_stops.append(
+                    StopRunning(ev.task.worker or "", ev.task_id, ev.attempt, entry.reason)
+                )
+            elif ev.old == RUNNING and ev.new == ERROR and self._deadline_error(ev.task, now):
+                expected_stops.append(
+                    StopRunning(ev.task.worker or "", ev.task_id, ev.attempt, "deadline exceeded")
+                )
+        self.stats["effect stop running"] += len(stops)
+        if final != expected_final:
+            fail(f"effects: became final {final}, transitions say {expected_final}")
+        if stops != expected_stops:
+            fail(f"effects: stop running {stops}, transitions say {expected_stops}")
+
     # --- full independent scan -------------------------------------------------------------
 
     def full_scan(self, after_config: bool) -> None:
@@ -1057,6 +1218,8 @@ class Checker:
                 fail(f"delayed task {tid} past its start_after {task.start_after_ms}")
             if state == WAITING and (task.worker is not None or task.attempt >= task.max_attempts):
                 fail(f"waiting task {tid}: worker {task.worker}, attempt {task.attempt}")
+            if state in (WAITING, RUNNING) and (task.start_after_ms or 0) > now:
+                fail(f"{state} task {tid} before its start_after {task.start_after_ms}")
             if state == RUNNING:
                 worker = m.workers.get(task.worker or "")
                 if worker is None or worker.state != WorkerState.CONNECTED or task.attempt < 1:
@@ -1132,6 +1295,7 @@ def run_simulation(seed: int, entries: int = DEFAULT_ENTRIES) -> Counter[str]:
     """Run one seed; raise SimulationFailure (naming the entry) on any discrepancy."""
     primary = TracedMachine()
     follower = StateMachine()
+    follower.collect_effects = True
     leader = StateMachine()
     checker = Checker(primary)
     generator = EntryGenerator(seed, primary)
@@ -1152,6 +1316,7 @@ def run_simulation(seed: int, entries: int = DEFAULT_ENTRIES) -> Counter[str]:
 
     try:
         for index in range(entries):
+            entry = None
             if index in snapshot_points:
                 data = primary.encode_snapshot()
                 loaded = StateMachine.from_snapshot(data)
@@ -1175,9 +1340,12 @@ def run_simulation(seed: int, entries: int = DEFAULT_ENTRIES) -> Counter[str]:
                         f"replica {replica.name} returned {msgspec.msgpack.decode(other)!r}, "
                         f"primary {result!r}"
                     )
-            if index % SCAN_EVERY == 0 or isinstance(entry, e.SetConfig):
+            checker.check_effects(entry, *follower.drain_effects())
+            config = isinstance(entry, e.SetConfig)
+            if index % INVARIANTS_EVERY == 0 or config:
                 primary.check_invariants()
-                checker.full_scan(after_config=isinstance(entry, e.SetConfig))
+            if index % SCAN_EVERY == SCAN_EVERY // 2 or expect.scan or config:
+                checker.full_scan(after_config=config)
                 checker.stats["max tasks"] = max(checker.stats["max tasks"], len(primary.tasks))
             if index % DIGEST_EVERY == 0:
                 for replica in replicas:
@@ -1194,7 +1362,7 @@ def run_simulation(seed: int, entries: int = DEFAULT_ENTRIES) -> Counter[str]:
         if StateMachine.from_snapshot(final).encode_snapshot() != final:
             fail("final snapshot does not round-trip")
     except Exception as exc:
-        where = f"at entry {index}" if entry is not None else "at the end"
+        where = f"at entry {index}" if index < entries else "at the end"
         shown = repr(entry)
         if len(shown) > 3_000:
             shown = shown[:3_000] + "..."
@@ -1255,7 +1423,15 @@ def test_generator_covers_the_rules() -> None:
         "RollbackTransaction rejected not_found",
         "SetTenant ok",
         "SetTenant rejected invalid",
+        "RegisterWorker ok",
         "RegisterWorker rejected invalid",
+        "reconcile lost",
+        "reconcile kept",
+        "effect stop running",
+        "AddCode ok",
+        "AddCode rejected invalid",
+        "SetConfig ok",
+        "SetConfig rejected invalid",
         "WorkerDead ok",
         "WorkerDead rejected not_found",
         "txn committed",
