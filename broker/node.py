@@ -142,7 +142,9 @@ class Node:
         self._next_transaction_id = 1
         self._last_time_ms = 0
         self._entries_at_snapshot = 0
+        self._snapshot_position: tuple[int, int] = (-1, -1)
         self._background: list[asyncio.Task[None]] = []
+        self._roll_task: asyncio.Task[None] | None = None
         self._snapshot_lock = asyncio.Lock()
         # Ledger list updates are read-modify-CAS sequences: a roll and retention must
         # not interleave theirs (the loser would fail the node).
@@ -173,6 +175,9 @@ class Node:
     async def stop(self, *, snapshot: bool = True, drain_timeout_s: float = 10.0) -> None:
         """Refuse new writes, finish in-flight ones, close the ledger, snapshot."""
         self._closing = True
+        if self._roll_task is not None:
+            # Let a roll finish its ledger-list update rather than cut it in half.
+            await asyncio.wait([self._roll_task], timeout=drain_timeout_s)
         for task in self._background:
             task.cancel()
         for task in self._background:
@@ -191,11 +196,7 @@ class Node:
                 )
             except LedgerError:
                 logger.exception("could not close ledger %d cleanly", writer.ledger_id)
-        if (
-            snapshot
-            and self._failure is None
-            and self.state.entries_applied > self._entries_at_snapshot
-        ):
+        if snapshot and self._failure is None and self.position != self._snapshot_position:
             await self.take_snapshot()
 
     @property
@@ -209,11 +210,14 @@ class Node:
     # --- boot ---------------------------------------------------------------------------
 
     async def _recover(self) -> None:
-        loaded = await asyncio.to_thread(self.snapshots.load_newest)
+        # A snapshot whose verified body this build cannot decode is skipped too.
+        loaded = await asyncio.to_thread(
+            self.snapshots.load_newest_decoded, StateMachine.from_snapshot
+        )
         if loaded is not None:
-            header, body = loaded
-            self.state = StateMachine.from_snapshot(body)
+            header, self.state = loaded
             self.position = (header.ledger_id, header.entry_id)
+            self._snapshot_position = self.position
             logger.info("loaded snapshot at position %s", self.position)
         ledger_list, self._list_version = await self.ledger_list.get()
         ids = [info.ledger_id for info in ledger_list.ledgers]
@@ -370,7 +374,7 @@ class Node:
         too_old = self.clock_ms() - self._writer_created_ms >= self.config.ledger_roll_age_ms
         if too_big or too_old:
             self._gate = asyncio.Event()
-            self._background.append(asyncio.create_task(self._roll(writer), name="steward-roll"))
+            self._roll_task = asyncio.create_task(self._roll(writer), name="steward-roll")
 
     async def _roll(self, old: LedgerWriter) -> None:
         gate = self._gate
@@ -439,6 +443,7 @@ class Node:
 
             await asyncio.to_thread(write)
             self._entries_at_snapshot = entries_applied
+            self._snapshot_position = (ledger_id, entry_id)
             self.stats.snapshots_taken += 1
             self.stats.last_snapshot_ms = self.clock_ms()
             if not self._closing:

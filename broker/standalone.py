@@ -8,6 +8,7 @@ import gc
 import logging
 import signal
 import socket
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ class StandaloneConfig:
     node: NodeConfig
     api: ApiConfig = field(default_factory=ApiConfig)
     workers: WorkerLinkConfig = field(default_factory=WorkerLinkConfig)
+    child_workers: int = 0  # worker processes to start beside the broker
 
 
 def build_node(config: NodeConfig) -> Node:
@@ -86,6 +88,7 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
             f"data dir {config.node.data_dir})",
             flush=True,
         )
+        children = await _start_child_workers(config, link.port)
         if ready is not None:
             ready.set()
         await asyncio.wait(
@@ -99,11 +102,47 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
             await asyncio.wait_for(server_task, timeout=15)
         except TimeoutError:
             logger.warning("HTTP server did not stop within 15 s")
+        await _stop_children(children)
         await link.stop()
         await node.stop()
     finally:
         await node.ledgers.close()
         lock.release()
+
+
+async def _start_child_workers(
+    config: StandaloneConfig, worker_port: int
+) -> list[asyncio.subprocess.Process]:
+    children = []
+    for n in range(config.child_workers):
+        children.append(
+            await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "clients.worker",
+                "--broker",
+                f"{config.workers.host}:{worker_port}",
+                "--http-url",
+                f"http://{config.api.host}:{config.api.port}",
+                "--worker-id",
+                f"{config.node.broker_id}-worker-{n + 1}",
+                "--cache-dir",
+                str(config.node.data_dir / "worker-cache"),
+            )
+        )
+    return children
+
+
+async def _stop_children(children: list[asyncio.subprocess.Process]) -> None:
+    for child in children:
+        if child.returncode is None:
+            child.send_signal(signal.SIGTERM)
+    for child in children:
+        try:
+            await asyncio.wait_for(child.wait(), timeout=20)
+        except TimeoutError:
+            child.kill()
+            await child.wait()
 
 
 class _Server(uvicorn.Server):

@@ -147,15 +147,15 @@ class WorkerLink:
         if not isinstance(entry, e.AssignTasks):
             # Anything else may have freed capacity or queued work.
             self._dirty.set()
-        by_worker: dict[str, list[p.TaskAttempt]] = defaultdict(list)
-        reasons: dict[str, str] = {}
+        # One Cancel per (worker, reason): an entry may stop tasks for different reasons
+        # (a cancel whose clock advance also fires deadlines).
+        by_worker: dict[tuple[str, str], list[p.TaskAttempt]] = defaultdict(list)
         for stop in stops:
-            by_worker[stop.worker_id].append(p.TaskAttempt(stop.task_id, stop.attempt))
-            reasons[stop.worker_id] = stop.reason
-        for worker_id, attempts in by_worker.items():
+            by_worker[stop.worker_id, stop.reason].append(p.TaskAttempt(stop.task_id, stop.attempt))
+        for (worker_id, reason), attempts in by_worker.items():
             session = self.sessions.get(worker_id)
             if session is not None:
-                session.send(p.Cancel(tasks=tuple(attempts), reason=reasons[worker_id]))
+                session.send(p.Cancel(tasks=tuple(attempts), reason=reason))
 
     # --- connections ----------------------------------------------------------------------
 
@@ -225,6 +225,9 @@ class WorkerLink:
         if previous is not None:
             # The same worker reconnected before we noticed the old connection died.
             previous.close()
+        # Contact now: until the session is registered below, the heartbeat loop must
+        # not judge this worker (connected in the state, no session) by an old contact.
+        self._last_contact[hello.worker_id] = time.monotonic()
         address = writer.get_extra_info("peername")
         entry_running = tuple(e.TaskAttempt(r.task_id, r.attempt) for r in hello.running)
         result = await self.node.propose(

@@ -66,9 +66,27 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="where workers connect (default %(default)s; port 0 picks a free one)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also start N worker processes connected to this broker",
+    )
     p.add_argument("--snapshot-interval-s", type=float, default=60.0)
     p.add_argument("--ledger-roll-mb", type=float, default=64.0)
     p.add_argument("--log-level", default="INFO")
+
+    p = sub.add_parser(
+        "worker",
+        help="run a worker (steward worker --help for its options)",
+        add_help=False,
+        prefix_chars="\0",  # hand every argument to the worker's own parser
+    )
+    p.add_argument("worker_args", nargs=argparse.REMAINDER)
+
+    p = sub.add_parser("demo", help="run the PySpark word-count demo on a temporary cluster")
+    p.add_argument("--keep", action="store_true", help="keep the temporary data dir and log")
 
     p = sub.add_parser("submit", help="submit a task")
     p.add_argument("type", help="task type, e.g. noop or mymodule:function")
@@ -370,7 +388,10 @@ def run_standalone(args: argparse.Namespace) -> int:
         ),
         api=ApiConfig(host=host, port=port),
         workers=WorkerLinkConfig(host=args.worker_listen[0], port=args.worker_listen[1]),
+        child_workers=args.workers,
     )
+    if args.workers < 0:
+        raise UsageError("--workers must be >= 0")
     try:
         uvloop.run(serve_standalone(config))
     except BrokerStartupError as exc:
@@ -385,6 +406,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "standalone":
             return run_standalone(args)
+        if args.command == "worker":
+            from clients.worker.__main__ import main as worker_main
+
+            return worker_main(args.worker_args)
+        if args.command == "demo":
+            from clients.demo.run import run_demo
+
+            return run_demo(keep=args.keep)
         return run_client_command(args)
     except StewardError as exc:
         print(f"steward: {exc}", file=sys.stderr)

@@ -19,7 +19,9 @@ import builtins
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from snapshot.format import (
     DEFAULT_COMPRESSION_LEVEL,
@@ -41,6 +43,7 @@ from snapshot.format import (
 __all__ = ["CORRUPT_SUFFIX", "SnapshotStore"]
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 CORRUPT_SUFFIX = ".corrupt"
 
@@ -159,6 +162,25 @@ class SnapshotStore:
             self._prune()
         return info
 
+    def load_newest_decoded(
+        self, decode: Callable[[bytes], _T]
+    ) -> tuple[SnapshotHeader, _T] | None:
+        """Like :meth:`load_newest`, but also skips snapshots whose verified body
+        ``decode`` rejects (e.g. a state format this build cannot read); those
+        are logged and kept, never loaded."""
+        with self._lock:
+            skipped: set[Path] = set()
+            while True:
+                found = self._load_newest_locked(skipped)
+                if found is None:
+                    return None
+                path, header, body = found
+                try:
+                    return header, decode(body)
+                except Exception as exc:
+                    logger.warning("snapshot %s cannot be decoded: %s; skipping", path, exc)
+                    skipped.add(path)
+
     def load_newest(self) -> tuple[SnapshotHeader, bytes] | None:
         """The newest fully verified snapshot, or None when there is no valid one.
 
@@ -168,24 +190,30 @@ class SnapshotStore:
         """
         # Held throughout so a concurrent write cannot prune the files being tried.
         with self._lock:
-            for position, path in self._scan():
-                try:
-                    header, body = read_snapshot(path)
-                    self._check_identity(path, position, header)
-                except FileNotFoundError:
-                    continue
-                except (UnsupportedSnapshotVersionError, ForeignSnapshotError) as exc:
-                    logger.warning("snapshot %s is unusable: %s; skipping", path, exc.reason)
-                    continue
-                except CorruptSnapshotError as exc:
-                    logger.warning("snapshot %s is corrupt: %s; skipping", path, exc.reason)
-                    self._quarantine(path)
-                    continue
-                except OSError as exc:
-                    # Possibly transient (EIO, permissions): skip without quarantining.
-                    logger.warning("snapshot %s could not be read: %s; skipping", path, exc)
-                    continue
-                return header, body
+            found = self._load_newest_locked(set())
+        return None if found is None else (found[1], found[2])
+
+    def _load_newest_locked(self, skipped: set[Path]) -> tuple[Path, SnapshotHeader, bytes] | None:
+        for position, path in self._scan():
+            if path in skipped:
+                continue
+            try:
+                header, body = read_snapshot(path)
+                self._check_identity(path, position, header)
+            except FileNotFoundError:
+                continue
+            except (UnsupportedSnapshotVersionError, ForeignSnapshotError) as exc:
+                logger.warning("snapshot %s is unusable: %s; skipping", path, exc.reason)
+                continue
+            except CorruptSnapshotError as exc:
+                logger.warning("snapshot %s is corrupt: %s; skipping", path, exc.reason)
+                self._quarantine(path)
+                continue
+            except OSError as exc:
+                # Possibly transient (EIO, permissions): skip without quarantining.
+                logger.warning("snapshot %s could not be read: %s; skipping", path, exc)
+                continue
+            return path, header, body
         return None
 
     def prune(self) -> None:

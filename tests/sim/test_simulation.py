@@ -35,6 +35,7 @@ import functools
 import math
 import os
 import random
+import traceback
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -226,7 +227,7 @@ class EntryGenerator:
     def _time(self) -> int:
         """The next entry's time_ms (the replicated clock never goes back)."""
         rng = self.rng
-        if rng.random() < 0.01:
+        if rng.random() < 0.01 and self.view.now_ms == self.now_ms:
             # A (new) leader whose clock is a little behind: apply must not go back.
             return self.now_ms - rng.randint(1, 2_000)
         r = rng.random()
@@ -1366,9 +1367,12 @@ def run_simulation(seed: int, entries: int = DEFAULT_ENTRIES) -> Counter[str]:
         shown = repr(entry)
         if len(shown) > 3_000:
             shown = shown[:3_000] + "..."
+        crash = ""
+        if not isinstance(exc, SimulationFailure):  # a crash, not a failed check: show where
+            crash = "\n" + "".join(traceback.format_exception(exc, limit=-6))
         raise SimulationFailure(
             f"simulation seed {seed} failed {where}: {type(exc).__name__}: {exc}\n"
-            f"reproduce with STEWARD_SIM_SEED={seed}\nentry: {shown}"
+            f"reproduce with STEWARD_SIM_SEED={seed}\nentry: {shown}{crash}"
         ) from exc
     checker.stats["entries"] = entries
     return checker.stats
@@ -1376,7 +1380,10 @@ def run_simulation(seed: int, entries: int = DEFAULT_ENTRIES) -> Counter[str]:
 
 @pytest.mark.parametrize("seed", _seeds(), ids=lambda s: f"seed={s}")
 def test_simulation(seed: int) -> None:
-    run_simulation(seed, _entry_count())
+    try:
+        run_simulation(seed, _entry_count())
+    except SimulationFailure as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
 def test_generator_is_deterministic() -> None:

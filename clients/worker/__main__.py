@@ -1,0 +1,112 @@
+"""``python -m clients.worker``: run one worker until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from clients.worker.config import (
+    WorkerConfig,
+    default_cache_dir,
+    default_resources,
+    default_task_types,
+    default_worker_id,
+    parse_host_port,
+)
+from clients.worker.link import run_worker
+
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [task %(task_id)s %(tenant)s] %(message)s"
+
+
+def _pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def _broker(text: str) -> str:
+    try:
+        parse_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="steward worker", description="a Steward worker")
+    p.add_argument(
+        "--broker",
+        type=_broker,
+        default=os.environ.get("STEWARD_BROKER", "127.0.0.1:7070"),
+        help="HOST:PORT of the broker's worker endpoint (env STEWARD_BROKER; %(default)s)",
+    )
+    p.add_argument(
+        "--http-url",
+        default=os.environ.get("STEWARD_URL", "http://127.0.0.1:8080"),
+        help="broker HTTP base URL for code downloads (env STEWARD_URL; %(default)s)",
+    )
+    p.add_argument("--worker-id", help="stable worker name (default: HOSTNAME-PID)")
+    p.add_argument(
+        "--task-type",
+        type=_pair,
+        action="append",
+        default=[],
+        metavar="TYPE=N",
+        help="concurrent tasks of TYPE ('*' = any type; default: *=cores); repeatable",
+    )
+    p.add_argument(
+        "--resource",
+        type=_pair,
+        action="append",
+        default=[],
+        metavar="NAME=AMOUNT",
+        help="resource offered (default: cpu=cores, memory_mb=MemTotal); repeatable",
+    )
+    p.add_argument("--tenant", action="append", default=[], help="serve only these; repeatable")
+    p.add_argument("--spark-master", default="local[*]")
+    p.add_argument("--spark-conf", type=_pair, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--cache-dir", type=Path, default=default_cache_dir())
+    p.add_argument("--max-result-bytes", type=int, default=1024 * 1024)
+    p.add_argument("--token", default=os.environ.get("STEWARD_WORKER_TOKEN"))
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(
+        broker=args.broker,
+        http_url=args.http_url,
+        worker_id=args.worker_id or default_worker_id(),
+        task_types={n: int(c) for n, c in args.task_type} or default_task_types(),
+        resources={n: float(a) for n, a in args.resource} or default_resources(),
+        tenants=list(args.tenant),
+        spark_master=args.spark_master,
+        spark_conf=dict(args.spark_conf),
+        cache_dir=args.cache_dir,
+        max_result_bytes=args.max_result_bytes,
+        token=args.token,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    handler = logging.StreamHandler()
+    # Records from outside a task have no task fields: show "-" there.
+    handler.setFormatter(logging.Formatter(_LOG_FORMAT, defaults={"task_id": "-", "tenant": "-"}))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    run_worker(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Worker configuration: one dataclass, defaults measured from the machine."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from broker.protocol import DEFAULT_MAX_FRAME_BYTES
+
+DEFAULT_MAX_RESULT_BYTES = 1024 * 1024
+
+
+def default_worker_id() -> str:
+    """``<hostname>-<pid>``: unique per process on a host.
+
+    Pass a fixed ``--worker-id`` to keep one name across restarts; the broker tells
+    restarts apart by the Hello's ``process_id`` either way.
+    """
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def cpu_count() -> int:
+    try:
+        # Honours taskset/cgroup CPU affinity, unlike os.cpu_count().
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def memory_mb(meminfo: Path = Path("/proc/meminfo")) -> float:
+    """Total memory in MiB from /proc/meminfo; 0 where that file does not exist."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return float(int(line.split()[1]) // 1024)  # the file counts kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
+
+
+def default_task_types() -> dict[str, int]:
+    return {"*": cpu_count()}
+
+
+def default_resources() -> dict[str, float]:
+    return {"cpu": float(cpu_count()), "memory_mb": memory_mb()}
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "steward" / "artifacts"
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` -> (host, port); ValueError when malformed."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host or "127.0.0.1", int(port)
+
+
+@dataclass
+class WorkerConfig:
+    broker: str  # host:port of the broker's worker endpoint
+    http_url: str  # broker HTTP base URL, for code artifact downloads
+    worker_id: str = field(default_factory=default_worker_id)
+    # Concurrent tasks per task type; "*" covers any type not listed.
+    task_types: dict[str, int] = field(default_factory=default_task_types)
+    resources: dict[str, float] = field(default_factory=default_resources)
+    tenants: list[str] = field(default_factory=list)  # empty: serve every tenant
+    spark_master: str = "local[*]"
+    spark_conf: dict[str, str] = field(default_factory=dict)
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
+    # Reports finishing within this window share one Finish frame.
+    finish_batch_ms: float = 2.0
+    # Unacknowledged reports are sent again this often while connected.
+    finish_resend_s: float = 5.0
+    reconnect_backoff_min_s: float = 0.1
+    reconnect_backoff_max_s: float = 5.0
+    connect_timeout_s: float = 5.0
+    # Waiting for Welcome, before the broker has told its heartbeat timeout.
+    handshake_timeout_s: float = 10.0
+    # A cancelled task whose code ignores the cancel is reported after this long anyway
+    # (its thread keeps running, unreported: Python cannot kill a thread).
+    cancel_grace_s: float = 10.0
+    download_timeout_s: float = 60.0
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    token: str | None = None
+    version: str = "0.1.0"
+
+    def __post_init__(self) -> None:
+        parse_host_port(self.broker)
+        if not self.task_types or any(n < 0 for n in self.task_types.values()):
+            raise ValueError("task_types needs at least one type with a capacity >= 0")
+        if self.capacity() < 1:
+            raise ValueError("task_types must allow at least one concurrent task")
+        if not 0 < self.max_result_bytes <= self.max_frame_bytes // 2:
+            # Each report must fit in one Finish frame with room to spare.
+            raise ValueError("max_result_bytes must be positive and at most max_frame_bytes / 2")
+        if not 0 < self.reconnect_backoff_min_s <= self.reconnect_backoff_max_s:
+            raise ValueError("need 0 < reconnect_backoff_min_s <= reconnect_backoff_max_s")
+        self.cache_dir = Path(self.cache_dir)
+
+    def capacity(self) -> int:
+        """Tasks this worker may run at once: the sum of its task-type capacities."""
+        return sum(self.task_types.values())
+
+    def broker_address(self) -> tuple[str, int]:
+        return parse_host_port(self.broker)

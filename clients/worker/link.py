@@ -1,0 +1,522 @@
+"""The worker's connection to the broker: one TCP connection, kept up forever.
+
+One asyncio task owns the connection at a time::
+
+    connect -> Hello(running tasks) -> Welcome(keep/drop) -> serve -> closed -> backoff -> ...
+
+While serving: a Heartbeat goes out every interval; a broker silent for the Welcome's
+heartbeat timeout is treated as dead (close, reconnect); Assign starts tasks (an attempt
+already here is ignored); Cancel cancels; each deadline is enforced by a local timer.
+Finished tasks' reports are coalesced for ``finish_batch_ms`` into one Finish frame and
+kept until a FinishAck names them: they are sent again after every reconnect and every
+``finish_resend_s`` while connected, and reports of tasks finishing while disconnected
+wait for the next connection. A ProtocolError or an Error frame ends the connection and
+the worker reconnects with bounded exponential backoff (with jitter), until stopped.
+
+All protocol state lives on the event loop's thread; task threads only hand reports
+over with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterable
+
+from broker.protocol import (
+    Assign,
+    AssignedTask,
+    Cancel,
+    Error,
+    Finish,
+    FinishAck,
+    FrameDecoder,
+    Heartbeat,
+    Hello,
+    Message,
+    ProtocolError,
+    TaskReport,
+    Welcome,
+    encode_message,
+)
+from clients.worker.config import WorkerConfig
+from clients.worker.runtime import TaskKey, TaskRuntime
+
+logger = logging.getLogger(__name__)
+
+_READ_BYTES = 256 * 1024
+_REPORT_OVERHEAD_BYTES = 64  # msgpack framing of one report besides its payload
+
+
+class BrokerError(Exception):
+    """The broker sent an Error frame (it closes the connection after it)."""
+
+
+class _Connection:
+    """One welcomed connection: a writer plus the timing the broker asked for."""
+
+    def __init__(
+        self, writer: asyncio.StreamWriter, welcome: Welcome, max_frame_bytes: int
+    ) -> None:
+        self.writer = writer
+        self.max_frame_bytes = max_frame_bytes
+        self.heartbeat_interval_s = max(0.01, welcome.heartbeat_interval_ms / 1000)
+        self.heartbeat_timeout_s = max(
+            self.heartbeat_interval_s, welcome.heartbeat_timeout_ms / 1000
+        )
+        self.broker_id = welcome.broker_id
+        self.seq = 0
+
+    def send(self, message: Message) -> bool:
+        """Queue a frame on the transport (flow control: see the heartbeat loop's drain)."""
+        if self.writer.is_closing():
+            return False
+        self.writer.write(encode_message(message, self.max_frame_bytes))
+        return True
+
+    def abort(self) -> None:
+        self.writer.transport.abort()
+
+
+class Worker:
+    """A Steward worker: connects to the broker and runs the tasks it is assigned."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.process_id = uuid.uuid4().hex  # new per process start: tells restarts apart
+        # Register extra task types with worker.runtime.register(name, fn).
+        self.runtime = TaskRuntime(config, self._report_from_thread)
+        self.sessions = 0  # Welcomes received, for tests and metrics
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._conn: _Connection | None = None
+        self._unacked: dict[TaskKey, TaskReport] = {}
+        self._sent_at: dict[TaskKey, float] = {}  # loop time each unacked report went out
+        self._outbox: list[TaskKey] = []
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self._deadlines: dict[TaskKey, asyncio.TimerHandle] = {}
+        self._stopping = False  # no new tasks; still delivering reports
+        self._final = asyncio.Event()  # set: close and leave run()
+        self._done = asyncio.Event()
+        self._stop_task: asyncio.Task[None] | None = None
+        self._connected = asyncio.Event()
+        self._changed = asyncio.Event()  # a report arrived or an ack: for stop()'s waits
+
+    # -- observation --
+
+    @property
+    def unacked(self) -> dict[TaskKey, TaskReport]:
+        return dict(self._unacked)
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None
+
+    async def wait_connected(self) -> None:
+        await self._connected.wait()
+
+    # -- lifecycle --
+
+    async def run(self) -> None:
+        """Connect and serve until :meth:`stop`; reconnects forever on any failure."""
+        if self._loop is not None:
+            raise RuntimeError("Worker.run() can only be called once")
+        self._loop = asyncio.get_running_loop()
+        backoff_s = self.config.reconnect_backoff_min_s
+        try:
+            while not self._final.is_set():
+                welcomed = await self._run_one_session()
+                if self._final.is_set():
+                    break
+                if welcomed:
+                    backoff_s = self.config.reconnect_backoff_min_s
+                delay_s = random.uniform(backoff_s / 2, backoff_s)
+                backoff_s = min(backoff_s * 2, self.config.reconnect_backoff_max_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._final.wait(), delay_s)
+        finally:
+            for handle in self._deadlines.values():
+                handle.cancel()
+            self._deadlines.clear()
+            if self._flush_handle is not None:
+                self._flush_handle.cancel()
+            self._done.set()
+
+    async def stop(self, *, wait: bool = True, timeout_s: float = 30.0) -> None:
+        """Stop taking tasks, finish or cancel running ones, deliver reports, disconnect.
+
+        ``wait``: let running tasks finish (up to ``timeout_s``, then cancel them);
+        otherwise cancel them at once. Calling it again with ``wait=False`` hurries a
+        graceful stop along.
+        """
+        self._stopping = True
+        if not wait:
+            self.runtime.cancel_all("worker stopping")
+        if self._stop_task is None:
+            self._stop_task = asyncio.ensure_future(self._shutdown(timeout_s))
+        await asyncio.shield(self._stop_task)
+
+    async def _shutdown(self, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        if self._loop is not None:
+            if not await self._wait_until(lambda: not self.runtime.running(), deadline):
+                self.runtime.cancel_all("worker stopping")
+                # Cancelled cooperative tasks stop within moments; don't wait for the rest.
+                grace_s = min(2.0, self.config.cancel_grace_s)
+                await self._wait_until(lambda: not self.runtime.running(), loop.time() + grace_s)
+            self._flush()
+            await self._wait_until(lambda: not self._unacked or self._conn is None, deadline)
+            if self._unacked:
+                logger.warning("stopping with %d unacknowledged task reports", len(self._unacked))
+        self._final.set()
+        if self._loop is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._done.wait(), 5.0)
+        self.runtime.shutdown(wait=False)
+
+    async def _wait_until(self, condition: Callable[[], bool], deadline: float) -> bool:
+        """Wait for ``condition`` (checked on each report or ack) until loop time ``deadline``."""
+        loop = asyncio.get_running_loop()
+        while not condition():
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            self._changed.clear()
+            # Also poll: a task dropped without a report changes nothing on this loop.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(left, 0.1))
+        return True
+
+    # -- one connection --
+
+    async def _run_one_session(self) -> bool:
+        """Connect, handshake and serve until the connection ends; True if welcomed."""
+        session = asyncio.ensure_future(self._session())
+        final = asyncio.ensure_future(self._final.wait())
+        try:
+            await asyncio.wait({session, final}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            final.cancel()
+            if not session.done():
+                session.cancel()
+                await asyncio.wait({session})  # let its cleanup run; raises nothing
+        try:
+            return session.result()
+        except asyncio.CancelledError:
+            return False
+        except (OSError, TimeoutError, ProtocolError, BrokerError, EOFError) as exc:
+            logger.warning("connection to broker %s failed: %s", self.config.broker, exc)
+            return False
+        except Exception:
+            logger.exception("connection to broker %s failed unexpectedly", self.config.broker)
+            return False
+
+    async def _session(self) -> bool:
+        host, port = self.config.broker_address()
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port), self.config.connect_timeout_s
+        )
+        welcomed = False
+        try:
+            decoder = FrameDecoder(self.config.max_frame_bytes)
+            writer.write(encode_message(self._hello(), self.config.max_frame_bytes))
+            welcome, rest = await self._read_welcome(reader, writer, decoder)
+            conn = _Connection(writer, welcome, self.config.max_frame_bytes)
+            welcomed = True
+            self._on_welcome(conn, welcome)
+            heartbeats = asyncio.ensure_future(self._heartbeat_loop(conn))
+            try:
+                await self._serve(conn, reader, decoder, rest)
+            finally:
+                heartbeats.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await heartbeats
+        finally:
+            self._conn = None
+            self._connected.clear()
+            writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.wait_closed(), 1.0)
+        return welcomed
+
+    def _hello(self) -> Hello:
+        c = self.config
+        return Hello(
+            worker_id=c.worker_id,
+            process_id=self.process_id,
+            version=c.version,
+            # While stopping: still connect (reports must get out) but ask for nothing.
+            task_types={"*": 0} if self._stopping else dict(c.task_types),
+            resources=dict(c.resources),
+            tenants=tuple(c.tenants),
+            running=tuple(self.runtime.running()),
+            token=c.token,
+        )
+
+    async def _read_welcome(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, decoder: FrameDecoder
+    ) -> tuple[Welcome, list[Message]]:
+        deadline = asyncio.get_running_loop().time() + self.config.handshake_timeout_s
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise TimeoutError(f"no Welcome within {self.config.handshake_timeout_s} s")
+            data = await asyncio.wait_for(reader.read(_READ_BYTES), left)
+            if not data:
+                raise EOFError("the broker closed the connection before Welcome")
+            try:
+                messages = decoder.feed(data)
+            except ProtocolError as exc:
+                self._send_error(writer, exc.code, exc.message)
+                raise
+            if messages:
+                first, rest = messages[0], messages[1:]
+                if isinstance(first, Welcome):
+                    return first, rest
+                if isinstance(first, Error):
+                    raise BrokerError(f"{first.code}: {first.message}")
+                self._send_error(writer, "unexpected_message", f"expected welcome, got {first}")
+                raise ProtocolError("unexpected_message", f"expected Welcome, got {first!r}")
+
+    def _on_welcome(self, conn: _Connection, welcome: Welcome) -> None:
+        for ta in welcome.drop:
+            # Already re-queued or over at the broker: a report would only be stale.
+            if self.runtime.cancel((ta.task_id, ta.attempt), "dropped by broker", report=False):
+                logger.info(
+                    "dropping task %d attempt %d (broker's Welcome)", ta.task_id, ta.attempt
+                )
+        listed = {(ta.task_id, ta.attempt) for ta in (*welcome.keep, *welcome.drop)}
+        unlisted = [ta for ta in self.runtime.running() if (ta.task_id, ta.attempt) not in listed]
+        if unlisted:
+            logger.warning("Welcome neither keeps nor drops %s; keeping them", unlisted)
+        self._conn = conn
+        self.sessions += 1
+        self._connected.set()
+        logger.info(
+            "connected to broker %s (%s): %d kept, %d dropped, %d reports to resend",
+            self.config.broker,
+            welcome.broker_id or "?",
+            len(welcome.keep),
+            len(welcome.drop),
+            len(self._unacked),
+        )
+        self._send_reports(list(self._unacked))
+
+    async def _serve(
+        self,
+        conn: _Connection,
+        reader: asyncio.StreamReader,
+        decoder: FrameDecoder,
+        pending: list[Message],
+    ) -> None:
+        messages = pending
+        while True:
+            for message in messages:
+                if not self._handle(conn, message):
+                    return
+            try:
+                data = await asyncio.wait_for(reader.read(_READ_BYTES), conn.heartbeat_timeout_s)
+            except TimeoutError:
+                logger.warning(
+                    "broker silent for %.1f s (heartbeat timeout); reconnecting",
+                    conn.heartbeat_timeout_s,
+                )
+                return
+            if not data:
+                logger.warning("the broker closed the connection")
+                return
+            try:
+                messages = decoder.feed(data)
+            except ProtocolError as exc:
+                logger.warning("protocol error from broker: %s (%s)", exc.message, exc.code)
+                self._send_error(conn.writer, exc.code, exc.message)
+                return
+
+    async def _heartbeat_loop(self, conn: _Connection) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn.seq += 1
+            conn.send(Heartbeat(seq=conn.seq))
+            self._resend_due(loop.time())
+            try:
+                # A peer that stopped reading fills our buffers: that is a dead link too.
+                await asyncio.wait_for(conn.writer.drain(), conn.heartbeat_timeout_s)
+            except (TimeoutError, ConnectionError):
+                logger.warning("cannot write to the broker; reconnecting")
+                conn.abort()
+                return
+            await asyncio.sleep(conn.heartbeat_interval_s)
+
+    # -- messages from the broker --
+
+    def _handle(self, conn: _Connection, message: Message) -> bool:
+        """Act on one message; False ends the connection."""
+        if isinstance(message, Heartbeat):
+            pass  # any frame proves the broker alive: the read timeout restarts
+        elif isinstance(message, Assign):
+            self._on_assign(message.tasks)
+        elif isinstance(message, Cancel):
+            reason = message.reason or "cancelled by the broker"
+            for ta in message.tasks:
+                self.runtime.cancel((ta.task_id, ta.attempt), reason)
+        elif isinstance(message, FinishAck):
+            for ta in message.tasks:
+                key = (ta.task_id, ta.attempt)
+                self._unacked.pop(key, None)
+                self._sent_at.pop(key, None)
+            self._changed.set()
+        elif isinstance(message, Error):
+            logger.warning("broker error %s: %s; reconnecting", message.code, message.message)
+            return False
+        else:
+            text = f"unexpected {type(message).__name__} from the broker"
+            logger.warning("%s; reconnecting", text)
+            self._send_error(conn.writer, "unexpected_message", text)
+            return False
+        return True
+
+    def _on_assign(self, tasks: Iterable[AssignedTask]) -> None:
+        for task in tasks:
+            key = (task.task_id, task.attempt)
+            if self._stopping:
+                self._on_report(
+                    TaskReport(
+                        task.task_id, task.attempt, ok=False, error="cancelled: worker stopping"
+                    )
+                )
+                continue
+            if self.runtime.is_known(key) or key in self._unacked:
+                # A repeat (e.g. the broker resent it): the running attempt or its
+                # pending report stands.
+                logger.debug("ignoring repeated assignment of task %d attempt %d", *key)
+                if key in self._unacked:
+                    self._send_reports([key])
+                continue
+            for ta in self.runtime.running():
+                if ta.task_id == task.task_id and ta.attempt < task.attempt:
+                    self.runtime.cancel(
+                        (ta.task_id, ta.attempt), f"superseded by attempt {task.attempt}"
+                    )
+            if not self.runtime.start(task):
+                continue
+            if task.deadline_ms is not None:
+                self._arm_deadline(key, task.deadline_ms)
+
+    def _arm_deadline(self, key: TaskKey, deadline_ms: int) -> None:
+        # deadline_ms is Unix time: this assumes broker and worker clocks roughly agree
+        # (NTP); the broker enforces deadlines too.
+        assert self._loop is not None
+        delay_s = max(0.0, deadline_ms / 1000 - time.time())
+        self._deadlines[key] = self._loop.call_later(delay_s, self._deadline_passed, key)
+
+    def _deadline_passed(self, key: TaskKey) -> None:
+        self._deadlines.pop(key, None)
+        if self.runtime.cancel(key, "deadline exceeded"):
+            logger.info("task %d attempt %d passed its deadline", *key)
+
+    # -- reports --
+
+    def _report_from_thread(self, report: TaskReport) -> None:
+        loop = self._loop
+        if loop is None:
+            logger.error("task report before the worker ran: %s", report)
+            return
+        try:
+            loop.call_soon_threadsafe(self._on_report, report)
+        except RuntimeError:  # the loop is closed: the process is going away
+            logger.warning("dropping the report of task %d: event loop closed", report.task_id)
+
+    def _on_report(self, report: TaskReport) -> None:
+        key = (report.task_id, report.attempt)
+        self.runtime.forget(key)
+        handle = self._deadlines.pop(key, None)
+        if handle is not None:
+            handle.cancel()
+        self._unacked[key] = report
+        self._outbox.append(key)
+        self._changed.set()
+        if self._flush_handle is None and self._loop is not None:
+            self._flush_handle = self._loop.call_later(
+                self.config.finish_batch_ms / 1000, self._flush
+            )
+
+    def _flush(self) -> None:
+        self._flush_handle = None
+        keys, self._outbox = self._outbox, []
+        # Disconnected: the reports stay unacknowledged and go out after the next Welcome.
+        self._send_reports(keys)
+
+    def _resend_due(self, now: float) -> None:
+        due = [
+            k
+            for k in self._unacked
+            if now - self._sent_at.get(k, 0.0) >= self.config.finish_resend_s
+        ]
+        if due:
+            logger.debug("resending %d unacknowledged reports", len(due))
+            self._send_reports(due)
+
+    def _send_reports(self, keys: Iterable[TaskKey]) -> None:
+        conn = self._conn
+        if conn is None or self._loop is None:
+            return
+        now = self._loop.time()
+        budget = conn.max_frame_bytes // 2
+        batch: list[TaskReport] = []
+        size = 0
+        for key in dict.fromkeys(keys):
+            report = self._unacked.get(key)
+            if report is None:
+                continue
+            n = _REPORT_OVERHEAD_BYTES + len(report.result or b"") + len(report.error or "") * 4
+            if batch and size + n > budget:
+                conn.send(Finish(reports=tuple(batch)))
+                batch, size = [], 0
+            batch.append(report)
+            size += n
+            self._sent_at[key] = now
+        if batch:
+            conn.send(Finish(reports=tuple(batch)))
+
+    @staticmethod
+    def _send_error(writer: asyncio.StreamWriter, code: str, message: str) -> None:
+        if not writer.is_closing():
+            with contextlib.suppress(Exception):
+                writer.write(encode_message(Error(code=code, message=message[:1000])))
+
+
+def run_worker(config: WorkerConfig) -> None:
+    """Run a worker until SIGINT/SIGTERM (blocking; for the CLI).
+
+    The first signal stops gracefully (running tasks may finish, reports are delivered);
+    a second one cancels the running tasks at once.
+    """
+
+    async def main() -> None:
+        worker = Worker(config)
+        loop = asyncio.get_running_loop()
+        signals = 0
+        stops: list[asyncio.Task[None]] = []
+
+        def on_signal() -> None:
+            nonlocal signals
+            signals += 1
+            logger.info("signal received: stopping%s", "" if signals == 1 else " now")
+            stops.append(loop.create_task(worker.stop(wait=signals == 1)))
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
+        try:
+            await worker.run()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            if stops:
+                await asyncio.gather(*stops, return_exceptions=True)
+
+    asyncio.run(main())

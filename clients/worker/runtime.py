@@ -1,0 +1,556 @@
+"""The task runtime: runs assigned tasks on a thread pool and turns outcomes into reports.
+
+A task type names a callable ``fn(params, ctx)``: one of the built-ins (``noop``,
+``sleep``, ``fail``, ``spark.sql``), one registered with :meth:`TaskRuntime.register`, or
+``module:function`` from the task's code artifact. ``params`` is the decoded JSON;
+``ctx`` is a :class:`TaskContext`. The return value becomes the task's JSON result.
+
+Threads and Spark. Tasks run on one ``ThreadPoolExecutor`` sized to the sum of the
+worker's task-type capacities. All tasks share one SparkSession per process, created on
+first use of ``ctx.spark`` and kept for the life of the process. PySpark runs in pinned
+thread mode (the default since 3.2: each Python thread has its own JVM thread), so the
+job group set with ``SparkContext.setJobGroup`` in the task's thread tags exactly that
+task's jobs. ``ctx.spark`` sets it (``steward-<task_id>-<attempt>``, interrupt on cancel)
+in every thread that asks for the session, and the task's pool thread clears it when the
+task ends, so the next task on that thread starts clean. Threads a task starts itself
+must also go through ``ctx.spark`` (or use ``pyspark.InheritableThread``) to be tagged.
+
+Cancelling (a broker Cancel, a dropped task, the deadline) sets ``ctx.cancelled`` and
+cancels the task's job group, repeatedly every 0.5 s while the task runs, because a job
+submitted just after a cancel (a query still being planned, an adaptive query's next
+stage) is not covered by the earlier cancel. Python code must cooperate
+(``ctx.cancelled.wait``, ``ctx.check_cancelled()``); a task that has not stopped
+``cancel_grace_s`` after the cancel is reported as cancelled anyway and its thread is
+abandoned (it keeps its pool slot until it returns: threads cannot be killed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from broker.protocol import AssignedTask, TaskAttempt, TaskReport
+from clients.worker.artifacts import ArtifactCache
+from clients.worker.config import WorkerConfig, cpu_count
+
+logger = logging.getLogger(__name__)
+task_logger_parent: Final = logging.getLogger("steward.task")
+
+TaskFn = Callable[[Any, "TaskContext"], Any]
+TaskKey = tuple[int, int]  # (task_id, attempt)
+
+DEFAULT_SQL_MAX_ROWS: Final = 1000
+MAX_ERROR_CHARS: Final = 64 * 1024
+_SPARK_RECANCEL_S: Final = 0.5
+
+
+class TaskCancelled(Exception):
+    """Raised inside a task by :meth:`TaskContext.check_cancelled` once it is cancelled."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+# -- the shared SparkSession (the one piece of process-wide state) --
+
+_spark_lock = threading.Lock()
+_spark_session: Any = None
+
+
+def spark_defaults(master: str) -> dict[str, str]:
+    defaults = {
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+    }
+    if master.startswith("local"):
+        defaults.update(
+            {
+                # One machine: the default 200 shuffle partitions are pure overhead.
+                "spark.sql.shuffle.partitions": str(max(2, cpu_count())),
+                "spark.default.parallelism": str(max(2, cpu_count())),
+                # Listen on loopback only (the driver's RPC and block manager ports).
+                "spark.driver.host": "127.0.0.1",
+                "spark.driver.bindAddress": "127.0.0.1",
+            }
+        )
+    return defaults
+
+
+def shared_spark(master: str = "local[*]", conf: Mapping[str, str] | None = None) -> Any:
+    """The process's SparkSession: created on the first call, the same object afterwards.
+
+    ``master`` and ``conf`` only matter for the first call (one JVM per process).
+    """
+    global _spark_session
+    with _spark_lock:
+        session = _spark_session
+        if session is not None and session.sparkContext._jsc is not None:
+            return session
+        if session is not None:
+            logger.warning("the shared SparkSession was stopped; creating a new one")
+        from pyspark.sql import SparkSession
+
+        builder: Any = SparkSession.builder.master(master).appName("steward-worker")
+        for key, value in {**spark_defaults(master), **(conf or {})}.items():
+            builder = builder.config(key, value)
+        started = time.monotonic()
+        _spark_session = builder.getOrCreate()
+        logger.info(
+            "SparkSession started (master %s) in %.1f s", master, time.monotonic() - started
+        )
+        return _spark_session
+
+
+def _cancel_job_group(session: Any, group: str, reason: str, *, future_jobs: bool) -> None:
+    sc = session.sparkContext
+    try:
+        jsc = sc._jsc.sc()
+        if future_jobs:
+            jsc.cancelJobGroupAndFutureJobs(group, reason)
+        else:
+            jsc.cancelJobGroup(group, reason)
+    except Exception:  # older Spark without the (group, reason) overloads
+        logger.debug("falling back to SparkContext.cancelJobGroup", exc_info=True)
+        sc.cancelJobGroup(group)
+
+
+# -- the task context --
+
+
+class _TaskLogFilter(logging.Filter):
+    def __init__(self, task_id: int, attempt: int, tenant: str) -> None:
+        super().__init__()
+        self.task_id = task_id
+        self.attempt = attempt
+        self.tenant = tenant
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.task_id = self.task_id
+        record.attempt = self.attempt
+        record.tenant = self.tenant
+        return True
+
+
+def make_task_logger(task_id: int, attempt: int, tenant: str) -> logging.Logger:
+    """A logger under ``steward.task`` whose records carry task_id, attempt and tenant.
+
+    Built directly rather than with logging.getLogger, which would keep one logger per
+    task in the logging manager forever.
+    """
+    task_logger = logging.Logger(f"steward.task.{task_id}")
+    task_logger.parent = task_logger_parent
+    task_logger.addFilter(_TaskLogFilter(task_id, attempt, tenant))
+    return task_logger
+
+
+class TaskContext:
+    """What a task function gets besides its params."""
+
+    def __init__(
+        self,
+        task: AssignedTask,
+        *,
+        params: Any = None,
+        spark_factory: Callable[[], Any] | None = None,
+        max_result_bytes: int = 1024 * 1024,
+    ) -> None:
+        self.task_id = task.task_id
+        self.attempt = task.attempt
+        self.tenant = task.tenant
+        self.type = task.type
+        self.code = task.code
+        self.deadline_ms = task.deadline_ms
+        self.resources = dict(task.resources)
+        self.params = params
+        self.max_result_bytes = max_result_bytes
+        self.logger = make_task_logger(task.task_id, task.attempt, task.tenant)
+        self.cancelled = threading.Event()
+        self.cancel_reason: str | None = None
+        self._spark_factory = spark_factory or shared_spark
+        self._lock = threading.Lock()
+        self._group_threads: set[int] = set()
+        self._session: Any = None
+
+    @property
+    def job_group(self) -> str:
+        return f"steward-{self.task_id}-{self.attempt}"
+
+    @property
+    def uses_spark(self) -> bool:
+        with self._lock:
+            return bool(self._group_threads)
+
+    @property
+    def spark(self) -> Any:
+        """The worker's shared SparkSession, with this task's job group set in this thread."""
+        self.check_cancelled()
+        session = self._spark_factory()
+        thread_id = threading.get_ident()
+        with self._lock:
+            first_in_thread = thread_id not in self._group_threads
+            self._group_threads.add(thread_id)
+            self._session = session
+        if first_in_thread:
+            session.sparkContext.setJobGroup(
+                self.job_group,
+                f"steward task {self.task_id} attempt {self.attempt} ({self.type}, {self.tenant})",
+                interruptOnCancel=True,
+            )
+        # A cancel that raced with setJobGroup above may have missed this group.
+        self.check_cancelled()
+        return session
+
+    def check_cancelled(self) -> None:
+        if self.cancelled.is_set():
+            raise TaskCancelled(self.cancel_reason or "cancelled")
+
+    def _cancel(self, reason: str) -> None:
+        with self._lock:
+            if self.cancel_reason is None:
+                self.cancel_reason = reason
+        self.cancelled.set()
+
+    def _cancel_spark(self, *, future_jobs: bool) -> None:
+        with self._lock:
+            session = self._session if self._group_threads else None
+        if session is not None:
+            _cancel_job_group(
+                session, self.job_group, self.cancel_reason or "cancelled", future_jobs=future_jobs
+            )
+
+    def _leave_job_group(self) -> None:
+        """Clear the job group in the calling thread (a pool thread runs other tasks next)."""
+        thread_id = threading.get_ident()
+        with self._lock:
+            session = self._session if thread_id in self._group_threads else None
+        if session is not None:
+            try:
+                session.sparkContext._jsc.clearJobGroup()
+            except Exception:
+                logger.warning("could not clear Spark job group %s", self.job_group, exc_info=True)
+
+
+# -- built-in task types --
+
+
+def _params_dict(params: Any, type_name: str) -> dict[str, Any]:
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise ValueError(f"{type_name} params must be a JSON object, got {type(params).__name__}")
+    return params
+
+
+def task_noop(params: Any, ctx: TaskContext) -> None:
+    return None
+
+
+def task_sleep(params: Any, ctx: TaskContext) -> dict[str, float]:
+    seconds = _params_dict(params, "sleep").get("seconds", 0)
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
+        raise ValueError(f"sleep needs params {{'seconds': number >= 0}}, got {seconds!r}")
+    if ctx.cancelled.wait(float(seconds)):
+        ctx.check_cancelled()
+    return {"slept": seconds}
+
+
+def task_fail(params: Any, ctx: TaskContext) -> None:
+    message = _params_dict(params, "fail").get("message")
+    raise RuntimeError(str(message) if message is not None else "task failed (fail task)")
+
+
+def task_spark_sql(params: Any, ctx: TaskContext) -> list[Any]:
+    """Run one SQL query; the rows as JSON objects (nulls kept), all or an error."""
+    p = _params_dict(params, "spark.sql")
+    query = p.get("query")
+    if not isinstance(query, str) or not query.strip():
+        raise ValueError("spark.sql needs params {'query': str, 'max_rows'?: int}")
+    max_rows = p.get("max_rows", DEFAULT_SQL_MAX_ROWS)
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0:
+        raise ValueError(f"spark.sql max_rows must be an integer >= 0, got {max_rows!r}")
+    from pyspark.sql import functions as sf
+
+    df = ctx.spark.sql(query)
+    as_json = df.select(sf.to_json(sf.struct("*"), {"ignoreNullFields": "false"}).alias("j"))
+    # One row past the cap tells "exactly max_rows" from "more" without collecting all.
+    lines: list[str] = [row[0] for row in as_json.limit(max_rows + 1).collect()]
+    if len(lines) > max_rows:
+        raise ValueError(
+            f"spark.sql: the query returned more than max_rows={max_rows} rows;"
+            " add a LIMIT or raise max_rows"
+        )
+    size = 2 + sum(len(line.encode()) + 1 for line in lines)
+    if size > ctx.max_result_bytes:
+        raise ValueError(
+            f"spark.sql: the {len(lines)} rows take about {size} bytes as JSON, over the"
+            f" max_result_bytes limit of {ctx.max_result_bytes}; select fewer rows or columns"
+        )
+    return [json.loads(line) for line in lines]
+
+
+BUILTIN_TASKS: Final[Mapping[str, TaskFn]] = {
+    "noop": task_noop,
+    "sleep": task_sleep,
+    "fail": task_fail,
+    "spark.sql": task_spark_sql,
+}
+
+
+# -- the runtime --
+
+
+def encode_result(value: Any, max_result_bytes: int) -> bytes:
+    """JSON text of a task's return value; ValueError when not JSON or too large."""
+    try:
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"the task's result is not JSON-serializable: {exc}") from None
+    data = text.encode()
+    if len(data) > max_result_bytes:
+        raise ValueError(
+            f"the task's result is {len(data)} bytes of JSON, over the max_result_bytes"
+            f" limit of {max_result_bytes}"
+        )
+    return data
+
+
+def error_text(exc: BaseException, max_chars: int = MAX_ERROR_CHARS) -> str:
+    """The message first (what a user reads), then the formatted traceback, capped."""
+    text = f"{type(exc).__name__}: {exc}\n\n{''.join(traceback.format_exception(exc))}"
+    if len(text) > max_chars:
+        # Keep the head (the message) and the tail (where it was raised).
+        half = max_chars // 2
+        text = f"{text[:half]}\n... [{len(text) - 2 * half} characters cut] ...\n{text[-half:]}"
+    return text
+
+
+@dataclass
+class _Running:
+    task: AssignedTask
+    ctx: TaskContext
+    future: Future[None] | None = None
+    thread_done: threading.Event = field(default_factory=threading.Event)
+    reported: bool = False
+    suppress_report: bool = False
+
+
+class TaskRuntime:
+    """Starts, cancels and reports tasks. ``on_report`` is called from task threads.
+
+    A task stays listed in :meth:`running` from :meth:`start` until :meth:`forget` (the
+    link calls it once it holds the report), so a Hello built in between lists it.
+    """
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        on_report: Callable[[TaskReport], None],
+        *,
+        artifacts: ArtifactCache | None = None,
+        spark_factory: Callable[[], Any] | None = None,
+    ) -> None:
+        self.config = config
+        self._on_report = on_report
+        self.artifacts = artifacts or ArtifactCache(
+            config.cache_dir,
+            config.http_url,
+            token=config.token,
+            timeout_s=config.download_timeout_s,
+        )
+        self._spark_factory = spark_factory or (
+            lambda: shared_spark(config.spark_master, config.spark_conf)
+        )
+        self._registry: dict[str, TaskFn] = dict(BUILTIN_TASKS)
+        self._entries: dict[TaskKey, _Running] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(
+            max_workers=config.capacity(), thread_name_prefix="steward-task"
+        )
+        self._closed = False
+
+    def register(self, type_name: str, fn: TaskFn) -> None:
+        """Add or replace a task type (e.g. for embedding or tests)."""
+        self._registry[type_name] = fn
+
+    # -- queries (any thread) --
+
+    def running(self) -> list[TaskAttempt]:
+        with self._lock:
+            return [TaskAttempt(*key) for key in self._entries]
+
+    def is_known(self, key: TaskKey) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def busy_threads(self) -> int:
+        """Task threads still executing code, including abandoned cancelled ones."""
+        with self._lock:
+            return sum(1 for e in self._entries.values() if not e.thread_done.is_set())
+
+    def context(self, key: TaskKey) -> TaskContext | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry.ctx if entry is not None else None
+
+    # -- commands --
+
+    def start(self, task: AssignedTask) -> bool:
+        """Queue a task; False (and nothing done) if that attempt is already here."""
+        key = (task.task_id, task.attempt)
+        ctx = TaskContext(
+            task,
+            spark_factory=self._spark_factory,
+            max_result_bytes=self.config.max_result_bytes,
+        )
+        entry = _Running(task, ctx)
+        with self._lock:
+            if key in self._entries or self._closed:
+                return False
+            self._entries[key] = entry
+            entry.future = self._pool.submit(self._run, entry)
+        return True
+
+    def cancel(self, key: TaskKey, reason: str, *, report: bool = True) -> bool:
+        """Stop a task; it reports ``cancelled: <reason>`` unless ``report`` is False."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            if not report:
+                entry.suppress_report = True
+            if entry.ctx.cancelled.is_set() or entry.reported:
+                return True
+            entry.ctx._cancel(reason)
+            future = entry.future
+        if future is not None and future.cancel():  # still queued: it never ran
+            entry.thread_done.set()
+            self._finish(entry, self._cancelled_report(entry))
+            return True
+        threading.Thread(
+            target=self._watch_cancelled,
+            args=(entry,),
+            name=f"steward-cancel-{key[0]}",
+            daemon=True,
+        ).start()
+        return True
+
+    def cancel_all(self, reason: str) -> None:
+        with self._lock:
+            keys = list(self._entries)
+        for key in keys:
+            self.cancel(key, reason)
+
+    def forget(self, key: TaskKey) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.reported:
+                del self._entries[key]
+
+    def shutdown(self, *, wait: bool = False) -> None:
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=wait, cancel_futures=True)
+        self.artifacts.close()
+
+    # -- task threads --
+
+    def _run(self, entry: _Running) -> None:
+        try:
+            report = self._execute(entry)
+        finally:
+            entry.ctx._leave_job_group()
+            entry.thread_done.set()
+        self._finish(entry, report)
+
+    def _execute(self, entry: _Running) -> TaskReport:
+        task, ctx = entry.task, entry.ctx
+        try:
+            ctx.check_cancelled()
+            try:
+                ctx.params = json.loads(task.params) if task.params else None
+            except ValueError as exc:
+                raise ValueError(f"the task's params are not valid JSON: {exc}") from None
+            fn = self._resolve(task)
+            ctx.check_cancelled()
+            value = fn(ctx.params, ctx)
+            ctx.check_cancelled()
+            result = encode_result(value, self.config.max_result_bytes)
+        except BaseException as exc:  # every failure of task code (even SystemExit) is a report
+            if ctx.cancelled.is_set():
+                return self._cancelled_report(entry)
+            ctx.logger.info("task %d attempt %d failed: %r", task.task_id, task.attempt, exc)
+            return TaskReport(task.task_id, task.attempt, ok=False, error=error_text(exc))
+        return TaskReport(task.task_id, task.attempt, ok=True, result=result)
+
+    def _resolve(self, task: AssignedTask) -> TaskFn:
+        fn = self._registry.get(task.type)
+        if fn is not None:
+            return fn
+        if ":" in task.type:
+            if task.code is None:
+                raise LookupError(f"task type {task.type!r} needs a code artifact (none given)")
+            return self.artifacts.resolve(task.code, task.type)
+        raise LookupError(
+            f"unknown task type {task.type!r}: not one of {', '.join(sorted(self._registry))}"
+            " and not 'module:function' with a code artifact"
+        )
+
+    @staticmethod
+    def _cancelled_report(entry: _Running, note: str = "") -> TaskReport:
+        reason = entry.ctx.cancel_reason or "cancelled"
+        return TaskReport(
+            entry.task.task_id, entry.task.attempt, ok=False, error=f"cancelled: {reason}{note}"
+        )
+
+    def _watch_cancelled(self, entry: _Running) -> None:
+        """Keep cancelling the task's Spark jobs until it stops; give up after the grace."""
+        deadline = time.monotonic() + self.config.cancel_grace_s
+        first = True
+        while True:
+            if entry.ctx.uses_spark:
+                try:
+                    entry.ctx._cancel_spark(future_jobs=first)
+                    first = False
+                except Exception:
+                    logger.warning("cancelling Spark jobs of task %s failed", entry.ctx.job_group)
+            left = deadline - time.monotonic()
+            if entry.thread_done.wait(max(0.0, min(_SPARK_RECANCEL_S, left))):
+                return
+            if time.monotonic() >= deadline:
+                break
+        logger.warning(
+            "task %d attempt %d ignored its cancel for %.1f s; reporting it cancelled and"
+            " abandoning its thread",
+            entry.task.task_id,
+            entry.task.attempt,
+            self.config.cancel_grace_s,
+        )
+        self._finish(
+            entry,
+            self._cancelled_report(
+                entry, f" (the task did not stop within {self.config.cancel_grace_s:g} s)"
+            ),
+        )
+
+    def _finish(self, entry: _Running, report: TaskReport) -> None:
+        key = (entry.task.task_id, entry.task.attempt)
+        with self._lock:
+            if entry.reported:
+                return
+            entry.reported = True
+            suppress = entry.suppress_report
+        if suppress:
+            self.forget(key)
+            return
+        try:
+            self._on_report(report)
+        except Exception:
+            logger.exception("delivering the report of task %d attempt %d failed", *key)

@@ -1,0 +1,682 @@
+"""The leader's worker endpoint (broker/worker_link.py) against fake workers over real TCP.
+
+Each test runs a Node on in-memory ledgers with a WorkerLink on an ephemeral
+port, heartbeats every 100 ms and a 600 ms heartbeat timeout, and drives it
+with :class:`tests.fake_worker.FakeWorker`. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from broker import entries as e
+from broker import protocol as p
+from broker.node import Node, NodeConfig, Stamp, wall_clock_ms
+from broker.state import ApplyResult, StopRunning, Task, TaskRef, TaskState, WorkerState
+from broker.worker_link import WorkerLink, WorkerLinkConfig
+from log.memory import MemoryLedgerListStore, MemoryLedgerStore
+from snapshot.store import SnapshotStore
+from tests.fake_worker import FakeWorker
+
+INTERVAL_MS = 100
+TIMEOUT_MS = 600
+WAIT_S = 3.0
+BROKER_ID = "broker-under-test"
+
+E = TypeVar("E", bound=e.Entry)
+
+
+class Clock:
+    """Wall-clock milliseconds, unless a test freezes (and then moves) it."""
+
+    def __init__(self) -> None:
+        self.frozen: int | None = None
+
+    def __call__(self) -> int:
+        return self.frozen if self.frozen is not None else wall_clock_ms()
+
+    def freeze(self) -> int:
+        self.frozen = wall_clock_ms()
+        return self.frozen
+
+
+@dataclass
+class Broker:
+    node: Node
+    link: WorkerLink
+    clock: Clock
+    applied: list[tuple[e.Entry, ApplyResult]] = field(default_factory=list)
+    workers: list[FakeWorker] = field(default_factory=list)
+
+    def worker(self, worker_id: str = "w1", **options: Any) -> FakeWorker:
+        worker = FakeWorker(self.link.port, worker_id, **options)
+        self.workers.append(worker)
+        return worker
+
+    def task(self, task_id: int) -> Task:
+        return self.node.state.tasks[task_id]
+
+    def entries(self, kind: type[E]) -> list[E]:
+        return [entry for entry, _ in self.applied if isinstance(entry, kind)]
+
+    async def submit(
+        self,
+        count: int = 1,
+        *,
+        tenant: str = "t",
+        task_type: str = "noop",
+        params: bytes = b"null",
+        max_attempts: int = 1,
+        deadline_in_ms: int | None = None,
+    ) -> list[int]:
+        def build(stamp: Stamp) -> e.Entry:
+            deadline = None if deadline_in_ms is None else stamp.now_ms + deadline_in_ms
+            return e.SubmitTasks(
+                time_ms=stamp.now_ms,
+                tasks=tuple(
+                    e.TaskSpec(
+                        id=task_id,
+                        type=task_type,
+                        tenant=tenant,
+                        params=params,
+                        max_attempts=max_attempts,
+                        deadline_ms=deadline,
+                    )
+                    for task_id in stamp.task_ids(count)
+                ),
+            )
+
+        results = await self.node.propose(build)
+        assert isinstance(results, list)
+        refs = [r for r in results if isinstance(r, TaskRef)]
+        assert len(refs) == count, results
+        return [r.id for r in refs]
+
+    async def cancel(self, task_id: int, reason: str = "cancelled by request") -> None:
+        result = await self.node.propose(
+            lambda stamp: e.CancelTask(time_ms=stamp.now_ms, task_id=task_id, reason=reason)
+        )
+        assert isinstance(result, TaskRef), result
+
+    async def until(self, condition: Callable[[], bool], wait_s: float = WAIT_S) -> None:
+        """Poll until ``condition()`` holds; fail after ``wait_s`` seconds."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            if condition():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"condition still false after {wait_s} s")
+            await asyncio.sleep(0.01)
+
+
+BrokerFactory = Callable[..., Awaitable[Broker]]
+
+
+@pytest.fixture
+async def make_broker(tmp_path: Path) -> AsyncIterator[BrokerFactory]:
+    started: list[Broker] = []
+
+    async def make(node_options: dict[str, Any] | None = None, **link_options: Any) -> Broker:
+        clock = Clock()
+        data_dir = tmp_path / f"broker{len(started)}"
+        node = Node(
+            NodeConfig(
+                **{
+                    "data_dir": data_dir,
+                    "broker_id": BROKER_ID,
+                    "snapshot_interval_s": 3600.0,
+                    "timer_poll_interval_s": 0.02,
+                    **(node_options or {}),
+                }
+            ),
+            ledgers=MemoryLedgerStore(),
+            ledger_list=MemoryLedgerListStore(),
+            snapshots=SnapshotStore(data_dir / "snapshots"),
+            clock_ms=clock,
+        )
+        await node.start()
+        settings: dict[str, Any] = {
+            "port": 0,
+            "heartbeat_interval_ms": INTERVAL_MS,
+            "heartbeat_timeout_ms": TIMEOUT_MS,
+            "hello_timeout_s": 2.0,
+            **link_options,
+        }
+        link = WorkerLink(node, WorkerLinkConfig(**settings))
+        broker = Broker(node, link, clock)
+
+        def record(
+            entry: e.Entry, result: ApplyResult, final: list[int], stops: list[StopRunning]
+        ) -> None:
+            broker.applied.append((entry, result))
+
+        node.listeners.append(record)
+        await link.start()
+        started.append(broker)
+        return broker
+
+    yield make
+    for broker in started:
+        for worker in broker.workers:
+            await worker.close()
+        await broker.link.stop()
+        await broker.node.stop(snapshot=False)
+        broker.node.state.check_invariants()
+
+
+@pytest.fixture
+async def broker(make_broker: BrokerFactory) -> Broker:
+    return await make_broker()
+
+
+def attempts(message: p.Assign | p.FinishAck | p.Cancel) -> list[tuple[int, int]]:
+    """(task id, attempt) of each task a message carries."""
+    return [(t.task_id, t.attempt) for t in message.tasks]
+
+
+def pairs(items: tuple[p.TaskAttempt, ...]) -> list[tuple[int, int]]:
+    return [(t.task_id, t.attempt) for t in items]
+
+
+# --- 1. handshake ---------------------------------------------------------------------------
+
+
+async def test_handshake_welcome_and_registration(broker: Broker) -> None:
+    worker = broker.worker(
+        "w1",
+        process_id="proc-42",
+        task_types={"*": 2, "spark": 1},
+        resources={"cpu": 8, "memory_mb": 16000},
+        tenants=("a", "b"),
+    )
+    welcome = await worker.hello()
+
+    assert welcome.broker_id == BROKER_ID
+    assert welcome.heartbeat_interval_ms == INTERVAL_MS
+    assert welcome.heartbeat_timeout_ms == TIMEOUT_MS
+    assert welcome.keep == () and welcome.drop == ()
+    state = broker.node.state.workers["w1"]
+    assert state.state == WorkerState.CONNECTED
+    assert state.process_id == "proc-42"
+    assert state.task_types == {"*": 2, "spark": 1}
+    assert state.resources == {"cpu": 8.0, "memory_mb": 16000.0}
+    assert state.tenants == ["a", "b"]
+    assert state.address.startswith("127.0.0.1:")
+    assert len(broker.entries(e.RegisterWorker)) == 1
+    # The broker heartbeats too.
+    await broker.until(lambda: worker.heartbeats_received >= 2)
+
+
+# --- 2. assignments -------------------------------------------------------------------------
+
+
+async def test_assignments_are_logged_first_and_respect_capacity(broker: Broker) -> None:
+    worker = broker.worker("w1", task_types={"*": 2})
+    await worker.hello()
+    ids = await broker.submit(5, params=b'{"n": 1}')
+
+    first = await worker.expect(p.Assign)
+    received = list(first.tasks)
+    # The log comes first: every task is already running on w1 when its frame arrives.
+    for task in received:
+        state = broker.task(task.task_id)
+        assert state.state == TaskState.RUNNING and state.worker == "w1"
+        assert any(
+            task.task_id in {a.task_id for a in entry.assignments}
+            for entry in broker.entries(e.AssignTasks)
+        )
+    while len(received) < 2:
+        received += (await worker.expect(p.Assign)).tasks
+    assert [t.task_id for t in received] == ids[:2]  # FIFO
+    for task in received:
+        assert (task.attempt, task.type, task.tenant, task.params) == (1, "noop", "t", b'{"n": 1}')
+
+    # Capacity 2: nothing more while both run.
+    await worker.expect_none(p.Assign, within=0.3)
+    assert [broker.task(i).state for i in ids] == [TaskState.RUNNING] * 2 + [TaskState.WAITING] * 3
+
+    worker.finish_ok(ids[0], 1)
+    nxt = await worker.expect(p.Assign)
+    assert attempts(nxt) == [(ids[2], 1)]
+    await worker.expect(p.FinishAck)
+    await worker.expect_none(p.Assign, within=0.3)
+    assert broker.task(ids[3]).state == TaskState.WAITING
+
+
+# --- 3. finish reports ----------------------------------------------------------------------
+
+
+async def test_finish_ok_duplicate_and_acknowledgement(broker: Broker) -> None:
+    worker = broker.worker()
+    await worker.hello()
+    [task_id] = await broker.submit()
+    await worker.expect(p.Assign)
+
+    worker.finish_ok(task_id, 1, b'{"answer": 42}')
+    ack = await worker.expect(p.FinishAck)
+    assert attempts(ack) == [(task_id, 1)]
+    task = broker.task(task_id)
+    assert task.state == TaskState.FINISHED
+    assert task.result == b'{"answer": 42}'
+    assert task.error is None
+
+    # A duplicate (the ack was lost, say) is acknowledged again and changes nothing.
+    broker.clock.freeze()  # time would otherwise move the digest
+    await asyncio.sleep(0.05)
+    digest = broker.node.state.digest()
+    finishes = len(broker.entries(e.FinishTasks))
+    worker.finish(
+        p.TaskReport(task_id=task_id, attempt=1, ok=True, result=b'"other"'),
+        p.TaskReport(task_id=task_id, attempt=1, ok=False, error="late failure"),
+    )
+    ack = await worker.expect(p.FinishAck)
+    assert attempts(ack) == [(task_id, 1), (task_id, 1)]
+    assert len(broker.entries(e.FinishTasks)) == finishes + 1  # it was processed
+    assert broker.node.state.digest() == digest
+    assert broker.task(task_id).result == b'{"answer": 42}'
+
+
+async def test_result_that_is_not_json_fails_the_task(broker: Broker) -> None:
+    worker = broker.worker()
+    await worker.hello()
+    [task_id] = await broker.submit(max_attempts=1)
+    await worker.expect(p.Assign)
+
+    worker.finish_ok(task_id, 1, b"{not json")
+    assert attempts(await worker.expect(p.FinishAck)) == [(task_id, 1)]
+    task = broker.task(task_id)
+    assert task.state == TaskState.ERROR
+    assert task.result is None
+    assert task.error is not None and "JSON" in task.error
+
+
+async def test_failure_report_errors_the_task(broker: Broker) -> None:
+    worker = broker.worker()
+    await worker.hello()
+    [task_id] = await broker.submit(max_attempts=1)
+    await worker.expect(p.Assign)
+
+    worker.finish_failed(task_id, 1, "ZeroDivisionError: division by zero")
+    assert attempts(await worker.expect(p.FinishAck)) == [(task_id, 1)]
+    task = broker.task(task_id)
+    assert task.state == TaskState.ERROR
+    assert task.error is not None and "ZeroDivisionError: division by zero" in task.error
+    await worker.expect_none(p.Assign, within=0.2)
+
+
+async def test_failure_requeues_and_late_finish_of_old_attempt_is_ignored(broker: Broker) -> None:
+    worker = broker.worker()
+    await worker.hello()
+    [task_id] = await broker.submit(max_attempts=2)
+    assert attempts(await worker.expect(p.Assign)) == [(task_id, 1)]
+
+    worker.finish_failed(task_id, 1, "flaky")
+    retry = await worker.expect(p.Assign)
+    assert attempts(retry) == [(task_id, 2)]
+    await worker.expect(p.FinishAck)
+    assert broker.task(task_id).state == TaskState.RUNNING
+    assert broker.task(task_id).attempt == 2
+
+    # A report for attempt 1 arriving now is acknowledged but does nothing.
+    worker.finish_ok(task_id, 1, b'"stale"')
+    assert attempts(await worker.expect(p.FinishAck)) == [(task_id, 1)]
+    task = broker.task(task_id)
+    assert (task.state, task.attempt, task.result) == (TaskState.RUNNING, 2, None)
+
+    worker.finish_ok(task_id, 2, b'"fresh"')
+    await worker.expect(p.FinishAck)
+    task = broker.task(task_id)
+    assert (task.state, task.attempt, task.result) == (TaskState.FINISHED, 2, b'"fresh"')
+
+
+# --- 4. dead workers ------------------------------------------------------------------------
+
+
+async def test_dead_worker_task_is_requeued_to_another_worker(broker: Broker) -> None:
+    w1 = broker.worker("w1")
+    await w1.hello()
+    [task_id] = await broker.submit(max_attempts=2)
+    await w1.expect(p.Assign)
+
+    await w1.close()
+    closed_at = time.monotonic()
+    await broker.until(lambda: broker.node.state.workers["w1"].state == WorkerState.DEAD)
+    assert time.monotonic() - closed_at >= TIMEOUT_MS / 1000 * 0.8  # not before the timeout
+    [dead] = broker.entries(e.WorkerDead)
+    assert dead.worker_id == "w1"
+    task = broker.task(task_id)
+    assert (task.state, task.attempt, task.worker) == (TaskState.WAITING, 1, None)
+
+    w2 = broker.worker("w2")
+    await w2.hello()
+    assert attempts(await w2.expect(p.Assign)) == [(task_id, 2)]
+    assert broker.task(task_id).worker == "w2"
+
+
+async def test_dead_worker_task_errors_when_attempts_are_used_up(broker: Broker) -> None:
+    w1 = broker.worker("w1")
+    await w1.hello()
+    [task_id] = await broker.submit(max_attempts=1)
+    await w1.expect(p.Assign)
+
+    await w1.close()
+    await broker.until(lambda: broker.task(task_id).state == TaskState.ERROR)
+    assert broker.node.state.workers["w1"].state == WorkerState.DEAD
+    error = broker.task(task_id).error
+    assert error is not None and "w1" in error and "died" in error
+
+
+# --- 5. silent workers ----------------------------------------------------------------------
+
+
+async def test_silent_worker_is_disconnected(broker: Broker) -> None:
+    silent = broker.worker("silent")
+    lively = broker.worker("lively")
+    await silent.hello(heartbeats=False)
+    welcomed_at = time.monotonic()
+    await lively.hello()
+
+    await silent.wait_closed_by_peer(wait_s=WAIT_S)
+    assert time.monotonic() - welcomed_at >= TIMEOUT_MS / 1000 * 0.8
+    # The one that heartbeats stays connected.
+    assert not lively.closed_by_peer
+    assert "lively" in broker.link.sessions
+    await broker.until(lambda: "silent" not in broker.link.sessions)
+
+
+# --- 6. reconnection ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("drop_first", [True, False], ids=["dropped", "half-open"])
+async def test_quick_reconnect_keeps_the_running_task(broker: Broker, drop_first: bool) -> None:
+    worker = broker.worker("w1")
+    await worker.hello()
+    [task_id] = await broker.submit(max_attempts=3)
+    await worker.expect(p.Assign)
+
+    if drop_first:
+        await worker.close()
+        again = broker.worker("w1")
+    else:
+        # The old connection still looks open to the broker: the new hello replaces it.
+        again = broker.worker("w1")
+    welcome = await again.hello(running=[(task_id, 1)])
+    if not drop_first:
+        await worker.wait_closed_by_peer()
+    assert pairs(welcome.keep) == [(task_id, 1)]
+    assert welcome.drop == ()
+    task = broker.task(task_id)
+    assert (task.state, task.attempt, task.worker) == (TaskState.RUNNING, 1, "w1")
+
+    # Past the heartbeat timeout it is still alive (no WorkerDead from the old connection).
+    await asyncio.sleep(TIMEOUT_MS / 1000 + 0.3)
+    assert broker.entries(e.WorkerDead) == []
+    assert broker.task(task_id).state == TaskState.RUNNING
+    await again.expect_none(p.Assign, within=0.01)
+
+    again.finish_ok(task_id, 1, b"7")
+    await again.expect(p.FinishAck)
+    task = broker.task(task_id)
+    assert (task.state, task.attempt, task.result) == (TaskState.FINISHED, 1, b"7")
+
+
+@pytest.mark.parametrize("max_attempts", [2, 1])
+async def test_restarted_worker_loses_its_tasks(broker: Broker, max_attempts: int) -> None:
+    worker = broker.worker("w1", process_id="proc-1")
+    await worker.hello()
+    [task_id] = await broker.submit(max_attempts=max_attempts)
+    await worker.expect(p.Assign)
+    await worker.close()
+
+    restarted = broker.worker("w1", process_id="proc-2")
+    welcome = await restarted.hello(running=[])
+    assert welcome.keep == () and welcome.drop == ()
+    assert broker.node.state.workers["w1"].process_id == "proc-2"
+    if max_attempts == 2:
+        assert attempts(await restarted.expect(p.Assign)) == [(task_id, 2)]
+        assert broker.task(task_id).state == TaskState.RUNNING
+    else:
+        task = broker.task(task_id)
+        assert task.state == TaskState.ERROR
+        assert task.error is not None and "w1" in task.error
+        await restarted.expect_none(p.Assign, within=0.2)
+
+
+async def test_reconnect_reporting_a_task_no_longer_running_there_is_told_to_drop_it(
+    broker: Broker,
+) -> None:
+    worker = broker.worker("w1")
+    await worker.hello()
+    kept_id, cancelled_id = await broker.submit(2)
+    assign = await worker.expect(p.Assign)
+    while len(attempts(assign)) < 2:
+        assign = p.Assign(tasks=assign.tasks + (await worker.expect(p.Assign)).tasks)
+    await worker.close()
+    await broker.cancel(cancelled_id)  # while it is away: nobody to tell
+
+    again = broker.worker("w1")
+    welcome = await again.hello(running=[(kept_id, 1), (cancelled_id, 1), (999, 1)])
+    assert pairs(welcome.keep) == [(kept_id, 1)]
+    assert sorted(pairs(welcome.drop)) == [(cancelled_id, 1), (999, 1)]
+    assert broker.task(cancelled_id).state == TaskState.CANCELLED
+    assert broker.task(kept_id).state == TaskState.RUNNING
+
+
+# --- 7. cancels -----------------------------------------------------------------------------
+
+
+async def test_cancel_of_a_running_task_is_sent_to_its_worker(broker: Broker) -> None:
+    worker = broker.worker()
+    await worker.hello()
+    [task_id] = await broker.submit()
+    await worker.expect(p.Assign)
+
+    await broker.cancel(task_id, reason="user changed their mind")
+    cancel = await worker.expect(p.Cancel)
+    assert attempts(cancel) == [(task_id, 1)]
+    assert cancel.reason == "user changed their mind"
+    assert broker.task(task_id).state == TaskState.CANCELLED
+
+
+async def test_deadline_of_a_running_task_sends_cancel(broker: Broker) -> None:
+    worker = broker.worker()
+    await worker.hello()
+    [task_id] = await broker.submit(deadline_in_ms=700)
+    assign = await worker.expect(p.Assign)
+    assert assign.tasks[0].deadline_ms == broker.task(task_id).deadline_ms
+
+    cancel = await worker.expect(p.Cancel, wait_s=WAIT_S)
+    assert attempts(cancel) == [(task_id, 1)]
+    assert "deadline" in cancel.reason
+    task = broker.task(task_id)
+    assert task.state == TaskState.ERROR
+    assert task.error is not None and "deadline" in task.error
+    assert broker.entries(e.Tick)  # the node's timer loop logged the tick that fired it
+
+
+async def test_cancel_and_deadline_in_one_entry_keep_their_own_reasons(
+    make_broker: BrokerFactory,
+) -> None:
+    # Timers only fire with the next entry: here, the cancel of the other task.
+    broker = await make_broker({"timer_poll_interval_s": 3600.0})
+    now = broker.clock.freeze()
+    worker = broker.worker(task_types={"*": 2})
+    await worker.hello()
+    [timed] = await broker.submit(deadline_in_ms=1000)
+    [other] = await broker.submit()
+    seen = attempts(await worker.expect(p.Assign))
+    while len(seen) < 2:
+        seen += attempts(await worker.expect(p.Assign))
+
+    broker.clock.frozen = now + 2000
+    await broker.cancel(other, reason="cancelled by request")
+    reasons: dict[int, str] = {}
+    while len(reasons) < 2:
+        cancel = await worker.expect(p.Cancel)
+        for task_id, _ in attempts(cancel):
+            reasons[task_id] = cancel.reason
+    assert "deadline" in reasons[timed]
+    assert reasons[other] == "cancelled by request"
+    assert broker.task(timed).state == TaskState.ERROR
+    assert broker.task(other).state == TaskState.CANCELLED
+
+
+# --- 8. bad input ---------------------------------------------------------------------------
+
+
+async def _expect_error_and_close(worker: FakeWorker, code: str) -> p.Error:
+    error = await worker.expect(p.Error)
+    assert error.code == code, error
+    await worker.wait_closed_by_peer()
+    return error
+
+
+async def test_bad_connections_are_refused_while_others_are_served(broker: Broker) -> None:
+    good = broker.worker("good", task_types={"*": 1})
+    await good.hello()
+    [first] = await broker.submit()
+    assert attempts(await good.expect(p.Assign)) == [(first, 1)]
+
+    async def garbage_after_hello() -> None:
+        bad = broker.worker("bad-frame", task_types={})
+        await bad.hello()
+        bad.send_raw(struct.pack(">I", 3) + b"\xc1\xc1\xc1")  # 0xc1: never valid msgpack
+        await _expect_error_and_close(bad, "bad_frame")
+
+    async def garbage_before_hello() -> None:
+        bad = broker.worker("unused")
+        await bad.connect()
+        bad.send_raw(struct.pack(">I", 4) + b"\xc1\x00\xff\xfe")
+        await _expect_error_and_close(bad, "bad_frame")
+
+    async def oversized() -> None:
+        bad = broker.worker("unused")
+        await bad.connect()
+        bad.send_raw(b"\xff\xff\xff\xff" + b"x" * 100)
+        await _expect_error_and_close(bad, "frame_too_large")
+
+    async def sends_assign() -> None:
+        bad = broker.worker("bad-assign", task_types={})
+        await bad.hello()
+        bad.send(p.Assign(tasks=(p.AssignedTask(task_id=first, attempt=1, type="x", tenant="t"),)))
+        await _expect_error_and_close(bad, "unexpected_message")
+
+    async def no_hello() -> None:
+        bad = broker.worker("unused")
+        await bad.connect()
+        bad.send(p.Heartbeat(seq=1))
+        await _expect_error_and_close(bad, "bad_handshake")
+
+    async def bad_worker_id() -> None:
+        bad = broker.worker("not a valid name!")
+        await bad.connect()
+        bad.send(p.Hello(worker_id="not a valid name!", task_types={"*": 1}))
+        error = await _expect_error_and_close(bad, "bad_handshake")
+        assert "worker_id" in error.message
+
+    await asyncio.wait_for(
+        asyncio.gather(
+            garbage_after_hello(),
+            garbage_before_hello(),
+            oversized(),
+            sends_assign(),
+            no_hello(),
+            bad_worker_id(),
+        ),
+        WAIT_S * 2,
+    )
+    assert "not a valid name!" not in broker.node.state.workers
+    assert broker.task(first).state == TaskState.RUNNING  # nobody touched it
+
+    # The good worker is still connected and served.
+    assert not good.closed_by_peer
+    good.finish_ok(first, 1)
+    assert attempts(await good.expect(p.FinishAck)) == [(first, 1)]
+    [second] = await broker.submit()
+    assert attempts(await good.expect(p.Assign)) == [(second, 1)]
+    good.finish_ok(second, 1)
+    await good.expect(p.FinishAck)
+    assert broker.task(second).state == TaskState.FINISHED
+
+
+async def test_wrong_token_is_unauthorized(make_broker: BrokerFactory) -> None:
+    broker = await make_broker(token="s3cret")
+
+    for token in ("wrong", None):
+        intruder = broker.worker("intruder", token=token)
+        await intruder.connect()
+        intruder.send(p.Hello(worker_id="intruder", token=token, task_types={"*": 1}))
+        await _expect_error_and_close(intruder, "unauthorized")
+    assert "intruder" not in broker.node.state.workers
+
+    trusted = broker.worker("trusted", token="s3cret")
+    welcome = await trusted.hello()
+    assert welcome.broker_id == BROKER_ID
+    [task_id] = await broker.submit()
+    assert attempts(await trusted.expect(p.Assign)) == [(task_id, 1)]
+
+
+# --- 9. tenant filter -----------------------------------------------------------------------
+
+
+async def test_worker_serving_one_tenant_never_gets_another_tenants_tasks(broker: Broker) -> None:
+    only_a = broker.worker("only-a", task_types={"*": 10}, tenants=("a",))
+    await only_a.hello()
+    b_ids = await broker.submit(2, tenant="b")
+    a_ids = await broker.submit(1, tenant="a")
+
+    assign = await only_a.expect(p.Assign)
+    assert attempts(assign) == [(a_ids[0], 1)]
+    assert assign.tasks[0].tenant == "a"
+    await only_a.expect_none(p.Assign, within=0.4)
+    assert [broker.task(i).state for i in b_ids] == [TaskState.WAITING] * 2
+
+    # They were runnable all along: a worker serving everyone takes them.
+    anyone = broker.worker("anyone", task_types={"*": 10})
+    await anyone.hello()
+    got = attempts(await anyone.expect(p.Assign))
+    while len(got) < 2:
+        got += attempts(await anyone.expect(p.Assign))
+    assert sorted(got) == [(i, 1) for i in b_ids]
+    await only_a.expect_none(p.Assign, within=0.1)
+
+
+# --- races ----------------------------------------------------------------------------------
+
+
+async def test_worker_is_not_declared_dead_while_its_registration_completes(
+    broker: Broker,
+) -> None:
+    # The link has run for longer than the heartbeat timeout before the worker arrives.
+    await asyncio.sleep(TIMEOUT_MS / 1000 + 0.2)
+    propose = broker.node.propose
+
+    async def slow_registration(build: Callable[[Stamp], e.Entry]) -> ApplyResult:
+        made: list[e.Entry] = []
+
+        def capture(stamp: Stamp) -> e.Entry:
+            made.append(build(stamp))
+            return made[-1]
+
+        result = await propose(capture)
+        if isinstance(made[0], e.RegisterWorker):
+            # The registering coroutine resumes late (a busy loop): the heartbeat
+            # loop runs in between and must not see a connected worker without contact.
+            await asyncio.sleep(3 * INTERVAL_MS / 1000)
+        return result
+
+    broker.node.propose = slow_registration  # type: ignore[method-assign]
+    worker = broker.worker("w1")
+    await worker.hello()
+    assert broker.entries(e.WorkerDead) == []
+    assert broker.node.state.workers["w1"].state == WorkerState.CONNECTED
+    [task_id] = await broker.submit()
+    assert attempts(await worker.expect(p.Assign)) == [(task_id, 1)]
