@@ -353,6 +353,23 @@ class WorkerLink:
             while self._reports:
                 limit = self.config.max_reports_per_entry
                 batch, self._reports = self._reports[:limit], self._reports[limit:]
+                tasks = self.node.state.tasks
+                # Reports of attempts that are already over (duplicates, late ones)
+                # change nothing: acknowledge them without logging an entry.
+                live = [
+                    (session, report)
+                    for session, report in batch
+                    if (task := tasks.get(report.task_id)) is not None
+                    and task.state == TaskState.RUNNING
+                    and task.worker == session.worker_id
+                    and task.attempt == report.attempt
+                ]
+                if len(live) < len(batch):
+                    live_ids = {id(item) for item in live}
+                    self._acknowledge([item for item in batch if id(item) not in live_ids])
+                    batch = live
+                if not batch:
+                    continue
                 outcomes = tuple(self._outcome(session, report) for session, report in batch)
 
                 def build(stamp: Stamp, outcomes: tuple[e.TaskOutcome, ...] = outcomes) -> e.Entry:
@@ -364,11 +381,14 @@ class WorkerLink:
                     # Not acknowledged: the worker resends after reconnecting.
                     self._reports.clear()
                     break
-                acks: dict[_Session, list[p.TaskAttempt]] = defaultdict(list)
-                for session, report in batch:
-                    acks[session].append(p.TaskAttempt(report.task_id, report.attempt))
-                for session, attempts in acks.items():
-                    session.send(p.FinishAck(tasks=tuple(attempts)))
+                self._acknowledge(batch)
+
+    def _acknowledge(self, batch: list[tuple[_Session, p.TaskReport]]) -> None:
+        acks: dict[_Session, list[p.TaskAttempt]] = defaultdict(list)
+        for session, report in batch:
+            acks[session].append(p.TaskAttempt(report.task_id, report.attempt))
+        for session, attempts in acks.items():
+            session.send(p.FinishAck(tasks=tuple(attempts)))
 
     def _outcome(self, session: _Session, report: p.TaskReport) -> e.TaskOutcome:
         result = report.result
@@ -410,7 +430,10 @@ class WorkerLink:
                     continue
                 session.send(p.Heartbeat(seq=seq))
             if self.node.writable:
-                await self._declare_dead_workers(now, timeout_s)
+                try:
+                    await self._declare_dead_workers(now, timeout_s)
+                except Exception:
+                    logger.exception("declaring dead workers failed; retrying next beat")
 
     async def _declare_dead_workers(self, now: float, timeout_s: float) -> None:
         for worker in list(self.node.state.workers.values()):

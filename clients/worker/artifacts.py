@@ -43,7 +43,6 @@ prefixed ones. That is scoped per module, not per thread, so it has no races. Li
 from __future__ import annotations
 
 import builtins
-import contextlib
 import hashlib
 import importlib
 import importlib.abc
@@ -186,8 +185,8 @@ def _register_pickle_by_value(module: types.ModuleType) -> None:
         from pyspark import cloudpickle
     except ImportError:  # pragma: no cover - pyspark is a dependency
         return
-    with contextlib.suppress(ValueError):  # already registered
-        cloudpickle.register_pickle_by_value(module)  # type: ignore[no-untyped-call]
+    # Registering a package covers its submodules; registering twice is harmless.
+    cloudpickle.register_pickle_by_value(module)  # type: ignore[no-untyped-call]
 
 
 def _resolve_attr(obj: Any, dotted: str, where: str) -> Any:

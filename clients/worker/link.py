@@ -104,6 +104,7 @@ class Worker:
         self._done = asyncio.Event()
         self._stop_task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
+        self._welcomed = False  # the current/last connection got its Welcome
         self._changed = asyncio.Event()  # a report arrived or an ack: for stop()'s waits
 
     # -- observation --
@@ -170,7 +171,8 @@ class Worker:
                 grace_s = min(2.0, self.config.cancel_grace_s)
                 await self._wait_until(lambda: not self.runtime.running(), loop.time() + grace_s)
             self._flush()
-            await self._wait_until(lambda: not self._unacked or self._conn is None, deadline)
+            # Also while disconnected: the next connection before the deadline delivers.
+            await self._wait_until(lambda: not self._unacked, deadline)
             if self._unacked:
                 logger.warning("stopping with %d unacknowledged task reports", len(self._unacked))
         self._final.set()
@@ -206,28 +208,32 @@ class Worker:
                 session.cancel()
                 await asyncio.wait({session})  # let its cleanup run; raises nothing
         try:
-            return session.result()
+            session.result()
         except asyncio.CancelledError:
-            return False
+            pass
         except (OSError, TimeoutError, ProtocolError, BrokerError, EOFError) as exc:
-            logger.warning("connection to broker %s failed: %s", self.config.broker, exc)
-            return False
+            logger.warning(
+                "connection to broker %s failed: %s: %s",
+                self.config.broker,
+                type(exc).__name__,
+                exc,
+            )
         except Exception:
             logger.exception("connection to broker %s failed unexpectedly", self.config.broker)
-            return False
+        return self._welcomed
 
-    async def _session(self) -> bool:
+    async def _session(self) -> None:
+        self._welcomed = False
         host, port = self.config.broker_address()
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(host, port), self.config.connect_timeout_s
         )
-        welcomed = False
         try:
             decoder = FrameDecoder(self.config.max_frame_bytes)
             writer.write(encode_message(self._hello(), self.config.max_frame_bytes))
             welcome, rest = await self._read_welcome(reader, writer, decoder)
             conn = _Connection(writer, welcome, self.config.max_frame_bytes)
-            welcomed = True
+            self._welcomed = True
             self._on_welcome(conn, welcome)
             heartbeats = asyncio.ensure_future(self._heartbeat_loop(conn))
             try:
@@ -242,7 +248,6 @@ class Worker:
             writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
-        return welcomed
 
     def _hello(self) -> Hello:
         c = self.config
@@ -340,14 +345,19 @@ class Worker:
     async def _heartbeat_loop(self, conn: _Connection) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn.seq += 1
-            conn.send(Heartbeat(seq=conn.seq))
-            self._resend_due(loop.time())
             try:
+                conn.seq += 1
+                conn.send(Heartbeat(seq=conn.seq))
+                self._resend_due(loop.time())
                 # A peer that stopped reading fills our buffers: that is a dead link too.
                 await asyncio.wait_for(conn.writer.drain(), conn.heartbeat_timeout_s)
-            except (TimeoutError, ConnectionError):
-                logger.warning("cannot write to the broker; reconnecting")
+            except (TimeoutError, ConnectionError) as exc:
+                logger.warning("cannot write to the broker (%r); reconnecting", exc)
+                conn.abort()
+                return
+            except Exception:
+                # Without heartbeats the broker would declare us dead: start over instead.
+                logger.exception("heartbeat loop failed; reconnecting")
                 conn.abort()
                 return
             await asyncio.sleep(conn.heartbeat_interval_s)
@@ -383,19 +393,19 @@ class Worker:
     def _on_assign(self, tasks: Iterable[AssignedTask]) -> None:
         for task in tasks:
             key = (task.task_id, task.attempt)
-            if self._stopping:
-                self._on_report(
-                    TaskReport(
-                        task.task_id, task.attempt, ok=False, error="cancelled: worker stopping"
-                    )
-                )
-                continue
             if self.runtime.is_known(key) or key in self._unacked:
                 # A repeat (e.g. the broker resent it): the running attempt or its
                 # pending report stands.
                 logger.debug("ignoring repeated assignment of task %d attempt %d", *key)
                 if key in self._unacked:
                     self._send_reports([key])
+                continue
+            if self._stopping:
+                self._on_report(
+                    TaskReport(
+                        task.task_id, task.attempt, ok=False, error="cancelled: worker stopping"
+                    )
+                )
                 continue
             for ta in self.runtime.running():
                 if ta.task_id == task.task_id and ta.attempt < task.attempt:

@@ -109,15 +109,14 @@ def shared_spark(master: str = "local[*]", conf: Mapping[str, str] | None = None
         return _spark_session
 
 
-def _cancel_job_group(session: Any, group: str, reason: str, *, future_jobs: bool) -> None:
+def _cancel_job_group(session: Any, group: str, reason: str) -> None:
+    # Not cancelJobGroupAndFutureJobs: it remembers the group for good, so a later task
+    # with the same id and attempt (a broker whose data was reset) would be killed at
+    # once; and it does not cover every late job anyway (see the module docstring).
     sc = session.sparkContext
     try:
-        jsc = sc._jsc.sc()
-        if future_jobs:
-            jsc.cancelJobGroupAndFutureJobs(group, reason)
-        else:
-            jsc.cancelJobGroup(group, reason)
-    except Exception:  # older Spark without the (group, reason) overloads
+        sc._jsc.sc().cancelJobGroup(group, reason)  # the reason shows in the job's error
+    except Exception:  # a Spark without the (group, reason) overload
         logger.debug("falling back to SparkContext.cancelJobGroup", exc_info=True)
         sc.cancelJobGroup(group)
 
@@ -218,13 +217,11 @@ class TaskContext:
                 self.cancel_reason = reason
         self.cancelled.set()
 
-    def _cancel_spark(self, *, future_jobs: bool) -> None:
+    def _cancel_spark(self) -> None:
         with self._lock:
             session = self._session if self._group_threads else None
         if session is not None:
-            _cancel_job_group(
-                session, self.job_group, self.cancel_reason or "cancelled", future_jobs=future_jobs
-            )
+            _cancel_job_group(session, self.job_group, self.cancel_reason or "cancelled")
 
     def _leave_job_group(self) -> None:
         """Clear the job group in the calling thread (a pool thread runs other tasks next)."""
@@ -513,12 +510,10 @@ class TaskRuntime:
     def _watch_cancelled(self, entry: _Running) -> None:
         """Keep cancelling the task's Spark jobs until it stops; give up after the grace."""
         deadline = time.monotonic() + self.config.cancel_grace_s
-        first = True
         while True:
             if entry.ctx.uses_spark:
                 try:
-                    entry.ctx._cancel_spark(future_jobs=first)
-                    first = False
+                    entry.ctx._cancel_spark()
                 except Exception:
                     logger.warning("cancelling Spark jobs of task %s failed", entry.ctx.job_group)
             left = deadline - time.monotonic()

@@ -63,6 +63,7 @@ class BrokerConn:
         self.hello: Hello | None = None
         self.heartbeats = 0
         self._task = asyncio.ensure_future(self._read())
+        self._heartbeats: asyncio.Future[None] | None = None
 
     async def _read(self) -> None:
         decoder = FrameDecoder()
@@ -81,10 +82,21 @@ class BrokerConn:
     def send(self, message: Message) -> None:
         self.writer.write(encode_message(message))
 
-    def welcome(self, **kwargs: Any) -> None:
+    def welcome(self, *, heartbeats: bool = True, **kwargs: Any) -> None:
+        """Send Welcome; then heartbeat every interval, as a broker does, unless told not to."""
         kwargs.setdefault("heartbeat_interval_ms", 100)
         kwargs.setdefault("heartbeat_timeout_ms", 5000)
-        self.send(Welcome(broker_id="fake", **kwargs))
+        welcome = Welcome(broker_id="fake", **kwargs)
+        self.send(welcome)
+        if heartbeats:
+            self._heartbeats = asyncio.ensure_future(self._beat(welcome.heartbeat_interval_ms))
+
+    async def _beat(self, interval_ms: int) -> None:
+        seq = 0
+        while not self.closed.is_set() and not self.writer.is_closing():
+            seq += 1
+            self.send(Heartbeat(seq=seq))
+            await asyncio.sleep(interval_ms / 1000)
 
     def assign(self, *tasks: AssignedTask) -> None:
         self.send(Assign(tasks=tasks))
@@ -107,7 +119,9 @@ class BrokerConn:
                 got[(report.task_id, report.attempt)] = report
             if ack:
                 self.send(
-                    FinishAck(tasks=tuple(TaskAttempt(r.task_id, r.attempt) for r in finish.reports))
+                    FinishAck(
+                        tasks=tuple(TaskAttempt(r.task_id, r.attempt) for r in finish.reports)
+                    )
                 )
         return got
 
@@ -122,6 +136,8 @@ class BrokerConn:
             raise AssertionError(f"unexpected {message!r}")
 
     async def close(self) -> None:
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
         self.writer.close()
         await asyncio.wait_for(self.closed.wait(), WAIT_S)
 
@@ -154,6 +170,8 @@ class FakeBroker:
 
     async def close(self) -> None:
         for conn in self.all:
+            if conn._heartbeats is not None:
+                conn._heartbeats.cancel()
             conn.writer.close()
         if self._server is not None:
             self._server.close()
@@ -248,7 +266,9 @@ class Env:
     async def started(self, **overrides: Any) -> tuple[Worker, BrokerConn]:
         """A worker connected to the fake broker and welcomed."""
         worker = self.worker(**overrides)
-        return worker, await self.broker.connect()
+        conn = await self.broker.connect()
+        await asyncio.wait_for(worker.wait_connected(), WAIT_S)
+        return worker, conn
 
 
 @pytest.fixture
@@ -297,7 +317,9 @@ def result_of(report: TaskReport) -> Any:
 
 async def until(condition: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
     async def poll() -> None:
-        while not condition():
+        while True:  # the condition may change on other threads: poll it
+            if condition():
+                return
             await asyncio.sleep(0.01)
 
     await asyncio.wait_for(poll(), timeout_s)
@@ -588,9 +610,11 @@ async def test_welcome_drop_stops_the_dropped_task(env: Env) -> None:
 
 async def test_silent_broker_past_heartbeat_timeout_means_reconnect(env: Env) -> None:
     worker = env.worker()
-    conn = await env.broker.connect(heartbeat_interval_ms=100, heartbeat_timeout_ms=300)
+    conn = await env.broker.connect(
+        heartbeat_interval_ms=100, heartbeat_timeout_ms=300, heartbeats=False
+    )
     started = time.monotonic()
-    conn2 = await env.broker.accept(3.0)  # the fake broker never heartbeats
+    conn2 = await env.broker.accept(3.0)  # the fake broker went silent
     assert 0.25 <= time.monotonic() - started < 2.0
     await asyncio.wait_for(conn.closed.wait(), WAIT_S)
     conn2.welcome()
@@ -600,9 +624,7 @@ async def test_silent_broker_past_heartbeat_timeout_means_reconnect(env: Env) ->
 async def test_broker_heartbeats_keep_the_connection(env: Env) -> None:
     worker = env.worker()
     conn = await env.broker.connect(heartbeat_interval_ms=50, heartbeat_timeout_ms=300)
-    for seq in range(20):  # 1 s, over three timeouts
-        conn.send(Heartbeat(seq=seq))
-        await asyncio.sleep(0.05)
+    await asyncio.sleep(1.0)  # over three timeouts, with the broker's heartbeats
     assert not conn.closed.is_set()
     assert env.broker.conns.empty()
     assert worker.sessions == 1
@@ -705,7 +727,7 @@ async def test_py_artifact_runs_as_its_own_module(env: Env) -> None:
 
 
 async def test_two_versions_of_one_package_run_side_by_side(env: Env) -> None:
-    worker, conn = await env.started()
+    _, conn = await env.started()
     sha1 = env.http.add(jobs_zip("v1"))
     sha2 = env.http.add(jobs_zip("v2"))
     # Both versions run at the same time, twice each.
