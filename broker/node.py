@@ -319,8 +319,11 @@ class Node:
         # No await between stamping and append: ids and time reach the log in order.
         now_ms = max(self.clock_ms(), self._last_time_ms)
         self._last_time_ms = now_ms
-        entry = build(Stamp(self, now_ms))
-        durable = writer.append(e.encode_entry(entry))
+        data = e.encode_entry(build(Stamp(self, now_ms)))
+        # Apply what followers and replay will read, not the original object
+        # (an int where the log carries a float would make the digests differ).
+        entry = e.decode_entry(data)
+        durable = writer.append(data)
         answer: asyncio.Future[ApplyResult] = asyncio.get_running_loop().create_future()
         self._inflight.append(_InFlight(entry, writer.ledger_id, durable, answer))
         durable.add_done_callback(self._on_durable)

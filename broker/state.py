@@ -581,6 +581,9 @@ class StateMachine:
         return tenant
 
     def _set_config(self, entry: e.SetConfig) -> Rejected | None:
+        retention_ms = entry.finished_task_retention_ms
+        if retention_ms is not None and retention_ms <= 0:
+            return Rejected(ErrorCode.INVALID, "finished_task_retention_ms must be > 0")
         if entry.global_limits is not None:
             for name, amount in entry.global_limits.items():
                 if not NAME_RE.match(name) or not (math.isfinite(amount) and amount >= 0):
@@ -597,6 +600,10 @@ class StateMachine:
     def _register_worker(self, entry: e.RegisterWorker) -> WorkerReconciled | Rejected:
         if not entry.worker_id:
             return Rejected(ErrorCode.INVALID, "worker_id must not be empty")
+        if any(not (math.isfinite(a) and a >= 0) for a in entry.resources.values()) or any(
+            n < 0 for n in entry.task_types.values()
+        ):
+            return Rejected(ErrorCode.INVALID, "worker capacities must be finite and >= 0")
         reported = {(r.task_id, r.attempt) for r in entry.running}
         keep: list[e.TaskAttempt] = []
         lost: list[int] = []
@@ -695,6 +702,8 @@ class StateMachine:
     def _add_code(self, entry: e.AddCode) -> Artifact | Rejected:
         if not re.fullmatch(r"[0-9a-f]{64}", entry.sha256):
             return Rejected(ErrorCode.INVALID, "sha256 must be 64 lowercase hex digits")
+        if entry.size_bytes < 0:
+            return Rejected(ErrorCode.INVALID, "size_bytes must be >= 0")
         artifact = self.artifacts.get(entry.sha256)
         if artifact is None:
             artifact = self.artifacts[entry.sha256] = Artifact(

@@ -84,20 +84,27 @@ class SnapshotStore:
         Checks headers only (not checksums). Unusable files are skipped with a
         WARNING naming the file and the reason.
         """
-        infos: builtins.list[SnapshotInfo] = []
-        for position, path in self._scan():
-            try:
-                header = read_header(path)
-                self._check_identity(path, position, header)
-            except FileNotFoundError:
-                continue  # pruned since the scan
-            except SnapshotError as exc:
-                logger.warning("snapshot %s skipped: %s", path, exc.reason)
-                continue
-            except OSError as exc:
-                logger.warning("snapshot %s skipped: cannot read header: %s", path, exc)
-                continue
-            infos.append(SnapshotInfo(path, header))
+        # A writer may prune files between the scan and the header reads; when a
+        # file vanished, scan again (a few times) so a newer one is not missed.
+        for _ in range(5):
+            infos: builtins.list[SnapshotInfo] = []
+            vanished = False
+            for position, path in self._scan():
+                try:
+                    header = read_header(path)
+                    self._check_identity(path, position, header)
+                except FileNotFoundError:
+                    vanished = True
+                    continue
+                except SnapshotError as exc:
+                    logger.warning("snapshot %s skipped: %s", path, exc.reason)
+                    continue
+                except OSError as exc:
+                    logger.warning("snapshot %s skipped: cannot read header: %s", path, exc)
+                    continue
+                infos.append(SnapshotInfo(path, header))
+            if not vanished:
+                break
         return infos
 
     def newest(self) -> SnapshotInfo | None:
