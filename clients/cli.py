@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="also start N worker processes connected to this broker",
     )
+    p.add_argument("--heartbeat-interval-ms", type=int, default=1000)
+    p.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=10_000,
+        help="a worker silent or disconnected this long is declared dead (default %(default)s)",
+    )
     p.add_argument("--snapshot-interval-s", type=float, default=60.0)
     p.add_argument("--ledger-roll-mb", type=float, default=64.0)
     p.add_argument("--log-level", default="INFO")
@@ -387,11 +394,18 @@ def run_standalone(args: argparse.Namespace) -> int:
             ledger_roll_bytes=int(args.ledger_roll_mb * 1024 * 1024),
         ),
         api=ApiConfig(host=host, port=port),
-        workers=WorkerLinkConfig(host=args.worker_listen[0], port=args.worker_listen[1]),
+        workers=WorkerLinkConfig(
+            host=args.worker_listen[0],
+            port=args.worker_listen[1],
+            heartbeat_interval_ms=args.heartbeat_interval_ms,
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        ),
         child_workers=args.workers,
     )
     if args.workers < 0:
         raise UsageError("--workers must be >= 0")
+    if not 0 < args.heartbeat_interval_ms < args.heartbeat_timeout_ms:
+        raise UsageError("need 0 < --heartbeat-interval-ms < --heartbeat-timeout-ms")
     try:
         uvloop.run(serve_standalone(config))
     except BrokerStartupError as exc:

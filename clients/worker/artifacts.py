@@ -420,7 +420,7 @@ def _top_level_names(root: Path) -> frozenset[str]:
             stem = name.rsplit(".", 1)[0]
             if stem.isidentifier():
                 names.add(stem)
-        elif entry.suffix in importlib.machinery.EXTENSION_SUFFIXES or ".so" in name:
+        elif any(name.endswith(suffix) for suffix in importlib.machinery.EXTENSION_SUFFIXES):
             stem = name.split(".", 1)[0]
             if stem.isidentifier():
                 names.add(stem)

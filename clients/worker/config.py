@@ -89,6 +89,8 @@ class WorkerConfig:
     # (its thread keeps running, unreported: Python cannot kill a thread).
     cancel_grace_s: float = 10.0
     download_timeout_s: float = 60.0
+    # On SIGTERM: how long running tasks may take to finish before they are cancelled.
+    stop_timeout_s: float = 15.0
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     token: str | None = None
     version: str = "0.1.0"

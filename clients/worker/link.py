@@ -71,6 +71,7 @@ class _Connection:
         )
         self.broker_id = welcome.broker_id
         self.seq = 0
+        self.closed = False
 
     def send(self, message: Message) -> bool:
         """Queue a frame on the transport (flow control: see the heartbeat loop's drain)."""
@@ -94,6 +95,7 @@ class Worker:
         self.sessions = 0  # Welcomes received, for tests and metrics
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: _Connection | None = None
+        self._writer: asyncio.StreamWriter | None = None  # of the current connection
         self._unacked: dict[TaskKey, TaskReport] = {}
         self._sent_at: dict[TaskKey, float] = {}  # loop time each unacked report went out
         self._outbox: list[TaskKey] = []
@@ -204,9 +206,14 @@ class Worker:
             await asyncio.wait({session, final}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             final.cancel()
-            if not session.done():
+            # On Python 3.11 a cancel can be lost in a wait_for that completes at the same
+            # moment, so also cut the socket (every await in a session then ends), and
+            # repeat until the session is over.
+            while not session.done():
+                if self._writer is not None:
+                    self._writer.transport.abort()
                 session.cancel()
-                await asyncio.wait({session})  # let its cleanup run; raises nothing
+                await asyncio.wait({session}, timeout=0.5)
         try:
             session.result()
         except asyncio.CancelledError:
@@ -225,9 +232,9 @@ class Worker:
     async def _session(self) -> None:
         self._welcomed = False
         host, port = self.config.broker_address()
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port), self.config.connect_timeout_s
-        )
+        async with asyncio.timeout(self.config.connect_timeout_s):
+            reader, writer = await asyncio.open_connection(host, port)
+        self._writer = writer
         try:
             decoder = FrameDecoder(self.config.max_frame_bytes)
             writer.write(encode_message(self._hello(), self.config.max_frame_bytes))
@@ -239,15 +246,17 @@ class Worker:
             try:
                 await self._serve(conn, reader, decoder, rest)
             finally:
+                conn.closed = True  # the heartbeat loop's exit, should its cancel be lost
                 heartbeats.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await heartbeats
+                await asyncio.wait({heartbeats}, timeout=1.0)
         finally:
             self._conn = None
+            self._writer = None
             self._connected.clear()
             writer.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.wait_closed(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await writer.wait_closed()
 
     def _hello(self) -> Hello:
         c = self.config
@@ -271,7 +280,8 @@ class Worker:
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 raise TimeoutError(f"no Welcome within {self.config.handshake_timeout_s} s")
-            data = await asyncio.wait_for(reader.read(_READ_BYTES), left)
+            async with asyncio.timeout(left):
+                data = await reader.read(_READ_BYTES)
             if not data:
                 raise EOFError("the broker closed the connection before Welcome")
             try:
@@ -320,12 +330,13 @@ class Worker:
         pending: list[Message],
     ) -> None:
         messages = pending
-        while True:
+        while not self._final.is_set():
             for message in messages:
                 if not self._handle(conn, message):
                     return
             try:
-                data = await asyncio.wait_for(reader.read(_READ_BYTES), conn.heartbeat_timeout_s)
+                async with asyncio.timeout(conn.heartbeat_timeout_s):
+                    data = await reader.read(_READ_BYTES)
             except TimeoutError:
                 logger.warning(
                     "broker silent for %.1f s (heartbeat timeout); reconnecting",
@@ -344,13 +355,14 @@ class Worker:
 
     async def _heartbeat_loop(self, conn: _Connection) -> None:
         loop = asyncio.get_running_loop()
-        while True:
+        while not conn.closed:
             try:
                 conn.seq += 1
                 conn.send(Heartbeat(seq=conn.seq))
                 self._resend_due(loop.time())
                 # A peer that stopped reading fills our buffers: that is a dead link too.
-                await asyncio.wait_for(conn.writer.drain(), conn.heartbeat_timeout_s)
+                async with asyncio.timeout(conn.heartbeat_timeout_s):
+                    await conn.writer.drain()
             except (TimeoutError, ConnectionError) as exc:
                 logger.warning("cannot write to the broker (%r); reconnecting", exc)
                 conn.abort()
@@ -517,7 +529,9 @@ def run_worker(config: WorkerConfig) -> None:
             nonlocal signals
             signals += 1
             logger.info("signal received: stopping%s", "" if signals == 1 else " now")
-            stops.append(loop.create_task(worker.stop(wait=signals == 1)))
+            stops.append(
+                loop.create_task(worker.stop(wait=signals == 1, timeout_s=config.stop_timeout_s))
+            )
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import traceback
@@ -98,6 +99,10 @@ def shared_spark(master: str = "local[*]", conf: Mapping[str, str] | None = None
             logger.warning("the shared SparkSession was stopped; creating a new one")
         from pyspark.sql import SparkSession
 
+        if master.startswith("local"):
+            # Spark's own address lookup (before the conf applies) otherwise picks the
+            # host's external interface; everything here stays on loopback.
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         builder: Any = SparkSession.builder.master(master).appName("steward-worker")
         for key, value in {**spark_defaults(master), **(conf or {})}.items():
             builder = builder.config(key, value)

@@ -671,6 +671,8 @@ async def test_graceful_stop_finishes_running_tasks_and_delivers_reports(env: En
     assert reports[2, 1].error == "cancelled: worker stopping"
     await asyncio.wait_for(stopping, WAIT_S)
     await asyncio.wait_for(conn.closed.wait(), WAIT_S)
+    # run() returns promptly, though the broker still heartbeats.
+    await asyncio.wait_for(env.workers[-1][1], 1.0)
 
 
 async def test_hurried_stop_cancels_running_tasks(env: Env) -> None:
@@ -682,6 +684,7 @@ async def test_hurried_stop_cancels_running_tasks(env: Env) -> None:
     report = await conn.report()
     assert report.error == "cancelled: worker stopping"
     await asyncio.wait_for(stopping, WAIT_S)
+    await asyncio.wait_for(env.workers[-1][1], 1.0)
     assert time.monotonic() - started < 2.0
 
 
@@ -776,14 +779,21 @@ async def test_artifact_errors_are_task_errors(env: Env) -> None:
         task(3, "jobs.main:nope", code=ok_sha),
         task(4, "other.main:run", code=ok_sha),
         task(5, "jobs.main:run", code="../../etc/passwd"),
+        task(6, "evil:run", code=env.http.add(zip_bytes({"../evil.py": "X = 1\n"}))),
+        task(7, "jobs.main:run", code=env.http.add(b"PK\x03\x04 not really a zip")),
+        task(8, "broken:run", code=env.http.add(zip_bytes({"broken.py": "def run(:\n"}))),
     )
-    reports = await conn.reports(5)
+    reports = await conn.reports(8)
     assert "artifact sha256 mismatch" in (reports[1, 1].error or "")
     assert not (env.tmp / "cache" / f"{sha}.zip").exists()
     assert "not found" in (reports[2, 1].error or "")
     assert "has no attribute 'nope'" in (reports[3, 1].error or "")
     assert "has no top-level module 'other'" in (reports[4, 1].error or "")
     assert "not a sha256 hex digest" in (reports[5, 1].error or "")
+    assert "unsafe path '../evil.py'" in (reports[6, 1].error or "")
+    assert not (env.tmp / "evil.py").exists()
+    assert "not a valid zip" in (reports[7, 1].error or "")
+    assert (reports[8, 1].error or "").startswith("SyntaxError: ")
 
 
 async def test_cached_artifact_is_used_by_a_new_worker_without_download(env: Env) -> None:

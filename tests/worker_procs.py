@@ -1,0 +1,169 @@
+"""Worker subprocesses and a cuttable TCP proxy for end-to-end tests.
+
+Every wait is bounded; processes are killed by pid when the test ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from tests.procs import HOST, steward_command
+
+
+def wait_until(check: Callable[[], Any], timeout_s: float, what: str, pause_s: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(pause_s)
+
+
+class WorkerProcess:
+    """One ``steward worker`` subprocess."""
+
+    def __init__(
+        self,
+        *,
+        broker: str,
+        http_url: str,
+        worker_id: str,
+        log_dir: Path,
+        cache_dir: Path,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.broker = broker
+        self.http_url = http_url
+        self.worker_id = worker_id
+        self.log_path = log_dir / f"{worker_id}.log"
+        self.cache_dir = cache_dir
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self) -> WorkerProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [
+                *steward_command(),
+                "worker",
+                "--broker",
+                self.broker,
+                "--http-url",
+                self.http_url,
+                "--worker-id",
+                self.worker_id,
+                "--cache-dir",
+                str(self.cache_dir),
+                *self.extra_args,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        return self
+
+    def wait_connected(self, client: httpx.Client, timeout_s: float = 30.0) -> None:
+        def connected() -> bool:
+            assert self.proc is not None and self.proc.poll() is None, self.log_tail()
+            workers = client.get("/api/v1/cluster").json()["workers"]
+            return any(w["id"] == self.worker_id and w["state"] == "connected" for w in workers)
+
+        wait_until(connected, timeout_s, f"worker {self.worker_id} to connect")
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def log_tail(self, max_bytes: int = 4000) -> str:
+        try:
+            return self.log_path.read_bytes()[-max_bytes:].decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:<port> to a target; ``cut()`` drops every live connection."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self._listener = socket.create_server((HOST, 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.connections = 0
+        threading.Thread(target=self._accept_loop, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._sockets += [client, upstream]
+                self.connections += 1
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        for s in (source, sink):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        self.cut()
