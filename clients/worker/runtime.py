@@ -393,7 +393,7 @@ class TaskRuntime:
             return key in self._entries
 
     def busy_threads(self) -> int:
-        """Task threads still executing code, including abandoned cancelled ones."""
+        """Known tasks whose code is still executing (an abandoned one drops out once reported)."""
         with self._lock:
             return sum(1 for e in self._entries.values() if not e.thread_done.is_set())
 
