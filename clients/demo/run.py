@@ -94,6 +94,9 @@ def local_cluster(data_dir: Path, *, workers: int = 1, log: Path | None = None) 
                             url,
                             "--worker-id",
                             f"demo-worker-{n + 1}",
+                            # Four slots: enough for 3:1 weights to show (2 would split 1:1).
+                            "--task-type",
+                            "*=4",
                             "--log-level",
                             "WARNING",
                         ],
