@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 import logging
 import signal
 import socket
@@ -114,6 +115,9 @@ async def _start_child_workers(
     config: StandaloneConfig, worker_port: int
 ) -> list[asyncio.subprocess.Process]:
     children = []
+    env = dict(os.environ)
+    if config.workers.token is not None:
+        env["STEWARD_WORKER_TOKEN"] = config.workers.token  # not on the command line
     for n in range(config.child_workers):
         children.append(
             await asyncio.create_subprocess_exec(
@@ -128,6 +132,7 @@ async def _start_child_workers(
                 f"{config.node.broker_id}-worker-{n + 1}",
                 "--cache-dir",
                 str(config.node.data_dir / "worker-cache"),
+                env=env,
             )
         )
     return children

@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="also start N worker processes connected to this broker",
     )
+    p.add_argument(
+        "--worker-token",
+        default=os.environ.get("STEWARD_WORKER_TOKEN"),
+        help="workers must present this token (env STEWARD_WORKER_TOKEN)",
+    )
     p.add_argument("--heartbeat-interval-ms", type=int, default=1000)
     p.add_argument(
         "--heartbeat-timeout-ms",
@@ -399,6 +404,7 @@ def run_standalone(args: argparse.Namespace) -> int:
             port=args.worker_listen[1],
             heartbeat_interval_ms=args.heartbeat_interval_ms,
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            token=args.worker_token,
         ),
         child_workers=args.workers,
     )
