@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import os
 import logging
+import os
 import signal
 import socket
 import sys
