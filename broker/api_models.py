@@ -172,6 +172,18 @@ class DigestBody(msgspec.Struct):
     digest: str
 
 
+class ClusterConfigPatch(msgspec.Struct, forbid_unknown_fields=True):
+    """Replicated settings; fields left out keep their value."""
+
+    global_limits: dict[str, float] | None = None  # replaces the whole map
+    finished_task_retention_s: float | None = None
+
+
+class ClusterConfigView(msgspec.Struct):
+    global_limits: dict[str, float]
+    finished_task_retention_s: float
+
+
 class Health(msgspec.Struct):
     status: str
     writable: bool

@@ -50,6 +50,7 @@ _json_encoder: Final = msgspec.json.Encoder()
 _submit_decoder: Final = msgspec.json.Decoder(m.SubmitBody)
 _txn_decoder: Final = msgspec.json.Decoder(m.TransactionBegin)
 _limits_decoder: Final = msgspec.json.Decoder(m.TenantLimits)
+_config_decoder: Final = msgspec.json.Decoder(m.ClusterConfigPatch)
 
 _STATUS_BY_CODE: Final = {
     ErrorCode.INVALID: 400,
@@ -180,6 +181,7 @@ class ApiApp:
         self._add("/api/v1/code", POST=self.upload_code, GET=self.list_code)
         self._add(r"/api/v1/code/([0-9a-f]{64})", GET=self.download_code)
         self._add("/api/v1/cluster", GET=self.cluster)
+        self._add("/api/v1/config", GET=self.get_config, PUT=self.put_config)
         self._add("/api/v1/state/digest", GET=self.digest)
 
     def _add(self, pattern: str, **handlers: Handler) -> None:
@@ -605,6 +607,43 @@ class ApiApp:
         )
         return 200, _json_encoder.encode(summary)
 
+    def _config_view(self) -> m.ClusterConfigView:
+        config = self.node.state.config
+        return m.ClusterConfigView(
+            global_limits=dict(config.global_limits),
+            finished_task_retention_s=config.finished_task_retention_ms / 1000,
+        )
+
+    async def get_config(self, request: Request) -> tuple[int, bytes]:
+        return 200, _json_encoder.encode(self._config_view())
+
+    async def put_config(self, request: Request) -> tuple[int, bytes]:
+        patch = _decode(_config_decoder, request.body)
+        retention_ms: int | None = None
+        if patch.finished_task_retention_s is not None:
+            seconds = patch.finished_task_retention_s
+            if not (math.isfinite(seconds) and 1 <= seconds <= 10 * 365 * 86400):
+                raise HttpError(
+                    400, "invalid_request", "finished_task_retention_s must be in [1, 10 years]"
+                )
+            retention_ms = int(seconds * 1000)
+        if patch.global_limits is not None:
+            for name, amount in patch.global_limits.items():
+                if not NAME_RE.match(name) or not (math.isfinite(amount) and amount >= 0):
+                    raise HttpError(
+                        400, "invalid_request", f"global limit {name!r} must be a number >= 0"
+                    )
+        result = await self.node.propose(
+            lambda stamp: e.SetConfig(
+                time_ms=stamp.now_ms,
+                finished_task_retention_ms=retention_ms,
+                global_limits=patch.global_limits,
+            )
+        )
+        if isinstance(result, Rejected):
+            raise _rejected_error(result)
+        return 200, _json_encoder.encode(self._config_view())
+
     async def digest(self, request: Request) -> tuple[int, bytes]:
         body = m.DigestBody(position=self._position(), digest=self.node.state.digest())
         return 200, _json_encoder.encode(body)
@@ -731,6 +770,8 @@ def openapi_document() -> dict[str, Any]:
         m.ArtifactView,
         m.ClusterSummary,
         m.DigestBody,
+        m.ClusterConfigPatch,
+        m.ClusterConfigView,
         m.Health,
         m.ErrorBody,
     ]
@@ -894,6 +935,17 @@ def openapi_document() -> dict[str, Any]:
         },
         "/api/v1/cluster": {
             "get": {"summary": "Cluster summary", "responses": {"200": response("ClusterSummary")}}
+        },
+        "/api/v1/config": {
+            "get": {
+                "summary": "Replicated cluster settings",
+                "responses": {"200": response("ClusterConfigView"), **errors},
+            },
+            "put": {
+                "summary": "Change global resource limits or the finished-task retention",
+                "requestBody": body("ClusterConfigPatch"),
+                "responses": {"200": response("ClusterConfigView"), **errors},
+            },
         },
         "/api/v1/state/digest": {
             "get": {

@@ -1,0 +1,197 @@
+"""The Python client (sync and asyncio) and the worker-era CLI against a real broker
+with a real worker process."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from clients.client import (
+    AsyncStewardClient,
+    ConflictError,
+    ConnectionFailedError,
+    InvalidRequestError,
+    NotFoundError,
+    StewardClient,
+    TaskFailedError,
+    TaskHandle,
+    TaskTimeoutError,
+    TenantQueueFullError,
+)
+from tests.procs import HOST, BrokerProcess, free_port, steward_command
+from tests.worker_procs import WorkerProcess
+
+
+@pytest.fixture(scope="module")
+def broker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("client")
+    worker_port = free_port()
+    broker = BrokerProcess(
+        root / "data",
+        log_path=root / "broker.log",
+        extra_args=("--worker-listen", f"{HOST}:{worker_port}"),
+    )
+    broker.start()
+    worker = WorkerProcess(
+        broker=f"{HOST}:{worker_port}",
+        http_url=broker.url,
+        worker_id="client-worker",
+        log_dir=root,
+        cache_dir=root / "cache",
+        extra_args=("--task-type", "*=4", "--resource", "cpu=4", "--resource", "licence=5"),
+    ).start()
+    try:
+        with httpx.Client(base_url=broker.url) as http:
+            worker.wait_connected(http)
+        yield broker.url
+    finally:
+        worker.stop()
+        broker.kill9()
+
+
+def test_sync_handles_results_and_errors(broker_url: str) -> None:
+    with StewardClient(broker_url) as client:
+        handle = client.submit("sleep", {"seconds": 0.05}, tenant="sync")
+        assert isinstance(handle, TaskHandle)
+        assert handle.result(timeout=30) == {"slept": 0.05}
+        failing = client.submit("fail", {"message": "kaput"}, tenant="sync")
+        with pytest.raises(TaskFailedError) as info:
+            failing.result(timeout=30)
+        assert "kaput" in str(info.value)
+        assert "Traceback" in info.value.task["error"]
+        slow = client.submit("sleep", {"seconds": 30}, tenant="sync")
+        with pytest.raises(TaskTimeoutError):
+            slow.result(timeout=0.3)
+        assert slow.cancel()["state"] == "cancelled"
+        with pytest.raises(TaskFailedError):
+            slow.result(timeout=10)
+        batch = client.submit_many(
+            [{"type": "noop", "tenant": "sync"}, {"type": "noop", "tenant": "sync"}]
+        )
+        assert all(isinstance(h, TaskHandle) and h.result(30) is None for h in batch)
+
+
+def test_sync_errors_map_to_exceptions(broker_url: str) -> None:
+    with StewardClient(broker_url) as client:
+        with pytest.raises(NotFoundError):
+            client.task(10**12)
+        with pytest.raises(InvalidRequestError):
+            client.submit("noop", tenant="bad tenant!")
+        client.set_tenant("fullq", max_waiting=1)
+        client.submit("sleep", {"seconds": 5}, tenant="fullq", start_after=time.time() + 60)
+        with pytest.raises(TenantQueueFullError):
+            client.submit("noop", tenant="fullq")
+        client.submit(
+            "sleep", {"seconds": 1}, tenant="sync", slot="one", start_after=time.time() + 60
+        )
+        with pytest.raises(ConflictError):
+            client.submit("noop", tenant="sync", slot="one")
+    with StewardClient(f"http://{HOST}:{free_port()}", timeout_s=2) as dead:
+        with pytest.raises(ConnectionFailedError) as info:
+            dead.cluster()
+        assert "HTTP 0" not in str(info.value)
+
+
+def test_transaction_context_manager(broker_url: str) -> None:
+    with StewardClient(broker_url) as client:
+        with client.transaction(tenant="txn") as txn:
+            kept = [txn.submit("noop") for _ in range(3)]
+            assert {client.task(h.id)["state"] for h in kept} == {"pending"}
+        assert all(h.result(timeout=30) is None for h in kept)
+        with pytest.raises(RuntimeError), client.transaction(tenant="txn") as txn:
+            dropped = txn.submit("noop")
+            raise RuntimeError("changed my mind")
+        with pytest.raises(NotFoundError):
+            client.task(dropped.id)
+
+
+async def test_async_client(broker_url: str) -> None:
+    async with AsyncStewardClient(broker_url) as client:
+        handle = await client.submit("sleep", {"seconds": 0.05}, tenant="async")
+        assert await handle.result(timeout=30) == {"slept": 0.05}
+        async with client.transaction(tenant="async") as txn:
+            inside = await txn.submit("noop")
+        assert await inside.result(timeout=30) is None
+        failing = await client.submit("fail", tenant="async")
+        with pytest.raises(TaskFailedError):
+            await failing.result(timeout=30)
+        summary = await client.cluster()
+        assert summary["workers"][0]["id"] == "client-worker"
+        tenant = await client.set_tenant("async", weight=2)
+        assert tenant["weight"] == 2
+
+
+def test_global_limit_is_enforced_across_workers(broker_url: str) -> None:
+    with httpx.Client(base_url=broker_url) as http:
+        response = http.put("/api/v1/config", json={"global_limits": {"licence": 1}})
+        assert response.status_code == 200, response.text
+        assert http.get("/api/v1/config").json()["global_limits"] == {"licence": 1.0}
+        bad = http.put("/api/v1/config", json={"global_limits": {"licence": -1}})
+        assert bad.status_code == 400
+        assert http.put("/api/v1/config", json={"retention": 1}).status_code == 400
+    with StewardClient(broker_url) as client:
+        started = time.monotonic()
+        handles = [
+            client.submit("sleep", {"seconds": 0.5}, tenant="licensed", resources={"licence": 1})
+            for _ in range(3)
+        ]
+        for handle in handles:
+            handle.result(timeout=30)
+        # One licence: the three tasks ran one after another.
+        assert time.monotonic() - started >= 1.4
+    with httpx.Client(base_url=broker_url) as http:
+        http.put("/api/v1/config", json={"global_limits": {}})
+
+
+def _cli(url: str, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*steward_command(), "--url", url, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+def test_cli_code_upload_status_and_submit_wait(broker_url: str, tmp_path: Path) -> None:
+    job = tmp_path / "jobs_hello.py"
+    job.write_text("def hello(params, ctx):\n    return {'hello': params['name']}\n")
+    upload = _cli(broker_url, "code", "upload", str(job))
+    assert upload.returncode == 0, upload.stderr
+    sha = upload.stdout.strip()
+    assert len(sha) == 64
+    assert sha in _cli(broker_url, "code", "list").stdout
+    waited = _cli(
+        broker_url,
+        "submit",
+        "jobs_hello:hello",
+        "--code",
+        sha,
+        "--params",
+        '{"name": "steward"}',
+        "--wait",
+        "--timeout-s",
+        "60",
+    )
+    assert waited.returncode == 0, waited.stderr
+    assert 'finished {"hello": "steward"}' in waited.stdout
+    failed = _cli(broker_url, "submit", "fail", "--wait", "--timeout-s", "60")
+    assert failed.returncode == 1
+    assert "error" in failed.stdout
+    many = _cli(broker_url, "submit", "noop", "--count", "20", "--wait", "--timeout-s", "60")
+    assert many.returncode == 0, many.stderr
+    status = _cli(broker_url, "status")
+    assert status.returncode == 0, status.stderr
+    assert "client-worker" in status.stdout and "connected" in status.stdout
+    assert "NAME" in status.stdout and "WEIGHT" in status.stdout
+    bad = _cli(broker_url, "code", "upload", str(tmp_path / "missing.py"))
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    not_py = tmp_path / "notes.txt"
+    not_py.write_text("hello")
+    refused = _cli(broker_url, "code", "upload", str(not_py))
+    assert refused.returncode == 1 and "invalid_artifact" in refused.stderr
