@@ -22,10 +22,10 @@ class ErrorBody(msgspec.Struct):
     error: ErrorDetail
 
 
-class TaskSubmission(msgspec.Struct, forbid_unknown_fields=True):
-    """One task. ``deadline`` / ``start_after``: RFC 3339 time with a zone, or Unix seconds."""
+class _TaskOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A task's optional fields. ``deadline`` / ``start_after``: RFC 3339 time with
+    a zone, or Unix seconds."""
 
-    type: str
     tenant: str = "default"
     params: msgspec.Raw | UnsetType = UNSET  # any JSON value (default null)
     slot: str | None = None
@@ -37,20 +37,17 @@ class TaskSubmission(msgspec.Struct, forbid_unknown_fields=True):
     code: str | None = None
 
 
-class SubmitBody(msgspec.Struct, forbid_unknown_fields=True):
+class TaskSubmission(_TaskOptions, kw_only=True):
+    """One task."""
+
+    type: str
+
+
+class SubmitBody(_TaskOptions, kw_only=True):
     """Either ``{"tasks": [TaskSubmission, ...]}`` or one TaskSubmission's fields."""
 
     tasks: list[TaskSubmission] | None = None
     type: str | None = None
-    tenant: str = "default"
-    params: msgspec.Raw | UnsetType = UNSET  # any JSON value (default null)
-    slot: str | None = None
-    max_attempts: int = 1
-    deadline: datetime | float | None = None
-    start_after: datetime | float | None = None
-    resources: dict[str, float] = {}
-    transaction: Int64 | None = None
-    code: str | None = None
 
 
 class SubmittedTask(msgspec.Struct, omit_defaults=True):

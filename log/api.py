@@ -115,10 +115,39 @@ class LedgerReader(ABC):
 
 
 class LedgerStore(ABC):
-    """A backend: memory, file (one host) or pulsar."""
+    """A backend: memory, file (one host) or pulsar.
+
+    Keeps track of its open writers and readers so ``close()`` closes them all.
+    """
 
     #: Whether ``open(recovery=True)`` makes the old writer's appends fail.
     can_fence: bool = True
+
+    def __init__(self) -> None:
+        self._writers: set[LedgerWriter] = set()
+        self._readers: set[LedgerReader] = set()
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LedgerClosedError("ledger store is closed")
+
+    def forget(self, handle: LedgerWriter | LedgerReader) -> None:
+        """Called by a writer or reader when it is closed."""
+        if isinstance(handle, LedgerWriter):
+            self._writers.discard(handle)
+        else:
+            self._readers.discard(handle)
+
+    async def close(self) -> None:
+        """Close every open writer (draining it), then every reader."""
+        if self._closed:
+            return
+        for writer in list(self._writers):
+            await writer.close()
+        for reader in list(self._readers):
+            await reader.close()
+        self._closed = True
 
     @abstractmethod
     async def create_ledger(self) -> LedgerWriter:
@@ -135,9 +164,6 @@ class LedgerStore(ABC):
     @abstractmethod
     async def list_ledgers(self) -> list[int]:
         """Ids of the ledgers this store holds (for retention and diagnostics)."""
-
-    @abstractmethod
-    async def close(self) -> None: ...
 
 
 class LedgerState(StrEnum):

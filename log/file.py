@@ -508,14 +508,12 @@ class FileLedgerStore(LedgerStore):
     def __init__(
         self, directory: str | os.PathLike[str], *, poll_interval_s: float = 0.005
     ) -> None:
+        super().__init__()
         self._directory = os.fspath(directory)
         os.makedirs(self._directory, exist_ok=True)
         #: How often a tailing reader checks the segment's size.
         self.poll_interval_s = poll_interval_s
-        self._writers: set[FileLedgerWriter] = set()
-        self._readers: set[FileLedgerReader] = set()
         self._append_waiters: dict[int, set[asyncio.Future[None]]] = {}
-        self._closed = False
 
     @property
     def directory(self) -> str:
@@ -526,10 +524,6 @@ class FileLedgerStore(LedgerStore):
 
     def marker_path(self, ledger_id: int) -> str:
         return os.path.join(self._directory, f"ledger-{ledger_id:012d}.fenced")
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LedgerClosedError("ledger store is closed")
 
     # -- creation ---------------------------------------------------------------------------
 
@@ -682,22 +676,6 @@ class FileLedgerStore(LedgerStore):
         self._check_open()
         ids = await _in_thread(self._scan_ids_sync)
         return sorted(ledger_id for ledger_id, kinds in ids.items() if "log" in kinds)
-
-    def forget(self, handle: FileLedgerWriter | FileLedgerReader) -> None:
-        """Called by a writer or reader when it is closed."""
-        if isinstance(handle, FileLedgerWriter):
-            self._writers.discard(handle)
-        else:
-            self._readers.discard(handle)
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        for writer in list(self._writers):
-            await writer.close()
-        for reader in list(self._readers):
-            await reader.close()
-        self._closed = True
 
 
 class _LedgerListDocument(msgspec.Struct):

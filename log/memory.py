@@ -216,14 +216,8 @@ class MemoryLedgerStore(LedgerStore):
     can_fence = True
 
     def __init__(self, cluster: MemoryLedgerCluster | None = None) -> None:
+        super().__init__()
         self.cluster = cluster if cluster is not None else MemoryLedgerCluster()
-        self._writers: set[MemoryLedgerWriter] = set()
-        self._readers: set[MemoryLedgerReader] = set()
-        self._closed = False
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LedgerClosedError("ledger store is closed")
 
     def _get(self, ledger_id: int) -> _MemoryLedger:
         ledger = self.cluster.ledgers.get(ledger_id)
@@ -270,22 +264,6 @@ class MemoryLedgerStore(LedgerStore):
     async def list_ledgers(self) -> list[int]:
         self._check_open()
         return sorted(self.cluster.ledgers)
-
-    def forget(self, handle: MemoryLedgerWriter | MemoryLedgerReader) -> None:
-        """Called by a writer or reader when it is closed."""
-        if isinstance(handle, MemoryLedgerWriter):
-            self._writers.discard(handle)
-        else:
-            self._readers.discard(handle)
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        for writer in list(self._writers):
-            await writer.close()
-        for reader in list(self._readers):
-            await reader.close()
-        self._closed = True
 
 
 def _copy_list(ledger_list: LedgerList) -> LedgerList:
