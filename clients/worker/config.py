@@ -77,7 +77,7 @@ class WorkerConfig:
     cache_dir: Path = field(default_factory=default_cache_dir)
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
     # Reports finishing within this window share one Finish frame.
-    finish_batch_ms: float = 2.0
+    finish_batch_ms: float = 0.0  # 0: next loop turn (batches what arrives together)
     # Unacknowledged reports are sent again this often while connected.
     finish_resend_s: float = 5.0
     reconnect_backoff_min_s: float = 0.1

@@ -7,8 +7,9 @@ One asyncio task owns the connection at a time::
 While serving: a Heartbeat goes out every interval; a broker silent for the Welcome's
 heartbeat timeout is treated as dead (close, reconnect); Assign starts tasks (an attempt
 already here is ignored); Cancel cancels; each deadline is enforced by a local timer.
-Finished tasks' reports are coalesced for ``finish_batch_ms`` into one Finish frame and
-kept until a FinishAck names them: they are sent again after every reconnect and every
+Finished tasks' reports are coalesced (those arriving together, or for
+``finish_batch_ms`` when set) into one Finish frame and kept until a FinishAck names
+them: they are sent again after every reconnect and every
 ``finish_resend_s`` while connected, and reports of tasks finishing while disconnected
 wait for the next connection. A ProtocolError or an Error frame ends the connection and
 the worker reconnects with bounded exponential backoff (with jitter), until stopped.
@@ -99,7 +100,7 @@ class Worker:
         self._unacked: dict[TaskKey, TaskReport] = {}
         self._sent_at: dict[TaskKey, float] = {}  # loop time each unacked report went out
         self._outbox: list[TaskKey] = []
-        self._flush_handle: asyncio.TimerHandle | None = None
+        self._flush_handle: asyncio.TimerHandle | asyncio.Handle | None = None
         self._deadlines: dict[TaskKey, asyncio.TimerHandle] = {}
         self._stopping = False  # no new tasks; still delivering reports
         self._final = asyncio.Event()  # set: close and leave run()
@@ -463,8 +464,13 @@ class Worker:
         self._outbox.append(key)
         self._changed.set()
         if self._flush_handle is None and self._loop is not None:
-            self._flush_handle = self._loop.call_later(
-                self.config.finish_batch_ms / 1000, self._flush
+            # 0 (the default): flush on the next loop turn, so reports that arrive
+            # together share a frame without holding a lone report back.
+            delay_s = self.config.finish_batch_ms / 1000
+            self._flush_handle = (
+                self._loop.call_later(delay_s, self._flush)
+                if delay_s > 0
+                else self._loop.call_soon(self._flush)
             )
 
     def _flush(self) -> None:
