@@ -41,7 +41,8 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_peers.harness import (
     INSTALL_HINT,
+    CpuMeter,
     Procs,
     Profiler,
     RawHttp,
@@ -58,12 +60,14 @@ from bench_peers.harness import (
     missing_peers,
     on_signals_exit,
     redis_version,
+    source_revision,
     start_redis,
     start_steward,
     summarise_profile,
 )
 
 FINAL = ("finished", "error", "cancelled")
+DISTURBED_CORES = 0.1  # other processes' load that makes a run not count
 
 
 @dataclass
@@ -72,6 +76,9 @@ class Run:
     submit_s: float  # first submit -> last submit acknowledged
     total_s: float  # first submit -> last completion observed
     failed: int = 0
+    cores_ours: float = 0.0  # CPU cores used by this benchmark's processes, on average
+    cores_other: float = 0.0  # by everything else on the machine (should be ~0)
+    cores_by_process: dict[str, float] = field(default_factory=dict)
 
     @property
     def rate(self) -> float:
@@ -85,6 +92,7 @@ class Outcome:
     runs: list[Run]
     error: str = ""
     profiled: Run | None = None
+    disturbed: list[Run] = field(default_factory=list)  # discarded: other processes ran
 
 
 class RunTimeout(TimeoutError):
@@ -213,12 +221,10 @@ def bench_celery(args: argparse.Namespace, root: Path, durable: bool) -> Outcome
                 env=env,
             )
         else:
+            pool = ["-P", "solo"] if args.celery_pool == "solo" else ["-P", "threads"]
+            pool += ["-c", "1" if args.celery_pool == "solo" else str(args.peer_threads)]
             for i in (1, 2):
-                procs.start(
-                    f"celery-worker-{i}",
-                    [*common, "-P", "threads", "-c", str(args.peer_threads), "-n", f"bench{i}@%h"],
-                    env=env,
-                )
+                procs.start(f"celery-worker-{i}", [*common, *pool, "-n", f"bench{i}@%h"], env=env)
         app = make_app(server.url, with_results=False)
         client = redis.Redis.from_url(server.url)
         try:
@@ -303,10 +309,18 @@ def timed_runs(
     """Warm-up (also waits out worker start-up), then ``args.runs`` timed runs."""
     try:
         once(args.warmup, max(args.timeout_s, 120.0))
-        for _ in range(args.runs):
+        reruns = args.rerun_disturbed
+        while len(outcome.runs) < args.runs:
             procs.check_alive()
-            outcome.runs.append(once(args.tasks, args.timeout_s))
+            meter = CpuMeter(procs)
+            run = once(args.tasks, args.timeout_s)
+            run.cores_ours, run.cores_other, run.cores_by_process = meter.measure()
             procs.check_alive()
+            if run.cores_other >= DISTURBED_CORES and reruns > 0:
+                outcome.disturbed.append(run)  # another process loaded the machine
+                reruns -= 1
+                continue
+            outcome.runs.append(run)
     except (RunTimeout, RuntimeError, OSError) as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"
         for proc in procs.procs:
@@ -320,14 +334,25 @@ def print_outcome(outcome: Outcome) -> None:
         return
     rates = [r.rate for r in outcome.runs]
     each = "  ".join(
-        f"{r.rate:>7,.0f} ({r.submit_s:.2f}/{r.total_s:.2f} s"
+        f"{r.rate:>6,.0f} ({r.submit_s:.2f}/{r.total_s:.2f} s, {r.cores_ours:.1f}"
+        + (f"+{r.cores_other:.1f}" if r.cores_other >= 0.05 else "")
+        + " cores"
         + (f", {r.failed} failed" if r.failed else "")
         + ")"
         for r in outcome.runs
     )
-    print(f"{label} {median(rates):>9,.0f}   {each}")
+    print(f"{label} {median(rates):>9,.0f}   {each}", flush=True)
     if outcome.error:
-        print(f"{'':<36} then FAILED: {outcome.error}")
+        print(f"{'':<36} then FAILED: {outcome.error}", flush=True)
+    if outcome.runs:
+        cores = outcome.runs[-1].cores_by_process
+        split = ", ".join(f"{name} {value:.2f}" for name, value in sorted(cores.items()))
+        print(f"{'':<36} CPU cores by process (last run): {split}")
+    if outcome.disturbed:
+        runs = ", ".join(f"{r.rate:,.0f} (+{r.cores_other:.1f} cores)" for r in outcome.disturbed)
+        print(f"{'':<36} discarded and repeated, other processes ran: {runs}")
+    if any(r.cores_other >= DISTURBED_CORES for r in outcome.runs):
+        print(f"{'':<36} warning: other processes loaded the machine (+N cores): rerun")
 
 
 def version(package: str) -> str:
@@ -345,11 +370,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1_000, help="Steward tasks per HTTP request")
     parser.add_argument("--steward-slots", type=int, default=64, help="noop slots per worker")
     parser.add_argument("--peer-threads", type=int, default=8, help="threads per peer worker")
-    parser.add_argument("--celery-pool", choices=["threads", "prefork"], default="threads")
+    parser.add_argument("--celery-pool", choices=["threads", "prefork", "solo"], default="threads")
     parser.add_argument("--celery-acks-late", action="store_true")
     parser.add_argument("--redis", choices=["volatile", "durable", "both"], default="both")
     parser.add_argument("--systems", default="steward,celery,dramatiq")
     parser.add_argument("--poll-ms", type=float, default=10.0)
+    parser.add_argument(
+        "--rerun-disturbed",
+        type=int,
+        default=3,
+        metavar="N",
+        help="repeat up to N runs per system during which other processes used "
+        f">= {DISTURBED_CORES} cores (shared machines)",
+    )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="bound on each run")
     parser.add_argument("--data-root", type=Path, default=None, help="default: a temp dir")
     parser.add_argument(
@@ -360,6 +393,8 @@ def main() -> None:
         help="after the timed runs, one more Steward run under py-spy (broker, worker 1)",
     )
     args = parser.parse_args()
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)  # fail early, before any run
     on_signals_exit()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     missing = missing_peers() if {"celery", "dramatiq"} & set(systems) else []
@@ -369,7 +404,8 @@ def main() -> None:
     modes = {"volatile": [False], "durable": [True], "both": [False, True]}[args.redis]
 
     print(
-        f"machine: {os.cpu_count()} cores, python {sys.version.split()[0]}; "
+        f"machine: {os.cpu_count()} cores, python {sys.version.split()[0]}, steward "
+        f"{source_revision()}; "
         f"{args.tasks:,} no-op tasks per run, {args.runs} runs after a {args.warmup:,}-task "
         f"warm-up; completion polled every {args.poll_ms:g} ms"
     )
@@ -378,11 +414,11 @@ def main() -> None:
         f"x noop={args.steward_slots} threads; HTTP batches of {args.batch:,}"
     )
     if "celery" in systems:
-        pool = (
-            "1 worker -P prefork -c 2 (2 child processes)"
-            if args.celery_pool == "prefork"
-            else f"2 workers -P threads -c {args.peer_threads}"
-        )
+        pool = {
+            "prefork": "1 worker -P prefork -c 2 (2 child processes)",
+            "solo": "2 workers -P solo",
+            "threads": f"2 workers -P threads -c {args.peer_threads}",
+        }[args.celery_pool]
         acks = "acks late" if args.celery_acks_late else "acks early (default)"
         print(
             f"celery   {version('celery')} + redis-server {redis_version()}: {pool}, "
@@ -395,20 +431,25 @@ def main() -> None:
         )
     print()
 
+    print(
+        f"{'system':<9} {'durability':<26} {'median':>9}   "
+        "each run: tasks/s (submit s / total s, CPU cores used)"
+    )
+    print(f"{'':<36} {'tasks/s':>9}")
+    benches: list[Callable[[], Outcome]] = []
     with tempfile.TemporaryDirectory(prefix="steward-e2e-", dir=args.data_root) as tmp:
         root = Path(tmp)
-        outcomes: list[Outcome] = []
         if "steward" in systems:
-            outcomes.append(bench_steward(args, root))
+            benches.append(partial(bench_steward, args, root))
         for durable in modes:
             if "celery" in systems:
-                outcomes.append(bench_celery(args, root, durable))
+                benches.append(partial(bench_celery, args, root, durable))
             if "dramatiq" in systems:
-                outcomes.append(bench_dramatiq(args, root, durable))
-
-    print(f"{'system':<9} {'durability':<26} {'tasks/s':>9}   each run: tasks/s (submit/total s)")
-    for outcome in outcomes:
-        print_outcome(outcome)
+                benches.append(partial(bench_dramatiq, args, root, durable))
+        outcomes: list[Outcome] = []
+        for bench in benches:
+            outcomes.append(bench())
+            print_outcome(outcomes[-1])
     steward = next((o for o in outcomes if o.system == "steward" and o.runs), None)
     if steward is not None:
         ours = median([r.rate for r in steward.runs])
@@ -427,8 +468,8 @@ def main() -> None:
                 )
         if steward.profiled is not None and args.profile is not None:
             print(
-                f"\nprofiled steward run (py-spy {Profiler(args.profile).rate} Hz, not in the "
-                f"figures above): {steward.profiled.rate:,.0f} tasks/s"
+                f"\nprofiled steward run (py-spy --gil {Profiler(args.profile).rate} Hz, "
+                f"not in the figures above): {steward.profiled.rate:,.0f} tasks/s"
             )
             for name in ("broker", "worker1"):
                 print(f"py-spy {name} ({args.profile / f'steward-{name}.txt'}):")

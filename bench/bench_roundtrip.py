@@ -16,6 +16,7 @@ task, wait for its result, repeat; ``--warmup`` round trips first (not counted),
 
     python bench/bench_roundtrip.py                       # Steward, Celery, Dramatiq
     python bench/bench_roundtrip.py --systems steward --n 5000
+    python bench/bench_roundtrip.py --systems steward --profile /tmp/rt-prof  # + py-spy
 
 Everything binds to 127.0.0.1; each wait is bounded; every process is stopped by pid.
 """
@@ -35,14 +36,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_peers.harness import (
     INSTALL_HINT,
+    CpuMeter,
     Procs,
+    Profiler,
     RawHttp,
     child_env,
     missing_peers,
     on_signals_exit,
     percentile,
+    source_revision,
     start_redis,
     start_steward,
+    summarise_profile,
 )
 
 WAIT_S = 5.0
@@ -78,6 +83,13 @@ def line(label: str, values: list[float]) -> str:
     )
 
 
+def cpu_line(meter: CpuMeter) -> str:
+    _, other, by_name = meter.measure()
+    split = ", ".join(f"{name} {value:.2f}" for name, value in sorted(by_name.items()))
+    warning = f"; other processes +{other:.2f} cores: rerun" if other >= 0.1 else ""
+    return f"{'':<28} CPU cores: {split}{warning}"
+
+
 def bench_steward(args: argparse.Namespace, root: Path) -> list[str]:
     with Procs(root / "logs" / "steward") as procs:
         cluster = start_steward(procs, root / "steward-data", workers=2, slots=args.steward_slots)
@@ -103,11 +115,22 @@ def bench_steward(args: argparse.Namespace, root: Path) -> list[str]:
                         raise RuntimeError(f"task {task_id}: {state}: {body[:200]!r}")
                 raise TimeoutError(f"task {task_id} not finished within {3 * WAIT_S:g} s")
 
+            meter = CpuMeter(procs)
             totals, submits = closed_loop(one, args.n, args.warmup, args.max_s)
-    return [
-        line("steward submit+result", totals),
-        line("steward submit ack alone", submits),
-    ]
+            lines = [
+                line("steward submit+result", totals),
+                line("steward submit ack alone", submits),
+                cpu_line(meter),
+            ]
+            if args.profile is not None:
+                targets = [("broker", cluster.broker.pid), ("worker1", cluster.workers[0].pid)]
+                with Profiler(args.profile).recording(targets, "roundtrip"):
+                    totals, _ = closed_loop(one, args.n, 0, args.max_s)
+                lines.append(line("steward under py-spy --gil", totals))
+                for name, _pid in targets:
+                    path = args.profile / f"roundtrip-{name}.txt"
+                    lines += [f"py-spy {name} ({path}):", summarise_profile(path)]
+    return lines
 
 
 def bench_celery(args: argparse.Namespace, root: Path) -> list[str]:
@@ -149,10 +172,12 @@ def bench_celery(args: argparse.Namespace, root: Path) -> list[str]:
             def one() -> None:
                 noop.delay().get(timeout=WAIT_S)
 
+            meter = CpuMeter(procs)
             totals, _ = closed_loop(one, args.n, args.warmup, args.max_s)
+            cpu = cpu_line(meter)
         finally:
             app.close()
-    return [line("celery delay().get()", totals)]
+    return [line("celery delay().get()", totals), cpu]
 
 
 def bench_dramatiq(args: argparse.Namespace, root: Path) -> list[str]:
@@ -182,10 +207,12 @@ def bench_dramatiq(args: argparse.Namespace, root: Path) -> list[str]:
                 message = app.noop.send()
                 message.get_result(backend=app.backend, block=True, timeout=int(WAIT_S * 1000))
 
+            meter = CpuMeter(procs)
             totals, _ = closed_loop(one, args.n, args.warmup, args.max_s)
+            cpu = cpu_line(meter)
         finally:
             app.broker.close()
-    return [line("dramatiq send().get_result()", totals)]
+    return [line("dramatiq send().get_result()", totals), cpu]
 
 
 def main() -> None:
@@ -197,7 +224,16 @@ def main() -> None:
     parser.add_argument("--peer-threads", type=int, default=8)
     parser.add_argument("--max-s", type=float, default=300.0, help="bound per system")
     parser.add_argument("--data-root", type=Path, default=None, help="default: a temp dir")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="then n more Steward round trips under py-spy (broker, worker 1), summarised",
+    )
     args = parser.parse_args()
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
     on_signals_exit()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     missing = missing_peers() if {"celery", "dramatiq"} & set(systems) else []
@@ -205,7 +241,8 @@ def main() -> None:
         print(f"peers skipped, missing: {', '.join(missing)}\n{INSTALL_HINT}\n")
         systems = [s for s in systems if s == "steward"]
     print(
-        f"machine: {os.cpu_count()} cores, python {sys.version.split()[0]}; one client, "
+        f"machine: {os.cpu_count()} cores, python {sys.version.split()[0]}, steward "
+        f"{source_revision()}; one client, "
         f"closed loop, {args.n:,} round trips after {args.warmup} warm-up, 2 worker processes"
     )
     benches = {"steward": bench_steward, "celery": bench_celery, "dramatiq": bench_dramatiq}

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import os
 
-from celery import Celery
+from celery import Celery  # type: ignore[import-untyped]
 
 TASK_NAME = "bench.noop"
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
+
+
+def noop() -> None:
+    return None
 
 
 def make_app(url: str, *, with_results: bool = True) -> Celery:
@@ -44,10 +48,8 @@ def make_app(url: str, *, with_results: bool = True) -> Celery:
         result_expires=3600,
     )
 
-    @app.task(name=TASK_NAME)
-    def noop() -> None:
-        return None
-
+    # shared=False: each app (the worker's, the benchmark's clients) registers its own.
+    app.task(noop, name=TASK_NAME, shared=False)
     return app
 
 

@@ -40,10 +40,10 @@ def noop() -> None:
 def make_app(url: str) -> DramatiqApp:
     """A broker on ``url`` with the Results middleware, and the no-op actor on it."""
     backend = RedisBackend(url=url)
-    broker = RedisBroker(url=url)
-    broker.add_middleware(Results(backend=backend))
+    broker = RedisBroker(url=url)  # type: ignore[no-untyped-call]
+    broker.add_middleware(Results(backend=backend))  # type: ignore[no-untyped-call]
     dramatiq.set_broker(broker)
-    actor = dramatiq.actor(noop, actor_name=ACTOR_NAME, broker=broker, store_results=True)
+    actor = dramatiq.actor(actor_name=ACTOR_NAME, broker=broker, store_results=True)(noop)
     return DramatiqApp(broker, backend, actor)
 
 

@@ -79,6 +79,21 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def source_revision() -> str:
+    """``git describe`` of the Steward tree being measured (``-dirty`` with local edits)."""
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=REPO_DIR,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    return out.stdout.strip() or "?"
+
+
 def missing_peers() -> list[str]:
     """What is missing for the Celery/Dramatiq comparison (empty: all there)."""
     missing = []
@@ -98,6 +113,75 @@ def on_signals_exit() -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGHUP, handler)
+
+
+# --- CPU accounting: is something else loading the machine? ----------------------------------
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and of its reaped children (0 if gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(v) for v in stat[11:15]) / _TICKS  # utime stime cutime cstime
+
+
+def _user_processes_cpu_s(exclude: set[int]) -> dict[int, float]:
+    """CPU seconds of every user-space process (not kernel threads) outside ``exclude``."""
+    found: dict[int, float] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) in exclude:
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if stat[1] == "2" or entry.name == "2":  # kthreadd and its kernel threads
+            continue
+        found[int(entry.name)] = sum(int(v) for v in stat[11:15]) / _TICKS
+    return found
+
+
+class CpuMeter:
+    """Cores used by this benchmark's processes and by other processes over an interval.
+
+    "Other" counts user-space processes outside this benchmark (another test run, say);
+    kernel work (loopback softirqs, journal commits for fsync) is not counted anywhere.
+    """
+
+    def __init__(self, procs: Procs) -> None:
+        self.procs = procs
+        self._start = self._sample()
+
+    def _ours(self) -> dict[tuple[str, int], float]:
+        """CPU seconds per (process name, pid): the client, each process and its children."""
+        pids = {("client", os.getpid())}
+        for proc in self.procs.procs:
+            pids.add((proc.name, proc.pid))
+            pids.update((proc.name, pid) for pid, _ in _descendants(proc.pid))
+        return {key: _process_cpu_s(key[1]) for key in pids}
+
+    def _sample(self) -> tuple[float, dict[int, float], dict[tuple[str, int], float]]:
+        ours = self._ours()
+        others = _user_processes_cpu_s({pid for _, pid in ours})
+        return time.perf_counter(), others, ours
+
+    def restart(self) -> None:
+        self._start = self._sample()
+
+    def measure(self) -> tuple[float, float, dict[str, float]]:
+        """(our cores, other processes' cores, our cores by process name) since the start."""
+        t0, others0, ours0 = self._start
+        t1, others1, ours1 = self._sample()
+        elapsed = max(1e-9, t1 - t0)
+        by_name: dict[str, float] = {}
+        for key, value in ours1.items():
+            by_name[key[0]] = by_name.get(key[0], 0.0) + (value - ours0.get(key, 0.0)) / elapsed
+        other = sum(max(0.0, v - others0.get(pid, 0.0)) for pid, v in others1.items())
+        return sum(by_name.values()), other / elapsed, by_name
 
 
 # --- processes ---------------------------------------------------------------------------------
@@ -475,6 +559,7 @@ class Profiler:
                     "--rate",
                     str(self.rate),
                     "--nonblocking",
+                    "--gil",  # only threads holding the GIL: where Python CPU time goes
                     "--output",
                     str(path),
                 ],
@@ -524,7 +609,7 @@ def summarise_profile(path: Path, top: int = 12) -> str:
             incl_counts[frame] += count
     if not total:
         return "  (no samples)"
-    rows = [f"  {total} samples (threads not idle); self %  | inclusive %"]
+    rows = [f"  {total} samples holding the GIL; self %:"]
     for frame, count in self_counts.most_common(top):
         rows.append(f"  {100 * count / total:5.1f}%  {frame}")
     rows.append("  inclusive:")

@@ -1,0 +1,698 @@
+"""Leader election and broker discovery in ZooKeeper (DESIGN §4), over kazoo.
+
+Layout under ``/steward/<cluster>/``:
+
+- ``brokers/<id>_<token>_<seq>``: one ephemeral sequential node per running broker (its
+  advertisement), holding ``{"broker_id": ..., **address_info}`` as JSON.
+- ``election/<id>_<token>_<seq>``: the leader queue. Each broker that wants to lead holds one
+  ephemeral sequential node with the same JSON; the lowest sequence number is the leader.
+
+The ``token`` (random, new for every node this elector creates) lets the elector find a node
+whose ``create`` reply was lost with the connection, and delete nodes it gave up on.
+
+Why not kazoo's ``Lock``/``Election``: they keep reporting "acquired" through SUSPENDED and
+LOST (INFRA.md). Here leadership is derived from two facts only, both checked on every
+:meth:`LeaderElector.is_leader` call: this elector's queue node was the lowest at its last
+refresh, and kazoo's connection state is CONNECTED right now.
+
+Threads: kazoo runs state listeners and watch callbacks on its own threads. They only hand
+work to the event loop (``call_soon_threadsafe``); every ZooKeeper request is made from the
+loop through the async API with a timeout (``log.zk_list.kazoo_result``), and one background
+task re-reads the election state whenever a watch fires or the connection comes back
+(``_refresh``), so all state changes happen on the loop, one at a time.
+
+Connection states:
+
+- SUSPENDED (connection lost, session maybe alive; kazoo reports it about 0.6x the session
+  timeout after the server went silent): stop being leader at once and fire ``on_change``.
+  A timer of one session timeout starts; kazoo cannot report LOST while the server is
+  unreachable, so when the timer fires the session is *presumed lost*.
+- LOST (session expired: the ephemeral nodes are gone): forget the nodes. kazoo reconnects
+  with a new session; the elector then advertises again and, if it had joined, re-queues with
+  a new node (at the back of the queue).
+- CONNECTED again with the same session: if it was presumed lost, the elector still re-queues
+  with a new node (deleting the old one), as if the session had ended, so the rule stays
+  "away longer than a session timeout -> back of the queue". Otherwise the session survived
+  with its nodes: re-read the queue and check whether this elector still holds the lowest
+  node. Every reconnect also re-registers the watches (kazoo drops them on SUSPENDED).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kazoo.client import KazooClient  # type: ignore[import-untyped]
+from kazoo.exceptions import KazooException, NoNodeError  # type: ignore[import-untyped]
+from kazoo.protocol.states import KazooState  # type: ignore[import-untyped]
+from kazoo.retry import KazooRetry  # type: ignore[import-untyped]
+
+from log.zk_list import KazooTimeoutError, cluster_path, kazoo_result
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SESSION_TIMEOUT_S = 4.0
+DEFAULT_CONNECT_TIMEOUT_S = 30.0
+# Reconnect attempts back off up to this, so a restarted server is found again quickly
+# (kazoo's default backs off up to an hour).
+_MAX_RECONNECT_DELAY_S = 1.0
+_MAX_REFRESH_RETRY_DELAY_S = 2.0
+# A refresh that keeps seeing nodes vanish between two reads gives up and runs again later.
+_MAX_REFRESH_ROUNDS = 20
+_SEQUENCE_RE = re.compile(r"_(\d{10})$")
+_UNSAFE_NAME_CHARS_RE = re.compile(r"[^A-Za-z0-9.-]")
+
+
+class ElectionError(Exception):
+    """An election request could not be completed (ZooKeeper unreachable, or not started)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeadershipStatus:
+    """What an elector knows, as handed to ``on_change``."""
+
+    is_leader: bool
+    #: The leader's advertised info (``broker_id`` and address info); None when the queue is
+    #: empty or nothing was read yet. While disconnected this is the last one seen.
+    leader: dict[str, Any] | None
+    #: The leader's queue node name: a new name means a new leadership term, even when the
+    #: same broker leads again.
+    leader_node: str | None
+    connected: bool
+
+
+def _sequence(name: str) -> int | None:
+    match = _SEQUENCE_RE.search(name)
+    return int(match.group(1)) if match else None
+
+
+def _sorted_queue(children: list[str]) -> list[str]:
+    """Queue nodes in sequence order (names that are not sequence nodes are ignored)."""
+    numbered = [(seq, name) for name in children if (seq := _sequence(name)) is not None]
+    return [name for _, name in sorted(numbered)]
+
+
+def default_client_factory(hosts: str, session_timeout_s: float) -> Callable[[], Any]:
+    """Factory of unstarted kazoo clients that reconnect forever, at most 1 s apart."""
+
+    def make() -> Any:
+        retry = KazooRetry(
+            max_tries=-1,
+            delay=0.1,
+            backoff=2,
+            max_delay=min(_MAX_RECONNECT_DELAY_S, max(0.1, session_timeout_s / 4)),
+        )
+        return KazooClient(hosts=hosts, timeout=session_timeout_s, connection_retry=retry)
+
+    return make
+
+
+class LeaderElector:
+    """One broker's view of the election, with its own ZooKeeper session.
+
+    ``zookeeper`` is a connect string (``"127.0.0.1:2181,..."``) or a factory returning an
+    unstarted ``KazooClient`` (it should reconnect forever: ``connection_retry`` with
+    ``max_tries=-1``). ``session_timeout_s`` is asked of the server (which clamps it to its
+    bounds) and times the "SUSPENDED for too long" rule. ``on_change`` is called on the event
+    loop whenever :class:`LeadershipStatus` changes (leadership gained or lost, another
+    leader, connection lost or back); it must not block.
+
+    Use from one event loop: ``await start()``, ``await join()`` to compete for leadership,
+    ``await leave()`` to give it back, ``await stop()`` at the end.
+    """
+
+    def __init__(
+        self,
+        zookeeper: str | Callable[[], Any],
+        cluster: str,
+        broker_id: str,
+        address_info: Mapping[str, Any],
+        *,
+        session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S,
+        on_change: Callable[[LeadershipStatus], None] | None = None,
+        operation_timeout_s: float | None = None,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    ) -> None:
+        if session_timeout_s <= 0:
+            raise ValueError("session_timeout_s must be positive")
+        if not broker_id:
+            raise ValueError("broker_id must not be empty")
+        root = cluster_path(cluster)
+        self._brokers_dir = f"{root}/brokers"
+        self._election_dir = f"{root}/election"
+        self._broker_id = broker_id
+        self._info: dict[str, Any] = {**address_info, "broker_id": broker_id}
+        # Fails now, not at the first create, when the info cannot be stored.
+        self._info_bytes = json.dumps(self._info, sort_keys=True).encode()
+        self._name_prefix = _UNSAFE_NAME_CHARS_RE.sub("_", broker_id)[:64]
+        self._client_factory = (
+            default_client_factory(zookeeper, session_timeout_s)
+            if isinstance(zookeeper, str)
+            else zookeeper
+        )
+        self._session_timeout_s = session_timeout_s
+        self._operation_timeout_s = (
+            operation_timeout_s if operation_timeout_s is not None else session_timeout_s
+        )
+        self._connect_timeout_s = connect_timeout_s
+        self._on_change = on_change
+
+        self._client: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = asyncio.Lock()  # one ZooKeeper state change at a time
+        self._kick_event = asyncio.Event()  # "re-read the election state"
+        self._connected_event = asyncio.Event()
+        self._worker: asyncio.Task[None] | None = None
+        self._started = False
+        self._stopping = False
+
+        # Connection, as seen from the loop.
+        self._connected = False
+        self._connection_epoch = 0  # +1 on every SUSPENDED/LOST: invalidates running reads
+        self._suspended_at: float | None = None
+        self._suspend_timer: asyncio.TimerHandle | None = None
+        self._presumed_lost = False
+        self._nodes_session_id: int | None = None  # session that owns the nodes below
+        self._dirs_session_id: int | None = None  # session that last made sure of the dirs
+
+        # Our nodes: the token is known before the create returns, the name only after.
+        self._ad_token: str | None = None
+        self._ad_node: str | None = None
+        self._want_queue = False
+        self._queue_token: str | None = None
+        self._queue_node: str | None = None
+        self._stale: set[tuple[str, str]] = set()  # (directory, token) of nodes to delete
+
+        # What the last refresh read.
+        self._holds_lowest = False
+        self._leader_node: str | None = None
+        self._node_info: dict[str, dict[str, Any]] = {}  # queue node -> info
+        self._brokers: dict[str, dict[str, Any]] = {}  # advertisement node -> info
+        self._last_status: LeadershipStatus | None = None
+
+    # -- queries (synchronous, from the loop's cached view) ---------------------------------
+
+    @property
+    def broker_id(self) -> str:
+        return self._broker_id
+
+    @property
+    def session_timeout_s(self) -> float:
+        return self._session_timeout_s
+
+    @property
+    def queue_node(self) -> str | None:
+        """Name of this elector's node in the leader queue (None when not queued)."""
+        return self._queue_node
+
+    @property
+    def connected(self) -> bool:
+        return self._connected and self._client_connected()
+
+    @property
+    def session_presumed_lost(self) -> bool:
+        """SUSPENDED for longer than the session timeout and not reconnected yet."""
+        return self._presumed_lost
+
+    def is_leader(self) -> bool:
+        """True only while this elector holds the lowest queue node and is connected.
+
+        Reads kazoo's state directly too, so it turns False the moment kazoo reports
+        SUSPENDED, before the loop has processed the state change.
+        """
+        return (
+            self._holds_lowest
+            and self._connected
+            and not self._stopping
+            and self._client_connected()
+        )
+
+    def leader_info(self) -> dict[str, Any] | None:
+        """The current leader's ``broker_id`` and address info (None: no leader known)."""
+        if self._leader_node is None:
+            return None
+        info = self._node_info.get(self._leader_node)
+        return dict(info) if info is not None else None
+
+    def brokers(self) -> list[dict[str, Any]]:
+        """Every advertised broker's ``broker_id`` and address info, oldest first."""
+        ordered = _sorted_queue(list(self._brokers))
+        return [dict(self._brokers[name]) for name in ordered]
+
+    def status(self) -> LeadershipStatus:
+        return LeadershipStatus(
+            is_leader=self.is_leader(),
+            leader=self.leader_info(),
+            leader_node=self._leader_node,
+            connected=self.connected,
+        )
+
+    def _client_connected(self) -> bool:
+        client = self._client
+        return client is not None and client.state == KazooState.CONNECTED
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect (a new session) and advertise this broker.
+
+        Raises :class:`ElectionError` when ZooKeeper is not reachable within the connect
+        timeout (the client is closed again).
+        """
+        if self._started:
+            raise ElectionError("elector already started")
+        self._started = True
+        self._loop = asyncio.get_running_loop()
+        self._client = self._client_factory()
+        self._client.add_listener(self._on_kazoo_state)
+        self._worker = self._loop.create_task(self._run(), name=f"elector-{self._broker_id}")
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                # start_async() may wait for an earlier connection thread: keep it off the loop.
+                await asyncio.to_thread(self._client.start_async)
+                await self._connected_event.wait()
+            async with self._lock:
+                await self._refresh_locked()
+        except (TimeoutError, KazooException) as exc:
+            await self.stop()
+            raise ElectionError(
+                f"cannot reach ZooKeeper within {self._connect_timeout_s:g} s: {exc!r}"
+            ) from exc
+        except BaseException:
+            await self.stop()
+            raise
+        logger.info("elector %s started (advertised as %s)", self._broker_id, self._ad_node)
+
+    async def join(self) -> None:
+        """Enter the leader queue (no-op when already in it).
+
+        Raises :class:`ElectionError` when ZooKeeper cannot be reached now; the wish to be in
+        the queue is kept, and the elector joins once it is connected again (unless
+        :meth:`leave` is called).
+        """
+        self._require_running()
+        self._want_queue = True
+        if self._queue_node is not None:
+            return
+        await self._refresh_now("join")
+        if self._queue_node is None:
+            raise ElectionError("not in the leader queue yet (no ZooKeeper connection)")
+
+    async def leave(self) -> None:
+        """Leave the leader queue: give leadership back at once (no-op when not queued).
+
+        Leadership ends locally before ZooKeeper is asked to delete the node. When
+        disconnected this returns at once; raises :class:`ElectionError` when the delete
+        request failed. Either way the node is deleted once connected again (or vanishes
+        with the session). A later :meth:`join` always makes a new node, at the back of the
+        queue.
+        """
+        self._require_running()
+        self._want_queue = False
+        if self._queue_token is not None:
+            self._stale.add((self._election_dir, self._queue_token))
+            self._queue_token = self._queue_node = None
+        self._holds_lowest = False
+        self._notify()
+        if self._stale:
+            await self._refresh_now("leave")
+
+    async def stop(self) -> None:
+        """Leave the queue, remove the advertisement, close the session. Idempotent."""
+        if not self._started or self._stopping:
+            return
+        self._stopping = True
+        self._holds_lowest = False
+        self._want_queue = False
+        self._notify()
+        self._kick()  # wakes the worker, which sees _stopping and ends
+        if self._worker is not None:
+            while not self._worker.done():
+                # Repeated: a cancellation that races with a result can be swallowed (e.g. by
+                # wait_for on Python 3.11), and the worker must end whatever it was awaiting.
+                self._worker.cancel()
+                await asyncio.wait({self._worker}, timeout=0.1)
+        self._cancel_suspend_timer()
+        client = self._client
+        if client is None:
+            return
+        client.remove_listener(self._on_kazoo_state)
+        if self._client_connected():
+            # Closing the session would remove them too; deleting first makes it explicit
+            # and independent of how the close goes.
+            for directory, token in (
+                (self._election_dir, self._queue_token),
+                (self._brokers_dir, self._ad_token),
+            ):
+                if token is None:
+                    continue
+                with contextlib.suppress(KazooException, KazooTimeoutError):
+                    await self._delete_token(directory, token)
+        self._queue_token = self._queue_node = None
+        self._ad_token = self._ad_node = None
+        self._connected = False
+        # kazoo waits up to max(10 s, session timeout) for its connection thread.
+        close_timeout_s = max(10.0, self._session_timeout_s) + 2.0
+        try:
+            async with asyncio.timeout(close_timeout_s):
+                await asyncio.to_thread(_close_client, client)
+        except TimeoutError:
+            logger.warning("ZooKeeper client of %s did not close in time", self._broker_id)
+        logger.info("elector %s stopped", self._broker_id)
+
+    def _require_running(self) -> None:
+        if not self._started or self._stopping:
+            raise ElectionError("elector is not running")
+
+    # -- kazoo thread -> loop ----------------------------------------------------------------
+
+    def _call_on_loop(self, func: Callable[..., None], *args: Any) -> None:
+        """Called on kazoo's threads: hand ``func`` to the loop, never block."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(func, *args)
+
+    def _on_kazoo_state(self, state: Any) -> None:
+        # A kazoo state listener: must not block and must not call ZooKeeper.
+        self._call_on_loop(self._on_state, state)
+
+    def _on_watch(self, event: Any) -> None:
+        # A kazoo watch callback (also fired with a NONE event when the connection drops).
+        self._call_on_loop(self._kick)
+
+    # -- connection state (loop) -------------------------------------------------------------
+
+    def _on_state(self, state: Any) -> None:
+        if self._stopping:
+            return
+        if state == KazooState.SUSPENDED:
+            self._connected = False
+            self._connected_event.clear()
+            self._connection_epoch += 1
+            self._holds_lowest = False
+            if self._suspended_at is None:
+                self._suspended_at = time.monotonic()
+                assert self._loop is not None
+                self._suspend_timer = self._loop.call_later(
+                    self._session_timeout_s, self._presume_session_lost
+                )
+            logger.warning("elector %s: ZooKeeper connection suspended", self._broker_id)
+        elif state == KazooState.LOST:
+            self._connected = False
+            self._connected_event.clear()
+            self._connection_epoch += 1
+            self._cancel_suspend_timer()
+            self._presumed_lost = False
+            self._forget_nodes()
+            logger.warning("elector %s: ZooKeeper session lost", self._broker_id)
+        elif state == KazooState.CONNECTED:
+            if (
+                self._suspended_at is not None
+                and time.monotonic() - self._suspended_at > self._session_timeout_s
+            ):
+                self._presumed_lost = True  # the timer may not have run yet
+            self._cancel_suspend_timer()
+            self._connected = True
+            self._connected_event.set()
+            logger.info("elector %s: ZooKeeper connected", self._broker_id)
+            self._kick()
+        self._notify()
+
+    def _presume_session_lost(self) -> None:
+        self._suspend_timer = None
+        if self._connected or self._stopping:
+            return
+        self._presumed_lost = True
+        logger.warning(
+            "elector %s: suspended for over the session timeout (%g s), presuming the session"
+            " lost; will re-queue when reconnected",
+            self._broker_id,
+            self._session_timeout_s,
+        )
+        self._notify()
+
+    def _cancel_suspend_timer(self) -> None:
+        if self._suspend_timer is not None:
+            self._suspend_timer.cancel()
+            self._suspend_timer = None
+        self._suspended_at = None
+
+    def _forget_nodes(self) -> None:
+        """The session that owned our nodes ended: the server deleted them all."""
+        self._ad_token = self._ad_node = None
+        self._queue_token = self._queue_node = None
+        self._stale.clear()
+        self._holds_lowest = False
+        self._nodes_session_id = None
+
+    # -- refresh -----------------------------------------------------------------------------
+
+    def _kick(self) -> None:
+        self._kick_event.set()
+
+    async def _run(self) -> None:
+        """Background task: refresh whenever kicked (watch fired, reconnected, retry)."""
+        retry_delay_s = 0.1
+        while True:
+            await self._kick_event.wait()
+            self._kick_event.clear()
+            if self._stopping:
+                return
+            if not self._connected:
+                continue  # the CONNECTED state change kicks again
+            try:
+                async with self._lock:
+                    await self._refresh_locked()
+                retry_delay_s = 0.1
+            except (KazooException, KazooTimeoutError) as exc:
+                logger.info("elector %s: refresh failed (%r), retrying", self._broker_id, exc)
+                await asyncio.sleep(retry_delay_s)
+                retry_delay_s = min(retry_delay_s * 2, _MAX_REFRESH_RETRY_DELAY_S)
+                self._kick()
+            except Exception:
+                logger.exception("elector %s: refresh failed", self._broker_id)
+                await asyncio.sleep(_MAX_REFRESH_RETRY_DELAY_S)
+                self._kick()
+
+    async def _refresh_now(self, what: str) -> None:
+        """Run a refresh for ``join``/``leave``; errors become :class:`ElectionError`."""
+        try:
+            async with self._lock:
+                await self._refresh_locked()
+        except (KazooException, KazooTimeoutError) as exc:
+            self._kick()  # the background task retries
+            raise ElectionError(f"{what} failed: {exc!r}") from exc
+
+    async def _refresh_locked(self) -> None:
+        """Bring ZooKeeper in line with what this elector wants, then re-read the election.
+
+        Creates the advertisement and queue node when missing, deletes given-up nodes,
+        re-registers the watches and recomputes leadership. Runs under ``self._lock``.
+        """
+        client = self._client
+        client_id = client.client_id if client is not None else None
+        if self._stopping or not self._connected or client_id is None:
+            return
+        epoch = self._connection_epoch
+        session_id: int = client_id[0]
+        if self._nodes_session_id is not None and self._nodes_session_id != session_id:
+            self._forget_nodes()  # a new session: the LOST event may not have been processed
+        self._nodes_session_id = session_id
+        if self._dirs_session_id != session_id:
+            # Persistent parents, created by whoever comes first; re-checked per session since
+            # an operator may have wiped the cluster's tree meanwhile.
+            for directory in (self._brokers_dir, self._election_dir):
+                await self._zk(self._client.ensure_path_async, directory)
+            self._dirs_session_id = session_id
+        if self._presumed_lost:
+            # Treat the session as lost although it survived: re-queue with a new node.
+            self._presumed_lost = False
+            if self._queue_token is not None:
+                logger.info("elector %s: re-queueing after a long suspension", self._broker_id)
+                self._stale.add((self._election_dir, self._queue_token))
+                self._queue_token = self._queue_node = None
+
+        for directory, token in sorted(self._stale):
+            await self._delete_token(directory, token)
+            self._stale.discard((directory, token))
+
+        if self._ad_node is None:
+            token = self._ad_token = self._ad_token or uuid.uuid4().hex[:12]
+            name = await self._create_or_adopt(self._brokers_dir, token)
+            if self._ad_token != token:
+                return  # the session ended meanwhile: start over on the next refresh
+            self._ad_node = name
+
+        for _ in range(_MAX_REFRESH_ROUNDS):
+            if self._want_queue and self._queue_node is None:
+                token = self._queue_token = self._queue_token or uuid.uuid4().hex[:12]
+                name = await self._create_or_adopt(self._election_dir, token)
+                if self._queue_token != token:
+                    # leave() or the end of the session came in between; leave() marked
+                    # the node stale, the next refresh deletes it.
+                    self._kick()
+                    return
+                self._queue_node = name
+                logger.info("elector %s: queued as %s", self._broker_id, name)
+            if await self._read_election(epoch):
+                break
+        else:
+            self._kick()  # the queue kept changing under us: look again soon
+
+        await self._read_brokers()
+        if epoch != self._connection_epoch:
+            # The connection dropped while reading: what was read may be stale.
+            self._holds_lowest = False
+        self._notify()
+
+    async def _read_election(self, epoch: int) -> bool:
+        """Read the queue, set the watches and leadership; False when it must be read again."""
+        children = _sorted_queue(await self._dir_children(self._election_dir))
+        if self._queue_node is not None and self._queue_node not in children:
+            # Deleted behind our back (an operator, or the end of the session).
+            logger.warning("elector %s: queue node %s vanished", self._broker_id, self._queue_node)
+            self._queue_token = self._queue_node = None
+            self._holds_lowest = False
+            return False
+        if not children:
+            self._leader_node = None
+            self._holds_lowest = False
+            # Nobody to watch: watch the directory to learn of the first to join.
+            watched = await self._dir_children(self._election_dir, watched=True)
+            return not _sorted_queue(watched)
+        lowest = children[0]
+        # Watch the leader's node (everyone needs to know when it goes) ...
+        if not await self._exists_watched(f"{self._election_dir}/{lowest}"):
+            return False
+        if lowest not in self._node_info:
+            info = await self._read_info(f"{self._election_dir}/{lowest}")
+            if info is None:
+                return False
+            self._node_info[lowest] = info
+        # ... and, when queued behind it, the predecessor (so one node's exit wakes one
+        # follower's promotion check, not the whole queue's).
+        if self._queue_node is not None and self._queue_node != lowest:
+            predecessor = children[children.index(self._queue_node) - 1]
+            if predecessor != lowest and not await self._exists_watched(
+                f"{self._election_dir}/{predecessor}"
+            ):
+                return False
+        self._leader_node = lowest
+        # leave() or a connection drop may have come while this refresh waited for ZooKeeper.
+        self._holds_lowest = (
+            self._want_queue and self._queue_node == lowest and epoch == self._connection_epoch
+        )
+        for name in list(self._node_info):
+            if name not in children:
+                del self._node_info[name]
+        return True
+
+    async def _read_brokers(self) -> None:
+        children = await self._dir_children(self._brokers_dir, watched=True)
+        names = set(children)
+        for name in list(self._brokers):
+            if name not in names:
+                del self._brokers[name]
+        for name in _sorted_queue(children):
+            if name not in self._brokers:
+                info = await self._read_info(f"{self._brokers_dir}/{name}")
+                if info is not None:
+                    self._brokers[name] = info
+
+    async def _read_info(self, path: str) -> dict[str, Any] | None:
+        """A node's JSON info; None when the node is gone."""
+        try:
+            data, _ = await self._zk(self._client.get_async, path)
+        except NoNodeError:
+            return None
+        try:
+            info = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            info = None
+        if not isinstance(info, dict):
+            logger.warning("elector %s: node %s holds no JSON object", self._broker_id, path)
+            return {}
+        return info
+
+    async def _exists_watched(self, path: str) -> bool:
+        return await self._zk(self._client.exists_async, path, self._on_watch) is not None
+
+    async def _create_or_adopt(self, directory: str, token: str) -> str:
+        """Create our ephemeral sequential node, or find the one an earlier try created."""
+        # A create whose reply was lost may still have happened in this session.
+        for name in await self._children(directory):
+            if f"_{token}_" in name:
+                return name
+        path: str = await self._zk(
+            self._client.create_async,
+            f"{directory}/{self._name_prefix}_{token}_",
+            self._info_bytes,
+            None,  # acl
+            True,  # ephemeral
+            True,  # sequence
+            True,  # makepath
+        )
+        return path.rsplit("/", 1)[1]
+
+    async def _delete_token(self, directory: str, token: str) -> None:
+        for name in await self._children(directory):
+            if f"_{token}_" in name:
+                with contextlib.suppress(NoNodeError):
+                    await self._zk(self._client.delete_async, f"{directory}/{name}")
+
+    async def _dir_children(self, directory: str, *, watched: bool = False) -> list[str]:
+        """Children of one of our directories, which must exist (else retry the refresh)."""
+        watch = self._on_watch if watched else None
+        try:
+            children: list[str] = await self._zk(self._client.get_children_async, directory, watch)
+        except NoNodeError:
+            self._dirs_session_id = None  # re-created by the next refresh
+            raise
+        return children
+
+    async def _children(self, directory: str) -> list[str]:
+        try:
+            children: list[str] = await self._zk(self._client.get_children_async, directory)
+        except NoNodeError:
+            return []
+        return children
+
+    async def _zk(self, method: Callable[..., Any], *args: Any) -> Any:
+        """One ZooKeeper request from the loop, bounded by the operation timeout."""
+        return await kazoo_result(method(*args), self._operation_timeout_s)
+
+    # -- notification ------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        status = self.status()
+        if status == self._last_status:
+            return
+        previous, self._last_status = self._last_status, status
+        if previous is None or previous.is_leader != status.is_leader:
+            logger.info(
+                "elector %s: %s", self._broker_id, "leader" if status.is_leader else "not leader"
+            )
+        if self._on_change is not None:
+            try:
+                self._on_change(status)
+            except Exception:
+                logger.exception("elector %s: on_change callback failed", self._broker_id)
+
+
+def _close_client(client: Any) -> None:
+    """Stop and close a kazoo client (blocking: run in a thread)."""
+    try:
+        client.stop()
+    except KazooException as exc:
+        logger.warning("ZooKeeper client stop failed: %r", exc)
+    client.close()

@@ -1,0 +1,448 @@
+"""A real standalone ZooKeeper server as a subprocess, for tests and the local dev cluster.
+
+The server is started the way INFRA.md found to work here: a config file with
+``tickTime=500`` (session timeouts between 1 and 10 s, so tests can use short ones), bound to
+127.0.0.1 only, four-letter words ``srvr``/``ruok``/``mntr`` allowed, the admin HTTP server off,
+and ``ZooKeeperServerMain`` run from the jars that ``pyspark`` ships (Debian's ``zookeeper``
+package is the fallback). The server is ready when ``srvr`` answers with a ``Mode:`` line
+(``ruok`` answers before the server accepts sessions).
+
+Every wait is bounded and signals go to the server's pid only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import glob
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+logger = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+DEFAULT_TICK_TIME_MS = 500
+DEFAULT_START_TIMEOUT_S = 30.0
+DEFAULT_STOP_TIMEOUT_S = 10.0
+DEFAULT_HEAP_MB = 256
+#: Environment variable that overrides the classpath search (a ``java -cp`` value).
+CLASSPATH_ENV = "STEWARD_ZOOKEEPER_CLASSPATH"
+_MAIN_CLASS = "org.apache.zookeeper.server.ZooKeeperServerMain"
+_DEBIAN_JAR_DIR = "/usr/share/java"
+# What Debian's zookeeper package needs besides zookeeper.jar (names vary between releases,
+# hence patterns; missing ones are simply left out).
+_DEBIAN_DEPENDENCY_PATTERNS = (
+    "zookeeper-jute*.jar",
+    "slf4j-api*.jar",
+    "slf4j-simple*.jar",
+    "logback-*.jar",
+    "log4j-1.2*.jar",
+    "netty-*.jar",
+    "netty.jar",
+    "jline*.jar",
+    "commons-cli*.jar",
+    "commons-io*.jar",
+    "metrics-core*.jar",
+    "snappy-java*.jar",
+)
+_LOG4J2_CONFIG = """\
+status = warn
+appender.console.type = Console
+appender.console.name = console
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{ISO8601} %-5p [%t] %c{1}: %m%n
+rootLogger.level = info
+rootLogger.appenderRef.console.ref = console
+"""
+_LOG_TAIL_BYTES = 4000
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+class ZooKeeperError(RuntimeError):
+    """The ZooKeeper server could not be found, started or stopped (details in the message)."""
+
+
+def find_zookeeper_classpath() -> str:
+    """The ``java -cp`` value that holds ZooKeeper and its dependencies.
+
+    Order: ``$STEWARD_ZOOKEEPER_CLASSPATH``, then ``<pyspark>/jars/*`` (pyspark 4 ships
+    ZooKeeper 3.9), then Debian's ``/usr/share/java/zookeeper.jar`` with the dependency jars
+    found beside it. Raises :class:`ZooKeeperError` naming what was searched.
+    """
+    override = os.environ.get(CLASSPATH_ENV)
+    if override:
+        return override
+    searched: list[str] = []
+    # find_spec instead of import: importing pyspark costs time and is not needed here.
+    spec = importlib.util.find_spec("pyspark")
+    if spec is not None and spec.origin is not None:
+        jar_dir = os.path.join(os.path.dirname(spec.origin), "jars")
+        searched.append(os.path.join(jar_dir, "zookeeper-*.jar"))
+        if glob.glob(os.path.join(jar_dir, "zookeeper-[0-9]*.jar")):
+            return os.path.join(jar_dir, "*")
+    else:
+        searched.append("pyspark (not installed)")
+    debian_jar = os.path.join(_DEBIAN_JAR_DIR, "zookeeper.jar")
+    searched.append(debian_jar)
+    if os.path.isfile(debian_jar):
+        jars = [debian_jar]
+        for pattern in _DEBIAN_DEPENDENCY_PATTERNS:
+            jars.extend(sorted(glob.glob(os.path.join(_DEBIAN_JAR_DIR, pattern))))
+        return os.pathsep.join(dict.fromkeys(jars))
+    raise ZooKeeperError(
+        "no ZooKeeper jars found (searched: "
+        + ", ".join(searched)
+        + f"); install pyspark>=4 or Debian's zookeeper package, or set {CLASSPATH_ENV}"
+    )
+
+
+def find_java() -> str:
+    """The ``java`` executable (``$JAVA_HOME/bin/java`` first, then ``PATH``)."""
+    java_home = os.environ.get("JAVA_HOME")
+    if java_home:
+        candidate = os.path.join(java_home, "bin", "java")
+        if os.access(candidate, os.X_OK):
+            return candidate
+    found = shutil.which("java")
+    if found is None:
+        raise ZooKeeperError("java not found (set JAVA_HOME or put java on PATH; Java 17 works)")
+    return found
+
+
+def free_port(host: str = HOST) -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def four_letter_word(host: str, port: int, word: str, timeout_s: float = 2.0) -> str:
+    """Send a ZooKeeper four-letter command (``srvr``, ``ruok``, ``mntr``) and return the answer.
+
+    Raises :class:`OSError` (including ``TimeoutError``) when the server does not answer.
+    """
+    deadline = time.monotonic() + timeout_s
+    with socket.create_connection((host, port), timeout=timeout_s) as sock:
+        sock.sendall(word.encode("ascii"))
+        chunks: list[bytes] = []
+        while True:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                raise TimeoutError(f"{word} to {host}:{port} got no complete answer")
+            sock.settimeout(remaining_s)
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    return b"".join(chunks).decode("utf-8", errors="replace")
+
+
+class ZooKeeperServer:
+    """One standalone ZooKeeper server process on 127.0.0.1.
+
+    Everything lives in ``directory``: ``zoo.cfg``, ``data/`` (snapshots and transaction log,
+    kept across :meth:`restart`) and ``zookeeper.log`` (the server's output, appended to by
+    every start). The port is chosen once (a free one unless given) and kept across restarts,
+    so clients can reconnect to the same address.
+
+    ``stop_with_parent=True`` (Linux, for tests) makes the kernel send the server SIGTERM
+    when the thread that started it ends, so a killed test run leaves no JVM behind.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        port: int | None = None,
+        tick_time_ms: int = DEFAULT_TICK_TIME_MS,
+        max_session_timeout_ms: int | None = None,
+        heap_mb: int = DEFAULT_HEAP_MB,
+        classpath: str | None = None,
+        java: str | None = None,
+        stop_with_parent: bool = False,
+    ) -> None:
+        self._directory = Path(directory).resolve()
+        self._fixed_port = port is not None
+        self._port = port if port is not None else free_port()
+        self._tick_time_ms = tick_time_ms
+        self._max_session_timeout_ms = max_session_timeout_ms
+        self._heap_mb = heap_mb
+        # Resolved now so a missing Java or missing jars fail at construction, loudly.
+        self._classpath = classpath if classpath is not None else find_zookeeper_classpath()
+        self._java = java if java is not None else find_java()
+        self._stop_with_parent = stop_with_parent
+        self._process: subprocess.Popen[bytes] | None = None
+        self._paused = False
+        self._started_once = False
+
+    # -- properties --------------------------------------------------------------------------
+
+    @property
+    def directory(self) -> Path:
+        return self._directory
+
+    @property
+    def data_dir(self) -> Path:
+        return self._directory / "data"
+
+    @property
+    def config_path(self) -> Path:
+        return self._directory / "zoo.cfg"
+
+    @property
+    def log_path(self) -> Path:
+        return self._directory / "zookeeper.log"
+
+    @property
+    def host(self) -> str:
+        return HOST
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def connect_string(self) -> str:
+        """``127.0.0.1:PORT``, for ``KazooClient(hosts=...)``."""
+        return f"{HOST}:{self._port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def min_session_timeout_s(self) -> float:
+        """The server clamps requested session timeouts to at least this (2 ticks)."""
+        return 2 * self._tick_time_ms / 1000
+
+    @property
+    def max_session_timeout_s(self) -> float:
+        """The server clamps requested session timeouts to at most this (20 ticks by default)."""
+        if self._max_session_timeout_ms is not None:
+            return self._max_session_timeout_ms / 1000
+        return 20 * self._tick_time_ms / 1000
+
+    def is_running(self) -> bool:
+        """Whether the process exists (it may be paused, or not ready yet)."""
+        return self._process is not None and self._process.poll() is None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
+        """Launch the server and wait until ``srvr`` reports a ``Mode:``.
+
+        If the port was picked automatically and another process took it before the server
+        bound it, the first start retries once on a new port. Raises :class:`ZooKeeperError`
+        with the tail of the server's log when it exits or is not ready within ``timeout_s``.
+        """
+        if self.is_running():
+            raise ZooKeeperError(f"ZooKeeper is already running (pid {self.pid})")
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._launch_and_wait(deadline)
+        except _PortTakenError:
+            if self._fixed_port or self._started_once:
+                raise ZooKeeperError(
+                    f"port {self._port} is taken; log tail:\n{self.log_tail()}"
+                ) from None
+            self._port = free_port()
+            logger.warning("ZooKeeper port race lost, retrying on port %d", self._port)
+            self._launch_and_wait(deadline)
+        self._started_once = True
+
+    def _launch_and_wait(self, deadline: float) -> None:
+        self._write_config()
+        log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with open(self.log_path, "ab") as log_file:
+            self._process = subprocess.Popen(
+                self._command(),
+                cwd=self._directory,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                # Own process group: a Ctrl-C aimed at the test run does not hit the server
+                # before the fixture's stop() does.
+                start_new_session=True,
+                preexec_fn=_terminate_with_parent if self._stop_with_parent else None,
+            )
+        self._paused = False
+        logger.info("ZooKeeper starting on %s (pid %d)", self.connect_string, self._process.pid)
+        while True:
+            if self._process.poll() is not None:
+                self._process = None
+                new_output = self._read_log_from(log_offset)
+                if "Address already in use" in new_output:
+                    raise _PortTakenError
+                raise ZooKeeperError(f"ZooKeeper exited during start; log tail:\n{new_output}")
+            if self._ready():
+                return
+            if time.monotonic() >= deadline:
+                self._kill_process()
+                raise ZooKeeperError(
+                    f"ZooKeeper on {self.connect_string} not ready in time; log tail:\n"
+                    + self.log_tail()
+                )
+            time.sleep(0.1)
+
+    def _ready(self) -> bool:
+        try:
+            answer = four_letter_word(HOST, self._port, "srvr", timeout_s=1.0)
+        except OSError:
+            return False
+        return "Mode:" in answer
+
+    def stop(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> None:
+        """SIGTERM, wait up to ``timeout_s``, then SIGKILL. No-op when not running."""
+        process = self._process
+        if process is None:
+            return
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            if self._paused:
+                # A stopped process only acts on SIGTERM once it runs again.
+                process.send_signal(signal.SIGCONT)
+            try:
+                process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("ZooKeeper (pid %d) ignored SIGTERM, killing it", process.pid)
+                self._kill_process()
+        self._process = None
+        self._paused = False
+
+    def kill9(self) -> None:
+        """SIGKILL (a crash: no clean shutdown). No-op when not running."""
+        self._kill_process()
+
+    def _kill_process(self) -> None:
+        process = self._process
+        if process is None:
+            return
+        if process.poll() is None:
+            process.kill()
+            try:
+                process.wait(timeout=DEFAULT_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise ZooKeeperError(f"ZooKeeper pid {process.pid} survived SIGKILL") from None
+        self._process = None
+        self._paused = False
+
+    def pause(self) -> None:
+        """SIGSTOP: the server freezes; clients see no answers (their TCP connections stay)."""
+        self._signal(signal.SIGSTOP)
+        self._paused = True
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        self._signal(signal.SIGCONT)
+        self._paused = False
+
+    def _signal(self, signum: signal.Signals) -> None:
+        process = self._process
+        if process is None or process.poll() is not None:
+            raise ZooKeeperError("ZooKeeper is not running")
+        process.send_signal(signum)
+
+    def restart(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
+        """Stop cleanly and start again on the same port with the same data."""
+        self.stop()
+        self.start(timeout_s)
+
+    def log_tail(self, max_bytes: int = _LOG_TAIL_BYTES) -> str:
+        size = self.log_path.stat().st_size if self.log_path.exists() else 0
+        return self._read_log_from(max(0, size - max_bytes))
+
+    def _read_log_from(self, offset: int) -> str:
+        with contextlib.suppress(FileNotFoundError), open(self.log_path, "rb") as log_file:
+            log_file.seek(offset)
+            return log_file.read(_LOG_TAIL_BYTES * 4)[-_LOG_TAIL_BYTES:].decode(
+                "utf-8", errors="replace"
+            )
+        return ""
+
+    # -- files and command -------------------------------------------------------------------
+
+    def _write_config(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        lines = [
+            f"tickTime={self._tick_time_ms}",
+            f"dataDir={self.data_dir}",
+            f"clientPort={self._port}",
+            f"clientPortAddress={HOST}",
+            "maxClientCnxns=0",
+            "admin.enableServer=false",
+            "4lw.commands.whitelist=srvr,ruok,mntr",
+        ]
+        if self._max_session_timeout_ms is not None:
+            lines.append(f"maxSessionTimeout={self._max_session_timeout_ms}")
+        self.config_path.write_text("\n".join(lines) + "\n")
+        # Without a config log4j2 logs errors only; INFO makes failed test runs explainable.
+        (self._directory / "log4j2.properties").write_text(_LOG4J2_CONFIG)
+
+    def _command(self) -> list[str]:
+        return [
+            self._java,
+            f"-Xmx{self._heap_mb}m",
+            "-Dzookeeper.jmx.log4j.disable=true",
+            f"-Dlog4j2.configurationFile={self._directory / 'log4j2.properties'}",
+            "-cp",
+            self._classpath,
+            _MAIN_CLASS,
+            str(self.config_path),
+        ]
+
+    # -- context manager ---------------------------------------------------------------------
+
+    def __enter__(self) -> ZooKeeperServer:
+        if not self.is_running():
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"ZooKeeperServer({self.connect_string}, pid={self.pid}, dir={self._directory})"
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    if sys.platform != "linux":
+        return None
+    try:
+        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return prctl
+
+
+# Resolved in the parent: loading a library in a forked child of a threaded process can hang.
+_PRCTL = _load_prctl()
+
+
+def _terminate_with_parent() -> None:
+    """In the child before exec: ask Linux for SIGTERM when the parent goes away.
+
+    Linux sends it when the *thread* that started the server ends, which is fine for tests
+    (their servers are stopped anyway when the test ends); elsewhere it is a no-op.
+    """
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+class _PortTakenError(Exception):
+    """The server could not bind its client port."""

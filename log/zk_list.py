@@ -1,0 +1,186 @@
+"""The ledger list in a ZooKeeper znode, changed only by compare-and-set (DESIGN §3).
+
+The znode (``/steward/<cluster>/ledgers`` by convention, see :func:`ledger_list_path`) holds the
+:class:`~log.api.LedgerList` as JSON (msgspec, like the file store); its version is the znode's
+data version, so ``compare_and_set`` is ``set(path, data, version=expected)``, or ``create``
+when ``expected_version`` is -1.
+
+kazoo calls block, and with the quorum lost a plain call blocks forever (INFRA.md), so every
+call goes through kazoo's ``*_async`` API and :func:`kazoo_result`, which hands the result to
+the event loop and gives up after a timeout. Every failure that is not a lost compare-and-set
+comes out as :class:`~log.api.LedgerError`; after a timeout or a connection loss the outcome
+of a write is unknown and the caller must read the list again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from kazoo.exceptions import (  # type: ignore[import-untyped]
+    BadVersionError as KazooBadVersionError,
+)
+from kazoo.exceptions import (
+    KazooException,
+    NodeExistsError,
+    NoNodeError,
+)
+from kazoo.protocol.states import KazooState  # type: ignore[import-untyped]
+
+from log.api import BadVersionError, LedgerError, LedgerList, LedgerListStore
+
+logger = logging.getLogger(__name__)
+
+#: Root of everything Steward keeps in ZooKeeper.
+ZK_ROOT = "/steward"
+DEFAULT_OPERATION_TIMEOUT_S = 5.0
+#: ZooKeeper refuses znodes larger than ``jute.maxbuffer`` (1 MiB by default); stay below it.
+MAX_ZNODE_BYTES = 1024 * 1024 - 1024
+
+
+class KazooTimeoutError(TimeoutError):
+    """A ZooKeeper call did not complete in time (its outcome is unknown)."""
+
+
+def cluster_path(cluster: str) -> str:
+    """``/steward/<cluster>``; ``cluster`` must be a single path component."""
+    if not cluster or "/" in cluster or cluster in (".", ".."):
+        raise ValueError(f"invalid cluster name {cluster!r}")
+    return f"{ZK_ROOT}/{cluster}"
+
+
+def ledger_list_path(cluster: str) -> str:
+    return f"{cluster_path(cluster)}/ledgers"
+
+
+async def kazoo_result(async_result: Any, timeout_s: float) -> Any:
+    """Await a kazoo ``IAsyncResult`` without blocking the event loop.
+
+    kazoo completes the result on its own thread; the value (or exception) is handed to the
+    loop with ``call_soon_threadsafe``. Raises :class:`KazooTimeoutError` after ``timeout_s``
+    (the request may still be executed by the server later) and whatever kazoo raised.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def transfer(result: Any) -> None:  # on the loop
+        if future.done():  # timed out and cancelled meanwhile
+            return
+        try:
+            value = result.get_nowait()
+        except Exception as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(value)
+
+    def completed(result: Any) -> None:  # on kazoo's completion thread
+        # RuntimeError: the loop was closed meanwhile; nobody waits for the result any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(transfer, result)
+
+    async_result.rawlink(completed)
+    try:
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation
+        # that races with the result, and the caller would never learn it was cancelled.
+        async with asyncio.timeout(timeout_s):
+            return await future
+    except TimeoutError:
+        async_result.unlink(completed)
+        raise KazooTimeoutError(f"ZooKeeper did not answer within {timeout_s:g} s") from None
+
+
+class ZooKeeperLedgerListStore(LedgerListStore):
+    """:class:`~log.api.LedgerListStore` on one znode of a started ``KazooClient``.
+
+    The client belongs to the caller (it is neither started nor stopped here). Calls fail at
+    once with :class:`~log.api.LedgerError` while the client is not connected: a broker that
+    lost its ZooKeeper connection must not act on the list anyway.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        path: str,
+        *,
+        operation_timeout_s: float = DEFAULT_OPERATION_TIMEOUT_S,
+    ) -> None:
+        if not path.startswith("/") or path.endswith("/"):
+            raise ValueError(f"invalid znode path {path!r}")
+        self._client = client
+        self._path = path
+        self._timeout_s = operation_timeout_s
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    async def get(self) -> tuple[LedgerList, int]:
+        try:
+            data, stat = await self._call(lambda: self._client.get_async(self._path))
+        except NoNodeError:
+            return LedgerList(), -1
+        try:
+            ledger_list = msgspec.json.decode(data, type=LedgerList)
+        except msgspec.DecodeError as exc:
+            raise LedgerError(f"corrupt ledger list in znode {self._path}: {exc}") from exc
+        version: int = stat.version
+        return ledger_list, version
+
+    async def compare_and_set(self, new: LedgerList, expected_version: int) -> int:
+        if expected_version < -1:
+            raise ValueError(f"invalid expected version {expected_version}")
+        data = msgspec.json.encode(new)
+        if len(data) > MAX_ZNODE_BYTES:
+            raise LedgerError(
+                f"ledger list of {len(data)} bytes does not fit a znode ({MAX_ZNODE_BYTES})"
+            )
+        try:
+            if expected_version == -1:
+                await self._call(lambda: self._client.create_async(self._path, data, makepath=True))
+                return 0  # a new znode's data version
+            # Never pass -1 to set(): ZooKeeper reads it as "any version".
+            stat = await self._call(
+                lambda: self._client.set_async(self._path, data, expected_version)
+            )
+        except NodeExistsError:
+            raise BadVersionError(f"ledger list {self._path} exists already") from None
+        except NoNodeError:
+            raise BadVersionError(
+                f"ledger list {self._path} does not exist, expected version {expected_version}"
+            ) from None
+        except KazooBadVersionError:
+            raise BadVersionError(
+                f"ledger list {self._path} is not at version {expected_version}"
+            ) from None
+        version: int = stat.version
+        return version
+
+    async def sync(self) -> None:
+        """Make a following read see every write committed before this call.
+
+        A ZooKeeper server may lag behind the quorum; ``sync`` makes it catch up first. The
+        leader runs ``sync`` then :meth:`get` after each durable group commit to confirm the
+        list version is still the one it wrote (that nobody deposed it).
+        """
+        await self._call(lambda: self._client.sync_async(self._path))
+
+    async def _call(self, start: Callable[[], Any]) -> Any:
+        """Issue one request (``start`` calls a kazoo ``*_async`` method) and await it."""
+        # kazoo queues requests while disconnected and sends them after a reconnect; a broker
+        # that is not connected must not have a late write land, so fail fast instead.
+        if self._client.state != KazooState.CONNECTED:
+            raise LedgerError(f"ZooKeeper client is {self._client.state}, not connected")
+        try:
+            return await kazoo_result(start(), self._timeout_s)
+        except KazooTimeoutError as exc:
+            raise LedgerError(f"ledger list {self._path}: {exc}; outcome unknown") from exc
+        except (NoNodeError, NodeExistsError, KazooBadVersionError):
+            raise
+        except KazooException as exc:
+            raise LedgerError(
+                f"ledger list {self._path}: ZooKeeper error {type(exc).__name__}: {exc}"
+            ) from exc
