@@ -420,11 +420,8 @@ class Worker:
                     )
                 )
                 continue
-            for ta in self.runtime.running():
-                if ta.task_id == task.task_id and ta.attempt < task.attempt:
-                    self.runtime.cancel(
-                        (ta.task_id, ta.attempt), f"superseded by attempt {task.attempt}"
-                    )
+            for older in self.runtime.older_attempts(task.task_id, task.attempt):
+                self.runtime.cancel(older, f"superseded by attempt {task.attempt}")
             if not self.runtime.start(task):
                 continue
             if task.deadline_ms is not None:

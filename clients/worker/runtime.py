@@ -372,6 +372,8 @@ class TaskRuntime:
         )
         self._registry: dict[str, TaskFn] = dict(BUILTIN_TASKS)
         self._entries: dict[TaskKey, _Running] = {}
+        # Attempts known per task id, so a newer attempt finds older ones in O(1).
+        self._attempts: dict[int, set[int]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(
             max_workers=config.capacity(), thread_name_prefix="steward-task"
@@ -387,6 +389,11 @@ class TaskRuntime:
     def running(self) -> list[TaskAttempt]:
         with self._lock:
             return [TaskAttempt(*key) for key in self._entries]
+
+    def older_attempts(self, task_id: int, attempt: int) -> list[TaskKey]:
+        """Known attempts of ``task_id`` before ``attempt`` (superseded by it)."""
+        with self._lock:
+            return [(task_id, a) for a in self._attempts.get(task_id, ()) if a < attempt]
 
     def is_known(self, key: TaskKey) -> bool:
         with self._lock:
@@ -417,6 +424,7 @@ class TaskRuntime:
             if key in self._entries or self._closed:
                 return False
             self._entries[key] = entry
+            self._attempts.setdefault(key[0], set()).add(key[1])
             entry.future = self._pool.submit(self._run, entry)
         return True
 
@@ -455,6 +463,11 @@ class TaskRuntime:
             entry = self._entries.get(key)
             if entry is not None and entry.reported:
                 del self._entries[key]
+                attempts = self._attempts.get(key[0])
+                if attempts is not None:
+                    attempts.discard(key[1])
+                    if not attempts:
+                        del self._attempts[key[0]]
 
     def shutdown(self, *, wait: bool = False) -> None:
         with self._lock:
