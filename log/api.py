@@ -208,6 +208,13 @@ class LedgerListStore(ABC):
         Raises :class:`BadVersionError` otherwise. ``expected_version=-1`` creates it.
         """
 
+    async def sync(self) -> None:  # noqa: B027 - a no-op for stores without replicas
+        """Make the next ``get`` see every change committed before this call.
+
+        A no-op for local stores; ZooKeeper's ``sync`` for the replicated one (the
+        leader's check that it is still the leader after each group commit).
+        """
+
 
 def ledger_ids(ledger_list: LedgerList) -> Sequence[int]:
     return [info.ledger_id for info in ledger_list.ledgers]
