@@ -149,11 +149,12 @@ class Request:
 
 
 class Route:
-    __slots__ = ("handlers", "pattern")
+    __slots__ = ("handlers", "max_body_bytes", "pattern")
 
-    def __init__(self, pattern: str) -> None:
+    def __init__(self, pattern: str, max_body_bytes: int) -> None:
         self.pattern = re.compile("^" + pattern + "$")
         self.handlers: dict[str, Handler] = {}
+        self.max_body_bytes = max_body_bytes
 
 
 class ApiApp:
@@ -178,14 +179,19 @@ class ApiApp:
         self._add(r"/api/v1/transactions/(\d{1,18})/rollback", POST=self.rollback_transaction)
         self._add("/api/v1/tenants", GET=self.list_tenants)
         self._add(r"/api/v1/tenants/([^/]+)", GET=self.get_tenant, PUT=self.put_tenant)
-        self._add("/api/v1/code", POST=self.upload_code, GET=self.list_code)
+        self._add(
+            "/api/v1/code",
+            max_body_bytes=self.config.max_code_bytes,
+            POST=self.upload_code,
+            GET=self.list_code,
+        )
         self._add(r"/api/v1/code/([0-9a-f]{64})", GET=self.download_code)
         self._add("/api/v1/cluster", GET=self.cluster)
         self._add("/api/v1/config", GET=self.get_config, PUT=self.put_config)
         self._add("/api/v1/state/digest", GET=self.digest)
 
-    def _add(self, pattern: str, **handlers: Handler) -> None:
-        route = Route(pattern)
+    def _add(self, pattern: str, max_body_bytes: int | None = None, **handlers: Handler) -> None:
+        route = Route(pattern, max_body_bytes or self.config.max_request_bytes)
         route.handlers.update(handlers)
         self._routes.append(route)
 
@@ -247,13 +253,10 @@ class ApiApp:
                     f"{method} {path}: use {allowed}",
                     ((b"allow", allowed.encode()),),
                 )
-            limit = (
-                self.config.max_code_bytes
-                if handler == self.upload_code
-                else self.config.max_request_bytes
-            )
             body = (
-                await self._read_body(scope, receive, limit) if method in ("POST", "PUT") else b""
+                await self._read_body(scope, receive, route.max_body_bytes)
+                if method in ("POST", "PUT")
+                else b""
             )
             query = _parse_query(scope.get("query_string", b""))
             return await handler(Request(method, path, query, body, match.groups()))

@@ -353,21 +353,15 @@ class WorkerLink:
             while self._reports:
                 limit = self.config.max_reports_per_entry
                 batch, self._reports = self._reports[:limit], self._reports[limit:]
-                tasks = self.node.state.tasks
                 # Reports of attempts that are already over (duplicates, late ones)
                 # change nothing: acknowledge them without logging an entry.
-                live = [
-                    (session, report)
-                    for session, report in batch
-                    if (task := tasks.get(report.task_id)) is not None
-                    and task.state == TaskState.RUNNING
-                    and task.worker == session.worker_id
-                    and task.attempt == report.attempt
-                ]
-                if len(live) < len(batch):
-                    live_ids = {id(item) for item in live}
-                    self._acknowledge([item for item in batch if id(item) not in live_ids])
-                    batch = live
+                live: list[tuple[_Session, p.TaskReport]] = []
+                stale: list[tuple[_Session, p.TaskReport]] = []
+                for item in batch:
+                    (live if self._is_running(*item) else stale).append(item)
+                if stale:
+                    self._acknowledge(stale)
+                batch = live
                 if not batch:
                     continue
                 outcomes = tuple(self._outcome(session, report) for session, report in batch)
@@ -382,6 +376,15 @@ class WorkerLink:
                     self._reports.clear()
                     break
                 self._acknowledge(batch)
+
+    def _is_running(self, session: _Session, report: p.TaskReport) -> bool:
+        task = self.node.state.tasks.get(report.task_id)
+        return (
+            task is not None
+            and task.state == TaskState.RUNNING
+            and task.worker == session.worker_id
+            and task.attempt == report.attempt
+        )
 
     def _acknowledge(self, batch: list[tuple[_Session, p.TaskReport]]) -> None:
         acks: dict[_Session, list[p.TaskAttempt]] = defaultdict(list)

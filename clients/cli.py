@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from clients.client import StewardClient, StewardError, TaskHandle, TaskTimeoutError
+from clients.progress import print_progress
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 
@@ -205,14 +206,6 @@ def _print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)))
 
 
-def _progress(done: int, total: int, started: float, width: int = 30) -> None:
-    filled = int(width * done / max(1, total))
-    elapsed = time.monotonic() - started
-    bar = "#" * filled + "-" * (width - filled)
-    end = "\n" if done >= total else ""
-    print(f"\r[{bar}] {done}/{total} tasks done, {elapsed:.1f} s", end=end, flush=True)
-
-
 def _wait_for(handles: list[TaskHandle], timeout_s: float | None, *, expected: int) -> int:
     """Wait for every handle; one line per task (or a progress bar for many)."""
     started = time.monotonic()
@@ -229,7 +222,7 @@ def _wait_for(handles: list[TaskHandle], timeout_s: float | None, *, expected: i
         if task["state"] != "finished":
             failed += 1
         if many:
-            _progress(done, len(handles), started)
+            print_progress(done, len(handles), started)
         else:
             result = json.dumps(task.get("result")) if task["state"] == "finished" else ""
             error = (task.get("error") or "").strip().splitlines()

@@ -19,6 +19,7 @@ from typing import Any
 
 from clients.client import StewardClient, StewardError, TaskHandle
 from clients.demo.wordcount_job import words_of
+from clients.progress import print_progress
 
 TENANT_WEIGHTS = {"analytics": 3.0, "adhoc": 1.0}
 LINES_PER_TASK = 250
@@ -171,21 +172,14 @@ def run_wordcount(client: StewardClient, lines: list[str]) -> dict[str, Any]:
             if task["state"] in ("finished", "error", "cancelled"):
                 remaining.pop(0)
                 done += 1
-                _progress_line(done, total, started)
+                print_progress(done, total, started)
                 if task["state"] != "finished":
                     raise RuntimeError(f"task {task['id']} {task['state']}: {task.get('error')}")
                 counts[tenant].update(task["result"]["counts"])
                 if not remaining:
                     finished_s[tenant] = time.monotonic() - started
                     del pending[tenant]
-    print()
     return {"counts": counts, "finished_s": finished_s, "tasks": total, "artifact": sha}
-
-
-def _progress_line(done: int, total: int, started: float, width: int = 32) -> None:
-    filled = int(width * done / max(1, total))
-    bar = "#" * filled + "-" * (width - filled)
-    print(f"\r[{bar}] {done}/{total} tasks, {time.monotonic() - started:.1f} s", end="", flush=True)
 
 
 def run_demo(keep: bool = False) -> int:

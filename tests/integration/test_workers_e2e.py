@@ -234,13 +234,19 @@ def test_weighted_fair_shares_and_runtime_weight_change(cluster: Cluster) -> Non
             {"type": "sleep", "tenant": tenant, "params": {"seconds": 0.25}} for _ in range(600)
         ]
         assert cluster.http.post("/api/v1/tasks", json={"tasks": batch}).status_code == 200
-    time.sleep(1.0)
+    # Measure once both workers' 8 slots are busy.
+    wait_until(
+        lambda: cluster.tenant_running("fa") + cluster.tenant_running("fb") == 8,
+        20,
+        "the two workers to be saturated",
+    )
     shares = _mean_running(cluster, ["fa", "fb"], 5.0)
     ratio = shares["fa"] / shares["fb"]
     assert 3 * 0.9 <= ratio <= 3 * 1.1, shares
     # A weight change applies to the tasks already waiting, without resubmission.
     cluster.http.put("/api/v1/tenants/fb", json={"weight": 3})
-    time.sleep(1.0)
+    # Tasks last 0.25 s: the new shares settle as running tasks finish.
+    wait_until(lambda: cluster.tenant_running("fb") >= 4, 20, "fb to reach its new share")
     shares = _mean_running(cluster, ["fa", "fb"], 4.0)
     ratio = shares["fa"] / shares["fb"]
     assert 0.9 <= ratio <= 1.1, shares
