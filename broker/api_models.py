@@ -11,11 +11,19 @@ from msgspec import UNSET, UnsetType
 
 # Integers that travel in log entries must fit msgpack (and most clients' JSON): int64.
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+# For the schema; the API checks keys again (Python's `$` lets a final newline through).
+IdempotencyKey = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[\x20-\x7e]+$")
+]
 
 
-class ErrorDetail(msgspec.Struct):
+class ErrorDetail(msgspec.Struct, omit_defaults=True):
     code: str
     message: str
+    # With code "not_leader" (HTTP 307): the leader's base URL, when one is known.
+    leader_url: str | None = None
+    # True when the same request may succeed if sent again later (or to the leader).
+    retryable: bool = False
 
 
 class ErrorBody(msgspec.Struct):
@@ -44,10 +52,16 @@ class TaskSubmission(_TaskOptions, kw_only=True):
 
 
 class SubmitBody(_TaskOptions, kw_only=True):
-    """Either ``{"tasks": [TaskSubmission, ...]}`` or one TaskSubmission's fields."""
+    """Either ``{"tasks": [TaskSubmission, ...]}`` or one TaskSubmission's fields.
+
+    ``idempotency_key`` (or the ``Idempotency-Key`` header; 1-128 printable ASCII
+    characters): a retry with the same key creates nothing and gets the first
+    submission's answer again (``replayed: true``). Keys are kept at least 24 h.
+    """
 
     tasks: list[TaskSubmission] | None = None
     type: str | None = None
+    idempotency_key: IdempotencyKey | None = None
 
 
 class SubmittedTask(msgspec.Struct, omit_defaults=True):
@@ -56,13 +70,15 @@ class SubmittedTask(msgspec.Struct, omit_defaults=True):
     error: ErrorDetail | None = None
 
 
-class SubmitBatchResponse(msgspec.Struct):
+class SubmitBatchResponse(msgspec.Struct, omit_defaults=True):
     tasks: list[SubmittedTask]
+    replayed: bool = False  # True: the answer of an earlier submission with this key
 
 
-class TaskRefBody(msgspec.Struct):
+class TaskRefBody(msgspec.Struct, omit_defaults=True):
     id: int
     state: str
+    replayed: bool = False  # True: the answer of an earlier submission with this key
 
 
 class TaskView(msgspec.Struct):
@@ -137,7 +153,7 @@ class Position(msgspec.Struct):
     entry_id: int
 
 
-class BrokerSummary(msgspec.Struct):
+class BrokerSummary(msgspec.Struct, omit_defaults=True):
     id: str
     host: str
     port: int
@@ -145,6 +161,11 @@ class BrokerSummary(msgspec.Struct):
     is_leader: bool
     version: str
     position: Position
+    # "leader", "follower", "candidate" (taking over) or "standalone".
+    role: str = "standalone"
+    url: str | None = None
+    worker_address: str | None = None  # "host:port" of its worker endpoint
+    digest: str | None = None  # only for the broker answering
 
 
 class WorkerSummary(msgspec.Struct):
@@ -162,6 +183,9 @@ class ClusterSummary(msgspec.Struct):
     workers: list[WorkerSummary]
     tasks: dict[str, int]
     tenants: int
+    # Where to send writes and where workers connect (None while no leader is known).
+    leader_url: str | None = None
+    leader_worker_address: str | None = None
 
 
 class DigestBody(msgspec.Struct):
@@ -186,6 +210,7 @@ class Health(msgspec.Struct):
     writable: bool
     position: Position
     reason: str | None = None
+    role: str = "standalone"
 
 
 def schema_components(types: list[Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:

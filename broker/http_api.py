@@ -12,10 +12,10 @@ import asyncio
 import logging
 import math
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 from urllib.parse import parse_qsl
 
 import msgspec
@@ -24,20 +24,28 @@ from msgspec import UnsetType
 from broker import api_models as m
 from broker import entries as e
 from broker.code_store import CodeStore, InvalidArtifactError, validate_artifact
-from broker.node import VERSION, BrokerUnavailableError, Node, Stamp
+from broker.node import VERSION, BrokerUnavailableError, Node, Role, Stamp
 from broker.state import (
     FINAL_STATES,
     NAME_RE,
     Artifact,
     ErrorCode,
     Rejected,
+    ReplayedResults,
     TaskRef,
     TaskState,
     Tenant,
     TransactionDone,
     TransactionRef,
+    validate_idempotency_key,
     validate_limits,
     validate_task_spec,
+)
+from snapshot.peer import (
+    LATEST_SNAPSHOT_PATH,
+    POSITION_HEADER,
+    format_position,
+    read_latest_snapshot,
 )
 
 logger = logging.getLogger(__name__)
@@ -82,6 +90,9 @@ class ApiConfig:
 class Binary(bytes):
     """A response body served as application/octet-stream instead of JSON."""
 
+    # Extra response headers (lowercase names), set on an instance when needed.
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
 
 class HttpError(Exception):
     def __init__(
@@ -90,12 +101,35 @@ class HttpError(Exception):
         code: str,
         message: str,
         headers: tuple[tuple[bytes, bytes], ...] = (),
+        *,
+        leader_url: str | None = None,
+        retryable: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.headers = headers
+        self.leader_url = leader_url
+        self.retryable = retryable
+
+
+class ClusterView(Protocol):
+    """What the API needs to know about the cluster around its broker."""
+
+    @property
+    def url(self) -> str:
+        """This broker's base URL."""
+
+    @property
+    def worker_address(self) -> str | None:
+        """This broker's worker endpoint ("host:port"), when it has one."""
+
+    def leader(self) -> m.BrokerSummary | None:
+        """The current leader (None: no leader known right now)."""
+
+    def brokers(self) -> list[m.BrokerSummary]:
+        """Every live broker but this one, as advertised in ZooKeeper."""
 
 
 def _error_code(code: ErrorCode) -> str:
@@ -146,6 +180,14 @@ class Request:
     query: dict[str, str]
     body: bytes
     params: tuple[str, ...]
+    headers: Sequence[tuple[bytes, bytes]] = ()  # ASGI: names lowercase
+
+    def header(self, name: bytes) -> bytes | None:
+        """The value of a header sent once (``name`` lowercase); 400 when repeated."""
+        values = [v for n, v in self.headers if n == name]
+        if len(values) > 1:
+            raise HttpError(400, "invalid_request", f"header {name.decode()} sent twice")
+        return values[0] if values else None
 
 
 class Route:
@@ -160,10 +202,17 @@ class Route:
 class ApiApp:
     """ASGI application serving the broker's API."""
 
-    def __init__(self, node: Node, config: ApiConfig, code_store: CodeStore | None = None) -> None:
+    def __init__(
+        self,
+        node: Node,
+        config: ApiConfig,
+        code_store: CodeStore | None = None,
+        cluster: ClusterView | None = None,
+    ) -> None:
         self.node = node
         self.config = config
         self.code_store = code_store
+        self.cluster_view = cluster
         # Requests waiting for a task to reach a final state (long polling).
         self._waiters: dict[int, list[asyncio.Future[None]]] = {}
         node.listeners.append(self._on_applied)
@@ -189,6 +238,8 @@ class ApiApp:
         self._add("/api/v1/cluster", GET=self.cluster)
         self._add("/api/v1/config", GET=self.get_config, PUT=self.put_config)
         self._add("/api/v1/state/digest", GET=self.digest)
+        # GET only: a body is never read, and the answer may be tens of MB (one response).
+        self._add(LATEST_SNAPSHOT_PATH, GET=self.latest_snapshot)
 
     def _add(self, pattern: str, max_body_bytes: int | None = None, **handlers: Handler) -> None:
         route = Route(pattern, max_body_bytes or self.config.max_request_bytes)
@@ -207,14 +258,17 @@ class ApiApp:
         try:
             status, body = await self._dispatch(scope, receive)
         except HttpError as exc:
-            status, body = exc.status, _error_bytes(exc.code, exc.message)
+            status = exc.status
+            body = _error_bytes(exc.code, exc.message, exc.leader_url, exc.retryable)
             extra_headers = exc.headers
         except BrokerUnavailableError as exc:
-            status, body = 503, _error_bytes("unavailable", str(exc))
+            status, body = 503, _error_bytes("unavailable", str(exc), retryable=True)
         except Exception:
             logger.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
             status, body = 500, _error_bytes("internal", "internal error; see the broker log")
         content_type = b"application/octet-stream" if isinstance(body, Binary) else JSON_TYPE
+        if isinstance(body, Binary) and body.headers:
+            extra_headers = body.headers
         await send(
             {
                 "type": "http.response.start",
@@ -253,14 +307,38 @@ class ApiApp:
                     f"{method} {path}: use {allowed}",
                     ((b"allow", allowed.encode()),),
                 )
+            if method != "GET" and self.cluster_view is not None and not self.node.writable:
+                self._redirect_to_leader(scope)
             body = (
                 await self._read_body(scope, receive, route.max_body_bytes)
                 if method in ("POST", "PUT")
                 else b""
             )
             query = _parse_query(scope.get("query_string", b""))
-            return await handler(Request(method, path, query, body, match.groups()))
+            headers = scope.get("headers", ())
+            return await handler(Request(method, path, query, body, match.groups(), headers))
         raise HttpError(404, "not_found", f"no such endpoint: {path}")
+
+    def _redirect_to_leader(self, scope: Scope) -> None:
+        """A write reached a broker that cannot take it: name the leader (DESIGN §4)."""
+        view = self.cluster_view
+        assert view is not None
+        leader = view.leader()
+        leader_url = leader.url if leader is not None else None
+        if self.node.role == Role.FOLLOWER and leader_url and leader_url != view.url:
+            location = leader_url + scope["path"]
+            query: bytes = scope.get("query_string", b"")
+            if query:
+                location += "?" + query.decode("latin-1")
+            raise HttpError(
+                307,
+                "not_leader",
+                f"this broker is a follower; send writes to the leader at {leader_url}",
+                ((b"location", location.encode("latin-1")),),
+                leader_url=leader_url,
+                retryable=True,
+            )
+        raise BrokerUnavailableError(self.node._unavailable_reason())
 
     async def _read_body(self, scope: Scope, receive: Receive, limit: int) -> bytes:
         for name, value in scope.get("headers", ()):
@@ -322,6 +400,7 @@ class ApiApp:
 
     async def submit(self, request: Request) -> tuple[int, bytes]:
         body = _decode(_submit_decoder, request.body)
+        key = _idempotency_key(request, body.idempotency_key)
         if body.tasks is not None:
             if body.type is not None:
                 raise HttpError(
@@ -345,22 +424,32 @@ class ApiApp:
                     msgspec.structs.replace(spec, id=task_id)
                     for spec, task_id in zip(specs, ids, strict=True)
                 ),
+                idempotency_key=key,
             )
 
         results = await self.node.propose(build)
         assert isinstance(results, list)
+        # A replay answers as the first submission did (same status, same ids).
+        replayed = isinstance(results, ReplayedResults)
+        if replayed and len(results) != len(specs):
+            raise HttpError(
+                409,
+                "conflict",
+                f"idempotency key {key!r} was used for a submission of {len(results)} "
+                f"tasks, not {len(specs)}; use a new key for a new submission",
+            )
         if body.tasks is None:
             result = results[0]
             if isinstance(result, Rejected):
                 raise _rejected_error(result)
-            return 201, _json_encoder.encode(m.TaskRefBody(result.id, result.state))
+            return 201, _json_encoder.encode(m.TaskRefBody(result.id, result.state, replayed))
         out = [
             m.SubmittedTask(error=m.ErrorDetail(_error_code(r.code), r.message))
             if isinstance(r, Rejected)
             else m.SubmittedTask(id=r.id, state=r.state)
             for r in results
         ]
-        return 200, _json_encoder.encode(m.SubmitBatchResponse(out))
+        return 200, _json_encoder.encode(m.SubmitBatchResponse(out, replayed))
 
     def _task_view(self, task_id: int) -> m.TaskView:
         task = self.node.state.tasks.get(task_id)
@@ -581,15 +670,23 @@ class ApiApp:
     async def cluster(self, request: Request) -> tuple[int, bytes]:
         node = self.node
         state = node.state
+        view = self.cluster_view
         broker = m.BrokerSummary(
             id=node.config.broker_id,
             host=self.config.host,
             port=self.config.port,
             uptime_secs=round((node.clock_ms() - node.stats.started_ms) / 1000, 3),
-            is_leader=True,
+            is_leader=node.role in (Role.STANDALONE, Role.LEADER),
             version=VERSION,
             position=self._position(),
+            role=str(node.role),
+            url=view.url if view is not None else None,
+            worker_address=view.worker_address if view is not None else None,
+            digest=state.digest(),
         )
+        leader = view.leader() if view is not None else broker
+        if leader is not None and leader.id == broker.id:
+            leader = broker
         workers = [
             m.WorkerSummary(
                 id=w.id,
@@ -600,13 +697,16 @@ class ApiApp:
             )
             for w in state.workers.values()
         ]
+        others = view.brokers() if view is not None else []
         summary = m.ClusterSummary(
             cluster_id=node.config.cluster_id,
-            leader=node.config.broker_id,
-            brokers=[broker],
+            leader=leader.id if leader is not None else None,
+            brokers=[broker, *(b for b in others if b.id != broker.id)],
             workers=workers,
             tasks=state.count_by_state(),
             tenants=len(state.tenants),
+            leader_url=leader.url if leader is not None else None,
+            leader_worker_address=leader.worker_address if leader is not None else None,
         )
         return 200, _json_encoder.encode(summary)
 
@@ -647,6 +747,20 @@ class ApiApp:
             raise _rejected_error(result)
         return 200, _json_encoder.encode(self._config_view())
 
+    async def latest_snapshot(self, request: Request) -> tuple[int, bytes]:
+        """The newest intact local snapshot file, for a peer that has none (DESIGN §5)."""
+        if request.query:
+            raise HttpError(400, "invalid_request", "this endpoint takes no query parameters")
+        found = await asyncio.to_thread(read_latest_snapshot, self.node.snapshots)
+        if found is None:
+            raise HttpError(404, "not_found", "this broker has no snapshot yet")
+        header, data = found
+        body = Binary(data)
+        body.headers = (
+            (POSITION_HEADER.lower().encode(), format_position(header.position).encode()),
+        )
+        return 200, body
+
     async def digest(self, request: Request) -> tuple[int, bytes]:
         body = m.DigestBody(position=self._position(), digest=self.node.state.digest())
         return 200, _json_encoder.encode(body)
@@ -655,13 +769,19 @@ class ApiApp:
         node = self.node
         writable = node.writable
         reason = None if writable else node._unavailable_reason()
+        # A cluster broker is healthy while it serves reads (any role but idle); whether
+        # it takes writes is the "writable" field. A standalone one must take writes.
+        serving = writable or (
+            self.cluster_view is not None and node.role in (Role.FOLLOWER, Role.CANDIDATE)
+        )
         body = m.Health(
-            status="ok" if writable else "unavailable",
+            status="ok" if serving else "unavailable",
             writable=writable,
             position=self._position(),
             reason=reason,
+            role=str(node.role),
         )
-        return (200 if writable else 503), _json_encoder.encode(body)
+        return (200 if serving else 503), _json_encoder.encode(body)
 
     async def openapi(self, request: Request) -> tuple[int, bytes]:
         if self._openapi is None:
@@ -715,8 +835,32 @@ def _decode(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
         raise HttpError(400, "invalid_json", "JSON nested too deeply") from None
 
 
-def _error_bytes(code: str, message: str) -> bytes:
-    return _json_encoder.encode(m.ErrorBody(m.ErrorDetail(code, message)))
+def _error_bytes(
+    code: str, message: str, leader_url: str | None = None, retryable: bool = False
+) -> bytes:
+    return _json_encoder.encode(m.ErrorBody(m.ErrorDetail(code, message, leader_url, retryable)))
+
+
+def _idempotency_key(request: Request, in_body: str | None) -> str | None:
+    """The submission's idempotency key, from the header or the body (both: equal)."""
+    raw = request.header(b"idempotency-key")
+    key = in_body
+    if raw is not None:
+        try:
+            key = raw.decode("ascii")
+        except UnicodeDecodeError:
+            key = raw.decode("latin-1")  # refused just below, with the same message
+        if in_body is not None and in_body != key:
+            raise HttpError(
+                400,
+                "invalid_request",
+                "the Idempotency-Key header and the idempotency_key field differ",
+            )
+    if key is not None:
+        problem = validate_idempotency_key(key)
+        if problem is not None:
+            raise HttpError(400, "invalid_request", problem)
+    return key
 
 
 def _parse_query(raw: bytes) -> dict[str, str]:
@@ -800,6 +944,27 @@ def openapi_document() -> dict[str, Any]:
         "/api/v1/tasks": {
             "post": {
                 "summary": "Submit one task or a batch ({'tasks': [...]})",
+                "description": (
+                    "Send an idempotency key (the Idempotency-Key header or the "
+                    "idempotency_key field, 1-128 printable ASCII characters) to retry "
+                    "safely: a submission repeating a key that created tasks in the last "
+                    "24 hours (or the finished-task retention, if longer) creates nothing "
+                    "and gets the same status and ids again, with replayed: true. A key "
+                    "reused for a different number of tasks is refused (409)."
+                ),
+                "parameters": [
+                    {
+                        "name": "Idempotency-Key",
+                        "in": "header",
+                        "required": False,
+                        "schema": {
+                            "type": "string",
+                            "minLength": 1,
+                            "maxLength": 128,
+                            "pattern": "^[\\x20-\\x7e]+$",
+                        },
+                    }
+                ],
                 "requestBody": body("SubmitBody"),
                 "responses": {
                     "200": response("SubmitBatchResponse", "Batch results"),
@@ -954,6 +1119,24 @@ def openapi_document() -> dict[str, Any]:
             "get": {
                 "summary": "Digest of the replicated state at the applied position",
                 "responses": {"200": response("DigestBody")},
+            }
+        },
+        LATEST_SNAPSHOT_PATH: {
+            "get": {
+                "summary": "This broker's newest snapshot file (for a peer that has none)",
+                "responses": {
+                    "200": {
+                        "description": "The snapshot file's bytes, verified by the reader",
+                        "headers": {
+                            POSITION_HEADER: {
+                                "description": "Log position it reflects: ledger_id:entry_id",
+                                "schema": {"type": "string", "pattern": r"^\d+:\d+$"},
+                            }
+                        },
+                        "content": {"application/octet-stream": {"schema": {"type": "string"}}},
+                    },
+                    **errors,
+                },
             }
         },
     }

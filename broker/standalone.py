@@ -57,31 +57,11 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
         link = WorkerLink(node, config.workers)
         await link.start()
         app = ApiApp(node, config.api, CodeStore(config.node.data_dir / "code"))
-        server = _Server(
-            uvicorn.Config(
-                app,
-                host=config.api.host,
-                port=config.api.port,
-                log_level="warning",
-                access_log=False,
-                lifespan="off",
-                http="httptools",
-                backlog=4096,
-                timeout_keep_alive=30,
-            )
-        )
+        server, server_task = await start_http_server(app, config.api)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        server_task = asyncio.create_task(server.serve())
-        await asyncio.wait(
-            [asyncio.create_task(server.startup_done.wait()), server_task],
-            return_when=asyncio.FIRST_COMPLETED,
-        )
-        if not server.started:
-            server.should_exit = True
-            raise BrokerStartupError(f"could not serve HTTP on {config.api.host}:{config.api.port}")
         logger.info("steward standalone serving on http://%s:%d", config.api.host, config.api.port)
         print(
             f"steward standalone ready on http://{config.api.host}:{config.api.port} "
@@ -98,17 +78,50 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
         logger.info("shutting down")
         # Stop accepting, let in-flight requests finish (the node still runs), then
         # drain and close the log.
-        server.should_exit = True
-        try:
-            await asyncio.wait_for(server_task, timeout=15)
-        except TimeoutError:
-            logger.warning("HTTP server did not stop within 15 s")
+        await stop_http_server(server, server_task)
         await _stop_children(children)
         await link.stop()
         await node.stop()
     finally:
         await node.ledgers.close()
         lock.release()
+
+
+async def start_http_server(
+    app: ApiApp, config: ApiConfig
+) -> tuple[HttpServer, asyncio.Task[None]]:
+    """Serve ``app`` with uvicorn; raises BrokerStartupError when it cannot listen."""
+    server = HttpServer(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            http="httptools",
+            backlog=4096,
+            timeout_keep_alive=30,
+        )
+    )
+    server_task = asyncio.create_task(server.serve())
+    await asyncio.wait(
+        [asyncio.create_task(server.startup_done.wait()), server_task],
+        return_when=asyncio.FIRST_COMPLETED,
+    )
+    if not server.started:
+        server.should_exit = True
+        raise BrokerStartupError(f"could not serve HTTP on {config.host}:{config.port}")
+    return server, server_task
+
+
+async def stop_http_server(server: HttpServer, server_task: asyncio.Task[None]) -> None:
+    """Stop accepting and let in-flight requests finish (bounded)."""
+    server.should_exit = True
+    try:
+        await asyncio.wait_for(server_task, timeout=15)
+    except TimeoutError:
+        logger.warning("HTTP server did not stop within 15 s")
 
 
 async def _start_child_workers(
@@ -150,7 +163,7 @@ async def _stop_children(children: list[asyncio.subprocess.Process]) -> None:
             await child.wait()
 
 
-class _Server(uvicorn.Server):
+class HttpServer(uvicorn.Server):
     # The broker handles SIGINT/SIGTERM itself (drain, close the ledger, snapshot).
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)

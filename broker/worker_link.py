@@ -121,6 +121,8 @@ class WorkerLink:
         logger.info("worker endpoint on %s:%d", self.config.host, self.port)
 
     async def stop(self) -> None:
+        with contextlib.suppress(ValueError):
+            self.node.listeners.remove(self._on_applied)
         if self._server is not None:
             self._server.close()
         for session in list(self.sessions.values()):

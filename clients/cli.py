@@ -91,6 +91,54 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO")
 
     p = sub.add_parser(
+        "broker", help="run one broker of a highly available cluster (ZooKeeper, shared ledgers)"
+    )
+    p.add_argument(
+        "--zookeeper",
+        required=True,
+        metavar="HOST:PORT[,...]",
+        help="ZooKeeper connect string (env STEWARD_ZOOKEEPER)",
+        default=os.environ.get("STEWARD_ZOOKEEPER"),
+    )
+    p.add_argument("--cluster", default="steward", help="cluster name (default %(default)s)")
+    p.add_argument("--broker-id", required=True, help="unique name of this broker")
+    p.add_argument("--data-dir", type=Path, required=True, help="this broker's own directory")
+    p.add_argument(
+        "--ledger-dir",
+        type=Path,
+        required=True,
+        help="the file ledger directory, shared by every broker of the cluster (one host)",
+    )
+    p.add_argument("--http", type=_host_port, default=("127.0.0.1", 8080), metavar="HOST:PORT")
+    p.add_argument(
+        "--worker-listen",
+        type=_host_port,
+        default=("127.0.0.1", 0),
+        metavar="HOST:PORT",
+        help="where workers connect while this broker leads (port 0: a free one, advertised)",
+    )
+    p.add_argument("--session-timeout-ms", type=int, default=4000)
+    p.add_argument(
+        "--min-replication",
+        type=int,
+        default=1,
+        help="brokers that must hold an uploaded artifact before its tasks run",
+    )
+    p.add_argument("--max-replication-wait-ms", type=int, default=60_000)
+    p.add_argument(
+        "--worker-token",
+        default=os.environ.get("STEWARD_WORKER_TOKEN"),
+        help="workers must present this token (env STEWARD_WORKER_TOKEN)",
+    )
+    p.add_argument("--heartbeat-interval-ms", type=int, default=1000)
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=10_000)
+    p.add_argument("--snapshot-interval-s", type=float, default=60.0)
+    p.add_argument("--ledger-roll-mb", type=float, default=64.0)
+    p.add_argument("--ledger-roll-age-s", type=float, default=3600.0)
+    p.add_argument("--ledger-retention-h", type=float, default=48.0)
+    p.add_argument("--log-level", default="INFO")
+
+    p = sub.add_parser(
         "worker",
         help="run a worker (steward worker --help for its options)",
         add_help=False,
@@ -413,12 +461,67 @@ def run_standalone(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_broker(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from broker.cluster import BrokerConfig, serve_broker
+    from broker.http_api import ApiConfig
+    from broker.node import BrokerStartupError, NodeConfig
+    from broker.worker_link import WorkerLinkConfig
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s [{args.broker_id}] %(name)s: %(message)s",
+    )
+    if not args.zookeeper:
+        raise UsageError("--zookeeper is required (or env STEWARD_ZOOKEEPER)")
+    if not 1 <= args.session_timeout_ms <= 600_000:
+        raise UsageError("--session-timeout-ms must be in [1, 600000]")
+    if args.min_replication < 1:
+        raise UsageError("--min-replication must be >= 1")
+    if not 0 < args.heartbeat_interval_ms < args.heartbeat_timeout_ms:
+        raise UsageError("need 0 < --heartbeat-interval-ms < --heartbeat-timeout-ms")
+    host, port = args.http
+    config = BrokerConfig(
+        node=NodeConfig(
+            data_dir=args.data_dir,
+            broker_id=args.broker_id,
+            cluster_id=args.cluster,
+            snapshot_interval_s=args.snapshot_interval_s,
+            ledger_roll_bytes=int(args.ledger_roll_mb * 1024 * 1024),
+            ledger_roll_age_ms=int(args.ledger_roll_age_s * 1000),
+            ledger_retention_ms=int(args.ledger_retention_h * 3600 * 1000),
+        ),
+        zookeeper=args.zookeeper,
+        ledger_dir=args.ledger_dir,
+        api=ApiConfig(host=host, port=port),
+        workers=WorkerLinkConfig(
+            host=args.worker_listen[0],
+            port=args.worker_listen[1],
+            heartbeat_interval_ms=args.heartbeat_interval_ms,
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            token=args.worker_token,
+        ),
+        session_timeout_ms=args.session_timeout_ms,
+        min_replication=args.min_replication,
+        max_replication_wait_ms=args.max_replication_wait_ms,
+    )
+    try:
+        uvloop.run(serve_broker(config))
+    except BrokerStartupError as exc:
+        print(f"steward: cannot start: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "standalone":
             return run_standalone(args)
+        if args.command == "broker":
+            return run_broker(args)
         if args.command == "worker":
             from clients.worker.__main__ import main as worker_main
 

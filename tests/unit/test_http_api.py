@@ -1181,7 +1181,12 @@ async def test_cluster_shape(api: Api) -> None:
         "is_leader",
         "version",
         "position",
+        "digest",
+        "role",
     }
+    assert broker["role"] == "standalone"
+    assert broker["digest"] == api.node.state.digest()
+    assert summary["leader_url"] is None  # the test app has no cluster view
     assert broker["id"] == "standalone"
     assert broker["host"] == CONFIG.host
     assert broker["port"] == CONFIG.port
@@ -1296,3 +1301,101 @@ async def test_writes_after_stop_are_503_unavailable(api: Api) -> None:
     assert (await get_task(api, task["id"]))["state"] == "waiting"
     error_of(await api.post(TASKS, content=b"{"), 400, "invalid_json")
     error_of(await api.post(f"{TASKS}/999/cancel"), 404, "not_found")
+
+
+# --- idempotency keys --------------------------------------------------------------------------
+
+
+async def test_idempotency_key_header_replays_a_single_submission(api: Api) -> None:
+    headers = {"Idempotency-Key": "retry-me-1"}
+    first = await api.post(TASKS, json={"type": "a"}, headers=headers)
+    assert first.status_code == 201, first.text
+    assert set(first.json()) == {"id", "state"}
+    before = await all_tasks(api)
+    again = await api.post(TASKS, json={"type": "a"}, headers=headers)
+    assert again.status_code == 201, again.text
+    assert again.json() == {**first.json(), "replayed": True}
+    assert await all_tasks(api) == before
+    # Another key, or none, creates a task.
+    other = await api.post(TASKS, json={"type": "a"}, headers={"Idempotency-Key": "another"})
+    assert other.status_code == 201 and other.json()["id"] != first.json()["id"]
+    assert len(await all_tasks(api)) == len(before) + 1
+
+
+async def test_idempotency_key_field_replays_a_batch(api: Api) -> None:
+    body = {"idempotency_key": "batch-1", "tasks": [{"type": "a"}, {"type": "b", "slot": "s"}]}
+    first = await api.post(TASKS, json=body)
+    assert first.status_code == 200, first.text
+    ids = [t["id"] for t in first.json()["tasks"]]
+    assert "replayed" not in first.json()
+    cluster = (await api.get("/api/v1/cluster")).json()["tasks"]
+    # The same key in the header, as a retrying client may send it: same answer.
+    again = await api.post(TASKS, json=body, headers={"Idempotency-Key": "batch-1"})
+    assert again.status_code == 200, again.text
+    assert again.json() == {**first.json(), "replayed": True}
+    assert [t["id"] for t in again.json()["tasks"]] == ids
+    assert (await api.get("/api/v1/cluster")).json()["tasks"] == cluster
+
+
+async def test_replayed_batch_repeats_its_per_task_errors(api: Api) -> None:
+    await submit(api, slot="held")
+    body = {"idempotency_key": "k", "tasks": [{"type": "a"}, {"type": "b", "slot": "held"}]}
+    first = await api.post(TASKS, json=body)
+    assert first.status_code == 200
+    assert first.json()["tasks"][1]["error"]["code"] == "slot_busy"
+    again = await api.post(TASKS, json=body)
+    assert again.json() == {**first.json(), "replayed": True}
+
+
+async def test_key_reused_for_another_number_of_tasks_is_409(api: Api) -> None:
+    await api.post(TASKS, json={"type": "a"}, headers={"Idempotency-Key": "k"})
+    before = await all_tasks(api)
+    response = await api.post(
+        TASKS, json={"tasks": [{"type": "a"}, {"type": "a"}]}, headers={"Idempotency-Key": "k"}
+    )
+    assert "new key" in error_of(response, 409, "conflict")
+    assert await all_tasks(api) == before
+
+
+@pytest.mark.parametrize(
+    ("headers", "fields", "fragment"),
+    [
+        ({"Idempotency-Key": "k" * 129}, {}, "1-128 printable ASCII"),
+        ({"Idempotency-Key": "caf\xe9".encode("latin-1")}, {}, "1-128 printable ASCII"),
+        ({}, {"idempotency_key": ""}, "length >= 1"),
+        ({}, {"idempotency_key": "k" * 129}, "length <= 128"),
+        ({}, {"idempotency_key": "clé"}, "matching regex"),
+        ({}, {"idempotency_key": "line\n"}, "1-128 printable ASCII"),
+        ({}, {"idempotency_key": 7}, "Expected `str | null`"),
+        ({"Idempotency-Key": "a"}, {"idempotency_key": "b"}, "differ"),
+    ],
+)
+async def test_bad_idempotency_key_is_400_and_applies_nothing(
+    api: Api, headers: dict[str, Any], fields: dict[str, Any], fragment: str
+) -> None:
+    before = await observe(api)
+    for body in ({"type": "a", **fields}, {"tasks": [{"type": "a"}], **fields}):
+        response = await api.post(TASKS, json=body, headers=headers)
+        assert fragment in error_of(response, 400, "invalid_request")
+    assert await observe(api) == before
+
+
+async def test_idempotency_key_sent_twice_is_400(api: Api) -> None:
+    before = await observe(api)
+    headers = [("Idempotency-Key", "a"), ("Idempotency-Key", "a")]
+    response = await api.post(TASKS, json={"type": "a"}, headers=headers)
+    assert "twice" in error_of(response, 400, "invalid_request")
+    assert await observe(api) == before
+
+
+async def test_idempotency_key_inside_a_batch_item_is_400(api: Api) -> None:
+    response = await api.post(TASKS, json={"tasks": [{"type": "a", "idempotency_key": "k"}]})
+    assert "idempotency_key" in error_of(response, 400, "invalid_request")
+
+
+async def test_openapi_documents_the_idempotency_key(api: Api) -> None:
+    doc = (await api.get("/api/v1/openapi.json")).json()
+    post = doc["paths"]["/api/v1/tasks"]["post"]
+    assert [p["name"] for p in post["parameters"]] == ["Idempotency-Key"]
+    assert "idempotency_key" in doc["components"]["schemas"]["SubmitBody"]["properties"]
+    assert "replayed" in doc["components"]["schemas"]["TaskRefBody"]["properties"]

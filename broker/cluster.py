@@ -1,0 +1,424 @@
+"""A broker of a highly available cluster (DESIGN §4): ZooKeeper election, follower
+tailing, take-over, step-down, and the HTTP and worker endpoints around one Node.
+
+Roles are driven by one task (:meth:`ClusterBroker._manage`), woken whenever the
+elector's view changes or the node finds itself deposed:
+
+- follower: tail the log (``Node.follow``); a history gap (the ledgers after our
+  snapshot were deleted) downloads a snapshot from a peer and follows again;
+- elected: ``Node.recover_log`` (fence and recover the previous leader's ledger, apply
+  to its end), check that every code artifact a live task needs is here (otherwise
+  give the leadership back, fetch them and queue again), ``Node.open_for_writes``, then
+  start the worker endpoint; only then are writes and workers accepted;
+- no longer elected (SUSPENDED, LOST, someone else lowest) or deposed (the ZooKeeper
+  check after a group commit failed, or the ledger was fenced): ``Node.step_down`` at
+  once, stop the worker endpoint, leave and re-join the queue (to its back), follow.
+
+Graceful shutdown of the leader drains in-flight writes, closes its ledger cleanly
+(so the next leader has nothing to recover), then leaves the queue: hand-over is one
+ZooKeeper watch plus opening a ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kazoo.client import KazooClient  # type: ignore[import-untyped]
+
+from broker import api_models as m
+from broker.code_store import CodeStore
+from broker.election import ElectionError, LeaderElector, LeadershipStatus
+from broker.http_api import ApiApp, ApiConfig
+from broker.node import (
+    VERSION,
+    BrokerStartupError,
+    BrokerUnavailableError,
+    DataDirLock,
+    HistoryGapError,
+    Node,
+    NodeConfig,
+    Role,
+)
+from broker.standalone import start_http_server, stop_http_server
+from broker.state import LIVE_STATES
+from broker.worker_link import WorkerLink, WorkerLinkConfig
+from log.api import LedgerError
+from log.file import FileLedgerStore
+from log.zk_list import ZooKeeperLedgerListStore, ledger_list_path
+from snapshot.store import SnapshotStore
+
+logger = logging.getLogger(__name__)
+
+_RETRY_DELAY_S = 0.5
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    node: NodeConfig  # data_dir is this broker's own; cluster_id is the cluster name
+    zookeeper: str  # connect string "host:port,..."
+    ledger_dir: Path  # the file ledger backend's directory, shared by the brokers
+    api: ApiConfig = field(default_factory=ApiConfig)
+    workers: WorkerLinkConfig = field(default_factory=WorkerLinkConfig)
+    session_timeout_ms: int = 4_000
+    min_replication: int = 1
+    max_replication_wait_ms: int = 60_000
+    # How long to keep trying peers for a snapshot / artifacts before retrying later.
+    peer_timeout_s: float = 60.0
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _summary_from_info(info: dict[str, Any], *, is_leader: bool) -> m.BrokerSummary:
+    url = str(info.get("url", ""))
+    host, _, port = url.removeprefix("http://").removeprefix("https://").partition(":")
+    return m.BrokerSummary(
+        id=str(info.get("broker_id", "")),
+        host=host,
+        port=int(port) if port.isdigit() else 0,
+        uptime_secs=0.0,
+        is_leader=is_leader,
+        version=str(info.get("version", "")),
+        position=m.Position(-1, -1),
+        role="leader" if is_leader else "broker",
+        url=url or None,
+        worker_address=info.get("worker_address"),
+    )
+
+
+class ClusterBroker:
+    """One broker process's moving parts; also the API's :class:`ClusterView`."""
+
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        node_config = config.node
+        host = config.api.host
+        self._url = f"http://{host}:{config.api.port}"
+        worker_port = config.workers.port or _free_port(config.workers.host)
+        self._workers_config = WorkerLinkConfig(**{**config.workers.__dict__, "port": worker_port})
+        self._worker_address = f"{config.workers.host}:{worker_port}"
+        self.zk = KazooClient(
+            hosts=config.zookeeper,
+            timeout=config.session_timeout_ms / 1000,
+            connection_retry={"max_tries": -1, "max_delay": 1.0},
+            command_retry={"max_tries": 0},
+        )
+        self.node = Node(
+            node_config,
+            ledgers=FileLedgerStore(config.ledger_dir),
+            ledger_list=ZooKeeperLedgerListStore(self.zk, ledger_list_path(node_config.cluster_id)),
+            snapshots=SnapshotStore(
+                node_config.data_dir / "snapshots", keep=node_config.snapshot_keep
+            ),
+        )
+        self.code_store = CodeStore(node_config.data_dir / "code")
+        self.elector = LeaderElector(
+            config.zookeeper,
+            node_config.cluster_id,
+            node_config.broker_id,
+            {"url": self._url, "worker_address": self._worker_address, "version": VERSION},
+            session_timeout_s=config.session_timeout_ms / 1000,
+            on_change=self._on_status_change,
+        )
+        self.node.leadership_check = self.elector.is_leader
+        self.node.on_deposed = self._on_deposed
+        self.link: WorkerLink | None = None
+        self.leader_changes = 0
+        self._changed = asyncio.Event()
+        self._deposed: str | None = None
+        self._stopping = False
+        self._follow_task: asyncio.Task[None] | None = None
+        self._manager: asyncio.Task[None] | None = None
+
+    # --- ClusterView --------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    @property
+    def worker_address(self) -> str | None:
+        return self._worker_address
+
+    def leader(self) -> m.BrokerSummary | None:
+        info = self.elector.leader_info()
+        if info is None:
+            return None
+        return _summary_from_info(info, is_leader=True)
+
+    def brokers(self) -> list[m.BrokerSummary]:
+        leader = self.elector.leader_info()
+        leader_id = leader.get("broker_id") if leader is not None else None
+        return [
+            _summary_from_info(info, is_leader=info.get("broker_id") == leader_id)
+            for info in self.elector.brokers()
+        ]
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect, boot from the local snapshot, advertise, and join the election."""
+        try:
+            await asyncio.wait_for(
+                asyncio.to_thread(self.zk.start, self.config.session_timeout_ms / 1000 * 5),
+                timeout=self.config.session_timeout_ms / 1000 * 5 + 5,
+            )
+        except Exception as exc:
+            raise BrokerStartupError(
+                f"cannot reach ZooKeeper at {self.config.zookeeper}: {exc}"
+            ) from None
+        await self.node.boot()
+        try:
+            await self.elector.start()
+        except ElectionError as exc:
+            raise BrokerStartupError(str(exc)) from None
+        self._manager = asyncio.create_task(self._manage(), name="steward-roles")
+        await self.elector.join()
+
+    async def stop(self) -> None:
+        """Graceful: a leader drains, closes its ledger, then hands leadership over."""
+        self._stopping = True
+        started = time.monotonic()
+        if self._manager is not None:
+            self._manager.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._manager
+        await self._stop_following()
+        if self.link is not None:
+            await self.link.stop()
+            self.link = None
+        was_leader = self.node.role == Role.LEADER
+        # Close the ledger before leaving the queue: the next leader then finds it
+        # closed and has nothing to fence or recover.
+        await self.node.stop(snapshot=False)
+        with contextlib.suppress(ElectionError):
+            await self.elector.leave()
+        if was_leader:
+            logger.info("leadership handed over after %.3f s", time.monotonic() - started)
+        with contextlib.suppress(Exception):
+            await self.node.take_snapshot()
+        await self.elector.stop()
+        await self.node.ledgers.close()
+        await asyncio.to_thread(self._close_zk)
+
+    def _close_zk(self) -> None:
+        with contextlib.suppress(Exception):
+            self.zk.stop()
+            self.zk.close()
+
+    # --- role changes ---------------------------------------------------------------------
+
+    def _on_status_change(self, status: LeadershipStatus) -> None:
+        if not status.is_leader and self.node.role in (Role.LEADER, Role.CANDIDATE):
+            # Stop acknowledging at once, before the manager task gets to run.
+            self.node._depose("lost the election or the ZooKeeper connection")
+        self._changed.set()
+
+    def _on_deposed(self, reason: str) -> None:
+        # Deposed while the elector still says "leader": someone else wrote the ledger
+        # list or fenced our ledger, so our view is stale: re-queue behind the others.
+        # (Deposed because the elector said so: just step down; the elector re-queues
+        # by itself when the session is lost.)
+        if self.elector.is_leader():
+            self._deposed = reason
+        self._changed.set()
+
+    async def _manage(self) -> None:
+        while not self._stopping:
+            self._changed.clear()
+            try:
+                await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("role change failed; retrying")
+                await asyncio.sleep(_RETRY_DELAY_S)
+                self._changed.set()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._changed.wait()
+
+    async def _step(self) -> None:
+        node = self.node
+        if self._deposed is not None:
+            reason, self._deposed = self._deposed, None
+            await self._stop_leading(reason)
+            await self._requeue()
+        if self.elector.is_leader() and node.role not in (Role.LEADER, Role.CANDIDATE):
+            await self._take_over()
+        elif not self.elector.is_leader() and node.role in (Role.LEADER, Role.CANDIDATE):
+            await self._stop_leading("lost the election or the ZooKeeper connection")
+        if node.role in (Role.FOLLOWER, Role.IDLE):
+            await self._ensure_following()
+
+    async def _take_over(self) -> None:
+        await self._stop_following()
+        node = self.node
+        if self._deposed is not None:
+            return
+        logger.info("broker %s elected; taking over", node.config.broker_id)
+        try:
+            await node.recover_log()
+        except HistoryGapError as exc:
+            logger.warning("cannot take over before downloading a snapshot: %s", exc)
+            await node.step_down("history gap")
+            await self._requeue()
+            return
+        except (LedgerError, BrokerUnavailableError) as exc:
+            await node.step_down(f"take-over failed: {exc}")
+            await self._requeue()
+            return
+        if not self.elector.is_leader():
+            await node.step_down("lost the election while taking over")
+            return
+        missing = self._missing_artifacts()
+        if missing:
+            # Storm's rule, always re-queueing: give the lock back, sync, queue again.
+            logger.warning(
+                "elected without code artifacts %s; giving leadership back to sync them",
+                sorted(missing),
+            )
+            await node.step_down("missing code artifacts")
+            with contextlib.suppress(ElectionError):
+                await self.elector.leave()
+            await self._fetch_artifacts(missing)
+            with contextlib.suppress(ElectionError):
+                await self.elector.join()
+            return
+        try:
+            await node.open_for_writes()
+        except (LedgerError, BrokerUnavailableError) as exc:
+            await node.step_down(f"could not open a ledger: {exc}")
+            await self._requeue()
+            return
+        link = WorkerLink(node, self._workers_config)
+        try:
+            await link.start()
+        except BrokerStartupError as exc:
+            await link.stop()
+            await node.step_down(str(exc))
+            await self._requeue()
+            return
+        self.link = link
+        self.leader_changes += 1
+        logger.info("broker %s is the acting leader at %s", node.config.broker_id, node.position)
+
+    async def _stop_leading(self, reason: str) -> None:
+        link, self.link = self.link, None
+        await self.node.step_down(reason)
+        if link is not None:
+            await link.stop()
+
+    async def _requeue(self) -> None:
+        # Back of the queue: a broker that just failed to lead lets the others try.
+        with contextlib.suppress(ElectionError):
+            await self.elector.leave()
+        with contextlib.suppress(ElectionError):
+            await self.elector.join()
+
+    # --- following --------------------------------------------------------------------------
+
+    async def _ensure_following(self) -> None:
+        task = self._follow_task
+        if task is not None and not task.done():
+            return
+        if task is not None:
+            self._follow_task = None
+            failure = None if task.cancelled() else task.exception()
+            if isinstance(failure, HistoryGapError):
+                await self._download_snapshot(str(failure))
+            elif failure is not None:
+                logger.warning("following the log failed (%s); retrying", failure)
+                await asyncio.sleep(_RETRY_DELAY_S)
+        self._follow_task = asyncio.create_task(self._follow(), name="steward-follow")
+
+    async def _follow(self) -> None:
+        try:
+            await self.node.follow()
+        finally:
+            self._changed.set()
+
+    async def _stop_following(self) -> None:
+        task, self._follow_task = self._follow_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _download_snapshot(self, why: str) -> None:
+        from snapshot.peer import download_latest_snapshot
+
+        peers = [b.url for b in self.brokers() if b.url and b.url != self._url]
+        logger.warning("%s; downloading a snapshot from %s", why, peers)
+        info = await download_latest_snapshot(
+            peers,
+            self.node.snapshots,
+            cluster_id=self.node.config.cluster_id,
+            timeout_s=self.config.peer_timeout_s,
+            min_position=self.node.position,
+        )
+        if info is None:
+            logger.error("no peer had a usable snapshot; retrying")
+            await asyncio.sleep(_RETRY_DELAY_S * 4)
+            return
+        await self.node.load_snapshot()
+
+    # --- code artifacts -------------------------------------------------------------------
+
+    def _missing_artifacts(self) -> set[str]:
+        state = self.node.state
+        needed = {
+            task.code
+            for task in state.tasks.values()
+            if task.code is not None and task.state in LIVE_STATES
+        }
+        return {sha for sha in needed if not self.code_store.has(sha)}
+
+    async def _fetch_artifacts(self, missing: set[str]) -> None:
+        logger.info("fetching code artifacts %s", sorted(missing))
+
+
+async def serve_broker(config: BrokerConfig, *, ready: asyncio.Event | None = None) -> None:
+    """Run one cluster broker until SIGINT/SIGTERM, then hand over and stop cleanly."""
+    lock = DataDirLock(config.node.data_dir)
+    lock.acquire()
+    broker = ClusterBroker(config)
+    try:
+        await broker.start()
+        gc.collect()
+        gc.freeze()
+        app = ApiApp(broker.node, config.api, broker.code_store, cluster=broker)
+        server, server_task = await start_http_server(app, config.api)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        print(
+            f"steward broker {config.node.broker_id} ready on {broker.url} "
+            f"(workers connect to the leader; this broker's worker endpoint "
+            f"{broker.worker_address}; data dir {config.node.data_dir})",
+            flush=True,
+        )
+        if ready is not None:
+            ready.set()
+        await asyncio.wait(
+            [asyncio.create_task(stop.wait()), server_task], return_when=asyncio.FIRST_COMPLETED
+        )
+        logger.info("shutting down")
+        await broker.stop()
+        await stop_http_server(server, server_task)
+    finally:
+        lock.release()
