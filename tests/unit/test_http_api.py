@@ -98,7 +98,10 @@ def error_of(response: httpx.Response, status: int, code: str) -> str:
     assert response.headers["content-type"] == "application/json"
     body = response.json()
     assert set(body) == {"error"}, body
-    assert set(body["error"]) == {"code", "message"}, body
+    # 503s say they may be retried; nothing else does.
+    expected = {"code", "message", "retryable"} if status == 503 else {"code", "message"}
+    assert set(body["error"]) == expected, body
+    assert body["error"].get("retryable", False) is (status == 503), body
     assert body["error"]["code"] == code, body
     message = body["error"]["message"]
     assert isinstance(message, str) and message, body
