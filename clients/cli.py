@@ -12,10 +12,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from clients.client import StewardClient, StewardError, TaskHandle, TaskTimeoutError
+from clients.client import (
+    StewardClient,
+    StewardError,
+    TaskHandle,
+    TaskTimeoutError,
+    parse_urls,
+)
 from clients.progress import print_progress
 
 DEFAULT_URL = "http://127.0.0.1:8080"
+# Shorter than the library's 30 s: someone is waiting at the terminal.
+DEFAULT_FAILOVER_TIMEOUT_S = 10.0
 
 
 class UsageError(Exception):
@@ -27,6 +35,23 @@ def _host_port(text: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
     return host or "127.0.0.1", int(port)
+
+
+def _broker_urls(text: str) -> list[str]:
+    try:
+        return parse_urls(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
 
 
 def _json_value(text: str) -> Any:
@@ -52,8 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--url",
+        type=_broker_urls,
         default=os.environ.get("STEWARD_URL", DEFAULT_URL),
-        help="broker URL for client commands (env STEWARD_URL; default %(default)s)",
+        metavar="URL[,URL...]",
+        help="broker URL(s) for client commands; writes find the leader among them "
+        "(env STEWARD_URL; default %(default)s)",
+    )
+    parser.add_argument(
+        "--failover-timeout-s",
+        type=_positive_seconds,
+        default=os.environ.get("STEWARD_FAILOVER_TIMEOUT_S", str(DEFAULT_FAILOVER_TIMEOUT_S)),
+        metavar="S",
+        help="how long a write keeps trying other brokers or waits for a leader "
+        "(env STEWARD_FAILOVER_TIMEOUT_S; default %(default)s)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -201,7 +237,26 @@ def build_parser() -> argparse.ArgumentParser:
     code_sub.add_parser("list", help="list uploaded artifacts")
 
     sub.add_parser("status", help="brokers, workers, tenants and task counts as tables")
-    sub.add_parser("cluster", help="show the cluster summary")
+    p = sub.add_parser(
+        "cluster",
+        help="show the cluster summary; 'cluster up' runs a local HA cluster",
+        description="steward cluster: print the cluster summary. steward cluster up: start "
+        "ZooKeeper, N brokers and M workers on this machine until Ctrl-C or SIGTERM.",
+    )
+    p.add_argument("action", nargs="?", choices=["up"], help="up: run a local cluster")
+    p.add_argument("--brokers", type=int, default=3, help="cluster up: brokers (default 3)")
+    p.add_argument("--workers", type=int, default=2, help="cluster up: workers (default 2)")
+    p.add_argument(
+        "--data-dir", type=Path, default=Path("cluster-data"), help="cluster up: state dir"
+    )
+    p.add_argument("--session-timeout-ms", type=int, default=4000)
+    p.add_argument(
+        "--first-http-port",
+        type=int,
+        default=0,
+        help="cluster up: brokers listen on this port and the next ones (default: free ports)",
+    )
+    p.add_argument("--min-replication", type=int, default=1)
     sub.add_parser("digest", help="show the state digest and log position")
     return parser
 
@@ -314,7 +369,7 @@ def _print_status(client: StewardClient) -> None:
 
 
 def run_client_command(args: argparse.Namespace) -> int:
-    with StewardClient(args.url) as client:
+    with StewardClient(args.url, failover_timeout_s=args.failover_timeout_s) as client:
         if args.command == "submit":
             task: dict[str, Any] = {
                 "type": args.type,
@@ -514,6 +569,29 @@ def run_broker(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_cluster_up(args: argparse.Namespace) -> int:
+    from broker.local_cluster import LocalClusterConfig, run_local_cluster
+    from broker.zk import ZooKeeperError
+
+    if args.brokers < 1 or args.workers < 0:
+        raise UsageError("need --brokers >= 1 and --workers >= 0")
+    if not 1000 <= args.session_timeout_ms <= 60_000:
+        raise UsageError("--session-timeout-ms must be in [1000, 60000]")
+    config = LocalClusterConfig(
+        data_dir=args.data_dir,
+        brokers=args.brokers,
+        workers=args.workers,
+        session_timeout_ms=args.session_timeout_ms,
+        first_http_port=args.first_http_port,
+        min_replication=args.min_replication,
+    )
+    try:
+        return run_local_cluster(config)
+    except (RuntimeError, ZooKeeperError, OSError) as exc:
+        print(f"steward: cluster up failed: {exc}", file=sys.stderr)
+        return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -522,6 +600,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_standalone(args)
         if args.command == "broker":
             return run_broker(args)
+        if args.command == "cluster" and args.action == "up":
+            return run_cluster_up(args)
         if args.command == "worker":
             from clients.worker.__main__ import main as worker_main
 

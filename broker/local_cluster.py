@@ -1,0 +1,217 @@
+"""``steward cluster up``: a highly available cluster on one machine, for trying HA.
+
+A real ZooKeeper server (from the jars pyspark ships), N ``steward broker`` processes
+sharing one file-ledger directory, and M workers that find the leader through the
+brokers' HTTP API. Everything binds to 127.0.0.1 and lives under ``--data-dir``; a
+second ``cluster up`` on the same directory resumes the same cluster. Ctrl-C or
+SIGTERM stops the workers, then the followers, then the leader (a clean hand-over
+each time), then ZooKeeper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+from broker.zk import ZooKeeperServer, free_port
+
+HOST = "127.0.0.1"
+_READY_TIMEOUT_S = 90.0
+
+
+@dataclass(frozen=True)
+class LocalClusterConfig:
+    data_dir: Path
+    brokers: int = 3
+    workers: int = 2
+    session_timeout_ms: int = 4_000
+    first_http_port: int = 0  # 0: free ports; else brokers use this port and the next ones
+    cluster: str = "local"
+    zookeeper_port: int | None = None
+    min_replication: int = 1
+    log_level: str = "INFO"
+
+
+@dataclass
+class _Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: IO[bytes]
+    url: str | None = None
+
+
+def _steward() -> list[str]:
+    return [sys.executable, "-m", "clients.cli"]
+
+
+class LocalCluster:
+    def __init__(self, config: LocalClusterConfig) -> None:
+        if config.brokers < 1:
+            raise ValueError("--brokers must be >= 1")
+        if config.workers < 0:
+            raise ValueError("--workers must be >= 0")
+        self.config = config
+        self.data_dir = config.data_dir.resolve()
+        self.zookeeper = ZooKeeperServer(
+            self.data_dir / "zookeeper",
+            port=config.zookeeper_port,
+            max_session_timeout_ms=max(10_000, config.session_timeout_ms * 2),
+        )
+        self.brokers: list[_Child] = []
+        self.workers: list[_Child] = []
+
+    def _spawn(self, name: str, args: list[str]) -> _Child:
+        logs = self.data_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
+        proc = subprocess.Popen(
+            [*_steward(), *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        return _Child(name, proc, log)
+
+    def start(self) -> None:
+        config = self.config
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.zookeeper.start()
+        print(f"zookeeper   {self.zookeeper.connect_string}", flush=True)
+        for n in range(1, config.brokers + 1):
+            port = config.first_http_port + n - 1 if config.first_http_port else free_port()
+            name = f"broker-{n}"
+            child = self._spawn(
+                name,
+                [
+                    "broker",
+                    "--zookeeper",
+                    self.zookeeper.connect_string,
+                    "--cluster",
+                    config.cluster,
+                    "--broker-id",
+                    name,
+                    "--data-dir",
+                    str(self.data_dir / name),
+                    "--ledger-dir",
+                    str(self.data_dir / "ledgers"),
+                    "--http",
+                    f"{HOST}:{port}",
+                    "--worker-listen",
+                    f"{HOST}:0",
+                    "--session-timeout-ms",
+                    str(config.session_timeout_ms),
+                    "--min-replication",
+                    str(config.min_replication),
+                    "--log-level",
+                    config.log_level,
+                ],
+            )
+            child.url = f"http://{HOST}:{port}"
+            self.brokers.append(child)
+        self._wait_for_leader()
+        urls = ",".join(b.url for b in self.brokers if b.url)
+        for n in range(1, config.workers + 1):
+            self.workers.append(
+                self._spawn(
+                    f"worker-{n}",
+                    [
+                        "worker",
+                        "--brokers",
+                        urls,
+                        "--worker-id",
+                        f"worker-{n}",
+                        "--cache-dir",
+                        str(self.data_dir / f"worker-{n}-cache"),
+                    ],
+                )
+            )
+        for broker in self.brokers:
+            print(f"{broker.name:<11} {broker.url}", flush=True)
+        print(f"workers     {len(self.workers)} (find the leader through the brokers)")
+        print(f"logs        {self.data_dir / 'logs'}")
+        print(f"client      steward --url {urls} status", flush=True)
+
+    def _wait_for_leader(self) -> None:
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for broker in self.brokers:
+                if broker.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{broker.name} exited with {broker.proc.returncode}; "
+                        f"see {self.data_dir / 'logs' / (broker.name + '.log')}"
+                    )
+            for broker in self.brokers:
+                try:
+                    summary = httpx.get(f"{broker.url}/api/v1/cluster", timeout=1.0).json()
+                except (httpx.HTTPError, ValueError):
+                    continue
+                if summary.get("leader"):
+                    print(f"leader      {summary['leader']} {summary.get('leader_url')}")
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(f"no leader elected within {_READY_TIMEOUT_S:g} s")
+
+    def watch(self, stop: threading.Event) -> None:
+        """Report children that exit until ``stop`` is set."""
+        reported: set[str] = set()
+        while not stop.wait(1.0):
+            for child in [*self.brokers, *self.workers]:
+                code = child.proc.poll()
+                if code is not None and child.name not in reported:
+                    reported.add(child.name)
+                    print(f"{child.name} exited with {code}", flush=True)
+
+    def _leader_last(self) -> list[_Child]:
+        def is_leader(child: _Child) -> bool:
+            try:
+                health = httpx.get(f"{child.url}/healthz", timeout=1.0).json()
+            except (httpx.HTTPError, ValueError):
+                return False
+            return bool(health.get("role") == "leader")
+
+        return sorted(self.brokers, key=is_leader)
+
+    def stop(self) -> None:
+        for child in self.workers:
+            _terminate(child)
+        for child in self._leader_last():
+            _terminate(child)
+        for child in [*self.workers, *self.brokers]:
+            child.log.close()
+        self.zookeeper.stop()
+
+
+def _terminate(child: _Child, timeout_s: float = 30.0) -> None:
+    if child.proc.poll() is None:
+        child.proc.send_signal(signal.SIGTERM)
+        try:
+            child.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait(timeout=5)
+
+
+def run_local_cluster(config: LocalClusterConfig) -> int:
+    cluster = LocalCluster(config)
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        cluster.start()
+        print("cluster up; Ctrl-C stops it", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            cluster.watch(stop)
+        print("stopping...", flush=True)
+        return 0
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the stop
+        cluster.stop()
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.sync()
