@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import signal
@@ -35,6 +36,7 @@ from typing import Any
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
 from broker import api_models as m
+from broker.code_replication import CodeReplicator, ReplicationMonitor
 from broker.code_store import CodeStore
 from broker.election import ElectionError, LeaderElector, LeadershipStatus
 from broker.http_api import ApiApp, ApiConfig
@@ -135,7 +137,17 @@ class ClusterBroker:
         )
         self.node.leadership_check = self.elector.is_leader
         self.node.on_deposed = self._on_deposed
+        self.replicator = CodeReplicator(
+            self.code_store,
+            self.zk,
+            node_config.cluster_id,
+            node_config.broker_id,
+            peer_urls=self._peer_urls,
+            known_artifacts=lambda: list(self.node.state.artifacts),
+        )
+        self.node.listeners.append(self.replicator.on_applied)
         self.link: WorkerLink | None = None
+        self.monitor: ReplicationMonitor | None = None
         self.leader_changes = 0
         self._changed = asyncio.Event()
         self._deposed: str | None = None
@@ -181,6 +193,7 @@ class ClusterBroker:
                 f"cannot reach ZooKeeper at {self.config.zookeeper}: {exc}"
             ) from None
         await self.node.boot()
+        await self.replicator.start()
         try:
             await self.elector.start()
         except ElectionError as exc:
@@ -197,9 +210,7 @@ class ClusterBroker:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._manager
         await self._stop_following()
-        if self.link is not None:
-            await self.link.stop()
-            self.link = None
+        await self._stop_leader_services()
         was_leader = self.node.role == Role.LEADER
         # Close the ledger before leaving the queue: the next leader then finds it
         # closed and has nothing to fence or recover.
@@ -211,6 +222,7 @@ class ClusterBroker:
         with contextlib.suppress(Exception):
             await self.node.take_snapshot()
         await self.elector.stop()
+        await self.replicator.stop()
         await self.node.ledgers.close()
         await asyncio.to_thread(self._close_zk)
 
@@ -313,14 +325,29 @@ class ClusterBroker:
             await self._requeue()
             return
         self.link = link
+        if self.config.min_replication > 1:
+            self.monitor = ReplicationMonitor(
+                node,
+                self.zk,
+                node.config.cluster_id,
+                min_replication=self.config.min_replication,
+                max_replication_wait_ms=self.config.max_replication_wait_ms,
+            )
+            await self.monitor.start()
         self.leader_changes += 1
         logger.info("broker %s is the acting leader at %s", node.config.broker_id, node.position)
 
     async def _stop_leading(self, reason: str) -> None:
-        link, self.link = self.link, None
         await self.node.step_down(reason)
+        await self._stop_leader_services()
+
+    async def _stop_leader_services(self) -> None:
+        link, self.link = self.link, None
         if link is not None:
             await link.stop()
+        monitor, self.monitor = self.monitor, None
+        if monitor is not None:
+            await monitor.stop()
 
     async def _requeue(self) -> None:
         # Back of the queue: a broker that just failed to lead lets the others try.
@@ -361,7 +388,7 @@ class ClusterBroker:
     async def _download_snapshot(self, why: str) -> None:
         from snapshot.peer import download_latest_snapshot
 
-        peers = [b.url for b in self.brokers() if b.url and b.url != self._url]
+        peers = self._peer_urls()
         logger.warning("%s; downloading a snapshot from %s", why, peers)
         info = await download_latest_snapshot(
             peers,
@@ -378,6 +405,9 @@ class ClusterBroker:
 
     # --- code artifacts -------------------------------------------------------------------
 
+    def _peer_urls(self) -> list[str]:
+        return [b.url for b in self.brokers() if b.url and b.url != self._url]
+
     def _missing_artifacts(self) -> set[str]:
         state = self.node.state
         needed = {
@@ -385,10 +415,13 @@ class ClusterBroker:
             for task in state.tasks.values()
             if task.code is not None and task.state in LIVE_STATES
         }
-        return {sha for sha in needed if not self.code_store.has(sha)}
+        return self.replicator.missing(needed)
 
     async def _fetch_artifacts(self, missing: set[str]) -> None:
-        logger.info("fetching code artifacts %s", sorted(missing))
+        logger.info("fetching code artifacts %s before leading", sorted(missing))
+        still = await self.replicator.fetch_missing(missing, self.config.peer_timeout_s)
+        if still:
+            logger.error("could not fetch code artifacts %s; queueing again", sorted(still))
 
 
 async def serve_broker(config: BrokerConfig, *, ready: asyncio.Event | None = None) -> None:
@@ -400,7 +433,8 @@ async def serve_broker(config: BrokerConfig, *, ready: asyncio.Event | None = No
         await broker.start()
         gc.collect()
         gc.freeze()
-        app = ApiApp(broker.node, config.api, broker.code_store, cluster=broker)
+        api_config = dataclasses.replace(config.api, min_replication=config.min_replication)
+        app = ApiApp(broker.node, api_config, broker.code_store, cluster=broker)
         server, server_task = await start_http_server(app, config.api)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

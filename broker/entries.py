@@ -47,6 +47,9 @@ class TaskSpec(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
 
 class SubmitTasks(_Entry, frozen=True, tag="submit"):
     tasks: tuple[TaskSpec, ...] = ()
+    # A client's retry with the same key replays the first result instead of
+    # creating tasks again (None, the default, keeps old entries valid).
+    idempotency_key: str | None = None
 
 
 class CancelTask(_Entry, frozen=True, tag="cancel"):
@@ -143,6 +146,16 @@ class AddCode(_Entry, frozen=True, tag="code_add"):
     sha256: str = ""
     name: str = ""
     size_bytes: int = 0
+    # False when the leader wants more replicas first (DESIGN §7): tasks using it wait
+    # until a CodeReady entry. The default keeps entries written before the flag valid.
+    ready: bool = True
+
+
+class CodeReady(_Entry, frozen=True, tag="code_ready"):
+    """An artifact logged with ``ready=False`` may now run: it reached its replication
+    target, or the leader stopped waiting for it (max_replication_wait)."""
+
+    sha256: str = ""
 
 
 Entry = (
@@ -159,13 +172,25 @@ Entry = (
     | AssignTasks
     | FinishTasks
     | AddCode
+    | CodeReady
 )
+
+
+class Confirm(_Entry, frozen=True, tag="lac"):
+    """A log-level marker, not a state change: the leader writes one when the log goes
+    idle so that the last-add-confirmed it carries lets followers apply the entries
+    before it (DESIGN §3). Never handed to the state machine."""
+
+
+Record = Entry | Confirm
+"""Everything a ledger entry can hold."""
 
 _encoder: Final = msgspec.msgpack.Encoder()
 _decoder: Final = msgspec.msgpack.Decoder(Entry)
+_record_decoder: Final = msgspec.msgpack.Decoder(Record)
 
 
-def encode_entry(entry: Entry) -> bytes:
+def encode_entry(entry: Entry | Confirm) -> bytes:
     return _encoder.encode(entry)
 
 
@@ -180,3 +205,17 @@ def decode_entry(data: bytes) -> Entry:
             f"{ENTRY_FORMAT_VERSION}: upgrade the broker"
         )
     return entry
+
+
+def decode_record(data: bytes) -> Record:
+    """Decode a ledger entry that may also be a :class:`Confirm` marker."""
+    try:
+        record: Record = _record_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise EntryDecodeError(f"undecodable log entry: {exc}") from exc
+    if record.v > ENTRY_FORMAT_VERSION:
+        raise EntryDecodeError(
+            f"log entry format version {record.v} is newer than this broker's "
+            f"{ENTRY_FORMAT_VERSION}: upgrade the broker"
+        )
+    return record

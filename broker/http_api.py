@@ -85,6 +85,9 @@ class ApiConfig:
     max_tasks_per_request: int = 10_000
     max_params_bytes: int = 64 * 1024
     max_list_limit: int = 1_000
+    # Replicas an uploaded artifact needs before tasks using it may run (DESIGN §7). Above
+    # 1 the upload is logged not ready; the leader's ReplicationMonitor readies it.
+    min_replication: int = 1
 
 
 class Binary(bytes):
@@ -640,9 +643,10 @@ class ApiApp:
         except InvalidArtifactError as exc:
             raise HttpError(400, "invalid_artifact", str(exc)) from None
         sha256 = await asyncio.to_thread(store.put, data)
+        ready = self.config.min_replication <= 1
         result = await self.node.propose(
             lambda stamp: e.AddCode(
-                time_ms=stamp.now_ms, sha256=sha256, name=name, size_bytes=len(data)
+                time_ms=stamp.now_ms, sha256=sha256, name=name, size_bytes=len(data), ready=ready
             )
         )
         if isinstance(result, Rejected):

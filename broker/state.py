@@ -9,6 +9,12 @@ Time only moves when an entry carries a later ``time_ms``; timers (delayed
 start, deadlines, transaction TTL, purge of old finished tasks) fire in
 ``(due_ms, kind, id)`` order at the start of the first entry past their due
 time, identically on every replica.
+
+Idempotency: a SubmitTasks carrying an ``idempotency_key`` already remembered
+creates nothing and returns the first submission's results (``ReplayedResults``).
+Keys live in one namespace (a batch may mix tenants), are remembered only when
+the submission created at least one task, and are dropped, after the timers, at
+the first entry at least ``max(finished-task retention, 24 h)`` past their first use.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import hashlib
 import heapq
 import math
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from enum import IntEnum, StrEnum
 from typing import Any, Final
@@ -113,6 +120,8 @@ class Artifact(msgspec.Struct, array_like=True, gc=False):
     name: str
     size_bytes: int
     created_ms: int
+    # False until CodeReady: tasks using it stay waiting, outside the scheduler's queues.
+    ready: bool = True
 
 
 class Config(msgspec.Struct):
@@ -145,6 +154,13 @@ class TransactionDone(msgspec.Struct, frozen=True):
     id: int
     outcome: str  # "committed" | "rolled_back"
     task_ids: tuple[int, ...]
+
+
+class ReplayedResults(list[TaskRef | Rejected]):
+    """A SubmitTasks result replayed for an idempotency key already used: the
+    first submission's results (same ids); nothing was created this time."""
+
+    __slots__ = ()
 
 
 class WorkerReconciled(msgspec.Struct, frozen=True):
@@ -181,6 +197,9 @@ TASK_TYPE_RE: Final = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}$")
 MAX_SLOT_CHARS: Final = 256
 MAX_RESOURCES: Final = 32
 MAX_ATTEMPTS_LIMIT: Final = 1000
+IDEMPOTENCY_KEY_RE: Final = re.compile(r"[\x20-\x7e]{1,128}")
+#: Idempotency keys are kept at least this long, longer when finished tasks are.
+IDEMPOTENCY_MIN_RETENTION_MS: Final = 24 * 3600 * 1000
 
 
 def validate_task_spec(spec: e.TaskSpec) -> str | None:
@@ -205,6 +224,13 @@ def validate_task_spec(spec: e.TaskSpec) -> str | None:
     return None
 
 
+def validate_idempotency_key(key: str) -> str | None:
+    """Why this idempotency key is invalid, or None."""
+    if not IDEMPOTENCY_KEY_RE.fullmatch(key):
+        return "idempotency key must be 1-128 printable ASCII characters"
+    return None
+
+
 def validate_limits(patch: e.TenantLimitsPatch) -> str | None:
     if patch.max_waiting is not None and patch.max_waiting < 0:
         return "max_waiting must be >= 0 (0: unlimited)"
@@ -223,6 +249,22 @@ class _Timer(IntEnum):
     PURGE = 3
 
 
+class RememberedResult(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One item of a remembered submission result."""
+
+    task_id: int | None  # None: this item was rejected
+    state: str  # the task's state when created, or the rejection's ErrorCode
+    message: str | None = None  # the rejection's message
+
+
+class SubmissionRecord(msgspec.Struct, array_like=True, gc=False):
+    """What the first SubmitTasks with an idempotency key returned."""
+
+    key: str
+    created_ms: int
+    results: list[RememberedResult]
+
+
 class SnapshotBody(msgspec.Struct):
     """The whole replicated state, as stored in snapshots and hashed by digest()."""
 
@@ -238,6 +280,8 @@ class SnapshotBody(msgspec.Struct):
     artifacts: list[Artifact]
     # Exact FIFO order of each tenant's waiting queue (scheduling depends on it).
     waiting: dict[str, list[int]]
+    # Remembered idempotency keys, oldest first (the default reads older snapshots).
+    idempotency: list[SubmissionRecord] = []
 
 
 SNAPSHOT_BODY_VERSION: Final = 1
@@ -262,6 +306,12 @@ class StateMachine:
         self.artifacts: dict[str, Artifact] = {}
         # Per-tenant FIFO of waiting task ids (a dict used as an ordered set).
         self.waiting: dict[str, dict[int, None]] = {}
+        # Waiting tasks whose code artifact is not ready, by artifact: kept out of the
+        # queues above so the scheduler never even looks at them (derived, like below).
+        self.parked: dict[str, dict[int, None]] = {}
+        # Idempotency key -> the first submission's result, oldest first (so expiry
+        # only looks at the front). Keyed on the key alone: a batch may mix tenants.
+        self.idempotency: OrderedDict[str, SubmissionRecord] = OrderedDict()
         # Derived indexes, rebuilt on snapshot load.
         self.slots: dict[str, int] = {}
         self.by_state: dict[str, set[int]] = {s.value: set() for s in TaskState}
@@ -288,6 +338,7 @@ class StateMachine:
             e.AssignTasks: self._assign,
             e.FinishTasks: self._finish,
             e.AddCode: self._add_code,
+            e.CodeReady: self._code_ready,
         }
 
     # --- entry point ---------------------------------------------------------
@@ -310,6 +361,18 @@ class StateMachine:
         while timers and timers[0][0] <= self.now_ms:
             due_ms, kind, ident = heapq.heappop(timers)
             self._fire(due_ms, _Timer(kind), ident)
+        if self.idempotency:
+            self._expire_idempotency_keys()
+
+    def idempotency_retention_ms(self) -> int:
+        return max(self.config.finished_task_retention_ms, IDEMPOTENCY_MIN_RETENTION_MS)
+
+    def _expire_idempotency_keys(self) -> None:
+        # Records are in created_ms order (the clock never goes back): drop from the front.
+        retention_ms = self.idempotency_retention_ms()
+        keys = self.idempotency
+        while keys and next(iter(keys.values())).created_ms + retention_ms <= self.now_ms:
+            keys.popitem(last=False)
 
     def _push_timer(self, due_ms: int, kind: _Timer, ident: int) -> None:
         heapq.heappush(self._timers, (due_ms, int(kind), ident))
@@ -355,10 +418,36 @@ class StateMachine:
         if task.slot is not None and task.state in LIVE_STATES:
             self.slots[task.slot] = task.id
         if task.state == TaskState.WAITING:
-            self.waiting.setdefault(task.tenant, {})[task.id] = None
+            self._enqueue(task)
         elif task.state == TaskState.RUNNING and task.worker is not None:
             self.running_by_worker.setdefault(task.worker, set()).add(task.id)
         self._push_task_timers(task)
+
+    def _code_blocked(self, task: Task) -> bool:
+        """Whether the task's code artifact is not ready (then it may not be scheduled)."""
+        code = task.code
+        if code is None:
+            return False
+        artifact = self.artifacts.get(code)
+        return artifact is not None and not artifact.ready
+
+    def _enqueue(self, task: Task) -> None:
+        """File a task that became waiting: in its tenant's queue, or parked on its code."""
+        if task.code is not None and self._code_blocked(task):
+            self.parked.setdefault(task.code, {})[task.id] = None
+        else:
+            self.waiting.setdefault(task.tenant, {})[task.id] = None
+
+    def _dequeue(self, task: Task) -> None:
+        # Readiness only goes from False to True, and readying releases every parked
+        # task at once: a waiting task is parked exactly while its code is blocked.
+        if task.code is not None and self._code_blocked(task):
+            parked = self.parked[task.code]
+            del parked[task.id]
+            if not parked:
+                del self.parked[task.code]
+        else:
+            del self.waiting[task.tenant][task.id]
 
     def _push_task_timers(self, task: Task) -> None:
         if task.state == TaskState.DELAYED and task.start_after_ms is not None:
@@ -380,7 +469,7 @@ class StateMachine:
         counts[old] -= 1
         counts[new] += 1
         if old == TaskState.WAITING:
-            del self.waiting[task.tenant][task.id]
+            self._dequeue(task)
         elif old == TaskState.RUNNING and task.worker is not None:
             self.running_by_worker[task.worker].discard(task.id)
         elif old == TaskState.PENDING and task.transaction is not None:
@@ -389,7 +478,7 @@ class StateMachine:
             if txn is not None:
                 txn.task_ids.remove(task.id)
         if new == TaskState.WAITING:
-            self.waiting.setdefault(task.tenant, {})[task.id] = None
+            self._enqueue(task)
             task.worker = None
         elif new == TaskState.RUNNING and task.worker is not None:
             self.running_by_worker.setdefault(task.worker, set()).add(task.id)
@@ -410,7 +499,7 @@ class StateMachine:
         self.by_state[task.state].discard(task.id)
         self._counts(task.tenant)[task.state] -= 1
         if task.state == TaskState.WAITING:
-            del self.waiting[task.tenant][task.id]
+            self._dequeue(task)
         elif task.state == TaskState.RUNNING and task.worker is not None:
             self.running_by_worker[task.worker].discard(task.id)
         if task.slot is not None and self.slots.get(task.slot) == task.id:
@@ -430,7 +519,37 @@ class StateMachine:
     # --- handlers ------------------------------------------------------------------
 
     def _submit(self, entry: e.SubmitTasks) -> list[TaskRef | Rejected]:
-        return [self._submit_one(spec) for spec in entry.tasks]
+        key = entry.idempotency_key
+        if key is None:
+            return [self._submit_one(spec) for spec in entry.tasks]
+        problem = validate_idempotency_key(key)
+        record = self.idempotency.get(key) if problem is None else None
+        if problem is not None or record is not None:
+            # The ids the leader stamped are used up, as a rejected spec's are.
+            self.max_task_id = max([self.max_task_id, *(spec.id for spec in entry.tasks)])
+            if record is None:
+                return [Rejected(ErrorCode.INVALID, problem or "") for _ in entry.tasks]
+            return ReplayedResults(
+                TaskRef(r.task_id, r.state)
+                if r.task_id is not None
+                else Rejected(ErrorCode(r.state), r.message or "")
+                for r in record.results
+            )
+        results = [self._submit_one(spec) for spec in entry.tasks]
+        # A submission that created nothing is not remembered: a retry may try again
+        # (e.g. once the tenant's queue has room) and still cannot duplicate anything.
+        if any(isinstance(r, TaskRef) for r in results):
+            self.idempotency[key] = SubmissionRecord(
+                key,
+                self.now_ms,
+                [
+                    RememberedResult(r.id, r.state)
+                    if isinstance(r, TaskRef)
+                    else RememberedResult(None, r.code.value, r.message)
+                    for r in results
+                ],
+            )
+        return results
 
     def _submit_one(self, spec: e.TaskSpec) -> TaskRef | Rejected:
         if spec.id <= self.max_task_id:
@@ -670,6 +789,13 @@ class StateMachine:
                 results.append(
                     Rejected(ErrorCode.STALE, f"worker {assignment.worker_id} not connected")
                 )
+            elif self._code_blocked(task):
+                results.append(
+                    Rejected(
+                        ErrorCode.STALE,
+                        f"task {task.id} waits for code artifact {task.code} to be ready",
+                    )
+                )
             else:
                 task.attempt += 1
                 task.worker = worker.id
@@ -707,9 +833,32 @@ class StateMachine:
         artifact = self.artifacts.get(entry.sha256)
         if artifact is None:
             artifact = self.artifacts[entry.sha256] = Artifact(
-                entry.sha256, entry.name, entry.size_bytes, self.now_ms
+                entry.sha256, entry.name, entry.size_bytes, self.now_ms, entry.ready
             )
+        elif entry.ready and not artifact.ready:
+            # Uploaded again by a leader that needs no replicas first: no reason to wait.
+            self._release_code(artifact)
         return artifact
+
+    def _code_ready(self, entry: e.CodeReady) -> Artifact | Rejected:
+        if not re.fullmatch(r"[0-9a-f]{64}", entry.sha256):
+            return Rejected(ErrorCode.INVALID, "sha256 must be 64 lowercase hex digits")
+        artifact = self.artifacts.get(entry.sha256)
+        if artifact is None:
+            return Rejected(ErrorCode.NOT_FOUND, f"code artifact {entry.sha256} is unknown")
+        if not artifact.ready:
+            self._release_code(artifact)
+        return artifact
+
+    def _release_code(self, artifact: Artifact) -> None:
+        """Mark an artifact ready; its parked tasks join their queues, in id order."""
+        artifact.ready = True
+        parked = self.parked.pop(artifact.sha256, None)
+        if parked:
+            tasks = self.tasks
+            for task_id in sorted(parked):
+                task = tasks[task_id]
+                self.waiting.setdefault(task.tenant, {})[task_id] = None
 
     def drain_effects(self) -> tuple[list[int], list[StopRunning]]:
         """Tasks that became final and running tasks to stop since the last drain."""
@@ -769,6 +918,7 @@ class StateMachine:
             # Sorted: a tenant's emptied queue keeps its place in self.waiting but
             # is left out here, so insertion order would differ after a reload.
             waiting={name: list(queue) for name, queue in sorted(self.waiting.items()) if queue},
+            idempotency=list(self.idempotency.values()),
         )
 
     def encode_snapshot(self) -> bytes:
@@ -799,6 +949,7 @@ class StateMachine:
             machine._add_task(task)
         for txn in machine.transactions.values():
             machine._push_timer(txn.expires_ms, _Timer.TXN_EXPIRE, txn.id)
+        machine.idempotency = OrderedDict((r.key, r) for r in body.idempotency)
         return machine
 
     def _rebuild_timers(self) -> None:
@@ -864,10 +1015,30 @@ class StateMachine:
                 queued = self.tasks.get(task_id)
                 if queued is None or queued.state != TaskState.WAITING or queued.tenant != tenant:
                     fail(f"waiting queue of {tenant!r} holds task {task_id} wrongly")
+                if queued is not None and self._code_blocked(queued):
+                    fail(f"task {task_id} is queued though its code is not ready")
+        for sha256, parked in self.parked.items():
+            artifact = self.artifacts.get(sha256)
+            if artifact is None or artifact.ready or not parked:
+                fail(f"tasks parked on artifact {sha256} that is unknown, ready or empty")
+            for task_id in parked:
+                held = self.tasks.get(task_id)
+                if held is None or held.state != TaskState.WAITING or held.code != sha256:
+                    fail(f"task {task_id} is parked on artifact {sha256} wrongly")
         waiting_total = sum(len(q) for q in self.waiting.values())
-        if waiting_total != len(self.by_state[TaskState.WAITING]):
+        parked_total = sum(len(p) for p in self.parked.values())
+        if waiting_total + parked_total != len(self.by_state[TaskState.WAITING]):
             fail("waiting queues and waiting tasks differ in number")
         for txn in self.transactions.values():
             states = {self.tasks[i].state for i in txn.task_ids if i in self.tasks}
             if states - {TaskState.PENDING.value}:
                 fail(f"transaction {txn.id} holds non-pending tasks: {states}")
+        previous_ms = 0
+        for key, record in self.idempotency.items():
+            if key != record.key or validate_idempotency_key(key) is not None:
+                fail(f"idempotency record {record.key!r} kept under {key!r}")
+            if not previous_ms <= record.created_ms <= self.now_ms:
+                fail(f"idempotency key {key!r} out of time order ({record.created_ms})")
+            previous_ms = record.created_ms
+            if all(r.task_id is None for r in record.results):
+                fail(f"idempotency key {key!r} remembered though it created no task")

@@ -1,19 +1,44 @@
 """Python clients for a Steward broker's HTTP API: sync and asyncio.
 
-    with StewardClient("http://127.0.0.1:8080") as steward:
+    with StewardClient("http://b1:8080,http://b2:8080,http://b3:8080") as steward:
         handle = steward.submit("spark.sql", {"query": "SELECT 1 AS x"}, tenant="acme")
         print(handle.result(timeout=60))          # the task's JSON result
         with steward.transaction(tenant="acme") as txn:
             txn.submit("noop")                    # all run, or none (rolled back on error)
 
 Every error the API answers raises a :class:`StewardError` subclass.
+
+Failover. Give one broker URL or several (a sequence, or one comma-separated
+string). Writes (POST, PUT, DELETE) go to the leader: a follower's ``307
+not_leader`` answer is followed to the leader it names, which is remembered for
+later calls. On a retryable 503 (no leader yet, taking over, deposed), a
+connection error or a timeout, a write is sent again, to the known leader or the
+next URL, with backoff, for at most ``failover_timeout_s`` (default 30 s); then
+:class:`FailoverTimeoutError`. Reads go to the known leader (so a task just
+submitted is found), else to the URLs in turn, each tried once on connection
+errors. Other errors (4xx) are raised at once.
+
+A write retried after a lost answer may have been applied the first time:
+
+- ``submit`` / ``submit_many``: safe. Each call sends one idempotency key (a
+  uuid4, or the caller's ``idempotency_key``) on every try; the broker answers a
+  repeated key with the first result (same ids) instead of creating tasks again.
+- ``cancel``: safe, cancelling is idempotent (a retry after the cancel was
+  applied may answer 409 ``ConflictError``: the task is already cancelled).
+- ``set_tenant``, ``upload_code``: safe (same values; artifacts are content-addressed).
+- ``begin`` (and ``transaction()``): a retry may open a second transaction; the
+  one whose answer was lost stays empty and expires after its TTL.
+- ``commit`` / ``rollback``: a retry after the first one was applied answers 404
+  ``NotFoundError`` (the transaction is no longer open); check its tasks' states.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
-from collections.abc import AsyncIterator, Iterator
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
 from pathlib import Path
 from typing import Any, Final
@@ -22,6 +47,11 @@ import httpx
 
 FINAL_STATES: Final = frozenset({"finished", "error", "cancelled"})
 _POLL_SLICE_S: Final = 30.0  # one long-poll request waits at most this long
+DEFAULT_FAILOVER_TIMEOUT_S: Final = 30.0
+# A dead broker that drops packets must not use up the whole failover time.
+_CONNECT_TIMEOUT_S: Final = 5.0
+_BACKOFF_MIN_S: Final = 0.1
+_BACKOFF_MAX_S: Final = 2.0
 
 
 class StewardError(Exception):
@@ -59,6 +89,19 @@ class ConnectionFailedError(StewardError):
         super().__init__(0, "connection_failed", f"cannot reach {url}: {reason}")
 
 
+class FailoverTimeoutError(UnavailableError):
+    """No broker took a write within ``failover_timeout_s``; ``last_error`` says why."""
+
+    def __init__(self, last_error: StewardError, elapsed_s: float, attempts: int) -> None:
+        super().__init__(
+            last_error.status,
+            "failover_timeout",
+            f"no broker took the request within {elapsed_s:.1f} s ({attempts} attempts); "
+            f"last error: {last_error}",
+        )
+        self.last_error = last_error
+
+
 class TaskFailedError(Exception):
     """The task ended in ``error`` or ``cancelled``; ``task`` holds its full record."""
 
@@ -92,7 +135,8 @@ def _raise_for(response: httpx.Response) -> Any:
         body = response.json()
     except ValueError:
         body = None
-    if response.status_code >= 400:
+    # 3xx too: a redirect the client did not follow is no answer to use.
+    if response.status_code >= 300:
         detail = body.get("error") if isinstance(body, dict) else None
         if isinstance(detail, dict):
             raise _error_for(
@@ -100,6 +144,126 @@ def _raise_for(response: httpx.Response) -> Any:
             )
         raise _error_for(response.status_code, "http_error", response.text[:200])
     return body
+
+
+def _error_detail(response: httpx.Response) -> dict[str, Any]:
+    """The ``error`` object of an error answer ({} when there is none)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return {}
+    detail = body.get("error") if isinstance(body, dict) else None
+    return detail if isinstance(detail, dict) else {}
+
+
+def parse_urls(url: str | Sequence[str]) -> list[str]:
+    """Broker base URLs from one URL, a comma-separated list, or a sequence of either."""
+    parts = url.split(",") if isinstance(url, str) else [p for u in url for p in u.split(",")]
+    urls = list(dict.fromkeys(p.strip().rstrip("/") for p in parts if p.strip()))
+    if not urls:
+        raise ValueError("no broker URL given")
+    return urls
+
+
+def _timeout(timeout_s: float) -> httpx.Timeout:
+    return httpx.Timeout(timeout_s, connect=min(timeout_s, _CONNECT_TIMEOUT_S))
+
+
+def _idempotency_headers(key: str | None) -> dict[str, str]:
+    # One key per call, sent on every try: the broker creates the tasks once.
+    return {"Idempotency-Key": key if key is not None else uuid.uuid4().hex}
+
+
+class _Router:
+    """Which broker gets the next request: the leader once known, else the URLs in
+    turn. Shared by the sync and async clients (no IO here)."""
+
+    def __init__(self, urls: list[str], failover_timeout_s: float) -> None:
+        self.urls = urls
+        self.failover_timeout_s = failover_timeout_s
+        self.leader: str | None = None
+        self._index = 0
+
+    def target(self) -> str:
+        return self.leader or self.urls[self._index]
+
+    def failed(self, base: str) -> None:
+        """``base`` could not take the request: forget it as leader, go on to the next URL."""
+        if base == self.leader:
+            self.leader = None
+        if base == self.urls[self._index]:
+            self._index = (self._index + 1) % len(self.urls)
+
+
+class _Call:
+    """The tries of one request: what to do after each answer or transport error.
+
+    Writes try until ``failover_timeout_s`` is over; reads try each broker once.
+    Both return the pause before the next try, or raise when giving up.
+    """
+
+    def __init__(self, router: _Router, write: bool) -> None:
+        self.router = router
+        self.write = write
+        self.started = time.monotonic()
+        self.deadline = self.started + router.failover_timeout_s
+        self.attempts = 0
+        self.tried: set[str] = set()
+        self.since_pause: set[str] = set()  # brokers tried since the last backoff
+        self.redirects = 0
+        self.backoff_s = _BACKOFF_MIN_S
+
+    def target(self) -> str:
+        base = self.router.target()
+        self.attempts += 1
+        self.tried.add(base)
+        self.since_pause.add(base)
+        return base
+
+    def failed(self, base: str, exc: Exception) -> float:
+        error = ConnectionFailedError(base, str(exc) or type(exc).__name__)
+        if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL):
+            raise error from exc  # a malformed URL does not get better
+        self.router.failed(base)
+        if not self.write:
+            if self.router.target() in self.tried:
+                raise error from exc
+            return 0.0
+        return self._pause(error)
+
+    def answered(self, base: str, response: httpx.Response) -> float | None:
+        """None: this response is the answer (success or an error to raise)."""
+        status = response.status_code
+        if not self.write or (status < 300 and status != 503):
+            return None
+        detail = _error_detail(response)
+        code = str(detail.get("code", "http_error"))
+        leader_url = detail.get("leader_url")
+        if 300 <= status < 400 and code == "not_leader" and isinstance(leader_url, str):
+            leader = leader_url.rstrip("/")
+            # Brokers with stale views could send us back and forth: pause now and then.
+            self.redirects += 1
+            if leader != base and self.redirects <= len(self.router.urls) + 1:
+                self.router.leader = leader
+                if time.monotonic() < self.deadline:
+                    return 0.0
+        elif not (status == 503 or detail.get("retryable") is True or code == "not_leader"):
+            return None
+        error = UnavailableError(status, code, str(detail.get("message", response.reason_phrase)))
+        self.router.failed(base)
+        return self._pause(error)
+
+    def _pause(self, error: StewardError) -> float:
+        now = time.monotonic()
+        if now >= self.deadline:
+            raise FailoverTimeoutError(error, now - self.started, self.attempts) from error
+        if self.router.target() not in self.since_pause:
+            return 0.0  # a broker not tried yet this round: at once
+        pause_s = min(random.uniform(self.backoff_s / 2, self.backoff_s), self.deadline - now)
+        self.backoff_s = min(self.backoff_s * 2, _BACKOFF_MAX_S)
+        self.since_pause.clear()
+        self.redirects = 0
+        return pause_s
 
 
 def _task_body(type: str, params: Any, tenant: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -178,10 +342,31 @@ class Transaction:
 
 
 class StewardClient:
-    def __init__(self, url: str = "http://127.0.0.1:8080", *, timeout_s: float = 30.0) -> None:
-        self.url = url.rstrip("/")
+    """A broker's (or a cluster's) API; see the module docstring on failover and retries.
+
+    ``url``: one base URL, several (a sequence or a comma-separated string).
+    ``timeout_s``: per request; ``failover_timeout_s``: how long a write keeps
+    trying other brokers (or waiting for a leader) before FailoverTimeoutError.
+    """
+
+    def __init__(
+        self,
+        url: str | Sequence[str] = "http://127.0.0.1:8080",
+        *,
+        timeout_s: float = 30.0,
+        failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S,
+    ) -> None:
+        self.urls = parse_urls(url)
+        self.url = self.urls[0]
         self._timeout_s = timeout_s
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        self._router = _Router(self.urls, failover_timeout_s)
+        # Redirects are followed by hand: only not_leader ones, and the leader is remembered.
+        self._http = httpx.Client(timeout=_timeout(timeout_s), follow_redirects=False)
+
+    @property
+    def leader_url(self) -> str | None:
+        """The leader's base URL, once a follower named it."""
+        return self._router.leader
 
     def close(self) -> None:
         self._http.close()
@@ -201,33 +386,64 @@ class StewardClient:
         params: dict[str, Any] | None = None,
         content: bytes | None = None,
         timeout_s: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> Any:
-        try:
-            response = self._http.request(
-                method,
-                path,
-                json=json,
-                params=params,
-                content=content,
-                timeout=timeout_s or self._timeout_s,
-            )
-        except httpx.HTTPError as exc:
-            raise ConnectionFailedError(self.url, str(exc) or type(exc).__name__) from exc
-        return _raise_for(response)
+        call = _Call(self._router, write=method != "GET")
+        timeout = _timeout(timeout_s or self._timeout_s)
+        while True:
+            base = call.target()
+            try:
+                response = self._http.request(
+                    method,
+                    base + path,
+                    json=json,
+                    params=params,
+                    content=content,
+                    headers=headers,
+                    timeout=timeout,
+                )
+            except (httpx.HTTPError, httpx.InvalidURL) as exc:
+                pause_s = call.failed(base, exc)
+            else:
+                answer_pause_s = call.answered(base, response)
+                if answer_pause_s is None:
+                    return _raise_for(response)
+                pause_s = answer_pause_s
+            if pause_s > 0:
+                time.sleep(pause_s)
 
     # tasks
 
     def submit(
-        self, type: str, params: Any = None, *, tenant: str = "default", **options: Any
+        self,
+        type: str,
+        params: Any = None,
+        *,
+        tenant: str = "default",
+        idempotency_key: str | None = None,
+        **options: Any,
     ) -> TaskHandle:
         """Submit one task. Options: slot, max_attempts, deadline, start_after,
-        resources, transaction, code."""
-        answer = self._call("POST", "/api/v1/tasks", json=_task_body(type, params, tenant, options))
+        resources, transaction, code. Retried safely under ``idempotency_key``
+        (default: a new uuid4 per call)."""
+        answer = self._call(
+            "POST",
+            "/api/v1/tasks",
+            json=_task_body(type, params, tenant, options),
+            headers=_idempotency_headers(idempotency_key),
+        )
         return TaskHandle(self, int(answer["id"]), str(answer["state"]))
 
-    def submit_many(self, tasks: list[dict[str, Any]]) -> list[TaskHandle | StewardError]:
+    def submit_many(
+        self, tasks: list[dict[str, Any]], *, idempotency_key: str | None = None
+    ) -> list[TaskHandle | StewardError]:
         """Submit a batch in one log entry; a handle or the refusal for each task."""
-        answers = self._call("POST", "/api/v1/tasks", json={"tasks": tasks})["tasks"]
+        answers = self._call(
+            "POST",
+            "/api/v1/tasks",
+            json={"tasks": tasks},
+            headers=_idempotency_headers(idempotency_key),
+        )["tasks"]
         return [
             TaskHandle(self, int(a["id"]), str(a["state"]))
             if "error" not in a
@@ -380,10 +596,25 @@ class AsyncTransaction:
 
 
 class AsyncStewardClient:
-    def __init__(self, url: str = "http://127.0.0.1:8080", *, timeout_s: float = 30.0) -> None:
-        self.url = url.rstrip("/")
+    """The asyncio twin of :class:`StewardClient` (same failover and retries)."""
+
+    def __init__(
+        self,
+        url: str | Sequence[str] = "http://127.0.0.1:8080",
+        *,
+        timeout_s: float = 30.0,
+        failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S,
+    ) -> None:
+        self.urls = parse_urls(url)
+        self.url = self.urls[0]
         self._timeout_s = timeout_s
-        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s)
+        self._router = _Router(self.urls, failover_timeout_s)
+        self._http = httpx.AsyncClient(timeout=_timeout(timeout_s), follow_redirects=False)
+
+    @property
+    def leader_url(self) -> str | None:
+        """The leader's base URL, once a follower named it."""
+        return self._router.leader
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -403,32 +634,60 @@ class AsyncStewardClient:
         params: dict[str, Any] | None = None,
         content: bytes | None = None,
         timeout_s: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> Any:
-        try:
-            response = await self._http.request(
-                method,
-                path,
-                json=json,
-                params=params,
-                content=content,
-                timeout=timeout_s or self._timeout_s,
-            )
-        except httpx.HTTPError as exc:
-            raise ConnectionFailedError(self.url, str(exc) or type(exc).__name__) from exc
-        return _raise_for(response)
+        call = _Call(self._router, write=method != "GET")
+        timeout = _timeout(timeout_s or self._timeout_s)
+        while True:
+            base = call.target()
+            try:
+                response = await self._http.request(
+                    method,
+                    base + path,
+                    json=json,
+                    params=params,
+                    content=content,
+                    headers=headers,
+                    timeout=timeout,
+                )
+            except (httpx.HTTPError, httpx.InvalidURL) as exc:
+                pause_s = call.failed(base, exc)
+            else:
+                answer_pause_s = call.answered(base, response)
+                if answer_pause_s is None:
+                    return _raise_for(response)
+                pause_s = answer_pause_s
+            if pause_s > 0:
+                await asyncio.sleep(pause_s)
 
     async def submit(
-        self, type: str, params: Any = None, *, tenant: str = "default", **options: Any
+        self,
+        type: str,
+        params: Any = None,
+        *,
+        tenant: str = "default",
+        idempotency_key: str | None = None,
+        **options: Any,
     ) -> AsyncTaskHandle:
         answer = await self._call(
-            "POST", "/api/v1/tasks", json=_task_body(type, params, tenant, options)
+            "POST",
+            "/api/v1/tasks",
+            json=_task_body(type, params, tenant, options),
+            headers=_idempotency_headers(idempotency_key),
         )
         return AsyncTaskHandle(self, int(answer["id"]), str(answer["state"]))
 
     async def submit_many(
-        self, tasks: list[dict[str, Any]]
+        self, tasks: list[dict[str, Any]], *, idempotency_key: str | None = None
     ) -> list[AsyncTaskHandle | StewardError]:
-        answers = (await self._call("POST", "/api/v1/tasks", json={"tasks": tasks}))["tasks"]
+        answers = (
+            await self._call(
+                "POST",
+                "/api/v1/tasks",
+                json={"tasks": tasks},
+                headers=_idempotency_headers(idempotency_key),
+            )
+        )["tasks"]
         return [
             AsyncTaskHandle(self, int(a["id"]), str(a["state"]))
             if "error" not in a

@@ -16,6 +16,7 @@ from clients.worker.config import (
     default_task_types,
     default_worker_id,
     parse_host_port,
+    parse_http_urls,
 )
 from clients.worker.link import run_worker
 
@@ -37,18 +38,38 @@ def _broker(text: str) -> str:
     return text
 
 
+def _brokers(text: str) -> list[str]:
+    try:
+        return parse_http_urls(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_DEFAULT_HTTP_URL = "http://127.0.0.1:8080"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="steward worker", description="a Steward worker")
-    p.add_argument(
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
         "--broker",
         type=_broker,
         default=os.environ.get("STEWARD_BROKER", "127.0.0.1:7070"),
         help="HOST:PORT of the broker's worker endpoint (env STEWARD_BROKER; %(default)s)",
     )
+    where.add_argument(
+        "--brokers",
+        type=_brokers,
+        default=None,
+        metavar="URL[,URL...]",
+        help="broker HTTP URLs of a cluster: before each connection the worker asks them "
+        "for the leader and connects to its worker endpoint (default: use --broker)",
+    )
     p.add_argument(
         "--http-url",
-        default=os.environ.get("STEWARD_URL", "http://127.0.0.1:8080"),
-        help="broker HTTP base URL for code downloads (env STEWARD_URL; %(default)s)",
+        default=None,
+        help="broker HTTP base URL for code downloads (env STEWARD_URL; default: the "
+        f"leader with --brokers, else {_DEFAULT_HTTP_URL})",
     )
     p.add_argument("--worker-id", help="stable worker name (default: HOSTNAME-PID)")
     p.add_argument(
@@ -78,9 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    brokers: list[str] = args.brokers or []
+    http_url: str | None = args.http_url
+    # With --brokers and no --http-url: download from whichever broker leads.
+    download_from_leader = bool(brokers) and http_url is None
+    if http_url is None:
+        env_url = os.environ.get("STEWARD_URL", "").split(",")[0].strip()
+        http_url = brokers[0] if brokers else env_url or _DEFAULT_HTTP_URL
     return WorkerConfig(
         broker=args.broker,
-        http_url=args.http_url,
+        http_url=http_url,
+        brokers=brokers,
+        download_from_leader=download_from_leader,
         worker_id=args.worker_id or default_worker_id(),
         task_types={n: int(c) for n, c in args.task_type} or default_task_types(),
         resources={n: float(a) for n, a in args.resource} or default_resources(),

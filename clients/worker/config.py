@@ -63,9 +63,21 @@ def parse_host_port(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def parse_http_urls(text: str | list[str]) -> list[str]:
+    """``URL[,URL...]`` (or a list of them) -> broker HTTP base URLs; ValueError when bad."""
+    parts = text.split(",") if isinstance(text, str) else [p for t in text for p in t.split(",")]
+    urls = list(dict.fromkeys(p.strip().rstrip("/") for p in parts if p.strip()))
+    if not urls:
+        raise ValueError("expected URL[,URL...], got none")
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"expected an http:// or https:// URL, got {url!r}")
+    return urls
+
+
 @dataclass
 class WorkerConfig:
-    broker: str  # host:port of the broker's worker endpoint
+    broker: str  # host:port of the broker's worker endpoint (unused when brokers is set)
     http_url: str  # broker HTTP base URL, for code artifact downloads
     worker_id: str = field(default_factory=default_worker_id)
     # Concurrent tasks per task type; "*" covers any type not listed.
@@ -94,9 +106,21 @@ class WorkerConfig:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     token: str | None = None
     version: str = "0.1.0"
+    # Broker HTTP URLs: when set, the worker asks them (GET /api/v1/cluster, in turn)
+    # for the leader's worker endpoint before each connection, instead of ``broker``.
+    brokers: list[str] = field(default_factory=list)
+    discovery_timeout_s: float = 2.0  # per broker asked
+    # With brokers: download code from the leader found (it has every artifact a live
+    # task uses) instead of http_url.
+    download_from_leader: bool = False
 
     def __post_init__(self) -> None:
-        parse_host_port(self.broker)
+        if self.brokers:
+            self.brokers = parse_http_urls(self.brokers)
+        else:
+            parse_host_port(self.broker)
+        if not self.discovery_timeout_s > 0:
+            raise ValueError("discovery_timeout_s must be > 0")
         if not self.task_types or any(n < 0 for n in self.task_types.values()):
             raise ValueError("task_types needs at least one type with a capacity >= 0")
         if self.capacity() < 1:

@@ -2,7 +2,13 @@
 
 One asyncio task owns the connection at a time::
 
-    connect -> Hello(running tasks) -> Welcome(keep/drop) -> serve -> closed -> backoff -> ...
+    [find leader] -> connect -> Hello(running tasks) -> Welcome(keep/drop) -> serve -> closed
+    -> backoff -> ...
+
+With ``brokers`` (HTTP URLs of a cluster) set, each connection attempt first asks them in
+turn for ``GET /api/v1/cluster`` and connects to the leader's ``leader_worker_address``;
+no leader known yet counts as a failed attempt (backoff, then ask again). So after a
+disconnect the worker finds a new leader, and the Hello/Welcome reconcile runs there.
 
 While serving: a Heartbeat goes out every interval; a broker silent for the Welcome's
 heartbeat timeout is treated as dead (close, reconnect); Assign starts tasks (an attempt
@@ -27,8 +33,12 @@ import random
 import signal
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
+import httpx
+import msgspec
+
+from broker.api_models import ClusterSummary
 from broker.protocol import (
     Assign,
     AssignedTask,
@@ -45,7 +55,7 @@ from broker.protocol import (
     Welcome,
     encode_message,
 )
-from clients.worker.config import WorkerConfig
+from clients.worker.config import WorkerConfig, parse_host_port
 from clients.worker.runtime import TaskKey, TaskRuntime
 
 logger = logging.getLogger(__name__)
@@ -56,6 +66,45 @@ _REPORT_OVERHEAD_BYTES = 64  # msgpack framing of one report besides its payload
 
 class BrokerError(Exception):
     """The broker sent an Error frame (it closes the connection after it)."""
+
+
+class LeaderUnknownError(Exception):
+    """No broker asked named a leader with a worker endpoint (none elected yet, or all
+    unreachable)."""
+
+
+_summary_decoder: msgspec.json.Decoder[ClusterSummary] = msgspec.json.Decoder(ClusterSummary)
+
+
+async def find_leader(
+    urls: Sequence[str], *, timeout_s: float, token: str | None = None, start: int = 0
+) -> tuple[str, str | None, int]:
+    """Ask the brokers in turn (from ``start``) who leads: (its worker "host:port", its
+    base URL, the index of the broker that answered). Raises LeaderUnknownError."""
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    problems: list[str] = []
+    async with httpx.AsyncClient(timeout=timeout_s, headers=headers) as http:
+        for i in range(len(urls)):
+            index = (start + i) % len(urls)
+            url = urls[index]
+            try:
+                response = await http.get(f"{url}/api/v1/cluster")
+                response.raise_for_status()
+                summary = _summary_decoder.decode(response.content)
+            except (httpx.HTTPError, msgspec.DecodeError) as exc:
+                problems.append(f"{url}: {str(exc) or type(exc).__name__}")
+                continue
+            address = summary.leader_worker_address
+            if not address:
+                problems.append(f"{url}: no leader known")
+                continue
+            try:
+                parse_host_port(address)
+            except ValueError:
+                problems.append(f"{url}: bad leader_worker_address {address!r}")
+                continue
+            return address, summary.leader_url, index
+    raise LeaderUnknownError("; ".join(problems))
 
 
 class _Connection:
@@ -109,6 +158,9 @@ class Worker:
         self._connected = asyncio.Event()
         self._welcomed = False  # the current/last connection got its Welcome
         self._changed = asyncio.Event()  # a report arrived or an ack: for stop()'s waits
+        # Where the current/last connection goes (found anew each time with brokers).
+        self.broker_address = config.broker if not config.brokers else ",".join(config.brokers)
+        self._discovery_start = 0  # the broker that last named the leader is asked first
 
     # -- observation --
 
@@ -219,20 +271,27 @@ class Worker:
             session.result()
         except asyncio.CancelledError:
             pass
-        except (OSError, TimeoutError, ProtocolError, BrokerError, EOFError) as exc:
+        except (
+            OSError,
+            TimeoutError,
+            ProtocolError,
+            BrokerError,
+            EOFError,
+            LeaderUnknownError,
+        ) as exc:
             logger.warning(
                 "connection to broker %s failed: %s: %s",
-                self.config.broker,
+                self.broker_address,
                 type(exc).__name__,
                 exc,
             )
         except Exception:
-            logger.exception("connection to broker %s failed unexpectedly", self.config.broker)
+            logger.exception("connection to broker %s failed unexpectedly", self.broker_address)
         return self._welcomed
 
     async def _session(self) -> None:
         self._welcomed = False
-        host, port = self.config.broker_address()
+        host, port = await self._find_broker()
         async with asyncio.timeout(self.config.connect_timeout_s):
             reader, writer = await asyncio.open_connection(host, port)
         self._writer = writer
@@ -258,6 +317,22 @@ class Worker:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(1.0):
                     await writer.wait_closed()
+
+    async def _find_broker(self) -> tuple[str, int]:
+        """Where to connect: ``broker``, or the leader the brokers name right now."""
+        c = self.config
+        if not c.brokers:
+            return c.broker_address()
+        address, leader_url, self._discovery_start = await find_leader(
+            c.brokers, timeout_s=c.discovery_timeout_s, token=c.token, start=self._discovery_start
+        )
+        if address != self.broker_address:
+            logger.info("the leader's worker endpoint is %s (%s)", address, leader_url or "?")
+        self.broker_address = address
+        if c.download_from_leader and leader_url:
+            # The leader holds every artifact a live task references (DESIGN §4).
+            self.runtime.artifacts.http_url = leader_url.rstrip("/")
+        return parse_host_port(address)
 
     def _hello(self) -> Hello:
         c = self.config
@@ -315,7 +390,7 @@ class Worker:
         self._connected.set()
         logger.info(
             "connected to broker %s (%s): %d kept, %d dropped, %d reports to resend",
-            self.config.broker,
+            self.broker_address,
             welcome.broker_id or "?",
             len(welcome.keep),
             len(welcome.drop),

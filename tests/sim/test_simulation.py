@@ -32,6 +32,7 @@ stream length (default 10,000). A failure names its seed and entry index.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import os
 import random
@@ -48,14 +49,17 @@ import pytest
 from broker import entries as e
 from broker.state import (
     FINAL_STATES,
+    IDEMPOTENCY_MIN_RETENTION_MS,
     LIVE_STATES,
     QUEUED_STATES,
     ApplyResult,
     Artifact,
     ErrorCode,
     Rejected,
+    ReplayedResults,
     StateMachine,
     StopRunning,
+    SubmissionRecord,
     Task,
     TaskRef,
     TaskState,
@@ -83,7 +87,14 @@ TYPES: Final = ("py", "spark", "sql.query", "ns:job", "_private")
 BAD_TYPES: Final = ("", ".py", "bad type", "x" * 129, "café")
 SLOTS: Final = tuple(f"slot-{i}" for i in range(8))
 WORKERS: Final = ("w0", "w1", "w2", "w3", "w4")
-CODE_SHAS: Final = ("0123456789abcdef" * 4, "ab" * 32, "0" * 64)
+BAD_KEYS: Final = ("", "k" * 129, "clé", "tab\tkey", "line\n")
+CODE_SHAS: Final = (
+    "0123456789abcdef" * 4,
+    "ab" * 32,
+    "0" * 64,
+    # More artifacts so that some arrive not ready (AddCode ready=False) late in a run too.
+    *(hashlib.sha256(bytes([i])).hexdigest() for i in range(5)),
+)
 
 PENDING: Final = TaskState.PENDING.value
 DELAYED: Final = TaskState.DELAYED.value
@@ -194,6 +205,8 @@ class EntryGenerator:
         self.recent_ids: deque[int] = deque(maxlen=400)
         self.closed_txns: deque[int] = deque(maxlen=50)
         self.recent_outcomes: deque[e.TaskOutcome] = deque(maxlen=50)
+        self.next_key = 0
+        self.recent_keys: deque[str] = deque(maxlen=40)  # idempotency keys to repeat
         self.scripted: deque[Callable[[], tuple[e.Entry, Expect]]] = deque()
         # Seed-level personality, so that different seeds stress different things.
         self.small_retention = self.rng.random() < 0.5
@@ -218,6 +231,7 @@ class EntryGenerator:
             (self._worker_dead, 2),
             (self._config_random, 0.3),
             (self._add_code, 0.5),
+            (self._code_ready, 0.3),
         ]
         self.kinds = [k for k, _ in kinds]
         self.kind_weights = [w for _, w in kinds]
@@ -357,17 +371,40 @@ class EntryGenerator:
         )
         return spec, bad
 
+    def _idempotency_key(self) -> tuple[str | None, SubmissionRecord | None, bool]:
+        """A submission's key (mostly None), the view's record when it repeats a
+        remembered key (it may still expire at this entry), and whether it is invalid."""
+        rng = self.rng
+        r = rng.random()
+        if r < 0.25:
+            self.next_key += 1
+            key = f"key-{self.next_key}"
+            self.recent_keys.append(key)
+            return key, None, False
+        if r < 0.4 and self.recent_keys:
+            key = rng.choice(self.recent_keys)
+            return key, self.view.idempotency.get(key), False
+        if r < 0.405:
+            return rng.choice(BAD_KEYS), None, True
+        return None, None, False
+
     def _submit(self) -> tuple[e.Entry, Expect]:
         time_ms = self._time()
         n = self.rng.randint(1, 3) if self.rng.random() < 0.6 else self.rng.randint(4, 20)
+        key, replay, bad_key = self._idempotency_key()
+        if replay is not None and self.rng.random() < 0.8:
+            n = len(replay.results)  # a client's retry sends the same tasks again
         expect = Expect()
         specs: list[e.TaskSpec] = []
         for i in range(n):
             spec, bad = self._spec()
-            if bad:
+            if bad or bad_key:
                 expect.reject[i] = INVALID
             specs.append(spec)
-        return e.SubmitTasks(time_ms=time_ms, tasks=tuple(specs)), expect
+        if replay is not None:
+            expect = Expect()  # the first submission's results come back, whatever these are
+        entry = e.SubmitTasks(time_ms=time_ms, tasks=tuple(specs), idempotency_key=key)
+        return entry, expect
 
     def _cancel(self) -> tuple[e.Entry, Expect]:
         time_ms = self._time()
@@ -520,9 +557,27 @@ class EntryGenerator:
         else:
             expect.accept.add(0)
         entry = e.AddCode(
-            time_ms=self._time(), sha256=sha, name="job.py", size_bytes=rng.randint(1, 10_000)
+            time_ms=self._time(),
+            sha256=sha,
+            name="job.py",
+            size_bytes=rng.randint(1, 10_000),
+            ready=rng.random() < 0.4,
         )
         return entry, expect
+
+    def _code_ready(self) -> tuple[e.Entry, Expect]:
+        rng = self.rng
+        expect = Expect()
+        unready = sorted(sha for sha, a in self.view.artifacts.items() if not a.ready)
+        sha = rng.choice(unready) if unready and rng.random() < 0.7 else rng.choice(CODE_SHAS)
+        if rng.random() < 0.05:
+            sha = rng.choice(("", "xyz", "A" * 64, sha + "0"))
+            expect.reject[0] = INVALID
+        elif sha not in self.view.artifacts:
+            expect.reject[0] = NOT_FOUND
+        else:
+            expect.accept.add(0)
+        return e.CodeReady(time_ms=self._time(), sha256=sha), expect
 
     def _due_times(self) -> list[int]:
         """Some future times at which timers are due (to hit them exactly)."""
@@ -621,6 +676,13 @@ class EntryGenerator:
         connected = self._connected()
         assignments: list[e.Assignment] = []
         for i in range(rng.randint(1, 8)):
+            if rng.random() < 0.05 and connected and view.parked:
+                # A waiting task whose code is not ready: must be refused.
+                task_id = rng.choice(sorted(rng.choice(sorted(view.parked.items()))[1]))
+                worker_id = rng.choice(connected)
+                expect.reject[i] = STALE
+                assignments.append(e.Assignment(task_id, worker_id))
+                continue
             if rng.random() < 0.75 and connected:
                 task_id = self._waiting_pick()
                 if task_id is None:
@@ -737,6 +799,7 @@ RESULT_TYPES: Final[dict[type, tuple[type, ...]]] = {
     e.Tick: (type(None),),
     e.RegisterWorker: (WorkerReconciled, Rejected),
     e.AddCode: (Artifact, Rejected),
+    e.CodeReady: (Artifact, Rejected),
     e.WorkerDead: (type(None), Rejected),
 }
 
@@ -762,8 +825,16 @@ class Checker:
         self.attempts: dict[int, int] = {}
         self.tenant_of: dict[int, str] = {}
         self.queues: dict[str, dict[int, None]] = {}  # expected FIFO waiting queues
+        # Code readiness as the entries say (sha -> ready), and the waiting tasks expected
+        # outside the queues because their code is not ready (sha -> task ids).
+        self.code_ready: dict[str, bool] = {}
+        self.parked: dict[str, set[int]] = {}
+        self.code_of: dict[int, str | None] = {}
         self.last_new_id = 0
         self.txn_members: dict[int, set[int]] = {}  # txn id -> ids submitted into it
+        # Idempotency keys the state must remember, oldest first: key -> (first use ms,
+        # the first submission's results, encoded).
+        self.keys: dict[str, tuple[int, bytes]] = {}
         self.stats: Counter[str] = Counter()
         self.last_events: list[Event] = []
 
@@ -788,6 +859,9 @@ class Checker:
         events = self.last_events = self.m.events
         self.m.events = []
         self._check_events(entry, events, pre)
+        # Timers fire before the handler, so the transitions above saw the old readiness.
+        self._track_code(entry, result)
+        self._check_idempotency(entry, result, events, pre)
         self._check_result(entry, result, expect, pre)
         self._check_transactions(entry, result, pre)
 
@@ -812,6 +886,7 @@ class Checker:
                 if ev.attempt != 0:
                     fail(f"new task {tid} has attempt {ev.attempt}")
                 self.tenant_of[tid] = task.tenant
+                self.code_of[tid] = task.code
                 self.attempts[tid] = 0
             else:
                 if self.mirror.get(tid) != old:
@@ -831,6 +906,9 @@ class Checker:
                 assert isinstance(entry, e.AssignTasks)
                 if tid not in {a.task_id for a in entry.assignments}:
                     fail(f"task {tid} started without an assignment")
+                code = self.code_of[tid]
+                if code is not None and not self.code_ready.get(code, False):
+                    fail(f"task {tid} started though its code {code} is not ready")
             elif old == PENDING and new in (WAITING, DELAYED):
                 if pre.txn_tasks is None or tid not in pre.txn_tasks:
                     fail(f"task {tid} left pending by a commit of another transaction")
@@ -865,23 +943,55 @@ class Checker:
                     fail(f"pending task {tid} deleted while transaction {txn_id} is open")
             # Mirror and expected FIFO queues.
             tenant = self.tenant_of[tid]
+            code = self.code_of[tid]
+            blocked = code is not None and not self.code_ready.get(code, True)
             if old == WAITING:
-                queue = self.queues.get(tenant, {})
-                if tid not in queue:
-                    fail(f"task {tid} left waiting but was not queued")
-                del queue[tid]
+                if blocked:
+                    assert code is not None
+                    self.parked[code].remove(tid)
+                else:
+                    queue = self.queues.get(tenant, {})
+                    if tid not in queue:
+                        fail(f"task {tid} left waiting but was not queued")
+                    del queue[tid]
             if new == WAITING:
-                queue = self.queues.setdefault(tenant, {})
-                if tid in queue:
-                    fail(f"task {tid} queued twice")
-                queue[tid] = None
+                if blocked:
+                    assert code is not None
+                    self.parked.setdefault(code, set()).add(tid)
+                    self.stats["task parked on code"] += 1
+                else:
+                    queue = self.queues.setdefault(tenant, {})
+                    if tid in queue:
+                        fail(f"task {tid} queued twice")
+                    queue[tid] = None
             if new is None:
                 del self.mirror[tid]
                 del self.attempts[tid]
                 del self.tenant_of[tid]
+                del self.code_of[tid]
             else:
                 self.mirror[tid] = new
                 self.attempts[tid] = ev.attempt
+
+    def _track_code(self, entry: e.Entry, result: ApplyResult) -> None:
+        """Follow code readiness; a readied artifact's parked tasks join their queues."""
+        if isinstance(result, Rejected):
+            return
+        released: str | None = None
+        if isinstance(entry, e.AddCode):
+            if entry.sha256 not in self.code_ready:
+                self.code_ready[entry.sha256] = entry.ready
+            elif entry.ready and not self.code_ready[entry.sha256]:
+                released = entry.sha256
+        elif isinstance(entry, e.CodeReady) and not self.code_ready[entry.sha256]:
+            released = entry.sha256
+        if released is None:
+            return
+        self.code_ready[released] = True
+        # In id order, after everything queued so far.
+        for tid in sorted(self.parked.pop(released, set())):
+            self.queues.setdefault(self.tenant_of[tid], {})[tid] = None
+            self.stats["task released by code ready"] += 1
 
     @staticmethod
     def _attempt_over(entry: e.Entry, tid: int, pre: Pre) -> bool:
@@ -902,10 +1012,59 @@ class Checker:
             and task.error == "deadline exceeded"
         )
 
+    # --- idempotency keys --------------------------------------------------------------------
+
+    def _check_idempotency(
+        self, entry: e.Entry, result: ApplyResult, events: list[Event], pre: Pre
+    ) -> None:
+        """A remembered key never creates tasks again and replays the first result."""
+        now = self.m.now_ms
+        # Keys expire when the clock advances, under the retention before this entry.
+        retention_ms = max(pre.retention_ms, IDEMPOTENCY_MIN_RETENTION_MS)
+        while self.keys:
+            oldest, (first_ms, _) = next(iter(self.keys.items()))
+            if first_ms + retention_ms > now:
+                break
+            del self.keys[oldest]
+            self.stats["idempotency key expired"] += 1
+        replayed = isinstance(result, ReplayedResults)
+        key = entry.idempotency_key if isinstance(entry, e.SubmitTasks) else None
+        if key is None:
+            if replayed:
+                fail(f"a replayed result for an entry without an idempotency key: {result!r}")
+            return
+        assert isinstance(result, list)
+        created = [ev.task_id for ev in events if ev.old is None]
+        if not (0 < len(key) <= 128 and all(" " <= c <= "~" for c in key)):
+            if (
+                replayed
+                or created
+                or not all(isinstance(r, Rejected) and r.code == ErrorCode.INVALID for r in result)
+            ):
+                fail(f"invalid idempotency key {key!r} not refused as invalid: {result!r}")
+            self.stats["SubmitTasks rejected invalid key"] += 1
+            return
+        remembered = self.keys.get(key)
+        if remembered is not None:
+            if created:
+                fail(f"idempotency key {key!r} repeated, yet tasks {created} were created")
+            if not replayed or _encode_result(result) != remembered[1]:
+                first = msgspec.msgpack.decode(remembered[1])
+                fail(f"key {key!r} repeated: got {result!r}, first result {first!r}")
+            self.stats["SubmitTasks replayed"] += 1
+            return
+        if replayed:
+            fail(f"a replay for idempotency key {key!r}, never remembered or expired")
+        if any(isinstance(r, TaskRef) for r in result):
+            self.keys[key] = (now, _encode_result(result))
+            self.stats["idempotency key remembered"] += 1
+
     # --- results ---------------------------------------------------------------------------
 
     def _check_result(self, entry: e.Entry, result: ApplyResult, expect: Expect, pre: Pre) -> None:
         m = self.m
+        if isinstance(result, ReplayedResults):
+            return  # compared with the first submission's results in _check_idempotency
         items: list[object]
         if isinstance(entry, e.SubmitTasks | e.AssignTasks | e.FinishTasks):
             if not isinstance(result, list):
@@ -959,6 +1118,8 @@ class Checker:
             for i, item in enumerate(items):
                 if isinstance(item, Rejected) and item.code != ErrorCode.STALE:
                     fail(f"assign/finish rejected with {item.code}, expected stale")
+                if isinstance(item, Rejected) and any(ids[i] in p for p in self.parked.values()):
+                    self.stats["assign of a parked task rejected"] += 1
                 if isinstance(item, TaskRef):
                     task = m.tasks.get(item.id)
                     if task is None or item.id != ids[i]:
@@ -1039,9 +1200,13 @@ class Checker:
                     fail(f"lost task {tid} is {m.tasks[tid].state}")
             if set(m.running_by_worker.get(entry.worker_id, ())) != {t for t, _ in keep}:
                 fail(f"worker {entry.worker_id} runs other tasks than the kept ones")
-        elif isinstance(entry, e.AddCode) and isinstance(result, Artifact):
+        elif isinstance(entry, e.AddCode | e.CodeReady) and isinstance(result, Artifact):
             if m.artifacts.get(entry.sha256) is not result or result.sha256 != entry.sha256:
                 fail(f"artifact {entry.sha256} not stored: {result!r}")
+            if result.ready != self.code_ready[entry.sha256]:
+                fail(f"artifact {entry.sha256} ready={result.ready}, entries say otherwise")
+            if result.ready and entry.sha256 in m.parked:
+                fail(f"tasks still parked on ready artifact {entry.sha256}")
         elif isinstance(entry, e.WorkerDead) and result is None:
             worker = m.workers[entry.worker_id]
             if worker.state != WorkerState.DEAD or m.running_by_worker.get(worker.id):
@@ -1219,6 +1384,8 @@ class Checker:
                 fail(f"waiting task {tid}: worker {task.worker}, attempt {task.attempt}")
             if state in (WAITING, RUNNING) and (task.start_after_ms or 0) > now:
                 fail(f"{state} task {tid} before its start_after {task.start_after_ms}")
+            if state == RUNNING and task.code is not None and not m.artifacts[task.code].ready:
+                fail(f"running task {tid} uses code {task.code} that is not ready")
             if state == RUNNING:
                 worker = m.workers.get(task.worker or "")
                 if worker is None or worker.state != WorkerState.CONNECTED or task.attempt < 1:
@@ -1250,11 +1417,18 @@ class Checker:
         expected_queues = {t: list(q) for t, q in self.queues.items() if q}
         if actual_queues != expected_queues:
             fail("waiting queues are not in arrival (FIFO) order")
+        actual_parked = {sha: set(ids) for sha, ids in m.parked.items()}
+        expected_parked = {sha: ids for sha, ids in self.parked.items() if ids}
+        if actual_parked != expected_parked:
+            fail(f"parked tasks {actual_parked} differ from expected {expected_parked}")
         for txn in m.transactions.values():
             if txn.expires_ms <= now:
                 fail(f"transaction {txn.id} outlived its TTL")
         if len(set(m.slots.values())) != len(m.slots):
             fail("one task holds several slots")
+        keys = [(key, record.created_ms) for key, record in m.idempotency.items()]
+        if keys != [(key, first_ms) for key, (first_ms, _) in self.keys.items()]:
+            fail(f"idempotency keys {keys[:5]}... differ from the expected {list(self.keys)[:5]}")
 
 
 # --- the driver -------------------------------------------------------------------------------
@@ -1333,8 +1507,13 @@ def run_simulation(seed: int, entries: int = DEFAULT_ENTRIES) -> Counter[str]:
                 fail(f"clock is {primary.now_ms}, the generator expected {generator.now_ms}")
             for replica in replicas:
                 source = entry if replica.machine is leader else e.decode_entry(data)
-                other = _encode_result(replica.machine.apply(source))
-                if other != encoded_result:
+                replica_result = replica.machine.apply(source)
+                other = _encode_result(replica_result)
+                # A replay must be one on every replica (snapshot-loaded ones too).
+                same_kind = isinstance(replica_result, ReplayedResults) == isinstance(
+                    result, ReplayedResults
+                )
+                if other != encoded_result or not same_kind:
                     fail(
                         f"replica {replica.name} returned {msgspec.msgpack.decode(other)!r}, "
                         f"primary {result!r}"
@@ -1421,6 +1600,10 @@ def test_generator_covers_the_rules() -> None:
         "SubmitTasks rejected slot_busy",
         "SubmitTasks rejected tenant_queue_full",
         "SubmitTasks rejected not_found",
+        "SubmitTasks rejected invalid key",
+        "SubmitTasks replayed",
+        "idempotency key remembered",
+        "idempotency key expired",
         "CancelTask ok",
         "CancelTask rejected not_found",
         "CancelTask rejected conflict",
@@ -1441,6 +1624,12 @@ def test_generator_covers_the_rules() -> None:
         "effect stop running",
         "AddCode ok",
         "AddCode rejected invalid",
+        "CodeReady ok",
+        "CodeReady rejected not_found",
+        "CodeReady rejected invalid",
+        "task parked on code",
+        "task released by code ready",
+        "assign of a parked task rejected",
         "SetConfig ok",
         "SetConfig rejected invalid",
         "WorkerDead ok",

@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import logging
+import socket
 import sys
 import threading
 import time
@@ -22,8 +23,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import pytest
 
+from broker.api_models import ClusterSummary
 from broker.protocol import (
     Assign,
     AssignedTask,
@@ -43,6 +46,7 @@ from broker.protocol import (
 )
 from clients.worker import TaskContext, Worker, WorkerConfig
 from clients.worker.config import parse_host_port
+from clients.worker.link import LeaderUnknownError, find_leader
 from clients.worker.runtime import encode_result, error_text
 
 WAIT_S = 5.0
@@ -834,3 +838,128 @@ def test_config_validation_and_addresses() -> None:
     assert config.capacity() == config.task_types["*"]
     with pytest.raises(ValueError):
         WorkerConfig(broker="127.0.0.1:1", http_url="", task_types={"*": 0})
+
+
+# -- finding the leader (--brokers) --
+
+
+class ClusterServer:
+    """Serves ``GET /api/v1/cluster``: a ClusterSummary naming ``leader`` ("host:port")."""
+
+    def __init__(self) -> None:
+        self.leader: str | None = None
+        self.requests = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                server.requests += 1
+                address = server.leader
+                summary = ClusterSummary(
+                    cluster_id="c",
+                    leader="b1" if address else None,
+                    brokers=[],
+                    workers=[],
+                    tasks={},
+                    tenants=0,
+                    leader_url=server.url if address else None,
+                    leader_worker_address=address,
+                )
+                body = msgspec.json.encode(summary)
+                self.send_response(200 if self.path == "/api/v1/cluster" else 404)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        ).start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+async def test_worker_connects_to_the_leader_the_brokers_name(env: Env) -> None:
+    cluster = ClusterServer()
+    second = FakeBroker()
+    await second.start()
+    try:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            dead_url = f"http://127.0.0.1:{sock.getsockname()[1]}"  # nothing listens
+        worker = env.worker(
+            broker="",
+            brokers=[dead_url, cluster.url],
+            download_from_leader=True,
+            discovery_timeout_s=0.5,
+        )
+        # No leader yet: the worker keeps asking (with backoff), connecting nowhere.
+        await until(lambda: cluster.requests >= 2)
+        assert not env.broker.all and not worker.connected
+        cluster.leader = f"127.0.0.1:{env.broker.port}"
+        conn = await env.broker.connect()
+        await asyncio.wait_for(worker.wait_connected(), WAIT_S)
+        assert worker.broker_address == cluster.leader
+        assert worker.runtime.artifacts.http_url == cluster.url
+        conn.assign(task(1, "sleep", {"seconds": 30}))
+        await until(lambda: bool(worker.runtime.running()))
+        # The leader changes: its endpoint closes, the brokers name another one.
+        cluster.leader = f"127.0.0.1:{second.port}"
+        await conn.close()
+        new_conn = await second.connect(keep=(TaskAttempt(1, 1),))
+        assert new_conn.hello is not None
+        assert new_conn.hello.running == (TaskAttempt(1, 1),)  # reconcile as usual
+        await until(lambda: worker.sessions == 2)
+        assert worker.broker_address == cluster.leader
+        assert len(env.broker.all) == 1  # never back to the old endpoint
+    finally:
+        await second.close()
+        cluster.stop()
+
+
+async def test_find_leader_asks_each_broker_in_turn() -> None:
+    cluster = ClusterServer()
+    try:
+        with pytest.raises(LeaderUnknownError, match="no leader known"):
+            await find_leader([cluster.url], timeout_s=1.0)
+        cluster.leader = "127.0.0.1:7070"
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            dead_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        address, leader_url, index = await find_leader([dead_url, cluster.url], timeout_s=1.0)
+        assert (address, leader_url, index) == ("127.0.0.1:7070", cluster.url, 1)
+        cluster.leader = "no port"
+        with pytest.raises(LeaderUnknownError, match="bad leader_worker_address"):
+            await find_leader([cluster.url], timeout_s=1.0)
+    finally:
+        cluster.stop()
+
+
+def test_brokers_option_and_config() -> None:
+    from clients.worker.__main__ import build_parser, config_from_args
+
+    args = build_parser().parse_args(["--brokers", "http://a:1, http://b:2/"])
+    config = config_from_args(args)
+    assert config.brokers == ["http://a:1", "http://b:2"]
+    assert config.download_from_leader and config.http_url == "http://a:1"
+    args = build_parser().parse_args(["--brokers", "http://a:1", "--http-url", "http://c:3"])
+    assert not config_from_args(args).download_from_leader
+    args = build_parser().parse_args(["--broker", "127.0.0.1:7071"])
+    config = config_from_args(args)
+    assert config.brokers == [] and config.broker_address() == ("127.0.0.1", 7071)
+    for bad in (
+        ["--brokers", "a:1"],
+        ["--brokers", ","],
+        ["--broker", "h:1", "--brokers", "http://a:1"],
+    ):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(bad)
+    with pytest.raises(ValueError, match="http"):
+        WorkerConfig(broker="", http_url="", brokers=["ftp://x"])
