@@ -146,6 +146,9 @@ class ArtifactView(msgspec.Struct):
     name: str
     size_bytes: int
     created_at: str
+    # False until min_replication brokers hold it (or max_replication_wait passed):
+    # tasks using it wait meanwhile.
+    ready: bool = True
 
 
 class Position(msgspec.Struct):

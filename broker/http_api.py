@@ -799,6 +799,7 @@ def artifact_view(artifact: Artifact) -> m.ArtifactView:
         name=artifact.name,
         size_bytes=artifact.size_bytes,
         created_at=iso_ms(artifact.created_ms) or "",
+        ready=artifact.ready,
     )
 
 
