@@ -209,7 +209,11 @@ class CodeReplicator:
             return
         if sha256 in self._work:
             return  # already being handled
-        if sha256 in self._registered and self._session_id == self._current_session():
+        if (
+            sha256 in self._registered
+            and self._session_id == self._current_session()
+            and self._store.has(sha256)  # a registered copy can still be lost on disk
+        ):
             return
         task = self._loop.create_task(self._ensure(sha256), name=f"code-{sha256[:12]}")
         self._work[sha256] = task
