@@ -269,6 +269,10 @@ class ClusterBroker:
             reason, self._deposed = self._deposed, None
             await self._stop_leading(reason)
             await self._requeue()
+        elif node.role in (Role.LEADER, Role.CANDIDATE) and node.deposed_reason is not None:
+            # Deposed by a blip the elector already got over ("not leader", then "leader"
+            # again before this ran): step down fully, then take over afresh below.
+            await self._stop_leading(node.deposed_reason)
         if self.elector.is_leader() and node.role not in (Role.LEADER, Role.CANDIDATE):
             await self._take_over()
         elif not self.elector.is_leader() and node.role in (Role.LEADER, Role.CANDIDATE):

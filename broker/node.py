@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import copy
 import fcntl
 import hashlib
 import logging
@@ -37,6 +38,8 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Final
+
+import msgspec
 
 from broker import entries as e
 from broker.state import ApplyResult, StateMachine, StopRunning
@@ -320,10 +323,17 @@ class Node:
         return self._failure
 
     @property
+    def deposed_reason(self) -> str | None:
+        """Why this leader stopped taking writes (None while it may take them)."""
+        return self._deposed
+
+    @property
     def writable(self) -> bool:
         return (
             self.role in (Role.STANDALONE, Role.LEADER)
-            and self._writer is not None
+            # Mid-roll there is briefly no writer: proposals wait at the gate for the
+            # next one, so the leader still takes writes (no 503 on every roll).
+            and (self._writer is not None or self._gate is not None)
             and self._failure is None
             and self._deposed is None
             and not self._closing
@@ -602,7 +612,10 @@ class Node:
             return "this broker is taking over as leader; retry shortly"
         return "the broker is not ready"
 
-    def _on_durable(self, _: asyncio.Future[int]) -> None:
+    def _on_durable(self, durable: asyncio.Future[int]) -> None:
+        if not durable.cancelled():
+            # Read through _inflight, or dropped once deposed: no "never retrieved" noise.
+            durable.exception()
         if self.leadership_check is None:
             self._apply_durable_head(len(self._inflight))
         else:
@@ -630,7 +643,7 @@ class Node:
             final, stops = self.state.drain_effects()
             self._notify(entry, result, final, stops)
             if not item.answer.done():
-                item.answer.set_result(result)
+                item.answer.set_result(_detached(result))
         self._maybe_roll()
 
     async def _confirm_loop(self) -> None:
@@ -645,12 +658,13 @@ class Node:
                 count += 1
             if count == 0:
                 continue
-            failed = any(self._inflight[i].durable.exception() is not None for i in range(count))
-            if not failed:
-                reason = await self._leadership_lost_reason()
-                if reason is not None:
-                    self._depose(reason)
-                    return
+            # Also when an append of the batch failed: the durable entries before it are
+            # applied and answered, so they need the confirmation too (a fenced append
+            # means another leader already took over).
+            reason = await self._leadership_lost_reason()
+            if reason is not None:
+                self._depose(reason)
+                return
             self._apply_durable_head(count)
             if self._inflight and self._inflight[0].durable.done():
                 self._durable_ready.set()
@@ -844,6 +858,14 @@ class Node:
         for ledger_id in expired:
             await self.ledgers.delete_ledger(ledger_id)
         logger.info("retention deleted ledgers %s", expired)
+
+
+def _detached(result: ApplyResult) -> ApplyResult:
+    """A result the caller can read later: apply may return a live state object (a
+    Tenant), which the rest of the batch, applied before the caller resumes, changes."""
+    if isinstance(result, msgspec.Struct) and not result.__struct_config__.frozen:
+        return copy.copy(result)
+    return result
 
 
 async def _cancel_all(tasks: list[asyncio.Task[None]]) -> None:

@@ -7,6 +7,11 @@ closing it and opening a new one on the same cluster.
 An append becomes durable on the next event-loop iteration, together with every other
 append queued in the same iteration (a stand-in for group commit), so pending appends
 exist and fencing can catch them.
+
+With ``MemoryLedgerCluster(sync_delay_s=...)`` a flushed batch is readable at once but
+durable (its futures resolved, counted in the LAC) only that much later, like a write in
+the page cache before its fsync: tailing readers then see unconfirmed entries, and
+:meth:`MemoryLedgerStore.crash` (a kill -9 of the store's process) loses them.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ class _MemoryLedger:
         self.fenced_last_entry_id: int | None = None
         self.deleted = False
         self.writer: MemoryLedgerWriter | None = None
-        self._waiters: set[asyncio.Future[None]] = set()
+        # A dict, not a set: waking in a fixed order keeps seeded simulations reproducible.
+        self._waiters: dict[asyncio.Future[None], None] = {}
 
     def wake_waiters(self) -> None:
         for waiter in self._waiters:
@@ -52,21 +58,23 @@ class _MemoryLedger:
 
     async def wait_for_change(self, timeout_s: float) -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.add(waiter)
+        self._waiters[waiter] = None
         try:
             # asyncio.wait, unlike wait_for, never raises on timeout.
             await asyncio.wait({waiter}, timeout=timeout_s)
         finally:
-            self._waiters.discard(waiter)
+            self._waiters.pop(waiter, None)
 
 
 class MemoryLedgerCluster:
     """The storage shared by the :class:`MemoryLedgerStore` instances built on it."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, sync_delay_s: float = 0.0) -> None:
         self.ledgers: dict[int, _MemoryLedger] = {}
         # Ids start at 1 like the file backend, so 0 never looks like a real ledger.
         self.next_ledger_id = 1
+        # > 0: written batches are readable before they are durable (see the module doc).
+        self.sync_delay_s = sync_delay_s
 
 
 class MemoryLedgerWriter(LedgerWriter):
@@ -78,6 +86,9 @@ class MemoryLedgerWriter(LedgerWriter):
         self._size_bytes = 0
         self._pending: list[tuple[int, bytes, asyncio.Future[int]]] = []
         self._flush_handle: asyncio.Handle | None = None
+        # Stored (readable) but not yet durable: only with a cluster sync delay.
+        self._unsynced: list[tuple[int, asyncio.Future[int]]] = []
+        self._sync_handle: asyncio.TimerHandle | None = None
         self._closed = False
         self._fenced = False
 
@@ -126,12 +137,29 @@ class MemoryLedgerWriter(LedgerWriter):
         lac = self._last_add_confirmed
         for entry_id, data, _ in batch:
             self._ledger.entries.append(LedgerEntry(self.ledger_id, entry_id, lac, data))
+        written = [(entry_id, future) for entry_id, _, future in batch]
+        delay_s = self._store.cluster.sync_delay_s
+        if delay_s > 0:
+            self._unsynced += written
+            if self._sync_handle is None:
+                self._sync_handle = asyncio.get_running_loop().call_later(delay_s, self._sync)
+        else:
+            self._confirm(written)
+        self._ledger.wake_waiters()
+
+    def _sync(self) -> None:
+        # Like an fsync, covers every batch written before it runs.
+        self._sync_handle = None
+        batch, self._unsynced = self._unsynced, []
+        if batch:
+            self._confirm(batch)
+
+    def _confirm(self, batch: list[tuple[int, asyncio.Future[int]]]) -> None:
         self._last_add_confirmed = batch[-1][0]
-        for entry_id, _, future in batch:
+        for entry_id, future in batch:
             # A cancelled future's entry is stored anyway, as it would be on disk.
             if not future.done():
                 future.set_result(entry_id)
-        self._ledger.wake_waiters()
 
     def _fail_pending(self, error_type: type[LedgerError], reason: str) -> None:
         if self._flush_handle is not None:
@@ -150,9 +178,35 @@ class MemoryLedgerWriter(LedgerWriter):
     def on_deleted(self) -> None:
         self._fail_pending(NoSuchLedgerError, f"ledger {self.ledger_id} was deleted")
 
+    def crash(self) -> None:
+        """The writer's process died: queued and unsynced appends are lost (those a
+        recovery already fenced into the ledger stay), every later append fails."""
+        self._closed = True
+        lost = [future for _, _, future in self._pending]
+        self._fail_pending(LedgerClosedError, "the writer's process died")
+        if self._sync_handle is not None:
+            self._sync_handle.cancel()
+            self._sync_handle = None
+        unsynced, self._unsynced = self._unsynced, []
+        if unsynced:
+            keep = unsynced[0][0]
+            fenced_last = self._ledger.fenced_last_entry_id
+            if fenced_last is not None:
+                keep = max(keep, fenced_last + 1)
+            del self._ledger.entries[keep:]
+        for _, future in unsynced:
+            lost.append(future)
+            if not future.done():
+                future.set_exception(LedgerClosedError("the writer's process died"))
+        for future in lost:
+            if not future.cancelled():
+                future.exception()  # nobody is left to read it: keep asyncio quiet
+        self._store.forget(self)
+
     async def close(self) -> int:
         self._closed = True
         pending = {future for _, _, future in self._pending}
+        pending.update(future for _, future in self._unsynced)
         if pending:
             # asyncio.wait does not cancel the appends if close() itself is cancelled.
             await asyncio.wait(pending)
@@ -264,6 +318,15 @@ class MemoryLedgerStore(LedgerStore):
     async def list_ledgers(self) -> list[int]:
         self._check_open()
         return sorted(self.cluster.ledgers)
+
+    def crash(self) -> None:
+        """Simulate this store's process being killed (kill -9), no cleanup: its writers
+        lose what is not durable yet (see :meth:`MemoryLedgerWriter.crash`); the store
+        refuses every later call. The ledgers stay in the cluster for the other stores."""
+        for writer in list(self._writers):
+            assert isinstance(writer, MemoryLedgerWriter)
+            writer.crash()
+        self._closed = True
 
 
 def _copy_list(ledger_list: LedgerList) -> LedgerList:
