@@ -1,0 +1,114 @@
+"""``steward cluster up``: ZooKeeper, 3 brokers and a worker on this machine; a task runs
+through it; SIGTERM stops every process it started, cleanly."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from clients.client import StewardClient
+from tests.procs import steward_command
+
+START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 90.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purpose; its parent reaps it.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _descendants(pid: int) -> set[int]:
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        try:
+            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+        except FileNotFoundError:
+            continue
+        for child in map(int, children):
+            if child not in found:
+                found.add(child)
+                frontier.append(child)
+    return found
+
+
+def test_cluster_up_runs_a_task_and_stops_cleanly(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [
+            *steward_command(),
+            "cluster",
+            "up",
+            "--brokers",
+            "3",
+            "--workers",
+            "1",
+            "--data-dir",
+            str(tmp_path / "cluster"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    up = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("cluster up"):
+                up.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    children: set[int] = set()
+    try:
+        assert up.wait(START_TIMEOUT_S), "cluster up did not come up:\n" + "".join(lines)
+        output = "".join(lines)
+        urls = re.findall(r"^broker-\d+\s+(http://127\.0\.0\.1:\d+)$", output, re.MULTILINE)
+        assert len(urls) == 3, output
+        assert re.search(r"^zookeeper\s+127\.0\.0\.1:\d+$", output, re.MULTILINE), output
+        children = _descendants(proc.pid)
+        assert len(children) >= 5, children  # ZooKeeper, 3 brokers, 1 worker
+        with StewardClient(urls) as client:
+            handle = client.submit("sleep", params={"seconds": 0.1}, tenant="up")
+            task = handle.wait(timeout=60)
+            assert task["state"] == "finished", task
+            summary = client.cluster()
+            assert summary["leader"] is not None
+            assert len(summary["brokers"]) == 3
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            for pid in children:
+                if _alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            raise
+        reader.join(timeout=5)
+    print("".join(lines[-6:]))
+    assert code == 0, "".join(lines)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in children):
+        time.sleep(0.1)
+    leftovers = [pid for pid in children if _alive(pid)]
+    for pid in leftovers:
+        os.kill(pid, signal.SIGKILL)
+    assert not leftovers, f"processes left behind: {leftovers}"
