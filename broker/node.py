@@ -675,8 +675,7 @@ class Node:
             return "lost the election or the ZooKeeper connection"
         try:
             async with self._ledger_list_lock:
-                await self.ledger_list.sync()
-                _, version = await self.ledger_list.get()
+                version = await self.ledger_list.confirmed_version()
         except LedgerError as exc:
             return f"cannot confirm leadership in ZooKeeper: {exc}"
         if version != self._list_version:

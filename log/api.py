@@ -208,6 +208,16 @@ class LedgerListStore(ABC):
         Raises :class:`BadVersionError` otherwise. ``expected_version=-1`` creates it.
         """
 
+    async def confirmed_version(self) -> int:
+        """The list's version as of now, linearizably: ``sync`` then read the version.
+
+        The leader's check after each group commit; a replicated store may pipeline the
+        two requests into one round trip.
+        """
+        await self.sync()
+        _, version = await self.get()
+        return version
+
     async def sync(self) -> None:  # noqa: B027 - a no-op for stores without replicas
         """Make the next ``get`` see every change committed before this call.
 

@@ -7,15 +7,22 @@ Layout of the store's directory:
   The crc32 (zlib) covers entry id, last add confirmed and payload. The valid data of a
   segment ends at the first frame that is incomplete, fails its CRC or does not carry the
   next entry id, so a torn tail (crash during a write) is simply not part of the ledger.
+- ``ledger-<id:012d>.fencing``: written by recovery first, before it measures the ledger.
+  Its existence fences the writer (see below).
 - ``ledger-<id:012d>.fenced``: written by recovery (JSON: recovered last entry id and valid
   length). Its existence fences the writer; every reader stops at the recorded length.
 - ``next-id`` and ``next-id.lock``: the next ledger id, allocated under ``flock`` so ids keep
   increasing across restarts and across processes (also after the newest ledger was deleted).
 
-Fencing across processes on one host uses ``flock`` on the segment file itself: the writer
-holds it around each batch's (fence check, write, fdatasync), recovery holds it while it
-measures the valid prefix, writes the marker and truncates. flock locks belong to open file
-descriptions, so this also works between stores or threads of one process.
+Fencing across processes on one host: recovery creates the ``.fencing`` marker, then
+measures the valid prefix, writes the ``.fenced`` marker and truncates. The writer checks
+for either marker before each batch's write and again after its fdatasync, and fails the
+batch if one exists: a batch is acknowledged only when its bytes were in the file before
+the ``.fencing`` marker was created, hence before recovery measured the ledger. A writer
+frozen in the middle of a batch (SIGSTOP) therefore cannot block recovery, and nothing it
+writes later is ever acknowledged. Both also take ``flock`` on the segment file (the writer
+around each batch, recovery while it measures, waiting for it a bounded time only), which
+keeps a live writer's batch whole instead of cut by the measurement.
 
 Group commit: ``append`` only queues; one flusher task per writer writes everything queued
 with one write and one fdatasync in a worker thread, and appends arriving meanwhile form the
@@ -64,7 +71,9 @@ _CRC_PREFIX = struct.Struct(">Qq")
 #: corrupted length field cannot make a reader wait for gigabytes that never come.
 MAX_ENTRY_SIZE_BYTES = 64 * 1024 * 1024
 _SCAN_CHUNK_BYTES = 1024 * 1024
-_LEDGER_FILE_RE = re.compile(r"^ledger-(\d+)\.(log|fenced)$")
+_LEDGER_FILE_RE = re.compile(r"^ledger-(\d+)\.(log|fenced|fencing)$")
+#: How long recovery waits for a writer's batch in progress before measuring without it.
+RECOVERY_LOCK_WAIT_S = 0.5
 _NEXT_ID_FILE = "next-id"
 _NEXT_ID_LOCK_FILE = "next-id.lock"
 
@@ -134,6 +143,19 @@ def _atomic_write(path: str, data: bytes) -> None:
         os.close(fd)
     os.replace(tmp_path, path)
     _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _lock_with_timeout(fd: int, timeout_s: float) -> bool:
+    """flock(LOCK_EX), giving up after ``timeout_s``; True when the lock is held."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
 
 
 def _unlink_if_exists(path: str) -> None:
@@ -269,6 +291,7 @@ class FileLedgerWriter(LedgerWriter):
         self._ledger_id = ledger_id
         self._fd = fd
         self._marker_path = store.marker_path(ledger_id)
+        self._fencing_path = store.fencing_path(ledger_id)
         self._next_entry_id = 0
         self._last_add_confirmed = -1
         self._size_bytes = 0
@@ -350,16 +373,22 @@ class FileLedgerWriter(LedgerWriter):
         data = _encode_batch(payloads, first_entry_id, last_add_confirmed)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
-            # Checked under the lock recovery takes to create the marker: once the marker
-            # exists, no byte of ours lands in the file.
-            if os.path.exists(self._marker_path):
+            if self._fenced():
                 raise LedgerFencedError("fenced by recovery")
             if os.fstat(self._fd).st_nlink == 0:
                 raise NoSuchLedgerError("deleted")
             _write_all(self._fd, data)
             os.fdatasync(self._fd)
+            # A recovery that did not wait for our lock (we may have been frozen holding
+            # it) may have measured the ledger before these bytes: then its marker exists
+            # now and the batch must not be acknowledged.
+            if self._fenced():
+                raise LedgerFencedError("fenced by recovery during the write")
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _fenced(self) -> bool:
+        return os.path.exists(self._fencing_path) or os.path.exists(self._marker_path)
 
     def _fail(
         self,
@@ -522,6 +551,9 @@ class FileLedgerStore(LedgerStore):
     def log_path(self, ledger_id: int) -> str:
         return os.path.join(self._directory, f"ledger-{ledger_id:012d}.log")
 
+    def fencing_path(self, ledger_id: int) -> str:
+        return os.path.join(self._directory, f"ledger-{ledger_id:012d}.fencing")
+
     def marker_path(self, ledger_id: int) -> str:
         return os.path.join(self._directory, f"ledger-{ledger_id:012d}.fenced")
 
@@ -609,8 +641,20 @@ class FileLedgerStore(LedgerStore):
         fd = self._open_fd_sync(ledger_id, os.O_RDWR)
         try:
             index = _FrameIndex(fd, ledger_id)
-            # Waits for the writer's batch in progress, which therefore counts as written.
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fencing_path = self.fencing_path(ledger_id)
+            if not os.path.exists(self.marker_path(ledger_id)):
+                # Before measuring: from now on the writer acknowledges nothing more.
+                with open(fencing_path, "wb") as fencing:
+                    os.fsync(fencing.fileno())
+                _fsync_dir(self._directory)
+            # Waits (bounded) for the writer's batch in progress, which then counts as
+            # written; a writer frozen while holding the lock is not waited for.
+            locked = _lock_with_timeout(fd, RECOVERY_LOCK_WAIT_S)
+            if not locked:
+                logger.warning(
+                    "ledger %d: the writer holds its lock (frozen?); recovering without it",
+                    ledger_id,
+                )
             try:
                 stat = os.fstat(fd)
                 if stat.st_nlink == 0:
@@ -634,7 +678,8 @@ class FileLedgerStore(LedgerStore):
                     os.ftruncate(fd, marker.length_bytes)
                     os.fsync(fd)
             finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+                if locked:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
             return index, marker
         except BaseException:
             os.close(fd)
@@ -668,7 +713,12 @@ class FileLedgerStore(LedgerStore):
     def _delete_sync(self, ledger_id: int) -> None:
         # The segment first: a crash that leaves only a marker leaves no ledger behind.
         marker_path = self.marker_path(ledger_id)
-        for path in (self.log_path(ledger_id), marker_path, marker_path + ".tmp"):
+        for path in (
+            self.log_path(ledger_id),
+            marker_path,
+            marker_path + ".tmp",
+            self.fencing_path(ledger_id),
+        ):
             _unlink_if_exists(path)
         _fsync_dir(self._directory)
 

@@ -168,6 +168,30 @@ class ZooKeeperLedgerListStore(LedgerListStore):
         """
         await self._call(lambda: self._client.sync_async(self._path))
 
+    async def confirmed_version(self) -> int:
+        """``sync`` and ``exists`` sent back to back, awaited together: one round trip.
+
+        ZooKeeper answers one session's requests in order, so the ``exists`` is served
+        after the ``sync`` made this server catch up with the quorum.
+        """
+        if self._client.state != KazooState.CONNECTED:
+            raise LedgerError(f"ZooKeeper client is {self._client.state}, not connected")
+        synced = self._client.sync_async(self._path)
+        stat_result = self._client.exists_async(self._path)
+        try:
+            await kazoo_result(synced, self._timeout_s)
+            stat = await kazoo_result(stat_result, self._timeout_s)
+        except KazooTimeoutError as exc:
+            raise LedgerError(f"ledger list {self._path}: {exc}") from exc
+        except KazooException as exc:
+            raise LedgerError(
+                f"ledger list {self._path}: ZooKeeper error {type(exc).__name__}: {exc}"
+            ) from exc
+        if stat is None:
+            return -1
+        version: int = stat.version
+        return version
+
     async def _call(self, start: Callable[[], Any]) -> Any:
         """Issue one request (``start`` calls a kazoo ``*_async`` method) and await it."""
         # kazoo queues requests while disconnected and sends them after a reconnect; a broker

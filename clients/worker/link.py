@@ -51,6 +51,7 @@ from broker.protocol import (
     Hello,
     Message,
     ProtocolError,
+    TaskAttempt,
     TaskReport,
     Welcome,
     encode_message,
@@ -344,9 +345,19 @@ class Worker:
             task_types={"*": 0} if self._stopping else dict(c.task_types),
             resources=dict(c.resources),
             tenants=tuple(c.tenants),
-            running=tuple(self.runtime.running()),
+            running=self._held_attempts(),
             token=c.token,
         )
+
+    def _held_attempts(self) -> tuple[TaskAttempt, ...]:
+        """What to reconcile: attempts still running, and attempts that finished while
+        disconnected whose report the broker has not acknowledged. The broker must keep
+        the latter as running on this worker so the resent report finishes them; left
+        out, a new leader would re-queue them and run them twice."""
+        held = {(ta.task_id, ta.attempt): ta for ta in self.runtime.running()}
+        for task_id, attempt in self._unacked:
+            held.setdefault((task_id, attempt), TaskAttempt(task_id, attempt))
+        return tuple(held[key] for key in sorted(held))
 
     async def _read_welcome(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, decoder: FrameDecoder

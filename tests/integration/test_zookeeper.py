@@ -170,6 +170,7 @@ async def test_ledger_list_compare_and_set(zookeeper: ZooKeeperServer) -> None:
         path = ledger_list_path(new_cluster())
         store = ZooKeeperLedgerListStore(client, path)
         assert await store.get() == (LedgerList(), -1)
+        assert await store.confirmed_version() == -1
         with pytest.raises(BadVersionError):
             await store.compare_and_set(SAMPLE_LIST, 0)  # does not exist yet
         version = await store.compare_and_set(SAMPLE_LIST, -1)
@@ -185,6 +186,8 @@ async def test_ledger_list_compare_and_set(zookeeper: ZooKeeperServer) -> None:
         other_store = ZooKeeperLedgerListStore(other, path)
         latest = LedgerList(ledgers=updated.ledgers, first_ledger_id=1, writer="b4")
         latest_version = await other_store.compare_and_set(latest, new_version)
+        # The leader's check after a group commit sees the other writer's change too.
+        assert await store.confirmed_version() == latest_version
         await store.sync()
         assert await store.get() == (latest, latest_version)
         with pytest.raises(BadVersionError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import log.file as log_file
 from log.api import (
     LedgerEntry,
     LedgerError,
@@ -473,3 +475,51 @@ async def test_reader_tails_writer_in_another_process(store: FileLedgerStore) ->
     expected = [b"burst-%d-%d" % (burst, i) for burst in range(30) for i in range(10)]
     assert [e.data for e in entries] == expected
     assert all(e.last_add_confirmed < e.entry_id for e in entries)
+
+
+async def test_recovery_does_not_wait_for_a_frozen_writer(store: FileLedgerStore) -> None:
+    # A writer stopped (SIGSTOP) in the middle of a batch holds the segment's flock; a
+    # second open file description holding it here plays that writer.
+    writer = await store.create_ledger()
+    acked = [await writer.append(payload(i)) for i in range(3)]
+    frozen_fd = os.open(store.log_path(writer.ledger_id), os.O_RDWR)
+    try:
+        fcntl.flock(frozen_fd, fcntl.LOCK_EX)
+        started = asyncio.get_running_loop().time()
+        reader = await asyncio.wait_for(store.open_ledger(writer.ledger_id, recovery=True), 5)
+        took_s = asyncio.get_running_loop().time() - started
+    finally:
+        os.close(frozen_fd)
+    assert took_s < 2.0, f"recovery waited {took_s:.2f} s for the frozen writer"
+    assert reader.last_entry_id == max(acked)
+    # The writer resumes: nothing more of it is ever acknowledged.
+    with pytest.raises(LedgerFencedError):
+        await writer.append(payload(3))
+    assert [e.entry_id for e in await reader.read(0, 10)] == acked
+    await reader.close()
+
+
+async def test_batch_written_after_recovery_started_is_not_acknowledged(
+    store: FileLedgerStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The writer passed its fence check, then recovery created its marker and measured the
+    # ledger before the batch's bytes landed (the writer was frozen in between): the batch
+    # must fail even though its bytes are in the file.
+    writer = await store.create_ledger()
+    assert await writer.append(payload(0)) == 0
+    real_write_all = log_file._write_all
+
+    def write_after_fencing(fd: int, data: bytes) -> None:
+        open(store.fencing_path(writer.ledger_id), "wb").close()
+        real_write_all(fd, data)
+
+    monkeypatch.setattr(log_file, "_write_all", write_after_fencing)
+    with pytest.raises(LedgerFencedError):
+        await writer.append(payload(1))
+    monkeypatch.setattr(log_file, "_write_all", real_write_all)
+    reader = await store.open_ledger(writer.ledger_id, recovery=True)
+    # Recovery counts what is in the file; the client was never told entry 1 succeeded.
+    assert reader.last_entry_id is not None and reader.last_entry_id >= 0
+    await reader.close()
+    await store.delete_ledger(writer.ledger_id)
+    assert not await asyncio.to_thread(os.path.exists, store.fencing_path(writer.ledger_id))

@@ -575,6 +575,23 @@ async def test_reconnect_lists_running_task_and_delivers_its_finish(env: Env) ->
     assert worker.sessions == 2
 
 
+async def test_reconnect_lists_a_task_finished_while_disconnected(env: Env) -> None:
+    # Finished while the broker was away, report not acknowledged: the next broker (a new
+    # leader) must keep it running on this worker, so the resent report finishes it
+    # instead of the task being re-queued and run twice.
+    worker, conn = await env.started(finish_resend_s=30.0)
+    conn.assign(task(1, "noop"))
+    await conn.next(Finish)  # lost with the connection: never acknowledged
+    assert worker.runtime.running() == []
+    await conn.close()
+    conn2 = await env.broker.accept()
+    assert conn2.hello is not None
+    assert conn2.hello.running == (TaskAttempt(1, 1),)
+    conn2.welcome(keep=(TaskAttempt(1, 1),))
+    report = await conn2.report()
+    assert report.task_id == 1 and report.attempt == 1
+
+
 async def test_reconnect_backs_off_while_the_broker_is_down(env: Env) -> None:
     broker = FakeBroker()
     await broker.start()
