@@ -148,8 +148,10 @@ def first_write_after(cluster: Cluster, excluded: int, since: float, limit_s: fl
     raise SystemExit(f"no write acknowledged within {limit_s} s")
 
 
-def scenario_failover(cluster: Cluster, runs: int) -> None:
-    kills: list[float] = []
+def measure_leader_loss(cluster: Cluster, runs: int, how: str) -> list[float]:
+    """``how`` = "kill" (kill -9) or "term" (SIGTERM, graceful): seconds from the signal to
+    the first write acknowledged by another broker, per run (the broker restarts after)."""
+    took_s: list[float] = []
     for run in range(runs):
         leader = cluster.leader()
         cluster.wait_followers()
@@ -157,26 +159,22 @@ def scenario_failover(cluster: Cluster, runs: int) -> None:
         proc = cluster.procs[leader]
         assert proc is not None
         started = time.monotonic()
-        proc.kill()
+        if how == "kill":
+            proc.kill()
+        else:
+            proc.send_signal(signal.SIGTERM)
         took = first_write_after(cluster, leader, started, 30.0)
-        kills.append(took)
-        print(f"kill -9 run {run + 1}: first acknowledged write after {took:.3f} s", flush=True)
-        proc.wait()
-        cluster.start(leader)
-    graceful: list[float] = []
-    for run in range(runs):
-        leader = cluster.leader()
-        cluster.wait_followers()
-        time.sleep(1.0)
-        proc = cluster.procs[leader]
-        assert proc is not None
-        started = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        took = first_write_after(cluster, leader, started, 30.0)
-        graceful.append(took)
-        print(f"SIGTERM run {run + 1}: first acknowledged write after {took:.3f} s", flush=True)
+        took_s.append(took)
+        label = "kill -9" if how == "kill" else "SIGTERM"
+        print(f"{label} run {run + 1}: first acknowledged write after {took:.3f} s", flush=True)
         proc.wait(timeout=60)
         cluster.start(leader)
+    return took_s
+
+
+def scenario_failover(cluster: Cluster, runs: int) -> None:
+    kills = measure_leader_loss(cluster, runs, "kill")
+    graceful = measure_leader_loss(cluster, runs, "term")
     print(
         f"failover (kill -9, session timeout {SESSION_TIMEOUT_MS} ms): median "
         f"{statistics.median(kills):.3f} s, max {max(kills):.3f} s over {runs} runs"

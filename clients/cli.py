@@ -71,6 +71,25 @@ def _resource(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"expected NAME=AMOUNT, got {text!r}") from None
 
 
+def _add_broker_options(p: argparse.ArgumentParser) -> None:
+    """Options every kind of broker takes (standalone and cluster)."""
+    p.add_argument(
+        "--worker-token",
+        default=os.environ.get("STEWARD_WORKER_TOKEN"),
+        help="workers must present this token (env STEWARD_WORKER_TOKEN)",
+    )
+    p.add_argument("--heartbeat-interval-ms", type=int, default=1000)
+    p.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=10_000,
+        help="a worker silent or disconnected this long is declared dead (default %(default)s)",
+    )
+    p.add_argument("--snapshot-interval-s", type=float, default=60.0)
+    p.add_argument("--ledger-roll-mb", type=float, default=64.0)
+    p.add_argument("--log-level", default="INFO")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="steward", description="Steward: a highly available resource manager for tasks"
@@ -110,21 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="also start N worker processes connected to this broker",
     )
-    p.add_argument(
-        "--worker-token",
-        default=os.environ.get("STEWARD_WORKER_TOKEN"),
-        help="workers must present this token (env STEWARD_WORKER_TOKEN)",
-    )
-    p.add_argument("--heartbeat-interval-ms", type=int, default=1000)
-    p.add_argument(
-        "--heartbeat-timeout-ms",
-        type=int,
-        default=10_000,
-        help="a worker silent or disconnected this long is declared dead (default %(default)s)",
-    )
-    p.add_argument("--snapshot-interval-s", type=float, default=60.0)
-    p.add_argument("--ledger-roll-mb", type=float, default=64.0)
-    p.add_argument("--log-level", default="INFO")
+    _add_broker_options(p)
 
     p = sub.add_parser(
         "broker", help="run one broker of a highly available cluster (ZooKeeper, shared ledgers)"
@@ -161,18 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="brokers that must hold an uploaded artifact before its tasks run",
     )
     p.add_argument("--max-replication-wait-ms", type=int, default=60_000)
-    p.add_argument(
-        "--worker-token",
-        default=os.environ.get("STEWARD_WORKER_TOKEN"),
-        help="workers must present this token (env STEWARD_WORKER_TOKEN)",
-    )
-    p.add_argument("--heartbeat-interval-ms", type=int, default=1000)
-    p.add_argument("--heartbeat-timeout-ms", type=int, default=10_000)
-    p.add_argument("--snapshot-interval-s", type=float, default=60.0)
-    p.add_argument("--ledger-roll-mb", type=float, default=64.0)
+    _add_broker_options(p)
     p.add_argument("--ledger-roll-age-s", type=float, default=3600.0)
     p.add_argument("--ledger-retention-h", type=float, default=48.0)
-    p.add_argument("--log-level", default="INFO")
 
     p = sub.add_parser(
         "worker",
