@@ -464,6 +464,11 @@ class Node:
             with contextlib.suppress(LedgerError):
                 await writer.close()
             raise
+        if self.leadership_check is not None:
+            # Entries carry as LAC only what this leader confirmed in ZooKeeper, so the
+            # late appends of a deposed leader (a backend that cannot fence) never make
+            # followers apply anything beyond the history the next leader recovers.
+            writer.confirm(-1)
         self._writer = writer
         self._writer_created_ms = created_ms
 
@@ -666,6 +671,9 @@ class Node:
                 self._depose(reason)
                 return
             self._apply_durable_head(count)
+            writer = self._writer
+            if writer is not None and self.position[0] == writer.ledger_id:
+                writer.confirm(self.position[1])
             if self._inflight and self._inflight[0].durable.done():
                 self._durable_ready.set()
 

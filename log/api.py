@@ -57,6 +57,26 @@ class LedgerEntry:
 class LedgerWriter(ABC):
     """The one writer of one ledger. Appends complete in call order."""
 
+    # Set once the owner confirms entries itself (see confirm()).
+    _confirmed_by_owner: int | None = None
+
+    def confirm(self, entry_id: int) -> None:
+        """The owner vouches for the entries up to ``entry_id``.
+
+        From the first call on, appends carry ``min(durable, confirmed)`` as their
+        last-add-confirmed instead of the durable horizon alone. A replicated log calls it
+        after its own leadership check (DESIGN §4): with a backend that cannot fence, a
+        deposed writer's late appends then never confirm an entry that is not part of
+        the history the next leader recovered. ``confirm(-1)`` only switches this on.
+        """
+        if self._confirmed_by_owner is None or entry_id > self._confirmed_by_owner:
+            self._confirmed_by_owner = entry_id
+
+    def lac_to_stamp(self, durable: int) -> int:
+        """The last-add-confirmed to write into the next entries (for backends)."""
+        owner = self._confirmed_by_owner
+        return durable if owner is None else min(durable, owner)
+
     @property
     @abstractmethod
     def ledger_id(self) -> int: ...

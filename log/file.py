@@ -342,7 +342,7 @@ class FileLedgerWriter(LedgerWriter):
             while self._pending and self._failure is None:
                 batch, self._pending = self._pending, []
                 payloads = [payload for _, payload, _ in batch]
-                lac = self._last_add_confirmed
+                lac = self.lac_to_stamp(self._last_add_confirmed)
                 try:
                     await _in_thread(self._write_batch_sync, payloads, batch[0][0], lac)
                 except Exception as exc:

@@ -134,7 +134,7 @@ class MemoryLedgerWriter(LedgerWriter):
         if not batch:
             return
         # Like the file backend: the LAC stamped is what was durable when the batch started.
-        lac = self._last_add_confirmed
+        lac = self.lac_to_stamp(self._last_add_confirmed)
         for entry_id, data, _ in batch:
             self._ledger.entries.append(LedgerEntry(self.ledger_id, entry_id, lac, data))
         written = [(entry_id, future) for entry_id, _, future in batch]

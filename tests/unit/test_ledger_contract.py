@@ -379,3 +379,19 @@ async def test_ledger_list_concurrent_compare_and_set_has_one_winner(
         current, current_version = await stores[0].get()
         assert current_version == version
         assert current.writer.startswith(f"{round_number}-")
+
+
+async def test_owner_confirmed_lac_caps_what_entries_confirm(store: LedgerStore) -> None:
+    # A replicated log confirms entries itself (after its leadership check): entries then
+    # carry min(durable, confirmed), so unconfirmed durable entries confirm nothing.
+    writer = await store.create_ledger()
+    writer.confirm(-1)
+    await append_sequentially(writer, 3)
+    writer.confirm(1)
+    await append_sequentially(writer, 2)
+    writer.confirm(0)  # never goes back
+    await append_sequentially(writer, 1)
+    reader = await store.open_ledger(writer.ledger_id, recovery=False)
+    assert [e.last_add_confirmed for e in await reader.read(0, 10)] == [-1, -1, -1, 1, 1, 1]
+    assert writer.last_add_confirmed == 5  # the durable horizon itself is unchanged
+    await reader.close()
