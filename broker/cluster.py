@@ -53,9 +53,10 @@ from broker.node import (
 from broker.standalone import start_http_server, stop_http_server
 from broker.state import LIVE_STATES
 from broker.worker_link import WorkerLink, WorkerLinkConfig
-from log.api import LedgerError
+from log.api import LedgerError, LedgerStore
 from log.file import FileLedgerStore
-from log.zk_list import ZooKeeperLedgerListStore, ledger_list_path
+from log.pulsar import PulsarConfig, PulsarLedgerStore
+from log.zk_list import ZooKeeperLedgerIdAllocator, ZooKeeperLedgerListStore, ledger_list_path
 from snapshot.store import SnapshotStore
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,8 @@ _RETRY_DELAY_S = 0.5
 class BrokerConfig:
     node: NodeConfig  # data_dir is this broker's own; cluster_id is the cluster name
     zookeeper: str  # connect string "host:port,..."
-    ledger_dir: Path  # the file ledger backend's directory, shared by the brokers
+    # The file backend's directory, shared by the brokers (one host); unused with pulsar.
+    ledger_dir: Path | None = None
     api: ApiConfig = field(default_factory=ApiConfig)
     workers: WorkerLinkConfig = field(default_factory=WorkerLinkConfig)
     session_timeout_ms: int = 4_000
@@ -75,6 +77,17 @@ class BrokerConfig:
     max_replication_wait_ms: int = 60_000
     # How long to keep trying peers for a snapshot / artifacts before retrying later.
     peer_timeout_s: float = 60.0
+    # "file" (ledger_dir) or "pulsar" (pulsar: where and how).
+    ledgers: str = "file"
+    pulsar: PulsarConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.ledgers == "file" and self.ledger_dir is None:
+            raise ValueError("the file ledger backend needs a ledger directory")
+        if self.ledgers == "pulsar" and self.pulsar is None:
+            raise ValueError("the pulsar ledger backend needs a Pulsar configuration")
+        if self.ledgers not in ("file", "pulsar"):
+            raise ValueError(f"unknown ledger backend {self.ledgers!r}")
 
 
 def _free_port(host: str) -> int:
@@ -120,7 +133,7 @@ class ClusterBroker:
         )
         self.node = Node(
             node_config,
-            ledgers=FileLedgerStore(config.ledger_dir),
+            ledgers=self._ledger_store(),
             ledger_list=ZooKeeperLedgerListStore(self.zk, ledger_list_path(node_config.cluster_id)),
             snapshots=SnapshotStore(
                 node_config.data_dir / "snapshots", keep=node_config.snapshot_keep
@@ -154,6 +167,16 @@ class ClusterBroker:
         self._stopping = False
         self._follow_task: asyncio.Task[None] | None = None
         self._manager: asyncio.Task[None] | None = None
+
+    def _ledger_store(self) -> LedgerStore:
+        config = self.config
+        if config.ledgers == "pulsar":
+            assert config.pulsar is not None
+            # Ids from ZooKeeper: brokers share no disk with this backend.
+            allocator = ZooKeeperLedgerIdAllocator(self.zk, config.node.cluster_id)
+            return PulsarLedgerStore(config.pulsar, allocator)
+        assert config.ledger_dir is not None
+        return FileLedgerStore(config.ledger_dir)
 
     # --- ClusterView --------------------------------------------------------------------
 
@@ -192,6 +215,12 @@ class ClusterBroker:
             raise BrokerStartupError(
                 f"cannot reach ZooKeeper at {self.config.zookeeper}: {exc}"
             ) from None
+        ledgers = self.node.ledgers
+        if isinstance(ledgers, PulsarLedgerStore):
+            try:
+                await ledgers.ensure_namespace_retention()
+            except LedgerError as exc:
+                raise BrokerStartupError(f"Pulsar namespace not usable: {exc}") from None
         await self.node.boot()
         await self.replicator.start()
         try:

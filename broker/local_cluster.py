@@ -23,6 +23,7 @@ from typing import IO
 
 import httpx
 
+from broker.pulsar_lite import PulsarLiteServer
 from broker.zk import ZooKeeperServer, free_port
 
 HOST = "127.0.0.1"
@@ -40,6 +41,7 @@ class LocalClusterConfig:
     zookeeper_port: int | None = None
     min_replication: int = 1
     log_level: str = "INFO"
+    ledgers: str = "file"  # "file" (a shared directory) or "pulsar" (a pulsar-lite broker)
 
 
 @dataclass
@@ -67,8 +69,23 @@ class LocalCluster:
             port=config.zookeeper_port,
             max_session_timeout_ms=max(10_000, config.session_timeout_ms * 2),
         )
+        self.pulsar = (
+            PulsarLiteServer(self.data_dir / "pulsar") if config.ledgers == "pulsar" else None
+        )
         self.brokers: list[_Child] = []
         self.workers: list[_Child] = []
+
+    def _ledger_args(self) -> list[str]:
+        if self.pulsar is None:
+            return ["--ledger-dir", str(self.data_dir / "ledgers")]
+        return [
+            "--ledgers",
+            "pulsar",
+            "--pulsar-url",
+            self.pulsar.service_url,
+            "--pulsar-flavor",
+            "pulsar-lite",
+        ]
 
     def _spawn(self, name: str, args: list[str]) -> _Child:
         logs = self.data_dir / "logs"
@@ -84,6 +101,9 @@ class LocalCluster:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.zookeeper.start()
         print(f"zookeeper   {self.zookeeper.connect_string}", flush=True)
+        if self.pulsar is not None:
+            self.pulsar.start()
+            print(f"pulsar-lite {self.pulsar.service_url}", flush=True)
         for n in range(1, config.brokers + 1):
             port = config.first_http_port + n - 1 if config.first_http_port else free_port()
             name = f"broker-{n}"
@@ -99,8 +119,7 @@ class LocalCluster:
                     name,
                     "--data-dir",
                     str(self.data_dir / name),
-                    "--ledger-dir",
-                    str(self.data_dir / "ledgers"),
+                    *self._ledger_args(),
                     "--http",
                     f"{HOST}:{port}",
                     "--worker-listen",
@@ -185,6 +204,8 @@ class LocalCluster:
             _terminate(child)
         for child in [*self.workers, *self.brokers]:
             child.log.close()
+        if self.pulsar is not None:
+            self.pulsar.stop()
         self.zookeeper.stop()
 
 

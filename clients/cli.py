@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clients.client import (
     StewardClient,
@@ -20,6 +20,9 @@ from clients.client import (
     parse_urls,
 )
 from clients.progress import print_progress
+
+if TYPE_CHECKING:
+    from log.pulsar import PulsarConfig
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 # Shorter than the library's 30 s: someone is waiting at the terminal.
@@ -145,10 +148,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--broker-id", required=True, help="unique name of this broker")
     p.add_argument("--data-dir", type=Path, required=True, help="this broker's own directory")
     p.add_argument(
+        "--ledgers",
+        choices=["file", "pulsar"],
+        default="file",
+        help="ledger backend: file (--ledger-dir, one host) or pulsar (--pulsar-*)",
+    )
+    p.add_argument(
         "--ledger-dir",
         type=Path,
-        required=True,
-        help="the file ledger directory, shared by every broker of the cluster (one host)",
+        help="file backend: the ledger directory, shared by every broker of the cluster",
+    )
+    p.add_argument("--pulsar-url", metavar="URL", help="pulsar backend: pulsar://HOST:6650")
+    p.add_argument(
+        "--pulsar-admin-url",
+        metavar="URL",
+        help="pulsar backend: http://HOST:8080 (topic deletion, namespace policy check)",
+    )
+    p.add_argument("--pulsar-tenant", default="public")
+    p.add_argument("--pulsar-namespace", default="steward")
+    p.add_argument(
+        "--pulsar-token",
+        default=os.environ.get("STEWARD_PULSAR_TOKEN"),
+        help="pulsar backend: auth token (env STEWARD_PULSAR_TOKEN)",
+    )
+    p.add_argument(
+        "--pulsar-flavor",
+        choices=["pulsar", "pulsar-lite"],
+        default="pulsar",
+        help="pulsar: Apache Pulsar >= 2.11 (fencing, batching); pulsar-lite: its safe settings",
     )
     p.add_argument("--http", type=_host_port, default=("127.0.0.1", 8080), metavar="HOST:PORT")
     p.add_argument(
@@ -253,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="cluster up: brokers listen on this port and the next ones (default: free ports)",
     )
     p.add_argument("--min-replication", type=int, default=1)
+    p.add_argument(
+        "--ledgers",
+        choices=["file", "pulsar"],
+        default="file",
+        help="cluster up: file ledgers in DIR/ledgers, or pulsar: a pulsar-lite broker beside "
+        "ZooKeeper",
+    )
     sub.add_parser("digest", help="show the state digest and log position")
     return parser
 
@@ -512,6 +546,26 @@ def run_standalone(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pulsar_config(args: argparse.Namespace) -> PulsarConfig | None:
+    from log.pulsar import PulsarConfig
+
+    if args.ledgers != "pulsar":
+        return None
+    settings = {
+        "admin_url": args.pulsar_admin_url,
+        "tenant": args.pulsar_tenant,
+        "namespace": args.pulsar_namespace,
+        "cluster": args.cluster,
+        "auth_token": args.pulsar_token,
+    }
+    try:
+        if args.pulsar_flavor == "pulsar-lite":
+            return PulsarConfig.for_pulsar_lite(args.pulsar_url, **settings)
+        return PulsarConfig.for_apache_pulsar(args.pulsar_url, **settings)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def run_broker(args: argparse.Namespace) -> int:
     import uvloop
 
@@ -530,6 +584,10 @@ def run_broker(args: argparse.Namespace) -> int:
         raise UsageError("--session-timeout-ms must be in [1, 600000]")
     if args.min_replication < 1:
         raise UsageError("--min-replication must be >= 1")
+    if args.ledgers == "file" and args.ledger_dir is None:
+        raise UsageError("--ledgers file needs --ledger-dir")
+    if args.ledgers == "pulsar" and not args.pulsar_url:
+        raise UsageError("--ledgers pulsar needs --pulsar-url")
     if not 0 < args.heartbeat_interval_ms < args.heartbeat_timeout_ms:
         raise UsageError("need 0 < --heartbeat-interval-ms < --heartbeat-timeout-ms")
     host, port = args.http
@@ -545,6 +603,8 @@ def run_broker(args: argparse.Namespace) -> int:
         ),
         zookeeper=args.zookeeper,
         ledger_dir=args.ledger_dir,
+        ledgers=args.ledgers,
+        pulsar=_pulsar_config(args),
         api=ApiConfig(host=host, port=port),
         workers=WorkerLinkConfig(
             host=args.worker_listen[0],
@@ -580,6 +640,7 @@ def run_cluster_up(args: argparse.Namespace) -> int:
         session_timeout_ms=args.session_timeout_ms,
         first_http_port=args.first_http_port,
         min_replication=args.min_replication,
+        ledgers=args.ledgers,
     )
     try:
         return run_local_cluster(config)

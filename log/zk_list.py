@@ -208,3 +208,115 @@ class ZooKeeperLedgerListStore(LedgerListStore):
             raise LedgerError(
                 f"ledger list {self._path}: ZooKeeper error {type(exc).__name__}: {exc}"
             ) from exc
+
+
+def ledger_ids_path(cluster: str) -> str:
+    """``/steward/<cluster>/ledger-ids``: one sequential znode per ledger of a shared store."""
+    return f"{cluster_path(cluster)}/ledger-ids"
+
+
+class ZooKeeperLedgerIdAllocator:
+    """Ledger ids for stores without a shared disk (the ``pulsar`` backend), from ZooKeeper.
+
+    Each id is a persistent sequential znode ``ledger-<n>`` under :func:`ledger_ids_path`; the
+    id is ``n + 1`` (ids start at 1 like the other backends). ZooKeeper numbers children of a
+    parent from a counter that only grows (creations and deletions both advance it), so ids
+    are strictly increasing across brokers and restarts, and never reused after a deletion, as
+    long as the parent znode itself is never deleted (that would restart the count).
+
+    The znode is kept until the ledger is deleted (:meth:`remove`, called by the store's
+    ``delete_ledger``), which makes the children the catalog of the ledgers in the store:
+    :meth:`exists` and :meth:`list_ids` answer for every broker, after restarts, even where
+    the ledger store itself cannot list or delete (pulsar-lite has no admin API). Their
+    number is bounded by the live ledgers (retention deletes old ones), plus the ids of
+    ledgers whose creation failed half-way when their cleanup failed too.
+
+    Calling the allocator allocates (it is the ``ledger_ids`` callable of
+    :class:`log.pulsar.PulsarLedgerStore`). Every call is bounded like the rest of this
+    module; after a timeout the outcome is unknown (an allocation may have happened: that id
+    is then never used, which is harmless).
+    """
+
+    #: Name prefix of the sequential znodes.
+    PREFIX = "ledger-"
+
+    def __init__(
+        self,
+        client: Any,
+        cluster: str,
+        *,
+        operation_timeout_s: float = DEFAULT_OPERATION_TIMEOUT_S,
+    ) -> None:
+        self._client = client
+        self._path = ledger_ids_path(cluster)
+        self._timeout_s = operation_timeout_s
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    def _znode(self, ledger_id: int) -> str:
+        # ZooKeeper pads sequence numbers to 10 digits.
+        return f"{self._path}/{self.PREFIX}{ledger_id - 1:010d}"
+
+    async def __call__(self) -> int:
+        return await self.allocate()
+
+    async def allocate(self) -> int:
+        """A new ledger id, greater than every id allocated before (by anyone)."""
+        created: str = await self._call(
+            lambda: self._client.create_async(
+                f"{self._path}/{self.PREFIX}", b"", sequence=True, makepath=True
+            ),
+            "allocate a ledger id",
+        )
+        return int(created.rsplit("-", 1)[1]) + 1
+
+    async def exists(self, ledger_id: int) -> bool:
+        """Whether ``ledger_id`` was allocated and not removed since."""
+        if ledger_id < 1:
+            return False
+        stat = await self._call(
+            lambda: self._client.exists_async(self._znode(ledger_id)), "look up a ledger id"
+        )
+        return stat is not None
+
+    async def list_ids(self) -> list[int]:
+        """Every allocated, not removed id, ascending."""
+        try:
+            children: list[str] = await self._call(
+                lambda: self._client.get_children_async(self._path), "list ledger ids"
+            )
+        except NoNodeError:
+            return []
+        ids = [
+            int(name[len(self.PREFIX) :]) + 1
+            for name in children
+            if name.startswith(self.PREFIX) and name[len(self.PREFIX) :].isdigit()
+        ]
+        return sorted(ids)
+
+    async def remove(self, ledger_id: int) -> None:
+        """Forget ``ledger_id`` (the ledger was deleted); removing an unknown id is a no-op."""
+        if ledger_id < 1:
+            return
+        with contextlib.suppress(NoNodeError):
+            await self._call(
+                lambda: self._client.delete_async(self._znode(ledger_id)), "remove a ledger id"
+            )
+
+    async def _call(self, start: Callable[[], Any], what: str) -> Any:
+        # Fail fast while disconnected, like ZooKeeperLedgerListStore: kazoo would queue the
+        # request and send it after a reconnect, long after the caller gave up.
+        if self._client.state != KazooState.CONNECTED:
+            raise LedgerError(f"cannot {what}: ZooKeeper client is {self._client.state}")
+        try:
+            return await kazoo_result(start(), self._timeout_s)
+        except KazooTimeoutError as exc:
+            raise LedgerError(f"cannot {what} in {self._path}: {exc}; outcome unknown") from exc
+        except NoNodeError:
+            raise
+        except KazooException as exc:
+            raise LedgerError(
+                f"cannot {what} in {self._path}: ZooKeeper error {type(exc).__name__}: {exc}"
+            ) from exc

@@ -135,8 +135,7 @@ class BrokerNode:
             self.broker_id,
             "--data-dir",
             str(self.data_dir),
-            "--ledger-dir",
-            str(c.ledger_dir),
+            *c.ledger_args(),
             "--http",
             f"{HOST}:{self.http_port}",
             "--worker-listen",
@@ -321,8 +320,11 @@ class ClusterProcesses:
         # declared dead by the new leader (that would re-run its tasks).
         heartbeat_timeout_ms: int = 15_000,
         extra_args: tuple[str, ...] = (),
+        pulsar_url: str | None = None,
     ) -> None:
         self.zookeeper = zookeeper
+        # None: the file backend in root/ledgers; else the pulsar backend on pulsar-lite.
+        self.pulsar_url = pulsar_url
         self.root = root
         self.name = name or f"c{uuid.uuid4().hex[:8]}"
         self.session_timeout_ms = session_timeout_ms
@@ -334,6 +336,31 @@ class ClusterProcesses:
         self.nodes: dict[str, BrokerNode] = {}
         self.workers: list[ClusterWorker] = []
         self._initial = brokers
+
+    def ledger_args(self) -> list[str]:
+        if self.pulsar_url is None:
+            return ["--ledger-dir", str(self.ledger_dir)]
+        return [
+            "--ledgers",
+            "pulsar",
+            "--pulsar-url",
+            self.pulsar_url,
+            "--pulsar-flavor",
+            "pulsar-lite",
+        ]
+
+    def ledger_ids(self) -> list[int]:
+        """The ledger ids in the cluster's ledger list (read from ZooKeeper)."""
+        from kazoo.client import KazooClient  # type: ignore[import-untyped]
+
+        client = KazooClient(hosts=self.zookeeper)
+        client.start(timeout=15)
+        try:
+            data, _ = client.get(f"/steward/{self.name}/ledgers")
+        finally:
+            client.stop()
+            client.close()
+        return sorted(int(info["ledger_id"]) for info in json.loads(data)["ledgers"])
 
     # -- lifecycle --------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from broker.pulsar_lite import PulsarLiteServer
 from broker.zk import ZooKeeperServer
 from tests.cluster_procs import (
     BrokerNode,
@@ -33,7 +34,21 @@ from tests.cluster_procs import (
 )
 from tests.worker_procs import wait_until
 
-pytest_plugins = ["tests.zk_fixture"]
+pytest_plugins = ["tests.zk_fixture", "tests.pulsar_fixture"]
+
+
+@pytest.fixture(params=["file", "pulsar"])
+def pulsar_url(request: pytest.FixtureRequest) -> str | None:
+    """The ledger backend of the cluster: None for the file backend (a shared directory),
+    else pulsar-lite's URL for the pulsar backend (which cannot fence there: the ZooKeeper
+    check and confirmed LACs protect acknowledged writes)."""
+    if request.param == "file":
+        return None
+    server = request.getfixturevalue("pulsar_lite")
+    url: str = server.service_url
+    return url
+
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 SESSION_TIMEOUT_S = 4.0
@@ -108,9 +123,11 @@ def test_follower_redirects_writes_and_serves_reads(
         print(f"3 brokers agree on digest {digest[:16]}")
 
 
-def test_kill9_leader_under_load(zookeeper: ZooKeeperServer, tmp_path: Path) -> None:
+def test_kill9_leader_under_load(
+    zookeeper: ZooKeeperServer, tmp_path: Path, pulsar_url: str | None
+) -> None:
     rng = _seed("kill9")
-    with ClusterProcesses(zookeeper.connect_string, tmp_path) as cluster:
+    with ClusterProcesses(zookeeper.connect_string, tmp_path, pulsar_url=pulsar_url) as cluster:
         started = time.monotonic()
         old = cluster.wait_for_leader(30)
         idempotent = probe_idempotency(old, "load")
@@ -209,9 +226,9 @@ def test_kill9_leader_under_load(zookeeper: ZooKeeperServer, tmp_path: Path) -> 
         )
 
 
-def test_sigstop_leader(zookeeper: ZooKeeperServer, tmp_path: Path) -> None:
+def test_sigstop_leader(zookeeper: ZooKeeperServer, tmp_path: Path, pulsar_url: str | None) -> None:
     rng = _seed("sigstop")
-    with ClusterProcesses(zookeeper.connect_string, tmp_path) as cluster:
+    with ClusterProcesses(zookeeper.connect_string, tmp_path, pulsar_url=pulsar_url) as cluster:
         old = cluster.wait_for_leader(30)
         idempotent = probe_idempotency(old, "load")
         # Pinned to the leader, no redirects followed; a long timeout keeps the requests
@@ -285,7 +302,9 @@ def _ledger_ids(ledger_dir: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1].split(".")[0]) for p in ledger_dir.glob("ledger-*.log"))
 
 
-def test_new_broker_joins_after_retention(zookeeper: ZooKeeperServer, tmp_path: Path) -> None:
+def test_new_broker_joins_after_retention(
+    zookeeper: ZooKeeperServer, tmp_path: Path, pulsar_url: str | None
+) -> None:
     # Tiny ledgers that roll often, snapshots every 0.3 s and a retention of ~1 s: the
     # first ledgers are deleted while the load runs.
     args = (
@@ -298,21 +317,25 @@ def test_new_broker_joins_after_retention(zookeeper: ZooKeeperServer, tmp_path: 
         "--ledger-retention-h",
         str(1.0 / 3600),
     )
-    with ClusterProcesses(zookeeper.connect_string, tmp_path, extra_args=args) as cluster:
+    with ClusterProcesses(
+        zookeeper.connect_string, tmp_path, extra_args=args, pulsar_url=pulsar_url
+    ) as cluster:
         leader = cluster.wait_for_leader(30)
-        first_ids = _ledger_ids(cluster.ledger_dir)
+        first_ids = cluster.ledger_ids()
         assert first_ids == [1], first_ids
         idempotent = probe_idempotency(leader, "load")
         load = WriteLoad(cluster.urls(), clients=8, idempotent=idempotent).start()
         wait_until(
-            lambda: load.acked_count() > 300 and 1 not in _ledger_ids(cluster.ledger_dir),
+            lambda: load.acked_count() > 300 and 1 not in cluster.ledger_ids(),
             30,
             "retention to delete ledger 1",
             pause_s=0.1,
         )
         record = load.stop()
         digest = cluster.wait_for_equal_digests(30)
-        kept = _ledger_ids(cluster.ledger_dir)
+        kept = cluster.ledger_ids()
+        if pulsar_url is None:  # the files are gone too (pulsar-lite cannot delete topics)
+            assert 1 not in _ledger_ids(cluster.ledger_dir)
         print(
             f"{len(record.acked)} writes; ledgers left {kept[0]}..{kept[-1]} ({len(kept)}); "
             f"digest {digest[:16]}"
@@ -385,6 +408,52 @@ def test_zookeeper_restart(
         print(f"{len(record.acked)} acknowledged writes intact; digest {digest[:16]}")
 
 
+def test_pulsar_lite_restart(
+    zookeeper: ZooKeeperServer,
+    pulsar_lite_factory: Callable[[], PulsarLiteServer],
+    tmp_path: Path,
+) -> None:
+    # The ledger store itself dies (kill -9) under load and comes back on the same data:
+    # brokers reconnect (whoever leads then recovers the open ledger), writes resume,
+    # nothing acknowledged is lost.
+    rng = _seed("pulsar-lite restart")
+    pulsar = pulsar_lite_factory()
+    with ClusterProcesses(
+        zookeeper.connect_string, tmp_path, pulsar_url=pulsar.service_url
+    ) as cluster:
+        leader = cluster.wait_for_leader(30)
+        idempotent = probe_idempotency(leader, "load")
+        load = WriteLoad(cluster.urls(), clients=16, idempotent=idempotent).start()
+        wait_until(lambda: load.acked_count() > 200, 30, "writes before the kill")
+        time.sleep(rng.uniform(0.2, 1.0))
+        killed_at = time.monotonic()
+        pulsar.kill()
+        time.sleep(rng.uniform(1.0, 3.0))
+        restarted_at = time.monotonic()
+        pulsar.start()
+        first = wait_until(
+            lambda: load.first_ack(restarted_at + 0.001),
+            60,
+            "a write acknowledged after pulsar-lite came back",
+            pause_s=0.02,
+        )
+        acked_then = load.acked_count()
+        wait_until(lambda: load.acked_count() > acked_then + 100, 30, "more writes")
+        record = load.stop()
+        new = cluster.wait_for_leader(30)
+        outage = [a for a in load.answers() if killed_at <= a.sent_at and a.at < restarted_at]
+        print(
+            f"pulsar-lite down {restarted_at - killed_at:.2f} s; during the outage "
+            f"{dict(sorted(Counter(a.status for a in outage).items()))}; first write "
+            f"{first.at - restarted_at:.3f} s after the restart; leader {leader.broker_id} -> "
+            f"{new.broker_id}; statuses {dict(record.statuses)}"
+        )
+        assert not record.unexpected, record.unexpected[:5]
+        check_acknowledged(new, load, where="after the restart", expect_unique=idempotent)
+        digest = cluster.wait_for_equal_digests(30)
+        print(f"{len(record.acked)} acknowledged writes intact; digest {digest[:16]}")
+
+
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
@@ -400,8 +469,10 @@ def _log_time(node: BrokerNode, needle: str) -> float | None:
     return datetime.strptime(found, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def test_graceful_handover(zookeeper: ZooKeeperServer, tmp_path: Path) -> None:
-    with ClusterProcesses(zookeeper.connect_string, tmp_path) as cluster:
+def test_graceful_handover(
+    zookeeper: ZooKeeperServer, tmp_path: Path, pulsar_url: str | None
+) -> None:
+    with ClusterProcesses(zookeeper.connect_string, tmp_path, pulsar_url=pulsar_url) as cluster:
         old = cluster.wait_for_leader(30)
         idempotent = probe_idempotency(old, "load")
         load = WriteLoad(cluster.urls(), clients=CLIENTS, idempotent=idempotent).start()
@@ -445,12 +516,14 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 
 def test_leader_takes_writes_across_ledger_rolls(
-    zookeeper: ZooKeeperServer, tmp_path: Path
+    zookeeper: ZooKeeperServer, tmp_path: Path, pulsar_url: str | None
 ) -> None:
     # Every 0.3 s the leader rolls to a new ledger; writes arriving mid-roll must wait
     # for the new ledger, not be refused (they were answered 503 "not ready" before).
     args = ("--ledger-roll-age-s", "0.3")
-    with ClusterProcesses(zookeeper.connect_string, tmp_path, brokers=1, extra_args=args) as c:
+    with ClusterProcesses(
+        zookeeper.connect_string, tmp_path, brokers=1, extra_args=args, pulsar_url=pulsar_url
+    ) as c:
         leader = c.wait_for_leader(30)
         load = WriteLoad([leader.url], clients=8, follow=False).start()
         time.sleep(4.0)

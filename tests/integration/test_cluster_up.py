@@ -11,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from clients.client import StewardClient
 from tests.procs import steward_command
 
@@ -46,7 +48,8 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def test_cluster_up_runs_a_task_and_stops_cleanly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ledgers", ["file", "pulsar"])
+def test_cluster_up_runs_a_task_and_stops_cleanly(tmp_path: Path, ledgers: str) -> None:
     proc = subprocess.Popen(
         [
             *steward_command(),
@@ -56,6 +59,8 @@ def test_cluster_up_runs_a_task_and_stops_cleanly(tmp_path: Path) -> None:
             "3",
             "--workers",
             "1",
+            "--ledgers",
+            ledgers,
             "--data-dir",
             str(tmp_path / "cluster"),
         ],
@@ -83,7 +88,10 @@ def test_cluster_up_runs_a_task_and_stops_cleanly(tmp_path: Path) -> None:
         assert len(urls) == 3, output
         assert re.search(r"^zookeeper\s+127\.0\.0\.1:\d+$", output, re.MULTILINE), output
         children = _descendants(proc.pid)
-        assert len(children) >= 5, children  # ZooKeeper, 3 brokers, 1 worker
+        # ZooKeeper, 3 brokers, 1 worker (and pulsar-lite)
+        assert len(children) >= (6 if ledgers == "pulsar" else 5), children
+        if ledgers == "pulsar":
+            assert re.search(r"^pulsar-lite\s+pulsar://127\.0\.0\.1:\d+$", output, re.M), output
         with StewardClient(urls) as client:
             handle = client.submit("sleep", params={"seconds": 0.1}, tenant="up")
             task = handle.wait(timeout=60)

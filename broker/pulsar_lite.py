@@ -1,0 +1,332 @@
+"""A real pulsar-lite broker as a subprocess, for tests and the local dev cluster.
+
+pulsar-lite (PyPI, ``pulsar-lite==0.2.0``) speaks Pulsar's binary protocol and keeps topics in
+RocksDB; it is what ``steward cluster up --ledgers pulsar`` and the tests run the ``pulsar``
+ledger backend against. It is started the way INFRA.md found to work here: the binary shipped
+inside the wheel (``pulsar_lite/bin/pulsar-lite``), a config file whose ``[metrics]`` section
+is disabled (otherwise it serves metrics on 0.0.0.0:8080) and points at 127.0.0.1 anyway, and
+``--addr 127.0.0.1:PORT --db-path DIR --log-level warn``. It is ready when it accepts TCP
+connections on its port (it starts in about 0.05 s).
+
+``--db-path P`` is a prefix: the broker keeps ``P.rocksdb/`` and ``P.metadata.json``. RocksDB's
+lock file keeps a second broker off the same data while the first one runs.
+
+Every wait is bounded and signals go to the broker's pid only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+
+from broker.zk import HOST, free_port
+from broker.zk import _terminate_with_parent as terminate_with_parent
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_START_TIMEOUT_S = 10.0
+DEFAULT_STOP_TIMEOUT_S = 10.0
+DEFAULT_LOG_LEVEL = "warn"
+#: Environment variable naming the binary (overrides the one inside the pulsar-lite wheel).
+BINARY_ENV = "STEWARD_PULSAR_LITE_BINARY"
+_BINARY_RELATIVE_PATH = os.path.join("bin", "pulsar-lite")
+_LOG_TAIL_BYTES = 4000
+# Names the data below the directory (pulsar-lite appends ``.rocksdb`` and ``.metadata.json``).
+_DB_PREFIX = "pulsar-lite"
+_CONFIG_TEMPLATE = """\
+# Written by steward (broker/pulsar_lite.py) at every start; edits are lost.
+log_level = "{log_level}"
+
+[metrics]
+# Enabled, pulsar-lite serves /metrics on 0.0.0.0:8080: every interface, and a port other
+# instances on the host collide on. The address is loopback in case someone enables it.
+enabled = false
+addr = "127.0.0.1:0"
+"""
+
+
+class PulsarLiteError(RuntimeError):
+    """pulsar-lite could not be found, started or stopped (details in the message)."""
+
+
+def find_pulsar_lite_binary() -> str:
+    """The pulsar-lite executable: ``$STEWARD_PULSAR_LITE_BINARY``, else the wheel's own.
+
+    Raises :class:`PulsarLiteError` naming what was searched.
+    """
+    override = os.environ.get(BINARY_ENV)
+    if override:
+        if not os.access(override, os.X_OK):
+            raise PulsarLiteError(f"${BINARY_ENV}={override} is not an executable file")
+        return override
+    # find_spec instead of import: the package's __init__ imports the pulsar client.
+    spec = importlib.util.find_spec("pulsar_lite")
+    if spec is None or spec.origin is None:
+        raise PulsarLiteError(
+            "pulsar-lite is not installed (pip install 'pulsar-lite==0.2.0', a dependency "
+            f"of steward), or set {BINARY_ENV}"
+        )
+    binary = os.path.join(os.path.dirname(spec.origin), _BINARY_RELATIVE_PATH)
+    if not os.path.isfile(binary):
+        raise PulsarLiteError(f"the pulsar-lite wheel has no binary at {binary}")
+    if not os.access(binary, os.X_OK):
+        raise PulsarLiteError(f"{binary} is not executable (chmod +x it)")
+    return binary
+
+
+def accepts_connections(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts TCP connections on ``host:port`` right now."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+class PulsarLiteServer:
+    """One pulsar-lite broker process on 127.0.0.1.
+
+    Everything lives in ``directory``: ``pulsar-lite.toml`` (written at each start),
+    ``data/`` (the topics, kept across :meth:`restart` and :meth:`kill` + :meth:`start`) and
+    ``pulsar-lite.log`` (the broker's output, appended to by every start). The port is chosen
+    once (a free one unless given) and kept across restarts, so clients reconnect to the
+    same address.
+
+    ``stop_with_parent=True`` (Linux, for tests) makes the kernel send the broker SIGTERM when
+    the thread that started it ends, so a killed test run leaves no broker behind.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        port: int | None = None,
+        log_level: str = DEFAULT_LOG_LEVEL,
+        binary: str | None = None,
+        stop_with_parent: bool = False,
+    ) -> None:
+        self._directory = Path(directory).resolve()
+        self._fixed_port = port is not None
+        self._port = port if port is not None else free_port()
+        self._log_level = log_level
+        # Resolved now so a missing binary fails at construction, loudly.
+        self._binary = binary if binary is not None else find_pulsar_lite_binary()
+        self._stop_with_parent = stop_with_parent
+        self._process: subprocess.Popen[bytes] | None = None
+        self._paused = False
+        self._started_once = False
+
+    # -- properties --------------------------------------------------------------------------
+
+    @property
+    def directory(self) -> Path:
+        return self._directory
+
+    @property
+    def data_dir(self) -> Path:
+        return self._directory / "data"
+
+    @property
+    def config_path(self) -> Path:
+        return self._directory / "pulsar-lite.toml"
+
+    @property
+    def log_path(self) -> Path:
+        return self._directory / "pulsar-lite.log"
+
+    @property
+    def host(self) -> str:
+        return HOST
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def service_url(self) -> str:
+        """``pulsar://127.0.0.1:PORT``, for ``pulsar.Client`` and ``PulsarConfig``."""
+        return f"pulsar://{HOST}:{self._port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def is_running(self) -> bool:
+        """Whether the process exists (it may be paused)."""
+        return self._process is not None and self._process.poll() is None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
+        """Launch the broker and wait until it accepts connections on its port.
+
+        If the port was picked automatically and another process took it before the broker
+        bound it, the first start retries once on a new port. Raises :class:`PulsarLiteError`
+        with the tail of the broker's log when it exits or is not ready within ``timeout_s``.
+        """
+        if self.is_running():
+            raise PulsarLiteError(f"pulsar-lite is already running (pid {self.pid})")
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._launch_and_wait(deadline)
+        except _PortTakenError:
+            if self._fixed_port or self._started_once:
+                raise PulsarLiteError(
+                    f"port {self._port} is taken; log tail:\n{self.log_tail()}"
+                ) from None
+            self._port = free_port()
+            logger.warning("pulsar-lite port race lost, retrying on port %d", self._port)
+            self._launch_and_wait(deadline)
+        self._started_once = True
+
+    def _launch_and_wait(self, deadline: float) -> None:
+        self._write_config()
+        log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with open(self.log_path, "ab") as log_file:
+            self._process = subprocess.Popen(
+                self._command(),
+                cwd=self._directory,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                # Own process group: a Ctrl-C aimed at the test run does not hit the broker
+                # before the fixture's stop() does.
+                start_new_session=True,
+                preexec_fn=terminate_with_parent if self._stop_with_parent else None,
+            )
+        self._paused = False
+        logger.info("pulsar-lite starting on %s (pid %d)", self.service_url, self._process.pid)
+        while True:
+            if self._process.poll() is not None:
+                self._process = None
+                new_output = self._read_log_from(log_offset, _LOG_TAIL_BYTES * 4)
+                if "AddrInUse" in new_output or "Address already in use" in new_output:
+                    raise _PortTakenError
+                raise PulsarLiteError(
+                    "pulsar-lite exited during start; log tail:\n" + new_output[-_LOG_TAIL_BYTES:]
+                )
+            if accepts_connections(HOST, self._port, timeout_s=0.5):
+                return
+            if time.monotonic() >= deadline:
+                self._kill_process()
+                raise PulsarLiteError(
+                    f"pulsar-lite on {self.service_url} not ready in time; log tail:\n"
+                    + self.log_tail()
+                )
+            time.sleep(0.02)
+
+    def stop(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> None:
+        """SIGTERM, wait up to ``timeout_s``, then SIGKILL. No-op when not running."""
+        process = self._process
+        if process is None:
+            return
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            if self._paused:
+                # A stopped process only acts on SIGTERM once it runs again.
+                process.send_signal(signal.SIGCONT)
+            try:
+                process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("pulsar-lite (pid %d) ignored SIGTERM, killing it", process.pid)
+                self._kill_process()
+        self._process = None
+        self._paused = False
+
+    def kill(self) -> None:
+        """SIGKILL (a crash: no clean shutdown). No-op when not running."""
+        self._kill_process()
+
+    def _kill_process(self) -> None:
+        process = self._process
+        if process is None:
+            return
+        if process.poll() is None:
+            process.kill()
+            try:
+                process.wait(timeout=DEFAULT_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise PulsarLiteError(f"pulsar-lite pid {process.pid} survived SIGKILL") from None
+        self._process = None
+        self._paused = False
+
+    def pause(self) -> None:
+        """SIGSTOP: the broker freezes; clients see no answers (their TCP connections stay)."""
+        self._signal(signal.SIGSTOP)
+        self._paused = True
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        self._signal(signal.SIGCONT)
+        self._paused = False
+
+    def _signal(self, signum: signal.Signals) -> None:
+        process = self._process
+        if process is None or process.poll() is not None:
+            raise PulsarLiteError("pulsar-lite is not running")
+        process.send_signal(signum)
+
+    def restart(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
+        """Stop cleanly and start again on the same port with the same data."""
+        self.stop()
+        self.start(timeout_s)
+
+    def log_tail(self, max_bytes: int = _LOG_TAIL_BYTES) -> str:
+        """The end of the broker's log (for error messages)."""
+        size = self.log_path.stat().st_size if self.log_path.exists() else 0
+        return self._read_log_from(max(0, size - max_bytes), max_bytes)
+
+    def _read_log_from(self, offset: int, max_bytes: int) -> str:
+        with contextlib.suppress(FileNotFoundError), open(self.log_path, "rb") as log_file:
+            log_file.seek(offset)
+            return log_file.read(max_bytes).decode("utf-8", errors="replace")
+        return ""
+
+    # -- files and command -------------------------------------------------------------------
+
+    def _write_config(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(_CONFIG_TEMPLATE.format(log_level=self._log_level))
+
+    def _command(self) -> list[str]:
+        return [
+            self._binary,
+            "--config",
+            str(self.config_path),
+            "--addr",
+            f"{HOST}:{self._port}",
+            "--db-path",
+            str(self.data_dir / _DB_PREFIX),
+            "--log-level",
+            self._log_level,
+        ]
+
+    # -- context manager ---------------------------------------------------------------------
+
+    def __enter__(self) -> PulsarLiteServer:
+        if not self.is_running():
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"PulsarLiteServer({self.service_url}, pid={self.pid}, dir={self._directory})"
+
+
+class _PortTakenError(Exception):
+    """The broker could not bind its port."""

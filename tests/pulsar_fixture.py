@@ -1,0 +1,50 @@
+"""A real pulsar-lite broker for tests (the ``pulsar`` ledger backend's Pulsar).
+
+Load the fixtures with ``pytest_plugins = ["tests.pulsar_fixture"]`` in a test module.
+
+- ``pulsar_lite`` (session scope): a started :class:`~broker.pulsar_lite.PulsarLiteServer` on a
+  free loopback port in a temporary directory, stopped after the session. Tests sharing it
+  use their own topic prefix (``PulsarConfig.cluster``) and ledger ids.
+- ``pulsar_lite_factory``: starts private brokers for tests that kill or restart one.
+
+There is no skip: without the pulsar-lite wheel (or pulsar-client) the fixtures fail with
+the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from broker.pulsar_lite import PulsarLiteServer
+
+
+@pytest.fixture(scope="session")
+def pulsar_lite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PulsarLiteServer]:
+    server = PulsarLiteServer(tmp_path_factory.mktemp("pulsar-lite"), stop_with_parent=True)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def pulsar_lite_factory(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[[], PulsarLiteServer]]:
+    """Call it to get another started broker; every one is stopped after the test."""
+    servers: list[PulsarLiteServer] = []
+
+    def start() -> PulsarLiteServer:
+        server = PulsarLiteServer(tmp_path_factory.mktemp("pulsar-lite"), stop_with_parent=True)
+        servers.append(server)
+        server.start()
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.stop()
