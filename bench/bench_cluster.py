@@ -3,6 +3,8 @@ failover and hand-over times, follower lag, and the cost of replication.
 
     python bench/bench_cluster.py --scenario failover --runs 10
     python bench/bench_cluster.py --scenario load --seconds 10
+    python bench/bench_cluster.py --scenario load --ledgers pulsar   # on pulsar-lite
+    python bench/bench_cluster.py --scenario backends --seconds 10   # file and pulsar, one run
 
 failover: kill -9 of the leader while one client writes, time from the kill to the first
 write acknowledged by the new leader (the killed broker restarts between runs); then
@@ -45,15 +47,30 @@ from bench_submit import (
     start_broker,
 )
 
+from broker.pulsar_lite import PulsarLiteServer
 from broker.zk import ZooKeeperServer
 
 SESSION_TIMEOUT_MS = 4000
 
 
 class Cluster:
-    def __init__(self, root: Path, zookeeper: str, brokers: int = 3) -> None:
+    def __init__(
+        self, root: Path, zookeeper: str, brokers: int = 3, pulsar_url: str | None = None
+    ) -> None:
         self.root = root
         self.zookeeper = zookeeper
+        self.ledger_args = (
+            ["--ledger-dir", str(root / "ledgers")]
+            if pulsar_url is None
+            else [
+                "--ledgers",
+                "pulsar",
+                "--pulsar-url",
+                pulsar_url,
+                "--pulsar-flavor",
+                "pulsar-lite",
+            ]
+        )
         self.ports = [free_port() for _ in range(brokers)]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * brokers
 
@@ -71,13 +88,12 @@ class Cluster:
                 "--zookeeper",
                 self.zookeeper,
                 "--cluster",
-                "bench",
+                self.name,
                 "--broker-id",
                 f"b{index}",
                 "--data-dir",
                 str(self.root / f"b{index}"),
-                "--ledger-dir",
-                str(self.root / "ledgers"),
+                *self.ledger_args,
                 "--http",
                 f"127.0.0.1:{self.ports[index]}",
                 "--session-timeout-ms",
@@ -240,7 +256,13 @@ def print_figures(name: str, figures: dict[str, float]) -> None:
     )
 
 
-def scenario_load(root: Path, cluster: Cluster, seconds: float) -> None:
+def scenario_load(root: Path, cluster: Cluster, seconds: float, *, standalone: bool = True) -> None:
+    if standalone:
+        run_standalone_load(root, seconds)
+    cluster_load(cluster, seconds, "cluster leader")
+
+
+def run_standalone_load(root: Path, seconds: float) -> None:
     standalone_port = free_port()
     standalone = start_broker(root / "standalone", standalone_port)
     try:
@@ -250,6 +272,9 @@ def scenario_load(root: Path, cluster: Cluster, seconds: float) -> None:
     finally:
         standalone.send_signal(signal.SIGTERM)
         standalone.wait(timeout=60)
+
+
+def cluster_load(cluster: Cluster, seconds: float, label: str) -> None:
     leader = cluster.leader()
     cluster.wait_followers()
     follower = next(i for i in cluster.alive() if i != leader)
@@ -257,7 +282,7 @@ def scenario_load(root: Path, cluster: Cluster, seconds: float) -> None:
         figures, lags = uvloop.run(
             load_with_probe(cluster.ports[leader], cluster.ports[follower], clients, batch, seconds)
         )
-        print_figures(f"cluster leader {name} ({clients} clients x {batch})", figures)
+        print_figures(f"{label} {name} ({clients} clients x {batch})", figures)
         print(
             f"  follower lag under that load: p50 {percentile(lags, 0.5) * 1000:.2f} ms, "
             f"p99 {percentile(lags, 0.99) * 1000:.2f} ms, max {lags[-1] * 1000:.2f} ms "
@@ -268,7 +293,12 @@ def scenario_load(root: Path, cluster: Cluster, seconds: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenario", choices=["failover", "load", "all"], default="all")
+    parser.add_argument(
+        "--scenario", choices=["failover", "load", "backends", "all"], default="all"
+    )
+    parser.add_argument(
+        "--ledgers", choices=["file", "pulsar"], default="file", help="load / failover"
+    )
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
@@ -277,7 +307,17 @@ def main() -> None:
         root = Path(tmp)
         zookeeper = ZooKeeperServer(root / "zk")
         zookeeper.start()
-        cluster = Cluster(root, zookeeper.connect_string)
+        pulsar = PulsarLiteServer(root / "pulsar")
+        pulsar.start()
+        if args.scenario == "backends":
+            try:
+                run_backends(root, zookeeper.connect_string, pulsar.service_url, args.seconds)
+            finally:
+                pulsar.stop()
+                zookeeper.stop()
+            return
+        url = pulsar.service_url if args.ledgers == "pulsar" else None
+        cluster = Cluster(root, zookeeper.connect_string, pulsar_url=url)
         try:
             for index in range(3):
                 cluster.start(index)
@@ -288,7 +328,23 @@ def main() -> None:
                 scenario_failover(cluster, args.runs)
         finally:
             cluster.stop()
+            pulsar.stop()
             zookeeper.stop()
+
+
+def run_backends(root: Path, zookeeper: str, pulsar_url: str, seconds: float) -> None:
+    """The same 3-broker cluster on the file backend, then on pulsar-lite."""
+    for name, url in (("file", None), ("pulsar", pulsar_url)):
+        cluster_root = root / name
+        cluster_root.mkdir()
+        cluster = Cluster(cluster_root, zookeeper, pulsar_url=url)
+        try:
+            for index in range(3):
+                cluster.start(index)
+            cluster.leader()
+            cluster_load(cluster, seconds, f"cluster on {name} ledgers")
+        finally:
+            cluster.stop()
 
 
 if __name__ == "__main__":
