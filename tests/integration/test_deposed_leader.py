@@ -1,0 +1,113 @@
+"""A deposed leader never gets a write acknowledged, on every ledger backend (issue 5,
+acceptance 3; DESIGN §4).
+
+Two real :class:`~broker.node.Node` objects share one backend and one ledger list. The
+first leads and writes; the second takes over (marks the first's ledger closing, recovers
+it, opens its own) while the first still believes it leads (its elector view is stale:
+``leadership_check`` keeps answering True). Everything the first proposes afterwards must
+fail with a retryable error: the file and memory backends fence its ledger, pulsar-lite
+cannot (no ExclusiveWithFencing), and there the ZooKeeper check after the durable batch
+(ledger list version changed) refuses it. A third replica that follows the log ends with
+the new leader's digest: none of the deposed leader's late entries is part of the history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from broker import entries as e
+from broker.node import BrokerUnavailableError, Node, NodeConfig, Stamp
+from snapshot.store import SnapshotStore
+from tests.unit.ledger_helpers import BACKENDS, LedgerBackend
+
+pytest_plugins = ["tests.zk_fixture", "tests.pulsar_fixture"]
+
+WAIT_S = 30.0
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> LedgerBackend:
+    kind = BACKENDS[request.param]
+    fixtures = {name: request.getfixturevalue(name) for name in kind.fixtures}
+    return kind(tmp_path, **fixtures)
+
+
+def make_node(backend: LedgerBackend, tmp_path: Path, name: str) -> Node:
+    node = Node(
+        NodeConfig(
+            data_dir=tmp_path / name,
+            broker_id=name,
+            cluster_id="deposed",
+            snapshot_interval_s=3600.0,
+            timer_poll_interval_s=3600.0,
+        ),
+        ledgers=backend.new_store(),
+        ledger_list=backend.new_list_store(),
+        snapshots=SnapshotStore(tmp_path / name / "snapshots"),
+    )
+    node.leadership_check = lambda: True  # a stale view: it always thinks it leads
+    return node
+
+
+def submit(tag: str) -> Callable[[Stamp], e.Entry]:
+    def build(stamp: Stamp) -> e.Entry:
+        [task_id] = stamp.task_ids(1)
+        spec = e.TaskSpec(id=task_id, type="noop", tenant="t", params=msgspec.json.encode(tag))
+        return e.SubmitTasks(time_ms=stamp.now_ms, tasks=(spec,))
+
+    return build
+
+
+async def lead(node: Node) -> None:
+    await node.boot()
+    await node.recover_log()
+    await node.open_for_writes()
+
+
+async def test_deposed_leader_never_gets_a_write_acknowledged(
+    backend: LedgerBackend, tmp_path: Path
+) -> None:
+    old = make_node(backend, tmp_path, "old")
+    new = make_node(backend, tmp_path, "new")
+    follower = make_node(backend, tmp_path, "follower")
+    try:
+        async with asyncio.timeout(WAIT_S):
+            await lead(old)
+            acknowledged = [await old.propose(submit(f"before-{i}")) for i in range(20)]
+            assert len(acknowledged) == 20
+
+            await lead(new)  # takes over while `old` still believes it leads
+            late = await asyncio.gather(
+                *(old.propose(submit(f"late-{i}")) for i in range(20)), return_exceptions=True
+            )
+            assert all(isinstance(r, BrokerUnavailableError) for r in late), late
+            assert old.deposed_reason is not None
+            # The new leader takes writes, and has every acknowledged one.
+            await new.propose(submit("after"))
+            params = {bytes(t.params) for t in new.state.tasks.values()}
+            assert {msgspec.json.encode(f"before-{i}") for i in range(20)} <= params
+            assert not any(p.startswith(b'"late-') for p in params), params
+
+            await follower.boot()
+            following = asyncio.create_task(follower.follow())
+            try:
+                for _ in range(int(WAIT_S / 0.05)):
+                    if follower.state.digest() == new.state.digest():
+                        break
+                    await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError("the follower never reached the new leader's digest")
+            finally:
+                following.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await following
+        print(f"{type(backend).__name__}: old leader refused: {old.deposed_reason}")
+    finally:
+        for node in (old, new, follower):
+            await node.step_down("test over")
+        await backend.close()
