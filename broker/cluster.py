@@ -80,6 +80,9 @@ class BrokerConfig:
     # "file" (ledger_dir) or "pulsar" (pulsar: where and how).
     ledgers: str = "file"
     pulsar: PulsarConfig | None = None
+    # The host name peers, workers and clients reach this broker by (its URL and worker
+    # address in ZooKeeper); None: the HTTP listen host (wrong for 0.0.0.0).
+    advertise_host: str | None = None
 
     def __post_init__(self) -> None:
         if self.ledgers == "file" and self.ledger_dir is None:
@@ -120,11 +123,12 @@ class ClusterBroker:
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
         node_config = config.node
-        host = config.api.host
+        host = config.advertise_host or config.api.host
         self._url = f"http://{host}:{config.api.port}"
         worker_port = config.workers.port or _free_port(config.workers.host)
         self._workers_config = WorkerLinkConfig(**{**config.workers.__dict__, "port": worker_port})
-        self._worker_address = f"{config.workers.host}:{worker_port}"
+        worker_host = config.advertise_host or config.workers.host
+        self._worker_address = f"{worker_host}:{worker_port}"
         self.zk = KazooClient(
             hosts=config.zookeeper,
             timeout=config.session_timeout_ms / 1000,

@@ -185,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="where workers connect while this broker leads (port 0: a free one, advertised)",
     )
+    p.add_argument(
+        "--advertise",
+        metavar="HOST",
+        help="the host name others reach this broker by (default: the --http host; "
+        "needed when listening on 0.0.0.0)",
+    )
     p.add_argument("--session-timeout-ms", type=int, default=4000)
     p.add_argument(
         "--min-replication",
@@ -605,6 +611,7 @@ def run_broker(args: argparse.Namespace) -> int:
         ledger_dir=args.ledger_dir,
         ledgers=args.ledgers,
         pulsar=_pulsar_config(args),
+        advertise_host=args.advertise,
         api=ApiConfig(host=host, port=port),
         workers=WorkerLinkConfig(
             host=args.worker_listen[0],
