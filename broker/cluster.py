@@ -223,8 +223,11 @@ class ClusterBroker:
         if isinstance(ledgers, PulsarLedgerStore):
             try:
                 await ledgers.ensure_namespace_retention()
+                if ledgers.can_fence:
+                    # Refuse a "fencing" setting the broker does not honour (pulsar-lite).
+                    await ledgers.verify_fencing()
             except LedgerError as exc:
-                raise BrokerStartupError(f"Pulsar namespace not usable: {exc}") from None
+                raise BrokerStartupError(f"Pulsar not usable: {exc}") from None
         await self.node.boot()
         await self.replicator.start()
         try:

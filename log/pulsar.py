@@ -11,10 +11,11 @@ Ids come from an allocator shared by every broker (``ledger_ids``; in a cluster 
 :class:`log.zk_list.ZooKeeperLedgerIdAllocator`) and must never repeat.
 
 Every message payload starts with a small binary header, ``HEADER`` (big-endian
-``[u8 magic][u8 kind][i64 entry id][i64 last add confirmed]``), followed by the entry's
-bytes. The header is in the payload rather than in message properties because it travels
-with the entry whatever reads it (one ``struct`` unpack, no string map per message), and
-readers never depend on MessageId arithmetic to number entries: the writer numbers them.
+``[u8 magic][u8 kind][i64 entry id][i64 last add confirmed]``). The header is in the payload
+rather than in message properties because it travels with the entries whatever reads them
+(one ``struct`` unpack, no string map per message), because one message carries several
+entries (group commit, below), and so readers never depend on MessageId arithmetic to
+number entries: the writer numbers them.
 
 Kinds of messages, in a topic's order:
 
@@ -22,7 +23,8 @@ Kinds of messages, in a topic's order:
   the writer is handed out. Every ledger's topic is therefore non-empty, which lets a reader
   tell an existing ledger from an unknown one and makes ``has_message_available`` safe (it
   fails on an empty pulsar-lite topic).
-- ``ENTRY``: one appended entry.
+- ``ENTRIES``: consecutive entries from the header's entry id on, each framed as
+  ``[u32 length][bytes]``, all with the header's LAC.
 - ``SEAL``: the end of the ledger, written by recovery (``open_ledger(recovery=True)``) and by
   a writer's clean ``close()``. **The first SEAL in the topic ends the ledger for every
   reader**: the ledger is the run of consecutive entry ids ``0..k`` before it. A writer that
@@ -42,9 +44,14 @@ it are dropped. All readers apply the same rule to the same stored order, so the
 
 Writing
 -------
-The writer's producer is non-batched by default (``PulsarConfig.batching``) and sends
+Group commit, as in the file backend: ``append`` only queues; on the next event-loop
+iteration everything queued goes out in as few messages as ``max_message_bytes`` allows
+(while at most ``max_pending_sends`` messages are unacknowledged; more appends wait), so
+Pulsar's per-message cost is shared and pulsar-lite's broken producer batching is not
+needed. The producer itself is non-batched by default (``PulsarConfig.batching``) and sends
 asynchronously; ``append`` returns a future resolved when the broker acknowledges the
-message as durable, in call order, whatever order the client's callbacks come in. The
+message carrying the entry as durable, in call order, whatever order the client's
+callbacks come in. The
 client's callbacks run on its own threads; results are handed to the event loop with
 ``call_soon_threadsafe``. A failed send fails that append and every later one (the writer is
 dead after that: :class:`~log.api.LedgerFencedError` for ``ProducerFenced``, else
@@ -99,10 +106,12 @@ duplicates, out-of-order deliveries and stalls (``reader_queue_size=1``, ``batch
 the reader's next-id rule, and a reader that starts over when it stalls); ``seek`` is broken
 (never used: a reader is re-created from the last MessageId it accepted instead, inclusive,
 because a reader started exclusive of a MessageId receives nothing from pulsar-lite);
-``has_message_available`` raises on an empty topic (only called once a message was read);
-no admin API (see above); each Reader leaves a subscription behind (readers are re-created
-only on a stall or gap). :meth:`PulsarConfig.for_pulsar_lite` and
-:meth:`PulsarConfig.for_apache_pulsar` give the settings for each.
+``has_message_available`` raises on an empty topic, and on a reader started inclusive that
+has received nothing yet the client seeks first, which hangs (so it is only asked once the
+current reader received a message); no admin API (see above); each Reader leaves a
+subscription behind (readers are re-created only on a stall, a gap or a rewind).
+:meth:`PulsarConfig.for_pulsar_lite` and :meth:`PulsarConfig.for_apache_pulsar` give the
+settings for each.
 """
 
 from __future__ import annotations
@@ -140,8 +149,11 @@ logger = logging.getLogger(__name__)
 #: at INFO the client logs every connection, producer and reader it creates.
 CLIENT_LOGGER = logging.getLogger(__name__ + ".client")
 
-#: Message header: magic, kind, entry id (the ledger id for CREATED), last add confirmed.
+#: Message header: magic, kind, entry id (the first one for ENTRIES, the ledger id for
+#: CREATED), last add confirmed.
 HEADER = struct.Struct(">BBqq")
+#: In an ENTRIES message, each entry is its length then its bytes.
+ENTRY_LENGTH = struct.Struct(">I")
 MAGIC = 0xE5
 #: Pulsar's default ``maxMessageSize`` is 5 MiB (pulsar-lite's too); the rest is headroom for
 #: the header and the message metadata. Larger appends raise ValueError.
@@ -166,15 +178,42 @@ _T = TypeVar("_T")
 
 
 class Kind(IntEnum):
-    ENTRY = 1
+    ENTRIES = 1
     CREATED = 2
     SEAL = 3
     DELETED = 4
 
 
-def encode_message(kind: Kind, entry_id: int, last_add_confirmed: int, data: bytes = b"") -> bytes:
-    """A message payload as stored in a ledger's topic."""
-    return HEADER.pack(MAGIC, kind, entry_id, last_add_confirmed) + data
+def encode_message(kind: Kind, entry_id: int, last_add_confirmed: int) -> bytes:
+    """A marker message (CREATED, SEAL, DELETED) as stored in a ledger's topic."""
+    return HEADER.pack(MAGIC, kind, entry_id, last_add_confirmed)
+
+
+def encode_entries(first_entry_id: int, last_add_confirmed: int, entries: list[bytes]) -> bytes:
+    """An ENTRIES message: consecutive entries from ``first_entry_id``, one LAC for all."""
+    parts = [HEADER.pack(MAGIC, Kind.ENTRIES, first_entry_id, last_add_confirmed)]
+    for data in entries:
+        parts.append(ENTRY_LENGTH.pack(len(data)))
+        parts.append(data)
+    return b"".join(parts)
+
+
+def decode_entries(payload: bytes) -> list[bytes] | None:
+    """The entries of an ENTRIES message (after the header); None when the framing is bad."""
+    entries: list[bytes] = []
+    view = memoryview(payload)
+    pos = HEADER.size
+    length_size = ENTRY_LENGTH.size
+    while pos < len(payload):
+        if pos + length_size > len(payload):
+            return None
+        (length,) = ENTRY_LENGTH.unpack_from(payload, pos)
+        pos += length_size
+        if pos + length > len(payload):
+            return None
+        entries.append(bytes(view[pos : pos + length]))
+        pos += length
+    return entries if entries else None
 
 
 class PulsarPolicyError(LedgerError):
@@ -225,7 +264,10 @@ class PulsarConfig:
     #: Bound of every client operation (creating producers and readers, closing, lookups).
     operation_timeout_s: float = 30.0
     #: Messages handed to the producer and not acknowledged yet; more appends wait here.
-    max_pending_sends: int = 10_000
+    max_pending_sends: int = 1000
+    #: Group commit: the appends of one event-loop iteration (and those waiting for a free
+    #: send slot) share messages of up to this many entry bytes.
+    max_message_bytes: int = 1024 * 1024
     #: A reader that receives nothing this long although the broker has more starts over.
     reader_stall_s: float = 1.0
     #: Without a catalog: how long an open waits for the CREATED message of a ledger before
@@ -349,11 +391,13 @@ class PulsarLedgerWriter(LedgerWriter):
         self._size_bytes = 0
         # Appended and not resolved yet, in id order.
         self._pending: deque[tuple[int, asyncio.Future[int]]] = deque()
-        # Acknowledged but waiting for an earlier entry's acknowledgement.
-        self._acked: set[int] = set()
-        # Not handed to the producer yet (more than max_pending_sends in flight).
-        self._backlog: deque[tuple[int, bytes]] = deque()
-        self._in_flight = 0
+        # Acknowledged messages (first entry id -> last) waiting for an earlier one.
+        self._acked: dict[int, int] = {}
+        # Appended, not handed to the producer yet; the first of them has id _queued_from.
+        self._queue: deque[bytes] = deque()
+        self._queued_from = 0
+        self._flush_handle: asyncio.Handle | None = None
+        self._in_flight = 0  # messages sent and not acknowledged
         # Once set, the writer is dead: this error type and reason for every later append.
         self._failure: tuple[type[LedgerError], str] | None = None
         self._failed_from: int | None = None
@@ -388,53 +432,69 @@ class PulsarLedgerWriter(LedgerWriter):
         self._next_entry_id += 1
         self._size_bytes += len(data)
         self._pending.append((entry_id, future))
-        if self._in_flight < self._store.config.max_pending_sends and not self._backlog:
-            self._send(entry_id, bytes(data))
-        else:
-            self._backlog.append((entry_id, bytes(data)))
+        self._queue.append(bytes(data))
+        if self._flush_handle is None:
+            # On the next loop iteration: the appends made in this one share one message,
+            # and a lone append is not delayed by any timer.
+            self._flush_handle = self._loop.call_soon(self._flush)
         return future
 
-    def _send(self, entry_id: int, data: bytes) -> None:
-        # Stamped when handed to the producer, so a backlogged entry carries a fresher LAC.
-        payload = encode_message(
-            Kind.ENTRY, entry_id, self.lac_to_stamp(self._last_add_confirmed), data
-        )
+    def _flush(self) -> None:
+        """Send what is queued, as few messages as the size limit allows (group commit)."""
+        self._flush_handle = None
+        max_in_flight = self._store.config.max_pending_sends
+        max_bytes = self._store.config.max_message_bytes
+        while self._queue and self._failure is None and self._in_flight < max_in_flight:
+            batch = [self._queue.popleft()]
+            batch_bytes = len(batch[0])
+            while self._queue and batch_bytes + len(self._queue[0]) <= max_bytes:
+                batch_bytes += len(self._queue[0])
+                batch.append(self._queue.popleft())
+            first_id = self._queued_from
+            self._queued_from += len(batch)
+            self._send(first_id, batch)
+
+    def _send(self, first_id: int, batch: list[bytes]) -> None:
+        # Stamped when handed to the producer: everything durable by then is confirmed.
+        payload = encode_entries(first_id, self.lac_to_stamp(self._last_add_confirmed), batch)
+        last_id = first_id + len(batch) - 1
         self._in_flight += 1
         post = self._acks.post
 
         def sent(result: Any, message_id: Any) -> None:  # on a client thread
-            post((entry_id, result))
+            post((first_id, last_id, result))
 
         try:
             self._producer.send_async(payload, sent)
         except Exception as exc:
             self._in_flight -= 1
-            error = _error_for(exc, f"ledger {self._ledger_id}: send of entry {entry_id}")
-            self._fail_from(entry_id, type(error), str(error))
+            error = _error_for(exc, f"ledger {self._ledger_id}: send of entry {first_id}")
+            self._fail_from(first_id, type(error), str(error))
 
-    def _on_acks(self, acks: list[tuple[int, Any]]) -> None:
-        for entry_id, result in acks:
+    def _on_acks(self, acks: list[tuple[int, int, Any]]) -> None:
+        for first_id, last_id, result in acks:
             self._in_flight -= 1
-            if self._failed_from is not None and entry_id >= self._failed_from:
+            if self._failed_from is not None and first_id >= self._failed_from:
                 continue  # already failed (fenced or an earlier send failed): stays failed
             if result == pulsar.Result.Ok:
-                self._acked.add(entry_id)
+                self._acked[first_id] = last_id
             else:
-                error = _error_for_result(result, f"ledger {self._ledger_id}: entry {entry_id}")
+                error = _error_for_result(result, f"ledger {self._ledger_id}: entry {first_id}")
                 if not isinstance(error, LedgerFencedError):
                     logger.error("%s", error)
-                self._fail_from(entry_id, type(error), str(error))
+                self._fail_from(first_id, type(error), str(error))
+        # Messages go out in id order, so the oldest pending append starts an acked message
+        # once that message is acknowledged.
         while self._pending and self._pending[0][0] in self._acked:
-            entry_id, future = self._pending.popleft()
-            self._acked.discard(entry_id)
-            self._last_add_confirmed = entry_id
-            # A cancelled future's entry is durable anyway; nothing to undo.
-            if not future.done():
-                future.set_result(entry_id)
-        max_in_flight = self._store.config.max_pending_sends
-        while self._backlog and self._failure is None and self._in_flight < max_in_flight:
-            entry_id, data = self._backlog.popleft()
-            self._send(entry_id, data)
+            last_id = self._acked.pop(self._pending[0][0])
+            while self._pending and self._pending[0][0] <= last_id:
+                entry_id, future = self._pending.popleft()
+                # A cancelled future's entry is durable anyway; nothing to undo.
+                if not future.done():
+                    future.set_result(entry_id)
+            self._last_add_confirmed = last_id
+        if self._queue and self._flush_handle is None:
+            self._flush()
 
     def _fail_from(self, entry_id: int, error_type: type[LedgerError], reason: str) -> None:
         """Fail ``entry_id`` and every later append, now and for good."""
@@ -442,7 +502,10 @@ class PulsarLedgerWriter(LedgerWriter):
             self._failure = (error_type, reason)
         if self._failed_from is None or entry_id < self._failed_from:
             self._failed_from = entry_id
-        self._backlog.clear()
+        self._queue.clear()
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
         while self._pending and self._pending[-1][0] >= self._failed_from:
             _, future = self._pending.pop()
             if not future.done():
@@ -591,6 +654,7 @@ class PulsarLedgerReader(LedgerReader):
                 continue
             elif kind == "error":
                 self._pump_error = first
+                self._answer_probes(None)
             else:
                 self._handled_count += 1
                 self._accept(first, second)
@@ -620,18 +684,23 @@ class PulsarLedgerReader(LedgerReader):
         if magic != MAGIC:
             self._corrupt = f"a message with magic {magic:#x}, not written by Steward"
             return
-        if kind == Kind.ENTRY:
+        if kind == Kind.ENTRIES:
             if self._deleted or (self._seal_last is not None and entry_id > self._seal_last):
                 return  # past the end: a deposed writer's late append
-            if entry_id == self._next_id:
-                payload = data[HEADER.size :]
-                self._entries.append(LedgerEntry(self._ledger_id, entry_id, lac, payload))
+            payloads = decode_entries(data)
+            if payloads is None:
+                self._corrupt = f"a message of entries from {entry_id} with broken framing"
+                return
+            if entry_id > self._next_id:
+                self._restart_at_anomaly(f"entry {entry_id} while expecting {self._next_id}")
+                return
+            # Entries below the next id are duplicates (a producer resend, a redelivery).
+            for offset in range(self._next_id - entry_id, len(payloads)):
+                payload = payloads[offset]
+                self._entries.append(LedgerEntry(self._ledger_id, entry_id + offset, lac, payload))
                 self._buffered_bytes += len(payload)
                 self._next_id += 1
                 self._last_message_id = message_id
-            elif entry_id > self._next_id:
-                self._restart_at_anomaly(f"entry {entry_id} while expecting {self._next_id}")
-            # else: a duplicate (a producer resend, a redelivery): dropped
         elif kind == Kind.CREATED:
             if entry_id != self._ledger_id:
                 self._corrupt = f"the CREATED marker of ledger {entry_id}"
@@ -661,8 +730,17 @@ class PulsarLedgerReader(LedgerReader):
         # waits next (the pump error below makes them do it).
         self._generation += 1
         self._pump_error = _RestartReader(what)
+        self._answer_probes(None)
         self._wake()
         return True
+
+    def _answer_probes(self, answer: bool | None) -> None:
+        """Answer the waiting probes now (their reader thread is gone or going)."""
+        with self._probe_lock:
+            probes, self._probes = self._probes, []
+        for probe in probes:
+            if not probe.done():
+                probe.set_result(answer)
 
     def mark_recovered(self, last_entry_id: int) -> None:
         self._last_entry_id = last_entry_id
@@ -703,6 +781,8 @@ class PulsarLedgerReader(LedgerReader):
         """
         if not self._created:
             return None  # maybe an empty topic: has_message_available fails on pulsar-lite
+        if self._pump_error is not None:
+            return None  # no reader thread to ask until the reader is re-created
         if self._last_received_id is None:
             # Before a reader started inclusive at a MessageId received anything, the client's
             # has_message_available seeks to that MessageId, and seek hangs on pulsar-lite.
@@ -830,7 +910,7 @@ class PulsarLedgerReader(LedgerReader):
             self._check_usable()
             if done() or more is False:
                 return
-            if self._handled_count > self._handled_at_probe:
+            if more is True and self._handled_count > self._handled_at_probe:
                 continue  # what the broker had arrived with the answer: ask again
             if self._loop.time() >= deadline:
                 raise LedgerError(
@@ -885,7 +965,8 @@ class PulsarLedgerReader(LedgerReader):
             delivered = await self._wait_delivery(min(remaining_s, stall_s))
             if not delivered and remaining_s > stall_s:
                 more = await self._probe()
-                if self._handled_count == self._handled_at_probe and self._stalled(more):
+                progressed = more is True and self._handled_count > self._handled_at_probe
+                if not progressed and self._stalled(more):
                     self._pump_error = _RestartReader("stalled: nothing arrives")
 
     def _trim(self, keep_from_id: int) -> None:
@@ -917,11 +998,7 @@ class PulsarLedgerReader(LedgerReader):
         self._closed = True
         self._generation += 1
         self._pump_wake.set()
-        with self._probe_lock:
-            probes, self._probes = self._probes, []
-        for probe in probes:
-            if not probe.done():
-                probe.set_result(None)
+        self._answer_probes(None)
         self._wake()
         reader, self._reader = self._reader, None
         if reader is not None:

@@ -33,6 +33,7 @@ from log.pulsar import (
     PulsarLedgerReader,
     PulsarLedgerStore,
     PulsarPolicyError,
+    encode_entries,
     encode_message,
 )
 from log.zk_list import ZooKeeperLedgerIdAllocator
@@ -201,19 +202,24 @@ async def test_failed_send_fails_that_append_and_every_later_one(
     assert (await read_all(reader))[:3] == [b"0", b"1", b"2"]
 
 
-async def test_backlog_beyond_max_pending_sends_keeps_order(
+async def test_appends_beyond_max_pending_sends_wait_and_keep_order(
     pulsar_lite: PulsarLiteServer, stores: list[PulsarLedgerStore]
 ) -> None:
-    store = PulsarLedgerStore(
-        lite_config(pulsar_lite, new_cluster(), max_pending_sends=7), counter_ids()
-    )
+    # Messages of at most 2 entries, at most 3 of them unacknowledged: most appends wait.
+    config = lite_config(pulsar_lite, new_cluster(), max_pending_sends=3, max_message_bytes=6)
+    store = PulsarLedgerStore(config, counter_ids())
     stores.append(store)
     writer = await store.create_ledger()
-    futures = [writer.append(b"%d" % i) for i in range(300)]
+    futures = [writer.append(b"%03d" % i) for i in range(300)]
     assert await asyncio.wait_for(asyncio.gather(*futures), WAIT_S) == list(range(300))
     reader = await store.open_ledger(writer.ledger_id, recovery=False)
     entries = await reader.read(0, 300)
-    assert [e.data for e in entries] == [b"%d" % i for i in range(300)]
+    assert [e.data for e in entries] == [b"%03d" % i for i in range(300)]
+    lacs = [e.last_add_confirmed for e in entries]
+    assert lacs == sorted(lacs)
+    # 150 messages, a new one sent only when at most 2 others are unacknowledged: the LAC
+    # moves at least every third message.
+    assert len(set(lacs)) >= 40
     assert all(e.last_add_confirmed < e.entry_id for e in entries)
 
 
@@ -242,17 +248,20 @@ async def test_readers_drop_duplicates_and_gaps_and_stop_at_the_first_seal(
     # What a failing writer and its resends could leave behind, written raw.
     stored = [
         encode_message(Kind.CREATED, ledger_id, -1),
-        encode_message(Kind.ENTRY, 0, -1, b"a"),
-        encode_message(Kind.ENTRY, 1, 0, b"b"),
-        encode_message(Kind.ENTRY, 1, 0, b"b-resent"),
-        encode_message(Kind.ENTRY, 0, -1, b"a-resent"),
-        encode_message(Kind.ENTRY, 3, 1, b"d-after-a-hole"),
-        encode_message(Kind.ENTRY, 2, 1, b"c"),
+        encode_entries(0, -1, [b"a"]),
+        encode_entries(1, 0, [b"b"]),
+        encode_entries(1, 0, [b"b-resent"]),
+        encode_entries(0, -1, [b"a-resent"]),
+        encode_entries(3, 1, [b"d-after-a-hole"]),
+        encode_entries(2, 1, [b"c", b"d"]),  # one message, two entries
+        encode_entries(3, 1, [b"d-resent", b"e"]),  # overlaps: only e is new
         encode_message(Kind.SEAL, -1, -1),
-        encode_message(Kind.ENTRY, 3, 2, b"d-after-the-seal"),
+        encode_entries(5, 2, [b"f-after-the-seal"]),
         encode_message(Kind.SEAL, -1, -1),
     ]
-    client = pulsar.Client(config.service_url, operation_timeout_seconds=5)
+    client = pulsar.Client(
+        config.service_url, operation_timeout_seconds=5, logger=log.pulsar.CLIENT_LOGGER
+    )
     try:
         producer = client.create_producer(config.topic(ledger_id), batching_enabled=False)
         for payload in stored:
@@ -263,17 +272,19 @@ async def test_readers_drop_duplicates_and_gaps_and_stop_at_the_first_seal(
     store = PulsarLedgerStore(config, counter_ids())
     stores.append(store)
     tailing = await store.open_ledger(ledger_id, recovery=False)
-    assert [(e.entry_id, e.data) for e in await tailing.read(0, 10)] == [
-        (0, b"a"),
-        (1, b"b"),
-        (2, b"c"),
+    assert [(e.entry_id, e.data, e.last_add_confirmed) for e in await tailing.read(0, 10)] == [
+        (0, b"a", -1),
+        (1, b"b", 0),
+        (2, b"c", 1),
+        (3, b"d", 1),
+        (4, b"e", 1),
     ]
-    assert not await tailing.wait_for_entries(2, 0.05)
+    assert not await tailing.wait_for_entries(4, 0.05)
     # The hole made the reader start over from its last accepted message.
     assert isinstance(tailing, PulsarLedgerReader) and tailing.recreations >= 1
     recovered = await store.open_ledger(ledger_id, recovery=True)
-    assert recovered.last_entry_id == 2
-    assert await read_all(recovered) == [b"a", b"b", b"c"]
+    assert recovered.last_entry_id == 4
+    assert await read_all(recovered) == [b"a", b"b", b"c", b"d", b"e"]
 
 
 async def test_reader_buffer_budget_pauses_and_rewinds(
@@ -470,3 +481,44 @@ async def test_delete_and_list_go_through_the_admin_api(
         None,
     ) in recorder.requests
     assert await store.list_ledgers() == [4]
+
+
+def test_broker_refuses_the_fencing_setting_on_pulsar_lite(
+    pulsar_lite: PulsarLiteServer, zookeeper: ZooKeeperServer, tmp_path: Path
+) -> None:
+    # `--pulsar-flavor pulsar` (the default: Apache Pulsar, fencing on) against pulsar-lite,
+    # which does not enforce ExclusiveWithFencing: the broker must not start believing its
+    # ledgers are fenced; it says so and exits 2.
+    import subprocess
+
+    from tests.procs import free_port, steward_command
+
+    result = subprocess.run(
+        [
+            *steward_command(),
+            "broker",
+            "--zookeeper",
+            zookeeper.connect_string,
+            "--cluster",
+            f"f{uuid.uuid4().hex[:8]}",
+            "--broker-id",
+            "b0",
+            "--data-dir",
+            str(tmp_path / "b0"),
+            "--http",
+            f"127.0.0.1:{free_port()}",
+            "--ledgers",
+            "pulsar",
+            "--pulsar-url",
+            pulsar_lite.service_url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("steward: cannot start:"), last
+    assert "does not enforce ExclusiveWithFencing" in last, last
+    assert "Traceback" not in result.stderr
