@@ -71,6 +71,8 @@ class Cluster:
                 "pulsar-lite",
             ]
         )
+        # One ZooKeeper serves both clusters of the backends scenario: distinct names.
+        self.name = "bench-pulsar" if pulsar_url is not None else "bench-file"
         self.ports = [free_port() for _ in range(brokers)]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * brokers
 
@@ -335,7 +337,7 @@ def main() -> None:
 def run_backends(root: Path, zookeeper: str, pulsar_url: str, seconds: float) -> None:
     """The same 3-broker cluster on the file backend, then on pulsar-lite."""
     for name, url in (("file", None), ("pulsar", pulsar_url)):
-        cluster_root = root / name
+        cluster_root = root / f"cluster-{name}"  # root/pulsar is pulsar-lite's
         cluster_root.mkdir()
         cluster = Cluster(cluster_root, zookeeper, pulsar_url=url)
         try:

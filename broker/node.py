@@ -464,10 +464,12 @@ class Node:
             with contextlib.suppress(LedgerError):
                 await writer.close()
             raise
-        if self.leadership_check is not None:
+        if self.leadership_check is not None and not self.ledgers.can_fence:
             # Entries carry as LAC only what this leader confirmed in ZooKeeper, so the
-            # late appends of a deposed leader (a backend that cannot fence) never make
-            # followers apply anything beyond the history the next leader recovers.
+            # late appends of a deposed leader never make followers apply anything beyond
+            # the history the next leader recovers. A fencing backend makes those appends
+            # fail instead, and keeps the plain durable LAC (followers see entries one
+            # ZooKeeper round trip sooner).
             writer.confirm(-1)
         self._writer = writer
         self._writer_created_ms = created_ms
@@ -672,7 +674,11 @@ class Node:
                 return
             self._apply_durable_head(count)
             writer = self._writer
-            if writer is not None and self.position[0] == writer.ledger_id:
+            if (
+                writer is not None
+                and not self.ledgers.can_fence
+                and self.position[0] == writer.ledger_id
+            ):
                 writer.confirm(self.position[1])
             if self._inflight and self._inflight[0].durable.done():
                 self._durable_ready.set()
