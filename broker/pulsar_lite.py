@@ -16,19 +16,17 @@ Every wait is bounded and signals go to the broker's pid only.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import logging
 import os
-import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 from types import TracebackType
 
+from broker.local_server import LocalServerProcess, terminate_with_parent
 from broker.zk import HOST, free_port
-from broker.zk import _terminate_with_parent as terminate_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +89,7 @@ def accepts_connections(host: str, port: int, timeout_s: float = 1.0) -> bool:
         return False
 
 
-class PulsarLiteServer:
+class PulsarLiteServer(LocalServerProcess):
     """One pulsar-lite broker process on 127.0.0.1.
 
     Everything lives in ``directory``: ``pulsar-lite.toml`` (written at each start),
@@ -103,6 +101,9 @@ class PulsarLiteServer:
     ``stop_with_parent=True`` (Linux, for tests) makes the kernel send the broker SIGTERM when
     the thread that started it ends, so a killed test run leaves no broker behind.
     """
+
+    server_name = "pulsar-lite"
+    error_type = PulsarLiteError
 
     def __init__(
         self,
@@ -120,8 +121,7 @@ class PulsarLiteServer:
         # Resolved now so a missing binary fails at construction, loudly.
         self._binary = binary if binary is not None else find_pulsar_lite_binary()
         self._stop_with_parent = stop_with_parent
-        self._process: subprocess.Popen[bytes] | None = None
-        self._paused = False
+        super().__init__()
         self._started_once = False
 
     # -- properties --------------------------------------------------------------------------
@@ -223,72 +223,14 @@ class PulsarLiteServer:
                 )
             time.sleep(0.02)
 
-    def stop(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> None:
-        """SIGTERM, wait up to ``timeout_s``, then SIGKILL. No-op when not running."""
-        process = self._process
-        if process is None:
-            return
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            if self._paused:
-                # A stopped process only acts on SIGTERM once it runs again.
-                process.send_signal(signal.SIGCONT)
-            try:
-                process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("pulsar-lite (pid %d) ignored SIGTERM, killing it", process.pid)
-                self._kill_process()
-        self._process = None
-        self._paused = False
-
     def kill(self) -> None:
         """SIGKILL (a crash: no clean shutdown). No-op when not running."""
         self._kill_process()
-
-    def _kill_process(self) -> None:
-        process = self._process
-        if process is None:
-            return
-        if process.poll() is None:
-            process.kill()
-            try:
-                process.wait(timeout=DEFAULT_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                raise PulsarLiteError(f"pulsar-lite pid {process.pid} survived SIGKILL") from None
-        self._process = None
-        self._paused = False
-
-    def pause(self) -> None:
-        """SIGSTOP: the broker freezes; clients see no answers (their TCP connections stay)."""
-        self._signal(signal.SIGSTOP)
-        self._paused = True
-
-    def resume(self) -> None:
-        """SIGCONT after :meth:`pause`."""
-        self._signal(signal.SIGCONT)
-        self._paused = False
-
-    def _signal(self, signum: signal.Signals) -> None:
-        process = self._process
-        if process is None or process.poll() is not None:
-            raise PulsarLiteError("pulsar-lite is not running")
-        process.send_signal(signum)
 
     def restart(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
         """Stop cleanly and start again on the same port with the same data."""
         self.stop()
         self.start(timeout_s)
-
-    def log_tail(self, max_bytes: int = _LOG_TAIL_BYTES) -> str:
-        """The end of the broker's log (for error messages)."""
-        size = self.log_path.stat().st_size if self.log_path.exists() else 0
-        return self._read_log_from(max(0, size - max_bytes), max_bytes)
-
-    def _read_log_from(self, offset: int, max_bytes: int) -> str:
-        with contextlib.suppress(FileNotFoundError), open(self.log_path, "rb") as log_file:
-            log_file.seek(offset)
-            return log_file.read(max_bytes).decode("utf-8", errors="replace")
-        return ""
 
     # -- files and command -------------------------------------------------------------------
 

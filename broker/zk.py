@@ -12,21 +12,19 @@ Every wait is bounded and signals go to the server's pid only.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import glob
 import importlib.util
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+
+from broker.local_server import LocalServerProcess, terminate_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +69,6 @@ rootLogger.appenderRef.console.ref = console
 _LOG_TAIL_BYTES = 4000
 # One start logs the whole classpath (pyspark's jars: ~100 KB); read all of it to find why.
 _MAX_START_LOG_BYTES = 4 * 1024 * 1024
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 class ZooKeeperError(RuntimeError):
@@ -154,7 +151,7 @@ def four_letter_word(host: str, port: int, word: str, timeout_s: float = 2.0) ->
     return b"".join(chunks).decode("utf-8", errors="replace")
 
 
-class ZooKeeperServer:
+class ZooKeeperServer(LocalServerProcess):
     """One standalone ZooKeeper server process on 127.0.0.1.
 
     Everything lives in ``directory``: ``zoo.cfg``, ``data/`` (snapshots and transaction log,
@@ -165,6 +162,9 @@ class ZooKeeperServer:
     ``stop_with_parent=True`` (Linux, for tests) makes the kernel send the server SIGTERM
     when the thread that started it ends, so a killed test run leaves no JVM behind.
     """
+
+    server_name = "ZooKeeper"
+    error_type = ZooKeeperError
 
     def __init__(
         self,
@@ -190,8 +190,7 @@ class ZooKeeperServer:
         self._classpath = classpath if classpath is not None else find_zookeeper_classpath()
         self._java = java if java is not None else find_java()
         self._stop_with_parent = stop_with_parent
-        self._process: subprocess.Popen[bytes] | None = None
-        self._paused = False
+        super().__init__()
         self._started_once = False
 
     # -- properties --------------------------------------------------------------------------
@@ -282,7 +281,7 @@ class ZooKeeperServer:
                 # Own process group: a Ctrl-C aimed at the test run does not hit the server
                 # before the fixture's stop() does.
                 start_new_session=True,
-                preexec_fn=_terminate_with_parent if self._stop_with_parent else None,
+                preexec_fn=terminate_with_parent if self._stop_with_parent else None,
             )
         self._paused = False
         logger.info("ZooKeeper starting on %s (pid %d)", self.connect_string, self._process.pid)
@@ -312,72 +311,14 @@ class ZooKeeperServer:
             return False
         return "Mode:" in answer
 
-    def stop(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> None:
-        """SIGTERM, wait up to ``timeout_s``, then SIGKILL. No-op when not running."""
-        process = self._process
-        if process is None:
-            return
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            if self._paused:
-                # A stopped process only acts on SIGTERM once it runs again.
-                process.send_signal(signal.SIGCONT)
-            try:
-                process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("ZooKeeper (pid %d) ignored SIGTERM, killing it", process.pid)
-                self._kill_process()
-        self._process = None
-        self._paused = False
-
     def kill9(self) -> None:
         """SIGKILL (a crash: no clean shutdown). No-op when not running."""
         self._kill_process()
-
-    def _kill_process(self) -> None:
-        process = self._process
-        if process is None:
-            return
-        if process.poll() is None:
-            process.kill()
-            try:
-                process.wait(timeout=DEFAULT_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                raise ZooKeeperError(f"ZooKeeper pid {process.pid} survived SIGKILL") from None
-        self._process = None
-        self._paused = False
-
-    def pause(self) -> None:
-        """SIGSTOP: the server freezes; clients see no answers (their TCP connections stay)."""
-        self._signal(signal.SIGSTOP)
-        self._paused = True
-
-    def resume(self) -> None:
-        """SIGCONT after :meth:`pause`."""
-        self._signal(signal.SIGCONT)
-        self._paused = False
-
-    def _signal(self, signum: signal.Signals) -> None:
-        process = self._process
-        if process is None or process.poll() is not None:
-            raise ZooKeeperError("ZooKeeper is not running")
-        process.send_signal(signum)
 
     def restart(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
         """Stop cleanly and start again on the same port with the same data."""
         self.stop()
         self.start(timeout_s)
-
-    def log_tail(self, max_bytes: int = _LOG_TAIL_BYTES) -> str:
-        """The end of the server's log (for error messages)."""
-        size = self.log_path.stat().st_size if self.log_path.exists() else 0
-        return self._read_log_from(max(0, size - max_bytes), max_bytes)
-
-    def _read_log_from(self, offset: int, max_bytes: int) -> str:
-        with contextlib.suppress(FileNotFoundError), open(self.log_path, "rb") as log_file:
-            log_file.seek(offset)
-            return log_file.read(max_bytes).decode("utf-8", errors="replace")
-        return ""
 
     # -- files and command -------------------------------------------------------------------
 
@@ -428,30 +369,6 @@ class ZooKeeperServer:
 
     def __repr__(self) -> str:
         return f"ZooKeeperServer({self.connect_string}, pid={self.pid}, dir={self._directory})"
-
-
-def _load_prctl() -> Callable[..., int] | None:
-    if sys.platform != "linux":
-        return None
-    try:
-        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return prctl
-
-
-# Resolved in the parent: loading a library in a forked child of a threaded process can hang.
-_PRCTL = _load_prctl()
-
-
-def _terminate_with_parent() -> None:
-    """In the child before exec: ask Linux for SIGTERM when the parent goes away.
-
-    Linux sends it when the *thread* that started the server ends, which is fine for tests
-    (their servers are stopped anyway when the test ends); elsewhere it is a no-op.
-    """
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 class _PortTakenError(Exception):
