@@ -551,7 +551,15 @@ class ReplicationMonitor:
         if not waited_out:
             count = await self._replicas(sha256)
             if count < self._min_replication:
-                return False  # the watch marks it again when a replica comes
+                # The watch marks it again when a replica comes; and the wait's end is
+                # checked again (the deadline timer runs on the loop's clock, which may
+                # fire a little before the wall clock says the wait is over).
+                remaining_s = (
+                    artifact.created_ms + self._max_wait_ms - self._node.clock_ms()
+                ) / 1000
+                assert self._loop is not None
+                self._loop.call_later(max(0.01, remaining_s + 0.005), self._mark, sha256)
+                return False
         result = await self._node.propose(
             lambda stamp: e.CodeReady(time_ms=stamp.now_ms, sha256=sha256)
         )

@@ -629,7 +629,13 @@ def run_broker(args: argparse.Namespace) -> int:
     except BrokerStartupError as exc:
         print(f"steward: cannot start: {exc}", file=sys.stderr)
         return 2
-    return 0
+    # Everything is closed and flushed (ledger, snapshot, ZooKeeper sessions). Leave without
+    # the interpreter's teardown: pulsar-client's C++ threads can abort the process in
+    # static destructors at exit ("terminate called without an active exception").
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_cluster_up(args: argparse.Namespace) -> int:
