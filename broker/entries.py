@@ -43,6 +43,25 @@ class TaskSpec(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
     resources: dict[str, float] = {}
     transaction: int | None = None
     code: str | None = None
+    # Storm's guaranteed processing: this task roots a tree whose completion is tracked
+    # (False, Storm's "no message id", keeps the plain task of older entries).
+    track_tree: bool = False
+    # The tree fails when not complete this long after the root's (re)start; like
+    # Storm's TOPOLOGY_MESSAGE_TIMEOUT_SECS default.
+    tree_timeout_ms: int = 30_000
+
+
+#: Default of TaskSpec.tree_timeout_ms.
+DEFAULT_TREE_TIMEOUT_MS: Final = 30_000
+
+
+class Spawn(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
+    """A child task created by its parent's successful finish (same entry, so a parent
+    that crashes spawns nothing twice). ``anchors``: task ids of the parent's tree the
+    child hangs from (several make a DAG); none: the child is not tracked."""
+
+    task: TaskSpec
+    anchors: tuple[int, ...] = ()
 
 
 class SubmitTasks(_Entry, frozen=True, tag="submit"):
@@ -134,6 +153,8 @@ class TaskOutcome(msgspec.Struct, omit_defaults=True, frozen=True):
     ok: bool
     result: bytes | None = None  # raw JSON text when ok
     error: str | None = None  # message and traceback when not ok
+    # Children to create with this (successful) finish; ids stamped by the leader.
+    spawn: tuple[Spawn, ...] = ()
 
 
 class FinishTasks(_Entry, frozen=True, tag="finish"):

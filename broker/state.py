@@ -85,6 +85,46 @@ class Task(msgspec.Struct, array_like=True, gc=False):
     result: bytes | None = None
     error: str | None = None
     finished_ms: int | None = None
+    # Task trees: the root of the tracked tree this task belongs to (its own id for a
+    # root) and the task whose finish spawned it. Last, so older snapshots still decode.
+    root: int | None = None
+    parent: int | None = None
+
+
+class TreeState(StrEnum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+class TreeRecord(msgspec.Struct, array_like=True, gc=False):
+    """Storm's acker entry for one tracked root: a fixed size whatever the tree's size."""
+
+    root: int
+    tenant: str
+    # XOR of tree_value(id) of every task created in the current run of the tree and,
+    # again, of every one finished successfully: 0 exactly when all are done.
+    ack_val: int
+    timeout_ms: int
+    deadline_ms: int
+    attempt: int = 1  # run of the tree, + 1 at each replay
+    state: str = TreeState.PENDING.value
+    reason: str | None = None  # why the (last) run failed
+
+
+_MASK64: Final = (1 << 64) - 1
+
+
+def tree_value(task_id: int) -> int:
+    """The 64-bit value a task contributes to its root's ack val: splitmix64 of its id.
+
+    Deterministic on every replica (never Python's hash), well spread so that a
+    partial XOR returns to 0 only by a 2**-64 accident; never 0 itself.
+    """
+    z = (task_id + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) or 1
 
 
 class Tenant(msgspec.Struct, array_like=True, gc=False):
@@ -197,6 +237,7 @@ TASK_TYPE_RE: Final = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}$")
 MAX_SLOT_CHARS: Final = 256
 MAX_RESOURCES: Final = 32
 MAX_ATTEMPTS_LIMIT: Final = 1000
+MAX_TREE_TIMEOUT_MS: Final = 7 * 24 * 3600 * 1000
 IDEMPOTENCY_KEY_RE: Final = re.compile(r"[\x20-\x7e]{1,128}")
 #: Idempotency keys are kept at least this long, longer when finished tasks are.
 IDEMPOTENCY_MIN_RETENTION_MS: Final = 24 * 3600 * 1000
@@ -221,6 +262,8 @@ def validate_task_spec(spec: e.TaskSpec) -> str | None:
             return f"resource {name!r} must be a finite number >= 0"
     if spec.code is not None and not re.fullmatch(r"[0-9a-f]{64}", spec.code):
         return "code must be the sha256 (64 lowercase hex digits) of an uploaded artifact"
+    if spec.track_tree and not 0 < spec.tree_timeout_ms <= MAX_TREE_TIMEOUT_MS:
+        return f"tree_timeout_ms must be between 1 and {MAX_TREE_TIMEOUT_MS}"
     return None
 
 
@@ -247,6 +290,7 @@ class _Timer(IntEnum):
     START = 1
     DEADLINE = 2
     PURGE = 3
+    TREE_DEADLINE = 4
 
 
 class RememberedResult(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -282,6 +326,8 @@ class SnapshotBody(msgspec.Struct):
     waiting: dict[str, list[int]]
     # Remembered idempotency keys, oldest first (the default reads older snapshots).
     idempotency: list[SubmissionRecord] = []
+    # Tracked task trees, in creation order (the default reads older snapshots).
+    trees: list[TreeRecord] = []
 
 
 SNAPSHOT_BODY_VERSION: Final = 1
@@ -312,11 +358,16 @@ class StateMachine:
         # Idempotency key -> the first submission's result, oldest first (so expiry
         # only looks at the front). Keyed on the key alone: a batch may mix tenants.
         self.idempotency: OrderedDict[str, SubmissionRecord] = OrderedDict()
+        # Tracked trees by root id; a record lives as long as its root task.
+        self.trees: dict[int, TreeRecord] = {}
         # Derived indexes, rebuilt on snapshot load.
         self.slots: dict[str, int] = {}
         self.by_state: dict[str, set[int]] = {s.value: set() for s in TaskState}
         self.tenant_counts: dict[str, dict[str, int]] = {}
         self.running_by_worker: dict[str, set[int]] = {}
+        # Live tasks of each tracked tree (root id -> ids): a failed tree's outstanding
+        # tasks are cancelled without scanning every task.
+        self.tree_live: dict[int, set[int]] = {}
         self._timers: list[tuple[int, int, int]] = []  # (due_ms, kind, id)
         self.entries_applied = 0
         # Effects for the node's listeners, drained after each apply; not state.
@@ -324,6 +375,8 @@ class StateMachine:
         self.collect_effects = False
         self.became_final: list[int] = []
         self.stop_running: list[StopRunning] = []
+        # Roots whose tree completed or failed for good (no replay left).
+        self.trees_ended: list[int] = []
         self._handlers: dict[type[Any], Callable[[Any], ApplyResult]] = {
             e.SubmitTasks: self._submit,
             e.CancelTask: self._cancel,
@@ -385,6 +438,11 @@ class StateMachine:
             if txn is not None and txn.expires_ms == due_ms:
                 self._drop_transaction(txn)
             return
+        if kind is _Timer.TREE_DEADLINE:
+            tree = self.trees.get(ident)
+            if tree is not None and tree.state == TreeState.PENDING and tree.deadline_ms == due_ms:
+                self._fail_tree(tree, "tree timed out")
+            return
         task = self.tasks.get(ident)
         if task is None:
             return
@@ -396,9 +454,12 @@ class StateMachine:
                 task.error = "deadline exceeded"
                 self._stop_if_running(task, "deadline exceeded")
                 self._move(task, TaskState.ERROR)
+                self._task_ended(task)
         elif kind is _Timer.PURGE and task.state in FINAL_STATES and task.finished_ms is not None:
             purge_ms = task.finished_ms + self.config.finished_task_retention_ms
-            if purge_ms <= self.now_ms:
+            if self._tree_pending(task.id):
+                pass  # a root outlives its pending tree (it may be replayed); re-armed at the end
+            elif purge_ms <= self.now_ms:
                 self._delete_task(task)
             elif purge_ms != due_ms:
                 self._push_timer(purge_ms, _Timer.PURGE, task.id)
@@ -421,6 +482,8 @@ class StateMachine:
             self._enqueue(task)
         elif task.state == TaskState.RUNNING and task.worker is not None:
             self.running_by_worker.setdefault(task.worker, set()).add(task.id)
+        if task.root is not None and task.state in LIVE_STATES:
+            self.tree_live.setdefault(task.root, set()).add(task.id)
         self._push_task_timers(task)
 
     def _code_blocked(self, task: Task) -> bool:
@@ -482,6 +545,11 @@ class StateMachine:
             task.worker = None
         elif new == TaskState.RUNNING and task.worker is not None:
             self.running_by_worker.setdefault(task.worker, set()).add(task.id)
+        if task.root is not None and (old in FINAL_STATES) != (new in FINAL_STATES):
+            if new in FINAL_STATES:
+                self._untrack_live(task)
+            else:  # a root replayed
+                self.tree_live.setdefault(task.root, set()).add(task.id)
         task.state = new
         task.updated_ms = self.now_ms
         if new in FINAL_STATES:
@@ -504,6 +572,17 @@ class StateMachine:
             self.running_by_worker[task.worker].discard(task.id)
         if task.slot is not None and self.slots.get(task.slot) == task.id:
             del self.slots[task.slot]
+        if task.root is not None and task.state in LIVE_STATES:
+            self._untrack_live(task)
+        if task.root == task.id:
+            self.trees.pop(task.id, None)
+
+    def _untrack_live(self, task: Task) -> None:
+        assert task.root is not None
+        live = self.tree_live[task.root]
+        live.discard(task.id)
+        if not live:
+            del self.tree_live[task.root]
 
     def _tenant(self, name: str) -> Tenant:
         tenant = self.tenants.get(name)
@@ -551,7 +630,11 @@ class StateMachine:
             )
         return results
 
-    def _submit_one(self, spec: e.TaskSpec) -> TaskRef | Rejected:
+    def _submit_one(
+        self, spec: e.TaskSpec, *, root: int | None = None, parent: int | None = None
+    ) -> TaskRef | Rejected:
+        """Create one task: submitted (parent None) or spawned by ``parent``'s finish,
+        in the tree of ``root`` when anchored there."""
         if spec.id <= self.max_task_id:
             return Rejected(ErrorCode.INVALID, f"task id {spec.id} was already used")
         self.max_task_id = spec.id
@@ -562,6 +645,8 @@ class StateMachine:
         if spec.deadline_ms is not None and spec.deadline_ms <= now_ms:
             return Rejected(ErrorCode.INVALID, "deadline has already passed")
         txn: Transaction | None = None
+        if spec.transaction is not None and parent is not None:
+            return Rejected(ErrorCode.INVALID, "a spawned task cannot join a transaction")
         if spec.transaction is not None:
             txn = self.transactions.get(spec.transaction)
             if txn is None:
@@ -578,7 +663,13 @@ class StateMachine:
                 ErrorCode.SLOT_BUSY, f"slot {spec.slot!r} is held by task {self.slots[spec.slot]}"
             )
         tenant = self._tenant(spec.tenant)
-        if tenant.max_waiting and self._queued(spec.tenant) >= tenant.max_waiting:
+        # Like Storm's max spout pending, the queue limit admits new work only: the
+        # children of work already admitted are not refused (their tree would fail).
+        if (
+            parent is None
+            and tenant.max_waiting
+            and self._queued(spec.tenant) >= tenant.max_waiting
+        ):
             return Rejected(
                 ErrorCode.TENANT_QUEUE_FULL,
                 f"tenant {spec.tenant!r} already has {tenant.max_waiting} queued tasks "
@@ -606,10 +697,21 @@ class StateMachine:
             resources={name: float(amount) for name, amount in spec.resources.items()},
             transaction=spec.transaction,
             code=spec.code,
+            root=root if root is not None else spec.id if spec.track_tree else None,
+            parent=parent,
         )
         self._add_task(task)
         if txn is not None:
             txn.task_ids.append(task.id)
+        if root is None and spec.track_tree:
+            tree = self.trees[task.id] = TreeRecord(
+                root=task.id,
+                tenant=task.tenant,
+                ack_val=tree_value(task.id),
+                timeout_ms=spec.tree_timeout_ms,
+                deadline_ms=now_ms + spec.tree_timeout_ms,
+            )
+            self._push_timer(tree.deadline_ms, _Timer.TREE_DEADLINE, task.id)
         return TaskRef(task.id, task.state)
 
     def _cancel(self, entry: e.CancelTask) -> TaskRef | Rejected:
@@ -621,6 +723,7 @@ class StateMachine:
         task.error = entry.reason
         self._stop_if_running(task, entry.reason)
         self._move(task, TaskState.CANCELLED)
+        self._task_ended(task)
         return TaskRef(task.id, task.state)
 
     def _stop_if_running(self, task: Task, reason: str) -> None:
@@ -732,9 +835,16 @@ class StateMachine:
                 keep.append(e.TaskAttempt(task.id, task.attempt))
             else:
                 lost.append(task.id)
+        for task_id in lost:
+            task = self.tasks[task_id]
+            # A lost task whose tree failed because of an earlier one is already over.
+            if task.state == TaskState.RUNNING and task.worker == entry.worker_id:
                 self._retry_or_fail(
                     task, f"worker {entry.worker_id} came back without task {task.id}"
                 )
+        if len(lost):
+            running = self.running_by_worker.get(entry.worker_id, set())
+            keep = [k for k in keep if k.task_id in running]
         worker = self.workers.get(entry.worker_id)
         if worker is None:
             worker = self.workers[entry.worker_id] = Worker(
@@ -767,6 +877,8 @@ class StateMachine:
         worker.reason = entry.reason
         for task_id in sorted(self.running_by_worker.get(worker.id, ())):
             task = self.tasks[task_id]
+            if task.state != TaskState.RUNNING or task.worker != worker.id:
+                continue  # cancelled or replayed meanwhile: a failed tree of an earlier one
             self._retry_or_fail(task, f"worker {worker.id} died: {entry.reason}")
         return None
 
@@ -775,6 +887,7 @@ class StateMachine:
         if task.attempt >= task.max_attempts:
             task.error = f"{error} (attempt {task.attempt} of {task.max_attempts})"
             self._move(task, TaskState.ERROR)
+            self._task_ended(task)
         else:
             self._move(task, TaskState.WAITING)
 
@@ -813,17 +926,137 @@ class StateMachine:
                 or task.worker != outcome.worker_id
                 or task.attempt != outcome.attempt
             ):
-                # A duplicate or late report of an attempt that is over.
+                # A duplicate or late report of an attempt that is over: spawns nothing.
+                self._use_ids(outcome.spawn)
                 results.append(Rejected(ErrorCode.STALE, f"task {outcome.task_id} not running"))
                 continue
             if outcome.ok:
                 task.result = outcome.result
                 task.error = None
                 self._move(task, TaskState.FINISHED)
+                self._finished_ok(task, outcome.spawn)
             else:
+                self._use_ids(outcome.spawn)
                 self._retry_or_fail(task, outcome.error or "task failed")
             results.append(TaskRef(task.id, task.state))
         return results
+
+    # --- task trees (Storm's acker) ---------------------------------------------------
+
+    def _use_ids(self, spawn: tuple[e.Spawn, ...]) -> None:
+        # Children not created still used up the ids the leader stamped for them.
+        if spawn:
+            self.max_task_id = max(self.max_task_id, *(s.task.id for s in spawn))
+
+    def _tree_pending(self, root: int) -> bool:
+        tree = self.trees.get(root)
+        return tree is not None and tree.state == TreeState.PENDING
+
+    def _finished_ok(self, task: Task, spawn: tuple[e.Spawn, ...]) -> None:
+        """Create the children of a task that finished, then ack it in its tree."""
+        tree = self.trees.get(task.root) if task.root is not None else None
+        if tree is not None and tree.state != TreeState.PENDING:
+            tree = None  # cannot happen: a failed or completed tree has no live task
+        ack = tree_value(task.id) if tree is not None else 0
+        failure: str | None = None
+        for child in spawn:
+            spec = child.task
+            anchored = tree is not None and bool(child.anchors)
+            if not anchored:
+                # Unanchored, or anchored to an untracked task (a no-op, as in Storm).
+                self._submit_one(spec, parent=task.id)
+                continue
+            assert tree is not None
+            if failure is not None:
+                self._use_ids((child,))  # the tree failed: its later children are moot
+                continue
+            outside = [a for a in child.anchors if not self._in_tree(a, tree.root)]
+            if outside:
+                self._use_ids((child,))
+                failure = f"task {task.id} anchored child {spec.id} outside the tree"
+                continue
+            created = self._submit_one(spec, root=tree.root, parent=task.id)
+            if isinstance(created, Rejected):
+                failure = f"child {spec.id} of task {task.id} refused: {created.code.value}"
+            else:
+                ack ^= tree_value(spec.id)
+        if tree is None:
+            return
+        tree.ack_val ^= ack  # children created and parent acked in one step, as Storm
+        if failure is not None:
+            self._fail_tree(tree, failure)
+        elif tree.ack_val == 0:
+            self._end_tree(tree, TreeState.COMPLETED)
+
+    def _in_tree(self, task_id: int, root: int) -> bool:
+        task = self.tasks.get(task_id)
+        return task is not None and task.root == root
+
+    def _task_ended(self, task: Task) -> None:
+        """A tree task ended in error or was cancelled: its tree fails at once."""
+        if task.root is not None:
+            tree = self.trees.get(task.root)
+            if tree is not None and tree.state == TreeState.PENDING:
+                how = "was cancelled" if task.state == TaskState.CANCELLED else "ended in error"
+                self._fail_tree(tree, f"task {task.id} {how}")
+
+    def _fail_tree(self, tree: TreeRecord, reason: str) -> None:
+        """Cancel the tree's outstanding tasks, then replay the root if attempts remain."""
+        tree.state = TreeState.FAILED.value
+        tree.reason = reason
+        root = self.tasks[tree.root]
+        why = f"tree of task {root.id} failed: {reason}"
+        for task_id in sorted(self.tree_live.get(root.id, ())):
+            if task_id != root.id:
+                task = self.tasks[task_id]
+                task.error = why
+                self._stop_if_running(task, why)
+                self._move(task, TaskState.CANCELLED)
+        replayable = (
+            root.state not in (TaskState.ERROR, TaskState.CANCELLED)
+            and root.attempt < root.max_attempts
+            and (root.deadline_ms is None or root.deadline_ms > self.now_ms)
+            # Its slot may have gone to another task since the root finished.
+            and (root.slot is None or self.slots.get(root.slot, root.id) == root.id)
+        )
+        if not replayable:
+            if root.state in LIVE_STATES:
+                root.error = why
+                self._stop_if_running(root, why)
+                self._move(root, TaskState.CANCELLED)
+            self._end_tree(tree, TreeState.FAILED)
+            return
+        root.error = f"{why}; replayed"
+        if root.state == TaskState.RUNNING:
+            self._stop_if_running(root, why)
+            self._move(root, TaskState.WAITING)
+        elif root.state == TaskState.FINISHED:
+            root.result = None
+            root.finished_ms = None
+            if root.slot is not None:
+                self.slots[root.slot] = root.id
+            self._move(root, TaskState.WAITING)
+            if root.deadline_ms is not None:
+                self._push_timer(root.deadline_ms, _Timer.DEADLINE, root.id)
+        # A fresh run: only the root is live in the tree now.
+        tree.ack_val = tree_value(root.id)
+        tree.attempt += 1
+        tree.deadline_ms = self.now_ms + tree.timeout_ms
+        tree.state = TreeState.PENDING.value
+        self._push_timer(tree.deadline_ms, _Timer.TREE_DEADLINE, root.id)
+
+    def _end_tree(self, tree: TreeRecord, state: TreeState) -> None:
+        tree.state = state.value
+        if state == TreeState.COMPLETED:
+            tree.reason = None
+        if self.collect_effects:
+            self.trees_ended.append(tree.root)
+        root = self.tasks[tree.root]
+        if root.finished_ms is not None and root.state in FINAL_STATES:
+            # Its purge was held back while the tree was pending.
+            self._push_timer(
+                root.finished_ms + self.config.finished_task_retention_ms, _Timer.PURGE, root.id
+            )
 
     def _add_code(self, entry: e.AddCode) -> Artifact | Rejected:
         if not re.fullmatch(r"[0-9a-f]{64}", entry.sha256):
@@ -859,6 +1092,17 @@ class StateMachine:
             for task_id in sorted(parked):
                 task = tasks[task_id]
                 self.waiting.setdefault(task.tenant, {})[task_id] = None
+
+    def drain_tree_effects(self) -> list[int]:
+        """Roots whose tree completed or failed for good since the last drain."""
+        ended = self.trees_ended
+        if ended:
+            self.trees_ended = []
+        return ended
+
+    def tree(self, task_id: int) -> TreeRecord | None:
+        """The tree record of a tracked root (None for other tasks)."""
+        return self.trees.get(task_id)
 
     def drain_effects(self) -> tuple[list[int], list[StopRunning]]:
         """Tasks that became final and running tasks to stop since the last drain."""
@@ -919,6 +1163,7 @@ class StateMachine:
             # is left out here, so insertion order would differ after a reload.
             waiting={name: list(queue) for name, queue in sorted(self.waiting.items()) if queue},
             idempotency=list(self.idempotency.values()),
+            trees=list(self.trees.values()),
         )
 
     def encode_snapshot(self) -> bytes:
@@ -950,7 +1195,14 @@ class StateMachine:
         for txn in machine.transactions.values():
             machine._push_timer(txn.expires_ms, _Timer.TXN_EXPIRE, txn.id)
         machine.idempotency = OrderedDict((r.key, r) for r in body.idempotency)
+        machine.trees = {t.root: t for t in body.trees}
+        machine._push_tree_timers()
         return machine
+
+    def _push_tree_timers(self) -> None:
+        for tree in self.trees.values():
+            if tree.state == TreeState.PENDING:
+                self._push_timer(tree.deadline_ms, _Timer.TREE_DEADLINE, tree.root)
 
     def _rebuild_timers(self) -> None:
         self._timers = []
@@ -958,6 +1210,7 @@ class StateMachine:
             self._push_task_timers(task)
         for txn in self.transactions.values():
             self._push_timer(txn.expires_ms, _Timer.TXN_EXPIRE, txn.id)
+        self._push_tree_timers()
 
     # --- invariants (simulation tests and debug mode) ---------------------------------------
 
@@ -1042,3 +1295,34 @@ class StateMachine:
             previous_ms = record.created_ms
             if all(r.task_id is None for r in record.results):
                 fail(f"idempotency key {key!r} remembered though it created no task")
+        self._check_tree_invariants(fail)
+
+    def _check_tree_invariants(self, fail: Callable[[str], None]) -> None:
+        # O(tasks): recompute each tree's live members and the XOR of their values.
+        live: dict[int, set[int]] = {}
+        xor: dict[int, int] = {}
+        for task in self.tasks.values():
+            if task.root is None or task.state not in LIVE_STATES:
+                continue
+            live.setdefault(task.root, set()).add(task.id)
+            xor[task.root] = xor.get(task.root, 0) ^ tree_value(task.id)
+        if live != self.tree_live:
+            fail("tree_live index differs from the live tasks of trees")
+        for root_id, tree in self.trees.items():
+            root = self.tasks.get(root_id)
+            if tree.root != root_id or root is None or root.root != root_id:
+                fail(f"tree record {tree.root} kept under {root_id} or without its root task")
+            elif root.tenant != tree.tenant:
+                fail(f"tree {root_id} of tenant {tree.tenant!r}, root's is {root.tenant!r}")
+            if tree.state == TreeState.PENDING:
+                if tree.ack_val != xor.get(root_id, 0):
+                    fail(f"tree {root_id} ack val differs from the XOR of its live tasks")
+                if tree.ack_val == 0:
+                    fail(f"tree {root_id} is pending with ack val 0")
+            elif root_id in live:
+                fail(f"tree {root_id} is {tree.state} but tasks {sorted(live[root_id])} live")
+            if not 0 <= tree.ack_val <= _MASK64 or tree.attempt < 1:
+                fail(f"tree {root_id} ack val or attempt out of range")
+        for root_id in live:
+            if root_id not in self.trees:
+                fail(f"live tasks of tree {root_id} that has no record")
