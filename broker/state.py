@@ -106,10 +106,15 @@ class TreeRecord(msgspec.Struct, array_like=True, gc=False):
     # again, of every one finished successfully: 0 exactly when all are done.
     ack_val: int
     timeout_ms: int
-    deadline_ms: int
+    # Set when the root starts running in this run (time in a queue is not processing;
+    # and so every replay uses up an attempt of the root): None before.
+    deadline_ms: int | None = None
     attempt: int = 1  # run of the tree, + 1 at each replay
     state: str = TreeState.PENDING.value
     reason: str | None = None  # why the (last) run failed
+    # When it completed or failed for good: the root is kept as long after this as
+    # after its own finish, so that its tree's outcome can be read.
+    ended_ms: int | None = None
 
 
 _MASK64: Final = (1 << 64) - 1
@@ -441,6 +446,7 @@ class StateMachine:
         if kind is _Timer.TREE_DEADLINE:
             tree = self.trees.get(ident)
             if tree is not None and tree.state == TreeState.PENDING and tree.deadline_ms == due_ms:
+                # Timers are not removed: a replayed run has another deadline (or none yet).
                 self._fail_tree(tree, "tree timed out")
             return
         task = self.tasks.get(ident)
@@ -456,7 +462,7 @@ class StateMachine:
                 self._move(task, TaskState.ERROR)
                 self._task_ended(task)
         elif kind is _Timer.PURGE and task.state in FINAL_STATES and task.finished_ms is not None:
-            purge_ms = task.finished_ms + self.config.finished_task_retention_ms
+            purge_ms = self._purge_ms(task)
             if self._tree_pending(task.id):
                 pass  # a root outlives its pending tree (it may be replayed); re-armed at the end
             elif purge_ms <= self.now_ms:
@@ -518,9 +524,17 @@ class StateMachine:
         if task.state in LIVE_STATES and task.deadline_ms is not None:
             self._push_timer(task.deadline_ms, _Timer.DEADLINE, task.id)
         if task.state in FINAL_STATES and task.finished_ms is not None:
-            self._push_timer(
-                task.finished_ms + self.config.finished_task_retention_ms, _Timer.PURGE, task.id
-            )
+            self._push_timer(self._purge_ms(task), _Timer.PURGE, task.id)
+
+    def _purge_ms(self, task: Task) -> int:
+        """When a final task is deleted; a root not before its tree's end + retention."""
+        assert task.finished_ms is not None
+        done_ms = task.finished_ms
+        if task.root == task.id:
+            tree = self.trees.get(task.id)
+            if tree is not None and tree.ended_ms is not None:
+                done_ms = max(done_ms, tree.ended_ms)
+        return done_ms + self.config.finished_task_retention_ms
 
     def _move(self, task: Task, new: TaskState) -> None:
         old = task.state
@@ -704,14 +718,12 @@ class StateMachine:
         if txn is not None:
             txn.task_ids.append(task.id)
         if root is None and spec.track_tree:
-            tree = self.trees[task.id] = TreeRecord(
+            self.trees[task.id] = TreeRecord(
                 root=task.id,
                 tenant=task.tenant,
                 ack_val=tree_value(task.id),
                 timeout_ms=spec.tree_timeout_ms,
-                deadline_ms=now_ms + spec.tree_timeout_ms,
             )
-            self._push_timer(tree.deadline_ms, _Timer.TREE_DEADLINE, task.id)
         return TaskRef(task.id, task.state)
 
     def _cancel(self, entry: e.CancelTask) -> TaskRef | Rejected:
@@ -913,6 +925,8 @@ class StateMachine:
                 task.attempt += 1
                 task.worker = worker.id
                 self._move(task, TaskState.RUNNING)
+                if task.root == task.id:
+                    self._start_tree(task.id)
                 results.append(TaskRef(task.id, task.state))
         return results
 
@@ -947,6 +961,13 @@ class StateMachine:
         # Children not created still used up the ids the leader stamped for them.
         if spawn:
             self.max_task_id = max(self.max_task_id, *(s.task.id for s in spawn))
+
+    def _start_tree(self, root: int) -> None:
+        """The root runs: its tree's timeout starts, once per run."""
+        tree = self.trees.get(root)
+        if tree is not None and tree.state == TreeState.PENDING and tree.deadline_ms is None:
+            tree.deadline_ms = self.now_ms + tree.timeout_ms
+            self._push_timer(tree.deadline_ms, _Timer.TREE_DEADLINE, root)
 
     def _tree_pending(self, root: int) -> bool:
         tree = self.trees.get(root)
@@ -1041,12 +1062,12 @@ class StateMachine:
         # A fresh run: only the root is live in the tree now.
         tree.ack_val = tree_value(root.id)
         tree.attempt += 1
-        tree.deadline_ms = self.now_ms + tree.timeout_ms
+        tree.deadline_ms = None  # until the root runs again
         tree.state = TreeState.PENDING.value
-        self._push_timer(tree.deadline_ms, _Timer.TREE_DEADLINE, root.id)
 
     def _end_tree(self, tree: TreeRecord, state: TreeState) -> None:
         tree.state = state.value
+        tree.ended_ms = self.now_ms
         if state == TreeState.COMPLETED:
             tree.reason = None
         if self.collect_effects:
@@ -1054,9 +1075,7 @@ class StateMachine:
         root = self.tasks[tree.root]
         if root.finished_ms is not None and root.state in FINAL_STATES:
             # Its purge was held back while the tree was pending.
-            self._push_timer(
-                root.finished_ms + self.config.finished_task_retention_ms, _Timer.PURGE, root.id
-            )
+            self._push_timer(self._purge_ms(root), _Timer.PURGE, root.id)
 
     def _add_code(self, entry: e.AddCode) -> Artifact | Rejected:
         if not re.fullmatch(r"[0-9a-f]{64}", entry.sha256):
@@ -1201,7 +1220,7 @@ class StateMachine:
 
     def _push_tree_timers(self) -> None:
         for tree in self.trees.values():
-            if tree.state == TreeState.PENDING:
+            if tree.state == TreeState.PENDING and tree.deadline_ms is not None:
                 self._push_timer(tree.deadline_ms, _Timer.TREE_DEADLINE, tree.root)
 
     def _rebuild_timers(self) -> None:

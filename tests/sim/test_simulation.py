@@ -51,6 +51,7 @@ from broker.state import (
     FINAL_STATES,
     IDEMPOTENCY_MIN_RETENTION_MS,
     LIVE_STATES,
+    MAX_TREE_TIMEOUT_MS,
     QUEUED_STATES,
     ApplyResult,
     Artifact,
@@ -66,8 +67,10 @@ from broker.state import (
     Tenant,
     TransactionDone,
     TransactionRef,
+    TreeState,
     WorkerReconciled,
     WorkerState,
+    tree_value,
 )
 
 DEFAULT_SEEDS: Final = 20
@@ -212,6 +215,7 @@ class EntryGenerator:
         self.small_retention = self.rng.random() < 0.5
         self.submit_weight = self.rng.choice((18, 24, 30))
         self.slot_probability = self.rng.choice((0.1, 0.35, 0.6))
+        self.tree_probability = self.rng.choice((0.05, 0.15, 0.3))
         for worker in WORKERS[:3]:
             self.scripted.append(functools.partial(self._register, worker))
         if self.small_retention:
@@ -273,7 +277,8 @@ class EntryGenerator:
         return self.rng.choice(head)
 
     def _running(self) -> list[int]:
-        return sorted(self.view.by_state[RUNNING])[:64]
+        running = sorted(self.view.by_state[RUNNING])
+        return running[:32] + running[-32:] if len(running) > 64 else running
 
     def _connected(self) -> list[str]:
         return [w.id for w in self.view.workers.values() if w.state == WorkerState.CONNECTED]
@@ -368,8 +373,49 @@ class EntryGenerator:
             resources=resources,
             transaction=transaction,
             code=code,
+            track_tree=rng.random() < self.tree_probability,
+            tree_timeout_ms=rng.choice((2_000, 600_000, 3_600_000, MAX_TREE_TIMEOUT_MS)),
         )
         return spec, bad
+
+    def _spawn(self, task: Task) -> tuple[e.Spawn, ...]:
+        """Children for a task's successful finish: mostly anchored to it when tracked."""
+        rng = self.rng
+        view = self.view
+        tracked = task.root is not None
+        if tracked and rng.random() < 0.8:
+            count = rng.choice((0, 1, 1, 2, 2, 3, 4))
+        elif rng.random() < 0.08:
+            count = 1
+        else:
+            return ()
+        children: list[e.Spawn] = []
+        for _ in range(count):
+            self.next_task_id += 1
+            if rng.random() < 0.2:  # fewer cancels of tree tasks: big trees too
+                self.recent_ids.append(self.next_task_id)
+            anchors: tuple[int, ...] = (task.id,)
+            r = rng.random()
+            if r < 0.2 and task.root is not None:
+                # A DAG: also hang from another live task of the same tree.
+                live = sorted(view.tree_live.get(task.root, ()))
+                if live:
+                    anchors = (task.id, rng.choice(live[:16]))
+            elif r < 0.3:
+                anchors = ()  # not tracked
+            elif r < 0.302:
+                anchors = (self._recent(),)  # mostly outside the tree: fails it
+            spec = e.TaskSpec(
+                id=self.next_task_id,
+                type=rng.choice(TYPES) if rng.random() > 0.002 else rng.choice(BAD_TYPES),
+                tenant=task.tenant,
+                max_attempts=rng.randint(1, 3),
+                slot=rng.choice(SLOTS) if rng.random() < 0.005 else None,
+                start_after_ms=self.now_ms + rng.randint(1, 3_000) if rng.random() < 0.05 else None,
+                deadline_ms=self.now_ms + rng.randint(1, 60_000) if rng.random() < 0.005 else None,
+            )
+            children.append(e.Spawn(spec, anchors))
+        return tuple(children)
 
     def _idempotency_key(self) -> tuple[str | None, SubmissionRecord | None, bool]:
         """A submission's key (mostly None), the view's record when it repeats a
@@ -430,9 +476,14 @@ class EntryGenerator:
         task = self.view.tasks.get(task_id)
         if task is None:
             expect.reject[0] = NOT_FOUND
-        elif task.state in FINAL:
+        elif task.state in FINAL and not self._replayable(task):
             expect.reject[0] = frozenset({ErrorCode.CONFLICT, ErrorCode.NOT_FOUND})
         return e.CancelTask(time_ms=time_ms, task_id=task_id, reason="sim cancel"), expect
+
+    def _replayable(self, task: Task) -> bool:
+        """A finished root whose tree is pending: a timer may replay it (live again)."""
+        tree = self.view.trees.get(task.id)
+        return tree is not None and tree.state == TreeState.PENDING
 
     def _begin(self) -> tuple[e.Entry, Expect]:
         time_ms = self._time()
@@ -570,7 +621,7 @@ class EntryGenerator:
         expect = Expect()
         unready = sorted(sha for sha, a in self.view.artifacts.items() if not a.ready)
         sha = rng.choice(unready) if unready and rng.random() < 0.7 else rng.choice(CODE_SHAS)
-        if rng.random() < 0.05:
+        if rng.random() < 0.1:
             sha = rng.choice(("", "xyz", "A" * 64, sha + "0"))
             expect.reject[0] = INVALID
         elif sha not in self.view.artifacts:
@@ -727,7 +778,8 @@ class EntryGenerator:
                 outcome = rng.choice(self.recent_outcomes)  # late duplicate
             elif r < 0.85 and running:
                 task = view.tasks[rng.choice(running)]
-                ok = rng.random() < 0.6
+                # Tree tasks fail less, so that trees grow to hundreds of tasks.
+                ok = rng.random() < (0.6 if task.root is None else 0.99)
                 outcome = e.TaskOutcome(
                     task_id=task.id,
                     worker_id=task.worker or "",
@@ -735,6 +787,7 @@ class EntryGenerator:
                     ok=ok,
                     result=b'{"ok": true}' if ok else None,
                     error=None if ok else rng.choice(("boom", None)),
+                    spawn=self._spawn(task) if ok or rng.random() < 0.05 else (),
                 )
                 variant = rng.random()
                 if variant < 0.05:
@@ -767,23 +820,24 @@ class EntryGenerator:
 TIMER: Final = None
 TRANSITIONS: Final[dict[tuple[str | None, str | None], frozenset[type] | None]] = {
     (None, PENDING): frozenset({e.SubmitTasks}),
-    (None, DELAYED): frozenset({e.SubmitTasks}),
-    (None, WAITING): frozenset({e.SubmitTasks}),
+    (None, DELAYED): frozenset({e.SubmitTasks, e.FinishTasks}),  # submitted or spawned
+    (None, WAITING): frozenset({e.SubmitTasks, e.FinishTasks}),
     (PENDING, DELAYED): frozenset({e.CommitTransaction}),
     (PENDING, WAITING): frozenset({e.CommitTransaction}),
-    (PENDING, CANCELLED): frozenset({e.CancelTask}),
+    (PENDING, CANCELLED): TIMER,  # a cancel, or its tree timed out past its deadline
     (PENDING, ERROR): TIMER,  # deadline
     (PENDING, None): TIMER,  # rollback or expiry
     (DELAYED, WAITING): TIMER,  # start_after reached
-    (DELAYED, CANCELLED): frozenset({e.CancelTask}),
+    (DELAYED, CANCELLED): TIMER,  # a cancel, or its tree failed (checked below)
     (DELAYED, ERROR): TIMER,
     (WAITING, RUNNING): frozenset({e.AssignTasks}),
-    (WAITING, CANCELLED): frozenset({e.CancelTask}),
+    (WAITING, CANCELLED): TIMER,
     (WAITING, ERROR): TIMER,
     (RUNNING, FINISHED): frozenset({e.FinishTasks}),
-    (RUNNING, WAITING): frozenset({e.FinishTasks, e.WorkerDead, e.RegisterWorker}),
+    (RUNNING, WAITING): TIMER,  # attempt over, or a root replayed (checked below)
     (RUNNING, ERROR): TIMER,  # deadline, or a last failed attempt (checked below)
-    (RUNNING, CANCELLED): frozenset({e.CancelTask}),
+    (RUNNING, CANCELLED): TIMER,
+    (FINISHED, WAITING): TIMER,  # a root replayed after its tree failed
     (FINISHED, None): TIMER,  # purge
     (ERROR, None): TIMER,
     (CANCELLED, None): TIMER,
@@ -837,6 +891,14 @@ class Checker:
         self.keys: dict[str, tuple[int, bytes]] = {}
         self.stats: Counter[str] = Counter()
         self.last_events: list[Event] = []
+        # The independent model of task trees, from the transitions alone: each tracked
+        # root's live tasks in its current run, status, run number and deadline.
+        self.tree_live: dict[int, set[int]] = {}
+        self.tree_status: dict[int, str] = {}
+        self.tree_attempt: dict[int, int] = {}
+        self.tree_timeout: dict[int, int] = {}
+        self.tree_deadline: dict[int, int] = {}  # pending trees only
+        self.tree_size: dict[int, int] = {}  # tasks created in the current run
 
     # --- before / after each entry --------------------------------------------------
 
@@ -859,6 +921,7 @@ class Checker:
         events = self.last_events = self.m.events
         self.m.events = []
         self._check_events(entry, events, pre)
+        self._check_trees(entry, result, events)
         # Timers fire before the handler, so the transitions above saw the old readiness.
         self._track_code(entry, result)
         self._check_idempotency(entry, result, events, pre)
@@ -898,10 +961,16 @@ class Checker:
                 if ev.attempt > task.max_attempts:
                     fail(f"task {tid} attempt {ev.attempt} > max_attempts {task.max_attempts}")
             # Rules that depend on why the transition happened.
+            # (Events hold the task itself: a later change in the entry, e.g. a cancel
+            # of the replayed root, shows through.)
+            replayed = task.root == tid and (
+                (task.error or "").endswith("; replayed") or task.state != new
+            )
             if new == CANCELLED:
-                assert isinstance(entry, e.CancelTask)
-                if tid != entry.task_id:
-                    fail(f"task {tid} cancelled by a cancel of task {entry.task_id}")
+                if task.root is not None and (task.error or "").startswith("tree of task"):
+                    self.stats["tree task cancelled"] += 1
+                elif not isinstance(entry, e.CancelTask) or tid != entry.task_id:
+                    fail(f"task {tid} cancelled in {kind.__name__} (error {task.error!r})")
             elif new == RUNNING:
                 assert isinstance(entry, e.AssignTasks)
                 if tid not in {a.task_id for a in entry.assignments}:
@@ -919,8 +988,11 @@ class Checker:
             elif (old, new) == (DELAYED, WAITING):
                 if task.start_after_ms is None or task.start_after_ms > now:
                     fail(f"task {tid} started before its start_after {task.start_after_ms}")
+            elif (old, new) == (FINISHED, WAITING):
+                if not replayed:
+                    fail(f"task {tid} finished then waiting, not a replayed root")
             elif old == RUNNING and new == WAITING:
-                if not self._attempt_over(entry, tid, pre):
+                if not replayed and not self._attempt_over(entry, tid, pre):
                     fail(f"task {tid} back to waiting in {kind.__name__} without a reason")
                 if ev.attempt >= task.max_attempts:
                     fail(f"task {tid} retried after its last attempt {ev.attempt}")
@@ -972,6 +1044,139 @@ class Checker:
             else:
                 self.mirror[tid] = new
                 self.attempts[tid] = ev.attempt
+
+    def _check_trees(self, entry: e.Entry, result: ApplyResult, events: list[Event]) -> None:
+        """A root completes exactly when the last task of its tree finished, fails at
+        once when one ends otherwise or its deadline passes, and is then replayed."""
+        m = self.m
+        now = m.now_ms
+        failing = {r for r, due in self.tree_deadline.items() if due <= now}  # timed out
+        finished_in: set[int] = set()
+        restarted: set[int] = set()
+        touched: set[int] = set()
+        # Parents that finished but whose anchored children were not all created (refused,
+        # or anchored outside the tree): their tree fails with that finish.
+        spawn_failed: set[int] = set()
+        if isinstance(entry, e.FinishTasks) and isinstance(result, list):
+            created = {ev.task_id for ev in events if ev.old is None}
+            for o, item in zip(entry.outcomes, result, strict=True):
+                parent = m.tasks.get(o.task_id)
+                accepted = isinstance(item, TaskRef)
+                tracked = parent is not None and parent.root is not None
+                if (
+                    o.ok
+                    and accepted
+                    and tracked
+                    and any(s.anchors and s.task.id not in created for s in o.spawn)
+                ):
+                    spawn_failed.add(o.task_id)
+                    self.stats["tree spawn refused"] += 1
+        for ev in events:
+            tid, old, new, task = ev.task_id, ev.old, ev.new, ev.task
+            root = task.root
+            if root is None or (root not in self.tree_live and tid != root):
+                continue  # untracked, or a leftover of a tree whose root was purged
+            touched.add(root)
+            if old is None:
+                if tid == root:
+                    specs = self._specs(entry)
+                    self.tree_live[root] = {root}
+                    self.tree_status[root] = TreeState.PENDING.value
+                    self.tree_attempt[root] = 1
+                    self.tree_timeout[root] = specs[root].tree_timeout_ms
+                    self.tree_size[root] = 1
+                else:
+                    if self.tree_status.get(root) != TreeState.PENDING:
+                        fail(f"task {tid} created in tree {root} that is not pending")
+                    self.tree_live[root].add(tid)
+                    self.tree_size[root] += 1
+                    self.stats["max tree size"] = max(
+                        self.stats["max tree size"], self.tree_size[root]
+                    )
+            elif new is None:
+                if tid == root:
+                    for model in (self.tree_live, self.tree_status, self.tree_attempt):
+                        del model[root]
+                    self.tree_deadline.pop(root, None)
+                    failing.discard(root)
+                    touched.discard(root)
+            elif old in LIVE and new in FINAL:
+                self.tree_live[root].discard(tid)
+                if self.tree_status[root] == TreeState.PENDING and root not in failing:
+                    if new != FINISHED or tid in spawn_failed:
+                        failing.add(root)
+                    else:
+                        finished_in.add(root)
+            elif (old, new) == (WAITING, RUNNING) and tid == root:
+                # The tree's timeout runs from the root's first start in each run.
+                if root in failing:
+                    restarted.add(root)  # replayed by a timer of this entry, runs again
+                else:
+                    self.tree_deadline.setdefault(root, now + self.tree_timeout[root])
+            elif old in FINAL and new in LIVE:
+                if tid != root or root not in failing:
+                    fail(f"task {tid} of tree {root} live again without a replay")
+                self.tree_live[root].add(tid)
+        completed = {
+            root
+            for root in finished_in - failing
+            if root in self.tree_live and not self.tree_live[root]
+        }
+        for root in sorted(completed | failing | touched):
+            tree = m.trees.get(root)
+            if tree is None:
+                fail(f"tracked root {root} has no tree record")
+            live = self.tree_live[root]
+            if root in completed:
+                if tree.state != TreeState.COMPLETED or tree.ack_val != 0:
+                    fail(f"tree {root}: its last task finished, yet it is {tree.state}")
+                self.stats["tree completed"] += 1
+            elif root in failing:
+                if tree.state == TreeState.FAILED:
+                    if live:
+                        fail(f"tree {root} failed, yet tasks {sorted(live)} live")
+                    self.stats["tree failed"] += 1
+                elif tree.state == TreeState.PENDING:
+                    if tree.attempt != self.tree_attempt[root] + 1 or live != {root}:
+                        fail(f"tree {root} replayed as run {tree.attempt}, live {sorted(live)}")
+                    self.tree_attempt[root] += 1
+                    self.tree_size[root] = 1
+                    self.stats["tree replayed"] += 1
+                else:
+                    fail(f"tree {root} completed though one of its tasks failed")
+                self.tree_deadline.pop(root, None)  # the next run starts with the root
+                if root in restarted and tree.state == TreeState.PENDING:
+                    self.tree_deadline[root] = now + self.tree_timeout[root]
+            if tree.state != TreeState.PENDING:
+                self.tree_status[root] = tree.state
+                self.tree_deadline.pop(root, None)
+                continue
+            if not live or root in completed:
+                fail(f"tree {root} pending with no live task (completed early or late)")
+            if tree.attempt != self.tree_attempt[root]:
+                fail(f"tree {root} at run {tree.attempt}, expected {self.tree_attempt[root]}")
+            if tree.deadline_ms != self.tree_deadline.get(root):
+                fail(f"tree {root} deadline {tree.deadline_ms}, not {self.tree_deadline.get(root)}")
+            acked = 0
+            for tid in live:
+                acked ^= tree_value(tid)
+            if tree.ack_val != acked:
+                fail(f"tree {root} ack val differs from its live tasks' {sorted(live)[:8]}")
+
+    def _tree_kept(self, root: int, now: int) -> bool:
+        tree = self.m.trees.get(root)
+        ended = tree.ended_ms if tree is not None else None
+        return ended is not None and ended + self.m.config.finished_task_retention_ms > now
+
+    @staticmethod
+    def _specs(entry: e.Entry) -> dict[int, e.TaskSpec]:
+        """The specs of an entry by id; the first wins (a reused id is refused)."""
+        specs: list[e.TaskSpec] = []
+        if isinstance(entry, e.SubmitTasks):
+            specs = list(entry.tasks)
+        elif isinstance(entry, e.FinishTasks):
+            specs = [s.task for o in entry.outcomes for s in o.spawn]
+        return {spec.id: spec for spec in reversed(specs)}
 
     def _track_code(self, entry: e.Entry, result: ApplyResult) -> None:
         """Follow code readiness; a readied artifact's parked tasks join their queues."""
@@ -1189,14 +1394,27 @@ class Checker:
                 for tid, attempt in pre.reported
                 if not self._deadline_error(m.tasks[tid], m.now_ms)
             }
-            if result.worker_id != entry.worker_id or keep != had & reported:
+            # Less the kept ones cancelled or replayed since: a lost task failed their tree.
+            still = {(t.id, t.attempt) for t in m.tasks.values() if t.worker == entry.worker_id}
+            left = {(tid, a) for tid, a in had & reported if (tid, a) not in keep}
+            for tid, attempt in left:
+                task = m.tasks[tid]
+                if ((tid, attempt) in still and task.state == RUNNING) or task.root is None:
+                    fail(f"reported task {tid} neither kept nor ended by its tree")
+                self.stats["reconcile kept task ended by its tree"] += 1
+            if result.worker_id != entry.worker_id or keep != (had & reported) - left:
                 fail(f"reconcile kept {sorted(keep)}; had {sorted(had)}")
             self.stats["reconcile lost"] += len(result.lost)
             self.stats["reconcile kept"] += len(result.keep)
-            if set(result.lost) != {tid for tid, _ in had - reported}:
+            gone = {tid for tid, _ in had - reported}
+            for tid in gone - set(result.lost):  # ended by a tree's timeout before
+                task = m.tasks[tid]
+                if task.root is None or task.state not in (CANCELLED, WAITING):
+                    fail(f"task {tid} neither lost nor ended by its tree")
+            if not set(result.lost) <= gone:
                 fail(f"reconcile lost {result.lost}; had {sorted(had)}")
             for tid in result.lost:
-                if m.tasks[tid].state not in (WAITING, ERROR):
+                if m.tasks[tid].state not in (WAITING, ERROR, CANCELLED):
                     fail(f"lost task {tid} is {m.tasks[tid].state}")
             if set(m.running_by_worker.get(entry.worker_id, ())) != {t for t, _ in keep}:
                 fail(f"worker {entry.worker_id} runs other tasks than the kept ones")
@@ -1333,11 +1551,28 @@ class Checker:
         for ev in self.last_events:
             if ev.new in FINAL:
                 expected_final.append(ev.task_id)
+            error = ev.task.error or ""
             if ev.old == RUNNING and ev.new == CANCELLED:
-                assert isinstance(entry, e.CancelTask)
+                reason = entry.reason if isinstance(entry, e.CancelTask) else error
+                if error.startswith("tree of task"):
+                    reason = error  # its tree failed (perhaps because of this very cancel)
                 expected_stops.append(
-                    StopRunning(ev.task.worker or "", ev.task_id, ev.attempt, entry.reason)
+                    StopRunning(ev.task.worker or "", ev.task_id, ev.attempt, reason)
                 )
+            elif ev.old == RUNNING and ev.new == WAITING and ev.task.root == ev.task_id:
+                # A replayed root: stopped on the worker it ran on (cleared since).
+                actual = next((s for s in stops if s.task_id == ev.task_id), None)
+                if error.endswith("; replayed"):
+                    worker = actual.worker_id if actual is not None else ""
+                    expected_stops.append(
+                        StopRunning(worker, ev.task_id, ev.attempt, error[: -len("; replayed")])
+                    )
+                elif (
+                    actual is not None
+                    and actual.attempt == ev.attempt
+                    and (ev.task.state != WAITING or "tree of task" in actual.reason)
+                ):
+                    expected_stops.append(actual)  # changed again later in the entry
             elif ev.old == RUNNING and ev.new == ERROR and self._deadline_error(ev.task, now):
                 expected_stops.append(
                     StopRunning(ev.task.worker or "", ev.task_id, ev.attempt, "deadline exceeded")
@@ -1400,6 +1635,10 @@ class Checker:
                 elif (
                     not after_config
                     and task.finished_ms + m.config.finished_task_retention_ms <= now
+                    # A root outlives its pending tree (it may be replayed), and is kept
+                    # the retention after its tree's end.
+                    and self.tree_status.get(tid) != TreeState.PENDING
+                    and not self._tree_kept(tid, now)
                 ):
                     fail(f"final task {tid} outlived its retention")
             if state == FINISHED and task.attempt < 1:
@@ -1637,6 +1876,12 @@ def test_generator_covers_the_rules() -> None:
         "txn committed",
         "txn rolled_back",
         "txn expired",
+        "tree completed",
+        "tree failed",
+        "tree replayed",
+        "tree spawn refused",
+        "tree task cancelled",
+        "reconcile kept task ended by its tree",
     ]
     missing = [name for name in wanted if stats[name] == 0]
     assert not missing, f"never exercised: {missing}; stats: {dict(stats)}"

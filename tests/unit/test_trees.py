@@ -189,8 +189,11 @@ def test_timeout_fails_and_replays() -> None:
     tree = m.tree(root)
     assert tree.attempt == 2 and tree.reason == "tree timed out"
     assert m.state(a) == CANCELLED and m.state(root) == WAITING
-    assert tree.deadline_ms == m.now + 1_000
+    assert tree.deadline_ms is None  # the next run's timeout starts when the root runs
+    m.tick(5_000)
+    assert tree.state == PENDING
     m.run(root)
+    assert tree.deadline_ms == m.now + 1_000
     m.tick(1_000)  # the second run times out too, with the root running: no attempt left
     assert m.tree(root).state == FAILED and m.state(root) == CANCELLED
     _, stops = m.m.drain_effects()
