@@ -216,6 +216,8 @@ class EntryGenerator:
         self.submit_weight = self.rng.choice((18, 24, 30))
         self.slot_probability = self.rng.choice((0.1, 0.35, 0.6))
         self.tree_probability = self.rng.choice((0.05, 0.15, 0.3))
+        # Some seeds grow big trees (hundreds of tasks): sturdier, more prolific children.
+        self.big_trees = self.rng.random() < 0.4
         for worker in WORKERS[:3]:
             self.scripted.append(functools.partial(self._register, worker))
         if self.small_retention:
@@ -383,7 +385,9 @@ class EntryGenerator:
         rng = self.rng
         view = self.view
         tracked = task.root is not None
-        if tracked and rng.random() < 0.8:
+        if tracked and self.big_trees:
+            count = rng.choice((0, 1, 1, 2, 2, 3))
+        elif tracked and rng.random() < 0.8:
             count = rng.choice((0, 1, 1, 2, 2, 3, 4))
         elif rng.random() < 0.08:
             count = 1
@@ -409,7 +413,7 @@ class EntryGenerator:
                 id=self.next_task_id,
                 type=rng.choice(TYPES) if rng.random() > 0.002 else rng.choice(BAD_TYPES),
                 tenant=task.tenant,
-                max_attempts=rng.randint(1, 3),
+                max_attempts=rng.randint(2 if self.big_trees else 1, 3),
                 slot=rng.choice(SLOTS) if rng.random() < 0.005 else None,
                 start_after_ms=self.now_ms + rng.randint(1, 3_000) if rng.random() < 0.05 else None,
                 deadline_ms=self.now_ms + rng.randint(1, 60_000) if rng.random() < 0.005 else None,
