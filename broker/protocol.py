@@ -17,6 +17,11 @@ Conversation::
     broker -> Assign (tasks, already logged as running)     worker -> Finish (batched)
     broker -> FinishAck (resend until acknowledged)          broker -> Cancel
     either -> Error (then closes)
+
+Versions: a message carries the lowest version that has every field it uses, so a
+newer peer still talks to an older one until it needs something new. Version 2: a
+TaskReport may carry ``spawn`` requests (task trees); :func:`encode_message` marks
+such a Finish v2, which an older broker refuses instead of silently dropping them.
 """
 
 from __future__ import annotations
@@ -26,7 +31,12 @@ from typing import Final
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 1
+#: Highest message version this code understands.
+PROTOCOL_VERSION: Final = 2
+#: Version a message is sent with unless it uses a newer field.
+BASE_VERSION: Final = 1
+#: First version with TaskReport.spawn.
+SPAWN_VERSION: Final = 2
 DEFAULT_MAX_FRAME_BYTES: Final = 16 * 1024 * 1024
 _LENGTH: Final = struct.Struct(">I")
 
@@ -41,7 +51,7 @@ class ProtocolError(Exception):
 
 
 class _Message(msgspec.Struct, tag_field="type", omit_defaults=True, frozen=True):
-    v: int = PROTOCOL_VERSION
+    v: int = BASE_VERSION
 
 
 class TaskAttempt(msgspec.Struct, frozen=True, array_like=True):
@@ -88,12 +98,38 @@ class Assign(_Message, frozen=True, tag="assign"):
     tasks: tuple[AssignedTask, ...] = ()
 
 
+class SpawnRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """A child task the reporting task creates when it finishes successfully (v2).
+
+    Anchors make the child part of the reporting task's tracked tree: ``anchor_self``
+    (the reporting task) and/or ``anchors`` (other task ids of the same tree; several
+    make a DAG). ``tracked=False`` (Storm's unanchored emit) takes no anchors. A child
+    of an untracked task is never tracked. The broker validates every request: an
+    invalid one fails the reporting task with a clear error (the report is not lost).
+    """
+
+    type: str
+    params: bytes = b"null"  # raw JSON text
+    tenant: str | None = None  # None: the reporting task's tenant
+    tracked: bool = True
+    anchor_self: bool = True
+    anchors: tuple[int, ...] = ()
+    slot: str | None = None
+    max_attempts: int = 1
+    deadline_ms: int | None = None
+    start_after_ms: int | None = None
+    resources: dict[str, float] = {}
+    code: str | None = None  # None: the reporting task's code artifact
+
+
 class TaskReport(msgspec.Struct, frozen=True, omit_defaults=True):
     task_id: int
     attempt: int
     ok: bool
     result: bytes | None = None  # raw JSON text when ok
     error: str | None = None  # message and traceback when not ok
+    # Children to create with a successful finish (v2); ignored when not ok.
+    spawn: tuple[SpawnRequest, ...] = ()
 
 
 class Finish(_Message, frozen=True, tag="finish"):
@@ -120,7 +156,17 @@ _encoder: Final = msgspec.msgpack.Encoder()
 _decoder: Final = msgspec.msgpack.Decoder(Message)
 
 
+def required_version(message: Message) -> int:
+    """The lowest version that carries everything ``message`` uses."""
+    if isinstance(message, Finish) and any(r.spawn for r in message.reports):
+        return SPAWN_VERSION
+    return BASE_VERSION
+
+
 def encode_message(message: Message, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
+    needed = required_version(message)
+    if message.v < needed:
+        message = msgspec.structs.replace(message, v=needed)
     payload = _encoder.encode(message)
     if len(payload) > max_frame_bytes:
         raise ProtocolError(

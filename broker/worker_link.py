@@ -34,6 +34,7 @@ from broker.state import (
     TaskState,
     WorkerReconciled,
     WorkerState,
+    validate_task_spec,
 )
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,9 @@ class WorkerLinkConfig:
     max_result_bytes: int = 1024 * 1024
     max_assignments_per_round: int = 2000
     max_reports_per_entry: int = 5000
+    # Children one finish report may spawn, and the params size of each (like the API's).
+    max_spawns_per_report: int = 10_000
+    max_params_bytes: int = 64 * 1024
     token: str | None = None
 
 
@@ -369,7 +373,7 @@ class WorkerLink:
                 outcomes = tuple(self._outcome(session, report) for session, report in batch)
 
                 def build(stamp: Stamp, outcomes: tuple[e.TaskOutcome, ...] = outcomes) -> e.Entry:
-                    return e.FinishTasks(time_ms=stamp.now_ms, outcomes=outcomes)
+                    return e.FinishTasks(time_ms=stamp.now_ms, outcomes=_stamp_ids(stamp, outcomes))
 
                 try:
                     await self.node.propose(build)
@@ -409,6 +413,15 @@ class WorkerLink:
                     msgspec.json.decode(result)
                 except msgspec.DecodeError:
                     ok, result, error = False, None, "the worker sent a result that is not JSON"
+        spawn: tuple[e.Spawn, ...] = ()
+        if ok and report.spawn:
+            try:
+                spawn = self._spawn(report)
+            except _InvalidSpawn as exc:
+                logger.warning(
+                    "worker %s: task %d: %s", session.worker_id, report.task_id, exc.message
+                )
+                ok, result, error = False, None, exc.message
         return e.TaskOutcome(
             task_id=report.task_id,
             worker_id=session.worker_id,
@@ -416,7 +429,55 @@ class WorkerLink:
             ok=ok,
             result=result if ok else None,
             error=None if ok else (error or "task failed")[:65536],
+            spawn=spawn,
         )
+
+    def _spawn(self, report: p.TaskReport) -> tuple[e.Spawn, ...]:
+        """The children a report asks for, ids left 0 for the leader to stamp.
+
+        Raises _InvalidSpawn: the task then fails with that error rather than the
+        connection (its worker would resend the same report after reconnecting).
+        """
+        limit = self.config.max_spawns_per_report
+        if len(report.spawn) > limit:
+            raise _InvalidSpawn(f"invalid spawn: {len(report.spawn)} children, at most {limit}")
+        parent = self.node.state.tasks.get(report.task_id)
+        if parent is None:  # cannot happen: checked running just before
+            raise _InvalidSpawn("invalid spawn: the parent task is gone")
+        out: list[e.Spawn] = []
+        for index, request in enumerate(report.spawn):
+            where = f"invalid spawn #{index} (type {request.type!r})"
+            if not request.tracked and request.anchors:
+                raise _InvalidSpawn(f"{where}: an untracked child takes no anchors")
+            if any(a <= 0 for a in request.anchors):
+                raise _InvalidSpawn(f"{where}: anchors must be task ids")
+            if len(request.params) > self.config.max_params_bytes:
+                raise _InvalidSpawn(f"{where}: params over {self.config.max_params_bytes} bytes")
+            try:
+                msgspec.json.decode(request.params)
+            except msgspec.DecodeError:
+                raise _InvalidSpawn(f"{where}: params are not JSON") from None
+            spec = e.TaskSpec(
+                id=0,
+                type=request.type,
+                tenant=request.tenant if request.tenant is not None else parent.tenant,
+                params=request.params,
+                slot=request.slot,
+                max_attempts=request.max_attempts,
+                deadline_ms=request.deadline_ms,
+                start_after_ms=request.start_after_ms,
+                resources=dict(request.resources),
+                code=request.code if request.code is not None else parent.code,
+            )
+            problem = validate_task_spec(spec)
+            if problem is not None:
+                raise _InvalidSpawn(f"{where}: {problem}")
+            anchors: tuple[int, ...] = ()
+            if request.tracked:
+                own = (report.task_id,) if request.anchor_self else ()
+                anchors = tuple(dict.fromkeys(own + request.anchors))
+            out.append(e.Spawn(task=spec, anchors=anchors))
+        return tuple(out)
 
     # --- heartbeats and dead workers -------------------------------------------------------
 
@@ -467,6 +528,32 @@ class WorkerLink:
                 return
             finally:
                 self._declaring_dead.discard(worker.id)
+
+
+class _InvalidSpawn(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def _stamp_ids(stamp: Stamp, outcomes: tuple[e.TaskOutcome, ...]) -> tuple[e.TaskOutcome, ...]:
+    """Give the children of each outcome their ids: the leader's, when the entry is made."""
+    count = sum(len(o.spawn) for o in outcomes)
+    if not count:
+        return outcomes
+    ids = iter(stamp.task_ids(count))
+    return tuple(
+        msgspec.structs.replace(
+            outcome,
+            spawn=tuple(
+                msgspec.structs.replace(s, task=msgspec.structs.replace(s.task, id=next(ids)))
+                for s in outcome.spawn
+            ),
+        )
+        if outcome.spawn
+        else outcome
+        for outcome in outcomes
+    )
 
 
 def _name(session: _Session | None) -> str:

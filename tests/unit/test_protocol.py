@@ -218,3 +218,50 @@ def test_fuzz_structured_payloads(obj: object) -> None:
     except p.ProtocolError:
         return
     assert len(messages) == 1
+
+
+# --- version 2: spawn requests in finish reports (task trees) ------------------------------
+
+
+def test_finish_with_spawn_is_sent_as_v2_and_round_trips() -> None:
+    report = p.TaskReport(
+        task_id=5,
+        attempt=1,
+        ok=True,
+        spawn=(
+            p.SpawnRequest(type="child", params=b'{"i":1}', anchors=(3,)),
+            p.SpawnRequest(type="side", tracked=False, tenant="other"),
+        ),
+    )
+    encoded = p.encode_message(p.Finish(reports=(report,)))
+    wire = msgspec.msgpack.decode(encoded[4:])
+    assert wire["v"] == p.SPAWN_VERSION
+    assert wire["reports"][0]["spawn"] == [
+        {"type": "child", "params": b'{"i":1}', "anchors": [3]},
+        {"type": "side", "tenant": "other", "tracked": False},
+    ]
+    [decoded] = p.FrameDecoder().feed(encoded)
+    assert isinstance(decoded, p.Finish)
+    assert decoded.reports == (report,)
+
+
+def test_messages_without_new_fields_stay_v1() -> None:
+    # An older broker keeps understanding a newer worker until it spawns.
+    for message, _ in TABLE:
+        assert "v" not in msgspec.msgpack.decode(p.encode_message(message)[4:])
+    assert p.required_version(p.Finish(reports=(p.TaskReport(1, 1, ok=True),))) == 1
+
+
+def test_bad_spawn_requests_are_protocol_errors() -> None:
+    bad = {"type": "finish", "v": 2, "reports": [{"task_id": 1, "attempt": 1, "ok": True}]}
+    for spawn in ([{"params": b"1"}], [{"type": "x", "anchors": ["a"]}], [{"type": "x", "z": 1}]):
+        bad["reports"][0]["spawn"] = spawn  # type: ignore[index]
+        with pytest.raises(p.ProtocolError) as info:
+            p.FrameDecoder().feed(frame_of(bad))
+        assert info.value.code == "bad_message"
+
+
+def test_newer_than_v2_is_refused() -> None:
+    with pytest.raises(p.ProtocolError) as info:
+        p.FrameDecoder().feed(frame_of({"type": "heartbeat", "v": p.PROTOCOL_VERSION + 1}))
+    assert info.value.code == "unsupported_version"

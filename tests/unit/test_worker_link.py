@@ -76,6 +76,7 @@ class Broker:
         params: bytes = b"null",
         max_attempts: int = 1,
         deadline_in_ms: int | None = None,
+        track_tree: bool = False,
     ) -> list[int]:
         def build(stamp: Stamp) -> e.Entry:
             deadline = None if deadline_in_ms is None else stamp.now_ms + deadline_in_ms
@@ -89,6 +90,7 @@ class Broker:
                         params=params,
                         max_attempts=max_attempts,
                         deadline_ms=deadline,
+                        track_tree=track_tree,
                     )
                     for task_id in stamp.task_ids(count)
                 ),
@@ -685,3 +687,95 @@ async def test_worker_is_not_declared_dead_while_its_registration_completes(
     assert broker.node.state.workers["w1"].state == WorkerState.CONNECTED
     [task_id] = await broker.submit()
     assert attempts(await worker.expect(p.Assign)) == [(task_id, 1)]
+
+
+# --- task trees: spawn requests in finish reports --------------------------------------------
+
+
+async def test_spawned_children_get_leader_ids_and_complete_the_tree(broker: Broker) -> None:
+    worker = broker.worker()
+    await worker.hello()
+    [root] = await broker.submit(track_tree=True)
+    await worker.expect(p.Assign)
+    worker.finish(
+        p.TaskReport(
+            task_id=root,
+            attempt=1,
+            ok=True,
+            spawn=(
+                p.SpawnRequest(type="child", params=b'{"i":0}'),
+                p.SpawnRequest(type="child", params=b'{"i":1}', tenant="t2"),
+                p.SpawnRequest(type="side", tracked=False),
+            ),
+        )
+    )
+    await worker.expect(p.FinishAck)
+    [finish] = broker.entries(e.FinishTasks)
+    children = [s.task.id for s in finish.outcomes[0].spawn]
+    assert children == [root + 1, root + 2, root + 3]
+    assert [s.anchors for s in finish.outcomes[0].spawn] == [(root,), (root,), ()]
+    state = broker.node.state
+    assert [state.tasks[c].tenant for c in children] == ["t", "t2", "t"]
+    assert [state.tasks[c].root for c in children] == [root, root, None]
+    assert [state.tasks[c].parent for c in children] == [root, root, root]
+    tree = state.tree(root)
+    assert tree is not None and tree.state == "pending"
+
+    # The next submission's ids follow the children's.
+    [later] = await broker.submit()
+    assert later == root + 4
+    assigned: set[int] = set()
+    while len(assigned) < 4:
+        assign = await worker.expect(p.Assign)
+        assigned |= {t.task_id for t in assign.tasks}
+    for child in children[:2]:
+        worker.finish_ok(child, 1)
+        await worker.expect(p.FinishAck)
+    assert tree.state == "completed"
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (p.SpawnRequest(type="bad type"), "invalid spawn #0 (type 'bad type'): type must be"),
+        (p.SpawnRequest(type="x", tracked=False, anchors=(1,)), "untracked child takes no"),
+        (p.SpawnRequest(type="x", anchors=(0,)), "anchors must be task ids"),
+        (p.SpawnRequest(type="x", params=b"{nope"), "params are not JSON"),
+        (p.SpawnRequest(type="x", max_attempts=0), "max_attempts must be"),
+        (p.SpawnRequest(type="x", tenant="no tenant"), "tenant must be"),
+    ],
+)
+async def test_invalid_spawn_fails_the_task_with_a_clear_error(
+    broker: Broker, request_: p.SpawnRequest, message: str
+) -> None:
+    worker = broker.worker()
+    await worker.hello()
+    [root] = await broker.submit(track_tree=True)
+    await worker.expect(p.Assign)
+    worker.finish(p.TaskReport(task_id=root, attempt=1, ok=True, spawn=(request_,)))
+    await worker.expect(p.FinishAck)
+    task = broker.task(root)
+    assert task.state == TaskState.ERROR
+    assert task.error is not None and message in task.error, task.error
+    assert len(broker.node.state.tasks) == 1
+    tree = broker.node.state.tree(root)
+    assert tree is not None and tree.state == "failed"
+    # The connection survives: the worker keeps being served.
+    [other] = await broker.submit()
+    assign = await worker.expect(p.Assign)
+    assert [t.task_id for t in assign.tasks] == [other]
+
+
+async def test_failed_report_spawns_nothing(broker: Broker) -> None:
+    worker = broker.worker()
+    await worker.hello()
+    [root] = await broker.submit(track_tree=True, max_attempts=2)
+    await worker.expect(p.Assign)
+    worker.finish(
+        p.TaskReport(
+            task_id=root, attempt=1, ok=False, error="boom", spawn=(p.SpawnRequest(type="x"),)
+        )
+    )
+    await worker.expect(p.FinishAck)
+    assert list(broker.node.state.tasks) == [root]
+    assert broker.task(root).state in (TaskState.WAITING, TaskState.RUNNING)
