@@ -585,6 +585,7 @@ class Worker:
             if report is None:
                 continue
             n = _REPORT_OVERHEAD_BYTES + len(report.result or b"") + len(report.error or "") * 4
+            n += sum(_REPORT_OVERHEAD_BYTES + len(s.params) for s in report.spawn)
             if batch and size + n > budget:
                 conn.send(Finish(reports=tuple(batch)))
                 batch, size = [], 0

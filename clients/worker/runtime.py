@@ -32,12 +32,12 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
-from broker.protocol import AssignedTask, TaskAttempt, TaskReport
+from broker.protocol import AssignedTask, SpawnRequest, TaskAttempt, TaskReport
 from clients.worker.artifacts import ArtifactCache
 from clients.worker.config import WorkerConfig, cpu_count
 
@@ -182,6 +182,78 @@ class TaskContext:
         self._lock = threading.Lock()
         self._group_threads: set[int] = set()
         self._session: Any = None
+        self._spawns: list[SpawnRequest] = []
+        self._spawn_bytes = 0
+
+    #: Children one task may spawn (the broker's default limit).
+    MAX_SPAWNS: ClassVar[int] = 10_000
+    #: Largest params of one child (the broker's default limit).
+    MAX_SPAWN_PARAMS_BYTES: ClassVar[int] = 64 * 1024
+
+    def spawn(
+        self,
+        type: str,
+        params: Any = None,
+        *,
+        anchors: Sequence[int] | None = None,
+        tracked: bool = True,
+        tenant: str | None = None,
+        slot: str | None = None,
+        max_attempts: int = 1,
+        deadline_ms: int | None = None,
+        start_after_ms: int | None = None,
+        resources: Mapping[str, float] | None = None,
+        code: str | None = None,
+    ) -> None:
+        """Create a child task when this task finishes successfully.
+
+        The children travel with the task's finish report and are created by the same
+        log entry that records the finish: a task that fails, crashes or is cancelled
+        spawns nothing. ``anchors``: None anchors the child to this task; otherwise task
+        ids of this task's tree (``ctx.task_id`` for this one; several make a DAG).
+        ``tracked=False`` spawns outside the tree (Storm's unanchored emit). Children of
+        an untracked task are never tracked. ``tenant`` and ``code`` default to this
+        task's. The broker validates the rest; an invalid child fails this task.
+        """
+        if not tracked and anchors:
+            raise ValueError("an untracked child takes no anchors")
+        if tracked and anchors is not None and not anchors:
+            raise ValueError("anchors=[] would leave the child untracked: say tracked=False")
+        try:
+            encoded = encode_result(params, self.MAX_SPAWN_PARAMS_BYTES)
+        except ValueError as exc:
+            raise ValueError(f"spawn {type!r}: params: {exc}") from None
+        anchor_self = tracked and (anchors is None or self.task_id in anchors)
+        others = tuple(dict.fromkeys(int(a) for a in anchors or () if a != self.task_id))
+        request = SpawnRequest(
+            type=type,
+            params=encoded,
+            tenant=tenant,
+            tracked=tracked,
+            anchor_self=anchor_self,
+            anchors=others if tracked else (),
+            slot=slot,
+            max_attempts=max_attempts,
+            deadline_ms=deadline_ms,
+            start_after_ms=start_after_ms,
+            resources=dict(resources or {}),
+            code=code,
+        )
+        with self._lock:
+            if len(self._spawns) >= self.MAX_SPAWNS:
+                raise ValueError(f"a task may spawn at most {self.MAX_SPAWNS} children")
+            if self._spawn_bytes + len(encoded) > self.max_result_bytes:
+                raise ValueError(
+                    f"the children's params exceed max_result_bytes ({self.max_result_bytes})"
+                )
+            self._spawns.append(request)
+            self._spawn_bytes += len(encoded)
+
+    @property
+    def spawned(self) -> tuple[SpawnRequest, ...]:
+        """The children requested so far (sent with a successful finish)."""
+        with self._lock:
+            return tuple(self._spawns)
 
     @property
     def job_group(self) -> str:
@@ -503,7 +575,7 @@ class TaskRuntime:
                 return self._cancelled_report(entry)
             ctx.logger.info("task %d attempt %d failed: %r", task.task_id, task.attempt, exc)
             return TaskReport(task.task_id, task.attempt, ok=False, error=error_text(exc))
-        return TaskReport(task.task_id, task.attempt, ok=True, result=result)
+        return TaskReport(task.task_id, task.attempt, ok=True, result=result, spawn=ctx.spawned)
 
     def _resolve(self, task: AssignedTask) -> TaskFn:
         fn = self._registry.get(task.type)

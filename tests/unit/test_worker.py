@@ -39,6 +39,7 @@ from broker.protocol import (
     Hello,
     Message,
     ProtocolError,
+    SpawnRequest,
     TaskAttempt,
     TaskReport,
     Welcome,
@@ -980,3 +981,66 @@ def test_brokers_option_and_config() -> None:
             build_parser().parse_args(bad)
     with pytest.raises(ValueError, match="http"):
         WorkerConfig(broker="", http_url="", brokers=["ftp://x"])
+
+
+# -- task trees: ctx.spawn --
+
+
+def _spawner(params: Any, ctx: TaskContext) -> str:
+    ctx.spawn("child", {"i": 0})
+    ctx.spawn("child", {"i": 1}, anchors=[ctx.task_id, 3], tenant="other", max_attempts=2)
+    ctx.spawn("side", [1, 2], tracked=False, resources={"cpu": 1.0})
+    if params and params.get("crash"):
+        raise RuntimeError("crashed after spawning")
+    return "ok"
+
+
+async def test_spawned_children_travel_with_the_finish_report(env: Env) -> None:
+    worker, conn = await env.started()
+    worker.runtime.register("spawner", _spawner)
+    conn.assign(task(7, "spawner", code="ab" * 32))
+    reports = await conn.reports(1)
+    report = reports[7, 1]
+    assert result_of(report) == "ok"
+    assert report.spawn == (
+        SpawnRequest(type="child", params=b'{"i":0}'),
+        SpawnRequest(type="child", params=b'{"i":1}', tenant="other", anchors=(3,), max_attempts=2),
+        SpawnRequest(
+            type="side", params=b"[1,2]", tracked=False, anchor_self=False, resources={"cpu": 1.0}
+        ),
+    )
+
+
+async def test_a_task_that_fails_or_is_cancelled_spawns_nothing(env: Env) -> None:
+    worker, conn = await env.started()
+    worker.runtime.register("spawner", _spawner)
+
+    def spawn_then_wait(params: Any, ctx: TaskContext) -> None:
+        ctx.spawn("child")
+        ctx.cancelled.wait(WAIT_S)
+        ctx.check_cancelled()
+
+    worker.runtime.register("spawn_then_wait", spawn_then_wait)
+    conn.assign(task(1, "spawner", {"crash": True}), task(2, "spawn_then_wait"))
+    await until(lambda: worker.runtime.context((2, 1)) is not None)
+    conn.send(Cancel(tasks=(TaskAttempt(2, 1),), reason="stop"))
+    reports = await conn.reports(2)
+    assert not reports[1, 1].ok and "crashed after spawning" in (reports[1, 1].error or "")
+    assert not reports[2, 1].ok
+    assert reports[1, 1].spawn == () and reports[2, 1].spawn == ()
+
+
+async def test_bad_spawn_calls_raise_in_the_task(env: Env) -> None:
+    worker, conn = await env.started()
+    calls: dict[str, Callable[[TaskContext], None]] = {
+        "untracked_anchors": lambda ctx: ctx.spawn("x", tracked=False, anchors=[1]),
+        "empty_anchors": lambda ctx: ctx.spawn("x", anchors=[]),
+        "not_json": lambda ctx: ctx.spawn("x", {1, 2}),
+    }
+    for name, call in calls.items():
+        worker.runtime.register(name, lambda params, ctx, call=call: call(ctx))
+    conn.assign(*(task(i, name) for i, name in enumerate(calls, 1)))
+    reports = await conn.reports(3)
+    assert "untracked child takes no anchors" in (reports[1, 1].error or "")
+    assert "say tracked=False" in (reports[2, 1].error or "")
+    assert "spawn 'x': params: " in (reports[3, 1].error or "")
