@@ -43,6 +43,12 @@ class _TaskOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     resources: dict[str, float] = {}
     transaction: Int64 | None = None
     code: str | None = None
+    # Track the tree of tasks this one spawns (Storm's guaranteed processing): its
+    # status shows in the task's ``tree``; it fails unless complete tree_timeout_s
+    # (default 30) after each (re)start of the root, and the root is replayed while
+    # attempts remain.
+    track_tree: bool = False
+    tree_timeout_s: float | None = None
 
 
 class TaskSubmission(_TaskOptions, kw_only=True):
@@ -81,6 +87,17 @@ class TaskRefBody(msgspec.Struct, omit_defaults=True):
     replayed: bool = False  # True: the answer of an earlier submission with this key
 
 
+class TreeView(msgspec.Struct, omit_defaults=True):
+    """A tracked root's tree: ``pending`` until every task of the current run finished
+    (``completed``) or it failed (``failed``, for good: replays show as pending with a
+    higher attempt and the last failure's reason)."""
+
+    state: str
+    attempt: int
+    timeout_s: float
+    reason: str | None = None
+
+
 class TaskView(msgspec.Struct):
     id: int
     type: str
@@ -101,6 +118,9 @@ class TaskView(msgspec.Struct):
     deadline: str | None = None
     start_after: str | None = None
     finished_at: str | None = None
+    tree: TreeView | None = None  # only for a tracked root
+    root: int | None = None  # the tracked root whose tree this task belongs to
+    parent: int | None = None  # the task whose finish spawned this one
 
 
 class TaskList(msgspec.Struct):

@@ -27,6 +27,7 @@ from broker.code_store import CodeStore, InvalidArtifactError, validate_artifact
 from broker.node import VERSION, BrokerUnavailableError, Node, Role, Stamp
 from broker.state import (
     FINAL_STATES,
+    MAX_TREE_TIMEOUT_MS,
     NAME_RE,
     Artifact,
     ErrorCode,
@@ -37,6 +38,8 @@ from broker.state import (
     Tenant,
     TransactionDone,
     TransactionRef,
+    TreeRecord,
+    TreeState,
     validate_idempotency_key,
     validate_limits,
     validate_task_spec,
@@ -218,7 +221,10 @@ class ApiApp:
         self.cluster_view = cluster
         # Requests waiting for a task to reach a final state (long polling).
         self._waiters: dict[int, list[asyncio.Future[None]]] = {}
+        # Requests waiting for a tracked root's tree to end (wait_tree=true).
+        self._tree_waiters: dict[int, list[asyncio.Future[None]]] = {}
         node.listeners.append(self._on_applied)
+        node.tree_listeners.append(self._on_trees_ended)
         self._routes: list[Route] = []
         self._openapi: bytes | None = None
         self._add("/healthz", GET=self.health)
@@ -395,11 +401,28 @@ class ApiApp:
             resources=item.resources,
             transaction=item.transaction,
             code=item.code,
+            track_tree=item.track_tree,
+            tree_timeout_ms=self._tree_timeout_ms(item, where),
         )
         problem = validate_task_spec(spec)
         if problem is not None:
             raise HttpError(400, "invalid_request", where + problem)
         return spec
+
+    @staticmethod
+    def _tree_timeout_ms(item: m.TaskSubmission | m.SubmitBody, where: str) -> int:
+        if item.tree_timeout_s is None:
+            return e.DEFAULT_TREE_TIMEOUT_MS
+        if not item.track_tree:
+            raise HttpError(400, "invalid_request", f"{where}tree_timeout_s needs track_tree")
+        limit_s = MAX_TREE_TIMEOUT_MS / 1000
+        if not (math.isfinite(item.tree_timeout_s) and 0.001 <= item.tree_timeout_s <= limit_s):
+            raise HttpError(
+                400,
+                "invalid_request",
+                f"{where}tree_timeout_s must be between 0.001 and {limit_s:g} seconds",
+            )
+        return round(item.tree_timeout_s * 1000)
 
     async def submit(self, request: Request) -> tuple[int, bytes]:
         body = _decode(_submit_decoder, request.body)
@@ -458,31 +481,48 @@ class ApiApp:
         task = self.node.state.tasks.get(task_id)
         if task is None:
             raise HttpError(404, "not_found", f"task {task_id} does not exist")
-        return task_view(task)
+        return task_view(task, self.node.state.tree(task_id))
 
     async def get_task(self, request: Request) -> tuple[int, bytes]:
         task_id = int(request.params[0])
-        unknown = set(request.query) - {"wait_s"}
+        unknown = set(request.query) - {"wait_s", "wait_tree"}
         if unknown:
             raise HttpError(400, "invalid_request", f"unknown query parameters: {sorted(unknown)}")
+        wait_tree = _bool_param(request.query, "wait_tree")
         view = self._task_view(task_id)
         wait_s = _float_param(request.query, "wait_s", 0.0, 0.0, self.config.max_wait_s)
-        if wait_s > 0 and view.state not in _FINAL:
-            # Long poll: answer as soon as the task reaches a final state.
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.setdefault(task_id, []).append(waiter)
-            try:
-                await asyncio.wait_for(waiter, timeout=wait_s)
-            except TimeoutError:
-                pass
-            finally:
-                waiters = self._waiters.get(task_id)
-                if waiters is not None and waiter in waiters:
-                    waiters.remove(waiter)
-                    if not waiters:
-                        del self._waiters[task_id]
+        if wait_tree and view.tree is None:
+            raise HttpError(
+                400, "invalid_request", f"task {task_id} does not root a tracked tree (wait_tree)"
+            )
+        if wait_tree:
+            done = view.tree is not None and view.tree.state != TreeState.PENDING
+            waiters = self._tree_waiters
+        else:
+            done = view.state in _FINAL
+            waiters = self._waiters
+        if wait_s > 0 and not done:
+            # Long poll: answer as soon as the task reaches a final state (its tree ends).
+            await self._wait(waiters, task_id, wait_s)
             view = self._task_view(task_id)
         return 200, _json_encoder.encode(view)
+
+    @staticmethod
+    async def _wait(
+        waiters: dict[int, list[asyncio.Future[None]]], task_id: int, wait_s: float
+    ) -> None:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters.setdefault(task_id, []).append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout=wait_s)
+        except TimeoutError:
+            pass
+        finally:
+            mine = waiters.get(task_id)
+            if mine is not None and waiter in mine:
+                mine.remove(waiter)
+                if not mine:
+                    del waiters[task_id]
 
     def _on_applied(
         self, entry: e.Entry, result: object, became_final: list[int], stops: object
@@ -491,6 +531,14 @@ class ApiApp:
             return
         for task_id in became_final:
             for waiter in self._waiters.pop(task_id, ()):
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    def _on_trees_ended(self, roots: list[int]) -> None:
+        if not self._tree_waiters:
+            return
+        for root in roots:
+            for waiter in self._tree_waiters.pop(root, ()):
                 if not waiter.done():
                     waiter.set_result(None)
 
@@ -512,7 +560,9 @@ class ApiApp:
             limit=limit,
         )
         next_after = tasks[-1].id if len(tasks) == limit else None
-        return 200, _json_encoder.encode(m.TaskList([task_view(t) for t in tasks], next_after))
+        return 200, _json_encoder.encode(
+            m.TaskList([task_view(t, self.node.state.tree(t.id)) for t in tasks], next_after)
+        )
 
     async def cancel_task(self, request: Request) -> tuple[int, bytes]:
         task_id = int(request.params[0])
@@ -803,7 +853,15 @@ def artifact_view(artifact: Artifact) -> m.ArtifactView:
     )
 
 
-def task_view(task: Any) -> m.TaskView:
+def tree_view(tree: TreeRecord | None) -> m.TreeView | None:
+    if tree is None:
+        return None
+    return m.TreeView(
+        state=tree.state, attempt=tree.attempt, timeout_s=tree.timeout_ms / 1000, reason=tree.reason
+    )
+
+
+def task_view(task: Any, tree: TreeRecord | None = None) -> m.TaskView:
     return m.TaskView(
         id=task.id,
         type=task.type,
@@ -824,6 +882,9 @@ def task_view(task: Any) -> m.TaskView:
         deadline=iso_ms(task.deadline_ms),
         start_after=iso_ms(task.start_after_ms),
         finished_at=iso_ms(task.finished_ms),
+        tree=tree_view(tree),
+        root=task.root,
+        parent=task.parent,
     )
 
 
@@ -896,6 +957,15 @@ def _float_param(
     if not (math.isfinite(value) and low <= value <= high):
         raise HttpError(400, "invalid_request", f"{name} must be a number in [{low}, {high}]")
     return value
+
+
+def _bool_param(query: dict[str, str], name: str) -> bool:
+    raw = query.get(name)
+    if raw is None or raw in ("false", "0"):
+        return False
+    if raw in ("true", "1", ""):
+        return True
+    raise HttpError(400, "invalid_request", f"{name} must be true or false")
 
 
 def _int_param(query: dict[str, str], name: str, default: int, low: int, high: int) -> int:
@@ -991,8 +1061,12 @@ def openapi_document() -> dict[str, Any]:
         },
         "/api/v1/tasks/{id}": {
             "get": {
-                "summary": "One task",
-                "parameters": [id_param],
+                "summary": "One task (with its tree's status when it roots a tracked tree)",
+                "parameters": [
+                    id_param,
+                    query("wait_s", {"type": "number", "minimum": 0}),
+                    query("wait_tree", {"type": "boolean"}),
+                ],
                 "responses": {"200": response("TaskView"), **errors},
             }
         },

@@ -203,6 +203,9 @@ class Node:
         self._marked_position: tuple[int, int] = (-1, -1)  # covered by a Confirm marker
         self._last_append_loop_time = 0.0
         self.listeners: list[ApplyListener] = []
+        # Called with the roots whose task tree ended (completed, or failed for good)
+        # after each applied entry that ended some; must not block either.
+        self.tree_listeners: list[Callable[[list[int]], None]] = []
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -314,6 +317,7 @@ class Node:
                 async with asyncio.timeout(5):
                     await writer.close()
         self.state.drain_effects()
+        self.state.drain_tree_effects()
         gate, self._gate = self._gate, None
         if gate is not None:
             gate.set()
@@ -441,6 +445,13 @@ class Node:
                 listener(entry, result, final, stops)
             except Exception:
                 logger.exception("apply listener failed")
+        ended = self.state.drain_tree_effects()
+        if ended:
+            for tree_listener in self.tree_listeners:
+                try:
+                    tree_listener(ended)
+                except Exception:
+                    logger.exception("tree listener failed")
 
     async def _open_new_ledger(self) -> None:
         writer = await self.ledgers.create_ledger()

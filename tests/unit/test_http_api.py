@@ -19,8 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
+from broker import entries as e
 from broker.http_api import ApiApp, ApiConfig
-from broker.node import Node, NodeConfig
+from broker.node import Node, NodeConfig, Stamp
 from log.memory import MemoryLedgerListStore, MemoryLedgerStore
 from snapshot.store import SnapshotStore
 
@@ -1402,3 +1403,112 @@ async def test_openapi_documents_the_idempotency_key(api: Api) -> None:
     assert [p["name"] for p in post["parameters"]] == ["Idempotency-Key"]
     assert "idempotency_key" in doc["components"]["schemas"]["SubmitBody"]["properties"]
     assert "replayed" in doc["components"]["schemas"]["TaskRefBody"]["properties"]
+
+
+# --- task trees ---------------------------------------------------------------------------
+
+
+async def _run_and_finish(api: Api, task_id: int, *children: str, ok: bool = True) -> list[int]:
+    """Register a worker, assign ``task_id`` to it and log its finish spawning children
+    of these types anchored to it; the children's ids."""
+    await api.node.propose(
+        lambda s: e.RegisterWorker(time_ms=s.now_ms, worker_id="w", task_types={"*": 100})
+    )
+    await api.node.propose(
+        lambda s: e.AssignTasks(time_ms=s.now_ms, assignments=(e.Assignment(task_id, "w"),))
+    )
+    ids: list[int] = []
+
+    def build(stamp: Stamp) -> e.Entry:
+        ids.extend(stamp.task_ids(len(children)))
+        spawn = tuple(
+            e.Spawn(task=e.TaskSpec(id=i, type=t, tenant="default"), anchors=(task_id,))
+            for i, t in zip(ids, children, strict=True)
+        )
+        outcome = e.TaskOutcome(
+            task_id=task_id,
+            worker_id="w",
+            attempt=1,
+            ok=ok,
+            result=b"null" if ok else None,
+            error=None if ok else "boom",
+            spawn=spawn,
+        )
+        return e.FinishTasks(time_ms=stamp.now_ms, outcomes=(outcome,))
+
+    await api.node.propose(build)
+    return ids
+
+
+async def test_submit_with_track_tree_shows_the_tree(api: Api) -> None:
+    root = (await submit(api, track_tree=True, tree_timeout_s=12.5))["id"]
+    plain = (await submit(api))["id"]
+    view = await get_task(api, root)
+    assert view["tree"] == {"state": "pending", "attempt": 1, "timeout_s": 12.5}
+    assert view["root"] == root and view["parent"] is None
+    assert (await get_task(api, plain))["tree"] is None
+    assert api.node.state.tasks[root].root == root
+
+    [child] = await _run_and_finish(api, root, "child")
+    view = await get_task(api, child)
+    assert view["root"] == root and view["parent"] == root and view["tree"] is None
+    listed = {t["id"]: t for t in await all_tasks(api)}
+    assert listed[root]["tree"]["state"] == "pending"
+
+
+async def test_default_tree_timeout_is_30_s(api: Api) -> None:
+    root = (await submit(api, track_tree=True))["id"]
+    assert (await get_task(api, root))["tree"]["timeout_s"] == 30.0
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment"),
+    [
+        ({"tree_timeout_s": 5}, "tree_timeout_s needs track_tree"),
+        ({"track_tree": True, "tree_timeout_s": 0}, "tree_timeout_s must be between"),
+        ({"track_tree": True, "tree_timeout_s": 10**9}, "tree_timeout_s must be between"),
+        ({"track_tree": "yes"}, "track_tree"),
+    ],
+)
+async def test_bad_tree_fields_are_400(api: Api, fields: dict[str, Any], fragment: str) -> None:
+    response = await api.post(TASKS, json={"type": "noop", **fields})
+    assert fragment in error_of(response, 400, "invalid_request")
+
+
+async def test_wait_tree_answers_when_the_tree_ends(api: Api) -> None:
+    root = (await submit(api, track_tree=True))["id"]
+    url = f"{TASKS}/{root}"
+    response = await api.get(url, params={"wait_tree": "true", "wait_s": 0.05})
+    assert response.json()["tree"]["state"] == "pending"
+    poll = asyncio.create_task(api.get(url, params={"wait_tree": "true", "wait_s": 10}))
+    [child] = await _run_and_finish(api, root, "child")
+    await asyncio.sleep(0.05)
+    # The root finished, its tree did not: still waiting.
+    assert (await get_task(api, root))["state"] == "finished"
+    assert not poll.done()
+    await api.post(f"{TASKS}/{child}/cancel")  # the tree fails (no attempts left)
+    response = await asyncio.wait_for(poll, 5)
+    tree = response.json()["tree"]
+    assert tree["state"] == "failed"
+    assert tree["reason"] == f"task {child} was cancelled"
+    # An ended tree is answered at once.
+    response = await asyncio.wait_for(api.get(url, params={"wait_tree": "1", "wait_s": 10}), 5)
+    assert response.json()["tree"]["state"] == "failed"
+    assert not api.app._tree_waiters
+
+
+async def test_wait_tree_completed(api: Api) -> None:
+    root = (await submit(api, track_tree=True))["id"]
+    url = f"{TASKS}/{root}"
+    poll = asyncio.create_task(api.get(url, params={"wait_tree": "true", "wait_s": 10}))
+    await _run_and_finish(api, root)
+    response = await asyncio.wait_for(poll, 5)
+    assert response.json()["tree"] == {"state": "completed", "attempt": 1, "timeout_s": 30.0}
+
+
+async def test_wait_tree_errors(api: Api) -> None:
+    plain = (await submit(api))["id"]
+    response = await api.get(f"{TASKS}/{plain}", params={"wait_tree": "true", "wait_s": 1})
+    assert "does not root a tracked tree" in error_of(response, 400, "invalid_request")
+    response = await api.get(f"{TASKS}/{plain}", params={"wait_tree": "maybe"})
+    assert "wait_tree must be true or false" in error_of(response, 400, "invalid_request")
