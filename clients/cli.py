@@ -227,6 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--code", help="sha256 of an uploaded code artifact")
     p.add_argument("--count", type=int, default=1, help="submit this many copies in one batch")
     p.add_argument(
+        "--track-tree",
+        action="store_true",
+        help="track the tree of tasks it spawns (with --wait: wait for the whole tree)",
+    )
+    p.add_argument(
+        "--tree-timeout-s", type=float, help="with --track-tree: fail the tree after (default 30)"
+    )
+    p.add_argument(
         "--wait", action="store_true", help="wait for the tasks to end (progress bar for many)"
     )
     p.add_argument("--timeout-s", type=float, default=None, help="with --wait: give up after")
@@ -322,6 +330,9 @@ def _print_task(task: dict[str, Any]) -> None:
         "start_after",
         "deadline",
         "finished_at",
+        "tree",
+        "root",
+        "parent",
         "code",
         "resources",
         "params",
@@ -334,7 +345,21 @@ def _print_task(task: dict[str, Any]) -> None:
             continue
         if name in ("params", "result", "resources"):
             value = json.dumps(value)
+        elif name == "tree":
+            value = tree_status(value)
         print(f"{name:>13}: {value}")
+
+
+def tree_status(tree: dict[str, Any]) -> str:
+    """One line for a tracked root's tree: state, run, timeout and the last failure."""
+    text = f"{tree['state']} (run {tree['attempt']}, timeout {tree['timeout_s']:g} s)"
+    if tree.get("reason"):
+        text += (
+            f": {tree['reason']}"
+            if tree["state"] == "failed"
+            else f", last failure: {tree['reason']}"
+        )
+    return text
 
 
 def _print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
@@ -345,8 +370,11 @@ def _print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)))
 
 
-def _wait_for(handles: list[TaskHandle], timeout_s: float | None, *, expected: int) -> int:
-    """Wait for every handle; one line per task (or a progress bar for many)."""
+def _wait_for(
+    handles: list[TaskHandle], timeout_s: float | None, *, expected: int, tree: bool = False
+) -> int:
+    """Wait for every handle (``tree``: for the tree each one roots); one line per task
+    (or a progress bar for many)."""
     started = time.monotonic()
     deadline = None if timeout_s is None else started + timeout_s
     many = len(handles) > 1 and sys.stdout.isatty()
@@ -354,14 +382,21 @@ def _wait_for(handles: list[TaskHandle], timeout_s: float | None, *, expected: i
     for done, handle in enumerate(handles, start=1):
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            task = handle.wait(remaining)
+            task = handle.wait_tree(remaining) if tree else handle.wait(remaining)
         except TaskTimeoutError:
-            print(f"\nsteward: task {handle.id} not finished within {timeout_s} s", file=sys.stderr)
+            what = "the tree of task" if tree else "task"
+            print(
+                f"\nsteward: {what} {handle.id} not finished within {timeout_s} s", file=sys.stderr
+            )
             return 1
-        if task["state"] != "finished":
+        ok = task["tree"]["state"] == "completed" if tree else task["state"] == "finished"
+        if not ok:
             failed += 1
         if many:
             print_progress(done, len(handles), started)
+        elif tree:
+            result = json.dumps(task.get("result")) if ok else ""
+            print(f"{task['id']} tree {tree_status(task['tree'])} {result}".rstrip())
         else:
             result = json.dumps(task.get("result")) if task["state"] == "finished" else ""
             error = (task.get("error") or "").strip().splitlines()
@@ -420,6 +455,8 @@ def run_client_command(args: argparse.Namespace) -> int:
                 "transaction": args.transaction,
                 "code": args.code,
                 "resources": dict(args.resource) or None,
+                "track_tree": True if args.track_tree else None,
+                "tree_timeout_s": args.tree_timeout_s,
             }
             task.update({k: v for k, v in optional.items() if v is not None})
             if args.count < 1:
@@ -437,7 +474,7 @@ def run_client_command(args: argparse.Namespace) -> int:
                 for handle in handles:
                     print(handle.id)
                 return 0 if len(handles) == args.count else 1
-            return _wait_for(handles, args.timeout_s, expected=args.count)
+            return _wait_for(handles, args.timeout_s, expected=args.count, tree=args.track_tree)
         elif args.command == "task":
             found = client.task(args.id)
             if args.json:

@@ -112,6 +112,16 @@ class TaskFailedError(Exception):
         self.task = task
 
 
+class TreeFailedError(Exception):
+    """A tracked root's tree failed for good (no replay left); ``task`` holds the root's
+    record, with ``task["tree"]["reason"]``."""
+
+    def __init__(self, task: dict[str, Any]) -> None:
+        reason = (task.get("tree") or {}).get("reason") or "failed"
+        super().__init__(f"tree of task {task['id']} failed: {reason}")
+        self.task = task
+
+
 class TaskTimeoutError(TimeoutError):
     def __init__(self, task_id: int, timeout_s: float) -> None:
         super().__init__(f"task {task_id} not final after {timeout_s} s")
@@ -278,6 +288,24 @@ def _result_of(task: dict[str, Any]) -> Any:
     raise TaskFailedError(task)
 
 
+def _tree_ended(task: dict[str, Any]) -> bool:
+    tree = task.get("tree")
+    return tree is not None and tree["state"] != "pending"
+
+
+def _tree_result_of(task: dict[str, Any]) -> Any:
+    if task["tree"]["state"] == "completed":
+        return task.get("result")
+    raise TreeFailedError(task)
+
+
+def _task_query(wait_s: float, wait_tree: bool) -> dict[str, str] | None:
+    params = {"wait_s": f"{wait_s:.3f}"} if wait_s > 0 else {}
+    if wait_tree:
+        params["wait_tree"] = "true"
+    return params or None
+
+
 def _list_query(
     state: str | None, tenant: str | None, type: str | None, limit: int, after: int
 ) -> dict[str, Any]:
@@ -321,6 +349,26 @@ class TaskHandle:
     def result(self, timeout: float | None = None) -> Any:
         """The task's result; raises TaskFailedError or TaskTimeoutError."""
         return _result_of(self.wait(timeout))
+
+    def wait_tree(self, timeout: float | None = None) -> dict[str, Any]:
+        """Wait until the tree this tracked root grew has ended (``completed``, or
+        ``failed`` with no replay left); return the root's record (``["tree"]``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = _POLL_SLICE_S if deadline is None else deadline - time.monotonic()
+            task = self.client.task(
+                self.id, wait_s=max(0.0, min(_POLL_SLICE_S, remaining)), wait_tree=True
+            )
+            if _tree_ended(task):
+                return task
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TaskTimeoutError(self.id, timeout or 0.0)
+
+    def tree_result(self, timeout: float | None = None) -> Any:
+        """The root's result once its whole tree completed; raises TreeFailedError,
+        TaskTimeoutError, or InvalidRequestError for a task submitted without
+        ``track_tree=True``."""
+        return _tree_result_of(self.wait_tree(timeout))
 
     def cancel(self) -> dict[str, Any]:
         return self.client.cancel(self.id)
@@ -424,8 +472,8 @@ class StewardClient:
         **options: Any,
     ) -> TaskHandle:
         """Submit one task. Options: slot, max_attempts, deadline, start_after,
-        resources, transaction, code. Retried safely under ``idempotency_key``
-        (default: a new uuid4 per call)."""
+        resources, transaction, code, track_tree, tree_timeout_s. Retried safely under
+        ``idempotency_key`` (default: a new uuid4 per call)."""
         answer = self._call(
             "POST",
             "/api/v1/tasks",
@@ -451,8 +499,10 @@ class StewardClient:
             for a in answers
         ]
 
-    def task(self, task_id: int, *, wait_s: float = 0.0) -> dict[str, Any]:
-        params = {"wait_s": f"{wait_s:.3f}"} if wait_s > 0 else None
+    def task(self, task_id: int, *, wait_s: float = 0.0, wait_tree: bool = False) -> dict[str, Any]:
+        """A task's record; ``wait_s``: long poll until it is final (``wait_tree``: until
+        the tree it roots has ended)."""
+        params = _task_query(wait_s, wait_tree)
         result: dict[str, Any] = self._call(
             "GET", f"/api/v1/tasks/{task_id}", params=params, timeout_s=wait_s + self._timeout_s
         )
@@ -576,6 +626,22 @@ class AsyncTaskHandle:
     async def result(self, timeout: float | None = None) -> Any:  # noqa: ASYNC109
         return _result_of(await self.wait(timeout))
 
+    async def wait_tree(self, timeout: float | None = None) -> dict[str, Any]:  # noqa: ASYNC109
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            remaining = _POLL_SLICE_S if deadline is None else deadline - loop.time()
+            task = await self.client.task(
+                self.id, wait_s=max(0.0, min(_POLL_SLICE_S, remaining)), wait_tree=True
+            )
+            if _tree_ended(task):
+                return task
+            if deadline is not None and loop.time() >= deadline:
+                raise TaskTimeoutError(self.id, timeout or 0.0)
+
+    async def tree_result(self, timeout: float | None = None) -> Any:  # noqa: ASYNC109
+        return _tree_result_of(await self.wait_tree(timeout))
+
     async def cancel(self) -> dict[str, Any]:
         return await self.client.cancel(self.id)
 
@@ -695,8 +761,10 @@ class AsyncStewardClient:
             for a in answers
         ]
 
-    async def task(self, task_id: int, *, wait_s: float = 0.0) -> dict[str, Any]:
-        params = {"wait_s": f"{wait_s:.3f}"} if wait_s > 0 else None
+    async def task(
+        self, task_id: int, *, wait_s: float = 0.0, wait_tree: bool = False
+    ) -> dict[str, Any]:
+        params = _task_query(wait_s, wait_tree)
         result: dict[str, Any] = await self._call(
             "GET", f"/api/v1/tasks/{task_id}", params=params, timeout_s=wait_s + self._timeout_s
         )

@@ -1409,12 +1409,16 @@ async def test_openapi_documents_the_idempotency_key(api: Api) -> None:
 
 
 async def _run_and_finish(api: Api, task_id: int, *children: str, ok: bool = True) -> list[int]:
+    return await run_and_finish(api.node, task_id, *children, ok=ok)
+
+
+async def run_and_finish(node: Node, task_id: int, *children: str, ok: bool = True) -> list[int]:
     """Register a worker, assign ``task_id`` to it and log its finish spawning children
     of these types anchored to it; the children's ids."""
-    await api.node.propose(
+    await node.propose(
         lambda s: e.RegisterWorker(time_ms=s.now_ms, worker_id="w", task_types={"*": 100})
     )
-    await api.node.propose(
+    await node.propose(
         lambda s: e.AssignTasks(time_ms=s.now_ms, assignments=(e.Assignment(task_id, "w"),))
     )
     ids: list[int] = []
@@ -1436,7 +1440,7 @@ async def _run_and_finish(api: Api, task_id: int, *children: str, ok: bool = Tru
         )
         return e.FinishTasks(time_ms=stamp.now_ms, outcomes=(outcome,))
 
-    await api.node.propose(build)
+    await node.propose(build)
     return ids
 
 

@@ -1,0 +1,97 @@
+"""Task trees from the Python client and the CLI, against a real ApiApp served by uvicorn
+(the synchronous client runs in a thread while the test drives the node)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from broker import entries as e
+from broker.http_api import ApiApp, ApiConfig
+from broker.node import Node, NodeConfig
+from clients import cli
+from clients.client import InvalidRequestError, StewardClient, TaskTimeoutError, TreeFailedError
+from log.memory import MemoryLedgerListStore, MemoryLedgerStore
+from snapshot.store import SnapshotStore
+from tests.asgi_server import Served, serve, unserve
+from tests.unit.test_http_api import run_and_finish
+
+
+@pytest.fixture
+async def served(tmp_path: Path) -> AsyncIterator[tuple[Node, Served]]:
+    node = Node(
+        NodeConfig(data_dir=tmp_path, timer_poll_interval_s=0.01),
+        ledgers=MemoryLedgerStore(),
+        ledger_list=MemoryLedgerListStore(),
+        snapshots=SnapshotStore(tmp_path / "snapshots"),
+    )
+    await node.start()
+    server = await serve(ApiApp(node, ApiConfig()))
+    try:
+        yield node, server
+    finally:
+        await unserve(server)
+        await node.stop(snapshot=False)
+
+
+async def test_tree_result_waits_for_the_whole_tree(served: tuple[Node, Served]) -> None:
+    node, server = served
+    with StewardClient(server.url) as client:
+        handle = await asyncio.to_thread(client.submit, "root", track_tree=True, tree_timeout_s=5)
+        waiting = asyncio.ensure_future(asyncio.to_thread(handle.tree_result, 10))
+        [child] = await run_and_finish(node, handle.id, "child")
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # the root finished, not its tree
+        await run_and_finish(node, child)
+        assert await asyncio.wait_for(waiting, 10) is None  # the root's result
+        tree = (await asyncio.to_thread(handle.info))["tree"]
+        assert tree == {"state": "completed", "attempt": 1, "timeout_s": 5.0}
+        with pytest.raises(TaskTimeoutError):
+            other = await asyncio.to_thread(client.submit, "root", track_tree=True)
+            await asyncio.to_thread(other.tree_result, 0.2)
+
+
+async def test_tree_result_raises_when_the_tree_failed(served: tuple[Node, Served]) -> None:
+    node, server = served
+    with StewardClient(server.url) as client:
+        handle = await asyncio.to_thread(client.submit, "root", track_tree=True)
+        [child] = await run_and_finish(node, handle.id, "child")
+        await asyncio.to_thread(client.cancel, child)
+        with pytest.raises(TreeFailedError, match=f"task {child} was cancelled"):
+            await asyncio.to_thread(handle.tree_result, 10)
+        plain = await asyncio.to_thread(client.submit, "plain")
+        with pytest.raises(InvalidRequestError, match="does not root a tracked tree"):
+            await asyncio.to_thread(plain.tree_result, 1)
+
+
+async def test_cli_submits_tracked_roots_and_shows_their_tree(
+    served: tuple[Node, Served], capsys: pytest.CaptureFixture[str]
+) -> None:
+    node, server = served
+    argv = ["--url", server.url, "submit", "root", "--track-tree", "--tree-timeout-s", "7"]
+    assert await asyncio.to_thread(cli.main, argv) == 0
+    root = int(capsys.readouterr().out.strip())
+    [child] = await run_and_finish(node, root, "child")
+    assert await asyncio.to_thread(cli.main, ["--url", server.url, "task", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "tree: pending (run 1, timeout 7 s)" in out
+    assert await asyncio.to_thread(cli.main, ["--url", server.url, "task", str(child)]) == 0
+    assert f"root: {root}" in capsys.readouterr().out
+
+    submitted = asyncio.Event()
+    node.listeners.append(
+        lambda entry, *_: submitted.set() if isinstance(entry, e.SubmitTasks) else None
+    )
+    waiting = asyncio.ensure_future(
+        asyncio.to_thread(
+            cli.main, ["--url", server.url, "submit", "root", "--track-tree", "--wait"]
+        )
+    )
+    await asyncio.wait_for(submitted.wait(), 10)
+    second = max(node.state.tasks)
+    await run_and_finish(node, second)
+    assert await asyncio.wait_for(waiting, 10) == 0
+    assert f"{second} tree completed (run 1, timeout 30 s) null" in capsys.readouterr().out
