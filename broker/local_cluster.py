@@ -23,8 +23,9 @@ from typing import IO
 
 import httpx
 
+from broker.local_server import free_port
 from broker.pulsar_lite import PulsarLiteServer
-from broker.zk import ZooKeeperServer, free_port
+from broker.zk import ZooKeeperServer
 
 HOST = "127.0.0.1"
 _READY_TIMEOUT_S = 90.0

@@ -20,13 +20,9 @@ import importlib.util
 import logging
 import os
 import socket
-import subprocess
-import time
 from pathlib import Path
-from types import TracebackType
 
-from broker.local_server import LocalServerProcess, terminate_with_parent
-from broker.zk import HOST, free_port
+from broker.local_server import HOST, LocalServerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +100,9 @@ class PulsarLiteServer(LocalServerProcess):
 
     server_name = "pulsar-lite"
     error_type = PulsarLiteError
+    port_taken_markers = ("AddrInUse", "Address already in use")
+    ready_poll_s = 0.02
+    start_timeout_s = DEFAULT_START_TIMEOUT_S
 
     def __init__(
         self,
@@ -114,25 +113,12 @@ class PulsarLiteServer(LocalServerProcess):
         binary: str | None = None,
         stop_with_parent: bool = False,
     ) -> None:
-        self._directory = Path(directory).resolve()
-        self._fixed_port = port is not None
-        self._port = port if port is not None else free_port()
+        super().__init__(directory, port=port, stop_with_parent=stop_with_parent)
         self._log_level = log_level
         # Resolved now so a missing binary fails at construction, loudly.
         self._binary = binary if binary is not None else find_pulsar_lite_binary()
-        self._stop_with_parent = stop_with_parent
-        super().__init__()
-        self._started_once = False
 
     # -- properties --------------------------------------------------------------------------
-
-    @property
-    def directory(self) -> Path:
-        return self._directory
-
-    @property
-    def data_dir(self) -> Path:
-        return self._directory / "data"
 
     @property
     def config_path(self) -> Path:
@@ -143,94 +129,20 @@ class PulsarLiteServer(LocalServerProcess):
         return self._directory / "pulsar-lite.log"
 
     @property
-    def host(self) -> str:
-        return HOST
-
-    @property
-    def port(self) -> int:
-        return self._port
-
-    @property
     def service_url(self) -> str:
         """``pulsar://127.0.0.1:PORT``, for ``pulsar.Client`` and ``PulsarConfig``."""
         return f"pulsar://{HOST}:{self._port}"
 
     @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
+    def address(self) -> str:
+        return self.service_url
 
-    def is_running(self) -> bool:
-        """Whether the process exists (it may be paused)."""
-        return self._process is not None and self._process.poll() is None
-
-    # -- lifecycle ---------------------------------------------------------------------------
-
-    def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
-        """Launch the broker and wait until it accepts connections on its port.
-
-        If the port was picked automatically and another process took it before the broker
-        bound it, the first start retries once on a new port. Raises :class:`PulsarLiteError`
-        with the tail of the broker's log when it exits or is not ready within ``timeout_s``.
-        """
-        if self.is_running():
-            raise PulsarLiteError(f"pulsar-lite is already running (pid {self.pid})")
-        deadline = time.monotonic() + timeout_s
-        try:
-            self._launch_and_wait(deadline)
-        except _PortTakenError:
-            if self._fixed_port or self._started_once:
-                raise PulsarLiteError(
-                    f"port {self._port} is taken; log tail:\n{self.log_tail()}"
-                ) from None
-            self._port = free_port()
-            logger.warning("pulsar-lite port race lost, retrying on port %d", self._port)
-            self._launch_and_wait(deadline)
-        self._started_once = True
-
-    def _launch_and_wait(self, deadline: float) -> None:
-        self._write_config()
-        log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        with open(self.log_path, "ab") as log_file:
-            self._process = subprocess.Popen(
-                self._command(),
-                cwd=self._directory,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                # Own process group: a Ctrl-C aimed at the test run does not hit the broker
-                # before the fixture's stop() does.
-                start_new_session=True,
-                preexec_fn=terminate_with_parent if self._stop_with_parent else None,
-            )
-        self._paused = False
-        logger.info("pulsar-lite starting on %s (pid %d)", self.service_url, self._process.pid)
-        while True:
-            if self._process.poll() is not None:
-                self._process = None
-                new_output = self._read_log_from(log_offset, _LOG_TAIL_BYTES * 4)
-                if "AddrInUse" in new_output or "Address already in use" in new_output:
-                    raise _PortTakenError
-                raise PulsarLiteError(
-                    "pulsar-lite exited during start; log tail:\n" + new_output[-_LOG_TAIL_BYTES:]
-                )
-            if accepts_connections(HOST, self._port, timeout_s=0.5):
-                return
-            if time.monotonic() >= deadline:
-                self._kill_process()
-                raise PulsarLiteError(
-                    f"pulsar-lite on {self.service_url} not ready in time; log tail:\n"
-                    + self.log_tail()
-                )
-            time.sleep(0.02)
+    def _ready(self) -> bool:
+        return accepts_connections(HOST, self._port, timeout_s=0.5)
 
     def kill(self) -> None:
         """SIGKILL (a crash: no clean shutdown). No-op when not running."""
         self._kill_process()
-
-    def restart(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
-        """Stop cleanly and start again on the same port with the same data."""
-        self.stop()
-        self.start(timeout_s)
 
     # -- files and command -------------------------------------------------------------------
 
@@ -253,22 +165,5 @@ class PulsarLiteServer(LocalServerProcess):
 
     # -- context manager ---------------------------------------------------------------------
 
-    def __enter__(self) -> PulsarLiteServer:
-        if not self.is_running():
-            self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()
-
     def __repr__(self) -> str:
         return f"PulsarLiteServer({self.service_url}, pid={self.pid}, dir={self._directory})"
-
-
-class _PortTakenError(Exception):
-    """The broker could not bind its port."""

@@ -18,17 +18,14 @@ import logging
 import os
 import shutil
 import socket
-import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 
-from broker.local_server import LocalServerProcess, terminate_with_parent
+from broker.local_server import HOST, LocalServerProcess
 
 logger = logging.getLogger(__name__)
 
-HOST = "127.0.0.1"
 DEFAULT_TICK_TIME_MS = 500
 DEFAULT_START_TIMEOUT_S = 30.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
@@ -122,14 +119,6 @@ def find_java() -> str:
     return found
 
 
-def free_port(host: str = HOST) -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def four_letter_word(host: str, port: int, word: str, timeout_s: float = 2.0) -> str:
     """Send a ZooKeeper four-letter command (``srvr``, ``ruok``, ``mntr``) and return the answer.
 
@@ -165,6 +154,8 @@ class ZooKeeperServer(LocalServerProcess):
 
     server_name = "ZooKeeper"
     error_type = ZooKeeperError
+    # One start logs the whole classpath: read all of it to find why it failed.
+    start_log_bytes = _MAX_START_LOG_BYTES
 
     def __init__(
         self,
@@ -179,9 +170,7 @@ class ZooKeeperServer(LocalServerProcess):
         java: str | None = None,
         stop_with_parent: bool = False,
     ) -> None:
-        self._directory = Path(directory).resolve()
-        self._fixed_port = port is not None
-        self._port = port if port is not None else free_port()
+        super().__init__(directory, port=port, stop_with_parent=stop_with_parent)
         self._tick_time_ms = tick_time_ms
         self._max_session_timeout_ms = max_session_timeout_ms
         self._heap_mb = heap_mb
@@ -189,19 +178,8 @@ class ZooKeeperServer(LocalServerProcess):
         # Resolved now so a missing Java or missing jars fail at construction, loudly.
         self._classpath = classpath if classpath is not None else find_zookeeper_classpath()
         self._java = java if java is not None else find_java()
-        self._stop_with_parent = stop_with_parent
-        super().__init__()
-        self._started_once = False
 
     # -- properties --------------------------------------------------------------------------
-
-    @property
-    def directory(self) -> Path:
-        return self._directory
-
-    @property
-    def data_dir(self) -> Path:
-        return self._directory / "data"
 
     @property
     def config_path(self) -> Path:
@@ -212,21 +190,9 @@ class ZooKeeperServer(LocalServerProcess):
         return self._directory / "zookeeper.log"
 
     @property
-    def host(self) -> str:
-        return HOST
-
-    @property
-    def port(self) -> int:
-        return self._port
-
-    @property
     def connect_string(self) -> str:
         """``127.0.0.1:PORT``, for ``KazooClient(hosts=...)``."""
         return f"{HOST}:{self._port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
 
     @property
     def min_session_timeout_s(self) -> float:
@@ -240,69 +206,9 @@ class ZooKeeperServer(LocalServerProcess):
             return self._max_session_timeout_ms / 1000
         return 20 * self._tick_time_ms / 1000
 
-    def is_running(self) -> bool:
-        """Whether the process exists (it may be paused, or not ready yet)."""
-        return self._process is not None and self._process.poll() is None
-
-    # -- lifecycle ---------------------------------------------------------------------------
-
-    def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
-        """Launch the server and wait until ``srvr`` reports a ``Mode:``.
-
-        If the port was picked automatically and another process took it before the server
-        bound it, the first start retries once on a new port. Raises :class:`ZooKeeperError`
-        with the tail of the server's log when it exits or is not ready within ``timeout_s``.
-        """
-        if self.is_running():
-            raise ZooKeeperError(f"ZooKeeper is already running (pid {self.pid})")
-        deadline = time.monotonic() + timeout_s
-        try:
-            self._launch_and_wait(deadline)
-        except _PortTakenError:
-            if self._fixed_port or self._started_once:
-                raise ZooKeeperError(
-                    f"port {self._port} is taken; log tail:\n{self.log_tail()}"
-                ) from None
-            self._port = free_port()
-            logger.warning("ZooKeeper port race lost, retrying on port %d", self._port)
-            self._launch_and_wait(deadline)
-        self._started_once = True
-
-    def _launch_and_wait(self, deadline: float) -> None:
-        self._write_config()
-        log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        with open(self.log_path, "ab") as log_file:
-            self._process = subprocess.Popen(
-                self._command(),
-                cwd=self._directory,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                # Own process group: a Ctrl-C aimed at the test run does not hit the server
-                # before the fixture's stop() does.
-                start_new_session=True,
-                preexec_fn=terminate_with_parent if self._stop_with_parent else None,
-            )
-        self._paused = False
-        logger.info("ZooKeeper starting on %s (pid %d)", self.connect_string, self._process.pid)
-        while True:
-            if self._process.poll() is not None:
-                self._process = None
-                new_output = self._read_log_from(log_offset, _MAX_START_LOG_BYTES)
-                if "Address already in use" in new_output:
-                    raise _PortTakenError
-                raise ZooKeeperError(
-                    "ZooKeeper exited during start; log tail:\n" + new_output[-_LOG_TAIL_BYTES:]
-                )
-            if self._ready():
-                return
-            if time.monotonic() >= deadline:
-                self._kill_process()
-                raise ZooKeeperError(
-                    f"ZooKeeper on {self.connect_string} not ready in time; log tail:\n"
-                    + self.log_tail()
-                )
-            time.sleep(0.1)
+    @property
+    def address(self) -> str:
+        return self.connect_string
 
     def _ready(self) -> bool:
         try:
@@ -314,11 +220,6 @@ class ZooKeeperServer(LocalServerProcess):
     def kill9(self) -> None:
         """SIGKILL (a crash: no clean shutdown). No-op when not running."""
         self._kill_process()
-
-    def restart(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
-        """Stop cleanly and start again on the same port with the same data."""
-        self.stop()
-        self.start(timeout_s)
 
     # -- files and command -------------------------------------------------------------------
 
@@ -352,24 +253,5 @@ class ZooKeeperServer(LocalServerProcess):
             str(self.config_path),
         ]
 
-    # -- context manager ---------------------------------------------------------------------
-
-    def __enter__(self) -> ZooKeeperServer:
-        if not self.is_running():
-            self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()
-
     def __repr__(self) -> str:
         return f"ZooKeeperServer({self.connect_string}, pid={self.pid}, dir={self._directory})"
-
-
-class _PortTakenError(Exception):
-    """The server could not bind its client port."""

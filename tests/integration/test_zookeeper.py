@@ -21,7 +21,8 @@ import pytest
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
 from broker.election import ElectionError, LeaderElector, LeadershipStatus
-from broker.zk import ZooKeeperServer, four_letter_word, free_port
+from broker.local_server import free_port
+from broker.zk import ZooKeeperServer, four_letter_word
 from log.api import BadVersionError, LedgerError, LedgerInfo, LedgerList, LedgerState
 from log.zk_list import ZooKeeperLedgerListStore, ledger_list_path
 

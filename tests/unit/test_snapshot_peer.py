@@ -19,9 +19,9 @@ import pytest
 
 from broker import entries as e
 from broker.http_api import ApiApp, ApiConfig
+from broker.local_server import free_port
 from broker.node import Node, NodeConfig
 from broker.state import StateMachine
-from broker.zk import free_port
 from log.memory import MemoryLedgerListStore, MemoryLedgerStore
 from snapshot.format import read_header
 from snapshot.peer import (
