@@ -34,7 +34,8 @@ class _TaskOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A task's optional fields. ``deadline`` / ``start_after``: RFC 3339 time with
     a zone, or Unix seconds."""
 
-    tenant: str = "default"
+    # Default: the caller's tenant for a tenant token, else "default".
+    tenant: str | UnsetType = UNSET
     params: msgspec.Raw | UnsetType = UNSET  # any JSON value (default null)
     slot: str | None = None
     max_attempts: int = 1
@@ -129,7 +130,8 @@ class TaskList(msgspec.Struct):
 
 
 class TransactionBegin(msgspec.Struct, forbid_unknown_fields=True):
-    tenant: str = "default"
+    # Default: the caller's tenant for a tenant token, else "default".
+    tenant: str | UnsetType = UNSET
     ttl_s: float = 60.0
 
 
@@ -241,3 +243,36 @@ def schema_components(types: list[Any]) -> tuple[list[dict[str, Any]], dict[str,
         types, ref_template="#/components/schemas/{name}"
     )
     return list(refs), dict(components)
+
+
+class TokenCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """An API token to issue: ``role`` "tenant" (with ``tenant``) or "admin"."""
+
+    name: str
+    role: str = "tenant"
+    tenant: str | None = None
+
+
+class TokenView(msgspec.Struct, kw_only=True):
+    id: str
+    name: str
+    role: str
+    tenant: str | None
+    created_at: str
+
+
+class TokenCreated(TokenView, kw_only=True):
+    """The new token's secret is in this answer only (the brokers keep its hash)."""
+
+    token: str
+
+
+class TokenList(msgspec.Struct):
+    tokens: list[TokenView]
+
+
+class WhoAmI(msgspec.Struct, kw_only=True):
+    role: str
+    tenant: str | None
+    token_id: str | None
+    auth: bool  # whether this broker requires tokens

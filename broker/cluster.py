@@ -36,9 +36,15 @@ from typing import Any
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
 from broker import api_models as m
+from broker.auth import kazoo_auth_options
 from broker.code_replication import CodeReplicator, ReplicationMonitor
 from broker.code_store import CodeStore
-from broker.election import ElectionError, LeaderElector, LeadershipStatus
+from broker.election import (
+    ElectionError,
+    LeaderElector,
+    LeadershipStatus,
+    default_client_factory,
+)
 from broker.http_api import ApiApp, ApiConfig
 from broker.node import (
     VERSION,
@@ -83,6 +89,10 @@ class BrokerConfig:
     # The host name peers, workers and clients reach this broker by (its URL and worker
     # address in ZooKeeper); None: the HTTP listen host (wrong for 0.0.0.0).
     advertise_host: str | None = None
+    # The brokers' shared secret for snapshot and code downloads between them.
+    cluster_token: str | None = None
+    # "user:password": Steward's znodes get a digest ACL that only these credentials open.
+    zookeeper_auth: str | None = None
 
     def __post_init__(self) -> None:
         if self.ledgers == "file" and self.ledger_dir is None:
@@ -129,11 +139,13 @@ class ClusterBroker:
         self._workers_config = WorkerLinkConfig(**{**config.workers.__dict__, "port": worker_port})
         worker_host = config.advertise_host or config.workers.host
         self._worker_address = f"{worker_host}:{worker_port}"
+        zk_auth = kazoo_auth_options(config.zookeeper_auth)
         self.zk = KazooClient(
             hosts=config.zookeeper,
             timeout=config.session_timeout_ms / 1000,
             connection_retry={"max_tries": -1, "max_delay": 1.0},
             command_retry={"max_tries": 0},
+            **zk_auth,
         )
         self.node = Node(
             node_config,
@@ -145,7 +157,7 @@ class ClusterBroker:
         )
         self.code_store = CodeStore(node_config.data_dir / "code")
         self.elector = LeaderElector(
-            config.zookeeper,
+            default_client_factory(config.zookeeper, config.session_timeout_ms / 1000, **zk_auth),
             node_config.cluster_id,
             node_config.broker_id,
             {"url": self._url, "worker_address": self._worker_address, "version": VERSION},
@@ -161,6 +173,7 @@ class ClusterBroker:
             node_config.broker_id,
             peer_urls=self._peer_urls,
             known_artifacts=lambda: list(self.node.state.artifacts),
+            peer_token=config.cluster_token,
         )
         self.node.listeners.append(self.replicator.on_applied)
         self.link: WorkerLink | None = None
@@ -436,6 +449,7 @@ class ClusterBroker:
             cluster_id=self.node.config.cluster_id,
             timeout_s=self.config.peer_timeout_s,
             min_position=self.node.position,
+            token=self.config.cluster_token,
         )
         if info is None:
             logger.error("no peer had a usable snapshot; retrying")

@@ -100,8 +100,11 @@ def _sorted_queue(children: list[str]) -> list[str]:
     return [name for _, name in sorted(numbered)]
 
 
-def default_client_factory(hosts: str, session_timeout_s: float) -> Callable[[], Any]:
-    """Factory of unstarted kazoo clients that reconnect forever, at most 1 s apart."""
+def default_client_factory(
+    hosts: str, session_timeout_s: float, **client_options: Any
+) -> Callable[[], Any]:
+    """Factory of unstarted kazoo clients that reconnect forever, at most 1 s apart
+    (``client_options``: more ``KazooClient`` arguments, e.g. authentication)."""
 
     def make() -> Any:
         retry = KazooRetry(
@@ -110,7 +113,9 @@ def default_client_factory(hosts: str, session_timeout_s: float) -> Callable[[],
             backoff=2,
             max_delay=min(_MAX_RECONNECT_DELAY_S, max(0.1, session_timeout_s / 4)),
         )
-        return KazooClient(hosts=hosts, timeout=session_timeout_s, connection_retry=retry)
+        return KazooClient(
+            hosts=hosts, timeout=session_timeout_s, connection_retry=retry, **client_options
+        )
 
     return make
 

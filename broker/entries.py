@@ -170,6 +170,9 @@ class AddCode(_Entry, frozen=True, tag="code_add"):
     # False when the leader wants more replicas first (DESIGN §7): tasks using it wait
     # until a CodeReady entry. The default keeps entries written before the flag valid.
     ready: bool = True
+    # The tenant that uploaded it, when authentication is on (None: an admin upload or
+    # no authentication): tenants see and use only their own artifacts and shared ones.
+    tenant: str | None = None
 
 
 class CodeReady(_Entry, frozen=True, tag="code_ready"):
@@ -177,6 +180,21 @@ class CodeReady(_Entry, frozen=True, tag="code_ready"):
     target, or the leader stopped waiting for it (max_replication_wait)."""
 
     sha256: str = ""
+
+
+class CreateToken(_Entry, frozen=True, tag="token_create"):
+    """An API token was issued. Only the SHA-256 of its secret is logged; the id and the
+    hash come from the leader's API handler, so every replica stores the same record."""
+
+    token_id: str = ""
+    name: str = ""
+    role: str = "tenant"  # "tenant" | "admin"
+    tenant: str | None = None  # the tenant a tenant token acts for
+    sha256: str = ""
+
+
+class RevokeToken(_Entry, frozen=True, tag="token_revoke"):
+    token_id: str = ""
 
 
 Entry = (
@@ -194,6 +212,8 @@ Entry = (
     | FinishTasks
     | AddCode
     | CodeReady
+    | CreateToken
+    | RevokeToken
 )
 
 

@@ -13,7 +13,7 @@ import logging
 import math
 import re
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, Protocol, TypeVar
 from urllib.parse import parse_qsl
@@ -23,12 +23,25 @@ from msgspec import UnsetType
 
 from broker import api_models as m
 from broker import entries as e
+from broker.auth import (
+    ANONYMOUS_ADMIN,
+    TOKEN_ROLES,
+    AuthConfig,
+    AuthError,
+    Principal,
+    bearer_token,
+    hash_token,
+    new_token,
+    new_token_id,
+)
+from broker.auth import Role as CallerRole
 from broker.code_store import CodeStore, InvalidArtifactError, validate_artifact
 from broker.node import VERSION, BrokerUnavailableError, Node, Role, Stamp
 from broker.state import (
     FINAL_STATES,
     MAX_TREE_TIMEOUT_MS,
     NAME_RE,
+    ApiToken,
     Artifact,
     ErrorCode,
     Rejected,
@@ -53,6 +66,8 @@ from snapshot.peer import (
 
 logger = logging.getLogger(__name__)
 
+_CHALLENGE: Final = ((b"www-authenticate", b'Bearer realm="steward"'),)
+
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -62,6 +77,7 @@ _submit_decoder: Final = msgspec.json.Decoder(m.SubmitBody)
 _txn_decoder: Final = msgspec.json.Decoder(m.TransactionBegin)
 _limits_decoder: Final = msgspec.json.Decoder(m.TenantLimits)
 _config_decoder: Final = msgspec.json.Decoder(m.ClusterConfigPatch)
+_token_decoder: Final = msgspec.json.Decoder(m.TokenCreate)
 
 _STATUS_BY_CODE: Final = {
     ErrorCode.INVALID: 400,
@@ -91,6 +107,8 @@ class ApiConfig:
     # Replicas an uploaded artifact needs before tasks using it may run (DESIGN §7). Above
     # 1 the upload is logged not ready; the leader's ReplicationMonitor readies it.
     min_replication: int = 1
+    # Tokens from the configuration; authentication is on when it holds an admin token.
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
 
 class Binary(bytes):
@@ -187,6 +205,7 @@ class Request:
     body: bytes
     params: tuple[str, ...]
     headers: Sequence[tuple[bytes, bytes]] = ()  # ASGI: names lowercase
+    principal: Principal = ANONYMOUS_ADMIN  # who is calling (authentication off: anyone)
 
     def header(self, name: bytes) -> bytes | None:
         """The value of a header sent once (``name`` lowercase); 400 when repeated."""
@@ -197,12 +216,13 @@ class Request:
 
 
 class Route:
-    __slots__ = ("handlers", "max_body_bytes", "pattern")
+    __slots__ = ("handlers", "max_body_bytes", "pattern", "public")
 
-    def __init__(self, pattern: str, max_body_bytes: int) -> None:
+    def __init__(self, pattern: str, max_body_bytes: int, public: bool = False) -> None:
         self.pattern = re.compile("^" + pattern + "$")
         self.handlers: dict[str, Handler] = {}
         self.max_body_bytes = max_body_bytes
+        self.public = public  # served without credentials even when authentication is on
 
 
 class ApiApp:
@@ -227,8 +247,8 @@ class ApiApp:
         node.tree_listeners.append(self._on_trees_ended)
         self._routes: list[Route] = []
         self._openapi: bytes | None = None
-        self._add("/healthz", GET=self.health)
-        self._add("/api/v1/openapi.json", GET=self.openapi)
+        self._add("/healthz", public=True, GET=self.health)
+        self._add("/api/v1/openapi.json", public=True, GET=self.openapi)
         self._add("/api/v1/tasks", POST=self.submit, GET=self.list_tasks)
         self._add(r"/api/v1/tasks/(\d{1,18})", GET=self.get_task)
         self._add(r"/api/v1/tasks/(\d{1,18})/cancel", POST=self.cancel_task)
@@ -249,9 +269,18 @@ class ApiApp:
         self._add("/api/v1/state/digest", GET=self.digest)
         # GET only: a body is never read, and the answer may be tens of MB (one response).
         self._add(LATEST_SNAPSHOT_PATH, GET=self.latest_snapshot)
+        self._add("/api/v1/tokens", POST=self.create_token, GET=self.list_tokens)
+        self._add(r"/api/v1/tokens/([0-9a-f]{1,64})", DELETE=self.revoke_token)
+        self._add("/api/v1/whoami", GET=self.whoami)
 
-    def _add(self, pattern: str, max_body_bytes: int | None = None, **handlers: Handler) -> None:
-        route = Route(pattern, max_body_bytes or self.config.max_request_bytes)
+    def _add(
+        self,
+        pattern: str,
+        max_body_bytes: int | None = None,
+        public: bool = False,
+        **handlers: Handler,
+    ) -> None:
+        route = Route(pattern, max_body_bytes or self.config.max_request_bytes, public)
         route.handlers.update(handlers)
         self._routes.append(route)
 
@@ -316,6 +345,10 @@ class ApiApp:
                     f"{method} {path}: use {allowed}",
                     ((b"allow", allowed.encode()),),
                 )
+            headers = scope.get("headers", ())
+            principal = ANONYMOUS_ADMIN
+            if self.config.auth.enabled and not route.public:
+                principal = self._authenticate(headers)
             if method != "GET" and self.cluster_view is not None and not self.node.writable:
                 self._redirect_to_leader(scope)
             body = (
@@ -324,9 +357,52 @@ class ApiApp:
                 else b""
             )
             query = _parse_query(scope.get("query_string", b""))
-            headers = scope.get("headers", ())
-            return await handler(Request(method, path, query, body, match.groups(), headers))
+            request = Request(method, path, query, body, match.groups(), headers, principal)
+            return await handler(request)
         raise HttpError(404, "not_found", f"no such endpoint: {path}")
+
+    def _authenticate(self, headers: Sequence[tuple[bytes, bytes]]) -> Principal:
+        """The caller a request's bearer token names: 401 for none or an unknown one."""
+        values = [v for n, v in headers if n == b"authorization"]
+        try:
+            if len(values) > 1:
+                raise AuthError("send one Authorization header")
+            token_hash = hash_token(bearer_token(values[0] if values else None))
+        except AuthError as exc:
+            raise HttpError(401, "unauthorized", str(exc), _CHALLENGE) from None
+        found = self.config.auth.configured_principal(token_hash)
+        if found is not None:
+            return found
+        token_id = self.node.state.token_ids_by_hash.get(token_hash)
+        if token_id is None:
+            raise HttpError(401, "unauthorized", "unknown or revoked API token", _CHALLENGE)
+        token = self.node.state.tokens[token_id]
+        if token.role == CallerRole.ADMIN.value:
+            return Principal(CallerRole.ADMIN, token_id=token.id)
+        return Principal(CallerRole.TENANT, tenant=token.tenant, token_id=token.id)
+
+    @staticmethod
+    def _require(request: Request, *roles: CallerRole) -> None:
+        """403 unless the caller has one of ``roles`` (admin always may)."""
+        role = request.principal.role
+        if role is not CallerRole.ADMIN and role not in roles:
+            wanted = " or ".join(["admin", *(r.value for r in roles)])
+            raise HttpError(403, "forbidden", f"this needs the {wanted} role")
+
+    @staticmethod
+    def _tenant_of(request: Request, stated: str | UnsetType) -> str:
+        """The tenant a write acts for: a tenant token acts for its own tenant only."""
+        principal = request.principal
+        if principal.role is CallerRole.TENANT:
+            assert principal.tenant is not None
+            if not isinstance(stated, UnsetType) and stated != principal.tenant:
+                raise HttpError(
+                    403, "forbidden", f"this token acts for tenant {principal.tenant!r} only"
+                )
+            return principal.tenant
+        if principal.role is not CallerRole.ADMIN:
+            raise HttpError(403, "forbidden", "this needs a tenant or admin token")
+        return "default" if isinstance(stated, UnsetType) else stated
 
     def _redirect_to_leader(self, scope: Scope) -> None:
         """A write reached a broker that cannot take it: name the leader (DESIGN §4)."""
@@ -374,8 +450,11 @@ class ApiApp:
 
     # --- tasks ---------------------------------------------------------------------------
 
-    def _spec_fields(self, item: m.TaskSubmission | m.SubmitBody, index: int | None) -> e.TaskSpec:
+    def _spec_fields(
+        self, request: Request, item: m.TaskSubmission | m.SubmitBody, index: int | None
+    ) -> e.TaskSpec:
         where = "" if index is None else f"tasks[{index}]: "
+        tenant = self._tenant_of(request, item.tenant)
         if item.type is None:
             raise HttpError(400, "invalid_request", f"{where}type is required")
         params = b"null" if isinstance(item.params, UnsetType) else bytes(item.params)
@@ -392,7 +471,7 @@ class ApiApp:
         spec = e.TaskSpec(
             id=0,
             type=item.type,
-            tenant=item.tenant,
+            tenant=tenant,
             params=params,
             slot=item.slot,
             max_attempts=item.max_attempts,
@@ -407,7 +486,30 @@ class ApiApp:
         problem = validate_task_spec(spec)
         if problem is not None:
             raise HttpError(400, "invalid_request", where + problem)
+        if spec.code is not None and not self._may_use_code(request, spec.code, tenant):
+            raise HttpError(
+                404, "not_found", f"{where}code artifact {spec.code} was never uploaded"
+            )
+        if spec.transaction is not None and not self._owns_transaction(request, spec.transaction):
+            raise HttpError(404, "not_found", f"{where}transaction {spec.transaction} is not open")
         return spec
+
+    def _may_use_code(self, request: Request, sha256: str, tenant: str) -> bool:
+        """Whether tasks of ``tenant`` may run this artifact (a tenant's own or a shared
+        one). Unknown artifacts pass: the state machine's answer names them."""
+        if not self.config.auth.enabled:
+            return True
+        artifact = self.node.state.artifacts.get(sha256)
+        if artifact is None or not artifact.owners:
+            return True
+        return tenant in artifact.owners
+
+    def _owns_transaction(self, request: Request, txn_id: int) -> bool:
+        principal = request.principal
+        if principal.role is not CallerRole.TENANT:
+            return True
+        txn = self.node.state.transactions.get(txn_id)
+        return txn is None or txn.tenant == principal.tenant
 
     @staticmethod
     def _tree_timeout_ms(item: m.TaskSubmission | m.SubmitBody, where: str) -> int:
@@ -438,9 +540,9 @@ class ApiApp:
                     "invalid_request",
                     f"tasks must hold 1 to {self.config.max_tasks_per_request} tasks",
                 )
-            specs = [self._spec_fields(item, i) for i, item in enumerate(body.tasks)]
+            specs = [self._spec_fields(request, item, i) for i, item in enumerate(body.tasks)]
         else:
-            specs = [self._spec_fields(body, None)]
+            specs = [self._spec_fields(request, body, None)]
 
         def build(stamp: Stamp) -> e.Entry:
             ids = stamp.task_ids(len(specs))
@@ -477,9 +579,10 @@ class ApiApp:
         ]
         return 200, _json_encoder.encode(m.SubmitBatchResponse(out, replayed))
 
-    def _task_view(self, task_id: int) -> m.TaskView:
+    def _task_view(self, task_id: int, principal: Principal = ANONYMOUS_ADMIN) -> m.TaskView:
         task = self.node.state.tasks.get(task_id)
-        if task is None:
+        # Another tenant's task answers like a missing one: its existence is not shown.
+        if task is None or not principal.may_see_tenant(task.tenant):
             raise HttpError(404, "not_found", f"task {task_id} does not exist")
         return task_view(task, self.node.state.tree(task_id))
 
@@ -488,8 +591,9 @@ class ApiApp:
         unknown = set(request.query) - {"wait_s", "wait_tree"}
         if unknown:
             raise HttpError(400, "invalid_request", f"unknown query parameters: {sorted(unknown)}")
+        self._require(request, CallerRole.TENANT)
         wait_tree = _bool_param(request.query, "wait_tree")
-        view = self._task_view(task_id)
+        view = self._task_view(task_id, request.principal)
         wait_s = _float_param(request.query, "wait_s", 0.0, 0.0, self.config.max_wait_s)
         if wait_tree and view.tree is None:
             raise HttpError(
@@ -504,7 +608,7 @@ class ApiApp:
         if wait_s > 0 and not done:
             # Long poll: answer as soon as the task reaches a final state (its tree ends).
             await self._wait(waiters, task_id, wait_s)
-            view = self._task_view(task_id)
+            view = self._task_view(task_id, request.principal)
         return 200, _json_encoder.encode(view)
 
     @staticmethod
@@ -552,9 +656,17 @@ class ApiApp:
             raise HttpError(400, "invalid_request", f"state must be one of {sorted(_TASK_STATES)}")
         limit = _int_param(query, "limit", 100, 1, self.config.max_list_limit)
         after = _int_param(query, "after", 0, 0, 2**62)
+        self._require(request, CallerRole.TENANT)
+        tenant = query.get("tenant")
+        if request.principal.role is CallerRole.TENANT:
+            if tenant is not None and tenant != request.principal.tenant:
+                raise HttpError(
+                    403, "forbidden", "a tenant token lists its own tenant's tasks only"
+                )
+            tenant = request.principal.tenant
         tasks = self.node.state.list_tasks(
             state=state,
-            tenant=query.get("tenant"),
+            tenant=tenant,
             task_type=query.get("type"),
             after_id=after,
             limit=limit,
@@ -568,7 +680,8 @@ class ApiApp:
         task_id = int(request.params[0])
         if request.body.strip():
             raise HttpError(400, "invalid_request", "cancel takes no body")
-        self._task_view(task_id)  # 404 before logging anything
+        self._require(request, CallerRole.TENANT)
+        self._task_view(task_id, request.principal)  # 404 before logging anything
         result = await self.node.propose(
             lambda stamp: e.CancelTask(time_ms=stamp.now_ms, task_id=task_id)
         )
@@ -581,7 +694,8 @@ class ApiApp:
 
     async def begin_transaction(self, request: Request) -> tuple[int, bytes]:
         body = _decode(_txn_decoder, request.body or b"{}")
-        if not NAME_RE.match(body.tenant):
+        tenant = self._tenant_of(request, body.tenant)
+        if not NAME_RE.match(tenant):
             raise HttpError(400, "invalid_request", "tenant name is not valid")
         if not (math.isfinite(body.ttl_s) and 0 < body.ttl_s <= _MAX_TTL_S):
             raise HttpError(400, "invalid_request", f"ttl_s must be in (0, {_MAX_TTL_S:.0f}]")
@@ -590,7 +704,7 @@ class ApiApp:
             lambda stamp: e.BeginTransaction(
                 time_ms=stamp.now_ms,
                 transaction_id=stamp.transaction_id(),
-                tenant=body.tenant,
+                tenant=tenant,
                 ttl_ms=ttl_ms,
             )
         )
@@ -604,7 +718,9 @@ class ApiApp:
         txn_id = int(request.params[0])
         if request.body.strip():
             raise HttpError(400, "invalid_request", "commit and rollback take no body")
-        if txn_id not in self.node.state.transactions:
+        self._require(request, CallerRole.TENANT)
+        txn = self.node.state.transactions.get(txn_id)
+        if txn is None or not request.principal.may_see_tenant(txn.tenant):
             raise HttpError(404, "not_found", f"transaction {txn_id} is not open")
 
         def build(stamp: Stamp) -> e.Entry:
@@ -643,11 +759,20 @@ class ApiApp:
         return name
 
     async def list_tenants(self, request: Request) -> tuple[int, bytes]:
-        views = [self._tenant_view(t) for t in self.node.state.tenants.values()]
+        self._require(request, CallerRole.TENANT)
+        views = [
+            self._tenant_view(t)
+            for t in self.node.state.tenants.values()
+            if request.principal.may_see_tenant(t.name)
+        ]
         return 200, _json_encoder.encode({"tenants": views})
 
     async def get_tenant(self, request: Request) -> tuple[int, bytes]:
         name = self._tenant_name(request)
+        self._require(request, CallerRole.TENANT)
+        if not request.principal.may_see_tenant(name):
+            # Whatever the name: existence of other tenants is not shown.
+            raise HttpError(403, "forbidden", "a tenant token reads its own tenant only")
         tenant = self.node.state.tenants.get(name)
         if tenant is None:
             raise HttpError(
@@ -657,6 +782,7 @@ class ApiApp:
 
     async def put_tenant(self, request: Request) -> tuple[int, bytes]:
         name = self._tenant_name(request)
+        self._require(request)  # service levels are the admin's
         limits = _decode(_limits_decoder, request.body)
         patch = e.TenantLimitsPatch(
             max_waiting=limits.max_waiting, max_running=limits.max_running, weight=limits.weight
@@ -680,7 +806,10 @@ class ApiApp:
         return self.code_store
 
     async def upload_code(self, request: Request) -> tuple[int, bytes]:
+        self._require(request, CallerRole.TENANT)
         store = self._code_store()
+        # A tenant's upload is its own; an admin's (or any without authentication) shared.
+        owner = request.principal.tenant if self.config.auth.enabled else None
         unknown = set(request.query) - {"name"}
         if unknown:
             raise HttpError(400, "invalid_request", f"unknown query parameters: {sorted(unknown)}")
@@ -696,7 +825,12 @@ class ApiApp:
         ready = self.config.min_replication <= 1
         result = await self.node.propose(
             lambda stamp: e.AddCode(
-                time_ms=stamp.now_ms, sha256=sha256, name=name, size_bytes=len(data), ready=ready
+                time_ms=stamp.now_ms,
+                sha256=sha256,
+                name=name,
+                size_bytes=len(data),
+                ready=ready,
+                tenant=owner,
             )
         )
         if isinstance(result, Rejected):
@@ -704,14 +838,27 @@ class ApiApp:
         assert isinstance(result, Artifact)
         return 201, _json_encoder.encode(artifact_view(result))
 
+    def _may_read_code(self, request: Request, artifact: Artifact) -> bool:
+        principal = request.principal
+        if principal.role is not CallerRole.TENANT:
+            return True  # admin, workers and peer brokers
+        return not artifact.owners or principal.tenant in artifact.owners
+
     async def list_code(self, request: Request) -> tuple[int, bytes]:
-        views = [artifact_view(a) for a in self.node.state.artifacts.values()]
+        self._require(request, CallerRole.TENANT, CallerRole.WORKER, CallerRole.PEER)
+        views = [
+            artifact_view(a)
+            for a in self.node.state.artifacts.values()
+            if self._may_read_code(request, a)
+        ]
         return 200, _json_encoder.encode({"artifacts": views})
 
     async def download_code(self, request: Request) -> tuple[int, bytes]:
+        self._require(request, CallerRole.TENANT, CallerRole.WORKER, CallerRole.PEER)
         store = self._code_store()
         sha256 = request.params[0]
-        if sha256 not in self.node.state.artifacts or not store.has(sha256):
+        artifact = self.node.state.artifacts.get(sha256)
+        if artifact is None or not self._may_read_code(request, artifact) or not store.has(sha256):
             raise HttpError(404, "not_found", f"code artifact {sha256} is not on this broker")
         return 200, Binary(await asyncio.to_thread(store.read, sha256))
 
@@ -722,6 +869,8 @@ class ApiApp:
         return m.Position(ledger_id, entry_id)
 
     async def cluster(self, request: Request) -> tuple[int, bytes]:
+        # Workers find the leader here; tenants follow redirects and need not see it.
+        self._require(request, CallerRole.WORKER, CallerRole.PEER)
         node = self.node
         state = node.state
         view = self.cluster_view
@@ -772,9 +921,11 @@ class ApiApp:
         )
 
     async def get_config(self, request: Request) -> tuple[int, bytes]:
+        self._require(request)
         return 200, _json_encoder.encode(self._config_view())
 
     async def put_config(self, request: Request) -> tuple[int, bytes]:
+        self._require(request)
         patch = _decode(_config_decoder, request.body)
         retention_ms: int | None = None
         if patch.finished_task_retention_s is not None:
@@ -803,6 +954,7 @@ class ApiApp:
 
     async def latest_snapshot(self, request: Request) -> tuple[int, bytes]:
         """The newest intact local snapshot file, for a peer that has none (DESIGN §5)."""
+        self._require(request, CallerRole.PEER)
         if request.query:
             raise HttpError(400, "invalid_request", "this endpoint takes no query parameters")
         found = await asyncio.to_thread(read_latest_snapshot, self.node.snapshots)
@@ -816,6 +968,7 @@ class ApiApp:
         return 200, body
 
     async def digest(self, request: Request) -> tuple[int, bytes]:
+        self._require(request, CallerRole.PEER)
         body = m.DigestBody(position=self._position(), digest=self.node.state.digest())
         return 200, _json_encoder.encode(body)
 
@@ -837,10 +990,86 @@ class ApiApp:
         )
         return (200 if serving else 503), _json_encoder.encode(body)
 
+    # --- API tokens (admin) --------------------------------------------------------------------
+
+    async def create_token(self, request: Request) -> tuple[int, bytes]:
+        self._require(request)
+        body = _decode(_token_decoder, request.body)
+        if body.role not in TOKEN_ROLES:
+            raise HttpError(400, "invalid_request", "role must be 'tenant' or 'admin'")
+        if (body.role == "tenant") != (body.tenant is not None):
+            raise HttpError(
+                400, "invalid_request", "a tenant token needs tenant; an admin token takes none"
+            )
+        if body.tenant is not None and not NAME_RE.match(body.tenant):
+            raise HttpError(400, "invalid_request", f"tenant name {body.tenant!r} is not valid")
+        if not 0 < len(body.name) <= 200:
+            raise HttpError(400, "invalid_request", "name must hold 1 to 200 characters")
+        # The secret is made here and shown once; only its hash goes to the log.
+        secret = new_token()
+        token_id = new_token_id()
+        result = await self.node.propose(
+            lambda stamp: e.CreateToken(
+                time_ms=stamp.now_ms,
+                token_id=token_id,
+                name=body.name,
+                role=body.role,
+                tenant=body.tenant,
+                sha256=hash_token(secret),
+            )
+        )
+        if isinstance(result, Rejected):
+            raise _rejected_error(result)
+        assert isinstance(result, ApiToken)
+        view = token_view(result)
+        return 201, _json_encoder.encode(
+            m.TokenCreated(token=secret, **msgspec.structs.asdict(view))
+        )
+
+    async def list_tokens(self, request: Request) -> tuple[int, bytes]:
+        self._require(request)
+        views = [token_view(t) for t in self.node.state.tokens.values()]
+        return 200, _json_encoder.encode(m.TokenList(views))
+
+    async def revoke_token(self, request: Request) -> tuple[int, bytes]:
+        self._require(request)
+        if request.body.strip():
+            raise HttpError(400, "invalid_request", "revoke takes no body")
+        token_id = request.params[0]
+        if token_id not in self.node.state.tokens:
+            raise HttpError(404, "not_found", f"token {token_id} does not exist")
+        result = await self.node.propose(
+            lambda stamp: e.RevokeToken(time_ms=stamp.now_ms, token_id=token_id)
+        )
+        if isinstance(result, Rejected):
+            raise _rejected_error(result)
+        assert isinstance(result, ApiToken)
+        return 200, _json_encoder.encode(token_view(result))
+
+    async def whoami(self, request: Request) -> tuple[int, bytes]:
+        principal = request.principal
+        body = m.WhoAmI(
+            role=principal.role.value,
+            tenant=principal.tenant,
+            token_id=principal.token_id,
+            auth=self.config.auth.enabled,
+        )
+        return 200, _json_encoder.encode(body)
+
     async def openapi(self, request: Request) -> tuple[int, bytes]:
         if self._openapi is None:
             self._openapi = _json_encoder.encode(openapi_document())
         return 200, self._openapi
+
+
+def token_view(token: ApiToken) -> m.TokenView:
+    return m.TokenView(
+        id=token.id,
+        name=token.name,
+        role=token.role,
+        tenant=token.tenant,
+        created_at=iso_ms(token.created_ms) or "",
+    )
 
 
 def artifact_view(artifact: Artifact) -> m.ArtifactView:
@@ -996,6 +1225,11 @@ def openapi_document() -> dict[str, Any]:
         m.ClusterConfigView,
         m.Health,
         m.ErrorBody,
+        m.TokenCreate,
+        m.TokenCreated,
+        m.TokenView,
+        m.TokenList,
+        m.WhoAmI,
     ]
     refs, components = m.schema_components(types)
     ref = {t.__name__: r for t, r in zip(types, refs, strict=True)}
@@ -1218,10 +1452,57 @@ def openapi_document() -> dict[str, Any]:
                 },
             }
         },
+        "/api/v1/tokens": {
+            "post": {
+                "summary": "Issue an API token (admin); the secret is in this answer only",
+                "requestBody": body("TokenCreate"),
+                "responses": {"201": response("TokenCreated"), **errors},
+            },
+            "get": {
+                "summary": "Every API token, without secrets (admin)",
+                "responses": {"200": response("TokenList"), **errors},
+            },
+        },
+        "/api/v1/tokens/{token_id}": {
+            "delete": {
+                "summary": "Revoke an API token (admin)",
+                "parameters": [
+                    {
+                        "name": "token_id",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"type": "string", "pattern": "^[0-9a-f]{1,64}$"},
+                    }
+                ],
+                "responses": {"200": response("TokenView"), **errors},
+            }
+        },
+        "/api/v1/whoami": {
+            "get": {
+                "summary": "The caller's role and tenant",
+                "responses": {"200": response("WhoAmI"), **errors},
+            }
+        },
     }
+    public = {"/healthz", "/api/v1/openapi.json"}
+    for path, operations in paths.items():
+        if path in public:
+            operations["get"]["security"] = []
     return {
         "openapi": "3.1.0",
-        "info": {"title": "Steward", "version": VERSION},
+        "info": {
+            "title": "Steward",
+            "version": VERSION,
+            "description": (
+                "When the broker has an admin token configured, every operation but "
+                "/healthz and this document needs Authorization: Bearer <token> (401 "
+                "without a valid one; 403 when the token's role may not do it)."
+            ),
+        },
         "paths": paths,
-        "components": {"schemas": components},
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}, {}],
     }

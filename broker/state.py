@@ -167,6 +167,19 @@ class Artifact(msgspec.Struct, array_like=True, gc=False):
     created_ms: int
     # False until CodeReady: tasks using it stay waiting, outside the scheduler's queues.
     ready: bool = True
+    # Tenants that uploaded it (authentication on); empty: shared, usable by every tenant.
+    owners: list[str] = []
+
+
+class ApiToken(msgspec.Struct, array_like=True, gc=False):
+    """An API token issued through the API; only its SHA-256 is kept (broker/auth.py)."""
+
+    id: str
+    name: str
+    role: str  # "tenant" | "admin"
+    tenant: str | None
+    sha256: str
+    created_ms: int
 
 
 class Config(msgspec.Struct):
@@ -231,6 +244,7 @@ ApplyResult = (
     | Tenant
     | WorkerReconciled
     | Artifact
+    | ApiToken
     | Rejected
     | None
 )
@@ -333,6 +347,8 @@ class SnapshotBody(msgspec.Struct):
     idempotency: list[SubmissionRecord] = []
     # Tracked task trees, in creation order (the default reads older snapshots).
     trees: list[TreeRecord] = []
+    # API tokens (hashes only), in creation order (the default reads older snapshots).
+    tokens: list[ApiToken] = []
 
 
 SNAPSHOT_BODY_VERSION: Final = 1
@@ -365,6 +381,9 @@ class StateMachine:
         self.idempotency: OrderedDict[str, SubmissionRecord] = OrderedDict()
         # Tracked trees by root id; a record lives as long as its root task.
         self.trees: dict[int, TreeRecord] = {}
+        # API tokens by id, and their ids by secret hash (derived).
+        self.tokens: dict[str, ApiToken] = {}
+        self.token_ids_by_hash: dict[str, str] = {}
         # Derived indexes, rebuilt on snapshot load.
         self.slots: dict[str, int] = {}
         self.by_state: dict[str, set[int]] = {s.value: set() for s in TaskState}
@@ -397,6 +416,8 @@ class StateMachine:
             e.FinishTasks: self._finish,
             e.AddCode: self._add_code,
             e.CodeReady: self._code_ready,
+            e.CreateToken: self._create_token,
+            e.RevokeToken: self._revoke_token,
         }
 
     # --- entry point ---------------------------------------------------------
@@ -1082,15 +1103,56 @@ class StateMachine:
             return Rejected(ErrorCode.INVALID, "sha256 must be 64 lowercase hex digits")
         if entry.size_bytes < 0:
             return Rejected(ErrorCode.INVALID, "size_bytes must be >= 0")
+        if entry.tenant is not None and not NAME_RE.match(entry.tenant):
+            return Rejected(ErrorCode.INVALID, f"tenant name {entry.tenant!r} is not valid")
         artifact = self.artifacts.get(entry.sha256)
         if artifact is None:
             artifact = self.artifacts[entry.sha256] = Artifact(
-                entry.sha256, entry.name, entry.size_bytes, self.now_ms, entry.ready
+                entry.sha256,
+                entry.name,
+                entry.size_bytes,
+                self.now_ms,
+                entry.ready,
+                [entry.tenant] if entry.tenant is not None else [],
             )
-        elif entry.ready and not artifact.ready:
-            # Uploaded again by a leader that needs no replicas first: no reason to wait.
-            self._release_code(artifact)
+        else:
+            if entry.ready and not artifact.ready:
+                # Uploaded again by a leader that needs no replicas first: no reason to wait.
+                self._release_code(artifact)
+            if entry.tenant is None:
+                artifact.owners = []  # an admin upload shares it with every tenant
+            elif artifact.owners and entry.tenant not in artifact.owners:
+                artifact.owners = sorted([*artifact.owners, entry.tenant])
         return artifact
+
+    def _create_token(self, entry: e.CreateToken) -> ApiToken | Rejected:
+        if not re.fullmatch(r"[0-9a-f]{1,64}", entry.token_id):
+            return Rejected(ErrorCode.INVALID, "token_id must be 1 to 64 lowercase hex digits")
+        if not re.fullmatch(r"[0-9a-f]{64}", entry.sha256):
+            return Rejected(ErrorCode.INVALID, "sha256 must be 64 lowercase hex digits")
+        if not 0 < len(entry.name) <= 200:
+            return Rejected(ErrorCode.INVALID, "a token name must hold 1 to 200 characters")
+        if entry.role not in ("tenant", "admin"):
+            return Rejected(ErrorCode.INVALID, "role must be 'tenant' or 'admin'")
+        if (entry.role == "tenant") != (entry.tenant is not None):
+            return Rejected(ErrorCode.INVALID, "a tenant token names its tenant; an admin one none")
+        if entry.tenant is not None and not NAME_RE.match(entry.tenant):
+            return Rejected(ErrorCode.INVALID, f"tenant name {entry.tenant!r} is not valid")
+        if entry.token_id in self.tokens or entry.sha256 in self.token_ids_by_hash:
+            return Rejected(ErrorCode.CONFLICT, f"token {entry.token_id} already exists")
+        token = ApiToken(
+            entry.token_id, entry.name, entry.role, entry.tenant, entry.sha256, self.now_ms
+        )
+        self.tokens[token.id] = token
+        self.token_ids_by_hash[token.sha256] = token.id
+        return token
+
+    def _revoke_token(self, entry: e.RevokeToken) -> ApiToken | Rejected:
+        token = self.tokens.pop(entry.token_id, None)
+        if token is None:
+            return Rejected(ErrorCode.NOT_FOUND, f"token {entry.token_id} does not exist")
+        del self.token_ids_by_hash[token.sha256]
+        return token
 
     def _code_ready(self, entry: e.CodeReady) -> Artifact | Rejected:
         if not re.fullmatch(r"[0-9a-f]{64}", entry.sha256):
@@ -1183,6 +1245,7 @@ class StateMachine:
             waiting={name: list(queue) for name, queue in sorted(self.waiting.items()) if queue},
             idempotency=list(self.idempotency.values()),
             trees=list(self.trees.values()),
+            tokens=list(self.tokens.values()),
         )
 
     def encode_snapshot(self) -> bytes:
@@ -1216,6 +1279,8 @@ class StateMachine:
         machine.idempotency = OrderedDict((r.key, r) for r in body.idempotency)
         machine.trees = {t.root: t for t in body.trees}
         machine._push_tree_timers()
+        machine.tokens = {t.id: t for t in body.tokens}
+        machine.token_ids_by_hash = {t.sha256: t.id for t in body.tokens}
         return machine
 
     def _push_tree_timers(self) -> None:
@@ -1239,6 +1304,11 @@ class StateMachine:
         def fail(message: str) -> None:
             raise InvariantError(message)
 
+        expected_hashes = {t.sha256: t.id for t in self.tokens.values()}
+        if expected_hashes != self.token_ids_by_hash or any(
+            k != t.id for k, t in self.tokens.items()
+        ):
+            fail("token index out of step with the tokens")
         by_state: dict[str, set[int]] = {s.value: set() for s in TaskState}
         counts: dict[str, dict[str, int]] = {}
         slots: dict[str, int] = {}

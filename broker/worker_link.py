@@ -56,6 +56,9 @@ class WorkerLinkConfig:
     max_spawns_per_report: int = 10_000
     max_params_bytes: int = 64 * 1024
     token: str | None = None
+    # Authentication on: a task may spawn children only in its own tenant, using code
+    # its tenant may use (a task must not act for another tenant).
+    tenant_isolation: bool = False
 
 
 class _Session:
@@ -457,17 +460,25 @@ class WorkerLink:
                 msgspec.json.decode(request.params)
             except msgspec.DecodeError:
                 raise _InvalidSpawn(f"{where}: params are not JSON") from None
+            tenant = request.tenant if request.tenant is not None else parent.tenant
+            code = request.code if request.code is not None else parent.code
+            if self.config.tenant_isolation:
+                if tenant != parent.tenant:
+                    raise _InvalidSpawn(f"{where}: a task spawns children in its own tenant only")
+                artifact = self.node.state.artifacts.get(code) if code is not None else None
+                if artifact is not None and artifact.owners and tenant not in artifact.owners:
+                    raise _InvalidSpawn(f"{where}: code artifact {code} was never uploaded")
             spec = e.TaskSpec(
                 id=0,
                 type=request.type,
-                tenant=request.tenant if request.tenant is not None else parent.tenant,
+                tenant=tenant,
                 params=request.params,
                 slot=request.slot,
                 max_attempts=request.max_attempts,
                 deadline_ms=request.deadline_ms,
                 start_after_ms=request.start_after_ms,
                 resources=dict(request.resources),
-                code=request.code if request.code is not None else parent.code,
+                code=code,
             )
             problem = validate_task_spec(spec)
             if problem is not None:

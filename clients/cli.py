@@ -22,6 +22,7 @@ from clients.client import (
 from clients.progress import print_progress
 
 if TYPE_CHECKING:
+    from broker.auth import AuthConfig
     from log.pulsar import PulsarConfig
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -81,6 +82,21 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("STEWARD_WORKER_TOKEN"),
         help="workers must present this token (env STEWARD_WORKER_TOKEN)",
     )
+    p.add_argument(
+        "--admin-token-file",
+        type=Path,
+        default=os.environ.get("STEWARD_ADMIN_TOKEN_FILE"),
+        metavar="PATH",
+        help="turn authentication on: every API call needs a token, and the token in this "
+        "file is an admin one (env STEWARD_ADMIN_TOKEN_FILE, or the token itself in "
+        "STEWARD_ADMIN_TOKEN)",
+    )
+    p.add_argument(
+        "--cluster-token",
+        default=os.environ.get("STEWARD_CLUSTER_TOKEN"),
+        help="the brokers' shared secret for snapshot and code downloads between them "
+        "(env STEWARD_CLUSTER_TOKEN)",
+    )
     p.add_argument("--heartbeat-interval-ms", type=int, default=1000)
     p.add_argument(
         "--heartbeat-timeout-ms",
@@ -104,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL[,URL...]",
         help="broker URL(s) for client commands; writes find the leader among them "
         "(env STEWARD_URL; default %(default)s)",
+    )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("STEWARD_TOKEN"),
+        help="API token for client commands (env STEWARD_TOKEN)",
     )
     parser.add_argument(
         "--failover-timeout-s",
@@ -199,6 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="brokers that must hold an uploaded artifact before its tasks run",
     )
     p.add_argument("--max-replication-wait-ms", type=int, default=60_000)
+    p.add_argument(
+        "--zookeeper-auth",
+        default=os.environ.get("STEWARD_ZOOKEEPER_AUTH"),
+        metavar="USER:PASSWORD",
+        help="digest credentials: Steward's znodes get an ACL only they open "
+        "(env STEWARD_ZOOKEEPER_AUTH)",
+    )
     _add_broker_options(p)
     p.add_argument("--ledger-roll-age-s", type=float, default=3600.0)
     p.add_argument("--ledger-retention-h", type=float, default=48.0)
@@ -216,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("submit", help="submit a task")
     p.add_argument("type", help="task type, e.g. noop or mymodule:function")
-    p.add_argument("--tenant", default="default")
+    p.add_argument("--tenant", help="default: the token's tenant, or 'default'")
     p.add_argument("--params", type=_json_value, default=None, help="JSON value")
     p.add_argument("--slot")
     p.add_argument("--max-attempts", type=int, default=1)
@@ -263,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("txn", help="begin, commit or roll back a transaction")
     p.add_argument("action", choices=["begin", "commit", "rollback"])
     p.add_argument("id", type=int, nargs="?")
-    p.add_argument("--tenant", default="default")
+    p.add_argument("--tenant", help="default: the token's tenant, or 'default'")
     p.add_argument("--ttl-s", type=float, default=60.0)
 
     p = sub.add_parser("code", help="code artifacts")
@@ -302,6 +330,18 @@ def build_parser() -> argparse.ArgumentParser:
         "ZooKeeper",
     )
     sub.add_parser("digest", help="show the state digest and log position")
+
+    p = sub.add_parser("token", help="API tokens (admin): create, list, revoke")
+    token_sub = p.add_subparsers(dest="token_command", required=True, metavar="ACTION")
+    p = token_sub.add_parser("create", help="issue a token; prints its secret once")
+    p.add_argument("name", help="what the token is for (shown in lists)")
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument("--tenant", help="a token acting for this tenant only")
+    who.add_argument("--admin", action="store_true", help="an admin token")
+    token_sub.add_parser("list", help="list tokens (never their secrets)")
+    p = token_sub.add_parser("revoke", help="revoke a token at once, on every broker")
+    p.add_argument("id")
+    sub.add_parser("whoami", help="show the role and tenant of the --token")
     return parser
 
 
@@ -440,15 +480,17 @@ def _print_status(client: StewardClient) -> None:
 
 
 def run_client_command(args: argparse.Namespace) -> int:
-    with StewardClient(args.url, failover_timeout_s=args.failover_timeout_s) as client:
+    with StewardClient(
+        args.url, failover_timeout_s=args.failover_timeout_s, token=args.token
+    ) as client:
         if args.command == "submit":
             task: dict[str, Any] = {
                 "type": args.type,
-                "tenant": args.tenant,
                 "params": args.params,
                 "max_attempts": args.max_attempts,
             }
             optional = {
+                "tenant": args.tenant,
                 "slot": args.slot,
                 "deadline": _time_option(args.deadline),
                 "start_after": _time_option(args.start_after),
@@ -542,10 +584,41 @@ def run_client_command(args: argparse.Namespace) -> int:
             )
             print("tasks: " + ", ".join(f"{k}={v}" for k, v in summary["tasks"].items()))
             print(f"workers: {len(summary['workers'])}  tenants: {summary['tenants']}")
+        elif args.command == "token":
+            if args.token_command == "create":
+                created = client.create_token(args.name, tenant=args.tenant, admin=args.admin)
+                print(
+                    f"token {created['id']} ({created['role']}"
+                    + (f" of tenant {created['tenant']}" if created["tenant"] else "")
+                    + "); its secret, shown only now:"
+                )
+                print(created["token"])
+            elif args.token_command == "list":
+                _print_table(client.tokens(), ["id", "name", "role", "tenant", "created_at"])
+            else:
+                revoked = client.revoke_token(args.id)
+                print(f"token {revoked['id']} revoked")
+        elif args.command == "whoami":
+            print(json.dumps(client.whoami(), indent=2))
         elif args.command == "digest":
             d = client.digest()
             print(f"{d['position']['ledger_id']}:{d['position']['entry_id']} {d['digest']}")
     return 0
+
+
+def _auth_config(args: argparse.Namespace) -> AuthConfig:
+    """Authentication settings of a broker from its options (off without an admin token)."""
+    from broker.auth import AuthConfig, read_secret
+
+    admin_tokens: list[str] = []
+    if args.admin_token_file is not None:
+        try:
+            admin_tokens.append(read_secret(args.admin_token_file))
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--admin-token-file: {exc}") from None
+    elif os.environ.get("STEWARD_ADMIN_TOKEN"):
+        admin_tokens.append(os.environ["STEWARD_ADMIN_TOKEN"])
+    return AuthConfig.from_secrets(admin_tokens, args.worker_token, args.cluster_token)
 
 
 def run_standalone(args: argparse.Namespace) -> int:
@@ -561,19 +634,23 @@ def run_standalone(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     host, port = args.http
+    auth = _auth_config(args)
+    if auth.enabled and args.worker_token is None:
+        raise UsageError("with authentication on, workers need a --worker-token too")
     config = StandaloneConfig(
         node=NodeConfig(
             data_dir=args.data_dir,
             snapshot_interval_s=args.snapshot_interval_s,
             ledger_roll_bytes=int(args.ledger_roll_mb * 1024 * 1024),
         ),
-        api=ApiConfig(host=host, port=port),
+        api=ApiConfig(host=host, port=port, auth=auth),
         workers=WorkerLinkConfig(
             host=args.worker_listen[0],
             port=args.worker_listen[1],
             heartbeat_interval_ms=args.heartbeat_interval_ms,
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
             token=args.worker_token,
+            tenant_isolation=auth.enabled,
         ),
         child_workers=args.workers,
     )
@@ -634,6 +711,11 @@ def run_broker(args: argparse.Namespace) -> int:
     if not 0 < args.heartbeat_interval_ms < args.heartbeat_timeout_ms:
         raise UsageError("need 0 < --heartbeat-interval-ms < --heartbeat-timeout-ms")
     host, port = args.http
+    auth = _auth_config(args)
+    if auth.enabled and (args.worker_token is None or args.cluster_token is None):
+        raise UsageError("with authentication on, give --worker-token and --cluster-token too")
+    if args.zookeeper_auth is not None and ":" not in args.zookeeper_auth:
+        raise UsageError("--zookeeper-auth must be USER:PASSWORD")
     config = BrokerConfig(
         node=NodeConfig(
             data_dir=args.data_dir,
@@ -649,14 +731,17 @@ def run_broker(args: argparse.Namespace) -> int:
         ledgers=args.ledgers,
         pulsar=_pulsar_config(args),
         advertise_host=args.advertise,
-        api=ApiConfig(host=host, port=port),
+        api=ApiConfig(host=host, port=port, auth=auth),
         workers=WorkerLinkConfig(
             host=args.worker_listen[0],
             port=args.worker_listen[1],
             heartbeat_interval_ms=args.heartbeat_interval_ms,
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
             token=args.worker_token,
+            tenant_isolation=auth.enabled,
         ),
+        cluster_token=args.cluster_token,
+        zookeeper_auth=args.zookeeper_auth,
         session_timeout_ms=args.session_timeout_ms,
         min_replication=args.min_replication,
         max_replication_wait_ms=args.max_replication_wait_ms,

@@ -84,6 +84,14 @@ class UnavailableError(StewardError):
     """The broker cannot take the request now; retrying later may succeed."""
 
 
+class AuthenticationError(StewardError):
+    """401: no API token, or one the brokers do not know (revoked, mistyped)."""
+
+
+class PermissionDeniedError(StewardError):
+    """403: the token's role or tenant may not do this."""
+
+
 class ConnectionFailedError(StewardError):
     def __init__(self, url: str, reason: str) -> None:
         super().__init__(0, "connection_failed", f"cannot reach {url}: {reason}")
@@ -129,6 +137,10 @@ class TaskTimeoutError(TimeoutError):
 
 
 def _error_for(status: int, code: str, message: str) -> StewardError:
+    if status == 401:
+        return AuthenticationError(status, code, message)
+    if status == 403:
+        return PermissionDeniedError(status, code, message)
     if status == 404:
         return NotFoundError(status, code, message)
     if status == 409:
@@ -173,6 +185,10 @@ def parse_urls(url: str | Sequence[str]) -> list[str]:
     if not urls:
         raise ValueError("no broker URL given")
     return urls
+
+
+def _auth_headers(token: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"} if token else {}
 
 
 def _timeout(timeout_s: float) -> httpx.Timeout:
@@ -276,8 +292,13 @@ class _Call:
         return pause_s
 
 
-def _task_body(type: str, params: Any, tenant: str, options: dict[str, Any]) -> dict[str, Any]:
-    body: dict[str, Any] = {"type": type, "tenant": tenant, "params": params}
+def _task_body(
+    type: str, params: Any, tenant: str | None, options: dict[str, Any]
+) -> dict[str, Any]:
+    # No tenant: the broker uses the token's tenant (or "default" without authentication).
+    body: dict[str, Any] = {"type": type, "params": params}
+    if tenant is not None:
+        body["tenant"] = tenant
     body.update({k: v for k, v in options.items() if v is not None})
     return body
 
@@ -375,7 +396,7 @@ class TaskHandle:
 
 
 class Transaction:
-    def __init__(self, client: StewardClient, transaction_id: int, tenant: str) -> None:
+    def __init__(self, client: StewardClient, transaction_id: int, tenant: str | None) -> None:
         self.client = client
         self.id = transaction_id
         self.tenant = tenant
@@ -395,6 +416,8 @@ class StewardClient:
     ``url``: one base URL, several (a sequence or a comma-separated string).
     ``timeout_s``: per request; ``failover_timeout_s``: how long a write keeps
     trying other brokers (or waiting for a leader) before FailoverTimeoutError.
+    ``token``: the API token sent as ``Authorization: Bearer`` (brokers with
+    authentication on answer 401 without one).
     """
 
     def __init__(
@@ -403,13 +426,16 @@ class StewardClient:
         *,
         timeout_s: float = 30.0,
         failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S,
+        token: str | None = None,
     ) -> None:
         self.urls = parse_urls(url)
         self.url = self.urls[0]
         self._timeout_s = timeout_s
         self._router = _Router(self.urls, failover_timeout_s)
         # Redirects are followed by hand: only not_leader ones, and the leader is remembered.
-        self._http = httpx.Client(timeout=_timeout(timeout_s), follow_redirects=False)
+        self._http = httpx.Client(
+            timeout=_timeout(timeout_s), follow_redirects=False, headers=_auth_headers(token)
+        )
 
     @property
     def leader_url(self) -> str | None:
@@ -467,7 +493,7 @@ class StewardClient:
         type: str,
         params: Any = None,
         *,
-        tenant: str = "default",
+        tenant: str | None = None,
         idempotency_key: str | None = None,
         **options: Any,
     ) -> TaskHandle:
@@ -527,8 +553,10 @@ class StewardClient:
 
     # transactions
 
-    def begin(self, *, tenant: str = "default", ttl_s: float = 60.0) -> int:
-        body = {"tenant": tenant, "ttl_s": ttl_s}
+    def begin(self, *, tenant: str | None = None, ttl_s: float = 60.0) -> int:
+        body: dict[str, Any] = {"ttl_s": ttl_s}
+        if tenant is not None:
+            body["tenant"] = tenant
         return int(self._call("POST", "/api/v1/transactions", json=body)["id"])
 
     def commit(self, transaction_id: int) -> dict[str, Any]:
@@ -542,7 +570,9 @@ class StewardClient:
         return result
 
     @contextmanager
-    def transaction(self, *, tenant: str = "default", ttl_s: float = 60.0) -> Iterator[Transaction]:
+    def transaction(
+        self, *, tenant: str | None = None, ttl_s: float = 60.0
+    ) -> Iterator[Transaction]:
         """Commit on normal exit, roll back if the block raises."""
         txn = Transaction(self, self.begin(tenant=tenant, ttl_s=ttl_s), tenant)
         try:
@@ -592,6 +622,30 @@ class StewardClient:
 
     def digest(self) -> dict[str, Any]:
         result: dict[str, Any] = self._call("GET", "/api/v1/state/digest")
+        return result
+
+    # API tokens (admin)
+
+    def create_token(
+        self, name: str, *, tenant: str | None = None, admin: bool = False
+    ) -> dict[str, Any]:
+        """Issue a token for ``tenant`` (or an admin one); its secret is in ``["token"]``."""
+        if admin == (tenant is not None):
+            raise ValueError("give a tenant, or admin=True, not both")
+        body = {"name": name, "role": "admin" if admin else "tenant", "tenant": tenant}
+        result: dict[str, Any] = self._call("POST", "/api/v1/tokens", json=body)
+        return result
+
+    def tokens(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._call("GET", "/api/v1/tokens")["tokens"]
+        return result
+
+    def revoke_token(self, token_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("DELETE", f"/api/v1/tokens/{token_id}")
+        return result
+
+    def whoami(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("GET", "/api/v1/whoami")
         return result
 
     def health(self) -> dict[str, Any]:
@@ -647,7 +701,7 @@ class AsyncTaskHandle:
 
 
 class AsyncTransaction:
-    def __init__(self, client: AsyncStewardClient, transaction_id: int, tenant: str) -> None:
+    def __init__(self, client: AsyncStewardClient, transaction_id: int, tenant: str | None) -> None:
         self.client = client
         self.id = transaction_id
         self.tenant = tenant
@@ -670,12 +724,15 @@ class AsyncStewardClient:
         *,
         timeout_s: float = 30.0,
         failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S,
+        token: str | None = None,
     ) -> None:
         self.urls = parse_urls(url)
         self.url = self.urls[0]
         self._timeout_s = timeout_s
         self._router = _Router(self.urls, failover_timeout_s)
-        self._http = httpx.AsyncClient(timeout=_timeout(timeout_s), follow_redirects=False)
+        self._http = httpx.AsyncClient(
+            timeout=_timeout(timeout_s), follow_redirects=False, headers=_auth_headers(token)
+        )
 
     @property
     def leader_url(self) -> str | None:
@@ -731,7 +788,7 @@ class AsyncStewardClient:
         type: str,
         params: Any = None,
         *,
-        tenant: str = "default",
+        tenant: str | None = None,
         idempotency_key: str | None = None,
         **options: Any,
     ) -> AsyncTaskHandle:
@@ -787,10 +844,11 @@ class AsyncStewardClient:
         result: dict[str, Any] = await self._call("POST", f"/api/v1/tasks/{task_id}/cancel")
         return result
 
-    async def begin(self, *, tenant: str = "default", ttl_s: float = 60.0) -> int:
-        answer = await self._call(
-            "POST", "/api/v1/transactions", json={"tenant": tenant, "ttl_s": ttl_s}
-        )
+    async def begin(self, *, tenant: str | None = None, ttl_s: float = 60.0) -> int:
+        body: dict[str, Any] = {"ttl_s": ttl_s}
+        if tenant is not None:
+            body["tenant"] = tenant
+        answer = await self._call("POST", "/api/v1/transactions", json=body)
         return int(answer["id"])
 
     async def commit(self, transaction_id: int) -> dict[str, Any]:
@@ -807,7 +865,7 @@ class AsyncStewardClient:
 
     @asynccontextmanager
     async def transaction(
-        self, *, tenant: str = "default", ttl_s: float = 60.0
+        self, *, tenant: str | None = None, ttl_s: float = 60.0
     ) -> AsyncIterator[AsyncTransaction]:
         txn = AsyncTransaction(self, await self.begin(tenant=tenant, ttl_s=ttl_s), tenant)
         try:

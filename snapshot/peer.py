@@ -126,6 +126,7 @@ async def download_latest_snapshot(
     min_position: tuple[int, int] | None = None,
     decode: Callable[[bytes], object] | None = None,
     max_size_bytes: int = DEFAULT_MAX_SIZE_BYTES,
+    token: str | None = None,
 ) -> SnapshotInfo | None:
     """Download the latest snapshot of the first peer that has a usable one, and install it.
 
@@ -138,12 +139,16 @@ async def download_latest_snapshot(
     (404), or whose snapshot is older than ``min_position`` (e.g. ``(first retained
     ledger id, -1)``), is skipped at INFO.
 
+    ``token``: the brokers' shared secret, sent as ``Authorization: Bearer`` (brokers
+    with authentication on serve snapshots to peers and admins only).
+
     Returns the installed snapshot, or None when no peer had a usable one.
     """
     if timeout_s <= 0:
         raise ValueError("timeout_s must be positive")
     await asyncio.to_thread(_remove_stale_downloads, store.directory)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s)) as client:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), headers=headers) as client:
         for peer_url in peer_urls:
             try:
                 async with asyncio.timeout(timeout_s):

@@ -1,0 +1,168 @@
+"""Who is calling: API tokens, roles and the authorization rules' vocabulary.
+
+Authentication is off unless the broker is given an admin token (``--admin-token-file``
+or ``STEWARD_ADMIN_TOKEN``): then every API call but ``/healthz``, the OpenAPI document
+and the dashboard's static page needs ``Authorization: Bearer <token>``.
+
+Four kinds of callers:
+
+- ``admin``: the bootstrap token from the broker's configuration, or a token created
+  with role admin. Everything, including tenants' service levels, tokens and cluster
+  operations.
+- ``tenant``: a token created for one tenant. Its own tasks, transactions and code
+  artifacts only; anything else answers as if it did not exist (404) or 403, and never
+  shows another tenant's ids or counts.
+- ``worker``: the workers' shared token (``--worker-token``): finding the leader and
+  downloading code artifacts.
+- ``peer``: the brokers' shared token (``--cluster-token``): snapshot and code
+  downloads between brokers, the state digest.
+
+Tokens created through the API live in the replicated state as SHA-256 hashes (the
+secret is shown once, in the creation's answer, and is never logged): every broker can
+check them, followers included, and a revocation reaches every broker with the log.
+Tokens are 256-bit random strings, so a plain SHA-256 (no salt, no slow hash) is enough:
+nobody can guess a preimage, and a fast hash keeps the per-request check cheap.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+TOKEN_PREFIX: Final = "stw_"
+
+
+class Role(enum.StrEnum):
+    ADMIN = "admin"
+    TENANT = "tenant"
+    WORKER = "worker"
+    PEER = "peer"
+
+
+#: Roles a token created through the API may have (worker and peer tokens are shared
+#: secrets from the configuration).
+TOKEN_ROLES: Final = frozenset({Role.ADMIN.value, Role.TENANT.value})
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    role: Role
+    tenant: str | None = None  # set for Role.TENANT only
+    token_id: str | None = None  # None: a token from the configuration
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role is Role.ADMIN
+
+    def may_see_tenant(self, tenant: str) -> bool:
+        return self.role is Role.ADMIN or (self.role is Role.TENANT and self.tenant == tenant)
+
+
+#: The caller when authentication is off: it may do everything, as before.
+ANONYMOUS_ADMIN: Final = Principal(Role.ADMIN)
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def new_token() -> str:
+    """A fresh secret: 256 random bits, URL-safe, recognisable by its prefix."""
+    return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def new_token_id() -> str:
+    return secrets.token_hex(8)
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """Secrets from the configuration, kept hashed in memory too."""
+
+    admin_token_hashes: frozenset[str] = frozenset()
+    worker_token_hash: str | None = None
+    peer_token_hash: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.admin_token_hashes)
+
+    @classmethod
+    def from_secrets(
+        cls,
+        admin_tokens: list[str] | tuple[str, ...] = (),
+        worker_token: str | None = None,
+        peer_token: str | None = None,
+    ) -> AuthConfig:
+        return cls(
+            admin_token_hashes=frozenset(hash_token(t) for t in admin_tokens if t),
+            worker_token_hash=hash_token(worker_token) if worker_token else None,
+            peer_token_hash=hash_token(peer_token) if peer_token else None,
+        )
+
+    def configured_principal(self, token_hash: str) -> Principal | None:
+        """The caller a configuration token names (constant-time comparisons)."""
+        found: Principal | None = None
+        for admin_hash in self.admin_token_hashes:
+            if hmac.compare_digest(admin_hash, token_hash):
+                found = Principal(Role.ADMIN)
+        if self.peer_token_hash is not None and hmac.compare_digest(
+            self.peer_token_hash, token_hash
+        ):
+            found = found or Principal(Role.PEER)
+        if self.worker_token_hash is not None and hmac.compare_digest(
+            self.worker_token_hash, token_hash
+        ):
+            found = found or Principal(Role.WORKER)
+        return found
+
+
+class AuthError(Exception):
+    """401: no credentials, or credentials nobody issued."""
+
+
+def bearer_token(header: bytes | None) -> str:
+    """The token of an ``Authorization: Bearer`` header; AuthError when absent or malformed."""
+    if header is None:
+        raise AuthError("this broker requires an API token: send Authorization: Bearer <token>")
+    scheme, _, value = header.decode("latin-1").strip().partition(" ")
+    token = value.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise AuthError("the Authorization header must be 'Bearer <token>'")
+    return token
+
+
+def read_secret(path: str | os.PathLike[str]) -> str:
+    """A secret kept in a file (first line, surrounding whitespace ignored)."""
+    text = Path(path).read_text(encoding="utf-8")
+    lines = text.strip().splitlines()
+    secret = lines[0].strip() if lines else ""
+    if not secret:
+        raise ValueError(f"{path}: the file holds no token")
+    return secret
+
+
+def kazoo_auth_options(credentials: str | None) -> dict[str, Any]:
+    """``KazooClient`` keyword arguments for ZooKeeper digest authentication.
+
+    With ``"user:password"``, the session authenticates and every znode it creates gets
+    an ACL granting everything to that identity only, so other ZooKeeper users can
+    neither read nor change Steward's election, ledger list or code replicas.
+    """
+    if credentials is None:
+        return {}
+    user, sep, password = credentials.partition(":")
+    if not sep or not user or not password:
+        raise ValueError("ZooKeeper credentials must be USER:PASSWORD")
+    from kazoo.security import make_digest_acl  # type: ignore[import-untyped]
+
+    return {
+        "auth_data": [("digest", credentials)],
+        "default_acl": [make_digest_acl(user, password, all=True)],
+    }
