@@ -70,7 +70,13 @@ async def peers(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Peer]]]
     """Call it to start a peer: ``await peers(name, cluster_id=..., snapshot=True)``."""
     started: list[Peer] = []
 
-    async def start(name: str, *, cluster_id: str = CLUSTER, snapshot: bool = True) -> Peer:
+    async def start(
+        name: str,
+        *,
+        cluster_id: str = CLUSTER,
+        snapshot: bool = True,
+        api_config: ApiConfig | None = None,
+    ) -> Peer:
         node = Node(
             # Timers off: the state must stay exactly at the snapshot.
             NodeConfig(data_dir=tmp_path / name, cluster_id=cluster_id, timer_poll_interval_s=3600),
@@ -82,7 +88,7 @@ async def peers(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Peer]]]
         if snapshot:
             await workload(node)
             await node.take_snapshot()
-        peer = Peer(node, await serve(ApiApp(node, ApiConfig())))
+        peer = Peer(node, await serve(ApiApp(node, api_config or ApiConfig())))
         started.append(peer)
         return peer
 
@@ -320,3 +326,25 @@ async def test_undecodable_state_is_not_installed(
     assert info is None
     assert "state format from the future" in caplog.text
     assert list(store.directory.iterdir()) == []
+
+
+async def test_a_peer_with_authentication_serves_brokers_holding_the_cluster_token(
+    tmp_path: Path, peers: Callable[..., Awaitable[Peer]], caplog: pytest.LogCaptureFixture
+) -> None:
+    from broker.auth import AuthConfig
+
+    auth = AuthConfig.from_secrets(["admin-secret"], "worker-secret", "cluster-secret")
+    peer = await peers("a", api_config=ApiConfig(auth=auth))
+    caplog.set_level(logging.WARNING, PEER_LOGGER)
+    for wrong in (None, "worker-secret", "guess"):
+        store = SnapshotStore(tmp_path / f"refused-{wrong}", cluster_id=CLUSTER)
+        refused = await download_latest_snapshot(
+            [peer.url], store, cluster_id=CLUSTER, timeout_s=WAIT_S, token=wrong
+        )
+        assert refused is None and store.newest() is None
+    assert "401" in caplog.text and "403" in caplog.text
+    store = local_store(tmp_path)
+    info = await download_latest_snapshot(
+        [peer.url], store, cluster_id=CLUSTER, timeout_s=WAIT_S, token="cluster-secret"
+    )
+    assert info is not None and store.newest() is not None

@@ -779,3 +779,39 @@ async def test_failed_report_spawns_nothing(broker: Broker) -> None:
     await worker.expect(p.FinishAck)
     assert list(broker.node.state.tasks) == [root]
     assert broker.task(root).state in (TaskState.WAITING, TaskState.RUNNING)
+
+
+async def test_with_tenant_isolation_a_task_spawns_only_in_its_own_tenant(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = await make_broker(tenant_isolation=True)
+    # An artifact uploaded by tenant "other" (authentication on: it owns it).
+    await broker.node.propose(
+        lambda stamp: e.AddCode(
+            time_ms=stamp.now_ms, sha256="a" * 64, name="o.py", size_bytes=1, tenant="other"
+        )
+    )
+    worker = broker.worker()
+    await worker.hello()
+    for request_, message in [
+        (p.SpawnRequest(type="x", tenant="other"), "spawns children in its own tenant only"),
+        (p.SpawnRequest(type="x", code="a" * 64), "code artifact " + "a" * 64),
+    ]:
+        [root] = await broker.submit(track_tree=True)
+        await worker.expect(p.Assign)
+        worker.finish(p.TaskReport(task_id=root, attempt=1, ok=True, spawn=(request_,)))
+        await worker.expect(p.FinishAck)
+        task = broker.task(root)
+        assert task.state == TaskState.ERROR
+        assert task.error is not None and message in task.error, task.error
+    assert {t.tenant for t in broker.node.state.tasks.values()} == {"t"}
+    # Its own tenant, stated or not, is fine.
+    [root] = await broker.submit(track_tree=True)
+    await worker.expect(p.Assign)
+    worker.finish(
+        p.TaskReport(
+            task_id=root, attempt=1, ok=True, spawn=(p.SpawnRequest(type="x", tenant="t"),)
+        )
+    )
+    await worker.expect(p.FinishAck)
+    assert broker.task(root).state == TaskState.FINISHED
