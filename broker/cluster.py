@@ -62,7 +62,13 @@ from broker.worker_link import WorkerLink, WorkerLinkConfig
 from log.api import LedgerError, LedgerStore
 from log.file import FileLedgerStore
 from log.pulsar import PulsarConfig, PulsarLedgerStore
-from log.zk_list import ZooKeeperLedgerIdAllocator, ZooKeeperLedgerListStore, ledger_list_path
+from log.zk_list import (
+    ZK_ROOT,
+    ZooKeeperLedgerIdAllocator,
+    ZooKeeperLedgerListStore,
+    cluster_path,
+    ledger_list_path,
+)
 from snapshot.store import SnapshotStore
 
 logger = logging.getLogger(__name__)
@@ -232,6 +238,8 @@ class ClusterBroker:
             raise BrokerStartupError(
                 f"cannot reach ZooKeeper at {self.config.zookeeper}: {exc}"
             ) from None
+        if self.config.zookeeper_auth is not None:
+            await asyncio.to_thread(self._protect_znodes)
         ledgers = self.node.ledgers
         if isinstance(ledgers, PulsarLedgerStore):
             try:
@@ -249,6 +257,23 @@ class ClusterBroker:
             raise BrokerStartupError(str(exc)) from None
         self._manager = asyncio.create_task(self._manage(), name="steward-roles")
         await self.elector.join()
+
+    def _protect_znodes(self) -> None:
+        """Create ``/steward`` open (other clusters, with other credentials, share it) and
+        this cluster's root with the digest ACL its sessions set by default; everything
+        below inherits that default. A root these credentials cannot open stops the start."""
+        from kazoo.exceptions import NoAuthError  # type: ignore[import-untyped]
+        from kazoo.security import OPEN_ACL_UNSAFE  # type: ignore[import-untyped]
+
+        root = cluster_path(self.node.config.cluster_id)
+        self.zk.ensure_path(ZK_ROOT, acl=OPEN_ACL_UNSAFE)
+        try:
+            self.zk.ensure_path(root)
+            self.zk.get_children(root)
+        except NoAuthError:
+            raise BrokerStartupError(
+                f"ZooKeeper refuses {root} to these credentials (--zookeeper-auth)"
+            ) from None
 
     async def stop(self) -> None:
         """Graceful: a leader drains, closes its ledger, then hands leadership over."""

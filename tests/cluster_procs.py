@@ -275,7 +275,7 @@ class BrokerNode:
 
     def get_json(self, path: str, timeout_s: float = PROBE_TIMEOUT_S) -> Any:
         """GET ``path`` on this broker (raises on a transport error or a non-2xx)."""
-        response = httpx.get(self.url + path, timeout=timeout_s)
+        response = httpx.get(self.url + path, timeout=timeout_s, headers=self.cluster.http_headers)
         response.raise_for_status()
         return response.json()
 
@@ -321,8 +321,11 @@ class ClusterProcesses:
         heartbeat_timeout_ms: int = 15_000,
         extra_args: tuple[str, ...] = (),
         pulsar_url: str | None = None,
+        admin_token: str | None = None,
     ) -> None:
         self.zookeeper = zookeeper
+        # Authentication on (the brokers' extra_args name an admin token): probes send it.
+        self.http_headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
         # None: the file backend in root/ledgers; else the pulsar backend on pulsar-lite.
         self.pulsar_url = pulsar_url
         self.root = root

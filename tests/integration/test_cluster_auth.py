@@ -1,0 +1,199 @@
+"""Authentication in a cluster of real broker processes (issue 7).
+
+Three ``steward broker`` processes with an admin token file, a worker token, a cluster
+token and ZooKeeper digest credentials, a real worker, and the real CLI:
+
+- tokens made through the CLI on one broker work on every broker (replicated state),
+  and a revocation reaches the followers;
+- a tenant sees and runs only its own tasks and code; no credentials: 401;
+- brokers fetch each other's code artifacts with the cluster token (``--min-replication
+  3`` makes an upload wait for those fetches);
+- a worker with the wrong token is refused, the right one runs tasks;
+- Steward's znodes are closed to ZooKeeper clients without the credentials;
+- after ``kill -9`` of the leader the new leader (elected through authenticated
+  ZooKeeper sessions) serves the same tokens.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from kazoo.client import KazooClient  # type: ignore[import-untyped]
+from kazoo.exceptions import NoAuthError  # type: ignore[import-untyped]
+
+from broker.zk import ZooKeeperServer
+from clients.client import AuthenticationError, NotFoundError, StewardClient
+from tests.cluster_procs import ClusterProcesses
+from tests.procs import steward_command
+
+pytest_plugins = ["tests.zk_fixture"]
+
+ADMIN = "admin-secret-for-the-test"
+WORKER = "worker-secret-for-the-test"
+CLUSTER_TOKEN = "cluster-secret-for-the-test"
+ZK_AUTH = "steward:zk-secret-for-the-test"
+JOB = b"def run(params, ctx):\n    return {'doubled': params['n'] * 2}\n"
+
+
+def wait_until(what: str, condition: Any, timeout_s: float, interval_s: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def cli(urls: list[str], token: str | None, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [*steward_command(), "--url", ",".join(urls)]
+    if token is not None:
+        command += ["--token", token]
+    return subprocess.run(
+        [*command, *args], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def create_token(urls: list[str], name: str, tenant: str) -> tuple[str, str]:
+    """(token id, secret) made with ``steward token create``."""
+    done = cli(urls, ADMIN, "token", "create", name, "--tenant", tenant)
+    assert done.returncode == 0, done.stderr
+    first, secret = done.stdout.strip().splitlines()[-2:]
+    assert first.startswith("token ") and secret.startswith("stw_"), done.stdout
+    return first.split()[1], secret
+
+
+def test_tokens_tenants_workers_peers_and_zookeeper_acls_in_a_cluster(
+    zookeeper: ZooKeeperServer, tmp_path: Path
+) -> None:
+    admin_file = tmp_path / "admin-token"
+    admin_file.write_text(ADMIN + "\n")
+    auth_args = (
+        "--admin-token-file",
+        str(admin_file),
+        "--worker-token",
+        WORKER,
+        "--cluster-token",
+        CLUSTER_TOKEN,
+        "--zookeeper-auth",
+        ZK_AUTH,
+        "--min-replication",
+        "3",
+    )
+    with ClusterProcesses(
+        zookeeper.connect_string, tmp_path, extra_args=auth_args, admin_token=ADMIN
+    ) as cluster:
+        try:
+            leader = cluster.wait_for_leader()
+            cluster.wait_for_equal_digests()
+            urls = cluster.urls()
+            followers = [n for n in cluster.live() if n.broker_id != leader.broker_id]
+
+            # No credentials: nothing but health and the schema.
+            for node in (leader, followers[0]):
+                assert httpx.get(node.url + "/api/v1/tasks", timeout=5).status_code == 401
+                assert httpx.get(node.url + "/healthz", timeout=5).status_code == 200
+            refused = cli(urls, None, "tasks")
+            assert refused.returncode == 1 and "Traceback" not in refused.stderr
+            assert refused.stderr.startswith("steward: ") and "token" in refused.stderr
+
+            alice_id, alice = create_token(urls, "alice-ci", "alice")
+            _, bob = create_token(urls, "bob-ci", "bob")
+            listed = cli(urls, ADMIN, "token", "list")
+            assert listed.returncode == 0 and "alice-ci" in listed.stdout
+            assert alice not in listed.stdout  # secrets are shown once, at creation
+
+            # A tenant token made on the leader works on a follower (replicated state).
+            on_follower = StewardClient([followers[0].url], token=alice, timeout_s=10)
+            wait_until("alice's token on a follower", lambda: _whoami(on_follower), 10)
+
+            # Alice's code: the other brokers fetch it with the cluster token (ready at 3).
+            with StewardClient(urls, token=alice, timeout_s=10) as as_alice:
+                job = tmp_path / "job.py"
+                job.write_bytes(JOB)
+                sha256 = as_alice.upload_code(job)
+                wait_until(
+                    "the artifact to reach 3 brokers",
+                    lambda: (
+                        all((n.data_dir / "code" / sha256).exists() for n in cluster.live())
+                        and _ready(leader.url, sha256)
+                    ),
+                    30,
+                )
+                # A worker with the wrong token is refused; the right one runs the task.
+                intruder = cluster.start_worker("intruder", "--token", "wrong-token")
+                cluster.start_worker("w1", "--token", WORKER)
+                cluster.wait_workers_connected(["w1"])
+                handle = as_alice.submit("job:run", {"n": 21}, code=sha256)
+                assert handle.result(timeout=60) == {"doubled": 42}
+                task_id = handle.id
+                assert "intruder" not in cluster.connected_workers(leader)
+                assert intruder.running() or "unauthorized" in intruder.log_tail()
+
+            # Bob sees none of it, on the leader or a follower.
+            for url in (leader.url, followers[0].url):
+                with StewardClient([url], token=bob, timeout_s=10) as as_bob:
+                    with pytest.raises(NotFoundError):
+                        as_bob.task(task_id)
+                    assert as_bob.tasks()["tasks"] == []
+                    assert as_bob.code() == []
+            denied = cli(urls, bob, "submit", "job:run", "--code", sha256)
+            assert denied.returncode == 1 and "never uploaded" in denied.stderr
+
+            # ZooKeeper: closed to sessions without the credentials.
+            root = f"/steward/{cluster.name}"
+            stranger = KazooClient(hosts=zookeeper.connect_string)
+            stranger.start(timeout=10)
+            try:
+                with pytest.raises(NoAuthError):
+                    stranger.get_children(root)
+                with pytest.raises(NoAuthError):
+                    stranger.create(f"{root}/election/intruder", b"")
+            finally:
+                stranger.stop()
+                stranger.close()
+            insider = KazooClient(hosts=zookeeper.connect_string, auth_data=[("digest", ZK_AUTH)])
+            insider.start(timeout=10)
+            try:
+                assert insider.get_children(root)
+            finally:
+                insider.stop()
+                insider.close()
+
+            # Revoking Alice's token reaches the followers.
+            revoked = cli(urls, ADMIN, "token", "revoke", alice_id)
+            assert revoked.returncode == 0, revoked.stderr
+            wait_until("the revocation on a follower", lambda: not _whoami(on_follower), 10)
+            on_follower.close()
+
+            # Kill -9 the leader: the new one serves Bob's token and runs his tasks.
+            cluster.kill9(leader.broker_id)
+            new_leader = cluster.wait_for_leader(timeout_s=30, excluding=[leader.broker_id])
+            with StewardClient(cluster.urls(), token=bob, timeout_s=10) as as_bob:
+                handle = as_bob.submit("sleep", {"seconds": 0})
+                assert handle.wait(timeout=60)["state"] == "finished"
+                assert as_bob.task(handle.id)["tenant"] == "bob"
+            assert new_leader.broker_id != leader.broker_id
+            cluster.wait_for_equal_digests()
+        except BaseException:
+            cluster.print_logs()
+            raise
+
+
+def _whoami(client: StewardClient) -> bool:
+    try:
+        return bool(client.whoami()["role"] == "tenant")
+    except AuthenticationError:
+        return False
+
+
+def _ready(url: str, sha256: str) -> bool:
+    listing = httpx.get(
+        url + "/api/v1/code", headers={"authorization": f"Bearer {ADMIN}"}, timeout=5
+    ).json()
+    return any(a["sha256"] == sha256 and a["ready"] for a in listing["artifacts"])
