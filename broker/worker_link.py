@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from collections import defaultdict
@@ -222,7 +223,10 @@ class WorkerLink:
                 return hello
 
     async def _register(self, hello: p.Hello, writer: asyncio.StreamWriter) -> _Session:
-        if self.config.token is not None and hello.token != self.config.token:
+        expected = self.config.token
+        if expected is not None and not hmac.compare_digest(
+            (hello.token or "").encode(), expected.encode()
+        ):  # constant time: the comparison must not leak how much of a guess was right
             raise p.ProtocolError("unauthorized", "wrong or missing worker token")
         if not NAME_RE.match(hello.worker_id):
             raise p.ProtocolError("bad_handshake", "worker_id must be a valid name")
