@@ -208,6 +208,11 @@ def root(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     child_max_attempts = _int_param(params, "child_max_attempts", 1, default=1)
+    child_sleep_s = params.get("child_sleep_s", 0.0)
+    if isinstance(child_sleep_s, bool) or not isinstance(child_sleep_s, int | float):
+        raise ValueError(f"child_sleep_s must be a number, got {child_sleep_s!r}")
+    if not 0 <= child_sleep_s <= 3600:
+        raise ValueError(f"child_sleep_s must be between 0 and 3600, got {child_sleep_s}")
     out_dir = params.get("out_dir")
     if not isinstance(out_dir, str) or not out_dir:
         raise ValueError("out_dir must be a directory path every worker can write")
@@ -222,7 +227,8 @@ def root(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
             "start": start,
             "end": end,
             "engine": engine,
-            "child_sleep_s": params.get("child_sleep_s", 0.0),
+            "child_sleep_s": child_sleep_s,
+            "child_max_attempts": child_max_attempts,
         }
         ctx.spawn(f"{MODULE}:partition", child, max_attempts=child_max_attempts)
     ctx.logger.info("fan-out of %d rows over %d partitions in %s", rows, partitions, run_dir)
@@ -250,7 +256,11 @@ def partition(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
     combiner = complete and claim(run_dir, ctx.task_id)
     if combiner:
         # Anchored to this task (the default): the tree completes only after it.
-        ctx.spawn(f"{MODULE}:combine", {"run_dir": str(run_dir), "partitions": partitions})
+        ctx.spawn(
+            f"{MODULE}:combine",
+            {"run_dir": str(run_dir), "partitions": partitions},
+            max_attempts=int(params.get("child_max_attempts", 1)),
+        )
     return {"index": index, "rows": aggregate["rows"], "spawned_combiner": combiner}
 
 

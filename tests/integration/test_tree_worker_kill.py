@@ -230,3 +230,40 @@ def test_sigstop_of_a_worker_mid_tree_times_the_tree_out_and_the_replay_is_corre
     assert not (_first_run_dir(out_dir, handle.id) / fanout_job.FINAL_FILE).exists()
     workers = {w["id"]: w for w in setup.http.get("/api/v1/cluster").json()["workers"]}
     assert workers[victim.worker_id]["state"] == "connected"
+
+
+def test_kill9_with_child_retries_left_keeps_the_tree_on_its_first_run(make_setup: Any) -> None:
+    # Children with max_attempts=2: the killed worker's children run again (same task
+    # ids) on the other worker, so the tree neither fails nor replays its root.
+    setup: Setup = make_setup(heartbeat_timeout_ms=1500)
+    out_dir = setup.root / "out"
+    with StewardClient(setup.broker.url) as client:
+        handle = submit_fanout(
+            client,
+            upload_job(client),
+            out_dir,
+            rows=ROWS,
+            partitions=PARTITIONS,
+            engine="python",
+            max_attempts=2,
+            tree_timeout_s=120,
+            child_sleep_s=3.0,
+            child_max_attempts=2,
+        )
+        first = wait_until(
+            lambda: _all_children_running(setup, handle.id), 60, "the children to run"
+        )
+        victim = first[0]["worker"]
+        setup.worker(victim).kill9()
+        outcome = wait_fanout(handle, timeout_s=90)
+
+    tree = outcome.root["tree"]
+    assert tree["state"] == "completed" and tree["attempt"] == 1, (tree, setup.logs())
+    assert outcome.root["attempt"] == 1
+    assert outcome.answer == direct_answer(ROWS)
+    assert outcome.final_path.parent == _first_run_dir(out_dir, handle.id)
+    by_id = {t["id"]: t for t in setup.tree_tasks(handle.id)}
+    assert all(t["state"] == "finished" for t in by_id.values()), by_id
+    rerun = [by_id[t["id"]] for t in first if t["worker"] == victim]
+    assert rerun and all(t["attempt"] == 2 for t in rerun), rerun
+    assert all(by_id[t["id"]]["attempt"] == 1 for t in first if t["worker"] != victim)
