@@ -69,7 +69,7 @@ def _tree_tasks(url: str, root_id: int) -> list[dict[str, Any]]:
 
 
 def test_the_fanout_gives_the_same_answer_as_a_direct_computation(setup: Setup) -> None:
-    rows, partitions = 300_000, 6
+    rows, partitions = 250_001, 5
     with StewardClient(setup.broker.url) as client:
         outcome = run_fanout(
             client,
