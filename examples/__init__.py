@@ -1,0 +1,1 @@
+"""Runnable examples of Steward (run them from the repository root)."""
