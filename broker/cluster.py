@@ -50,8 +50,9 @@ from broker.node import (
     NodeConfig,
     Role,
 )
-from broker.standalone import start_http_server, stop_http_server
+from broker.standalone import http_scheme, start_http_server, stop_http_server
 from broker.state import LIVE_STATES
+from broker.tls import TlsConfig, TlsConfigError
 from broker.worker_link import WorkerLink, WorkerLinkConfig
 from log.api import LedgerError, LedgerStore
 from log.file import FileLedgerStore
@@ -83,6 +84,9 @@ class BrokerConfig:
     # The host name peers, workers and clients reach this broker by (its URL and worker
     # address in ZooKeeper); None: the HTTP listen host (wrong for 0.0.0.0).
     advertise_host: str | None = None
+    # HTTPS, TLS on the worker endpoint, https:// URLs in ZooKeeper, and the CA bundle
+    # this broker verifies its peers with (snapshot and code downloads).
+    tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.ledgers == "file" and self.ledger_dir is None:
@@ -108,6 +112,7 @@ def _summary_from_info(info: dict[str, Any], *, is_leader: bool) -> m.BrokerSumm
         host=host,
         port=int(port) if port.isdigit() else 0,
         uptime_secs=0.0,
+        worker_tls=bool(info.get("worker_tls", False)),
         is_leader=is_leader,
         version=str(info.get("version", "")),
         position=m.Position(-1, -1),
@@ -124,11 +129,27 @@ class ClusterBroker:
         self.config = config
         node_config = config.node
         host = config.advertise_host or config.api.host
-        self._url = f"http://{host}:{config.api.port}"
+        self._url = f"{http_scheme(config.tls)}://{host}:{config.api.port}"
         worker_port = config.workers.port or _free_port(config.workers.host)
-        self._workers_config = WorkerLinkConfig(**{**config.workers.__dict__, "port": worker_port})
+        self._workers_config = WorkerLinkConfig(
+            **{**config.workers.__dict__, "port": worker_port, "tls": config.tls}
+        )
         worker_host = config.advertise_host or config.workers.host
         self._worker_address = f"{worker_host}:{worker_port}"
+        try:
+            # Built up front: a bad certificate, key or CA bundle stops the broker at start.
+            self._peer_ssl = config.tls.client_context() if config.tls is not None else None
+            if config.tls is not None:
+                config.tls.server_context()
+        except TlsConfigError as exc:
+            raise BrokerStartupError(str(exc)) from None
+        advertised: dict[str, Any] = {
+            "url": self._url,
+            "worker_address": self._worker_address,
+            "version": VERSION,
+        }
+        if config.tls is not None:
+            advertised["worker_tls"] = True  # workers connect with TLS
         self.zk = KazooClient(
             hosts=config.zookeeper,
             timeout=config.session_timeout_ms / 1000,
@@ -148,7 +169,7 @@ class ClusterBroker:
             config.zookeeper,
             node_config.cluster_id,
             node_config.broker_id,
-            {"url": self._url, "worker_address": self._worker_address, "version": VERSION},
+            advertised,
             session_timeout_s=config.session_timeout_ms / 1000,
             on_change=self._on_status_change,
         )
@@ -161,6 +182,7 @@ class ClusterBroker:
             node_config.broker_id,
             peer_urls=self._peer_urls,
             known_artifacts=lambda: list(self.node.state.artifacts),
+            ssl_context=self._peer_ssl,
         )
         self.node.listeners.append(self.replicator.on_applied)
         self.link: WorkerLink | None = None
@@ -191,6 +213,10 @@ class ClusterBroker:
     @property
     def worker_address(self) -> str | None:
         return self._worker_address
+
+    @property
+    def worker_tls(self) -> bool:
+        return self.config.tls is not None
 
     def leader(self) -> m.BrokerSummary | None:
         info = self.elector.leader_info()
@@ -436,6 +462,7 @@ class ClusterBroker:
             cluster_id=self.node.config.cluster_id,
             timeout_s=self.config.peer_timeout_s,
             min_position=self.node.position,
+            ssl_context=self._peer_ssl,
         )
         if info is None:
             logger.error("no peer had a usable snapshot; retrying")
@@ -475,7 +502,7 @@ async def serve_broker(config: BrokerConfig, *, ready: asyncio.Event | None = No
         gc.freeze()
         api_config = dataclasses.replace(config.api, min_replication=config.min_replication)
         app = ApiApp(broker.node, api_config, broker.code_store, cluster=broker)
-        server, server_task = await start_http_server(app, config.api)
+        server, server_task = await start_http_server(app, config.api, tls=config.tls)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -51,6 +51,7 @@ import hashlib
 import logging
 import os
 import re
+import ssl
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
@@ -124,6 +125,7 @@ class CodeReplicator:
         operation_timeout_s: float = DEFAULT_OPERATION_TIMEOUT_S,
         fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S,
         max_artifact_bytes: int = DEFAULT_MAX_ARTIFACT_BYTES,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if not broker_id or "/" in broker_id or broker_id in (".", ".."):
             raise ValueError(f"broker_id {broker_id!r} cannot name a znode")
@@ -139,6 +141,8 @@ class CodeReplicator:
         self._timeout_s = operation_timeout_s
         self._fetch_timeout_s = fetch_timeout_s
         self._max_bytes = max_artifact_bytes
+        # Verifies https:// peers (None: the system trust store).
+        self._ssl_context = ssl_context
         self._loop: asyncio.AbstractEventLoop | None = None
         self._http: httpx.AsyncClient | None = None
         self._started = False
@@ -159,7 +163,8 @@ class CodeReplicator:
             raise RuntimeError("CodeReplicator already started")
         self._started = True
         self._loop = asyncio.get_running_loop()
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(self._fetch_timeout_s))
+        verify: ssl.SSLContext | bool = self._ssl_context or True
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(self._fetch_timeout_s), verify=verify)
         self._zk.add_listener(self._on_kazoo_state)
         for sha256 in await asyncio.to_thread(self._stored):
             self.ensure(sha256)

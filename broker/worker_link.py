@@ -18,6 +18,7 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -36,6 +37,7 @@ from broker.state import (
     WorkerState,
     validate_task_spec,
 )
+from broker.tls import TlsConfig, TlsConfigError, server_context
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class WorkerLinkConfig:
     max_spawns_per_report: int = 10_000
     max_params_bytes: int = 64 * 1024
     token: str | None = None
+    # Workers connect over TLS (the broker's certificate) when set.
+    tls: TlsConfig | None = None
 
 
 class _Session:
@@ -107,9 +111,21 @@ class WorkerLink:
 
     async def start(self) -> None:
         self._started = time.monotonic()
+        tls_options: dict[str, Any] = {}
+        if self.config.tls is not None:
+            try:
+                tls_options["ssl"] = server_context(self.config.tls)
+            except TlsConfigError as exc:
+                raise BrokerStartupError(str(exc)) from None
+            # A client that never completes the handshake (plain TCP) is dropped after this.
+            tls_options["ssl_handshake_timeout"] = self.config.hello_timeout_s
         try:
             self._server = await asyncio.start_server(
-                self._handle_connection, self.config.host, self.config.port, limit=2**20
+                self._handle_connection,
+                self.config.host,
+                self.config.port,
+                limit=2**20,
+                **tls_options,
             )
         except OSError as exc:
             raise BrokerStartupError(

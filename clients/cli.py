@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from broker.tls import CA_ENV, TlsConfig, TlsConfigError
 from clients.client import (
+    CertificateVerifyError,
     StewardClient,
     StewardError,
     TaskHandle,
@@ -91,6 +93,28 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshot-interval-s", type=float, default=60.0)
     p.add_argument("--ledger-roll-mb", type=float, default=64.0)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--tls-cert",
+        type=Path,
+        metavar="PATH",
+        help="PEM certificate (chain): serve HTTPS and TLS to workers (needs --tls-key)",
+    )
+    p.add_argument("--tls-key", type=Path, metavar="PATH", help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--tls-ca",
+        type=Path,
+        default=os.environ.get(CA_ENV),
+        metavar="PATH",
+        help=f"CA bundle to verify other brokers with, passed on to child workers "
+        f"(env {CA_ENV}; default: the system trust store)",
+    )
+
+
+def _tls_config(args: argparse.Namespace) -> TlsConfig | None:
+    try:
+        return TlsConfig.from_options(args.tls_cert, args.tls_key, args.tls_ca)
+    except TlsConfigError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,6 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="how long a write keeps trying other brokers or waits for a leader "
         "(env STEWARD_FAILOVER_TIMEOUT_S; default %(default)s)",
+    )
+    parser.add_argument(
+        "--ca-file",
+        type=Path,
+        default=os.environ.get(CA_ENV),
+        metavar="PATH",
+        help=f"CA bundle to verify https:// brokers with (env {CA_ENV}; default: the "
+        "system trust store)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -440,7 +472,9 @@ def _print_status(client: StewardClient) -> None:
 
 
 def run_client_command(args: argparse.Namespace) -> int:
-    with StewardClient(args.url, failover_timeout_s=args.failover_timeout_s) as client:
+    with StewardClient(
+        args.url, failover_timeout_s=args.failover_timeout_s, ca_file=args.ca_file
+    ) as client:
         if args.command == "submit":
             task: dict[str, Any] = {
                 "type": args.type,
@@ -576,6 +610,7 @@ def run_standalone(args: argparse.Namespace) -> int:
             token=args.worker_token,
         ),
         child_workers=args.workers,
+        tls=_tls_config(args),
     )
     if args.workers < 0:
         raise UsageError("--workers must be >= 0")
@@ -660,6 +695,7 @@ def run_broker(args: argparse.Namespace) -> int:
         session_timeout_ms=args.session_timeout_ms,
         min_replication=args.min_replication,
         max_replication_wait_ms=args.max_replication_wait_ms,
+        tls=_tls_config(args),
     )
     try:
         uvloop.run(serve_broker(config))
@@ -718,10 +754,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_demo(keep=args.keep)
         return run_client_command(args)
+    except CertificateVerifyError as exc:
+        print(
+            f"steward: {exc} (give the CA bundle that signed the broker's certificate with "
+            f"--ca-file or {CA_ENV})",
+            file=sys.stderr,
+        )
+        return 1
     except StewardError as exc:
         print(f"steward: {exc}", file=sys.stderr)
         return 1
-    except UsageError as exc:
+    except (UsageError, TlsConfigError) as exc:
         print(f"steward: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import ssl
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -126,6 +127,7 @@ async def download_latest_snapshot(
     min_position: tuple[int, int] | None = None,
     decode: Callable[[bytes], object] | None = None,
     max_size_bytes: int = DEFAULT_MAX_SIZE_BYTES,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> SnapshotInfo | None:
     """Download the latest snapshot of the first peer that has a usable one, and install it.
 
@@ -134,7 +136,8 @@ async def download_latest_snapshot(
     takes longer than ``timeout_s`` for the whole download, or sends a file that fails
     verification: header, ``cluster_id``, the position it announced, checksum,
     decompression, and ``decode(body)`` when given (e.g. ``StateMachine.from_snapshot``,
-    so a state this build cannot read is never installed). A peer without a snapshot
+    so a state this build cannot read is never installed). ``https://`` peers are
+    verified with ``ssl_context`` (default: the system trust store). A peer without a snapshot
     (404), or whose snapshot is older than ``min_position`` (e.g. ``(first retained
     ledger id, -1)``), is skipped at INFO.
 
@@ -143,7 +146,8 @@ async def download_latest_snapshot(
     if timeout_s <= 0:
         raise ValueError("timeout_s must be positive")
     await asyncio.to_thread(_remove_stale_downloads, store.directory)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s)) as client:
+    verify: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), verify=verify) as client:
         for peer_url in peer_urls:
             try:
                 async with asyncio.timeout(timeout_s):
