@@ -397,7 +397,9 @@ class Worker:
             async with asyncio.timeout(left):
                 data = await reader.read(_READ_BYTES)
             if not data:
-                raise EOFError("the broker closed the connection before Welcome")
+                # A TLS endpoint drops a plain connection without a word.
+                hint = "" if writer.get_extra_info("sslcontext") else " (a TLS endpoint? use --tls)"
+                raise EOFError(f"the broker closed the connection before Welcome{hint}")
             try:
                 messages = decoder.feed(data)
             except ProtocolError as exc:

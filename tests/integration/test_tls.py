@@ -184,7 +184,10 @@ def test_plain_connections_to_tls_ports_are_refused(standalone: Standalone, tls:
 
         # A real worker without --tls keeps failing to connect (it retries with backoff).
         wait_until(
-            lambda: "connection to broker" in plain_worker.log_tail(),
+            lambda: (
+                "closed the connection before Welcome (a TLS endpoint? use --tls)"
+                in plain_worker.log_tail()
+            ),
             30,
             "the plain worker's failed connection",
         )
@@ -255,8 +258,8 @@ def test_cluster_over_tls_survives_kill9_of_the_leader(
             assert new.url.startswith("https://")
             # The worker asks the brokers over HTTPS and reconnects to the new leader over TLS.
             assert cluster.wait_workers_connected(["tls-cw1"], 60) is new
+            # The client's remembered leader is dead: it fails over to the others (HTTPS).
             after = _submit_jobs(client, sha256, 10, "after")
-            assert client.leader_url == new.url
 
             # The new leader serves peers over HTTPS: the remaining follower fetches a new
             # artifact from it.
