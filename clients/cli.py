@@ -333,6 +333,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="cluster up: file ledgers in DIR/ledgers, or pulsar: a pulsar-lite broker beside "
         "ZooKeeper",
     )
+    p.add_argument("--tls-cert", type=Path, metavar="PATH", help="cluster up: brokers use TLS")
+    p.add_argument("--tls-key", type=Path, metavar="PATH", help="cluster up: key of --tls-cert")
+    p.add_argument(
+        "--tls-ca",
+        type=Path,
+        default=os.environ.get(CA_ENV),
+        metavar="PATH",
+        help=f"cluster up: the CA bundle brokers and workers verify with (env {CA_ENV})",
+    )
     sub.add_parser("digest", help="show the state digest and log position")
     return parser
 
@@ -727,6 +736,7 @@ def run_cluster_up(args: argparse.Namespace) -> int:
         first_http_port=args.first_http_port,
         min_replication=args.min_replication,
         ledgers=args.ledgers,
+        tls=_tls_config(args),
     )
     try:
         return run_local_cluster(config)

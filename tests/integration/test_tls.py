@@ -17,9 +17,13 @@ ZooKeeper, the Python client and the CLI:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import signal
 import socket
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +45,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 JOB = b"def run(params, ctx):\n    return {'echo': params, 'task': ctx.task_id}\n"
 TASK_TIMEOUT_S = 60.0
 CLI_TIMEOUT_S = 60.0
+CLUSTER_UP_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -278,3 +283,70 @@ def test_cluster_over_tls_survives_kill9_of_the_leader(
             f"TLS cluster: {len(before)} tasks before and {len(after)} after kill -9 of "
             f"{old_id}; {new.broker_id} leads; digest {digest[:16]}"
         )
+
+
+# -- steward cluster up ----------------------------------------------------------------------
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (its children start their own sessions)."""
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        try:
+            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+        except FileNotFoundError:
+            continue
+        found += map(int, children)
+        frontier += map(int, children)
+    return found
+
+
+def test_cluster_up_passes_tls_on(tls: TlsFiles, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [
+            *steward_command(),
+            "cluster", "up", "--brokers", "2", "--workers", "1",
+            "--data-dir", str(tmp_path / "cluster"),
+            "--tls-cert", str(tls.cert_path), "--tls-key", str(tls.key_path),
+            "--tls-ca", str(tls.ca_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    up = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("cluster up"):
+                up.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert up.wait(CLUSTER_UP_TIMEOUT_S), "cluster up did not come up:\n" + "".join(lines)
+        output = "".join(lines)
+        urls = re.findall(r"^broker-\d+\s+(https://127\.0\.0\.1:\d+)$", output, re.MULTILINE)
+        assert len(urls) == 2, output
+        assert f"--ca-file {tls.ca_path} status" in output, output
+        with StewardClient(urls, ca_file=tls.ca_path) as client:
+            task = client.submit("noop", tenant="up-tls").wait(TASK_TIMEOUT_S)
+            assert task["state"] == "finished", task  # the worker found the leader over TLS
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=CLUSTER_UP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            for pid in [*_descendants(proc.pid), proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            raise
+        reader.join(timeout=5)
+    assert code == 0, "".join(lines)
