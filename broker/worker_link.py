@@ -138,7 +138,12 @@ class WorkerLink:
             asyncio.create_task(self._heartbeat_loop(), name="steward-heartbeat"),
         ]
         self._dirty.set()
-        logger.info("worker endpoint on %s:%d", self.config.host, self.port)
+        logger.info(
+            "worker endpoint on %s:%d%s",
+            self.config.host,
+            self.port,
+            " (TLS)" if self.config.tls is not None else "",
+        )
 
     async def stop(self) -> None:
         with contextlib.suppress(ValueError):
