@@ -81,12 +81,12 @@ class BrokerConfig:
     # "file" (ledger_dir) or "pulsar" (pulsar: where and how).
     ledgers: str = "file"
     pulsar: PulsarConfig | None = None
-    # The host name peers, workers and clients reach this broker by (its URL and worker
-    # address in ZooKeeper); None: the HTTP listen host (wrong for 0.0.0.0).
-    advertise_host: str | None = None
     # HTTPS, TLS on the worker endpoint, https:// URLs in ZooKeeper, and the CA bundle
     # this broker verifies its peers with (snapshot and code downloads).
     tls: TlsConfig | None = None
+    # The host name peers, workers and clients reach this broker by (its URL and worker
+    # address in ZooKeeper); None: the HTTP listen host (wrong for 0.0.0.0).
+    advertise_host: str | None = None
 
     def __post_init__(self) -> None:
         if self.ledgers == "file" and self.ledger_dir is None:
@@ -136,20 +136,6 @@ class ClusterBroker:
         )
         worker_host = config.advertise_host or config.workers.host
         self._worker_address = f"{worker_host}:{worker_port}"
-        try:
-            # Built up front: a bad certificate, key or CA bundle stops the broker at start.
-            self._peer_ssl = config.tls.client_context() if config.tls is not None else None
-            if config.tls is not None:
-                config.tls.server_context()
-        except TlsConfigError as exc:
-            raise BrokerStartupError(str(exc)) from None
-        advertised: dict[str, Any] = {
-            "url": self._url,
-            "worker_address": self._worker_address,
-            "version": VERSION,
-        }
-        if config.tls is not None:
-            advertised["worker_tls"] = True  # workers connect with TLS
         self.zk = KazooClient(
             hosts=config.zookeeper,
             timeout=config.session_timeout_ms / 1000,
@@ -165,6 +151,20 @@ class ClusterBroker:
             ),
         )
         self.code_store = CodeStore(node_config.data_dir / "code")
+        try:
+            # Built up front: a bad certificate, key or CA bundle stops the broker at start.
+            self._peer_ssl = config.tls.client_context() if config.tls is not None else None
+            if config.tls is not None:
+                config.tls.server_context()
+        except TlsConfigError as exc:
+            raise BrokerStartupError(str(exc)) from None
+        advertised: dict[str, Any] = {
+            "url": self._url,
+            "worker_address": self._worker_address,
+            "version": VERSION,
+        }
+        if config.tls is not None:
+            advertised["worker_tls"] = True  # workers connect with TLS
         self.elector = LeaderElector(
             config.zookeeper,
             node_config.cluster_id,
@@ -180,9 +180,9 @@ class ClusterBroker:
             self.zk,
             node_config.cluster_id,
             node_config.broker_id,
+            ssl_context=self._peer_ssl,
             peer_urls=self._peer_urls,
             known_artifacts=lambda: list(self.node.state.artifacts),
-            ssl_context=self._peer_ssl,
         )
         self.node.listeners.append(self.replicator.on_applied)
         self.link: WorkerLink | None = None
@@ -459,10 +459,10 @@ class ClusterBroker:
         info = await download_latest_snapshot(
             peers,
             self.node.snapshots,
+            ssl_context=self._peer_ssl,
             cluster_id=self.node.config.cluster_id,
             timeout_s=self.config.peer_timeout_s,
             min_position=self.node.position,
-            ssl_context=self._peer_ssl,
         )
         if info is None:
             logger.error("no peer had a usable snapshot; retrying")

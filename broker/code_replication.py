@@ -122,10 +122,10 @@ class CodeReplicator:
         *,
         sync_interval_s: float = 30.0,
         known_artifacts: Callable[[], Iterable[str]] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
         operation_timeout_s: float = DEFAULT_OPERATION_TIMEOUT_S,
         fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S,
         max_artifact_bytes: int = DEFAULT_MAX_ARTIFACT_BYTES,
-        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if not broker_id or "/" in broker_id or broker_id in (".", ".."):
             raise ValueError(f"broker_id {broker_id!r} cannot name a znode")
@@ -137,12 +137,12 @@ class CodeReplicator:
         self._broker_id = broker_id
         self._peer_urls = peer_urls
         self._known = known_artifacts
+        # Verifies https:// peers (None: httpx's default, certifi).
+        self._ssl_context = ssl_context
         self._sync_interval_s = sync_interval_s
         self._timeout_s = operation_timeout_s
         self._fetch_timeout_s = fetch_timeout_s
         self._max_bytes = max_artifact_bytes
-        # Verifies https:// peers (None: the system trust store).
-        self._ssl_context = ssl_context
         self._loop: asyncio.AbstractEventLoop | None = None
         self._http: httpx.AsyncClient | None = None
         self._started = False

@@ -50,6 +50,8 @@ class WorkerLinkConfig:
     # A worker silent (or disconnected) this long is declared dead.
     heartbeat_timeout_ms: int = 10_000
     hello_timeout_s: float = 10.0
+    # Workers connect over TLS (the broker's certificate) when set.
+    tls: TlsConfig | None = None
     max_frame_bytes: int = p.DEFAULT_MAX_FRAME_BYTES
     max_result_bytes: int = 1024 * 1024
     max_assignments_per_round: int = 2000
@@ -58,8 +60,6 @@ class WorkerLinkConfig:
     max_spawns_per_report: int = 10_000
     max_params_bytes: int = 64 * 1024
     token: str | None = None
-    # Workers connect over TLS (the broker's certificate) when set.
-    tls: TlsConfig | None = None
 
 
 class _Session:

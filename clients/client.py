@@ -192,14 +192,6 @@ def parse_urls(url: str | Sequence[str]) -> list[str]:
     return urls
 
 
-def _verify(ca_file: str | Path | ssl.SSLContext | None) -> ssl.SSLContext:
-    """https:// brokers are always verified (host name included): against ``ca_file``
-    (a PEM bundle, or a ready context) or else the system trust store."""
-    if isinstance(ca_file, ssl.SSLContext):
-        return ca_file
-    return client_context(ca_file)
-
-
 def _timeout(timeout_s: float) -> httpx.Timeout:
     return httpx.Timeout(timeout_s, connect=min(timeout_s, _CONNECT_TIMEOUT_S))
 
@@ -207,6 +199,14 @@ def _timeout(timeout_s: float) -> httpx.Timeout:
 def _idempotency_headers(key: str | None) -> dict[str, str]:
     # One key per call, sent on every try: the broker creates the tasks once.
     return {"Idempotency-Key": key if key is not None else uuid.uuid4().hex}
+
+
+def _verify(ca_file: str | Path | ssl.SSLContext | None) -> ssl.SSLContext:
+    """https:// brokers are always verified (host name included): against ``ca_file``
+    (a PEM bundle, or a ready context) or else the system trust store."""
+    if isinstance(ca_file, ssl.SSLContext):
+        return ca_file
+    return client_context(ca_file)
 
 
 class _Router:
@@ -430,8 +430,8 @@ class StewardClient:
         url: str | Sequence[str] = "http://127.0.0.1:8080",
         *,
         timeout_s: float = 30.0,
-        failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S,
         ca_file: str | Path | ssl.SSLContext | None = None,
+        failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S,
     ) -> None:
         self.urls = parse_urls(url)
         self.url = self.urls[0]
@@ -700,8 +700,8 @@ class AsyncStewardClient:
         url: str | Sequence[str] = "http://127.0.0.1:8080",
         *,
         timeout_s: float = 30.0,
-        failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S,
         ca_file: str | Path | ssl.SSLContext | None = None,
+        failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S,
     ) -> None:
         self.urls = parse_urls(url)
         self.url = self.urls[0]

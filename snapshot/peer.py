@@ -124,20 +124,21 @@ async def download_latest_snapshot(
     *,
     cluster_id: str,
     timeout_s: float = 60.0,
+    ssl_context: ssl.SSLContext | None = None,
     min_position: tuple[int, int] | None = None,
     decode: Callable[[bytes], object] | None = None,
     max_size_bytes: int = DEFAULT_MAX_SIZE_BYTES,
-    ssl_context: ssl.SSLContext | None = None,
 ) -> SnapshotInfo | None:
     """Download the latest snapshot of the first peer that has a usable one, and install it.
+
+    ``https://`` peers are verified with ``ssl_context`` (default: httpx's, certifi).
 
     ``peer_urls`` are base URLs (``http://host:port``), tried in order. A peer is skipped
     (logged at WARNING, the next one tried) when it cannot be reached, answers an error,
     takes longer than ``timeout_s`` for the whole download, or sends a file that fails
     verification: header, ``cluster_id``, the position it announced, checksum,
     decompression, and ``decode(body)`` when given (e.g. ``StateMachine.from_snapshot``,
-    so a state this build cannot read is never installed). ``https://`` peers are
-    verified with ``ssl_context`` (default: the system trust store). A peer without a snapshot
+    so a state this build cannot read is never installed). A peer without a snapshot
     (404), or whose snapshot is older than ``min_position`` (e.g. ``(first retained
     ledger id, -1)``), is skipped at INFO.
 

@@ -328,14 +328,11 @@ class ClusterProcesses:
         # Generous: a worker reconnecting with backoff after a fail-over must not be
         # declared dead by the new leader (that would re-run its tasks).
         heartbeat_timeout_ms: int = 15_000,
+        tls: TlsFiles | None = None,
         extra_args: tuple[str, ...] = (),
         pulsar_url: str | None = None,
-        tls: TlsFiles | None = None,
     ) -> None:
         self.zookeeper = zookeeper
-        # Brokers serve HTTPS and TLS to workers with this certificate; workers get its CA.
-        self.tls = tls
-        self.verify: ssl.SSLContext | bool = tls.client_context() if tls is not None else True
         # None: the file backend in root/ledgers; else the pulsar backend on pulsar-lite.
         self.pulsar_url = pulsar_url
         self.root = root
@@ -344,6 +341,9 @@ class ClusterProcesses:
         self.heartbeat_interval_ms = heartbeat_interval_ms
         self.heartbeat_timeout_ms = heartbeat_timeout_ms
         self.extra_args = extra_args
+        # Brokers serve HTTPS and TLS to workers with this certificate; workers get its CA.
+        self.tls = tls
+        self.verify: ssl.SSLContext | bool = tls.client_context() if tls is not None else True
         self.ledger_dir = root / "ledgers"
         self.ledger_dir.mkdir(parents=True, exist_ok=True)
         self.nodes: dict[str, BrokerNode] = {}
