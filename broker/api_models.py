@@ -190,6 +190,7 @@ class BrokerSummary(msgspec.Struct, omit_defaults=True):
     role: str = "standalone"
     url: str | None = None
     worker_address: str | None = None  # "host:port" of its worker endpoint
+    worker_tls: bool = False  # workers connect to worker_address with TLS
     digest: str | None = None  # only for the broker answering
 
 
@@ -211,6 +212,7 @@ class ClusterSummary(msgspec.Struct):
     # Where to send writes and where workers connect (None while no leader is known).
     leader_url: str | None = None
     leader_worker_address: str | None = None
+    leader_worker_tls: bool = False  # connect to leader_worker_address with TLS
 
 
 class DigestBody(msgspec.Struct):

@@ -56,8 +56,9 @@ from broker.node import (
     NodeConfig,
     Role,
 )
-from broker.standalone import start_http_server, stop_http_server
+from broker.standalone import http_scheme, start_http_server, stop_http_server
 from broker.state import LIVE_STATES
+from broker.tls import TlsConfig, TlsConfigError
 from broker.worker_link import WorkerLink, WorkerLinkConfig
 from log.api import LedgerError, LedgerStore
 from log.file import FileLedgerStore
@@ -92,6 +93,9 @@ class BrokerConfig:
     # "file" (ledger_dir) or "pulsar" (pulsar: where and how).
     ledgers: str = "file"
     pulsar: PulsarConfig | None = None
+    # HTTPS, TLS on the worker endpoint, https:// URLs in ZooKeeper, and the CA bundle
+    # this broker verifies its peers with (snapshot and code downloads).
+    tls: TlsConfig | None = None
     # The host name peers, workers and clients reach this broker by (its URL and worker
     # address in ZooKeeper); None: the HTTP listen host (wrong for 0.0.0.0).
     advertise_host: str | None = None
@@ -124,6 +128,7 @@ def _summary_from_info(info: dict[str, Any], *, is_leader: bool) -> m.BrokerSumm
         host=host,
         port=int(port) if port.isdigit() else 0,
         uptime_secs=0.0,
+        worker_tls=bool(info.get("worker_tls", False)),
         is_leader=is_leader,
         version=str(info.get("version", "")),
         position=m.Position(-1, -1),
@@ -140,9 +145,11 @@ class ClusterBroker:
         self.config = config
         node_config = config.node
         host = config.advertise_host or config.api.host
-        self._url = f"http://{host}:{config.api.port}"
+        self._url = f"{http_scheme(config.tls)}://{host}:{config.api.port}"
         worker_port = config.workers.port or _free_port(config.workers.host)
-        self._workers_config = WorkerLinkConfig(**{**config.workers.__dict__, "port": worker_port})
+        self._workers_config = WorkerLinkConfig(
+            **{**config.workers.__dict__, "port": worker_port, "tls": config.tls}
+        )
         worker_host = config.advertise_host or config.workers.host
         self._worker_address = f"{worker_host}:{worker_port}"
         zk_auth = kazoo_auth_options(config.zookeeper_auth)
@@ -162,11 +169,25 @@ class ClusterBroker:
             ),
         )
         self.code_store = CodeStore(node_config.data_dir / "code")
+        try:
+            # Built up front: a bad certificate, key or CA bundle stops the broker at start.
+            self._peer_ssl = config.tls.client_context() if config.tls is not None else None
+            if config.tls is not None:
+                config.tls.server_context()
+        except TlsConfigError as exc:
+            raise BrokerStartupError(str(exc)) from None
+        advertised: dict[str, Any] = {
+            "url": self._url,
+            "worker_address": self._worker_address,
+            "version": VERSION,
+        }
+        if config.tls is not None:
+            advertised["worker_tls"] = True  # workers connect with TLS
         self.elector = LeaderElector(
             default_client_factory(config.zookeeper, config.session_timeout_ms / 1000, **zk_auth),
             node_config.cluster_id,
             node_config.broker_id,
-            {"url": self._url, "worker_address": self._worker_address, "version": VERSION},
+            advertised,
             session_timeout_s=config.session_timeout_ms / 1000,
             on_change=self._on_status_change,
         )
@@ -177,6 +198,7 @@ class ClusterBroker:
             self.zk,
             node_config.cluster_id,
             node_config.broker_id,
+            ssl_context=self._peer_ssl,
             peer_urls=self._peer_urls,
             known_artifacts=lambda: list(self.node.state.artifacts),
             peer_token=config.cluster_token,
@@ -210,6 +232,10 @@ class ClusterBroker:
     @property
     def worker_address(self) -> str | None:
         return self._worker_address
+
+    @property
+    def worker_tls(self) -> bool:
+        return self.config.tls is not None
 
     def leader(self) -> m.BrokerSummary | None:
         info = self.elector.leader_info()
@@ -471,6 +497,7 @@ class ClusterBroker:
         info = await download_latest_snapshot(
             peers,
             self.node.snapshots,
+            ssl_context=self._peer_ssl,
             cluster_id=self.node.config.cluster_id,
             timeout_s=self.config.peer_timeout_s,
             min_position=self.node.position,
@@ -514,7 +541,7 @@ async def serve_broker(config: BrokerConfig, *, ready: asyncio.Event | None = No
         gc.freeze()
         api_config = dataclasses.replace(config.api, min_replication=config.min_replication)
         app = ApiApp(broker.node, api_config, broker.code_store, cluster=broker)
-        server, server_task = await start_http_server(app, config.api)
+        server, server_task = await start_http_server(app, config.api, tls=config.tls)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -51,6 +51,7 @@ import hashlib
 import logging
 import os
 import re
+import ssl
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
@@ -121,6 +122,7 @@ class CodeReplicator:
         *,
         sync_interval_s: float = 30.0,
         known_artifacts: Callable[[], Iterable[str]] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
         operation_timeout_s: float = DEFAULT_OPERATION_TIMEOUT_S,
         fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S,
         max_artifact_bytes: int = DEFAULT_MAX_ARTIFACT_BYTES,
@@ -136,6 +138,8 @@ class CodeReplicator:
         self._broker_id = broker_id
         self._peer_urls = peer_urls
         self._known = known_artifacts
+        # Verifies https:// peers (None: httpx's default, certifi).
+        self._ssl_context = ssl_context
         self._sync_interval_s = sync_interval_s
         self._timeout_s = operation_timeout_s
         self._fetch_timeout_s = fetch_timeout_s
@@ -162,8 +166,9 @@ class CodeReplicator:
             raise RuntimeError("CodeReplicator already started")
         self._started = True
         self._loop = asyncio.get_running_loop()
+        verify: ssl.SSLContext | bool = self._ssl_context or True
         self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(self._fetch_timeout_s), headers=self._headers
+            timeout=httpx.Timeout(self._fetch_timeout_s), headers=self._headers, verify=verify
         )
         self._zk.add_listener(self._on_kazoo_state)
         for sha256 in await asyncio.to_thread(self._stored):

@@ -149,6 +149,10 @@ class ClusterView(Protocol):
     def worker_address(self) -> str | None:
         """This broker's worker endpoint ("host:port"), when it has one."""
 
+    @property
+    def worker_tls(self) -> bool:
+        """Whether workers connect to the worker endpoint with TLS."""
+
     def leader(self) -> m.BrokerSummary | None:
         """The current leader (None: no leader known right now)."""
 
@@ -885,6 +889,7 @@ class ApiApp:
             role=str(node.role),
             url=view.url if view is not None else None,
             worker_address=view.worker_address if view is not None else None,
+            worker_tls=view.worker_tls if view is not None else False,
             digest=state.digest(),
         )
         leader = view.leader() if view is not None else broker
@@ -910,6 +915,7 @@ class ApiApp:
             tenants=len(state.tenants),
             leader_url=leader.url if leader is not None else None,
             leader_worker_address=leader.worker_address if leader is not None else None,
+            leader_worker_tls=leader.worker_tls if leader is not None else False,
         )
         return 200, _json_encoder.encode(summary)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ import httpx
 
 from broker.local_server import free_port
 from broker.pulsar_lite import PulsarLiteServer
+from broker.tls import TlsConfig
 from broker.zk import ZooKeeperServer
 
 HOST = "127.0.0.1"
@@ -43,6 +45,9 @@ class LocalClusterConfig:
     min_replication: int = 1
     log_level: str = "INFO"
     ledgers: str = "file"  # "file" (a shared directory) or "pulsar" (a pulsar-lite broker)
+    # Brokers serve HTTPS and TLS to workers with this certificate (it must name
+    # 127.0.0.1); workers, the brokers' peer calls and this launcher verify with its CA.
+    tls: TlsConfig | None = None
 
 
 @dataclass
@@ -75,6 +80,15 @@ class LocalCluster:
         )
         self.brokers: list[_Child] = []
         self.workers: list[_Child] = []
+        tls = config.tls
+        self._verify: ssl.SSLContext | bool = tls.client_context() if tls is not None else True
+
+    def _tls_args(self, broker: bool) -> list[str]:
+        tls = self.config.tls
+        if tls is None:
+            return []
+        args = ["--tls-cert", str(tls.cert_path), "--tls-key", str(tls.key_path)] if broker else []
+        return args + (["--tls-ca", str(tls.ca_path)] if tls.ca_path is not None else [])
 
     def _ledger_args(self) -> list[str]:
         if self.pulsar is None:
@@ -131,9 +145,10 @@ class LocalCluster:
                     str(config.min_replication),
                     "--log-level",
                     config.log_level,
+                    *self._tls_args(broker=True),
                 ],
             )
-            child.url = f"http://{HOST}:{port}"
+            child.url = f"{'https' if config.tls is not None else 'http'}://{HOST}:{port}"
             self.brokers.append(child)
         self._wait_for_leader()
         urls = ",".join(b.url for b in self.brokers if b.url)
@@ -149,6 +164,7 @@ class LocalCluster:
                         f"worker-{n}",
                         "--cache-dir",
                         str(self.data_dir / f"worker-{n}-cache"),
+                        *self._tls_args(broker=False),
                     ],
                 )
             )
@@ -156,7 +172,9 @@ class LocalCluster:
             print(f"{broker.name:<11} {broker.url}", flush=True)
         print(f"workers     {len(self.workers)} (find the leader through the brokers)")
         print(f"logs        {self.data_dir / 'logs'}")
-        print(f"client      steward --url {urls} status", flush=True)
+        ca = self._tls_args(broker=False)
+        ca_option = f" --ca-file {ca[1]}" if ca else ""
+        print(f"client      steward --url {urls}{ca_option} status", flush=True)
 
     def _wait_for_leader(self) -> None:
         deadline = time.monotonic() + _READY_TIMEOUT_S
@@ -169,7 +187,9 @@ class LocalCluster:
                     )
             for broker in self.brokers:
                 try:
-                    summary = httpx.get(f"{broker.url}/api/v1/cluster", timeout=1.0).json()
+                    summary = httpx.get(
+                        f"{broker.url}/api/v1/cluster", timeout=1.0, verify=self._verify
+                    ).json()
                 except (httpx.HTTPError, ValueError):
                     continue
                 if summary.get("leader"):
@@ -191,7 +211,7 @@ class LocalCluster:
     def _leader_last(self) -> list[_Child]:
         def is_leader(child: _Child) -> bool:
             try:
-                health = httpx.get(f"{child.url}/healthz", timeout=1.0).json()
+                health = httpx.get(f"{child.url}/healthz", timeout=1.0, verify=self._verify).json()
             except (httpx.HTTPError, ValueError):
                 return False
             return bool(health.get("role") == "leader")

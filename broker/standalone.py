@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -13,12 +14,14 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
 from broker.code_store import CodeStore
 from broker.http_api import ApiApp, ApiConfig
 from broker.node import BrokerStartupError, DataDirLock, Node, NodeConfig
+from broker.tls import TlsConfig, TlsConfigError, server_context
 from broker.worker_link import WorkerLink, WorkerLinkConfig
 from log.file import FileLedgerListStore, FileLedgerStore
 from snapshot.store import SnapshotStore
@@ -32,6 +35,8 @@ class StandaloneConfig:
     api: ApiConfig = field(default_factory=ApiConfig)
     workers: WorkerLinkConfig = field(default_factory=WorkerLinkConfig)
     child_workers: int = 0  # worker processes to start beside the broker
+    # HTTPS and TLS on the worker endpoint (overrides workers.tls).
+    tls: TlsConfig | None = None
 
 
 def build_node(config: NodeConfig) -> Node:
@@ -54,18 +59,20 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
         # Boot created most long-lived objects: keep them out of GC passes (latency).
         gc.collect()
         gc.freeze()
-        link = WorkerLink(node, config.workers)
+        link = WorkerLink(node, dataclasses.replace(config.workers, tls=config.tls))
         await link.start()
         app = ApiApp(node, config.api, CodeStore(config.node.data_dir / "code"))
-        server, server_task = await start_http_server(app, config.api)
+        server, server_task = await start_http_server(app, config.api, tls=config.tls)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        logger.info("steward standalone serving on http://%s:%d", config.api.host, config.api.port)
+        url = f"{http_scheme(config.tls)}://{config.api.host}:{config.api.port}"
+        logger.info("steward standalone serving on %s", url)
+        tls_note = " over TLS" if config.tls is not None else ""
         print(
-            f"steward standalone ready on http://{config.api.host}:{config.api.port} "
-            f"(workers connect to {config.workers.host}:{link.port}; "
+            f"steward standalone ready on {url} "
+            f"(workers connect to {config.workers.host}:{link.port}{tls_note}; "
             f"data dir {config.node.data_dir})",
             flush=True,
         )
@@ -87,10 +94,22 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
         lock.release()
 
 
+def http_scheme(tls: TlsConfig | None) -> str:
+    return "https" if tls is not None else "http"
+
+
 async def start_http_server(
-    app: ApiApp, config: ApiConfig
+    app: ApiApp, config: ApiConfig, *, tls: TlsConfig | None = None
 ) -> tuple[HttpServer, asyncio.Task[None]]:
-    """Serve ``app`` with uvicorn; raises BrokerStartupError when it cannot listen."""
+    """Serve ``app`` with uvicorn (HTTPS with ``tls``); raises BrokerStartupError when it
+    cannot listen or the certificate is unusable."""
+    ssl_options: dict[str, Any] = {}
+    if tls is not None:
+        try:
+            context = server_context(tls)  # fail here, clearly, on a bad certificate or key
+        except TlsConfigError as exc:
+            raise BrokerStartupError(str(exc)) from None
+        ssl_options["ssl_context_factory"] = lambda _config, _default: context
     server = HttpServer(
         uvicorn.Config(
             app,
@@ -102,6 +121,7 @@ async def start_http_server(
             http="httptools",
             backlog=4096,
             timeout_keep_alive=30,
+            **ssl_options,
         )
     )
     server_task = asyncio.create_task(server.serve())
@@ -131,6 +151,11 @@ async def _start_child_workers(
     env = dict(os.environ)
     if config.workers.token is not None:
         env["STEWARD_WORKER_TOKEN"] = config.workers.token  # not on the command line
+    tls_args: list[str] = []
+    if config.tls is not None:
+        tls_args.append("--tls")
+        if config.tls.ca_path is not None:
+            tls_args += ["--tls-ca", str(config.tls.ca_path)]
     for n in range(config.child_workers):
         children.append(
             await asyncio.create_subprocess_exec(
@@ -140,11 +165,12 @@ async def _start_child_workers(
                 "--broker",
                 f"{config.workers.host}:{worker_port}",
                 "--http-url",
-                f"http://{config.api.host}:{config.api.port}",
+                f"{http_scheme(config.tls)}://{config.api.host}:{config.api.port}",
                 "--worker-id",
                 f"{config.node.broker_id}-worker-{n + 1}",
                 "--cache-dir",
                 str(config.node.data_dir / "worker-cache"),
+                *tls_args,
                 env=env,
             )
         )

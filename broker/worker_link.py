@@ -19,6 +19,7 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -37,6 +38,7 @@ from broker.state import (
     WorkerState,
     validate_task_spec,
 )
+from broker.tls import TlsConfig, TlsConfigError, server_context
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ class WorkerLinkConfig:
     # A worker silent (or disconnected) this long is declared dead.
     heartbeat_timeout_ms: int = 10_000
     hello_timeout_s: float = 10.0
+    # Workers connect over TLS (the broker's certificate) when set.
+    tls: TlsConfig | None = None
     max_frame_bytes: int = p.DEFAULT_MAX_FRAME_BYTES
     max_result_bytes: int = 1024 * 1024
     max_assignments_per_round: int = 2000
@@ -111,9 +115,21 @@ class WorkerLink:
 
     async def start(self) -> None:
         self._started = time.monotonic()
+        tls_options: dict[str, Any] = {}
+        if self.config.tls is not None:
+            try:
+                tls_options["ssl"] = server_context(self.config.tls)
+            except TlsConfigError as exc:
+                raise BrokerStartupError(str(exc)) from None
+            # A client that never completes the handshake (plain TCP) is dropped after this.
+            tls_options["ssl_handshake_timeout"] = self.config.hello_timeout_s
         try:
             self._server = await asyncio.start_server(
-                self._handle_connection, self.config.host, self.config.port, limit=2**20
+                self._handle_connection,
+                self.config.host,
+                self.config.port,
+                limit=2**20,
+                **tls_options,
             )
         except OSError as exc:
             raise BrokerStartupError(
@@ -126,7 +142,12 @@ class WorkerLink:
             asyncio.create_task(self._heartbeat_loop(), name="steward-heartbeat"),
         ]
         self._dirty.set()
-        logger.info("worker endpoint on %s:%d", self.config.host, self.port)
+        logger.info(
+            "worker endpoint on %s:%d%s",
+            self.config.host,
+            self.port,
+            " (TLS)" if self.config.tls is not None else "",
+        )
 
     async def stop(self) -> None:
         with contextlib.suppress(ValueError):

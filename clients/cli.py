@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from broker.tls import CA_ENV, TlsConfig, TlsConfigError
 from clients.client import (
+    CertificateVerifyError,
     StewardClient,
     StewardError,
     TaskHandle,
@@ -107,6 +109,28 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshot-interval-s", type=float, default=60.0)
     p.add_argument("--ledger-roll-mb", type=float, default=64.0)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--tls-cert",
+        type=Path,
+        metavar="PATH",
+        help="PEM certificate (chain): serve HTTPS and TLS to workers (needs --tls-key)",
+    )
+    p.add_argument("--tls-key", type=Path, metavar="PATH", help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--tls-ca",
+        type=Path,
+        default=os.environ.get(CA_ENV),
+        metavar="PATH",
+        help=f"CA bundle to verify other brokers with, passed on to child workers "
+        f"(env {CA_ENV}; default: the system trust store)",
+    )
+
+
+def _tls_config(args: argparse.Namespace) -> TlsConfig | None:
+    try:
+        return TlsConfig.from_options(args.tls_cert, args.tls_key, args.tls_ca)
+    except TlsConfigError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="how long a write keeps trying other brokers or waits for a leader "
         "(env STEWARD_FAILOVER_TIMEOUT_S; default %(default)s)",
+    )
+    parser.add_argument(
+        "--ca-file",
+        type=Path,
+        default=os.environ.get(CA_ENV),
+        metavar="PATH",
+        help=f"CA bundle to verify https:// brokers with (env {CA_ENV}; default: the "
+        "system trust store)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -329,6 +361,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="cluster up: file ledgers in DIR/ledgers, or pulsar: a pulsar-lite broker beside "
         "ZooKeeper",
     )
+    p.add_argument("--tls-cert", type=Path, metavar="PATH", help="cluster up: brokers use TLS")
+    p.add_argument("--tls-key", type=Path, metavar="PATH", help="cluster up: key of --tls-cert")
+    p.add_argument(
+        "--tls-ca",
+        type=Path,
+        default=os.environ.get(CA_ENV),
+        metavar="PATH",
+        help=f"cluster up: the CA bundle brokers and workers verify with (env {CA_ENV})",
+    )
     sub.add_parser("digest", help="show the state digest and log position")
 
     p = sub.add_parser("token", help="API tokens (admin): create, list, revoke")
@@ -481,7 +522,10 @@ def _print_status(client: StewardClient) -> None:
 
 def run_client_command(args: argparse.Namespace) -> int:
     with StewardClient(
-        args.url, failover_timeout_s=args.failover_timeout_s, token=args.token
+        args.url,
+        failover_timeout_s=args.failover_timeout_s,
+        token=args.token,
+        ca_file=args.ca_file,
     ) as client:
         if args.command == "submit":
             task: dict[str, Any] = {
@@ -653,6 +697,7 @@ def run_standalone(args: argparse.Namespace) -> int:
             tenant_isolation=auth.enabled,
         ),
         child_workers=args.workers,
+        tls=_tls_config(args),
     )
     if args.workers < 0:
         raise UsageError("--workers must be >= 0")
@@ -745,6 +790,7 @@ def run_broker(args: argparse.Namespace) -> int:
         session_timeout_ms=args.session_timeout_ms,
         min_replication=args.min_replication,
         max_replication_wait_ms=args.max_replication_wait_ms,
+        tls=_tls_config(args),
     )
     try:
         uvloop.run(serve_broker(config))
@@ -776,6 +822,7 @@ def run_cluster_up(args: argparse.Namespace) -> int:
         first_http_port=args.first_http_port,
         min_replication=args.min_replication,
         ledgers=args.ledgers,
+        tls=_tls_config(args),
     )
     try:
         return run_local_cluster(config)
@@ -803,10 +850,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_demo(keep=args.keep)
         return run_client_command(args)
+    except CertificateVerifyError as exc:
+        print(
+            f"steward: {exc} (give the CA bundle that signed the broker's certificate with "
+            f"--ca-file or {CA_ENV})",
+            file=sys.stderr,
+        )
+        return 1
     except StewardError as exc:
         print(f"steward: {exc}", file=sys.stderr)
         return 1
-    except UsageError as exc:
+    except (UsageError, TlsConfigError) as exc:
         print(f"steward: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

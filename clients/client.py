@@ -8,6 +8,11 @@
 
 Every error the API answers raises a :class:`StewardError` subclass.
 
+TLS. ``https://`` URLs are always verified, host name included: against
+``ca_file`` (a PEM CA bundle, or an ``ssl.SSLContext``) or else the system trust
+store; a certificate that does not verify raises :class:`CertificateVerifyError`
+at once (no failover retries).
+
 Failover. Give one broker URL or several (a sequence, or one comma-separated
 string). Writes (POST, PUT, DELETE) go to the leader: a follower's ``307
 not_leader`` answer is followed to the leader it names, which is remembered for
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -44,6 +50,8 @@ from pathlib import Path
 from typing import Any, Final
 
 import httpx
+
+from broker.tls import certificate_error, client_context, describe_certificate_error
 
 FINAL_STATES: Final = frozenset({"finished", "error", "cancelled"})
 _POLL_SLICE_S: Final = 30.0  # one long-poll request waits at most this long
@@ -95,6 +103,15 @@ class PermissionDeniedError(StewardError):
 class ConnectionFailedError(StewardError):
     def __init__(self, url: str, reason: str) -> None:
         super().__init__(0, "connection_failed", f"cannot reach {url}: {reason}")
+
+
+class CertificateVerifyError(ConnectionFailedError):
+    """An https:// broker's certificate did not verify (unknown CA, wrong host name,
+    expired): retrying does not help; give the right CA bundle (``ca_file``)."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(url, reason)
+        self.code = "certificate_verify_failed"
 
 
 class FailoverTimeoutError(UnavailableError):
@@ -200,6 +217,14 @@ def _idempotency_headers(key: str | None) -> dict[str, str]:
     return {"Idempotency-Key": key if key is not None else uuid.uuid4().hex}
 
 
+def _verify(ca_file: str | Path | ssl.SSLContext | None) -> ssl.SSLContext:
+    """https:// brokers are always verified (host name included): against ``ca_file``
+    (a PEM bundle, or a ready context) or else the system trust store."""
+    if isinstance(ca_file, ssl.SSLContext):
+        return ca_file
+    return client_context(ca_file)
+
+
 class _Router:
     """Which broker gets the next request: the leader once known, else the URLs in
     turn. Shared by the sync and async clients (no IO here)."""
@@ -250,6 +275,9 @@ class _Call:
         error = ConnectionFailedError(base, str(exc) or type(exc).__name__)
         if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL):
             raise error from exc  # a malformed URL does not get better
+        cert_error = certificate_error(exc)
+        if cert_error is not None:  # nor does a certificate we do not trust
+            raise CertificateVerifyError(base, describe_certificate_error(cert_error)) from exc
         self.router.failed(base)
         if not self.write:
             if self.router.target() in self.tried:
@@ -425,6 +453,7 @@ class StewardClient:
         url: str | Sequence[str] = "http://127.0.0.1:8080",
         *,
         timeout_s: float = 30.0,
+        ca_file: str | Path | ssl.SSLContext | None = None,
         failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S,
         token: str | None = None,
     ) -> None:
@@ -434,7 +463,10 @@ class StewardClient:
         self._router = _Router(self.urls, failover_timeout_s)
         # Redirects are followed by hand: only not_leader ones, and the leader is remembered.
         self._http = httpx.Client(
-            timeout=_timeout(timeout_s), follow_redirects=False, headers=_auth_headers(token)
+            timeout=_timeout(timeout_s),
+            follow_redirects=False,
+            headers=_auth_headers(token),
+            verify=_verify(ca_file),
         )
 
     @property
@@ -723,6 +755,7 @@ class AsyncStewardClient:
         url: str | Sequence[str] = "http://127.0.0.1:8080",
         *,
         timeout_s: float = 30.0,
+        ca_file: str | Path | ssl.SSLContext | None = None,
         failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S,
         token: str | None = None,
     ) -> None:
@@ -731,7 +764,10 @@ class AsyncStewardClient:
         self._timeout_s = timeout_s
         self._router = _Router(self.urls, failover_timeout_s)
         self._http = httpx.AsyncClient(
-            timeout=_timeout(timeout_s), follow_redirects=False, headers=_auth_headers(token)
+            timeout=_timeout(timeout_s),
+            follow_redirects=False,
+            headers=_auth_headers(token),
+            verify=_verify(ca_file),
         )
 
     @property

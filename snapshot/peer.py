@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import ssl
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -123,12 +124,15 @@ async def download_latest_snapshot(
     *,
     cluster_id: str,
     timeout_s: float = 60.0,
+    ssl_context: ssl.SSLContext | None = None,
     min_position: tuple[int, int] | None = None,
     decode: Callable[[bytes], object] | None = None,
     max_size_bytes: int = DEFAULT_MAX_SIZE_BYTES,
     token: str | None = None,
 ) -> SnapshotInfo | None:
     """Download the latest snapshot of the first peer that has a usable one, and install it.
+
+    ``https://`` peers are verified with ``ssl_context`` (default: httpx's, certifi).
 
     ``peer_urls`` are base URLs (``http://host:port``), tried in order. A peer is skipped
     (logged at WARNING, the next one tried) when it cannot be reached, answers an error,
@@ -148,7 +152,10 @@ async def download_latest_snapshot(
         raise ValueError("timeout_s must be positive")
     await asyncio.to_thread(_remove_stale_downloads, store.directory)
     headers = {"authorization": f"Bearer {token}"} if token else {}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), headers=headers) as client:
+    verify: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s), headers=headers, verify=verify
+    ) as client:
         for peer_url in peer_urls:
             try:
                 async with asyncio.timeout(timeout_s):

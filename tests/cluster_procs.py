@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import signal
+import ssl
 import subprocess
 import threading
 import time
@@ -32,12 +33,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import httpx
 
 from tests.procs import HOST, free_port, steward_command
 from tests.worker_procs import wait_until
+
+if TYPE_CHECKING:
+    from tests.tls_certs import TlsFiles
 
 DEFAULT_SESSION_TIMEOUT_MS = 4_000
 START_TIMEOUT_S = 30.0
@@ -104,7 +108,7 @@ class BrokerNode:
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.http_port}"
+        return f"{'https' if self.cluster.tls is not None else 'http'}://{HOST}:{self.http_port}"
 
     @property
     def worker_address(self) -> str:
@@ -148,6 +152,7 @@ class BrokerNode:
             str(c.heartbeat_timeout_ms),
             "--log-level",
             "INFO",
+            *(c.tls.broker_args() if c.tls is not None else ()),
             *c.extra_args,
             *self.extra_args,
         ]
@@ -178,7 +183,9 @@ class BrokerNode:
         """Poll ``/healthz`` until 200 (a follower answers 200 too); fail if it exits."""
         deadline = time.monotonic() + timeout_s
         last = "no answer yet"
-        with httpx.Client(base_url=self.url, timeout=PROBE_TIMEOUT_S) as http:
+        with httpx.Client(
+            base_url=self.url, timeout=PROBE_TIMEOUT_S, verify=self.cluster.verify
+        ) as http:
             while True:
                 if not self.running():
                     code = self.proc.returncode if self.proc is not None else None
@@ -275,7 +282,12 @@ class BrokerNode:
 
     def get_json(self, path: str, timeout_s: float = PROBE_TIMEOUT_S) -> Any:
         """GET ``path`` on this broker (raises on a transport error or a non-2xx)."""
-        response = httpx.get(self.url + path, timeout=timeout_s, headers=self.cluster.http_headers)
+        response = httpx.get(
+            self.url + path,
+            timeout=timeout_s,
+            headers=self.cluster.http_headers,
+            verify=self.cluster.verify,
+        )
         response.raise_for_status()
         return response.json()
 
@@ -284,7 +296,9 @@ class BrokerNode:
         if not self.live():
             return None
         try:
-            body: dict[str, Any] = httpx.get(self.url + "/healthz", timeout=PROBE_TIMEOUT_S).json()
+            body: dict[str, Any] = httpx.get(
+                self.url + "/healthz", timeout=PROBE_TIMEOUT_S, verify=self.cluster.verify
+            ).json()
             return body
         except (httpx.TransportError, ValueError):
             return None
@@ -319,6 +333,7 @@ class ClusterProcesses:
         # Generous: a worker reconnecting with backoff after a fail-over must not be
         # declared dead by the new leader (that would re-run its tasks).
         heartbeat_timeout_ms: int = 15_000,
+        tls: TlsFiles | None = None,
         extra_args: tuple[str, ...] = (),
         pulsar_url: str | None = None,
         admin_token: str | None = None,
@@ -334,6 +349,9 @@ class ClusterProcesses:
         self.heartbeat_interval_ms = heartbeat_interval_ms
         self.heartbeat_timeout_ms = heartbeat_timeout_ms
         self.extra_args = extra_args
+        # Brokers serve HTTPS and TLS to workers with this certificate; workers get its CA.
+        self.tls = tls
+        self.verify: ssl.SSLContext | bool = tls.client_context() if tls is not None else True
         self.ledger_dir = root / "ledgers"
         self.ledger_dir.mkdir(parents=True, exist_ok=True)
         self.nodes: dict[str, BrokerNode] = {}
@@ -533,9 +551,10 @@ class ClusterProcesses:
     def start_worker(self, worker_id: str, *args: str) -> ClusterWorker:
         """A worker that finds the leader itself (``--brokers`` with every broker's URL)."""
         assert worker_supports_brokers_flag(), "steward worker has no --brokers option"
+        tls_args = ["--tls-ca", str(self.tls.ca_path)] if self.tls is not None else []
         worker = ClusterWorker(
             worker_id,
-            ["--brokers", ",".join(self.urls())],
+            ["--brokers", ",".join(self.urls()), *tls_args],
             log_path=self.root / "logs" / f"{worker_id}.log",
             cache_dir=self.root / "cache" / worker_id,
             extra_args=args,
@@ -856,7 +875,7 @@ def fetch_tasks(node: BrokerNode, *, tenant: str | None = None) -> dict[int, dic
     """Every task on ``node`` (paged), by id; asserts no id is listed twice."""
     tasks: dict[int, dict[str, Any]] = {}
     after = 0
-    with httpx.Client(base_url=node.url, timeout=30) as http:
+    with httpx.Client(base_url=node.url, timeout=30, verify=node.cluster.verify) as http:
         for _ in range(10_000):
             query: dict[str, Any] = {"limit": 1000, "after": after}
             if tenant is not None:

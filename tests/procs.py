@@ -13,14 +13,18 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:
+    from tests.tls_certs import TlsFiles
 
 HOST = "127.0.0.1"
 DEFAULT_START_TIMEOUT_S = 30.0
@@ -87,8 +91,11 @@ class BrokerProcess:
         ledger_roll_mb: float | None = None,
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.data_dir = data_dir
+        # Serve HTTPS and a TLS worker endpoint with this certificate (url is https://).
+        self.tls = tls
         self.log_path = log_path
         self.snapshot_interval_s = snapshot_interval_s
         self.ledger_roll_mb = ledger_roll_mb
@@ -104,7 +111,12 @@ class BrokerProcess:
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"{'https' if self.tls is not None else 'http'}://{HOST}:{self.port}"
+
+    @property
+    def verify(self) -> ssl.SSLContext | bool:
+        """httpx's ``verify=`` for this broker (its CA when it serves TLS)."""
+        return self.tls.client_context() if self.tls is not None else True
 
     @property
     def pid(self) -> int:
@@ -132,6 +144,8 @@ class BrokerProcess:
         for option in standalone_listen_options():
             if option not in self.extra_args:
                 cmd += [option, f"{HOST}:{free_port()}"]
+        if self.tls is not None:
+            cmd += self.tls.broker_args()
         return cmd + list(self.extra_args)
 
     def start(
@@ -195,7 +209,7 @@ class BrokerProcess:
         """Poll ``/healthz`` until it answers 200; raise if the process dies or time runs out."""
         deadline = time.monotonic() + timeout_s
         last: str = "no answer yet"
-        with httpx.Client(base_url=self.url, timeout=2.0) as client:
+        with httpx.Client(base_url=self.url, timeout=2.0, verify=self.verify) as client:
             while True:
                 if not self.running():
                     code = self.proc.returncode if self.proc is not None else None

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from broker.tls import CA_ENV
 from clients.worker.config import (
     WorkerConfig,
     default_cache_dir,
@@ -94,6 +95,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     p.add_argument("--max-result-bytes", type=int, default=1024 * 1024)
     p.add_argument("--token", default=os.environ.get("STEWARD_WORKER_TOKEN"))
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="connect to the worker endpoint with TLS (with --brokers this follows the "
+        "leader's announcement by itself)",
+    )
+    p.add_argument(
+        "--tls-ca",
+        type=Path,
+        default=os.environ.get(CA_ENV),
+        metavar="PATH",
+        help=f"CA bundle to verify brokers with (https:// URLs, TLS worker endpoint; env "
+        f"{CA_ENV}; default: the system trust store)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -120,6 +135,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         cache_dir=args.cache_dir,
         max_result_bytes=args.max_result_bytes,
         token=args.token,
+        tls=args.tls,
+        tls_ca=args.tls_ca,
     )
 
 

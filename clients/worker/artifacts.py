@@ -52,6 +52,7 @@ import logging
 import os
 import re
 import shutil
+import ssl
 import sys
 import tempfile
 import threading
@@ -241,12 +242,19 @@ class ArtifactCache:
         timeout_s: float = 60.0,
         max_artifact_bytes: int = 1024 * 1024 * 1024,
         transport: httpx.BaseTransport | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.cache_dir = Path(cache_dir)
         self.http_url = http_url.rstrip("/")
         self.max_artifact_bytes = max_artifact_bytes
         headers = {"authorization": f"Bearer {token}"} if token else {}
-        self._client = httpx.Client(timeout=timeout_s, headers=headers, transport=transport)
+        # https:// brokers are verified with ssl_context (default: httpx's, certifi).
+        self._client = httpx.Client(
+            timeout=timeout_s,
+            headers=headers,
+            transport=transport,
+            verify=ssl_context if ssl_context is not None else True,
+        )
         self._lock = threading.Lock()
         self._sha_locks: dict[str, threading.Lock] = {}
         self._loaded: dict[str, LoadedArtifact] = {}

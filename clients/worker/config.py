@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from broker.protocol import DEFAULT_MAX_FRAME_BYTES
+from broker.tls import TlsConfigError, client_context
 
 DEFAULT_MAX_RESULT_BYTES = 1024 * 1024
 
@@ -113,8 +115,18 @@ class WorkerConfig:
     # With brokers: download code from the leader found (it has every artifact a live
     # task uses) instead of http_url.
     download_from_leader: bool = False
+    # Connect to the worker endpoint with TLS (with brokers: also whenever the leader
+    # announces it). https:// URLs and TLS connections are verified against tls_ca
+    # (a PEM CA bundle) or else the system trust store.
+    tls: bool = False
+    tls_ca: Path | None = None
+    _ssl_context: ssl.SSLContext | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.tls_ca is not None:
+            self.tls_ca = Path(self.tls_ca)
+            if not self.tls_ca.is_file():
+                raise ValueError(f"CA bundle {str(self.tls_ca)!r} does not exist or is not a file")
         if self.brokers:
             self.brokers = parse_http_urls(self.brokers)
         else:
@@ -138,3 +150,12 @@ class WorkerConfig:
 
     def broker_address(self) -> tuple[str, int]:
         return parse_host_port(self.broker)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The client context for brokers (built once: loading a CA bundle takes ms)."""
+        if self._ssl_context is None:
+            try:
+                self._ssl_context = client_context(self.tls_ca)
+            except TlsConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return self._ssl_context

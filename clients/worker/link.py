@@ -31,9 +31,11 @@ import contextlib
 import logging
 import random
 import signal
+import ssl
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import httpx
 import msgspec
@@ -77,14 +79,29 @@ class LeaderUnknownError(Exception):
 _summary_decoder: msgspec.json.Decoder[ClusterSummary] = msgspec.json.Decoder(ClusterSummary)
 
 
+class Leader(NamedTuple):
+    """Where the leader is, as a broker named it."""
+
+    worker_address: str  # "host:port" of its worker endpoint
+    url: str | None  # its HTTP base URL
+    answered_by: int  # the index of the URL that answered
+    worker_tls: bool = False  # the worker endpoint speaks TLS
+
+
 async def find_leader(
-    urls: Sequence[str], *, timeout_s: float, token: str | None = None, start: int = 0
-) -> tuple[str, str | None, int]:
-    """Ask the brokers in turn (from ``start``) who leads: (its worker "host:port", its
-    base URL, the index of the broker that answered). Raises LeaderUnknownError."""
+    urls: Sequence[str],
+    *,
+    timeout_s: float,
+    token: str | None = None,
+    start: int = 0,
+    ssl_context: ssl.SSLContext | None = None,
+) -> Leader:
+    """Ask the brokers in turn (from ``start``) who leads. https:// brokers are verified
+    with ``ssl_context`` (default: httpx's). Raises LeaderUnknownError."""
     headers = {"authorization": f"Bearer {token}"} if token else {}
     problems: list[str] = []
-    async with httpx.AsyncClient(timeout=timeout_s, headers=headers) as http:
+    verify: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
+    async with httpx.AsyncClient(timeout=timeout_s, headers=headers, verify=verify) as http:
         for i in range(len(urls)):
             index = (start + i) % len(urls)
             url = urls[index]
@@ -104,7 +121,7 @@ async def find_leader(
             except ValueError:
                 problems.append(f"{url}: bad leader_worker_address {address!r}")
                 continue
-            return address, summary.leader_url, index
+            return Leader(address, summary.leader_url, index, summary.leader_worker_tls)
     raise LeaderUnknownError("; ".join(problems))
 
 
@@ -292,9 +309,13 @@ class Worker:
 
     async def _session(self) -> None:
         self._welcomed = False
-        host, port = await self._find_broker()
+        host, port, tls = await self._find_broker()
+        # TLS verifies the certificate against the host we were told to connect to.
+        ssl_options: dict[str, Any] = (
+            {"ssl": self.config.ssl_context(), "server_hostname": host} if tls else {}
+        )
         async with asyncio.timeout(self.config.connect_timeout_s):
-            reader, writer = await asyncio.open_connection(host, port)
+            reader, writer = await asyncio.open_connection(host, port, **ssl_options)
         self._writer = writer
         try:
             decoder = FrameDecoder(self.config.max_frame_bytes)
@@ -319,13 +340,18 @@ class Worker:
                 async with asyncio.timeout(1.0):
                     await writer.wait_closed()
 
-    async def _find_broker(self) -> tuple[str, int]:
-        """Where to connect: ``broker``, or the leader the brokers name right now."""
+    async def _find_broker(self) -> tuple[str, int, bool]:
+        """Where to connect (host, port, with TLS): ``broker``, or the leader the brokers
+        name right now."""
         c = self.config
         if not c.brokers:
-            return c.broker_address()
-        address, leader_url, self._discovery_start = await find_leader(
-            c.brokers, timeout_s=c.discovery_timeout_s, token=c.token, start=self._discovery_start
+            return *c.broker_address(), c.tls
+        address, leader_url, self._discovery_start, worker_tls = await find_leader(
+            c.brokers,
+            timeout_s=c.discovery_timeout_s,
+            token=c.token,
+            start=self._discovery_start,
+            ssl_context=c.ssl_context(),
         )
         if address != self.broker_address:
             logger.info("the leader's worker endpoint is %s (%s)", address, leader_url or "?")
@@ -333,7 +359,8 @@ class Worker:
         if c.download_from_leader and leader_url:
             # The leader holds every artifact a live task references (DESIGN §4).
             self.runtime.artifacts.http_url = leader_url.rstrip("/")
-        return parse_host_port(address)
+        # Never downgrade: --tls forces TLS even if a broker announced none.
+        return *parse_host_port(address), c.tls or worker_tls
 
     def _hello(self) -> Hello:
         c = self.config
@@ -370,7 +397,9 @@ class Worker:
             async with asyncio.timeout(left):
                 data = await reader.read(_READ_BYTES)
             if not data:
-                raise EOFError("the broker closed the connection before Welcome")
+                # A TLS endpoint drops a plain connection without a word.
+                hint = "" if writer.get_extra_info("sslcontext") else " (a TLS endpoint? use --tls)"
+                raise EOFError(f"the broker closed the connection before Welcome{hint}")
             try:
                 messages = decoder.feed(data)
             except ProtocolError as exc:

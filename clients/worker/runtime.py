@@ -438,6 +438,7 @@ class TaskRuntime:
             config.http_url,
             token=config.token,
             timeout_s=config.download_timeout_s,
+            ssl_context=config.ssl_context(),
         )
         self._spark_factory = spark_factory or (
             lambda: shared_spark(config.spark_master, config.spark_conf)

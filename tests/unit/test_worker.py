@@ -951,8 +951,8 @@ async def test_find_leader_asks_each_broker_in_turn() -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             dead_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        address, leader_url, index = await find_leader([dead_url, cluster.url], timeout_s=1.0)
-        assert (address, leader_url, index) == ("127.0.0.1:7070", cluster.url, 1)
+        leader = await find_leader([dead_url, cluster.url], timeout_s=1.0)
+        assert leader == ("127.0.0.1:7070", cluster.url, 1, False)
         cluster.leader = "no port"
         with pytest.raises(LeaderUnknownError, match="bad leader_worker_address"):
             await find_leader([cluster.url], timeout_s=1.0)
