@@ -197,6 +197,9 @@ class WorkerSummary(msgspec.Struct):
     address: str
     running_tasks: int
     resources: dict[str, float]
+    # Concurrency per task type ("*": any type) and the tenants served (empty: all).
+    task_types: dict[str, int] = {}
+    tenants: list[str] = []
 
 
 class ClusterSummary(msgspec.Struct):
@@ -234,6 +237,55 @@ class Health(msgspec.Struct):
     position: Position
     reason: str | None = None
     role: str = "standalone"
+
+
+# --- dashboard (read-only views for the web page at /) ---------------------------------
+
+
+class BrokerStatus(msgspec.Struct):
+    """One live broker as it reports itself (its ``/healthz``), for the dashboard."""
+
+    id: str
+    url: str | None
+    # "leader", "follower", "candidate", "standalone", or "unreachable" (no answer).
+    role: str
+    is_leader: bool
+    reachable: bool
+    writable: bool = False
+    position: Position | None = None
+    # Entries behind the leader's position when both are in the same ledger; None when
+    # unknown (no leader, unreachable, or still in an older ledger: see behind_ledgers).
+    lag_entries: int | None = None
+    behind_ledgers: bool = False
+    uptime_secs: float | None = None  # only for the broker answering
+    error: str | None = None
+
+
+class BrokerStatusList(msgspec.Struct):
+    answered_by: str
+    leader: str | None
+    brokers: list[BrokerStatus]
+
+
+class ThroughputView(msgspec.Struct):
+    """Tasks per bucket over the last minutes, oldest bucket first; the last bucket is
+    the current (partial) one. Counted by the answering broker from the entries it
+    applied (leader-stamped times), so every caught-up broker shows the same counts."""
+
+    bucket_s: float
+    end_ms: int  # end of the newest bucket, epoch ms
+    submitted: list[int]
+    finished: list[int]
+    failed: list[int]
+    cancelled: list[int]
+    max_task_id: int  # the highest task id assigned so far
+
+
+class RecentTaskList(msgspec.Struct):
+    """Matching tasks, newest (highest id) first; page on with ``before=next_before``."""
+
+    tasks: list[TaskView]
+    next_before: int | None
 
 
 def schema_components(types: list[Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -18,12 +18,14 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Final, Protocol, TypeVar
 from urllib.parse import parse_qsl
 
+import httpx
 import msgspec
 from msgspec import UnsetType
 
 from broker import api_models as m
 from broker import entries as e
 from broker.code_store import CodeStore, InvalidArtifactError, validate_artifact
+from broker.dashboard import ASSET_TYPES, SECURITY_HEADERS, ThroughputRecorder, read_asset
 from broker.node import VERSION, BrokerUnavailableError, Node, Role, Stamp
 from broker.state import (
     FINAL_STATES,
@@ -98,6 +100,7 @@ class Binary(bytes):
 
     # Extra response headers (lowercase names), set on an instance when needed.
     headers: tuple[tuple[bytes, bytes], ...] = ()
+    content_type: bytes = b"application/octet-stream"
 
 
 class HttpError(Exception):
@@ -249,6 +252,13 @@ class ApiApp:
         self._add("/api/v1/state/digest", GET=self.digest)
         # GET only: a body is never read, and the answer may be tens of MB (one response).
         self._add(LATEST_SNAPSHOT_PATH, GET=self.latest_snapshot)
+        # The web dashboard (static page, no auth: it holds no data) and its read-only data.
+        self.throughput = ThroughputRecorder(node)
+        self._add("/", GET=self.dashboard_page)
+        self._add(r"/dashboard/([A-Za-z0-9_.-]{1,64})", GET=self.dashboard_asset)
+        self._add("/api/v1/cluster/brokers", GET=self.broker_statuses)
+        self._add("/api/v1/stats/throughput", GET=self.throughput_stats)
+        self._add("/api/v1/tasks/recent", GET=self.recent_tasks)
 
     def _add(self, pattern: str, max_body_bytes: int | None = None, **handlers: Handler) -> None:
         route = Route(pattern, max_body_bytes or self.config.max_request_bytes)
@@ -275,7 +285,7 @@ class ApiApp:
         except Exception:
             logger.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
             status, body = 500, _error_bytes("internal", "internal error; see the broker log")
-        content_type = b"application/octet-stream" if isinstance(body, Binary) else JSON_TYPE
+        content_type = body.content_type if isinstance(body, Binary) else JSON_TYPE
         if isinstance(body, Binary) and body.headers:
             extra_headers = body.headers
         await send(
@@ -748,6 +758,8 @@ class ApiApp:
                 address=w.address,
                 running_tasks=len(state.running_by_worker.get(w.id, ())),
                 resources=w.resources,
+                task_types=w.task_types,
+                tenants=w.tenants,
             )
             for w in state.workers.values()
         ]
@@ -837,10 +849,146 @@ class ApiApp:
         )
         return (200 if serving else 503), _json_encoder.encode(body)
 
+    # --- dashboard ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _asset(name: str) -> Binary:
+        data = read_asset(name)
+        if data is None:
+            raise HttpError(404, "not_found", f"no such dashboard file: {name}")
+        body = Binary(data)
+        body.content_type = ASSET_TYPES[name]
+        body.headers = SECURITY_HEADERS
+        return body
+
+    async def dashboard_page(self, request: Request) -> tuple[int, bytes]:
+        return 200, self._asset("index.html")
+
+    async def dashboard_asset(self, request: Request) -> tuple[int, bytes]:
+        return 200, self._asset(request.params[0])
+
+    async def broker_statuses(self, request: Request) -> tuple[int, bytes]:
+        """Every live broker's own role and log position (peers answer at /healthz), and
+        how far each is behind the leader."""
+        if request.query:
+            raise HttpError(400, "invalid_request", "this endpoint takes no query parameters")
+        node = self.node
+        view = self.cluster_view
+        own = m.BrokerStatus(
+            id=node.config.broker_id,
+            url=view.url if view is not None else None,
+            role=str(node.role),
+            is_leader=node.role in (Role.STANDALONE, Role.LEADER),
+            reachable=True,
+            writable=node.writable,
+            position=self._position(),
+            uptime_secs=round((node.clock_ms() - node.stats.started_ms) / 1000, 3),
+        )
+        statuses = [own]
+        leader_id: str | None = own.id if view is None else None
+        if view is not None:
+            leader = view.leader()
+            leader_id = leader.id if leader is not None else None
+            peers = [b for b in view.brokers() if b.id != own.id]
+            if peers:
+                async with httpx.AsyncClient(timeout=_PEER_STATUS_TIMEOUT_S) as client:
+                    statuses += await asyncio.gather(
+                        *(_peer_status(client, peer) for peer in peers)
+                    )
+        by_id = {status.id: status for status in statuses}
+        reference = by_id.get(leader_id) if leader_id is not None else None
+        for status in statuses:
+            status.is_leader = status.id == leader_id
+            if reference is None or reference.position is None or status.position is None:
+                continue
+            if status.position.ledger_id == reference.position.ledger_id:
+                status.lag_entries = max(0, reference.position.entry_id - status.position.entry_id)
+            elif status.position.ledger_id < reference.position.ledger_id:
+                status.behind_ledgers = True
+            else:
+                status.lag_entries = 0  # ahead of the leader's last report: caught up
+        statuses.sort(key=lambda status: status.id)
+        body = m.BrokerStatusList(answered_by=own.id, leader=leader_id, brokers=statuses)
+        return 200, _json_encoder.encode(body)
+
+    async def throughput_stats(self, request: Request) -> tuple[int, bytes]:
+        if request.query:
+            raise HttpError(400, "invalid_request", "this endpoint takes no query parameters")
+        recorder = self.throughput
+        end_ms, series = recorder.series()
+        body = m.ThroughputView(
+            bucket_s=recorder.bucket_ms / 1000,
+            end_ms=end_ms,
+            submitted=series["submitted"],
+            finished=series["finished"],
+            failed=series["failed"],
+            cancelled=series["cancelled"],
+            max_task_id=self.node.state.max_task_id,
+        )
+        return 200, _json_encoder.encode(body)
+
+    async def recent_tasks(self, request: Request) -> tuple[int, bytes]:
+        """Matching tasks, newest first (the dashboard's task search)."""
+        query = request.query
+        unknown = set(query) - {"state", "tenant", "type", "limit", "before"}
+        if unknown:
+            raise HttpError(400, "invalid_request", f"unknown query parameters: {sorted(unknown)}")
+        state_filter = query.get("state")
+        if state_filter is not None and state_filter not in _TASK_STATES:
+            raise HttpError(400, "invalid_request", f"state must be one of {sorted(_TASK_STATES)}")
+        tenant = query.get("tenant")
+        task_type = query.get("type")
+        limit = _int_param(query, "limit", 50, 1, self.config.max_list_limit)
+        before = _int_param(query, "before", 2**62, 1, 2**62)
+        state = self.node.state
+        found: list[m.TaskView] = []
+        # The task map is in ascending id order (ids are assigned increasing and applied in
+        # log order; snapshots keep the order), so walking it backwards is newest first.
+        for task_id in reversed(state.tasks):
+            if task_id >= before:
+                continue
+            task = state.tasks[task_id]
+            if state_filter is not None and task.state != state_filter:
+                continue
+            if tenant is not None and task.tenant != tenant:
+                continue
+            if task_type is not None and task.type != task_type:
+                continue
+            found.append(task_view(task, state.tree(task_id)))
+            if len(found) == limit:
+                break
+        next_before = found[-1].id if len(found) == limit else None
+        return 200, _json_encoder.encode(m.RecentTaskList(found, next_before))
+
     async def openapi(self, request: Request) -> tuple[int, bytes]:
         if self._openapi is None:
             self._openapi = _json_encoder.encode(openapi_document())
         return 200, self._openapi
+
+
+_PEER_STATUS_TIMEOUT_S: Final = 1.0  # a frozen peer must not stall the dashboard
+
+
+async def _peer_status(client: httpx.AsyncClient, peer: m.BrokerSummary) -> m.BrokerStatus:
+    """A peer broker's own view of itself, from its /healthz (503 still has a body)."""
+    status = m.BrokerStatus(
+        id=peer.id, url=peer.url, role="unreachable", is_leader=False, reachable=False
+    )
+    if not peer.url:
+        status.error = "no URL advertised"
+        return status
+    try:
+        response = await client.get(peer.url + "/healthz")
+        health = msgspec.json.decode(response.content, type=m.Health)
+    except (httpx.HTTPError, msgspec.DecodeError) as exc:
+        status.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return status
+    status.role = health.role
+    status.reachable = True
+    status.writable = health.writable
+    status.position = health.position
+    status.error = health.reason
+    return status
 
 
 def artifact_view(artifact: Artifact) -> m.ArtifactView:
@@ -996,6 +1144,9 @@ def openapi_document() -> dict[str, Any]:
         m.ClusterConfigView,
         m.Health,
         m.ErrorBody,
+        m.BrokerStatusList,
+        m.ThroughputView,
+        m.RecentTaskList,
     ]
     refs, components = m.schema_components(types)
     ref = {t.__name__: r for t, r in zip(types, refs, strict=True)}
@@ -1216,6 +1367,68 @@ def openapi_document() -> dict[str, Any]:
                     },
                     **errors,
                 },
+            }
+        },
+        # The web dashboard: its page (no authentication: it holds no data; it reads the API
+        # below with the user's token) and read-only views for it.
+        "/": {
+            "get": {
+                "summary": "The web dashboard (an HTML page)",
+                "responses": {
+                    "200": {
+                        "description": "The page",
+                        "content": {"text/html": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
+        "/dashboard/{name}": {
+            "get": {
+                "summary": "The dashboard's script, style sheet and icon",
+                "parameters": [
+                    {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "responses": {
+                    "200": {
+                        "description": "The file",
+                        "content": {
+                            "text/javascript": {"schema": {"type": "string"}},
+                            "text/css": {"schema": {"type": "string"}},
+                            "image/svg+xml": {"schema": {"type": "string"}},
+                        },
+                    },
+                    **errors,
+                },
+            }
+        },
+        "/api/v1/cluster/brokers": {
+            "get": {
+                "summary": "Every live broker's own role and log position, and its lag",
+                "description": (
+                    "The answering broker asks each peer's /healthz (1 s timeout); a peer that "
+                    "does not answer is listed as unreachable. lag_entries: entries behind "
+                    "the leader when both are in the same ledger."
+                ),
+                "responses": {"200": response("BrokerStatusList"), **errors},
+            }
+        },
+        "/api/v1/stats/throughput": {
+            "get": {
+                "summary": "Tasks submitted, finished, failed, cancelled per recent time bucket",
+                "responses": {"200": response("ThroughputView"), **errors},
+            }
+        },
+        "/api/v1/tasks/recent": {
+            "get": {
+                "summary": "Search tasks, newest first (paginate with before)",
+                "parameters": [
+                    query("state", {"type": "string", "enum": sorted(_TASK_STATES)}),
+                    query("tenant", {"type": "string"}),
+                    query("type", {"type": "string"}),
+                    query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
+                    query("before", {"type": "integer", "minimum": 1, "maximum": 2**62}),
+                ],
+                "responses": {"200": response("RecentTaskList"), **errors},
             }
         },
     }
