@@ -1407,7 +1407,9 @@ def openapi_document() -> dict[str, Any]:
                 "description": (
                     "The answering broker asks each peer's /healthz (1 s timeout); a peer that "
                     "does not answer is listed as unreachable. lag_entries: entries behind "
-                    "the leader when both are in the same ledger."
+                    "the leader's position when both are in the same ledger (an idle "
+                    "leader's last entry is a Confirm marker that followers apply only "
+                    "with the next entry, so 1 means in sync)."
                 ),
                 "responses": {"200": response("BrokerStatusList"), **errors},
             }

@@ -185,7 +185,10 @@ function renderBrokers(status) {
     if (b.is_leader) lag = h("span", { class: "lag-ok" }, "—");
     else if (b.behind_ledgers) lag = h("span", { class: "lag-behind" }, "older ledger");
     else if (b.lag_entries === null || b.lag_entries === undefined) lag = h("span", { class: "muted" }, "?");
-    else lag = h("span", { class: b.lag_entries > 0 ? "lag-behind" : "lag-ok" }, b.lag_entries + " entries");
+    // An idle leader's last entry is a Confirm marker that followers apply only once a
+    // later entry confirms it: one entry behind is in sync.
+    else if (b.lag_entries <= 1) lag = h("span", { class: "lag-ok", title: b.lag_entries + " entries behind the leader's last entry" }, "in sync");
+    else lag = h("span", { class: "lag-behind" }, b.lag_entries + " entries");
     const here = b.id === status.answered_by;
     return h(
       "tr",

@@ -11,6 +11,7 @@ full-page screenshot to ``test-artifacts/dashboard.png`` (git-ignored; the path 
 
 from __future__ import annotations
 
+import base64
 import json
 import struct
 from collections.abc import Callable, Iterator
@@ -253,12 +254,19 @@ def test_dashboard_shows_the_cluster_in_headless_chromium(
         errors = _console_errors(browser)
         assert not errors, f"browser console errors: {errors}"
 
-        # Full page: make the window as tall as the document, then capture it.
-        height = int(browser.execute_script("return document.documentElement.scrollHeight"))
-        browser.set_window_size(1440, min(max(height + 40, 900), 4000))
-        browser.execute_script("window.scrollTo(0, 0)")
+        # The whole page, beyond the window (Chrome DevTools Protocol).
+        size = browser.execute_cdp_cmd("Page.getLayoutMetrics", {})["cssContentSize"]
+        shot = browser.execute_cdp_cmd(
+            "Page.captureScreenshot",
+            {
+                "format": "png",
+                "captureBeyondViewport": True,
+                "clip": {"x": 0, "y": 0, "width": size["width"], "height": size["height"]}
+                | {"scale": 1},
+            },
+        )
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-        assert browser.save_screenshot(str(SCREENSHOT)), "the screenshot was not saved"
+        SCREENSHOT.write_bytes(base64.b64decode(shot["data"]))
         print(f"\ndashboard screenshot: {SCREENSHOT}")
 
     data = SCREENSHOT.read_bytes()
