@@ -74,6 +74,11 @@ function ago(iso) {
   return duration(seconds) + " ago";
 }
 
+// "2026-11-22T10:00:00.123Z" -> "2026-11-22 10:00:00.123 UTC"
+function when(iso) {
+  return iso ? iso.replace("T", " ").replace(/Z$/, " UTC") : iso;
+}
+
 function timeCell(iso) {
   return h("td", { title: iso || "" }, ago(iso));
 }
@@ -199,7 +204,7 @@ function renderBrokers(status) {
         b.is_leader ? "leader" : b.role)),
       h("td", { class: "mono", title: b.error || "" }, pos),
       h("td", {}, lag),
-      h("td", {}, here ? duration(b.uptime_secs) : h("span", { class: "muted" }, b.writable ? "writable" : "")),
+      h("td", {}, here ? duration(b.uptime_secs) : h("span", { class: "muted", title: "known only to that broker" }, "—")),
       h("td", {}, b.url ? h("a", { href: b.url + "/", title: "open this broker's dashboard" }, b.url.replace(/^https?:\/\//, "")) : "—"),
     );
   });
@@ -313,7 +318,7 @@ function renderTasks(list) {
       h("td", { class: "mono" }, t.type),
       h("td", {}, t.tenant),
       h("td", {}, badge(t.state)),
-      h("td", { class: "num" }, t.attempt + " / " + t.max_attempts),
+      h("td", {}, t.attempt + " / " + t.max_attempts),
       h("td", {}, t.worker || h("span", { class: "muted" }, "—")),
       timeCell(t.created_at),
       timeCell(t.updated_at),
@@ -347,11 +352,11 @@ function renderDetail(task) {
     field("state", task.state),
     field("attempt", task.attempt + " of " + task.max_attempts),
     field("worker", task.worker),
-    field("created", task.created_at),
-    field("updated", task.updated_at),
-    field("finished", task.finished_at),
-    field("deadline", task.deadline),
-    field("start after", task.start_after),
+    field("created", when(task.created_at)),
+    field("updated", when(task.updated_at)),
+    field("finished", when(task.finished_at)),
+    field("deadline", when(task.deadline)),
+    field("start after", when(task.start_after)),
     field("slot", task.slot),
     field("transaction", task.transaction),
     field("code", task.code ? h("span", { class: "mono", title: task.code }, task.code.slice(0, 12) + "…") : null),

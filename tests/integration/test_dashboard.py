@@ -77,7 +77,8 @@ def browser() -> Iterator[WebDriver]:
         "--disable-extensions",
     ):
         options.add_argument(argument)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    # Console messages, and network events (to see the headers the page sends).
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
     driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
     driver.set_page_load_timeout(30)
     driver.set_script_timeout(10)
@@ -165,6 +166,56 @@ def _open_detail(driver: WebDriver, task_id: int) -> dict[str, str]:
     return found
 
 
+def _api_requests(driver: WebDriver) -> list[tuple[str, str | None]]:
+    """(URL, Authorization header) of the API requests the page sent since the last call."""
+    found: list[tuple[str, str | None]] = []
+    entries: list[dict[str, Any]] = driver.get_log("performance")  # type: ignore[no-untyped-call]
+    for entry in entries:
+        message = json.loads(entry["message"])["message"]
+        if message.get("method") != "Network.requestWillBeSent":
+            continue
+        request = message["params"]["request"]
+        if "/api/v1/" not in request["url"]:
+            continue
+        headers = {name.lower(): value for name, value in request.get("headers", {}).items()}
+        found.append((request["url"], headers.get("authorization")))
+    return found
+
+
+def _wait_requests(
+    driver: WebDriver, check: Callable[[list[tuple[str, str | None]]], bool], what: str
+) -> None:
+    seen: list[tuple[str, str | None]] = []
+
+    def ready(d: WebDriver) -> bool:
+        seen.extend(_api_requests(d))
+        return check(seen)
+
+    try:
+        WebDriverWait(driver, PAGE_WAIT_S, poll_frequency=0.2).until(ready)
+    except TimeoutException:
+        raise AssertionError(f"the page sent no {what}; it sent {seen[-20:]}") from None
+
+
+def _all_with_token(seen: list[tuple[str, str | None]], token: str) -> bool:
+    """From the first call with the token on (a refresh may have started before it was
+    set), every call has it, and a whole refresh's calls were seen."""
+    bearer = f"Bearer {token}"
+    first = next((i for i, (_, auth) in enumerate(seen) if auth == bearer), None)
+    if first is None:
+        return False
+    since = seen[first:]
+    assert all(auth == bearer for _, auth in since), f"a call without the token: {since}"
+    endpoints = {url.split("?")[0].split("/api/v1/")[1] for url, _ in since}
+    return endpoints >= {
+        "cluster",
+        "cluster/brokers",
+        "tenants",
+        "stats/throughput",
+        "tasks/recent",
+    }
+
+
 def _png_size(data: bytes) -> tuple[int, int]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG file"
     width, height = struct.unpack(">II", data[16:24])
@@ -226,6 +277,22 @@ def test_dashboard_shows_the_cluster_in_headless_chromium(
         assert '"label": "dashboard-check"' in detail["params"]
         assert '"slept": 0.2' in detail["result"]
         assert "finished" in detail["title"]
+
+        # A token typed in is kept in sessionStorage and sent on every API call; Clear stops it.
+        token = "dashboard-test-token"
+        browser.find_element(By.ID, "token-input").send_keys(token)
+        _api_requests(browser)  # drop what was sent before
+        browser.find_element(By.CSS_SELECTOR, "#token-form button[type=submit]").click()
+        _wait_requests(browser, lambda seen: _all_with_token(seen, token), "calls with the token")
+        assert browser.execute_script("return sessionStorage.getItem('steward.apiToken')") == token
+        browser.find_element(By.ID, "token-clear").click()
+        _api_requests(browser)
+        _wait_requests(
+            browser,
+            lambda seen: any(u.endswith("/api/v1/cluster") and a is None for u, a in seen),
+            "API call without a token after Clear",
+        )
+        assert browser.execute_script("return sessionStorage.getItem('steward.apiToken')") is None
 
         # And the leader; the screenshot shows its page with the failed task's detail.
         browser.get(leader.url + "/")
