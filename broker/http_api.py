@@ -9,9 +9,11 @@ nothing is logged for a request that is rejected before it is logged.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import re
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -891,7 +893,9 @@ class ApiApp:
             leader_id = leader.id if leader is not None else None
             peers = [b for b in view.brokers() if b.id != own.id]
             if peers:
-                async with httpx.AsyncClient(timeout=_PEER_STATUS_TIMEOUT_S) as client:
+                async with httpx.AsyncClient(
+                    timeout=_PEER_STATUS_TIMEOUT_S, verify=_peer_ssl_context()
+                ) as client:
                     statuses += await asyncio.gather(
                         *(_peer_status(client, peer) for peer in peers)
                     )
@@ -967,6 +971,13 @@ class ApiApp:
 
 
 _PEER_STATUS_TIMEOUT_S: Final = 1.0  # a frozen peer must not stall the dashboard
+
+
+@functools.cache
+def _peer_ssl_context() -> ssl.SSLContext:
+    # Once: building one loads the CA bundle (~50 ms), which would stall the event loop
+    # on every dashboard refresh.
+    return ssl.create_default_context()
 
 
 async def _peer_status(client: httpx.AsyncClient, peer: m.BrokerSummary) -> m.BrokerStatus:
