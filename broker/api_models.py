@@ -197,9 +197,6 @@ class WorkerSummary(msgspec.Struct):
     address: str
     running_tasks: int
     resources: dict[str, float]
-    # Concurrency per task type ("*": any type) and the tenants served (empty: all).
-    task_types: dict[str, int] = {}
-    tenants: list[str] = []
 
 
 class ClusterSummary(msgspec.Struct):
@@ -262,9 +259,30 @@ class BrokerStatus(msgspec.Struct):
 
 
 class BrokerStatusList(msgspec.Struct):
+    cluster_id: str
     answered_by: str
     leader: str | None
     brokers: list[BrokerStatus]
+
+
+class WorkerView(msgspec.Struct):
+    """A worker with its capacities and the tasks running on it."""
+
+    id: str
+    state: str  # "connected" or "dead"
+    address: str
+    task_types: dict[str, int]  # concurrency per task type ("*": any type)
+    resources: dict[str, float]  # resources offered
+    tenants: list[str]  # tenants served (empty: all)
+    running_tasks: int
+    running: list[int]  # the lowest ids of the running tasks, at most 50
+    connected_at: str
+    updated_at: str
+    reason: str | None = None  # why it is dead
+
+
+class WorkerList(msgspec.Struct):
+    workers: list[WorkerView]
 
 
 class ThroughputView(msgspec.Struct):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import heapq
 import logging
 import math
 import re
@@ -259,6 +260,7 @@ class ApiApp:
         self._add("/", GET=self.dashboard_page)
         self._add(r"/dashboard/([A-Za-z0-9_.-]{1,64})", GET=self.dashboard_asset)
         self._add("/api/v1/cluster/brokers", GET=self.broker_statuses)
+        self._add("/api/v1/workers", GET=self.list_workers)
         self._add("/api/v1/stats/throughput", GET=self.throughput_stats)
         self._add("/api/v1/tasks/recent", GET=self.recent_tasks)
 
@@ -760,8 +762,6 @@ class ApiApp:
                 address=w.address,
                 running_tasks=len(state.running_by_worker.get(w.id, ())),
                 resources=w.resources,
-                task_types=w.task_types,
-                tenants=w.tenants,
             )
             for w in state.workers.values()
         ]
@@ -912,8 +912,37 @@ class ApiApp:
             else:
                 status.lag_entries = 0  # ahead of the leader's last report: caught up
         statuses.sort(key=lambda status: status.id)
-        body = m.BrokerStatusList(answered_by=own.id, leader=leader_id, brokers=statuses)
+        body = m.BrokerStatusList(
+            cluster_id=node.config.cluster_id,
+            answered_by=own.id,
+            leader=leader_id,
+            brokers=statuses,
+        )
         return 200, _json_encoder.encode(body)
+
+    async def list_workers(self, request: Request) -> tuple[int, bytes]:
+        if request.query:
+            raise HttpError(400, "invalid_request", "this endpoint takes no query parameters")
+        state = self.node.state
+        views = []
+        for worker in sorted(state.workers.values(), key=lambda w: w.id):
+            running = state.running_by_worker.get(worker.id, set())
+            views.append(
+                m.WorkerView(
+                    id=worker.id,
+                    state=worker.state,
+                    address=worker.address,
+                    task_types=worker.task_types,
+                    resources=worker.resources,
+                    tenants=worker.tenants,
+                    running_tasks=len(running),
+                    running=heapq.nsmallest(_RUNNING_SHOWN, running),
+                    connected_at=iso_ms(worker.connected_ms) or "",
+                    updated_at=iso_ms(worker.updated_ms) or "",
+                    reason=worker.reason,
+                )
+            )
+        return 200, _json_encoder.encode(m.WorkerList(views))
 
     async def throughput_stats(self, request: Request) -> tuple[int, bytes]:
         if request.query:
@@ -970,6 +999,7 @@ class ApiApp:
         return 200, self._openapi
 
 
+_RUNNING_SHOWN: Final = 50  # running task ids listed per worker
 _PEER_STATUS_TIMEOUT_S: Final = 1.0  # a frozen peer must not stall the dashboard
 
 
@@ -1156,6 +1186,7 @@ def openapi_document() -> dict[str, Any]:
         m.Health,
         m.ErrorBody,
         m.BrokerStatusList,
+        m.WorkerList,
         m.ThroughputView,
         m.RecentTaskList,
     ]
@@ -1423,6 +1454,12 @@ def openapi_document() -> dict[str, Any]:
                     "with the next entry, so 1 means in sync)."
                 ),
                 "responses": {"200": response("BrokerStatusList"), **errors},
+            }
+        },
+        "/api/v1/workers": {
+            "get": {
+                "summary": "Every worker with its capacities and the tasks running on it",
+                "responses": {"200": response("WorkerList"), **errors},
             }
         },
         "/api/v1/stats/throughput": {

@@ -168,19 +168,20 @@ function showBanner(errors) {
 
 // --- renderers ---------------------------------------------------------------------------
 
-function renderCounts(cluster) {
-  const counts = cluster.tasks || {};
+// Task counts by state, summed over the tenants (every task belongs to one).
+function renderCounts(brokers, tenants) {
+  const counts = {};
+  for (const t of tenants) for (const [s, n] of Object.entries(t.counts || {})) counts[s] = (counts[s] || 0) + n;
   const total = STATES.reduce((sum, s) => sum + (counts[s] || 0), 0);
   const cards = [
     h("div", { class: "card leader", id: "leader-card" },
-      h("div", { class: "value" }, cluster.leader || "none"), h("div", { class: "label" }, "leader")),
+      h("div", { class: "value" }, brokers.leader || "none"), h("div", { class: "label" }, "leader")),
     h("div", { class: "card" }, h("div", { class: "value" }, total), h("div", { class: "label" }, "tasks")),
     ...STATES.map((s) =>
       h("div", { class: "card " + s, "data-state": s },
         h("div", { class: "value" }, counts[s] || 0), h("div", { class: "label" }, s))),
   ];
   $("task-counts").replaceChildren(...cards);
-  $("cluster-id").textContent = cluster.cluster_id ? "cluster " + cluster.cluster_id : "";
 }
 
 function renderBrokers(status) {
@@ -212,21 +213,14 @@ function renderBrokers(status) {
   const leader = status.brokers.find((b) => b.is_leader);
   $("brokers-hint").textContent = status.brokers.length + (leader ? " · leader " + leader.id : " · no leader");
   const here = status.brokers.find((b) => b.id === status.answered_by);
+  $("cluster-id").textContent = status.cluster_id ? "cluster " + status.cluster_id : "";
   const served = $("served-by");
   served.replaceChildren("served by ", h("b", {}, status.answered_by), here ? " (" + here.role + ")" : "");
 }
 
-function renderWorkers(cluster, running) {
-  const byWorker = new Map();
-  for (const task of running) {
-    if (!task.worker) continue;
-    if (!byWorker.has(task.worker)) byWorker.set(task.worker, []);
-    byWorker.get(task.worker).push(task.id);
-  }
-  const workers = cluster.workers || [];
+function renderWorkers(workers) {
   const rows = workers.map((w) => {
-    const ids = byWorker.get(w.id) || [];
-    const shown = ids.slice(0, 8).map((id) =>
+    const shown = w.running.slice(0, 8).map((id) =>
       h("span", { class: "chip link", title: "task " + id, onclick: () => openTask(id) }, "#" + id));
     const more = w.running_tasks > shown.length ? h("span", { class: "muted" }, " +" + (w.running_tasks - shown.length)) : null;
     return h(
@@ -234,7 +228,7 @@ function renderWorkers(cluster, running) {
       { "data-worker": w.id },
       h("td", {}, h("b", {}, w.id), h("div", { class: "muted mono" }, w.address),
         w.tenants && w.tenants.length ? h("div", { class: "muted" }, "tenants: " + w.tenants.join(", ")) : null),
-      h("td", {}, badge(w.state)),
+      h("td", { title: w.reason || "connected " + when(w.connected_at) }, badge(w.state)),
       h("td", {}, mapChips(w.task_types, " × ")),
       h("td", {}, mapChips(w.resources, " ")),
       h("td", {}, h("b", {}, w.running_tasks), " ", h("div", { class: "chips" }, shown), more),
@@ -406,13 +400,13 @@ async function refresh() {
       errors.push(error);
     });
   try {
-    const cluster = api("/api/v1/cluster");
-    const running = api("/api/v1/tasks/recent?state=running&limit=200").catch(() => ({ tasks: [] }));
+    const brokers = api("/api/v1/cluster/brokers");
+    const tenants = api("/api/v1/tenants");
     const jobs = [
-      guard(cluster, renderCounts),
-      guard(api("/api/v1/cluster/brokers"), renderBrokers),
-      guard(Promise.all([cluster, running]), ([c, r]) => renderWorkers(c, r.tasks)),
-      guard(api("/api/v1/tenants"), (body) => renderTenants(body.tenants)),
+      guard(brokers, renderBrokers),
+      guard(tenants, (body) => renderTenants(body.tenants)),
+      guard(Promise.all([brokers, tenants]), ([b, t]) => renderCounts(b, t.tenants)),
+      guard(api("/api/v1/workers"), (body) => renderWorkers(body.workers)),
       guard(api("/api/v1/stats/throughput"), renderCharts),
       guard(api(tasksQuery()), renderTasks),
     ];
@@ -424,7 +418,7 @@ async function refresh() {
       }));
     }
     await Promise.all(jobs);
-    // A failed cluster read is reported once (cards and workers share it).
+    // A failed read is reported once (the cards share the brokers' and tenants' reads).
     const unique = errors.filter((e, i) => errors.findIndex((o) => o.message === e.message) === i);
     showBanner(unique);
     $("updated").textContent = unique.length ? "refresh failed" : "updated " + new Date().toLocaleTimeString();

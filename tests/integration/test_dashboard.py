@@ -208,7 +208,7 @@ def _all_with_token(seen: list[tuple[str, str | None]], token: str) -> bool:
     assert all(auth == bearer for _, auth in since), f"a call without the token: {since}"
     endpoints = {url.split("?")[0].split("/api/v1/")[1] for url, _ in since}
     return endpoints >= {
-        "cluster",
+        "workers",
         "cluster/brokers",
         "tenants",
         "stats/throughput",
@@ -289,7 +289,7 @@ def test_dashboard_shows_the_cluster_in_headless_chromium(
         _api_requests(browser)
         _wait_requests(
             browser,
-            lambda seen: any(u.endswith("/api/v1/cluster") and a is None for u, a in seen),
+            lambda seen: any(u.endswith("/api/v1/tenants") and a is None for u, a in seen),
             "API call without a token after Clear",
         )
         assert browser.execute_script("return sessionStorage.getItem('steward.apiToken')") is None

@@ -278,6 +278,38 @@ async def test_broker_statuses_of_a_standalone_broker(api: tuple[Node, httpx.Asy
     _error(await client.get("/api/v1/cluster/brokers?x=1"), 400, "invalid_request")
 
 
+async def test_workers_with_capacities_and_running_tasks(
+    api: tuple[Node, httpx.AsyncClient],
+) -> None:
+    node, client = api
+    assert (await client.get("/api/v1/workers")).json() == {"workers": []}
+    await node.propose(
+        lambda s: e.RegisterWorker(
+            time_ms=s.now_ms,
+            worker_id="w2",
+            address="10.0.0.2:1",
+            resources={"cpu": 4.0},
+            task_types={"sleep": 2, "*": 1},
+            tenants=("a",),
+        )
+    )
+    ids = [await _submit(client, tenant="a") for _ in range(3)]
+    await node.propose(
+        lambda s: e.AssignTasks(
+            time_ms=s.now_ms, assignments=tuple(e.Assignment(i, "w2") for i in ids[:2])
+        )
+    )
+    body = (await client.get("/api/v1/workers")).json()
+    [worker] = body["workers"]
+    assert worker["id"] == "w2" and worker["state"] == "connected"
+    assert worker["address"] == "10.0.0.2:1"
+    assert worker["task_types"] == {"sleep": 2, "*": 1}
+    assert worker["resources"] == {"cpu": 4.0} and worker["tenants"] == ["a"]
+    assert worker["running_tasks"] == 2 and worker["running"] == ids[:2]
+    assert worker["connected_at"].endswith("Z") and worker["reason"] is None
+    _error(await client.get("/api/v1/workers?x=1"), 400, "invalid_request")
+
+
 class FakeView:
     """The API's ClusterView with fixed peers."""
 
@@ -367,6 +399,7 @@ async def test_broker_statuses_ask_each_peer_and_compute_lag(tmp_path: Path) -> 
             by_id = {b["id"]: b for b in body["brokers"]}
             own_id = node.config.broker_id
             assert body["leader"] == "p-leader" and body["answered_by"] == own_id
+            assert body["cluster_id"] == node.config.cluster_id
             assert [b["id"] for b in body["brokers"]] == sorted(by_id)
             assert by_id["p-leader"]["is_leader"] and by_id["p-leader"]["role"] == "leader"
             assert by_id["p-leader"]["lag_entries"] == 0
