@@ -14,7 +14,9 @@ from __future__ import annotations
 import base64
 import json
 import struct
+import threading
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from broker.zk import ZooKeeperServer
 from tests.cluster_procs import BrokerNode, ClusterProcesses
+from tests.procs import HOST, BrokerProcess
 from tests.worker_procs import wait_until
 
 pytest_plugins = ["tests.zk_fixture"]
@@ -340,3 +343,133 @@ def test_dashboard_shows_the_cluster_in_headless_chromium(
     width, height = _png_size(data)
     assert width >= 1000 and height >= 800, (width, height)
     assert len(data) > 50_000, f"the screenshot is only {len(data)} bytes"
+
+
+# --- 401 and 403 -------------------------------------------------------------------------------
+
+
+class AuthGate:
+    """An HTTP front for one broker that answers API calls as an authenticating broker does
+    (401 without a known token, 403 for a tenant token on the admin's cluster-wide views,
+    with the API's JSON error body) and passes everything else through. It stands in for
+    the API's own authentication, which is merged separately: what is tested here is the
+    page's side, that it sends the token and says clearly what a 401 or 403 means."""
+
+    ADMIN_TOKEN = "admin-secret"
+    TENANT_TOKEN = "tenant-secret"
+    ADMIN_ONLY = frozenset(
+        {"/api/v1/cluster/brokers", "/api/v1/workers", "/api/v1/stats/throughput"}
+    )
+
+    def __init__(self, upstream: str) -> None:
+        gate = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                status, content_type, body = gate.answer(
+                    self.path, self.headers.get("authorization")
+                )
+                self.send_response(status)
+                self.send_header("content-type", content_type)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # quiet
+
+        self.upstream = upstream
+        self.http = httpx.Client(base_url=upstream, timeout=10)
+        self.server = ThreadingHTTPServer((HOST, 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.server.server_address[1]}"
+
+    def answer(self, path: str, authorization: str | None) -> tuple[int, str, bytes]:
+        if path.startswith("/api/"):
+            if authorization is None:
+                return self._error(401, "unauthorized", "an API token is required")
+            if authorization not in (f"Bearer {self.ADMIN_TOKEN}", f"Bearer {self.TENANT_TOKEN}"):
+                return self._error(401, "unauthorized", "unknown or revoked API token")
+            admin = authorization == f"Bearer {self.ADMIN_TOKEN}"
+            if not admin and path.split("?")[0] in self.ADMIN_ONLY:
+                return self._error(403, "forbidden", "this needs an admin token")
+        response = self.http.get(path)
+        return response.status_code, response.headers["content-type"], response.content
+
+    @staticmethod
+    def _error(status: int, code: str, message: str) -> tuple[int, str, bytes]:
+        body = json.dumps({"error": {"code": code, "message": message}}).encode()
+        return status, "application/json", body
+
+    def __enter__(self) -> AuthGate:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+        self.http.close()
+
+
+def _enter_token(driver: WebDriver, token: str) -> None:
+    field = driver.find_element(By.ID, "token-input")
+    field.clear()
+    field.send_keys(token)
+    driver.find_element(By.CSS_SELECTOR, "#token-form button[type=submit]").click()
+
+
+def test_dashboard_says_when_a_token_is_needed_or_not_enough(
+    tmp_path: Path, browser: WebDriver
+) -> None:
+    with BrokerProcess(tmp_path / "data", log_path=tmp_path / "broker.log") as broker:
+        broker.start()
+        response = httpx.post(
+            broker.url + "/api/v1/tasks", json={"type": "noop", "tenant": "acme"}, timeout=10
+        )
+        assert response.status_code == 201, response.text
+        task_id = int(response.json()["id"])
+        with AuthGate(broker.url) as gate:
+            browser.get(gate.url + "/")
+            state = _wait_page(
+                browser,
+                lambda s: "needs an API token (401)" in s["banner"],
+                "that it needs a token",
+            )
+            assert state["brokers"] == [] and state["tasks"] == []
+            assert "auth" in browser.find_element(By.ID, "banner").get_attribute("class")
+
+            _enter_token(browser, "wrong")
+            _wait_page(browser, lambda s: "token was refused (401)" in s["banner"], "a refusal")
+
+            # A tenant's token reads its tasks and tenants, not the cluster-wide views.
+            _enter_token(browser, AuthGate.TENANT_TOKEN)
+            state = _wait_page(
+                browser,
+                lambda s: (
+                    "(403)" in s["banner"]
+                    and task_id in s["tasks"]
+                    and any(t["name"] == "acme" for t in s["tenants"])
+                ),
+                "the tenant's task and a 403 note",
+            )
+            assert "may not read everything" in state["banner"]
+
+            _enter_token(browser, AuthGate.ADMIN_TOKEN)
+            state = _wait_page(
+                browser,
+                lambda s: (
+                    s["banner"] == ""
+                    and [b["leader"] for b in s["brokers"]] == [True]
+                    and task_id in s["tasks"]
+                ),
+                "everything, without a warning",
+            )
+            assert state["brokers"][0]["role"] == "standalone"
+
+        # 401s and 403s are logged by Chrome as failed loads; no script error is allowed.
+        script_errors = [e for e in _console_errors(browser) if e.get("source") != "network"]
+        assert not script_errors, f"browser console errors: {script_errors}"
