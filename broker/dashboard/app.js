@@ -357,7 +357,7 @@ function renderDetail(task) {
     field("resources", Object.keys(task.resources || {}).length ? mapChips(task.resources, " ") : null),
     field("tree", tree ? h("span", {}, badge(tree.state, tree.state === "completed" ? "finished" : tree.state === "failed" ? "error" : "waiting"),
       " attempt " + tree.attempt + ", timeout " + tree.timeout_s + " s" + (tree.reason ? " — " + tree.reason : "")) : null),
-    field("tree root", task.root !== null && task.root !== undefined ? taskLink(task.root) : null),
+    field("tree root", task.root !== null && task.root !== undefined && task.root !== task.id ? taskLink(task.root) : null),
     field("parent", task.parent !== null && task.parent !== undefined ? taskLink(task.parent) : null),
   ];
   $("detail-fields").replaceChildren(...fields.filter(Boolean));

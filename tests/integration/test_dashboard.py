@@ -240,8 +240,13 @@ def test_dashboard_shows_the_cluster_in_headless_chromium(
             timeout=10,
         )
         assert response.status_code == 200, response.text
+        # The root of a tracked tree (of one task), for the tree status in its detail.
         finished_id = _submit(
-            leader, type="sleep", tenant=TENANT, params={"seconds": 0.2, "label": "dashboard-check"}
+            leader,
+            type="sleep",
+            tenant=TENANT,
+            params={"seconds": 0.2, "label": "dashboard-check"},
+            track_tree=True,
         )
         failed_id = _submit(
             leader, type="fail", tenant=TENANT, params={"message": "dashboard boom"}
@@ -280,6 +285,7 @@ def test_dashboard_shows_the_cluster_in_headless_chromium(
         assert '"label": "dashboard-check"' in detail["params"]
         assert '"slept": 0.2' in detail["result"]
         assert "finished" in detail["title"]
+        assert "tree" in detail["fields"] and "completed" in detail["fields"], detail["fields"]
 
         # A token typed in is kept in sessionStorage and sent on every API call; Clear stops it.
         token = "dashboard-test-token"
