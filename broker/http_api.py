@@ -9,26 +9,23 @@ nothing is logged for a request that is rejected before it is logged.
 from __future__ import annotations
 
 import asyncio
-import functools
 import heapq
 import logging
 import math
 import re
-import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, Protocol, TypeVar
 from urllib.parse import parse_qsl
 
-import httpx
 import msgspec
 from msgspec import UnsetType
 
 from broker import api_models as m
+from broker import dashboard
 from broker import entries as e
 from broker.code_store import CodeStore, InvalidArtifactError, validate_artifact
-from broker.dashboard import ASSET_TYPES, SECURITY_HEADERS, ThroughputRecorder, read_asset
 from broker.node import VERSION, BrokerUnavailableError, Node, Role, Stamp
 from broker.state import (
     FINAL_STATES,
@@ -252,17 +249,17 @@ class ApiApp:
         self._add(r"/api/v1/code/([0-9a-f]{64})", GET=self.download_code)
         self._add("/api/v1/cluster", GET=self.cluster)
         self._add("/api/v1/config", GET=self.get_config, PUT=self.put_config)
-        self._add("/api/v1/state/digest", GET=self.digest)
-        # GET only: a body is never read, and the answer may be tens of MB (one response).
-        self._add(LATEST_SNAPSHOT_PATH, GET=self.latest_snapshot)
         # The web dashboard (static page, no auth: it holds no data) and its read-only data.
-        self.throughput = ThroughputRecorder(node)
+        self.throughput = dashboard.ThroughputRecorder(node)
         self._add("/", GET=self.dashboard_page)
         self._add(r"/dashboard/([A-Za-z0-9_.-]{1,64})", GET=self.dashboard_asset)
         self._add("/api/v1/cluster/brokers", GET=self.broker_statuses)
         self._add("/api/v1/workers", GET=self.list_workers)
         self._add("/api/v1/stats/throughput", GET=self.throughput_stats)
         self._add("/api/v1/tasks/recent", GET=self.recent_tasks)
+        self._add("/api/v1/state/digest", GET=self.digest)
+        # GET only: a body is never read, and the answer may be tens of MB (one response).
+        self._add(LATEST_SNAPSHOT_PATH, GET=self.latest_snapshot)
 
     def _add(self, pattern: str, max_body_bytes: int | None = None, **handlers: Handler) -> None:
         route = Route(pattern, max_body_bytes or self.config.max_request_bytes)
@@ -833,34 +830,16 @@ class ApiApp:
         body = m.DigestBody(position=self._position(), digest=self.node.state.digest())
         return 200, _json_encoder.encode(body)
 
-    async def health(self, request: Request) -> tuple[int, bytes]:
-        node = self.node
-        writable = node.writable
-        reason = None if writable else node._unavailable_reason()
-        # A cluster broker is healthy while it serves reads (any role but idle); whether
-        # it takes writes is the "writable" field. A standalone one must take writes.
-        serving = writable or (
-            self.cluster_view is not None and node.role in (Role.FOLLOWER, Role.CANDIDATE)
-        )
-        body = m.Health(
-            status="ok" if serving else "unavailable",
-            writable=writable,
-            position=self._position(),
-            reason=reason,
-            role=str(node.role),
-        )
-        return (200 if serving else 503), _json_encoder.encode(body)
-
     # --- dashboard ----------------------------------------------------------------------------
 
     @staticmethod
     def _asset(name: str) -> Binary:
-        data = read_asset(name)
+        data = dashboard.read_asset(name)
         if data is None:
             raise HttpError(404, "not_found", f"no such dashboard file: {name}")
         body = Binary(data)
-        body.content_type = ASSET_TYPES[name]
-        body.headers = SECURITY_HEADERS
+        body.content_type = dashboard.ASSET_TYPES[name]
+        body.headers = dashboard.SECURITY_HEADERS
         return body
 
     async def dashboard_page(self, request: Request) -> tuple[int, bytes]:
@@ -886,32 +865,13 @@ class ApiApp:
             position=self._position(),
             uptime_secs=round((node.clock_ms() - node.stats.started_ms) / 1000, 3),
         )
-        statuses = [own]
-        leader_id: str | None = own.id if view is None else None
+        leader_id: str | None = own.id
+        peers: list[m.BrokerSummary] = []
         if view is not None:
             leader = view.leader()
             leader_id = leader.id if leader is not None else None
             peers = [b for b in view.brokers() if b.id != own.id]
-            if peers:
-                async with httpx.AsyncClient(
-                    timeout=_PEER_STATUS_TIMEOUT_S, verify=_peer_ssl_context()
-                ) as client:
-                    statuses += await asyncio.gather(
-                        *(_peer_status(client, peer) for peer in peers)
-                    )
-        by_id = {status.id: status for status in statuses}
-        reference = by_id.get(leader_id) if leader_id is not None else None
-        for status in statuses:
-            status.is_leader = status.id == leader_id
-            if reference is None or reference.position is None or status.position is None:
-                continue
-            if status.position.ledger_id == reference.position.ledger_id:
-                status.lag_entries = max(0, reference.position.entry_id - status.position.entry_id)
-            elif status.position.ledger_id < reference.position.ledger_id:
-                status.behind_ledgers = True
-            else:
-                status.lag_entries = 0  # ahead of the leader's last report: caught up
-        statuses.sort(key=lambda status: status.id)
+        statuses = await dashboard.broker_statuses(own, peers, leader_id)
         body = m.BrokerStatusList(
             cluster_id=node.config.cluster_id,
             answered_by=own.id,
@@ -936,7 +896,7 @@ class ApiApp:
                     resources=worker.resources,
                     tenants=worker.tenants,
                     running_tasks=len(running),
-                    running=heapq.nsmallest(_RUNNING_SHOWN, running),
+                    running=heapq.nsmallest(dashboard.RUNNING_SHOWN, running),
                     connected_at=iso_ms(worker.connected_ms) or "",
                     updated_at=iso_ms(worker.updated_ms) or "",
                     reason=worker.reason,
@@ -993,43 +953,28 @@ class ApiApp:
         next_before = found[-1].id if len(found) == limit else None
         return 200, _json_encoder.encode(m.RecentTaskList(found, next_before))
 
+    async def health(self, request: Request) -> tuple[int, bytes]:
+        node = self.node
+        writable = node.writable
+        reason = None if writable else node._unavailable_reason()
+        # A cluster broker is healthy while it serves reads (any role but idle); whether
+        # it takes writes is the "writable" field. A standalone one must take writes.
+        serving = writable or (
+            self.cluster_view is not None and node.role in (Role.FOLLOWER, Role.CANDIDATE)
+        )
+        body = m.Health(
+            status="ok" if serving else "unavailable",
+            writable=writable,
+            position=self._position(),
+            reason=reason,
+            role=str(node.role),
+        )
+        return (200 if serving else 503), _json_encoder.encode(body)
+
     async def openapi(self, request: Request) -> tuple[int, bytes]:
         if self._openapi is None:
             self._openapi = _json_encoder.encode(openapi_document())
         return 200, self._openapi
-
-
-_RUNNING_SHOWN: Final = 50  # running task ids listed per worker
-_PEER_STATUS_TIMEOUT_S: Final = 1.0  # a frozen peer must not stall the dashboard
-
-
-@functools.cache
-def _peer_ssl_context() -> ssl.SSLContext:
-    # Once: building one loads the CA bundle (~50 ms), which would stall the event loop
-    # on every dashboard refresh.
-    return ssl.create_default_context()
-
-
-async def _peer_status(client: httpx.AsyncClient, peer: m.BrokerSummary) -> m.BrokerStatus:
-    """A peer broker's own view of itself, from its /healthz (503 still has a body)."""
-    status = m.BrokerStatus(
-        id=peer.id, url=peer.url, role="unreachable", is_leader=False, reachable=False
-    )
-    if not peer.url:
-        status.error = "no URL advertised"
-        return status
-    try:
-        response = await client.get(peer.url + "/healthz")
-        health = msgspec.json.decode(response.content, type=m.Health)
-    except (httpx.HTTPError, msgspec.DecodeError) as exc:
-        status.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        return status
-    status.role = health.role
-    status.reachable = True
-    status.writable = health.writable
-    status.position = health.position
-    status.error = health.reason
-    return status
 
 
 def artifact_view(artifact: Artifact) -> m.ArtifactView:
@@ -1173,6 +1118,10 @@ def openapi_document() -> dict[str, Any]:
         m.TaskRefBody,
         m.TaskView,
         m.TaskList,
+        m.BrokerStatusList,  # the dashboard's views
+        m.WorkerList,
+        m.ThroughputView,
+        m.RecentTaskList,
         m.TransactionBegin,
         m.TransactionView,
         m.TransactionOutcome,
@@ -1185,10 +1134,6 @@ def openapi_document() -> dict[str, Any]:
         m.ClusterConfigView,
         m.Health,
         m.ErrorBody,
-        m.BrokerStatusList,
-        m.WorkerList,
-        m.ThroughputView,
-        m.RecentTaskList,
     ]
     refs, components = m.schema_components(types)
     ref = {t.__name__: r for t, r in zip(types, refs, strict=True)}
@@ -1376,41 +1321,6 @@ def openapi_document() -> dict[str, Any]:
         "/api/v1/cluster": {
             "get": {"summary": "Cluster summary", "responses": {"200": response("ClusterSummary")}}
         },
-        "/api/v1/config": {
-            "get": {
-                "summary": "Replicated cluster settings",
-                "responses": {"200": response("ClusterConfigView"), **errors},
-            },
-            "put": {
-                "summary": "Change global resource limits or the finished-task retention",
-                "requestBody": body("ClusterConfigPatch"),
-                "responses": {"200": response("ClusterConfigView"), **errors},
-            },
-        },
-        "/api/v1/state/digest": {
-            "get": {
-                "summary": "Digest of the replicated state at the applied position",
-                "responses": {"200": response("DigestBody")},
-            }
-        },
-        LATEST_SNAPSHOT_PATH: {
-            "get": {
-                "summary": "This broker's newest snapshot file (for a peer that has none)",
-                "responses": {
-                    "200": {
-                        "description": "The snapshot file's bytes, verified by the reader",
-                        "headers": {
-                            POSITION_HEADER: {
-                                "description": "Log position it reflects: ledger_id:entry_id",
-                                "schema": {"type": "string", "pattern": r"^\d+:\d+$"},
-                            }
-                        },
-                        "content": {"application/octet-stream": {"schema": {"type": "string"}}},
-                    },
-                    **errors,
-                },
-            }
-        },
         # The web dashboard: its page (no authentication: it holds no data; it reads the API
         # below with the user's token) and read-only views for it.
         "/": {
@@ -1479,6 +1389,41 @@ def openapi_document() -> dict[str, Any]:
                     query("before", {"type": "integer", "minimum": 1, "maximum": 2**62}),
                 ],
                 "responses": {"200": response("RecentTaskList"), **errors},
+            }
+        },
+        "/api/v1/config": {
+            "get": {
+                "summary": "Replicated cluster settings",
+                "responses": {"200": response("ClusterConfigView"), **errors},
+            },
+            "put": {
+                "summary": "Change global resource limits or the finished-task retention",
+                "requestBody": body("ClusterConfigPatch"),
+                "responses": {"200": response("ClusterConfigView"), **errors},
+            },
+        },
+        "/api/v1/state/digest": {
+            "get": {
+                "summary": "Digest of the replicated state at the applied position",
+                "responses": {"200": response("DigestBody")},
+            }
+        },
+        LATEST_SNAPSHOT_PATH: {
+            "get": {
+                "summary": "This broker's newest snapshot file (for a peer that has none)",
+                "responses": {
+                    "200": {
+                        "description": "The snapshot file's bytes, verified by the reader",
+                        "headers": {
+                            POSITION_HEADER: {
+                                "description": "Log position it reflects: ledger_id:entry_id",
+                                "schema": {"type": "string", "pattern": r"^\d+:\d+$"},
+                            }
+                        },
+                        "content": {"application/octet-stream": {"schema": {"type": "string"}}},
+                    },
+                    **errors,
+                },
             }
         },
     }

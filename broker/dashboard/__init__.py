@@ -8,10 +8,16 @@ typed, when one is set), so serving the files needs no authentication.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import ssl
 from importlib import resources
 from typing import Final
 
+import httpx
+import msgspec
+
+from broker import api_models as m
 from broker import entries as e
 from broker.node import Node
 from broker.state import ApplyResult, StopRunning, TaskRef, TaskState
@@ -114,3 +120,65 @@ class ThroughputRecorder:
         rows = [self._counts.get(s, empty) for s in starts]
         series = {kind: [row[i] for row in rows] for i, kind in enumerate(self.KINDS)}
         return starts[-1] + self.bucket_ms, series
+
+
+# --- broker statuses --------------------------------------------------------------------------
+
+RUNNING_SHOWN: Final = 50  # running task ids listed per worker
+PEER_STATUS_TIMEOUT_S: Final = 1.0  # a frozen peer must not stall the dashboard
+
+
+@functools.cache
+def peer_ssl_context() -> ssl.SSLContext:
+    # Once: building one loads the CA bundle (~50 ms), which would stall the event loop
+    # on every dashboard refresh.
+    return ssl.create_default_context()
+
+
+async def peer_status(client: httpx.AsyncClient, peer: m.BrokerSummary) -> m.BrokerStatus:
+    """A peer broker's own view of itself, from its /healthz (503 still has a body)."""
+    status = m.BrokerStatus(
+        id=peer.id, url=peer.url, role="unreachable", is_leader=False, reachable=False
+    )
+    if not peer.url:
+        status.error = "no URL advertised"
+        return status
+    try:
+        response = await client.get(peer.url + "/healthz")
+        health = msgspec.json.decode(response.content, type=m.Health)
+    except (httpx.HTTPError, msgspec.DecodeError) as exc:
+        status.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return status
+    status.role = health.role
+    status.reachable = True
+    status.writable = health.writable
+    status.position = health.position
+    status.error = health.reason
+    return status
+
+
+async def broker_statuses(
+    own: m.BrokerStatus, peers: list[m.BrokerSummary], leader_id: str | None
+) -> list[m.BrokerStatus]:
+    """``own`` and every peer's status (asked concurrently), sorted by id, with the leader
+    marked and each one's lag behind the leader's position."""
+    statuses = [own]
+    if peers:
+        async with httpx.AsyncClient(
+            timeout=PEER_STATUS_TIMEOUT_S, verify=peer_ssl_context()
+        ) as client:
+            statuses += await asyncio.gather(*(peer_status(client, peer) for peer in peers))
+    by_id = {status.id: status for status in statuses}
+    reference = by_id.get(leader_id) if leader_id is not None else None
+    for status in statuses:
+        status.is_leader = status.id == leader_id
+        if reference is None or reference.position is None or status.position is None:
+            continue
+        if status.position.ledger_id == reference.position.ledger_id:
+            status.lag_entries = max(0, reference.position.entry_id - status.position.entry_id)
+        elif status.position.ledger_id < reference.position.ledger_id:
+            status.behind_ledgers = True
+        else:
+            status.lag_entries = 0  # ahead of the leader's last report: caught up
+    statuses.sort(key=lambda status: status.id)
+    return statuses
