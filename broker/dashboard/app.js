@@ -5,7 +5,7 @@
 
 const REFRESH_MS = 2000;
 const TOKEN_KEY = "steward.apiToken";
-const TASK_PAGE = 25;
+const TASK_PAGE = 15;
 const STATES = ["pending", "delayed", "waiting", "running", "finished", "error", "cancelled"];
 const QUEUED = ["pending", "delayed", "waiting"];
 
