@@ -240,6 +240,76 @@ class Health(msgspec.Struct):
     role: str = "standalone"
 
 
+# --- dashboard (read-only views for the web page at /) ---------------------------------
+
+
+class BrokerStatus(msgspec.Struct):
+    """One live broker as it reports itself (its ``/healthz``), for the dashboard."""
+
+    id: str
+    url: str | None
+    # "leader", "follower", "candidate", "standalone", or "unreachable" (no answer).
+    role: str
+    is_leader: bool
+    reachable: bool
+    writable: bool = False
+    position: Position | None = None
+    # Entries behind the leader's position when both are in the same ledger; None when
+    # unknown (no leader, unreachable, or still in an older ledger: see behind_ledgers).
+    lag_entries: int | None = None
+    behind_ledgers: bool = False
+    uptime_secs: float | None = None  # only for the broker answering
+    error: str | None = None
+
+
+class BrokerStatusList(msgspec.Struct):
+    cluster_id: str
+    answered_by: str
+    leader: str | None
+    brokers: list[BrokerStatus]
+
+
+class WorkerView(msgspec.Struct):
+    """A worker with its capacities and the tasks running on it."""
+
+    id: str
+    state: str  # "connected" or "dead"
+    address: str
+    task_types: dict[str, int]  # concurrency per task type ("*": any type)
+    resources: dict[str, float]  # resources offered
+    tenants: list[str]  # tenants served (empty: all)
+    running_tasks: int
+    running: list[int]  # the lowest ids of the running tasks, at most 50
+    connected_at: str
+    updated_at: str
+    reason: str | None = None  # why it is dead
+
+
+class WorkerList(msgspec.Struct):
+    workers: list[WorkerView]
+
+
+class ThroughputView(msgspec.Struct):
+    """Tasks per bucket over the last minutes, oldest bucket first; the last bucket is
+    the current (partial) one. Counted by the answering broker from the entries it
+    applied (leader-stamped times), so every caught-up broker shows the same counts."""
+
+    bucket_s: float
+    end_ms: int  # end of the newest bucket, epoch ms
+    submitted: list[int]
+    finished: list[int]
+    failed: list[int]
+    cancelled: list[int]
+    max_task_id: int  # the highest task id assigned so far
+
+
+class RecentTaskList(msgspec.Struct):
+    """Matching tasks, newest (highest id) first; page on with ``before=next_before``."""
+
+    tasks: list[TaskView]
+    next_before: int | None
+
+
 def schema_components(types: list[Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     refs, components = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}"

@@ -28,6 +28,7 @@ import gc
 import logging
 import signal
 import socket
+import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -236,6 +237,10 @@ class ClusterBroker:
     @property
     def worker_tls(self) -> bool:
         return self.config.tls is not None
+
+    @property
+    def peer_ssl_context(self) -> ssl.SSLContext | None:
+        return self._peer_ssl
 
     def leader(self) -> m.BrokerSummary | None:
         info = self.elector.leader_info()

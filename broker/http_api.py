@@ -9,9 +9,11 @@ nothing is logged for a request that is rejected before it is logged.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import math
 import re
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -22,6 +24,7 @@ import msgspec
 from msgspec import UnsetType
 
 from broker import api_models as m
+from broker import dashboard
 from broker import entries as e
 from broker.auth import (
     ANONYMOUS_ADMIN,
@@ -116,6 +119,7 @@ class Binary(bytes):
 
     # Extra response headers (lowercase names), set on an instance when needed.
     headers: tuple[tuple[bytes, bytes], ...] = ()
+    content_type: bytes = b"application/octet-stream"
 
 
 class HttpError(Exception):
@@ -152,6 +156,10 @@ class ClusterView(Protocol):
     @property
     def worker_tls(self) -> bool:
         """Whether workers connect to the worker endpoint with TLS."""
+
+    @property
+    def peer_ssl_context(self) -> ssl.SSLContext | None:
+        """How to verify other brokers' HTTPS (None: the system's trust store)."""
 
     def leader(self) -> m.BrokerSummary | None:
         """The current leader (None: no leader known right now)."""
@@ -270,6 +278,14 @@ class ApiApp:
         self._add(r"/api/v1/code/([0-9a-f]{64})", GET=self.download_code)
         self._add("/api/v1/cluster", GET=self.cluster)
         self._add("/api/v1/config", GET=self.get_config, PUT=self.put_config)
+        # The web dashboard (static page, no auth: it holds no data) and its read-only data.
+        self.throughput = dashboard.ThroughputRecorder(node)
+        self._add("/", public=True, GET=self.dashboard_page)
+        self._add(r"/dashboard/([A-Za-z0-9_.-]{1,64})", public=True, GET=self.dashboard_asset)
+        self._add("/api/v1/cluster/brokers", GET=self.broker_statuses)
+        self._add("/api/v1/workers", GET=self.list_workers)
+        self._add("/api/v1/stats/throughput", GET=self.throughput_stats)
+        self._add("/api/v1/tasks/recent", GET=self.recent_tasks)
         self._add("/api/v1/state/digest", GET=self.digest)
         # GET only: a body is never read, and the answer may be tens of MB (one response).
         self._add(LATEST_SNAPSHOT_PATH, GET=self.latest_snapshot)
@@ -308,7 +324,7 @@ class ApiApp:
         except Exception:
             logger.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
             status, body = 500, _error_bytes("internal", "internal error; see the broker log")
-        content_type = b"application/octet-stream" if isinstance(body, Binary) else JSON_TYPE
+        content_type = body.content_type if isinstance(body, Binary) else JSON_TYPE
         if isinstance(body, Binary) and body.headers:
             extra_headers = body.headers
         await send(
@@ -978,6 +994,141 @@ class ApiApp:
         body = m.DigestBody(position=self._position(), digest=self.node.state.digest())
         return 200, _json_encoder.encode(body)
 
+    # --- dashboard ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _asset(name: str) -> Binary:
+        data = dashboard.read_asset(name)
+        if data is None:
+            raise HttpError(404, "not_found", f"no such dashboard file: {name}")
+        body = Binary(data)
+        body.content_type = dashboard.ASSET_TYPES[name]
+        body.headers = dashboard.SECURITY_HEADERS
+        return body
+
+    async def dashboard_page(self, request: Request) -> tuple[int, bytes]:
+        return 200, self._asset("index.html")
+
+    async def dashboard_asset(self, request: Request) -> tuple[int, bytes]:
+        return 200, self._asset(request.params[0])
+
+    async def broker_statuses(self, request: Request) -> tuple[int, bytes]:
+        """Every live broker's own role and log position (peers answer at /healthz), and
+        how far each is behind the leader."""
+        if request.query:
+            raise HttpError(400, "invalid_request", "this endpoint takes no query parameters")
+        self._require(request)  # the operator's views: admin only
+        node = self.node
+        view = self.cluster_view
+        own = m.BrokerStatus(
+            id=node.config.broker_id,
+            url=view.url if view is not None else None,
+            role=str(node.role),
+            is_leader=node.role in (Role.STANDALONE, Role.LEADER),
+            reachable=True,
+            writable=node.writable,
+            position=self._position(),
+            uptime_secs=round((node.clock_ms() - node.stats.started_ms) / 1000, 3),
+        )
+        leader_id: str | None = own.id
+        peers: list[m.BrokerSummary] = []
+        if view is not None:
+            leader = view.leader()
+            leader_id = leader.id if leader is not None else None
+            peers = [b for b in view.brokers() if b.id != own.id]
+        statuses = await dashboard.broker_statuses(
+            own, peers, leader_id, view.peer_ssl_context if view is not None else None
+        )
+        body = m.BrokerStatusList(
+            cluster_id=node.config.cluster_id,
+            answered_by=own.id,
+            leader=leader_id,
+            brokers=statuses,
+        )
+        return 200, _json_encoder.encode(body)
+
+    async def list_workers(self, request: Request) -> tuple[int, bytes]:
+        if request.query:
+            raise HttpError(400, "invalid_request", "this endpoint takes no query parameters")
+        self._require(request)
+        state = self.node.state
+        views = []
+        for worker in sorted(state.workers.values(), key=lambda w: w.id):
+            running = state.running_by_worker.get(worker.id, set())
+            views.append(
+                m.WorkerView(
+                    id=worker.id,
+                    state=worker.state,
+                    address=worker.address,
+                    task_types=worker.task_types,
+                    resources=worker.resources,
+                    tenants=worker.tenants,
+                    running_tasks=len(running),
+                    running=heapq.nsmallest(dashboard.RUNNING_SHOWN, running),
+                    connected_at=iso_ms(worker.connected_ms) or "",
+                    updated_at=iso_ms(worker.updated_ms) or "",
+                    reason=worker.reason,
+                )
+            )
+        return 200, _json_encoder.encode(m.WorkerList(views))
+
+    async def throughput_stats(self, request: Request) -> tuple[int, bytes]:
+        if request.query:
+            raise HttpError(400, "invalid_request", "this endpoint takes no query parameters")
+        self._require(request)
+        recorder = self.throughput
+        end_ms, series = recorder.series()
+        body = m.ThroughputView(
+            bucket_s=recorder.bucket_ms / 1000,
+            end_ms=end_ms,
+            submitted=series["submitted"],
+            finished=series["finished"],
+            failed=series["failed"],
+            cancelled=series["cancelled"],
+            max_task_id=self.node.state.max_task_id,
+        )
+        return 200, _json_encoder.encode(body)
+
+    async def recent_tasks(self, request: Request) -> tuple[int, bytes]:
+        """Matching tasks, newest first (the dashboard's task search)."""
+        query = request.query
+        unknown = set(query) - {"state", "tenant", "type", "limit", "before"}
+        if unknown:
+            raise HttpError(400, "invalid_request", f"unknown query parameters: {sorted(unknown)}")
+        state_filter = query.get("state")
+        if state_filter is not None and state_filter not in _TASK_STATES:
+            raise HttpError(400, "invalid_request", f"state must be one of {sorted(_TASK_STATES)}")
+        tenant = query.get("tenant")
+        task_type = query.get("type")
+        limit = _int_param(query, "limit", 50, 1, self.config.max_list_limit)
+        before = _int_param(query, "before", 2**62, 1, 2**62)
+        self._require(request, CallerRole.TENANT)
+        if request.principal.role is CallerRole.TENANT:  # as list_tasks: its own tasks only
+            if tenant is not None and tenant != request.principal.tenant:
+                raise HttpError(
+                    403, "forbidden", "a tenant token lists its own tenant's tasks only"
+                )
+            tenant = request.principal.tenant
+        state = self.node.state
+        found: list[m.TaskView] = []
+        # The task map is in ascending id order (ids are assigned increasing and applied in
+        # log order; snapshots keep the order), so walking it backwards is newest first.
+        for task_id in reversed(state.tasks):
+            if task_id >= before:
+                continue
+            task = state.tasks[task_id]
+            if state_filter is not None and task.state != state_filter:
+                continue
+            if tenant is not None and task.tenant != tenant:
+                continue
+            if task_type is not None and task.type != task_type:
+                continue
+            found.append(task_view(task, state.tree(task_id)))
+            if len(found) == limit:
+                break
+        next_before = found[-1].id if len(found) == limit else None
+        return 200, _json_encoder.encode(m.RecentTaskList(found, next_before))
+
     async def health(self, request: Request) -> tuple[int, bytes]:
         node = self.node
         writable = node.writable
@@ -1219,6 +1370,10 @@ def openapi_document() -> dict[str, Any]:
         m.TaskRefBody,
         m.TaskView,
         m.TaskList,
+        m.BrokerStatusList,  # the dashboard's views
+        m.WorkerList,
+        m.ThroughputView,
+        m.RecentTaskList,
         m.TransactionBegin,
         m.TransactionView,
         m.TransactionOutcome,
@@ -1423,6 +1578,76 @@ def openapi_document() -> dict[str, Any]:
         "/api/v1/cluster": {
             "get": {"summary": "Cluster summary", "responses": {"200": response("ClusterSummary")}}
         },
+        # The web dashboard: its page (no authentication: it holds no data; it reads the API
+        # below with the user's token) and read-only views for it.
+        "/": {
+            "get": {
+                "summary": "The web dashboard (an HTML page)",
+                "responses": {
+                    "200": {
+                        "description": "The page",
+                        "content": {"text/html": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
+        "/dashboard/{name}": {
+            "get": {
+                "summary": "The dashboard's script, style sheet and icon",
+                "parameters": [
+                    {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "responses": {
+                    "200": {
+                        "description": "The file",
+                        "content": {
+                            "text/javascript": {"schema": {"type": "string"}},
+                            "text/css": {"schema": {"type": "string"}},
+                            "image/svg+xml": {"schema": {"type": "string"}},
+                        },
+                    },
+                    **errors,
+                },
+            }
+        },
+        "/api/v1/cluster/brokers": {
+            "get": {
+                "summary": "Every live broker's own role and log position, and its lag",
+                "description": (
+                    "The answering broker asks each peer's /healthz (1 s timeout); a peer that "
+                    "does not answer is listed as unreachable. lag_entries: entries behind "
+                    "the leader's position when both are in the same ledger (an idle "
+                    "leader's last entry is a Confirm marker that followers apply only "
+                    "with the next entry, so 1 means in sync)."
+                ),
+                "responses": {"200": response("BrokerStatusList"), **errors},
+            }
+        },
+        "/api/v1/workers": {
+            "get": {
+                "summary": "Every worker with its capacities and the tasks running on it",
+                "responses": {"200": response("WorkerList"), **errors},
+            }
+        },
+        "/api/v1/stats/throughput": {
+            "get": {
+                "summary": "Tasks submitted, finished, failed, cancelled per recent time bucket",
+                "responses": {"200": response("ThroughputView"), **errors},
+            }
+        },
+        "/api/v1/tasks/recent": {
+            "get": {
+                "summary": "Search tasks, newest first (paginate with before)",
+                "parameters": [
+                    query("state", {"type": "string", "enum": sorted(_TASK_STATES)}),
+                    query("tenant", {"type": "string"}),
+                    query("type", {"type": "string"}),
+                    query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
+                    query("before", {"type": "integer", "minimum": 1, "maximum": 2**62}),
+                ],
+                "responses": {"200": response("RecentTaskList"), **errors},
+            }
+        },
         "/api/v1/config": {
             "get": {
                 "summary": "Replicated cluster settings",
@@ -1490,7 +1715,7 @@ def openapi_document() -> dict[str, Any]:
             }
         },
     }
-    public = {"/healthz", "/api/v1/openapi.json"}
+    public = {"/healthz", "/api/v1/openapi.json", "/", "/dashboard/{name}"}
     for path, operations in paths.items():
         if path in public:
             operations["get"]["security"] = []

@@ -145,6 +145,10 @@ EVERY_ENDPOINT = [
     ("GET", "/api/v1/tokens", {}),
     ("DELETE", "/api/v1/tokens/abcd", {}),
     ("GET", "/api/v1/whoami", {}),
+    ("GET", "/api/v1/cluster/brokers", {}),
+    ("GET", "/api/v1/workers", {}),
+    ("GET", "/api/v1/stats/throughput", {}),
+    ("GET", f"{TASKS}/recent", {}),
 ]
 
 
@@ -191,6 +195,9 @@ ADMIN_ONLY = [
     ("POST", "/api/v1/tokens", {"json": {"name": "x", "tenant": "alice"}}),
     ("GET", "/api/v1/tokens", {}),
     ("DELETE", "/api/v1/tokens/abcd", {}),
+    ("GET", "/api/v1/cluster/brokers", {}),
+    ("GET", "/api/v1/workers", {}),
+    ("GET", "/api/v1/stats/throughput", {}),
 ]
 
 
@@ -269,6 +276,31 @@ async def test_task_lists_show_the_callers_tasks_only(env: Env) -> None:
     assert await listed("admin", tenant="bob") == bob_ids
     forbidden(await env.call("alice", "GET", TASKS, params={"tenant": "bob"}))
     forbidden(await env.call("worker", "GET", TASKS))
+
+
+@pytest.mark.parametrize("who", ["nobody", "forged", "alice", "worker"])
+async def test_the_dashboard_page_is_public(env: Env, who: str) -> None:
+    # It holds no data: it reads the API with the token typed into it.
+    for path in ("/", "/dashboard/app.js", "/dashboard/style.css", "/dashboard/icon.svg"):
+        assert (await env.call(who, "GET", path)).status_code == 200, path
+    document = (await env.call(who, "GET", "/api/v1/openapi.json")).json()
+    assert document["paths"]["/"]["get"]["security"] == []
+
+
+async def test_recent_tasks_show_the_callers_tasks_only(env: Env) -> None:
+    alice_ids = [await submit(env, "alice") for _ in range(3)]
+    bob_ids = [await submit(env, "bob") for _ in range(2)]
+
+    async def recent(who: str, **query: Any) -> list[int]:
+        response = await env.call(who, "GET", f"{TASKS}/recent", params=query)
+        assert response.status_code == 200, response.text
+        return [t["id"] for t in response.json()["tasks"]]
+
+    assert await recent("alice") == alice_ids[::-1]
+    assert await recent("bob", tenant="bob") == bob_ids[::-1]
+    assert await recent("admin") == sorted(alice_ids + bob_ids, reverse=True)
+    forbidden(await env.call("alice", "GET", f"{TASKS}/recent", params={"tenant": "bob"}))
+    forbidden(await env.call("worker", "GET", f"{TASKS}/recent"))
 
 
 async def test_only_the_owner_or_admin_cancels(env: Env) -> None:

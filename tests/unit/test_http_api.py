@@ -1149,7 +1149,7 @@ async def test_method_not_allowed_is_405(api: Api, method: str, path: str) -> No
 
 
 @pytest.mark.parametrize(
-    "path", ["/", "/api", "/api/v1", "/api/v1/", "/api/v2/tasks", "/api/v1/tasks/", "/healthz/"]
+    "path", ["/api", "/api/v1", "/api/v1/", "/api/v2/tasks", "/api/v1/tasks/", "/healthz/"]
 )
 async def test_unknown_path_is_404(api: Api, path: str) -> None:
     assert "no such endpoint" in error_of(await api.get(path), 404, "not_found")

@@ -1,0 +1,517 @@
+// Steward dashboard: reads the broker's JSON API every REFRESH_MS and renders it.
+// Vanilla JS, no dependencies. Everything shown is set with textContent (never innerHTML):
+// task params, results and errors are user data.
+"use strict";
+
+const REFRESH_MS = 2000;
+const TOKEN_KEY = "steward.apiToken";
+const TASK_PAGE = 15;
+const STATES = ["pending", "delayed", "waiting", "running", "finished", "error", "cancelled"];
+const QUEUED = ["pending", "delayed", "waiting"];
+
+const view = {
+  search: { state: "", tenant: "", type: "" },
+  before: null, // task id cursor of the shown page (null: newest)
+  nextBefore: null,
+  selectedTask: null,
+  timer: null,
+  busy: false,
+};
+
+// --- small helpers ----------------------------------------------------------------------
+
+function $(id) {
+  return document.getElementById(id);
+}
+
+// h("td", {class: "x"}, "text", child, ...): an element; null/undefined children skipped.
+function h(tag, attrs, ...children) {
+  const el = document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs || {})) {
+    if (value === null || value === undefined || value === false) continue;
+    if (name.startsWith("on")) el.addEventListener(name.slice(2), value);
+    else el.setAttribute(name, value === true ? "" : String(value));
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined) continue;
+    el.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return el;
+}
+
+const SVG_NS = "http://www.w3.org/2000/svg";
+function svg(tag, attrs) {
+  const el = document.createElementNS(SVG_NS, tag);
+  for (const [name, value] of Object.entries(attrs || {})) el.setAttribute(name, String(value));
+  return el;
+}
+
+function fillBody(table, rows, emptyText, columns) {
+  const body = table.tBodies[0];
+  body.replaceChildren(
+    ...(rows.length ? rows : [h("tr", {}, h("td", { class: "empty", colspan: columns }, emptyText))]),
+  );
+}
+
+function badge(text, kind) {
+  return h("span", { class: "badge " + (kind || text) }, text);
+}
+
+function duration(seconds) {
+  if (seconds === null || seconds === undefined) return "—";
+  const s = Math.floor(seconds);
+  if (s < 60) return s + " s";
+  if (s < 3600) return Math.floor(s / 60) + " min " + (s % 60) + " s";
+  if (s < 86400) return Math.floor(s / 3600) + " h " + Math.floor((s % 3600) / 60) + " min";
+  return Math.floor(s / 86400) + " d " + Math.floor((s % 86400) / 3600) + " h";
+}
+
+function ago(iso) {
+  if (!iso) return "—";
+  const seconds = (Date.now() - Date.parse(iso)) / 1000;
+  if (!isFinite(seconds)) return iso;
+  if (seconds < 1) return "just now";
+  return duration(seconds) + " ago";
+}
+
+// "2026-11-22T10:00:00.123Z" -> "2026-11-22 10:00:00.123 UTC"
+function when(iso) {
+  return iso ? iso.replace("T", " ").replace(/Z$/, " UTC") : iso;
+}
+
+function timeCell(iso) {
+  return h("td", { title: iso || "" }, ago(iso));
+}
+
+function limit(n) {
+  return n === 0 ? "∞" : String(n);
+}
+
+function pretty(value) {
+  if (value === null || value === undefined) return "null";
+  return JSON.stringify(value, null, 2);
+}
+
+function mapChips(map, sep) {
+  const entries = Object.entries(map || {});
+  if (!entries.length) return h("span", { class: "muted" }, "—");
+  return h(
+    "div",
+    { class: "chips" },
+    entries.map(([k, v]) => h("span", { class: "chip" }, k + sep + (Number.isInteger(v) ? v : +v.toFixed(2)))),
+  );
+}
+
+// --- API access -----------------------------------------------------------------------
+
+class ApiError extends Error {
+  constructor(status, code, message) {
+    super(message);
+    this.status = status;
+    this.code = code;
+  }
+}
+
+function token() {
+  return sessionStorage.getItem(TOKEN_KEY) || "";
+}
+
+async function api(path) {
+  const headers = { Accept: "application/json" };
+  const bearer = token();
+  if (bearer) headers.Authorization = "Bearer " + bearer;
+  let response;
+  try {
+    response = await fetch(path, { headers, cache: "no-store" });
+  } catch (exc) {
+    throw new ApiError(0, "network", "cannot reach this broker (" + exc.message + ")");
+  }
+  let body = null;
+  try {
+    body = await response.json();
+  } catch (exc) {
+    body = null;
+  }
+  if (!response.ok) {
+    const error = (body && body.error) || {};
+    throw new ApiError(response.status, error.code || "http_" + response.status, error.message || response.statusText);
+  }
+  return body;
+}
+
+function authProblem(errors) {
+  return errors.find((e) => e instanceof ApiError && (e.status === 401 || e.status === 403));
+}
+
+function showBanner(errors) {
+  const banner = $("banner");
+  if (!errors.length) {
+    banner.hidden = true;
+    return;
+  }
+  const auth = authProblem(errors);
+  if (auth) {
+    banner.className = "banner auth";
+    banner.textContent =
+      auth.status === 401
+        ? (token() ? "The API token was refused (401): " : "This cluster needs an API token (401): ") +
+          auth.message + ". Enter a token above."
+        : "This token may not read everything shown here (403): " + auth.message + ".";
+  } else {
+    banner.className = "banner";
+    const first = errors[0];
+    banner.textContent = "Could not refresh: " + (first.message || String(first)) +
+      (errors.length > 1 ? " (and " + (errors.length - 1) + " more)" : "");
+  }
+  banner.hidden = false;
+}
+
+// --- renderers ---------------------------------------------------------------------------
+
+// Task counts by state, summed over the tenants (every task belongs to one).
+function renderCounts(brokers, tenants) {
+  const counts = {};
+  for (const t of tenants) for (const [s, n] of Object.entries(t.counts || {})) counts[s] = (counts[s] || 0) + n;
+  const total = STATES.reduce((sum, s) => sum + (counts[s] || 0), 0);
+  const cards = [
+    h("div", { class: "card leader", id: "leader-card" },
+      h("div", { class: "value" }, brokers.leader || "none"), h("div", { class: "label" }, "leader")),
+    h("div", { class: "card" }, h("div", { class: "value" }, total), h("div", { class: "label" }, "tasks")),
+    ...STATES.map((s) =>
+      h("div", { class: "card " + s, "data-state": s },
+        h("div", { class: "value" }, counts[s] || 0), h("div", { class: "label" }, s))),
+  ];
+  $("task-counts").replaceChildren(...cards);
+}
+
+function renderBrokers(status) {
+  const rows = status.brokers.map((b) => {
+    const pos = b.position ? b.position.ledger_id + ":" + b.position.entry_id : "—";
+    let lag;
+    if (b.is_leader) lag = h("span", { class: "lag-ok" }, "—");
+    else if (b.behind_ledgers) lag = h("span", { class: "lag-behind" }, "older ledger");
+    else if (b.lag_entries === null || b.lag_entries === undefined) lag = h("span", { class: "muted" }, "?");
+    // An idle leader's last entry is a Confirm marker that followers apply only once a
+    // later entry confirms it: one entry behind is in sync.
+    else if (b.lag_entries <= 1) lag = h("span", { class: "lag-ok", title: b.lag_entries + " entries behind the leader's last entry" }, "in sync");
+    else lag = h("span", { class: "lag-behind" }, b.lag_entries + " entries");
+    const here = b.id === status.answered_by;
+    return h(
+      "tr",
+      { class: b.is_leader ? "leader" : null, "data-broker": b.id, "data-role": b.role, "data-leader": b.is_leader ? "true" : "false" },
+      h("td", {}, b.is_leader ? h("span", { class: "star", title: "leader" }, "★") : null, h("b", {}, b.id),
+        here ? h("span", { class: "muted" }, " (this page)") : null),
+      h("td", {}, badge(b.is_leader && b.role !== "leader" && b.role !== "standalone" ? b.role + " (elected)" : b.role,
+        b.is_leader ? "leader" : b.role)),
+      h("td", { class: "mono", title: b.error || "" }, pos),
+      h("td", {}, lag),
+      h("td", {}, here ? duration(b.uptime_secs) : h("span", { class: "muted", title: "known only to that broker" }, "—")),
+      h("td", {}, b.url ? h("a", { href: b.url + "/", title: "open this broker's dashboard" }, b.url.replace(/^https?:\/\//, "")) : "—"),
+    );
+  });
+  fillBody($("brokers"), rows, "no brokers", 6);
+  const leader = status.brokers.find((b) => b.is_leader);
+  $("brokers-hint").textContent = status.brokers.length + (leader ? " · leader " + leader.id : " · no leader");
+  const here = status.brokers.find((b) => b.id === status.answered_by);
+  $("cluster-id").textContent = status.cluster_id ? "cluster " + status.cluster_id : "";
+  const served = $("served-by");
+  served.replaceChildren("served by ", h("b", {}, status.answered_by), here ? " (" + here.role + ")" : "");
+}
+
+function renderWorkers(workers) {
+  const rows = workers.map((w) => {
+    const shown = w.running.slice(0, 8).map((id) =>
+      h("span", { class: "chip link", title: "task " + id, onclick: () => openTask(id) }, "#" + id));
+    const more = w.running_tasks > shown.length ? h("span", { class: "muted" }, " +" + (w.running_tasks - shown.length)) : null;
+    return h(
+      "tr",
+      { "data-worker": w.id },
+      h("td", {}, h("b", {}, w.id), h("div", { class: "muted mono" }, w.address),
+        w.tenants && w.tenants.length ? h("div", { class: "muted" }, "tenants: " + w.tenants.join(", ")) : null),
+      h("td", { title: w.reason || "connected " + when(w.connected_at) }, badge(w.state)),
+      h("td", {}, mapChips(w.task_types, " × ")),
+      h("td", {}, mapChips(w.resources, " ")),
+      h("td", {}, h("b", {}, w.running_tasks), " ", h("div", { class: "chips" }, shown), more),
+    );
+  });
+  fillBody($("workers"), rows, "no workers connected", 5);
+  const connected = workers.filter((w) => w.state === "connected").length;
+  $("workers-hint").textContent = connected + " connected" + (workers.length > connected ? " of " + workers.length : "");
+}
+
+function renderTenants(tenants) {
+  const rows = tenants.map((t) => {
+    const c = t.counts || {};
+    const queued = QUEUED.reduce((sum, s) => sum + (c[s] || 0), 0);
+    return h(
+      "tr",
+      { "data-tenant": t.name },
+      h("td", {}, h("b", {}, t.name)),
+      h("td", { class: "num" }, +t.weight.toFixed(3)),
+      h("td", { class: "num" }, limit(t.max_waiting)),
+      h("td", { class: "num" }, limit(t.max_running)),
+      h("td", { class: "num" }, queued),
+      h("td", { class: "num" }, c.running || 0),
+      h("td", { class: "num" }, c.finished || 0),
+      h("td", { class: "num" }, c.error || 0),
+    );
+  });
+  fillBody($("tenants"), rows, "no tenants yet", 8);
+  $("tenants-hint").textContent = tenants.length + "";
+}
+
+function chart(title, values, color, bucketS, note) {
+  const width = 240;
+  const height = 80;
+  const max = Math.max(1, ...values);
+  const step = width / values.length;
+  const plot = svg("svg", { viewBox: `0 0 ${width} ${height}`, preserveAspectRatio: "none", role: "img" });
+  plot.append(svg("line", { x1: 0, y1: height - 0.5, x2: width, y2: height - 0.5, stroke: "#e3e8ee" }));
+  values.forEach((v, i) => {
+    if (!v) return;
+    const barHeight = Math.max(1.5, (v / max) * (height - 6));
+    const bar = svg("rect", {
+      x: (i * step + 0.5).toFixed(2), y: (height - barHeight).toFixed(2),
+      width: Math.max(1, step - 1).toFixed(2), height: barHeight.toFixed(2), fill: color, rx: 1,
+    });
+    const tip = svg("title", {});
+    tip.textContent = v + " in " + bucketS + " s";
+    bar.append(tip);
+    plot.append(bar);
+  });
+  const total = values.reduce((a, b) => a + b, 0);
+  // The newest bucket is still filling: the rate comes from the one before it.
+  const last = values.length > 1 ? values[values.length - 2] : 0;
+  const rate = last / bucketS;
+  return h(
+    "div",
+    { class: "chart", "data-chart": title },
+    h("div", { class: "title" }, h("b", {}, title), h("span", {}, total + " total · " + (rate < 10 ? rate.toFixed(1) : Math.round(rate)) + "/s")),
+    plot,
+    h("div", { class: "axis" }, h("span", {}, note), h("span", {}, "now · peak " + max)),
+  );
+}
+
+function renderCharts(series) {
+  const minutes = Math.round((series.bucket_s * series.submitted.length) / 60);
+  const note = "-" + minutes + " min";
+  $("charts").replaceChildren(
+    chart("submitted", series.submitted, "#2f6fde", series.bucket_s, note),
+    chart("finished", series.finished, "#1f9d55", series.bucket_s, note),
+    chart("failed", series.failed, "#d64545", series.bucket_s, note),
+  );
+  $("charts-hint").textContent = "last " + minutes + " min, per " + series.bucket_s + " s";
+}
+
+function renderTasks(list) {
+  const rows = list.tasks.map((t) =>
+    h(
+      "tr",
+      { "data-task": t.id, class: t.id === view.selectedTask ? "selected" : null, onclick: () => openTask(t.id) },
+      h("td", { class: "mono" }, "#" + t.id),
+      h("td", { class: "mono" }, t.type),
+      h("td", {}, t.tenant),
+      h("td", {}, badge(t.state)),
+      h("td", {}, t.attempt + " / " + t.max_attempts),
+      h("td", {}, t.worker || h("span", { class: "muted" }, "—")),
+      timeCell(t.created_at),
+      timeCell(t.updated_at),
+    ));
+  fillBody($("tasks"), rows, "no matching tasks", 8);
+  view.nextBefore = list.next_before;
+  $("tasks-older").disabled = list.next_before === null;
+  $("tasks-newest").disabled = view.before === null;
+  const filters = Object.entries(view.search).filter(([, v]) => v).map(([k, v]) => k + "=" + v);
+  $("tasks-hint").textContent = "newest first" + (filters.length ? " · " + filters.join(", ") : "") +
+    (view.before !== null ? " · before #" + view.before : "");
+}
+
+function field(name, value) {
+  if (value === null || value === undefined || value === "") return null;
+  return h("div", {}, h("dt", {}, name), h("dd", {}, value));
+}
+
+function taskLink(id) {
+  return h("a", { href: "#task-" + id, onclick: (ev) => { ev.preventDefault(); openTask(id); } }, "#" + id);
+}
+
+function renderDetail(task) {
+  $("task-detail").hidden = false;
+  $("task-detail").dataset.task = String(task.id);
+  $("detail-title").replaceChildren("Task #" + task.id + " ", badge(task.state));
+  const tree = task.tree;
+  const fields = [
+    field("type", h("span", { class: "mono" }, task.type)),
+    field("tenant", task.tenant),
+    field("state", task.state),
+    field("attempt", task.attempt + " of " + task.max_attempts),
+    field("worker", task.worker),
+    field("created", when(task.created_at)),
+    field("updated", when(task.updated_at)),
+    field("finished", when(task.finished_at)),
+    field("deadline", when(task.deadline)),
+    field("start after", when(task.start_after)),
+    field("slot", task.slot),
+    field("transaction", task.transaction),
+    field("code", task.code ? h("span", { class: "mono", title: task.code }, task.code.slice(0, 12) + "…") : null),
+    field("resources", Object.keys(task.resources || {}).length ? mapChips(task.resources, " ") : null),
+    field("tree", tree ? h("span", {}, badge(tree.state, tree.state === "completed" ? "finished" : tree.state === "failed" ? "error" : "waiting"),
+      " attempt " + tree.attempt + ", timeout " + tree.timeout_s + " s" + (tree.reason ? " — " + tree.reason : "")) : null),
+    field("tree root", task.root !== null && task.root !== undefined && task.root !== task.id ? taskLink(task.root) : null),
+    field("parent", task.parent !== null && task.parent !== undefined ? taskLink(task.parent) : null),
+  ];
+  $("detail-fields").replaceChildren(...fields.filter(Boolean));
+  $("detail-params").textContent = pretty(task.params);
+  const hasResult = task.result !== null && task.result !== undefined;
+  $("detail-result-box").hidden = !hasResult && task.state !== "finished";
+  $("detail-result").textContent = hasResult ? pretty(task.result) : "null";
+  $("detail-error-box").hidden = !task.error;
+  $("detail-error").textContent = task.error || "";
+  for (const row of $("tasks").tBodies[0].rows) {
+    row.classList.toggle("selected", row.dataset.task === String(task.id));
+  }
+}
+
+function showDetailError(id, error) {
+  $("task-detail").hidden = false;
+  $("task-detail").dataset.task = String(id);
+  $("detail-title").textContent = "Task #" + id;
+  $("detail-fields").replaceChildren(h("div", {}, h("dt", {}, "error"), h("dd", {}, error.message)));
+  $("detail-params").textContent = "";
+  $("detail-result-box").hidden = true;
+  $("detail-error-box").hidden = true;
+}
+
+// --- refresh -----------------------------------------------------------------------------
+
+function tasksQuery() {
+  const params = new URLSearchParams({ limit: String(TASK_PAGE) });
+  for (const [k, v] of Object.entries(view.search)) if (v) params.set(k, v);
+  if (view.before !== null) params.set("before", String(view.before));
+  return "/api/v1/tasks/recent?" + params.toString();
+}
+
+async function refresh() {
+  if (view.busy) return;
+  view.busy = true;
+  const errors = [];
+  const guard = (promise, render) =>
+    promise.then(render).catch((error) => {
+      errors.push(error);
+    });
+  try {
+    const brokers = api("/api/v1/cluster/brokers");
+    const tenants = api("/api/v1/tenants");
+    const jobs = [
+      guard(brokers, renderBrokers),
+      guard(tenants, (body) => renderTenants(body.tenants)),
+      guard(Promise.all([brokers, tenants]), ([b, t]) => renderCounts(b, t.tenants)),
+      guard(api("/api/v1/workers"), (body) => renderWorkers(body.workers)),
+      guard(api("/api/v1/stats/throughput"), renderCharts),
+      guard(api(tasksQuery()), renderTasks),
+    ];
+    if (view.selectedTask !== null) {
+      const id = view.selectedTask;
+      jobs.push(api("/api/v1/tasks/" + id).then(renderDetail, (error) => {
+        if (error.status === 404) showDetailError(id, error);
+        else errors.push(error);
+      }));
+    }
+    await Promise.all(jobs);
+    // A failed read is reported once (the cards share the brokers' and tenants' reads).
+    const unique = errors.filter((e, i) => errors.findIndex((o) => o.message === e.message) === i);
+    showBanner(unique);
+    $("updated").textContent = unique.length ? "refresh failed" : "updated " + new Date().toLocaleTimeString();
+  } finally {
+    view.busy = false;
+  }
+}
+
+function schedule() {
+  clearTimeout(view.timer);
+  view.timer = null;
+  if (!$("auto-refresh").checked) return;
+  view.timer = setTimeout(async () => {
+    await refresh();
+    schedule();
+  }, REFRESH_MS);
+}
+
+async function refreshNow() {
+  await refresh();
+  schedule();
+}
+
+function openTask(id) {
+  view.selectedTask = id;
+  api("/api/v1/tasks/" + id).then(
+    (task) => {
+      renderDetail(task);
+      $("task-detail").scrollIntoView({ behavior: "smooth", block: "nearest" });
+    },
+    (error) => {
+      if (error.status === 401 || error.status === 403) showBanner([error]);
+      showDetailError(id, error);
+    },
+  );
+}
+
+// --- wiring ------------------------------------------------------------------------------
+
+function setup() {
+  $("token-input").value = token();
+  $("token-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const value = $("token-input").value.trim();
+    if (value) sessionStorage.setItem(TOKEN_KEY, value);
+    else sessionStorage.removeItem(TOKEN_KEY);
+    refreshNow();
+  });
+  $("token-clear").addEventListener("click", () => {
+    sessionStorage.removeItem(TOKEN_KEY);
+    $("token-input").value = "";
+    refreshNow();
+  });
+  $("auto-refresh").addEventListener("change", schedule);
+  $("task-search").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const id = $("search-id").value.trim();
+    view.search = {
+      state: $("search-state").value,
+      tenant: $("search-tenant").value.trim(),
+      type: $("search-type").value.trim(),
+    };
+    view.before = null;
+    if (id) {
+      if (/^\d{1,18}$/.test(id)) openTask(Number(id));
+      else showDetailError(id, new Error("a task id is a number"));
+    }
+    refreshNow();
+  });
+  $("search-reset").addEventListener("click", () => {
+    for (const name of ["search-id", "search-tenant", "search-type"]) $(name).value = "";
+    $("search-state").value = "";
+    view.search = { state: "", tenant: "", type: "" };
+    view.before = null;
+    refreshNow();
+  });
+  $("tasks-older").addEventListener("click", () => {
+    if (view.nextBefore === null) return;
+    view.before = view.nextBefore;
+    refreshNow();
+  });
+  $("tasks-newest").addEventListener("click", () => {
+    view.before = null;
+    refreshNow();
+  });
+  $("detail-close").addEventListener("click", () => {
+    view.selectedTask = null;
+    $("task-detail").hidden = true;
+    for (const row of $("tasks").tBodies[0].rows) row.classList.remove("selected");
+  });
+  const hash = /^#task-(\d{1,18})$/.exec(location.hash);
+  if (hash) openTask(Number(hash[1]));
+  refreshNow();
+}
+
+document.addEventListener("DOMContentLoaded", setup);

@@ -1,0 +1,431 @@
+"""Issue 7, acceptance 4: the web dashboard in a real headless Chromium against a real cluster.
+
+ZooKeeper, three ``steward broker`` processes and one ``steward worker``; Debian's
+``chromium`` and ``chromium-driver`` driven by Selenium (both paths given, so Selenium
+Manager never looks for a browser on the network). The page is loaded from a follower and
+from the leader; the test waits (bounded) until it shows the three brokers with the leader
+marked, the worker with its capacities, the tenant and the submitted tasks, opens a finished
+task's and a failed task's detail, checks the browser console has no errors, and saves a
+full-page screenshot to ``test-artifacts/dashboard.png`` (git-ignored; the path is printed).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from selenium import webdriver
+from selenium.common.exceptions import TimeoutException
+from selenium.webdriver.chrome.options import Options
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.chrome.webdriver import WebDriver
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+from broker.zk import ZooKeeperServer
+from tests.cluster_procs import BrokerNode, ClusterProcesses
+from tests.procs import BrokerProcess
+from tests.worker_procs import wait_until
+
+pytest_plugins = ["tests.zk_fixture"]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCREENSHOT = REPO_ROOT / "test-artifacts" / "dashboard.png"
+PAGE_WAIT_S = 20.0  # the page refreshes every 2 s; this is many refreshes
+TENANT = "dashboard-demo"
+
+# What the page shows, read in one call (no stale elements between several lookups).
+PAGE_STATE_JS = """
+const rows = (sel) => Array.from(document.querySelectorAll(sel));
+return {
+  brokers: rows('#brokers tr[data-broker]').map(r => ({
+    id: r.dataset.broker, role: r.dataset.role, leader: r.dataset.leader === 'true',
+    text: r.innerText})),
+  workers: rows('#workers tr[data-worker]').map(r => ({id: r.dataset.worker, text: r.innerText})),
+  tenants: rows('#tenants tr[data-tenant]').map(r => ({name: r.dataset.tenant, text: r.innerText})),
+  tasks: rows('#tasks tr[data-task]').map(r => Number(r.dataset.task)),
+  leaderCard: (document.getElementById('leader-card') || {}).innerText || '',
+  servedBy: document.getElementById('served-by').innerText,
+  banner: (b => b.hidden ? '' : b.innerText)(document.getElementById('banner')),
+  bars: Object.fromEntries(rows('.chart[data-chart]').map(c => [c.dataset.chart,
+    c.querySelectorAll('rect').length])),
+};
+"""
+
+
+@pytest.fixture
+def browser() -> Iterator[WebDriver]:
+    for path, package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
+        assert path.is_file(), f"{path} is missing: apt-get install -y {package}"
+    options = Options()
+    options.binary_location = str(CHROMIUM)
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",  # CI runs as root
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1440,1000",
+        "--no-first-run",
+        "--disable-extensions",
+    ):
+        options.add_argument(argument)
+    # Console messages, and network events (to see the headers the page sends).
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    driver.set_page_load_timeout(30)
+    driver.set_script_timeout(10)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _submit(node: BrokerNode, **task: Any) -> int:
+    response = httpx.post(node.url + "/api/v1/tasks", json=task, timeout=10)
+    assert response.status_code == 201, response.text
+    return int(response.json()["id"])
+
+
+def _task(node: BrokerNode, task_id: int) -> dict[str, Any]:
+    response = httpx.get(f"{node.url}/api/v1/tasks/{task_id}", params={"wait_s": 1}, timeout=10)
+    response.raise_for_status()
+    task: dict[str, Any] = response.json()
+    return task
+
+
+def _page_state(driver: WebDriver) -> dict[str, Any]:
+    state: dict[str, Any] = driver.execute_script(PAGE_STATE_JS)
+    return state
+
+
+def _wait_page(
+    driver: WebDriver, check: Callable[[dict[str, Any]], bool], what: str
+) -> dict[str, Any]:
+    """Wait until ``check`` accepts what the page shows; on timeout, say what it showed."""
+    last: dict[str, Any] = {}
+
+    def ready(d: WebDriver) -> bool:
+        nonlocal last
+        last = _page_state(d)
+        return check(last)
+
+    try:
+        WebDriverWait(driver, PAGE_WAIT_S, poll_frequency=0.2).until(ready)
+    except TimeoutException:
+        raise AssertionError(
+            f"the dashboard did not show {what} within {PAGE_WAIT_S} s; it showed:\n"
+            + json.dumps(last, indent=2)
+        ) from None
+    return last
+
+
+def _shows_cluster(
+    state: dict[str, Any], leader_id: str, broker_ids: set[str], task_ids: set[int]
+) -> bool:
+    brokers = state["brokers"]
+    return (
+        {b["id"] for b in brokers} == broker_ids
+        and [b["id"] for b in brokers if b["leader"]] == [leader_id]
+        and any(w["id"] == "w1" and "connected" in w["text"] for w in state["workers"])
+        and any(t["name"] == TENANT for t in state["tenants"])
+        and task_ids <= set(state["tasks"])
+    )
+
+
+def _console_errors(driver: WebDriver) -> list[dict[str, Any]]:
+    entries: list[dict[str, Any]] = driver.get_log("browser")  # type: ignore[no-untyped-call]
+    return [entry for entry in entries if entry.get("level") == "SEVERE"]
+
+
+def _open_detail(driver: WebDriver, task_id: int) -> dict[str, str]:
+    driver.find_element(By.CSS_SELECTOR, f'#tasks tr[data-task="{task_id}"]').click()
+
+    def shown(d: WebDriver) -> dict[str, str] | None:
+        detail = d.find_element(By.ID, "task-detail")
+        if detail.get_attribute("data-task") != str(task_id) or not detail.is_displayed():
+            return None
+        texts: dict[str, str] = d.execute_script(
+            "const t = (id) => document.getElementById(id).textContent;"
+            "return {title: t('detail-title'), fields: t('detail-fields'),"
+            " params: t('detail-params'), result: t('detail-result'), error: t('detail-error')};"
+        )
+        return texts if texts["params"] else None
+
+    try:
+        found: dict[str, str] = WebDriverWait(driver, PAGE_WAIT_S, poll_frequency=0.2).until(shown)
+    except TimeoutException:
+        raise AssertionError(f"task {task_id}'s detail did not open") from None
+    return found
+
+
+def _api_requests(driver: WebDriver) -> list[tuple[str, str | None]]:
+    """(URL, Authorization header) of the API requests the page sent since the last call."""
+    found: list[tuple[str, str | None]] = []
+    entries: list[dict[str, Any]] = driver.get_log("performance")  # type: ignore[no-untyped-call]
+    for entry in entries:
+        message = json.loads(entry["message"])["message"]
+        if message.get("method") != "Network.requestWillBeSent":
+            continue
+        request = message["params"]["request"]
+        if "/api/v1/" not in request["url"]:
+            continue
+        headers = {name.lower(): value for name, value in request.get("headers", {}).items()}
+        found.append((request["url"], headers.get("authorization")))
+    return found
+
+
+def _wait_requests(
+    driver: WebDriver, check: Callable[[list[tuple[str, str | None]]], bool], what: str
+) -> None:
+    seen: list[tuple[str, str | None]] = []
+
+    def ready(d: WebDriver) -> bool:
+        seen.extend(_api_requests(d))
+        return check(seen)
+
+    try:
+        WebDriverWait(driver, PAGE_WAIT_S, poll_frequency=0.2).until(ready)
+    except TimeoutException:
+        raise AssertionError(f"the page sent no {what}; it sent {seen[-20:]}") from None
+
+
+def _all_with_token(seen: list[tuple[str, str | None]], token: str) -> bool:
+    """From the first call with the token on (a refresh may have started before it was
+    set), every call has it, and a whole refresh's calls were seen."""
+    bearer = f"Bearer {token}"
+    first = next((i for i, (_, auth) in enumerate(seen) if auth == bearer), None)
+    if first is None:
+        return False
+    since = seen[first:]
+    assert all(auth == bearer for _, auth in since), f"a call without the token: {since}"
+    endpoints = {url.split("?")[0].split("/api/v1/")[1] for url, _ in since}
+    return endpoints >= {
+        "workers",
+        "cluster/brokers",
+        "tenants",
+        "stats/throughput",
+        "tasks/recent",
+    }
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG file"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def test_dashboard_shows_the_cluster_in_headless_chromium(
+    zookeeper: ZooKeeperServer, tmp_path: Path, browser: WebDriver
+) -> None:
+    with ClusterProcesses(zookeeper.connect_string, tmp_path, brokers=3) as cluster:
+        cluster.start_worker(
+            "w1", "--task-type", "sleep=2", "--task-type", "fail=1", "--task-type", "noop=4"
+        )
+        leader = cluster.wait_workers_connected(["w1"], timeout_s=45)
+        followers = [n for n in cluster.nodes.values() if n.broker_id != leader.broker_id]
+        response = httpx.put(
+            f"{leader.url}/api/v1/tenants/{TENANT}",
+            json={"weight": 2, "max_running": 4},
+            timeout=10,
+        )
+        assert response.status_code == 200, response.text
+        # The root of a tracked tree (of one task), for the tree status in its detail.
+        finished_id = _submit(
+            leader,
+            type="sleep",
+            tenant=TENANT,
+            params={"seconds": 0.2, "label": "dashboard-check"},
+            track_tree=True,
+        )
+        failed_id = _submit(
+            leader, type="fail", tenant=TENANT, params={"message": "dashboard boom"}
+        )
+        # Still running while the page is looked at: the worker shows a running task.
+        running_id = _submit(leader, type="sleep", tenant=TENANT, params={"seconds": 120})
+        for task_id, final in ((finished_id, "finished"), (failed_id, "error")):
+            wait_until(
+                lambda t=task_id, s=final: _task(followers[0], t)["state"] == s,  # type: ignore[misc]
+                30,
+                f"task {task_id} {final} on follower {followers[0].broker_id}",
+            )
+        wait_until(
+            lambda: _task(leader, running_id)["state"] == "running", 30, "the long task running"
+        )
+        broker_ids = set(cluster.nodes)
+        task_ids = {finished_id, failed_id, running_id}
+
+        # A follower serves the page and its data from its own replica.
+        browser.get(followers[0].url + "/")
+        state = _wait_page(
+            browser,
+            lambda s: _shows_cluster(s, leader.broker_id, broker_ids, task_ids),
+            f"3 brokers with {leader.broker_id} as leader, worker w1, tenant {TENANT}, "
+            f"tasks {sorted(task_ids)}",
+        )
+        assert followers[0].broker_id in state["servedBy"]
+        assert "follower" in state["servedBy"]
+        assert state["banner"] == ""
+        follower_rows = {b["id"]: b for b in state["brokers"]}
+        assert follower_rows[leader.broker_id]["role"] == "leader"
+        for follower in followers:
+            assert follower_rows[follower.broker_id]["role"] == "follower"
+
+        detail = _open_detail(browser, finished_id)
+        assert '"label": "dashboard-check"' in detail["params"]
+        assert '"slept": 0.2' in detail["result"]
+        assert "finished" in detail["title"]
+        assert "tree" in detail["fields"] and "completed" in detail["fields"], detail["fields"]
+
+        # A token typed in is kept in sessionStorage and sent on every API call; Clear stops it.
+        token = "dashboard-test-token"
+        browser.find_element(By.ID, "token-input").send_keys(token)
+        _api_requests(browser)  # drop what was sent before
+        browser.find_element(By.CSS_SELECTOR, "#token-form button[type=submit]").click()
+        _wait_requests(browser, lambda seen: _all_with_token(seen, token), "calls with the token")
+        assert browser.execute_script("return sessionStorage.getItem('steward.apiToken')") == token
+        browser.find_element(By.ID, "token-clear").click()
+        _api_requests(browser)
+        _wait_requests(
+            browser,
+            lambda seen: any(u.endswith("/api/v1/tenants") and a is None for u, a in seen),
+            "API call without a token after Clear",
+        )
+        assert browser.execute_script("return sessionStorage.getItem('steward.apiToken')") is None
+
+        # And the leader; the screenshot shows its page with the failed task's detail.
+        browser.get(leader.url + "/")
+        state = _wait_page(
+            browser,
+            lambda s: (
+                _shows_cluster(s, leader.broker_id, broker_ids, task_ids)
+                and s["bars"].get("finished", 0) > 0
+                and s["bars"].get("failed", 0) > 0
+            ),
+            "the cluster and non-empty throughput charts",
+        )
+        assert "leader" in state["servedBy"]
+        worker = next(w for w in state["workers"] if w["id"] == "w1")
+        assert "sleep \u00d7 2" in worker["text"], worker  # capacity: sleep, times 2
+        assert f"#{running_id}" in worker["text"], worker
+        tenant = next(t for t in state["tenants"] if t["name"] == TENANT)
+        assert tenant["text"].split()[:2] == [TENANT, "2"], tenant
+
+        detail = _open_detail(browser, failed_id)
+        assert "dashboard boom" in detail["error"]
+        assert "Traceback" in detail["error"]
+        assert "error" in detail["title"]
+        assert "1 of 1" in detail["fields"]
+
+        errors = _console_errors(browser)
+        assert not errors, f"browser console errors: {errors}"
+
+        # The whole page, beyond the window (Chrome DevTools Protocol).
+        size = browser.execute_cdp_cmd("Page.getLayoutMetrics", {})["cssContentSize"]
+        shot = browser.execute_cdp_cmd(
+            "Page.captureScreenshot",
+            {
+                "format": "png",
+                "captureBeyondViewport": True,
+                "clip": {"x": 0, "y": 0, "width": size["width"], "height": size["height"]}
+                | {"scale": 1},
+            },
+        )
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        SCREENSHOT.write_bytes(base64.b64decode(shot["data"]))
+        print(f"\ndashboard screenshot: {SCREENSHOT}")
+
+    data = SCREENSHOT.read_bytes()
+    width, height = _png_size(data)
+    assert width >= 1000 and height >= 800, (width, height)
+    assert len(data) > 50_000, f"the screenshot is only {len(data)} bytes"
+
+
+# --- 401 and 403 -------------------------------------------------------------------------------
+
+ADMIN_TOKEN = "dashboard-admin-secret"
+
+
+def _enter_token(driver: WebDriver, token: str) -> None:
+    field = driver.find_element(By.ID, "token-input")
+    field.clear()
+    field.send_keys(token)
+    driver.find_element(By.CSS_SELECTOR, "#token-form button[type=submit]").click()
+
+
+def test_dashboard_says_when_a_token_is_needed_or_not_enough(
+    tmp_path: Path, browser: WebDriver
+) -> None:
+    with BrokerProcess(
+        tmp_path / "data",
+        log_path=tmp_path / "broker.log",
+        extra_args=("--worker-token", "dashboard-worker-secret"),
+        env={**os.environ, "STEWARD_ADMIN_TOKEN": ADMIN_TOKEN},
+    ) as broker:
+        broker.start()
+        admin = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+        response = httpx.post(
+            broker.url + "/api/v1/tokens",
+            json={"name": "acme-dashboard", "role": "tenant", "tenant": "acme"},
+            headers=admin,
+            timeout=10,
+        )
+        assert response.status_code == 201, response.text
+        tenant_token = response.json()["token"]
+        response = httpx.post(
+            broker.url + "/api/v1/tasks",
+            json={"type": "noop"},
+            headers={"authorization": f"Bearer {tenant_token}"},
+            timeout=10,
+        )
+        assert response.status_code == 201, response.text
+        task_id = int(response.json()["id"])
+
+        browser.get(broker.url + "/")  # the page itself needs no token
+        state = _wait_page(
+            browser, lambda s: "needs an API token (401)" in s["banner"], "that it needs a token"
+        )
+        assert state["brokers"] == [] and state["tasks"] == []
+        assert "auth" in browser.find_element(By.ID, "banner").get_attribute("class")
+
+        _enter_token(browser, "wrong")
+        _wait_page(browser, lambda s: "token was refused (401)" in s["banner"], "a refusal")
+
+        # A tenant's token reads its tasks and tenant, not the operator's views (403).
+        _enter_token(browser, tenant_token)
+        state = _wait_page(
+            browser,
+            lambda s: (
+                "(403)" in s["banner"]
+                and task_id in s["tasks"]
+                and any(t["name"] == "acme" for t in s["tenants"])
+            ),
+            "the tenant's task and a 403 note",
+        )
+        assert "may not read everything" in state["banner"]
+        assert state["brokers"] == []
+
+        _enter_token(browser, ADMIN_TOKEN)
+        state = _wait_page(
+            browser,
+            lambda s: (
+                s["banner"] == ""
+                and [b["leader"] for b in s["brokers"]] == [True]
+                and task_id in s["tasks"]
+            ),
+            "everything, without a warning",
+        )
+        assert state["brokers"][0]["role"] == "standalone"
+
+        # 401s and 403s are logged by Chrome as failed loads; no script error is allowed.
+        script_errors = [e for e in _console_errors(browser) if e.get("source") != "network"]
+        assert not script_errors, f"browser console errors: {script_errors}"
