@@ -24,6 +24,7 @@ from msgspec import UnsetType
 from broker import api_models as m
 from broker import entries as e
 from broker.code_store import CodeStore, InvalidArtifactError, validate_artifact
+from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.node import VERSION, BrokerUnavailableError, Node, Role, Stamp
 from broker.state import (
     FINAL_STATES,
@@ -98,6 +99,7 @@ class Binary(bytes):
 
     # Extra response headers (lowercase names), set on an instance when needed.
     headers: tuple[tuple[bytes, bytes], ...] = ()
+    content_type: bytes = b"application/octet-stream"
 
 
 class HttpError(Exception):
@@ -249,6 +251,7 @@ class ApiApp:
         self._add("/api/v1/state/digest", GET=self.digest)
         # GET only: a body is never read, and the answer may be tens of MB (one response).
         self._add(LATEST_SNAPSHOT_PATH, GET=self.latest_snapshot)
+        self._add("/metrics", GET=self.metrics)
 
     def _add(self, pattern: str, max_body_bytes: int | None = None, **handlers: Handler) -> None:
         route = Route(pattern, max_body_bytes or self.config.max_request_bytes)
@@ -275,7 +278,7 @@ class ApiApp:
         except Exception:
             logger.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
             status, body = 500, _error_bytes("internal", "internal error; see the broker log")
-        content_type = b"application/octet-stream" if isinstance(body, Binary) else JSON_TYPE
+        content_type = body.content_type if isinstance(body, Binary) else JSON_TYPE
         if isinstance(body, Binary) and body.headers:
             extra_headers = body.headers
         await send(
@@ -837,6 +840,12 @@ class ApiApp:
         )
         return (200 if serving else 503), _json_encoder.encode(body)
 
+    async def metrics(self, request: Request) -> tuple[int, bytes]:
+        """Prometheus text exposition of this broker's metrics (broker/metrics.py)."""
+        body = Binary(self.node.metrics.render())
+        body.content_type = METRICS_CONTENT_TYPE
+        return 200, body
+
     async def openapi(self, request: Request) -> tuple[int, bytes]:
         if self._openapi is None:
             self._openapi = _json_encoder.encode(openapi_document())
@@ -1215,6 +1224,17 @@ def openapi_document() -> dict[str, Any]:
                         "content": {"application/octet-stream": {"schema": {"type": "string"}}},
                     },
                     **errors,
+                },
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics of this broker (text exposition format 0.0.4)",
+                "responses": {
+                    "200": {
+                        "description": "Metric families (see README, Metrics)",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    },
                 },
             }
         },
