@@ -43,6 +43,7 @@ class LocalClusterConfig:
     min_replication: int = 1
     log_level: str = "INFO"
     ledgers: str = "file"  # "file" (a shared directory) or "pulsar" (a pulsar-lite broker)
+    log_format: str = "text"  # of brokers and workers: "text" or "json" (broker/logs.py)
 
 
 @dataclass
@@ -131,6 +132,8 @@ class LocalCluster:
                     str(config.min_replication),
                     "--log-level",
                     config.log_level,
+                    "--log-format",
+                    config.log_format,
                 ],
             )
             child.url = f"http://{HOST}:{port}"
@@ -149,6 +152,8 @@ class LocalCluster:
                         f"worker-{n}",
                         "--cache-dir",
                         str(self.data_dir / f"worker-{n}-cache"),
+                        "--log-format",
+                        config.log_format,
                     ],
                 )
             )

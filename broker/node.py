@@ -45,6 +45,7 @@ import msgspec
 from broker import entries as e
 from broker.metrics import BrokerMetrics
 from broker.state import ApplyResult, StateMachine, StopRunning
+from broker.task_log import log_applied
 from log.api import (
     BadVersionError,
     LedgerEntry,
@@ -692,6 +693,7 @@ class Node:
             self.position = self._last_real_position = position
             final, stops = self.state.drain_effects()
             self.metrics.observe_applied(entry, result, final, self.state)
+            log_applied(entry, result, final, self.state.trees_ended, self.state)
             self._notify(entry, result, final, stops)
             if not item.answer.done():
                 item.answer.set_result(_detached(result))

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from broker.logs import LOG_FORMAT_ENV, add_log_format_option, setup_logging
 from clients.client import (
     StewardClient,
     StewardError,
@@ -91,6 +92,7 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshot-interval-s", type=float, default=60.0)
     p.add_argument("--ledger-roll-mb", type=float, default=64.0)
     p.add_argument("--log-level", default="INFO")
+    add_log_format_option(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -294,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="cluster up: brokers listen on this port and the next ones (default: free ports)",
     )
     p.add_argument("--min-replication", type=int, default=1)
+    add_log_format_option(p)  # cluster up: passed on to brokers and workers
     p.add_argument(
         "--ledgers",
         choices=["file", "pulsar"],
@@ -557,9 +560,9 @@ def run_standalone(args: argparse.Namespace) -> int:
     from broker.standalone import StandaloneConfig, serve_standalone
     from broker.worker_link import WorkerLinkConfig
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(args.log_level, args.log_format)
+    # Worker processes started beside the broker (--workers) log the same way.
+    os.environ[LOG_FORMAT_ENV] = args.log_format
     host, port = args.http
     config = StandaloneConfig(
         node=NodeConfig(
@@ -617,10 +620,7 @@ def run_broker(args: argparse.Namespace) -> int:
     from broker.node import BrokerStartupError, NodeConfig
     from broker.worker_link import WorkerLinkConfig
 
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s [{args.broker_id}] %(name)s: %(message)s",
-    )
+    setup_logging(args.log_level, args.log_format, static_fields={"broker": args.broker_id})
     if not args.zookeeper:
         raise UsageError("--zookeeper is required (or env STEWARD_ZOOKEEPER)")
     if not 1 <= args.session_timeout_ms <= 600_000:
@@ -691,6 +691,7 @@ def run_cluster_up(args: argparse.Namespace) -> int:
         first_http_port=args.first_http_port,
         min_replication=args.min_replication,
         ledgers=args.ledgers,
+        log_format=args.log_format,
     )
     try:
         return run_local_cluster(config)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from broker.logs import add_log_format_option, setup_logging
 from clients.worker.config import (
     WorkerConfig,
     default_cache_dir,
@@ -19,8 +19,6 @@ from clients.worker.config import (
     parse_http_urls,
 )
 from clients.worker.link import run_worker
-
-_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [task %(task_id)s %(tenant)s] %(message)s"
 
 
 def _pair(text: str) -> tuple[str, str]:
@@ -95,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-result-bytes", type=int, default=1024 * 1024)
     p.add_argument("--token", default=os.environ.get("STEWARD_WORKER_TOKEN"))
     p.add_argument("--log-level", default="INFO")
+    add_log_format_option(p)
     return p
 
 
@@ -130,10 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    handler = logging.StreamHandler()
-    # Records from outside a task have no task fields: show "-" there.
-    handler.setFormatter(logging.Formatter(_LOG_FORMAT, defaults={"task_id": "-", "tenant": "-"}))
-    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    # Task-related lines carry task_id and tenant (text: "task=12 tenant=acme").
+    setup_logging(args.log_level, args.log_format, static_fields={"worker": config.worker_id})
     run_worker(config)
     return 0
 
