@@ -15,7 +15,7 @@ Where things are counted, and why:
   After a fail-over the new leader's counters start at 0, which Prometheus' ``rate()``
   and ``increase()`` handle as a counter reset; sum them over brokers for cluster totals.
 - Queue lengths, tasks by state and connected workers are read from the state machine
-  at scrape time (:class:`_StateCollector`): nothing is stored twice.
+  at scrape time (:class:`_Collector`): nothing is stored twice.
 - Log append latency and group-commit batch sizes are observed by the leader's write
   path in ``Node``; follower lag by a follower while it tails the leader's ledger;
   leadership terms by the cluster broker; snapshot durations and sizes where the
@@ -27,11 +27,18 @@ histogram observation per appended entry.
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
@@ -40,7 +47,6 @@ from broker.state import (
     QUEUED_STATES,
     ApplyResult,
     Rejected,
-    ReplayedResults,
     TaskRef,
     TaskState,
     WorkerState,
@@ -70,28 +76,60 @@ _LATENCY_BUCKETS_S: Final = (
     2.5,
     5.0,
 )
-_BATCH_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+_BATCH_BUCKETS: Final = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0)
 _SNAPSHOT_BUCKETS_S: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-
-_Inc = Callable[[float], None]
 
 
 class _TaskCounter:
-    """A counter by (tenant, task type) whose label children are cached: ``labels()``
-    validates and locks on every call, a dictionary lookup does not."""
+    """A counter by (tenant, task type) kept as a plain dict and exposed at scrape time:
+    prometheus-client's ``labels().inc()`` takes locks and validates labels on every
+    call (about 3 us), a dict update costs a tenth of that on the hot path."""
 
-    __slots__ = ("_children", "_counter")
+    __slots__ = ("counts", "help", "name")
 
-    def __init__(self, counter: Counter) -> None:
-        self._counter = counter
-        self._children: dict[tuple[str, str], _Inc] = {}
+    def __init__(self, name: str, help_text: str) -> None:
+        self.name = name
+        self.help = help_text
+        self.counts: dict[tuple[str, str], int] = {}
 
     def inc(self, tenant: str, task_type: str) -> None:
         key = (tenant, task_type)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self._counter.labels(tenant, task_type).inc
-        child(1)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def family(self) -> Metric:
+        family = CounterMetricFamily(self.name, self.help, labels=["tenant", "type"])
+        for labels, count in sorted(self.counts.items()):
+            family.add_metric(list(labels), count)
+        return family
+
+
+class _FastHistogram:
+    """A histogram observed on the hot path (every appended entry): one bisect and two
+    additions, folded into Prometheus' cumulative buckets at scrape time."""
+
+    __slots__ = ("bounds", "counts", "help", "name", "total")
+
+    def __init__(self, name: str, help_text: str, bounds: tuple[float, ...]) -> None:
+        self.name = name
+        self.help = help_text
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
+        self.total = 0.0
+
+    def observe(self, amount: float) -> None:
+        # bisect_left: the first bound >= amount, i.e. Prometheus' "le" bucket.
+        self.counts[bisect.bisect_left(self.bounds, amount)] += 1
+        self.total += amount
+
+    def family(self) -> Metric:
+        cumulative = 0
+        buckets: list[tuple[str, float]] = []
+        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == math.inf else repr(float(bound)), cumulative))
+        family = HistogramMetricFamily(self.name, self.help)
+        family.add_metric([], buckets, self.total)
+        return family
 
 
 class BrokerMetrics:
@@ -100,14 +138,9 @@ class BrokerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
-        by_task = ["tenant", "type"]
         self.submitted = _TaskCounter(
-            Counter(
-                "steward_tasks_submitted",
-                "Tasks accepted by submissions (counted by the leader that logged them)",
-                by_task,
-                registry=registry,
-            )
+            "steward_tasks_submitted",
+            "Tasks accepted by submissions (counted by the leader that logged them)",
         )
         self.rejected = Counter(
             "steward_task_submissions_rejected",
@@ -116,56 +149,34 @@ class BrokerMetrics:
             registry=registry,
         )
         self.assigned = _TaskCounter(
-            Counter(
-                "steward_tasks_assigned",
-                "Task attempts assigned to workers",
-                by_task,
-                registry=registry,
-            )
+            "steward_tasks_assigned",
+            "Task attempts assigned to workers",
         )
         self.finished = _TaskCounter(
-            Counter(
-                "steward_tasks_finished",
-                "Tasks that finished successfully",
-                by_task,
-                registry=registry,
-            )
+            "steward_tasks_finished",
+            "Tasks that finished successfully",
         )
         self.failed = _TaskCounter(
-            Counter(
-                "steward_tasks_failed",
-                "Tasks that ended in error for good (attempts used up, deadline, lost worker)",
-                by_task,
-                registry=registry,
-            )
+            "steward_tasks_failed",
+            "Tasks that ended in error for good (attempts used up, deadline, lost worker)",
         )
         self.cancelled = _TaskCounter(
-            Counter(
-                "steward_tasks_cancelled",
-                "Tasks that ended cancelled",
-                by_task,
-                registry=registry,
-            )
+            "steward_tasks_cancelled",
+            "Tasks that ended cancelled",
         )
         self.attempt_failures = _TaskCounter(
-            Counter(
-                "steward_task_attempt_failures",
-                "Failed attempts reported by workers (retried or final)",
-                by_task,
-                registry=registry,
-            )
+            "steward_task_attempt_failures",
+            "Failed attempts reported by workers (retried or final)",
         )
-        self.append_latency = Histogram(
+        self.append_latency = _FastHistogram(
             "steward_log_append_latency_seconds",
             "From handing an entry to the ledger until it is durable (group commit)",
-            buckets=_LATENCY_BUCKETS_S,
-            registry=registry,
+            _LATENCY_BUCKETS_S,
         )
-        self.group_commit = Histogram(
+        self.group_commit = _FastHistogram(
             "steward_log_group_commit_entries",
             "Entries made durable together by one group commit",
-            buckets=_BATCH_BUCKETS,
-            registry=registry,
+            _BATCH_BUCKETS,
         )
         self.follower_lag_seconds = Gauge(
             "steward_follower_lag_seconds",
@@ -208,6 +219,7 @@ class BrokerMetrics:
         self._state: Callable[[], StateMachine] | None = None
         self._role: Callable[[], str] = lambda: "idle"
         self._position: Callable[[], tuple[int, int]] = lambda: (-1, -1)
+        registry.register(_Collector(self))
 
     def bind(
         self,
@@ -216,8 +228,6 @@ class BrokerMetrics:
         position: Callable[[], tuple[int, int]],
     ) -> None:
         """Read queue lengths, role and log position from these at scrape time."""
-        if self._state is None:
-            self.registry.register(_StateCollector(self))
         self._state, self._role, self._position = state, role, position
 
     def render(self) -> bytes:
@@ -230,33 +240,37 @@ class BrokerMetrics:
         self, entry: e.Entry, result: ApplyResult, final: list[int], state: StateMachine
     ) -> None:
         """Count what a durable entry did; called by the leader right after apply."""
-        kind = type(entry)
-        tasks = state.tasks
-        if kind is e.SubmitTasks:
-            assert isinstance(entry, e.SubmitTasks)
-            if isinstance(result, ReplayedResults):
-                pass  # an idempotent retry: nothing was created this time
-            elif isinstance(result, list):
+        if isinstance(entry, e.SubmitTasks):
+            # type() is: a ReplayedResults (an idempotent retry) created nothing.
+            if type(result) is list:
+                submitted = self.submitted.counts
                 for spec, outcome in zip(entry.tasks, result, strict=False):
-                    if isinstance(outcome, TaskRef):
-                        self.submitted.inc(spec.tenant, spec.type)
-                    else:
+                    if type(outcome) is TaskRef:
+                        key = (spec.tenant, spec.type)
+                        submitted[key] = submitted.get(key, 0) + 1
+                    elif isinstance(outcome, Rejected):
                         self.rejected.labels(spec.tenant, outcome.code.value).inc()
             elif isinstance(result, Rejected):
                 for spec in entry.tasks:
                     self.rejected.labels(spec.tenant, result.code.value).inc()
-        elif kind is e.AssignTasks:
-            assert isinstance(entry, e.AssignTasks) and isinstance(result, list)
+        elif isinstance(entry, e.AssignTasks) and isinstance(result, list):
+            tasks = state.tasks
             for assignment, outcome in zip(entry.assignments, result, strict=False):
                 task = tasks.get(assignment.task_id)
-                if isinstance(outcome, TaskRef) and task is not None:
+                if type(outcome) is TaskRef and task is not None:
                     self.assigned.inc(task.tenant, task.type)
-        elif kind is e.FinishTasks:
-            assert isinstance(entry, e.FinishTasks) and isinstance(result, list)
+        elif isinstance(entry, e.FinishTasks) and isinstance(result, list):
+            tasks = state.tasks
             for report, outcome in zip(entry.outcomes, result, strict=False):
-                task = tasks.get(report.task_id)
-                if not report.ok and isinstance(outcome, TaskRef) and task is not None:
-                    self.attempt_failures.inc(task.tenant, task.type)
+                if not report.ok and type(outcome) is TaskRef:
+                    task = tasks.get(report.task_id)
+                    if task is not None:
+                        self.attempt_failures.inc(task.tenant, task.type)
+        if final:
+            self._count_final(final, state)
+
+    def _count_final(self, final: list[int], state: StateMachine) -> None:
+        tasks = state.tasks
         for task_id in final:
             task = tasks.get(task_id)
             if task is None:
@@ -268,19 +282,33 @@ class BrokerMetrics:
             elif task.state == TaskState.CANCELLED:
                 self.cancelled.inc(task.tenant, task.type)
 
+    def task_counters(self) -> tuple[_TaskCounter, ...]:
+        return (
+            self.submitted,
+            self.assigned,
+            self.finished,
+            self.failed,
+            self.cancelled,
+            self.attempt_failures,
+        )
+
     def observe_batch(self, entries: int) -> None:
         self.group_commit.observe(entries)
 
 
-class _StateCollector(Collector):
-    """Gauges computed from the live state at scrape time (runs on the event loop, in
-    the /metrics request, so the state does not change under it)."""
+class _Collector(Collector):
+    """The hot-path counters and histograms, and gauges computed from the live state, at
+    scrape time (on the event loop, in the /metrics request: nothing changes under it)."""
 
     def __init__(self, metrics: BrokerMetrics) -> None:
         self._metrics = metrics
 
     def collect(self) -> Iterable[Metric]:
         metrics = self._metrics
+        for counter in metrics.task_counters():
+            yield counter.family()
+        yield metrics.append_latency.family()
+        yield metrics.group_commit.family()
         state_of = metrics._state
         if state_of is None:
             return
