@@ -11,8 +11,12 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from broker.zk import ZooKeeperServer
+from tests.cluster_procs import ClusterProcesses
 from tests.procs import HOST, BrokerProcess, free_port
 from tests.worker_procs import WorkerProcess, wait_until
+
+pytest_plugins = ["tests.zk_fixture"]
 
 WAIT_S = 60.0
 
@@ -103,3 +107,60 @@ def test_json_logs_and_metrics_of_real_processes(tmp_path: Path) -> None:
     for line in task_lines:
         assert (line["task_id"], line["tenant"], line["worker"]) == (task_id, "acme", "w-json")
     assert any("failed" in line["message"] for line in task_lines)
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    response = httpx.get(url + "/metrics", timeout=10.0)
+    assert response.status_code == 200, response.text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(response.text)
+        for s in family.samples
+    }
+
+
+def test_cluster_metrics_leader_followers_and_a_hand_over(
+    zookeeper: ZooKeeperServer, tmp_path: Path
+) -> None:
+    with ClusterProcesses(
+        zookeeper.connect_string, tmp_path, extra_args=("--log-format", "json")
+    ) as cluster:
+        leader = cluster.wait_for_leader(WAIT_S)
+        for _ in range(5):
+            response = httpx.post(
+                leader.url + "/api/v1/tasks", json={"type": "noop", "tenant": "acme"}, timeout=10
+            )
+            assert response.status_code == 201, response.text
+        cluster.wait_for_equal_digests(WAIT_S)
+        submitted = ("steward_tasks_submitted_total", (("tenant", "acme"), ("type", "noop")))
+        for node in cluster.live():
+            samples = scrape(node.url)
+            role = "leader" if node is leader else "follower"
+            assert samples[("steward_broker_role", (("role", role),))] == 1.0, node
+            assert samples[("steward_queue_length", (("tenant", "acme"),))] == 5.0
+            assert samples[("steward_leader_changes_total", ())] >= 1.0
+            if node is leader:
+                assert samples[submitted] == 5.0
+                assert samples[("steward_leaderships_acquired_total", ())] == 1.0
+            else:
+                assert submitted not in samples  # counted by the leader only
+                assert samples[("steward_leaderships_acquired_total", ())] == 0.0
+                assert 0.0 <= samples[("steward_follower_lag_seconds", ())] < WAIT_S
+
+        cluster.sigterm(leader.broker_id)
+        assert leader.wait_exit(WAIT_S) == 0, leader.log_tail()
+        new = cluster.wait_for_leader(WAIT_S, excluding=[leader.broker_id])
+        wait_until(
+            lambda: scrape(new.url).get(("steward_broker_role", (("role", "leader"),))),
+            WAIT_S,
+            "the new leader's role in its metrics",
+        )
+        samples = scrape(new.url)
+        assert samples[("steward_leaderships_acquired_total", ())] == 1.0
+        assert samples[("steward_leader_changes_total", ())] >= 2.0
+        assert samples[("steward_follower_lag_seconds", ())] == 0.0
+
+    for node in cluster.nodes.values():
+        lines = json_lines(node.log_text(), ("=====", "steward broker "))
+        assert lines, f"{node.broker_id} logged nothing"
+        assert all(line["broker"] == node.broker_id for line in lines)
