@@ -249,9 +249,9 @@ class ApiApp:
         self._add("/api/v1/cluster", GET=self.cluster)
         self._add("/api/v1/config", GET=self.get_config, PUT=self.put_config)
         self._add("/api/v1/state/digest", GET=self.digest)
+        self._add("/metrics", GET=self.metrics)
         # GET only: a body is never read, and the answer may be tens of MB (one response).
         self._add(LATEST_SNAPSHOT_PATH, GET=self.latest_snapshot)
-        self._add("/metrics", GET=self.metrics)
 
     def _add(self, pattern: str, max_body_bytes: int | None = None, **handlers: Handler) -> None:
         route = Route(pattern, max_body_bytes or self.config.max_request_bytes)
@@ -822,6 +822,12 @@ class ApiApp:
         body = m.DigestBody(position=self._position(), digest=self.node.state.digest())
         return 200, _json_encoder.encode(body)
 
+    async def metrics(self, request: Request) -> tuple[int, bytes]:
+        """Prometheus text exposition of this broker's metrics (broker/metrics.py)."""
+        body = Binary(self.node.metrics.render())
+        body.content_type = METRICS_CONTENT_TYPE
+        return 200, body
+
     async def health(self, request: Request) -> tuple[int, bytes]:
         node = self.node
         writable = node.writable
@@ -839,12 +845,6 @@ class ApiApp:
             role=str(node.role),
         )
         return (200 if serving else 503), _json_encoder.encode(body)
-
-    async def metrics(self, request: Request) -> tuple[int, bytes]:
-        """Prometheus text exposition of this broker's metrics (broker/metrics.py)."""
-        body = Binary(self.node.metrics.render())
-        body.content_type = METRICS_CONTENT_TYPE
-        return 200, body
 
     async def openapi(self, request: Request) -> tuple[int, bytes]:
         if self._openapi is None:
@@ -1209,6 +1209,17 @@ def openapi_document() -> dict[str, Any]:
                 "responses": {"200": response("DigestBody")},
             }
         },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics of this broker (text exposition format 0.0.4)",
+                "responses": {
+                    "200": {
+                        "description": "Metric families (see README, Metrics)",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    },
+                },
+            }
+        },
         LATEST_SNAPSHOT_PATH: {
             "get": {
                 "summary": "This broker's newest snapshot file (for a peer that has none)",
@@ -1224,17 +1235,6 @@ def openapi_document() -> dict[str, Any]:
                         "content": {"application/octet-stream": {"schema": {"type": "string"}}},
                     },
                     **errors,
-                },
-            }
-        },
-        "/metrics": {
-            "get": {
-                "summary": "Prometheus metrics of this broker (text exposition format 0.0.4)",
-                "responses": {
-                    "200": {
-                        "description": "Metric families (see README, Metrics)",
-                        "content": {"text/plain": {"schema": {"type": "string"}}},
-                    },
                 },
             }
         },
