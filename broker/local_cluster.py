@@ -42,8 +42,8 @@ class LocalClusterConfig:
     zookeeper_port: int | None = None
     min_replication: int = 1
     log_level: str = "INFO"
-    ledgers: str = "file"  # "file" (a shared directory) or "pulsar" (a pulsar-lite broker)
     log_format: str = "text"  # of brokers and workers: "text" or "json" (broker/logs.py)
+    ledgers: str = "file"  # "file" (a shared directory) or "pulsar" (a pulsar-lite broker)
 
 
 @dataclass
@@ -130,10 +130,10 @@ class LocalCluster:
                     str(config.session_timeout_ms),
                     "--min-replication",
                     str(config.min_replication),
-                    "--log-level",
-                    config.log_level,
                     "--log-format",
                     config.log_format,
+                    "--log-level",
+                    config.log_level,
                 ],
             )
             child.url = f"http://{HOST}:{port}"
@@ -150,10 +150,10 @@ class LocalCluster:
                         urls,
                         "--worker-id",
                         f"worker-{n}",
-                        "--cache-dir",
-                        str(self.data_dir / f"worker-{n}-cache"),
                         "--log-format",
                         config.log_format,
+                        "--cache-dir",
+                        str(self.data_dir / f"worker-{n}-cache"),
                     ],
                 )
             )

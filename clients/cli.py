@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from broker.logs import LOG_FORMAT_ENV, add_log_format_option, setup_logging
 from clients.client import (
     StewardClient,
     StewardError,
@@ -91,7 +90,13 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--snapshot-interval-s", type=float, default=60.0)
     p.add_argument("--ledger-roll-mb", type=float, default=64.0)
+    _add_log_format_option(p)
     p.add_argument("--log-level", default="INFO")
+
+
+def _add_log_format_option(p: argparse.ArgumentParser) -> None:
+    from broker.logs import add_log_format_option
+
     add_log_format_option(p)
 
 
@@ -295,8 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="cluster up: brokers listen on this port and the next ones (default: free ports)",
     )
+    _add_log_format_option(p)  # cluster up: passed on to brokers and workers
     p.add_argument("--min-replication", type=int, default=1)
-    add_log_format_option(p)  # cluster up: passed on to brokers and workers
     p.add_argument(
         "--ledgers",
         choices=["file", "pulsar"],
@@ -560,6 +565,8 @@ def run_standalone(args: argparse.Namespace) -> int:
     from broker.standalone import StandaloneConfig, serve_standalone
     from broker.worker_link import WorkerLinkConfig
 
+    from broker.logs import LOG_FORMAT_ENV, setup_logging
+
     setup_logging(args.log_level, args.log_format)
     # Worker processes started beside the broker (--workers) log the same way.
     os.environ[LOG_FORMAT_ENV] = args.log_format
@@ -619,6 +626,8 @@ def run_broker(args: argparse.Namespace) -> int:
     from broker.http_api import ApiConfig
     from broker.node import BrokerStartupError, NodeConfig
     from broker.worker_link import WorkerLinkConfig
+
+    from broker.logs import setup_logging
 
     setup_logging(args.log_level, args.log_format, static_fields={"broker": args.broker_id})
     if not args.zookeeper:
@@ -689,9 +698,9 @@ def run_cluster_up(args: argparse.Namespace) -> int:
         workers=args.workers,
         session_timeout_ms=args.session_timeout_ms,
         first_http_port=args.first_http_port,
+        log_format=args.log_format,
         min_replication=args.min_replication,
         ledgers=args.ledgers,
-        log_format=args.log_format,
     )
     try:
         return run_local_cluster(config)

@@ -8,7 +8,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from broker.logs import add_log_format_option, setup_logging
 from clients.worker.config import (
     WorkerConfig,
     default_cache_dir,
@@ -92,8 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     p.add_argument("--max-result-bytes", type=int, default=1024 * 1024)
     p.add_argument("--token", default=os.environ.get("STEWARD_WORKER_TOKEN"))
-    p.add_argument("--log-level", default="INFO")
+    from broker.logs import add_log_format_option
+
     add_log_format_option(p)
+    p.add_argument("--log-level", default="INFO")
     return p
 
 
@@ -129,6 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    from broker.logs import setup_logging
+
     # Task-related lines carry task_id and tenant (text: "task=12 tenant=acme").
     setup_logging(args.log_level, args.log_format, static_fields={"worker": config.worker_id})
     run_worker(config)
