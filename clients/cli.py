@@ -561,11 +561,10 @@ def run_standalone(args: argparse.Namespace) -> int:
     import uvloop
 
     from broker.http_api import ApiConfig
+    from broker.logs import LOG_FORMAT_ENV, setup_logging
     from broker.node import BrokerStartupError, NodeConfig
     from broker.standalone import StandaloneConfig, serve_standalone
     from broker.worker_link import WorkerLinkConfig
-
-    from broker.logs import LOG_FORMAT_ENV, setup_logging
 
     setup_logging(args.log_level, args.log_format)
     # Worker processes started beside the broker (--workers) log the same way.
@@ -624,10 +623,9 @@ def run_broker(args: argparse.Namespace) -> int:
 
     from broker.cluster import BrokerConfig, serve_broker
     from broker.http_api import ApiConfig
+    from broker.logs import setup_logging
     from broker.node import BrokerStartupError, NodeConfig
     from broker.worker_link import WorkerLinkConfig
-
-    from broker.logs import setup_logging
 
     setup_logging(args.log_level, args.log_format, static_fields={"broker": args.broker_id})
     if not args.zookeeper:
