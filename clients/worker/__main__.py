@@ -91,10 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     p.add_argument("--max-result-bytes", type=int, default=1024 * 1024)
     p.add_argument("--token", default=os.environ.get("STEWARD_WORKER_TOKEN"))
+    p.add_argument("--log-level", default="INFO")
     from broker.logs import add_log_format_option
 
     add_log_format_option(p)
-    p.add_argument("--log-level", default="INFO")
     return p
 
 
