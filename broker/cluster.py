@@ -208,6 +208,7 @@ class ClusterBroker:
         self.link: WorkerLink | None = None
         self.monitor: ReplicationMonitor | None = None
         self.leader_changes = 0
+        self._leader_node: str | None = None  # the leadership term last seen
         self._changed = asyncio.Event()
         self._deposed: str | None = None
         self._stopping = False
@@ -339,6 +340,9 @@ class ClusterBroker:
     # --- role changes ---------------------------------------------------------------------
 
     def _on_status_change(self, status: LeadershipStatus) -> None:
+        if status.leader_node is not None and status.leader_node != self._leader_node:
+            self._leader_node = status.leader_node
+            self.node.metrics.leader_changes.inc()
         if not status.is_leader and self.node.role in (Role.LEADER, Role.CANDIDATE):
             # Stop acknowledging at once, before the manager task gets to run.
             self.node._depose("lost the election or the ZooKeeper connection")
@@ -444,6 +448,7 @@ class ClusterBroker:
             )
             await self.monitor.start()
         self.leader_changes += 1
+        node.metrics.leaderships.inc()
         logger.info("broker %s is the acting leader at %s", node.config.broker_id, node.position)
 
     async def _stop_leading(self, reason: str) -> None:

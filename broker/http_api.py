@@ -39,6 +39,7 @@ from broker.auth import (
 )
 from broker.auth import Role as CallerRole
 from broker.code_store import CodeStore, InvalidArtifactError, validate_artifact
+from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.node import VERSION, BrokerUnavailableError, Node, Role, Stamp
 from broker.state import (
     FINAL_STATES,
@@ -287,6 +288,7 @@ class ApiApp:
         self._add("/api/v1/stats/throughput", GET=self.throughput_stats)
         self._add("/api/v1/tasks/recent", GET=self.recent_tasks)
         self._add("/api/v1/state/digest", GET=self.digest)
+        self._add("/metrics", GET=self.metrics)
         # GET only: a body is never read, and the answer may be tens of MB (one response).
         self._add(LATEST_SNAPSHOT_PATH, GET=self.latest_snapshot)
         self._add("/api/v1/tokens", POST=self.create_token, GET=self.list_tokens)
@@ -1129,6 +1131,14 @@ class ApiApp:
         next_before = found[-1].id if len(found) == limit else None
         return 200, _json_encoder.encode(m.RecentTaskList(found, next_before))
 
+    async def metrics(self, request: Request) -> tuple[int, bytes]:
+        """Prometheus text exposition of this broker's metrics (broker/metrics.py): tenants'
+        names and counts, so admins (and peer brokers) only when authentication is on."""
+        self._require(request, CallerRole.PEER)
+        body = Binary(self.node.metrics.render())
+        body.content_type = METRICS_CONTENT_TYPE
+        return 200, body
+
     async def health(self, request: Request) -> tuple[int, bytes]:
         node = self.node
         writable = node.writable
@@ -1663,6 +1673,17 @@ def openapi_document() -> dict[str, Any]:
             "get": {
                 "summary": "Digest of the replicated state at the applied position",
                 "responses": {"200": response("DigestBody")},
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics of this broker (text exposition format 0.0.4)",
+                "responses": {
+                    "200": {
+                        "description": "Metric families (see README, Metrics)",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    },
+                },
             }
         },
         LATEST_SNAPSHOT_PATH: {

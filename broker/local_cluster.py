@@ -44,6 +44,7 @@ class LocalClusterConfig:
     zookeeper_port: int | None = None
     min_replication: int = 1
     log_level: str = "INFO"
+    log_format: str = "text"  # of brokers and workers: "text" or "json" (broker/logs.py)
     ledgers: str = "file"  # "file" (a shared directory) or "pulsar" (a pulsar-lite broker)
     # Brokers serve HTTPS and TLS to workers with this certificate (it must name
     # 127.0.0.1); workers, the brokers' peer calls and this launcher verify with its CA.
@@ -143,6 +144,8 @@ class LocalCluster:
                     str(config.session_timeout_ms),
                     "--min-replication",
                     str(config.min_replication),
+                    "--log-format",
+                    config.log_format,
                     "--log-level",
                     config.log_level,
                     *self._tls_args(broker=True),
@@ -162,6 +165,8 @@ class LocalCluster:
                         urls,
                         "--worker-id",
                         f"worker-{n}",
+                        "--log-format",
+                        config.log_format,
                         "--cache-dir",
                         str(self.data_dir / f"worker-{n}-cache"),
                         *self._tls_args(broker=False),

@@ -29,6 +29,7 @@ import collections
 import contextlib
 import copy
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -42,7 +43,9 @@ from typing import Final
 import msgspec
 
 from broker import entries as e
+from broker.metrics import BrokerMetrics
 from broker.state import ApplyResult, StateMachine, StopRunning
+from broker.task_log import log_applied
 from log.api import (
     BadVersionError,
     LedgerEntry,
@@ -203,6 +206,10 @@ class Node:
         self._marked_position: tuple[int, int] = (-1, -1)  # covered by a Confirm marker
         self._last_append_loop_time = 0.0
         self.listeners: list[ApplyListener] = []
+        self.metrics = BrokerMetrics()
+        self.metrics.bind(lambda: self.state, lambda: str(self.role), lambda: self.position)
+        self._durable_in_batch = 0  # durable callbacks since the batch-size flush
+        self._last_logged_time_ms = 0  # leader's stamp of the last entry read from the log
         # Called with the roots whose task tree ended (completed, or failed for good)
         # after each applied entry that ended some; must not block either.
         self.tree_listeners: list[Callable[[list[int]], None]] = []
@@ -256,6 +263,8 @@ class Node:
         self._last_time_ms = self.state.now_ms
         self._closing = False
         self._leader_tasks = [asyncio.create_task(self._timer_loop(), name="steward-timers")]
+        self.metrics.follower_lag_seconds.set(0)
+        self.metrics.follower_lag_entries.set(0)
         if self.leadership_check is not None:
             self._leader_tasks += [
                 asyncio.create_task(self._confirm_loop(), name="steward-confirm"),
@@ -420,6 +429,7 @@ class Node:
             for ledger_entry in batch:
                 self._apply_logged(ledger_entry)
             next_id = batch[-1].entry_id + 1
+            self._note_follower_progress(0)
         if self.position[0] != ledger_id and last_entry_id < 0:
             return
         if self.position < (ledger_id, last_entry_id):
@@ -429,6 +439,7 @@ class Node:
         """Apply one entry read from the log (replay, follower)."""
         record = e.decode_record(ledger_entry.data)
         position = (ledger_entry.ledger_id, ledger_entry.entry_id)
+        self._last_logged_time_ms = record.time_ms
         if isinstance(record, e.Confirm):
             self.position = position
             return
@@ -540,6 +551,14 @@ class Node:
             if not tailed:
                 await asyncio.sleep(poll_s)
 
+    def _note_follower_progress(self, pending_entries: int) -> None:
+        if self.role != Role.FOLLOWER:
+            return
+        # Wall clocks of leader and follower: fine on one host or with NTP.
+        lag_ms = max(0, wall_clock_ms() - self._last_logged_time_ms)
+        self.metrics.follower_lag_seconds.set(lag_ms / 1000)
+        self.metrics.follower_lag_entries.set(pending_entries)
+
     async def _tail(self, ledger_id: int) -> None:
         """Follow one open ledger until the list says it is closed (or it is gone)."""
         loop = asyncio.get_running_loop()
@@ -562,6 +581,8 @@ class Node:
                     self._apply_logged(pending[applied])
                     applied += 1
                 del pending[:applied]
+                if applied or batch:
+                    self._note_follower_progress(len(pending))
                 if not batch:
                     await reader.wait_for_entries(next_id - 1, poll_s)
                 if loop.time() - list_checked_at < poll_s:
@@ -607,9 +628,10 @@ class Node:
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[ApplyResult] = loop.create_future()
         self._inflight.append(_InFlight(entry, writer.ledger_id, durable, answer))
-        durable.add_done_callback(self._on_durable)
+        now = loop.time()
+        durable.add_done_callback(functools.partial(self._on_durable, now))
         self.stats.entries_appended += 1
-        self._last_append_loop_time = loop.time()
+        self._last_append_loop_time = now
         return answer
 
     def _unavailable_error(self) -> BrokerUnavailableError:
@@ -630,14 +652,25 @@ class Node:
             return "this broker is taking over as leader; retry shortly"
         return "the broker is not ready"
 
-    def _on_durable(self, durable: asyncio.Future[int]) -> None:
-        if not durable.cancelled():
-            # Read through _inflight, or dropped once deposed: no "never retrieved" noise.
-            durable.exception()
+    def _on_durable(self, appended_at: float, durable: asyncio.Future[int]) -> None:
+        if not durable.cancelled() and durable.exception() is None:
+            # (exception() also marks a failure retrieved: it is read through _inflight,
+            # or dropped once deposed, so no "never retrieved" noise.)
+            loop = asyncio.get_running_loop()
+            self.metrics.append_latency.observe(loop.time() - appended_at)
+            self._durable_in_batch += 1
+            if self._durable_in_batch == 1:
+                # A group commit resolves its futures together, so their callbacks are
+                # queued back to back: this one runs after the last of them.
+                loop.call_soon(self._flush_batch_size)
         if self.leadership_check is None:
             self._apply_durable_head(len(self._inflight))
         else:
             self._durable_ready.set()
+
+    def _flush_batch_size(self) -> None:
+        self.metrics.observe_batch(self._durable_in_batch)
+        self._durable_in_batch = 0
 
     def _apply_durable_head(self, limit: int) -> None:
         # Futures resolve in entry order; apply the durable entries at the head.
@@ -659,6 +692,8 @@ class Node:
             result = self.state.apply(entry)
             self.position = self._last_real_position = position
             final, stops = self.state.drain_effects()
+            self.metrics.observe_applied(entry, result, final, self.state)
+            log_applied(entry, result, final, self.state.trees_ended, self.state)
             self._notify(entry, result, final, stops)
             if not item.answer.done():
                 item.answer.set_result(_detached(result))
@@ -831,13 +866,14 @@ class Node:
         async with self._snapshot_lock:
             # Encoding runs on the loop so the state cannot change under it; the
             # compression, hashing and fsync run in a thread.
+            started = time.perf_counter()
             body = self.state.encode_snapshot()
             ledger_id, entry_id = self.position
             entries_applied = self.state.entries_applied
             created_ms = self.clock_ms()
 
-            def write() -> None:
-                self.snapshots.write(
+            def write() -> int | None:
+                info = self.snapshots.write(
                     cluster_id=self.config.cluster_id,
                     ledger_id=ledger_id,
                     entry_id=entry_id,
@@ -845,8 +881,16 @@ class Node:
                     digest=hashlib.sha256(body).hexdigest(),
                     body=body,
                 )
+                try:
+                    return info.path.stat().st_size
+                except FileNotFoundError:
+                    return None  # pruned at once (older than the kept ones)
 
-            await asyncio.to_thread(write)
+            size_bytes = await asyncio.to_thread(write)
+            self.metrics.snapshot_duration.observe(time.perf_counter() - started)
+            self.metrics.snapshot_body.set(len(body))
+            if size_bytes is not None:
+                self.metrics.snapshot_size.set(size_bytes)
             self._entries_at_snapshot = entries_applied
             self._snapshot_position = (ledger_id, entry_id)
             self.stats.snapshots_taken += 1

@@ -116,6 +116,8 @@ async def start_http_server(
             host=config.host,
             port=config.port,
             log_level="warning",
+            # uvicorn's own lines go through the root logger's handler (text or JSON).
+            log_config=None,
             access_log=False,
             lifespan="off",
             http="httptools",

@@ -25,6 +25,7 @@ import msgspec
 
 from broker import entries as e
 from broker import protocol as p
+from broker.logs import task_fields
 from broker.node import BrokerStartupError, BrokerUnavailableError, Node, Stamp
 from broker.scheduler import schedule
 from broker.state import (
@@ -40,7 +41,7 @@ from broker.state import (
 )
 from broker.tls import TlsConfig, TlsConfigError, server_context
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)  # task events: broker/task_log.py
 
 
 @dataclass(frozen=True)
@@ -446,8 +447,13 @@ class WorkerLink:
             try:
                 spawn = self._spawn(report)
             except _InvalidSpawn as exc:
+                task = self.node.state.tasks.get(report.task_id)
                 logger.warning(
-                    "worker %s: task %d: %s", session.worker_id, report.task_id, exc.message
+                    "worker %s: task %d: %s",
+                    session.worker_id,
+                    report.task_id,
+                    exc.message,
+                    extra=task_fields(report.task_id, task.tenant if task is not None else ""),
                 )
                 ok, result, error = False, None, exc.message
         return e.TaskOutcome(

@@ -108,6 +108,7 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--snapshot-interval-s", type=float, default=60.0)
     p.add_argument("--ledger-roll-mb", type=float, default=64.0)
+    _add_log_format_option(p)
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
         "--tls-cert",
@@ -131,6 +132,12 @@ def _tls_config(args: argparse.Namespace) -> TlsConfig | None:
         return TlsConfig.from_options(args.tls_cert, args.tls_key, args.tls_ca)
     except TlsConfigError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _add_log_format_option(p: argparse.ArgumentParser) -> None:
+    from broker.logs import add_log_format_option
+
+    add_log_format_option(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -353,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="cluster up: brokers listen on this port and the next ones (default: free ports)",
     )
+    _add_log_format_option(p)  # cluster up: passed on to brokers and workers
     p.add_argument("--min-replication", type=int, default=1)
     p.add_argument(
         "--ledgers",
@@ -670,13 +678,14 @@ def run_standalone(args: argparse.Namespace) -> int:
     import uvloop
 
     from broker.http_api import ApiConfig
+    from broker.logs import LOG_FORMAT_ENV, setup_logging
     from broker.node import BrokerStartupError, NodeConfig
     from broker.standalone import StandaloneConfig, serve_standalone
     from broker.worker_link import WorkerLinkConfig
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(args.log_level, args.log_format)
+    # Worker processes started beside the broker (--workers) log the same way.
+    os.environ[LOG_FORMAT_ENV] = args.log_format
     host, port = args.http
     auth = _auth_config(args)
     if auth.enabled and args.worker_token is None:
@@ -736,13 +745,11 @@ def run_broker(args: argparse.Namespace) -> int:
 
     from broker.cluster import BrokerConfig, serve_broker
     from broker.http_api import ApiConfig
+    from broker.logs import setup_logging
     from broker.node import BrokerStartupError, NodeConfig
     from broker.worker_link import WorkerLinkConfig
 
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s [{args.broker_id}] %(name)s: %(message)s",
-    )
+    setup_logging(args.log_level, args.log_format, static_fields={"broker": args.broker_id})
     if not args.zookeeper:
         raise UsageError("--zookeeper is required (or env STEWARD_ZOOKEEPER)")
     if not 1 <= args.session_timeout_ms <= 600_000:
@@ -820,6 +827,7 @@ def run_cluster_up(args: argparse.Namespace) -> int:
         workers=args.workers,
         session_timeout_ms=args.session_timeout_ms,
         first_http_port=args.first_http_port,
+        log_format=args.log_format,
         min_replication=args.min_replication,
         ledgers=args.ledgers,
         tls=_tls_config(args),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -20,8 +19,6 @@ from clients.worker.config import (
     parse_http_urls,
 )
 from clients.worker.link import run_worker
-
-_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [task %(task_id)s %(tenant)s] %(message)s"
 
 
 def _pair(text: str) -> tuple[str, str]:
@@ -110,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"{CA_ENV}; default: the system trust store)",
     )
     p.add_argument("--log-level", default="INFO")
+    from broker.logs import add_log_format_option
+
+    add_log_format_option(p)
     return p
 
 
@@ -147,10 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    handler = logging.StreamHandler()
-    # Records from outside a task have no task fields: show "-" there.
-    handler.setFormatter(logging.Formatter(_LOG_FORMAT, defaults={"task_id": "-", "tenant": "-"}))
-    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    from broker.logs import setup_logging
+
+    # Task-related lines carry task_id and tenant (text: "task=12 tenant=acme").
+    setup_logging(args.log_level, args.log_format, static_fields={"worker": config.worker_id})
     run_worker(config)
     return 0
 

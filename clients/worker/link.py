@@ -41,6 +41,7 @@ import httpx
 import msgspec
 
 from broker.api_models import ClusterSummary
+from broker.logs import task_fields
 from broker.protocol import (
     Assign,
     AssignedTask,
@@ -524,7 +525,11 @@ class Worker:
             if self.runtime.is_known(key) or key in self._unacked:
                 # A repeat (e.g. the broker resent it): the running attempt or its
                 # pending report stands.
-                logger.debug("ignoring repeated assignment of task %d attempt %d", *key)
+                logger.debug(
+                    "ignoring repeated assignment of task %d attempt %d",
+                    *key,
+                    extra=task_fields(task.task_id, task.tenant, attempt=task.attempt),
+                )
                 if key in self._unacked:
                     self._send_reports([key])
                 continue
@@ -549,22 +554,35 @@ class Worker:
         delay_s = max(0.0, deadline_ms / 1000 - time.time())
         self._deadlines[key] = self._loop.call_later(delay_s, self._deadline_passed, key)
 
+    def _task_fields(self, key: TaskKey) -> dict[str, object]:
+        ctx = self.runtime.context(key)
+        return task_fields(key[0], ctx.tenant if ctx is not None else "", attempt=key[1])
+
     def _deadline_passed(self, key: TaskKey) -> None:
         self._deadlines.pop(key, None)
+        fields = self._task_fields(key)
         if self.runtime.cancel(key, "deadline exceeded"):
-            logger.info("task %d attempt %d passed its deadline", *key)
+            logger.info("task %d attempt %d passed its deadline", *key, extra=fields)
 
     # -- reports --
 
     def _report_from_thread(self, report: TaskReport) -> None:
         loop = self._loop
         if loop is None:
-            logger.error("task report before the worker ran: %s", report)
+            logger.error(
+                "task report before the worker ran: %s",
+                report,
+                extra=self._task_fields((report.task_id, report.attempt)),
+            )
             return
         try:
             loop.call_soon_threadsafe(self._on_report, report)
         except RuntimeError:  # the loop is closed: the process is going away
-            logger.warning("dropping the report of task %d: event loop closed", report.task_id)
+            logger.warning(
+                "dropping the report of task %d: event loop closed",
+                report.task_id,
+                extra=self._task_fields((report.task_id, report.attempt)),
+            )
 
     def _on_report(self, report: TaskReport) -> None:
         key = (report.task_id, report.attempt)

@@ -37,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
 
+from broker.logs import task_fields
 from broker.protocol import AssignedTask, SpawnRequest, TaskAttempt, TaskReport
 from clients.worker.artifacts import ArtifactCache
 from clients.worker.config import WorkerConfig, cpu_count
@@ -406,6 +407,11 @@ def error_text(exc: BaseException, max_chars: int = MAX_ERROR_CHARS) -> str:
     return text
 
 
+def _fields(entry: _Running) -> dict[str, Any]:
+    task = entry.task
+    return task_fields(task.task_id, task.tenant, attempt=task.attempt)
+
+
 @dataclass
 class _Running:
     task: AssignedTask
@@ -560,6 +566,8 @@ class TaskRuntime:
 
     def _execute(self, entry: _Running) -> TaskReport:
         task, ctx = entry.task, entry.ctx
+        # DEBUG: one line per task at full rate would flood the log; failures are INFO.
+        ctx.logger.debug("task %d attempt %d running (%s)", task.task_id, task.attempt, task.type)
         try:
             ctx.check_cancelled()
             try:
@@ -573,9 +581,16 @@ class TaskRuntime:
             result = encode_result(value, self.config.max_result_bytes)
         except BaseException as exc:  # every failure of task code (even SystemExit) is a report
             if ctx.cancelled.is_set():
+                ctx.logger.info(
+                    "task %d attempt %d cancelled: %s",
+                    task.task_id,
+                    task.attempt,
+                    ctx.cancel_reason or "cancelled",
+                )
                 return self._cancelled_report(entry)
             ctx.logger.info("task %d attempt %d failed: %r", task.task_id, task.attempt, exc)
             return TaskReport(task.task_id, task.attempt, ok=False, error=error_text(exc))
+        ctx.logger.debug("task %d attempt %d finished", task.task_id, task.attempt)
         return TaskReport(task.task_id, task.attempt, ok=True, result=result, spawn=ctx.spawned)
 
     def _resolve(self, task: AssignedTask) -> TaskFn:
@@ -606,7 +621,11 @@ class TaskRuntime:
                 try:
                     entry.ctx._cancel_spark()
                 except Exception:
-                    logger.warning("cancelling Spark jobs of task %s failed", entry.ctx.job_group)
+                    logger.warning(
+                        "cancelling Spark jobs of task %s failed",
+                        entry.ctx.job_group,
+                        extra=_fields(entry),
+                    )
             left = deadline - time.monotonic()
             if entry.thread_done.wait(max(0.0, min(_SPARK_RECANCEL_S, left))):
                 return
@@ -618,6 +637,7 @@ class TaskRuntime:
             entry.task.task_id,
             entry.task.attempt,
             self.config.cancel_grace_s,
+            extra=_fields(entry),
         )
         self._finish(
             entry,
@@ -639,4 +659,6 @@ class TaskRuntime:
         try:
             self._on_report(report)
         except Exception:
-            logger.exception("delivering the report of task %d attempt %d failed", *key)
+            logger.exception(
+                "delivering the report of task %d attempt %d failed", *key, extra=_fields(entry)
+            )

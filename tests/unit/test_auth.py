@@ -149,6 +149,7 @@ EVERY_ENDPOINT = [
     ("GET", "/api/v1/workers", {}),
     ("GET", "/api/v1/stats/throughput", {}),
     ("GET", f"{TASKS}/recent", {}),
+    ("GET", "/metrics", {}),
 ]
 
 
@@ -425,6 +426,7 @@ async def test_an_admin_upload_is_shared(env: Env) -> None:
         ("/api/v1/cluster", {"admin", "worker", "peer"}),
         ("/api/v1/state/digest", {"admin", "peer"}),
         ("/api/v1/snapshot/latest", {"admin", "peer"}),
+        ("/metrics", {"admin", "peer"}),
     ],
 )
 async def test_cluster_views_are_for_operators_workers_and_peers(

@@ -1,0 +1,138 @@
+"""The broker's task log lines: what happened to tasks, one line per event.
+
+Written by the acting leader right after it applies a durable entry (the same place
+and for the same reason as the task counters in broker/metrics.py: once per event,
+never again for a follower or a replay). Every line carries ``task_id`` and ``tenant``
+(broker/logs.py shows them in text and JSON). Levels keep the hot path quiet: assignments,
+successful finishes and refused entries are DEBUG (one per task at full rate, and
+``isEnabledFor`` is checked once per entry); retries, failures, cancellations and
+the end of task trees are INFO.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Final
+
+from broker import entries as e
+from broker.logs import task_fields
+from broker.state import ApplyResult, Rejected, StateMachine, TaskRef, TaskState
+
+logger: Final = logging.getLogger("steward.tasks")
+
+_ERROR_CHARS: Final = 300
+
+
+def _first_line(text: str | None) -> str:
+    line = (text or "").strip().split("\n", 1)[0]
+    return line if len(line) <= _ERROR_CHARS else line[:_ERROR_CHARS] + "..."
+
+
+def log_applied(
+    entry: e.Entry,
+    result: ApplyResult,
+    final: list[int],
+    ended_trees: list[int],
+    state: StateMachine,
+) -> None:
+    """Log the task events of one applied entry (leader only)."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    debug = logger.isEnabledFor(logging.DEBUG)
+    tasks = state.tasks
+    kind = type(entry)
+    if kind is e.FinishTasks:
+        assert isinstance(entry, e.FinishTasks) and isinstance(result, list)
+        for outcome, ref in zip(entry.outcomes, result, strict=False):
+            task = tasks.get(outcome.task_id)
+            if task is None:
+                continue
+            fields = task_fields(task.id, task.tenant, attempt=outcome.attempt)
+            if isinstance(ref, Rejected):
+                if debug:
+                    logger.debug(
+                        "report of task %d refused: %s", task.id, ref.message, extra=fields
+                    )
+            elif outcome.ok:
+                if debug:
+                    logger.debug(
+                        "task %d finished on worker %s", task.id, outcome.worker_id, extra=fields
+                    )
+            elif task.state == TaskState.WAITING:
+                logger.info(
+                    "task %d attempt %d failed on worker %s, retrying (%d attempts allowed): %s",
+                    task.id,
+                    outcome.attempt,
+                    outcome.worker_id,
+                    task.max_attempts,
+                    _first_line(outcome.error),
+                    extra=fields,
+                )
+    elif debug and kind is e.AssignTasks:
+        assert isinstance(entry, e.AssignTasks) and isinstance(result, list)
+        for assignment, ref in zip(entry.assignments, result, strict=False):
+            task = tasks.get(assignment.task_id)
+            tenant = task.tenant if task is not None else ""
+            fields = task_fields(assignment.task_id, tenant)
+            if isinstance(ref, TaskRef) and task is not None:
+                fields["attempt"] = task.attempt
+                logger.debug(
+                    "task %d assigned to worker %s",
+                    assignment.task_id,
+                    assignment.worker_id,
+                    extra=fields,
+                )
+            elif isinstance(ref, Rejected):
+                logger.debug(
+                    "assignment of task %d refused: %s",
+                    assignment.task_id,
+                    ref.message,
+                    extra=fields,
+                )
+    elif debug and kind is e.SubmitTasks:
+        assert isinstance(entry, e.SubmitTasks)
+        if isinstance(result, list):
+            for spec, ref in zip(entry.tasks, result, strict=False):
+                if isinstance(ref, Rejected):
+                    logger.debug(
+                        "task %d of a submission refused: %s",
+                        spec.id,
+                        ref.message,
+                        extra=task_fields(spec.id, spec.tenant),
+                    )
+    elif kind is e.CancelTask and isinstance(result, Rejected) and debug:
+        assert isinstance(entry, e.CancelTask)
+        task = tasks.get(entry.task_id)
+        logger.debug(
+            "cancel of task %d refused: %s",
+            entry.task_id,
+            result.message,
+            extra=task_fields(entry.task_id, task.tenant if task is not None else ""),
+        )
+    for task_id in final:
+        task = tasks.get(task_id)
+        if task is None:
+            continue
+        fields = task_fields(task_id, task.tenant, attempt=task.attempt)
+        if task.state == TaskState.ERROR:
+            logger.info(
+                "task %d failed for good after %d attempts: %s",
+                task_id,
+                task.attempt,
+                _first_line(task.error),
+                extra=fields,
+            )
+        elif task.state == TaskState.CANCELLED:
+            logger.info("task %d cancelled: %s", task_id, _first_line(task.error), extra=fields)
+    for root in ended_trees:
+        tree = state.trees.get(root)
+        if tree is None:
+            continue
+        logger.info(
+            "task tree of root %d %s (run %d)%s",
+            root,
+            tree.state,
+            tree.attempt,
+            f": {tree.reason}" if tree.reason else "",
+            extra=task_fields(root, tree.tenant),
+        )
