@@ -71,6 +71,7 @@ DEFAULT_STEPS: Final = 150
 TENANT: Final = "t"
 WORKER: Final = "tree-worker"
 FULL_CHECK_EVERY: Final = 200  # entries between exact comparisons of every tree
+INVARIANTS_EVERY: Final = 500  # entries between check_invariants() (O(tasks))
 DIGEST_EVERY: Final = 50  # entries between digest comparisons with the snapshot twin
 MAX_DRAIN_ROUNDS: Final = 400
 
@@ -502,10 +503,11 @@ class Workload:
         for task_id in picked:
             task = view.tasks[task_id]
             ok = self.draining or rng.random() >= self.fail_probability
-            spawn = self._spawn(view, task_id, task.root, live) if ok else ()
             attempt = task.attempt
-            if rng.random() < 0.01:
-                attempt -= 1  # a late report of an earlier attempt: stale
+            stale = rng.random() < 0.01
+            if stale:
+                attempt -= 1  # a late report of an earlier attempt: creates nothing
+            spawn = self._spawn(view, task_id, task.root, live) if ok and not stale else ()
             outcomes.append(
                 e.TaskOutcome(
                     task_id=task_id,
@@ -594,7 +596,7 @@ def run_standalone(
     entries: int,
     *,
     snapshot_probability: float,
-    restore_at: int = -1,
+    restore_at_size: int | None = None,
     stop_when_done: bool = False,
 ) -> Counter[str]:
     """Apply up to ``entries`` entries of ``workload`` (fewer with ``stop_when_done``: until
@@ -624,7 +626,12 @@ def run_standalone(
                     if twin.digest() != machine.digest():
                         fail("the restored machine's digest differs from the original's")
                     oracle.stats["digests compared"] += 1
-            if side.random() < snapshot_probability or index == restore_at:
+            restore = side.random() < snapshot_probability
+            if restore_at_size is not None and any(
+                t.created >= restore_at_size for t in oracle.trees.values()
+            ):
+                restore, restore_at_size = True, None  # once, mid-tree
+            if restore:
                 if twin is not None and twin.digest() != machine.digest():
                     fail("the restored machine's digest differs from the original's")
                 data = machine.encode_snapshot()
@@ -637,7 +644,7 @@ def run_standalone(
                 twin, machine = machine, restored
                 oracle.stats["snapshot restores"] += 1
                 oracle.stats["trees pending at a restore"] += len(oracle.trees)
-            if index % FULL_CHECK_EVERY == 0:
+            if index % INVARIANTS_EVERY == 0:
                 machine.check_invariants()
             if stop_when_done and workload.submitted >= workload.roots and not oracle.trees:
                 break
@@ -740,7 +747,12 @@ def test_ten_thousand_task_tree(shape: Shape) -> None:
     )
     try:
         stats = run_standalone(
-            seed, workload, 60_000, snapshot_probability=0.0, stop_when_done=True, restore_at=300
+            seed,
+            workload,
+            60_000,
+            snapshot_probability=0.0,
+            stop_when_done=True,
+            restore_at_size=5_000,
         )
     except SimulationFailure as exc:
         pytest.fail(str(exc), pytrace=False)
