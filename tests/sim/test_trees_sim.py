@@ -65,7 +65,7 @@ from broker.state import (
 
 DEFAULT_SEEDS: Final = 12
 DEFAULT_ENTRIES: Final = 1_500
-DEFAULT_REPLICATED_SEEDS: Final = 4
+DEFAULT_REPLICATED_SEEDS: Final = 8
 DEFAULT_STEPS: Final = 150
 TENANT: Final = "t"
 WORKER: Final = "tree-worker"
