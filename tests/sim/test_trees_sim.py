@@ -812,7 +812,8 @@ class OracleReference(ReferenceMachine):
 class TreeSimulation(Simulation):
     def __init__(self, seed: int, steps: int, root: Path) -> None:
         super().__init__(seed, steps, root)
-        self.generator = TreeEntryGenerator(seed, StateMachine())
+        self.tree_generator = TreeEntryGenerator(seed, StateMachine())
+        self.generator = self.tree_generator
         self.trees = OracleReference()
         self.reference = self.trees
         # Roots pending on the leader when it was changed or killed.
@@ -853,15 +854,13 @@ class TreeSimulation(Simulation):
     async def _drain(self) -> None:
         """Let every tree end: the workload only assigns and finishes (no failures, no
         new children), on whichever leader is healthy, settling between rounds."""
-        workload = (
-            self.generator.workload if isinstance(self.generator, TreeEntryGenerator) else None
-        )
-        assert workload is not None
+        workload = self.tree_generator.workload
         workload.draining = True
         oracle = self.trees.oracle
         for _ in range(MAX_DRAIN_ROUNDS):
             leader = self._healthy_leader()
-            assert leader is not None and leader.node is not None
+            if leader is None or leader.node is None:
+                fail("no healthy leader right after settling: " + self._describe())
             if not oracle.trees and not any(
                 t.state == PENDING for t in leader.node.state.trees.values()
             ):
