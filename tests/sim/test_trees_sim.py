@@ -61,6 +61,7 @@ from broker.state import (
     StateMachine,
     TaskRef,
     TaskState,
+    TreeRecord,
     TreeState,
     WorkerState,
     tree_value,
@@ -756,6 +757,40 @@ def test_tree_simulation_covers_the_cases() -> None:
     missing = [name for name in wanted if stats[name] == 0]
     assert not missing, f"never exercised: {missing}; stats: {dict(stats)}"
     assert stats["max completed tree size"] >= 100, dict(stats)
+
+
+def test_tree_records_are_in_the_snapshot_and_the_digest() -> None:
+    """The tracking state is replicated state: every field of a record changes the digest
+    and survives a snapshot round trip (so replicas that differ in it are told apart)."""
+    workload = Workload(
+        random.Random(5), sizes=(200,), timeouts_ms=(MAX_TREE_TIMEOUT_MS,), fail_probability=0.0
+    )
+    machine = StateMachine()
+    pending: list[TreeRecord] = []
+    for _ in range(1_000):  # until a tree is pending with its deadline set, mid-growth
+        machine.apply(workload.next_entry(machine, machine.now_ms))
+        trees = machine.trees.values()
+        pending = [t for t in trees if t.state == PENDING and t.deadline_ms is not None]
+        if pending and len(machine.tree_live[pending[0].root]) > 5:
+            break
+    else:
+        pytest.fail("no pending tree with five live tasks in 1,000 entries")
+    data = machine.encode_snapshot()
+    restored = StateMachine.from_snapshot(data)
+    assert restored.trees == machine.trees and restored.digest() == machine.digest()
+    changes = {
+        "ack_val": pending[0].ack_val ^ 1,
+        "attempt": pending[0].attempt + 1,
+        "deadline_ms": (pending[0].deadline_ms or 0) + 1,
+        "state": FAILED,
+        "reason": "x",
+        "ended_ms": 1,
+        "timeout_ms": pending[0].timeout_ms + 1,
+    }
+    for name, value in changes.items():
+        copy = StateMachine.from_snapshot(data)
+        setattr(copy.trees[pending[0].root], name, value)
+        assert copy.digest() != machine.digest(), name
 
 
 @pytest.mark.parametrize("shape", list(Shape), ids=str)
