@@ -909,13 +909,18 @@ class Node:
         oldest_needed = min(info.header.ledger_id for info in snapshots)
         horizon_ms = self.clock_ms() - self.config.ledger_retention_ms
         ledger_list, _ = await self.ledger_list.get()
-        expired = [
-            info.ledger_id
-            for info in ledger_list.ledgers
-            if info.state == LedgerState.CLOSED
-            and info.ledger_id < oldest_needed
-            and info.created_ms < horizon_ms
-        ]
+        # A prefix of the list only: leaders' clocks differ, so a ledger may look younger
+        # than the next one; deleting around it would leave a hole in the history that a
+        # replica at a position in it would replay straight over (_check_history passes).
+        expired: list[int] = []
+        for info in ledger_list.ledgers:
+            if not (
+                info.state == LedgerState.CLOSED
+                and info.ledger_id < oldest_needed
+                and info.created_ms < horizon_ms
+            ):
+                break
+            expired.append(info.ledger_id)
         if not expired:
             return
         await self._update_ledger_list(

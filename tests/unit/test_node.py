@@ -18,7 +18,7 @@ import random
 import shutil
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import msgspec
@@ -584,6 +584,40 @@ async def test_retention_deletes_ledgers_the_oldest_kept_snapshot_covers(
     with pytest.raises(BrokerStartupError, match="history"):
         await asyncio.wait_for(node.start(), WAIT_S)
     await node.ledgers.close()
+
+
+async def test_retention_deletes_only_a_prefix_of_the_ledger_list(tmp_path: Path) -> None:
+    """Leaders' clocks differ: a ledger written by a leader whose clock ran ahead looks
+    younger than the ledgers after it. Retention must not delete those around it: a
+    replica whose snapshot is in that ledger would find it listed and replay straight
+    over the hole (found by tests/sim/test_trees_sim.py, seed 19 of the leader-change
+    simulation: a new leader answered from a state that missed committed entries)."""
+    rng = random.Random(seed_for("retention prefix"))
+    clock = FakeClock()
+    config = node_config(tmp_path / "data", ledger_retention_ms=1_000, snapshot_keep=1)
+    node = await boot(config, clock)
+    try:
+        workload = Workload(node, clock, rng)
+        for _ in range(3):
+            await run_until_just_rolled(workload)
+        before = await ledger_list(node)
+        closed = [i for i in before.ledgers if i.state == LedgerState.CLOSED]
+        assert len(closed) >= 3, before
+        # The first ledger was created by a leader whose clock was a minute ahead.
+        skewed = replace(closed[0], created_ms=clock.now_ms + 60_000)
+        await node._update_ledger_list(lambda ll: replace(ll, ledgers=(skewed, *ll.ledgers[1:])))
+        clock.advance(10_000)  # every other closed ledger is past the retention
+        await node.take_snapshot()  # covers them all, then applies retention
+        after = await ledger_list(node)
+        assert [i.ledger_id for i in after.ledgers] == [i.ledger_id for i in before.ledgers]
+        assert ledger_files(config.data_dir) == [i.ledger_id for i in after.ledgers]
+        clock.advance(60_000)  # now the first one is past it too: all go, in order
+        await workload.run(5)
+        await node.take_snapshot()
+        ids = [i.ledger_id for i in (await ledger_list(node)).ledgers]
+        assert ids[0] > closed[-1].ledger_id and ids == ledger_files(config.data_dir)
+    finally:
+        await shut(node, snapshot=False)
 
 
 class SlowLedgerList(LedgerListStore):
