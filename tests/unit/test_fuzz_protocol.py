@@ -25,7 +25,7 @@ from broker import protocol as p
 
 MIN_INPUTS = 10_000
 MAX_FRAME_BYTES = 4096
-MESSAGE_TYPES = tuple(p.Message.__args__)  # type: ignore[attr-defined]
+MESSAGE_TYPES = tuple(p.Message.__args__)
 TAGS = ("hello", "welcome", "heartbeat", "assign", "finish", "finish_ack", "cancel", "error")
 ERROR_CODES = {"frame_too_large", "bad_frame", "bad_message", "unsupported_version"}
 # (test name, examples): their sum is the generated inputs of a run.
@@ -228,9 +228,7 @@ def test_random_bytes_only_give_messages_or_protocol_errors(chunks: list[bytes])
 
 @settings(FUZZ, max_examples=EXAMPLES["mutated_frames"])
 @given(mutated_stream(), st.lists(st.integers(0, 10_000), max_size=5))
-def test_mutated_frames_only_give_messages_or_protocol_errors(
-    data: bytes, cuts: list[int]
-) -> None:
+def test_mutated_frames_only_give_messages_or_protocol_errors(data: bytes, cuts: list[int]) -> None:
     inputs_fed["mutated_frames"] += 1
     feed_all(chunked(data, cuts))
 
@@ -301,6 +299,14 @@ def nested(depth: int) -> bytes:
 def test_deep_nesting_is_a_protocol_error_not_a_recursion_error(depth: int) -> None:
     with pytest.raises(p.ProtocolError) as info:
         p.FrameDecoder(p.DEFAULT_MAX_FRAME_BYTES).feed(frame(nested(depth)))
+    assert info.value.code == "bad_frame"
+
+
+def test_a_string_that_is_not_utf8_is_a_protocol_error() -> None:
+    # Found by the mutation fuzz: msgspec raised UnicodeDecodeError past decode_payload.
+    payload = b"\x82\xa4type\xa5hello\xa9worker_id\xa2\x00\xc2"
+    with pytest.raises(p.ProtocolError) as info:
+        p.FrameDecoder().feed(frame(payload))
     assert info.value.code == "bad_frame"
 
 
