@@ -52,6 +52,9 @@ CHECKS = (
     "content_type_conformance",
     "response_schema_conformance",
     "response_headers_conformance",
+    "negative_data_rejection",
+    "missing_required_header",
+    "unsupported_method",
 )
 
 

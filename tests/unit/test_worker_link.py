@@ -779,3 +779,13 @@ async def test_failed_report_spawns_nothing(broker: Broker) -> None:
     await worker.expect(p.FinishAck)
     assert list(broker.node.state.tasks) == [root]
     assert broker.task(root).state in (TaskState.WAITING, TaskState.RUNNING)
+
+
+async def test_a_worker_id_with_a_final_newline_is_refused(broker: Broker) -> None:
+    # NAME_RE ends in "$", which lets a final "\n" through .match (found by fuzzing).
+    bad = broker.worker("w1\n")
+    await bad.connect()
+    bad.send(p.Hello(worker_id="w1\n", task_types={"*": 1}))
+    error = await _expect_error_and_close(bad, "bad_handshake")
+    assert "worker_id" in error.message
+    assert "w1\n" not in broker.node.state.workers
