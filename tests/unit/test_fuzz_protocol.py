@@ -66,7 +66,7 @@ def feed_all(chunks: list[bytes], max_frame_bytes: int = MAX_FRAME_BYTES) -> lis
             assert p.BASE_VERSION <= message.v <= p.PROTOCOL_VERSION
         out.extend(messages)
         # It keeps only the unfinished frame, never more than it was given.
-        assert decoder.buffered_bytes <= min(fed, MAX_FRAME_BYTES + 4 + len(chunk))
+        assert decoder.buffered_bytes <= min(fed, max_frame_bytes + 4 + len(chunk))
     return out
 
 
@@ -254,10 +254,8 @@ def test_valid_messages_in_any_order_and_chunking_round_trip(
     inputs_fed["valid_streams"] += 1
     data = b"".join(p.encode_message(m, p.DEFAULT_MAX_FRAME_BYTES) for m in sent)
     decoded = feed_all(chunked(data, cuts), max_frame_bytes=p.DEFAULT_MAX_FRAME_BYTES)
-    # encode_message raises v to what a message needs (v2 for spawns): compare fields.
-    assert [msgspec.structs.replace(m, v=1) for m in decoded] == [
-        msgspec.structs.replace(m, v=1) for m in sent
-    ]
+    # Compared as bytes: NaN resources are not equal to themselves.
+    assert b"".join(p.encode_message(m, p.DEFAULT_MAX_FRAME_BYTES) for m in decoded) == data
 
 
 @settings(FUZZ, max_examples=EXAMPLES["huge_lengths"])
