@@ -35,6 +35,7 @@ MIN_INPUTS = 10_000
 CONNECTIONS = int(os.environ.get("STEWARD_FUZZ_CONNECTIONS", 800))
 FRAMES_PER_CONNECTION = 30
 PARALLEL = 16
+BATCH_TASKS = 200
 SEED = int(os.environ.get("STEWARD_FUZZ_SEED", 20261122))
 # Bounds (generous: a loaded machine): a connection's whole life, the wait for tasks.
 CONNECTION_TIMEOUT_S = 30.0
@@ -299,6 +300,18 @@ async def test_worker_port_survives_fuzzed_connections(tmp_path: Path) -> None:
         task_ids: list[int] = []
         stop = asyncio.Event()
         async with httpx.AsyncClient(base_url=broker.url, timeout=30) as client:
+            # A batch queued up front keeps the good worker busy while the fuzzers run.
+            batch = await client.post(
+                "/api/v1/tasks",
+                json={
+                    "tasks": [
+                        {"type": GOOD_TYPE, "tenant": GOOD_TENANT, "max_attempts": 3}
+                        for _ in range(BATCH_TASKS)
+                    ]
+                },
+            )
+            assert batch.status_code == 200, batch.text
+            task_ids += [item["id"] for item in batch.json()["tasks"]]
             prober = asyncio.create_task(probe_http(client, task_ids, stop))
             # A connection that never says hello is dropped after the handshake timeout.
             silent = await asyncio.open_connection(HOST, worker_port)
@@ -361,7 +374,10 @@ async def test_worker_port_survives_fuzzed_connections(tmp_path: Path) -> None:
         assert p.FrameDecoder().feed(silent_answer) == [
             p.Error(code="timeout", message="no hello within the handshake timeout")
         ]
-        assert task_ids and all(states[t] == "finished" for t in task_ids), states
+        assert probes >= 1
+        assert len(task_ids) > BATCH_TASKS
+        assert all(states[t] == "finished" for t in task_ids), states
+        assert finished[GOOD_TYPE] >= len(task_ids)
         assert good_still_connected, "the well-behaved worker was disconnected"
         assert any(w["id"] == "good-1" and w["state"] == "connected" for w in cluster["workers"])
         assert broker.running(), broker.log_tail()

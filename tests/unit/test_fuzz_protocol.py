@@ -11,6 +11,7 @@ length it announced above its cap. Together the tests feed at least
 
 from __future__ import annotations
 
+import os
 import struct
 import tracemalloc
 from collections import Counter
@@ -28,13 +29,18 @@ MAX_FRAME_BYTES = 4096
 MESSAGE_TYPES = tuple(p.Message.__args__)
 TAGS = ("hello", "welcome", "heartbeat", "assign", "finish", "finish_ack", "cancel", "error")
 ERROR_CODES = {"frame_too_large", "bad_frame", "bad_message", "unsupported_version"}
+# A longer run: STEWARD_FUZZ_SCALE=10 feeds ten times as many inputs.
+SCALE = int(os.environ.get("STEWARD_FUZZ_SCALE", 1))
 # (test name, examples): their sum is the generated inputs of a run.
 EXAMPLES = {
-    "random_bytes": 2500,
-    "mutated_frames": 2500,
-    "wrong_shapes": 2500,
-    "valid_streams": 1500,
-    "huge_lengths": 1000,
+    name: count * SCALE
+    for name, count in {
+        "random_bytes": 2500,
+        "mutated_frames": 2500,
+        "wrong_shapes": 2500,
+        "valid_streams": 1500,
+        "huge_lengths": 1000,
+    }.items()
 }
 inputs_fed: Counter[str] = Counter()
 
