@@ -179,7 +179,8 @@ def hostile_frame(rng: random.Random, index: int) -> bytes:
     if choice == 5:
         return frame(msgspec.msgpack.encode({"type": "heartbeat", "v": rng.choice([0, 3, -1])}))
     payload = p.encode_message(p.Finish(reports=(fuzz_report(rng),)))[4:]
-    return frame(mutate(rng, payload) + b"\xc1")
+    # The mutation may leave a valid finish: a never-valid frame follows it.
+    return frame(mutate(rng, payload)) + frame(b"\xc1")
 
 
 @dataclass
