@@ -15,6 +15,13 @@ Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 IdempotencyKey = Annotated[
     str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[\x20-\x7e]+$")
 ]
+# A tenant (or other) name, as broker.state.NAME_RE checks it: for the schema.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
+NonNegativeInt64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+MAX_TRANSACTION_TTL_S = 24 * 3600.0
+MAX_RETENTION_S = 10 * 365 * 86400.0
+RetentionS = Annotated[float, msgspec.Meta(ge=1, le=MAX_RETENTION_S)]
 
 
 class ErrorDetail(msgspec.Struct, omit_defaults=True):
@@ -131,8 +138,8 @@ class TaskList(msgspec.Struct):
 
 class TransactionBegin(msgspec.Struct, forbid_unknown_fields=True):
     # Default: the caller's tenant for a tenant token, else "default".
-    tenant: str | UnsetType = UNSET
-    ttl_s: float = 60.0
+    tenant: Name | UnsetType = UNSET
+    ttl_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_TRANSACTION_TTL_S)] = 60.0
 
 
 class TransactionView(msgspec.Struct):
@@ -150,9 +157,9 @@ class TransactionOutcome(msgspec.Struct):
 class TenantLimits(msgspec.Struct, forbid_unknown_fields=True):
     """Service level; fields left out keep their value. 0 means unlimited."""
 
-    max_waiting: Int64 | None = None
-    max_running: Int64 | None = None
-    weight: float | None = None
+    max_waiting: NonNegativeInt64 | None = None
+    max_running: NonNegativeInt64 | None = None
+    weight: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
 
 class TenantView(msgspec.Struct):
@@ -223,8 +230,11 @@ class DigestBody(msgspec.Struct):
 class ClusterConfigPatch(msgspec.Struct, forbid_unknown_fields=True):
     """Replicated settings; fields left out keep their value."""
 
-    global_limits: dict[str, float] | None = None  # replaces the whole map
-    finished_task_retention_s: float | None = None
+    # Replaces the whole map: resource name -> amount (>= 0).
+    global_limits: dict[Name, Annotated[float, msgspec.Meta(ge=0)]] | None = None
+    finished_task_retention_s: Annotated[float, msgspec.Meta(ge=1, le=MAX_RETENTION_S)] | None = (
+        None
+    )
 
 
 class ClusterConfigView(msgspec.Struct):

@@ -94,8 +94,10 @@ _STATUS_BY_CODE: Final = {
 _TASK_STATES: Final = frozenset(s.value for s in TaskState)
 _FINAL: Final = frozenset(s.value for s in FINAL_STATES)
 JSON_TYPE: Final = b"application/json"
-_MAX_TTL_S: Final = 24 * 3600.0
+_MAX_TTL_S: Final = m.MAX_TRANSACTION_TTL_S
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
+# For the schema: the artifact names code_store.validate_artifact takes (it checks more).
+ARTIFACT_NAME_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$"
 
 
 @dataclass(frozen=True)
@@ -717,7 +719,7 @@ class ApiApp:
     async def begin_transaction(self, request: Request) -> tuple[int, bytes]:
         body = _decode(_txn_decoder, request.body or b"{}")
         tenant = self._tenant_of(request, body.tenant)
-        if not NAME_RE.match(tenant):
+        if not NAME_RE.fullmatch(tenant):  # fullmatch: "$" lets "\n" through
             raise HttpError(400, "invalid_request", "tenant name is not valid")
         if not (math.isfinite(body.ttl_s) and 0 < body.ttl_s <= _MAX_TTL_S):
             raise HttpError(400, "invalid_request", f"ttl_s must be in (0, {_MAX_TTL_S:.0f}]")
@@ -776,7 +778,7 @@ class ApiApp:
 
     def _tenant_name(self, request: Request) -> str:
         name = request.params[0]
-        if not NAME_RE.match(name):
+        if not NAME_RE.fullmatch(name):  # fullmatch: "$" lets a final "\n" through
             raise HttpError(400, "invalid_request", f"tenant name {name!r} is not valid")
         return name
 
@@ -954,14 +956,14 @@ class ApiApp:
         retention_ms: int | None = None
         if patch.finished_task_retention_s is not None:
             seconds = patch.finished_task_retention_s
-            if not (math.isfinite(seconds) and 1 <= seconds <= 10 * 365 * 86400):
+            if not (math.isfinite(seconds) and 1 <= seconds <= m.MAX_RETENTION_S):
                 raise HttpError(
                     400, "invalid_request", "finished_task_retention_s must be in [1, 10 years]"
                 )
             retention_ms = int(seconds * 1000)
         if patch.global_limits is not None:
             for name, amount in patch.global_limits.items():
-                if not NAME_RE.match(name) or not (math.isfinite(amount) and amount >= 0):
+                if not NAME_RE.fullmatch(name) or not (math.isfinite(amount) and amount >= 0):
                     raise HttpError(
                         400, "invalid_request", f"global limit {name!r} must be a number >= 0"
                     )
@@ -1225,7 +1227,7 @@ class ApiApp:
 
     async def openapi(self, request: Request) -> tuple[int, bytes]:
         if self._openapi is None:
-            self._openapi = _json_encoder.encode(openapi_document())
+            self._openapi = _json_encoder.encode(openapi_document(self.config))
         return 200, self._openapi
 
 
@@ -1373,7 +1375,9 @@ def _int_param(query: dict[str, str], name: str, default: int, low: int, high: i
     return int(raw)
 
 
-def openapi_document() -> dict[str, Any]:
+def openapi_document(config: ApiConfig | None = None) -> dict[str, Any]:
+    """The OpenAPI 3.1 document; its bounds are those of ``config`` (default: ApiConfig())."""
+    config = config or ApiConfig()
     types: list[Any] = [
         m.SubmitBody,
         m.SubmitBatchResponse,
@@ -1411,7 +1415,12 @@ def openapi_document() -> dict[str, Any]:
     error = response("ErrorBody", "Error")
     errors = {"4XX": error, "503": response("ErrorBody", "Retry later")}
     id_param = {"name": "id", "in": "path", "required": True, "schema": {"type": "integer"}}
-    name_param = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+    name_param = {
+        "name": "name",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "pattern": m.NAME_PATTERN},
+    }
 
     def body(name: str, required: bool = True) -> dict[str, Any]:
         return {"required": required, "content": {"application/json": {"schema": ref[name]}}}
@@ -1458,8 +1467,10 @@ def openapi_document() -> dict[str, Any]:
                     query("state", {"type": "string", "enum": sorted(_TASK_STATES)}),
                     query("tenant", {"type": "string"}),
                     query("type", {"type": "string"}),
-                    query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
-                    query("after", {"type": "integer", "minimum": 0}),
+                    query(
+                        "limit", {"type": "integer", "minimum": 1, "maximum": config.max_list_limit}
+                    ),
+                    query("after", {"type": "integer", "minimum": 0, "maximum": 2**62}),
                 ],
                 "responses": {"200": response("TaskList"), **errors},
             },
@@ -1469,7 +1480,7 @@ def openapi_document() -> dict[str, Any]:
                 "summary": "One task (with its tree's status when it roots a tracked tree)",
                 "parameters": [
                     id_param,
-                    query("wait_s", {"type": "number", "minimum": 0}),
+                    query("wait_s", {"type": "number", "minimum": 0, "maximum": config.max_wait_s}),
                     query("wait_tree", {"type": "boolean"}),
                 ],
                 "responses": {"200": response("TaskView"), **errors},
@@ -1540,7 +1551,12 @@ def openapi_document() -> dict[str, Any]:
         "/api/v1/code": {
             "post": {
                 "summary": "Upload a code artifact (.py, .zip or wheel; the raw bytes as body)",
-                "parameters": [{**query("name", {"type": "string"}), "required": True}],
+                "parameters": [
+                    {
+                        **query("name", {"type": "string", "pattern": ARTIFACT_NAME_PATTERN}),
+                        "required": True,
+                    }
+                ],
                 "requestBody": {
                     "required": True,
                     "content": {"application/octet-stream": {"schema": {"type": "string"}}},
@@ -1740,6 +1756,12 @@ def openapi_document() -> dict[str, Any]:
     for path, operations in paths.items():
         if path in public:
             operations["get"]["security"] = []
+            continue
+        # With authentication on, any other operation may answer 401 or 403.
+        for operation in operations.values():
+            responses = operation["responses"]
+            if not any(str(code).startswith("4") for code in responses):
+                responses["4XX"] = error
     return {
         "openapi": "3.1.0",
         "info": {

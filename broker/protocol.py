@@ -182,6 +182,13 @@ def decode_payload(payload: bytes) -> Message:
         raise ProtocolError("bad_message", f"invalid message: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ProtocolError("bad_frame", f"undecodable frame: {exc}") from None
+    except UnicodeDecodeError as exc:  # a msgpack str that is not UTF-8
+        raise ProtocolError("bad_frame", f"undecodable frame: {exc}") from None
+    except RecursionError:
+        # msgspec refuses deep nesting (even inside a field it would skip) this way.
+        raise ProtocolError("bad_frame", "undecodable frame: nested too deeply") from None
+    if message.v < BASE_VERSION:
+        raise ProtocolError("bad_message", f"message version {message.v} is below {BASE_VERSION}")
     if message.v > PROTOCOL_VERSION:
         raise ProtocolError(
             "unsupported_version",

@@ -251,8 +251,9 @@ ApplyResult = (
 
 # --- validation shared by the API (before logging) and apply (authority) ----
 
-NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-TASK_TYPE_RE: Final = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}$")
+# \Z, not $: "$" also matches before a final newline, which would let "acme\n" in.
+NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
+TASK_TYPE_RE: Final = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}\Z")
 MAX_SLOT_CHARS: Final = 256
 MAX_RESOURCES: Final = 32
 MAX_ATTEMPTS_LIMIT: Final = 1000

@@ -1516,3 +1516,57 @@ async def test_wait_tree_errors(api: Api) -> None:
     assert "does not root a tracked tree" in error_of(response, 400, "invalid_request")
     response = await api.get(f"{TASKS}/{plain}", params={"wait_tree": "maybe"})
     assert "wait_tree must be true or false" in error_of(response, 400, "invalid_request")
+
+
+# --- found by fuzzing (tests/integration/test_fuzz_http.py) ----------------------------------
+
+
+async def test_names_with_a_final_newline_are_refused(api: Api) -> None:
+    # NAME_RE ends in "$", which lets a final "\n" through .match.
+    response = await api.put("/api/v1/tenants/acme%0A", json={"weight": 2})
+    assert "is not valid" in error_of(response, 400, "invalid_request")
+    response = await api.get("/api/v1/tenants/acme%0A")
+    assert "is not valid" in error_of(response, 400, "invalid_request")
+    response = await api.post(TXNS, json={"tenant": "acme\n"})
+    error_of(response, 400, "invalid_request")
+    response = await api.put("/api/v1/config", json={"global_limits": {"cpu\n": 1}})
+    error_of(response, 400, "invalid_request")
+    assert "acme\n" not in api.node.state.tenants
+
+
+async def test_openapi_states_the_bounds_the_server_checks(api: Api) -> None:
+    document = (await api.get("/api/v1/openapi.json")).json()
+    schemas = document["components"]["schemas"]
+    paths = document["paths"]
+
+    def param(path: str, method: str, name: str) -> dict[str, Any]:
+        found = [p for p in paths[path][method]["parameters"] if p["name"] == name]
+        schema: dict[str, Any] = found[0]["schema"]
+        return schema
+
+    # The served document tells this broker's limits, not the defaults.
+    assert param(TASKS, "get", "limit")["maximum"] == CONFIG.max_list_limit
+    assert param(f"{TASKS}/{{id}}", "get", "wait_s")["maximum"] == CONFIG.max_wait_s
+    assert param(TASKS, "get", "after")["maximum"] == 2**62
+    name_pattern = param("/api/v1/tenants/{name}", "put", "name")["pattern"]
+    assert re.search(name_pattern, "acme") and not re.search(name_pattern, "-acme")
+    assert param("/api/v1/code", "post", "name")["pattern"]
+    txn = schemas["TransactionBegin"]["properties"]
+    assert txn["ttl_s"]["exclusiveMinimum"] == 0 and txn["ttl_s"]["maximum"] == 86400
+    assert txn["tenant"]["pattern"] == name_pattern
+    limits = schemas["TenantLimits"]["properties"]
+    assert limits["weight"]["anyOf"][0]["exclusiveMinimum"] == 0
+    assert limits["max_waiting"]["anyOf"][0]["minimum"] == 0
+    retention = schemas["ClusterConfigPatch"]["properties"]["finished_task_retention_s"]
+    assert retention["anyOf"][0]["minimum"] == 1
+    # And the server refuses what the document excludes, with a 400.
+    for response in [
+        await api.put("/api/v1/tenants/acme", json={"weight": 0}),
+        await api.put("/api/v1/tenants/acme", json={"max_running": -1}),
+        await api.post(TXNS, json={"ttl_s": 86401}),
+        await api.post(TXNS, json={"ttl_s": 0}),
+        await api.put("/api/v1/config", json={"finished_task_retention_s": 0.5}),
+        await api.put("/api/v1/config", json={"global_limits": {"cpu": -1}}),
+        await api.get(TASKS, params={"after": 2**62 + 1}),
+    ]:
+        error_of(response, 400, "invalid_request")

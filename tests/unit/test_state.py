@@ -26,6 +26,7 @@ from broker.state import (
     TransactionRef,
     WorkerReconciled,
     WorkerState,
+    validate_task_spec,
 )
 
 T0: Final = 1_700_000_000_000
@@ -862,3 +863,15 @@ def test_current_version_is_omitted_and_accepted() -> None:
     assert "v" not in msgspec.msgpack.decode(data)
     explicit = msgspec.msgpack.encode({"type": "tick", "time_ms": 1, "v": e.ENTRY_FORMAT_VERSION})
     assert e.decode_entry(explicit) == e.Tick(time_ms=1)
+
+
+@pytest.mark.parametrize(
+    ("tenant", "task_type"), [("acme\n", "noop"), ("acme", "noop\n"), ("acme\n", "noop\n")]
+)
+def test_names_with_a_final_newline_are_refused(tenant: str, task_type: str) -> None:
+    spec = e.TaskSpec(id=1, type=task_type, tenant=tenant)
+    assert validate_task_spec(spec) is not None
+    machine = StateMachine()
+    results = machine.apply(e.SubmitTasks(time_ms=1, tasks=(spec,)))
+    assert isinstance(results, list) and isinstance(results[0], Rejected)
+    assert machine.tasks == {}

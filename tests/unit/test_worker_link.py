@@ -815,3 +815,13 @@ async def test_with_tenant_isolation_a_task_spawns_only_in_its_own_tenant(
     )
     await worker.expect(p.FinishAck)
     assert broker.task(root).state == TaskState.FINISHED
+
+
+async def test_a_worker_id_with_a_final_newline_is_refused(broker: Broker) -> None:
+    # NAME_RE ends in "$", which lets a final "\n" through .match (found by fuzzing).
+    bad = broker.worker("w1\n")
+    await bad.connect()
+    bad.send(p.Hello(worker_id="w1\n", task_types={"*": 1}))
+    error = await _expect_error_and_close(bad, "bad_handshake")
+    assert "worker_id" in error.message
+    assert "w1\n" not in broker.node.state.workers
