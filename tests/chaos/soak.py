@@ -9,8 +9,8 @@ with idempotency keys. ``random.Random(seed)`` draws the fault schedule: kill -9
 (the leader or a follower) and restart it on its data dir, SIGSTOP a broker (sometimes
 past the session timeout) then SIGCONT, kill -9 a worker and start a new one, SIGSTOP a
 worker, restart ZooKeeper (crash or clean stop, same port and data), with random gaps.
-Normally at most one broker is down or frozen; sometimes a second one goes too (no
-leader for a while). Every fault and recovery is printed as it happens.
+Normally at most one broker is down or frozen; sometimes a second one goes too, rarely
+all three (no leader at all for a while). Every fault and recovery is printed as it happens.
 
 Afterwards (faults healed, load stopped, bounded waits): every acknowledged task is on the
 leader with its tenant, type and params, and, after a drain with healthy workers, final;
@@ -50,7 +50,13 @@ from broker.state import StateMachine
 from broker.zk import ZooKeeperServer
 from clients.client import ConnectionFailedError, StewardClient, StewardError, UnavailableError
 from snapshot.format import read_snapshot
-from tests.cluster_procs import BrokerNode, ClusterProcesses, ClusterWorker, fetch_tasks
+from tests.cluster_procs import (
+    BrokerNode,
+    ClusterError,
+    ClusterProcesses,
+    ClusterWorker,
+    fetch_tasks,
+)
 from tests.worker_procs import wait_until
 
 TASK_MODULE = Path(__file__).with_name("chaos_tasks.py")
@@ -58,6 +64,8 @@ TASK_TYPE = "chaos_tasks:record"
 TENANT = "chaos"
 FINAL_STATES = frozenset({"finished", "error", "cancelled"})
 LIVE_STATES = frozenset({"waiting", "running", "delayed", "pending"})
+# A broker restart that fails because ZooKeeper is unreachable is tried again this often.
+MAX_START_FAILURES = 5
 
 # Fault kinds and how often each is drawn.
 FAULT_WEIGHTS: dict[str, float] = {
@@ -274,6 +282,7 @@ class ChaosSoak:
         self._pending: list[_Recovery] = []
         self._seq = itertools.count()
         self._worker_names = itertools.count(config.workers)
+        self._start_failures: Counter[str] = Counter()
         self._worker_args = ("--task-type", f"*={config.worker_slots}")
         self.cluster: ClusterProcesses | None = None
         self.load: ChaosLoad | None = None
@@ -386,10 +395,10 @@ class ChaosSoak:
 
     def _broker_fault_allowed(self) -> bool:
         # Mostly one broker down or frozen at a time (the others make progress); now and
-        # then a second one too, so that sometimes no leader can be elected for a while.
-        second = self.rng.random() < 0.25
+        # then a second one too, rarely all of them (no leader at all for a while).
+        draw = self.rng.random()
         faulted = len(self._faulted_brokers())
-        return faulted == 0 or (faulted == 1 and second)
+        return faulted == 0 or (faulted == 1 and draw < 0.25) or (faulted == 2 and draw < 0.1)
 
     def _inject(self, kind: str) -> bool:
         assert self.cluster is not None
@@ -501,7 +510,26 @@ class ChaosSoak:
         kind, target = recovery.kind, recovery.target
         if kind == "restart_broker":
             node = self.cluster.node(target)
-            self.cluster.restart(target)
+            # A broker that cannot reach ZooKeeper at start exits (code 2): like a
+            # supervisor, start it again once ZooKeeper is back.
+            zookeeper_due = [r.due for r in self._pending if r.kind == "start_zookeeper"]
+            if zookeeper_due or not self.zookeeper.is_running():
+                self.log.note("defer restart", target, None, "(ZooKeeper is down)")
+                due = max([time.monotonic(), *zookeeper_due]) + 0.1
+                heapq.heappush(self._pending, _Recovery(due, next(self._seq), kind, target))
+                return
+            try:
+                self.cluster.restart(target)
+            except ClusterError:
+                self._start_failures[target] += 1
+                if (
+                    "cannot reach ZooKeeper" not in node.log_tail(3000)
+                    or self._start_failures[target] > MAX_START_FAILURES
+                ):
+                    raise
+                self.log.note("restart failed", target, None, "cannot reach ZooKeeper; again")
+                self._schedule(1.0, kind, target)
+                return
             self.log.note("restart broker", target, node.pid, f"http {node.http_port}")
         elif kind == "cont_broker":
             node = self.cluster.node(target)
