@@ -418,13 +418,18 @@ class ChaosSoak:
                 return False
             node, role = picked
             pid = node.pid
+            down = len(self._faulted_brokers()) + 1
             if kind == "kill_broker":
                 node.kill9()
-                self.log.fault(kind, node.broker_id, pid, f"{role}; restart in {down_s:.2f} s")
+                self.log.fault(
+                    kind, node.broker_id, pid, f"{role}; restart in {down_s:.2f} s; {down} down"
+                )
                 self._schedule(down_s, "restart_broker", node.broker_id)
             else:
                 node.sigstop()
-                self.log.fault(kind, node.broker_id, pid, f"{role}; SIGCONT in {down_s:.2f} s")
+                self.log.fault(
+                    kind, node.broker_id, pid, f"{role}; SIGCONT in {down_s:.2f} s; {down} down"
+                )
                 self._schedule(down_s, "cont_broker", node.broker_id)
             return True
         if kind in ("kill_worker", "stop_worker"):
