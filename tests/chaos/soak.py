@@ -707,8 +707,12 @@ class ChaosSoak:
             for (t, a, ev), n in runs.items()
             if n > 1
         ][:10]
+        started: dict[int, list[int]] = {}
+        for task_id, attempt, event in runs:
+            if event == "start":
+                started.setdefault(task_id, []).append(attempt)
         for task_id, task in tasks.items():
-            attempts = [a for (t, a, ev) in runs if t == task_id and ev == "start"]
+            attempts = started.get(task_id, [])
             if attempts and max(attempts) > task["attempt"]:
                 problems.append(
                     f"task {task_id} ran attempt {max(attempts)} but the broker shows attempt "
