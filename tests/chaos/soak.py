@@ -29,6 +29,7 @@ The long version::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import heapq
 import itertools
 import json
@@ -309,7 +310,8 @@ class ChaosSoak:
                 print(f"\nchaos soak FAILED with seed {self.config.seed}", flush=True)
                 print(self.log.dump(), flush=True)
                 if self.load is not None:
-                    self.load.stop()
+                    with contextlib.suppress(AssertionError):  # the first error matters
+                        self.load.stop()
                 raise
         print(self.log.dump(), flush=True)
         print(result.summary(), flush=True)
