@@ -341,6 +341,10 @@ class ChaosSoak:
             gap_s = self.rng.uniform(*config.gap_s)
             self._sleep_recovering(gap_s)
             kind = self.rng.choices(list(FAULT_WEIGHTS), weights=list(FAULT_WEIGHTS.values()))[0]
+            missing = sorted(set(FAULT_WEIGHTS) - set(self.log.faults))
+            if config.faults - injected <= len(missing):
+                # Every kind of fault at least once, however short the run.
+                kind = missing[self.rng.randrange(len(missing))]
             if self._inject(kind):
                 injected += 1
             self._check_load()
@@ -746,6 +750,13 @@ class ChaosSoak:
             return [f"snapshot at {header.ledger_id}:{header.entry_id} breaks an invariant: {exc}"]
         if machine.digest() != header.digest:
             return [f"snapshot digest {header.digest} but its state hashes to {machine.digest()}"]
+        now = leader.get_json("/api/v1/state/digest", timeout_s=30)
+        position = (now["position"]["ledger_id"], now["position"]["entry_id"])
+        if position == header.position and now["digest"] != header.digest:
+            return [
+                f"the leader's digest at {position} is {now['digest']}, its snapshot's is "
+                f"{header.digest}"
+            ]
         self.log.note(
             "snapshot checked",
             leader.broker_id,
