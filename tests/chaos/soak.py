@@ -18,8 +18,9 @@ no submission became two tasks; no (task, attempt) ran twice; a finished task's 
 from its last attempt and that attempt's run is on record; all brokers report the same
 digest; the leader's newest snapshot passes the state machine's invariant check.
 
-The kinds, gaps and durations of the schedule follow from the seed; which broker is the
-leader at a given moment (and so some targets) depends on the run's timing.
+The seed fixes every draw of the schedule (kind, gap, duration, target choice; see
+:class:`FaultDraw`); whether a drawn fault can land (at most so many brokers down) and
+which broker leads at that moment depend on the run's timing.
 
 The long version::
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import json
@@ -229,6 +231,34 @@ class ChaosLoad:
             return
 
 
+@dataclass(frozen=True)
+class FaultDraw:
+    """One step of the schedule. Every step draws the same values in the same order,
+    whatever the cluster's state, so a seed always gives the same sequence of draws;
+    whether and where a drawn fault lands depends on the state at that moment."""
+
+    kind: str
+    gap_s: float  # wait before it
+    leader: bool  # brokers: prefer the leader
+    index: int  # which candidate target
+    allow: float  # compared with thresholds: may a second (third) one go down
+    duration: float  # in [0, 1), scaled per kind
+    variant: float  # long or short pause, crash or clean stop, same or new worker id
+
+    @classmethod
+    def draw(cls, rng: random.Random, config: SoakConfig) -> FaultDraw:
+        kinds = list(FAULT_WEIGHTS)
+        return cls(
+            kind=rng.choices(kinds, weights=[FAULT_WEIGHTS[k] for k in kinds])[0],
+            gap_s=rng.uniform(*config.gap_s),
+            leader=rng.random() < 0.5,
+            index=rng.randrange(1_000_000),
+            allow=rng.random(),
+            duration=rng.random(),
+            variant=rng.random(),
+        )
+
+
 @dataclass(order=True)
 class _Recovery:
     due: float
@@ -338,14 +368,13 @@ class ChaosSoak:
         injected = 0
         while injected < config.faults:
             self._recover_due()
-            gap_s = self.rng.uniform(*config.gap_s)
-            self._sleep_recovering(gap_s)
-            kind = self.rng.choices(list(FAULT_WEIGHTS), weights=list(FAULT_WEIGHTS.values()))[0]
+            draw = FaultDraw.draw(self.rng, config)
+            self._sleep_recovering(draw.gap_s)
             missing = sorted(set(FAULT_WEIGHTS) - set(self.log.faults))
             if config.faults - injected <= len(missing):
                 # Every kind of fault at least once, however short the run.
-                kind = missing[self.rng.randrange(len(missing))]
-            if self._inject(kind):
+                draw = dataclasses.replace(draw, kind=missing[draw.index % len(missing)])
+            if self._inject(draw):
                 injected += 1
             self._check_load()
         self.log.note("faults over", "-", None, f"{injected} faults; healing everything")
@@ -382,56 +411,49 @@ class ChaosSoak:
             self._pending, _Recovery(time.monotonic() + delay_s, next(self._seq), kind, target)
         )
 
-    def _pick_broker(self) -> tuple[BrokerNode, str] | None:
-        """The leader half the time (when one is known), else any healthy broker; with
-        its role."""
+    def _pick_broker(self, draw: FaultDraw) -> tuple[BrokerNode, str] | None:
+        """The leader when the draw prefers it (and one is known), else any healthy broker;
+        with its role."""
         assert self.cluster is not None
         faulted = self._faulted_brokers()
         candidates = [n for n in self.cluster.live() if n.broker_id not in faulted]
-        # Drawn whether or not they are used, so the draws do not depend on the state.
-        want_leader = self.rng.random() < 0.5
-        index = self.rng.randrange(1_000_000)
         if not candidates:
             return None
         leader = self.cluster.leader()
-        if want_leader and leader is not None and leader in candidates:
+        if draw.leader and leader is not None and leader in candidates:
             return leader, "leader"
-        node = candidates[index % len(candidates)]
+        node = candidates[draw.index % len(candidates)]
         return node, "leader" if node is leader else "follower"
 
-    def _broker_fault_allowed(self) -> bool:
-        # Mostly one broker down or frozen at a time (the others make progress); now and
-        # then a second one too, rarely all of them (no leader at all for a while).
-        draw = self.rng.random()
-        faulted = len(self._faulted_brokers())
-        return faulted == 0 or (faulted == 1 and draw < 0.25) or (faulted == 2 and draw < 0.1)
-
-    def _inject(self, kind: str) -> bool:
+    def _inject(self, draw: FaultDraw) -> bool:
+        """Inject the drawn fault if the cluster's state allows it now."""
         assert self.cluster is not None
         config = self.config
+        kind = draw.kind
         session_s = config.session_timeout_ms / 1000
         if kind in ("kill_broker", "stop_broker"):
-            allowed = self._broker_fault_allowed()
-            picked = self._pick_broker() if allowed else None
-            long_pause = self.rng.random() < 0.4
-            if kind == "kill_broker":
-                down_s = self.rng.uniform(0.2, 6.0)
-            elif long_pause:
-                down_s = self.rng.uniform(session_s + 0.5, 2.0 * session_s)
-            else:
-                down_s = self.rng.uniform(0.3, 2.0)
+            # Mostly one broker down or frozen at a time (the others make progress); now
+            # and then a second one too, rarely all of them (no leader at all for a while).
+            faulted = len(self._faulted_brokers())
+            allowed = faulted == 0 or (faulted == 1 and draw.allow < 0.25) or draw.allow < 0.1
+            picked = self._pick_broker(draw) if allowed else None
             if picked is None:
                 return False
             node, role = picked
             pid = node.pid
-            down = len(self._faulted_brokers()) + 1
+            down = faulted + 1
             if kind == "kill_broker":
+                down_s = 0.2 + 5.8 * draw.duration
                 node.kill9()
                 self.log.fault(
                     kind, node.broker_id, pid, f"{role}; restart in {down_s:.2f} s; {down} down"
                 )
                 self._schedule(down_s, "restart_broker", node.broker_id)
             else:
+                if draw.variant < 0.4:  # past the session timeout: the leader is replaced
+                    down_s = session_s + 0.5 + (session_s - 0.5) * draw.duration
+                else:
+                    down_s = 0.3 + 1.7 * draw.duration
                 node.sigstop()
                 self.log.fault(
                     kind, node.broker_id, pid, f"{role}; SIGCONT in {down_s:.2f} s; {down} down"
@@ -439,31 +461,28 @@ class ChaosSoak:
                 self._schedule(down_s, "cont_broker", node.broker_id)
             return True
         if kind in ("kill_worker", "stop_worker"):
-            both = self.rng.random() < 0.3
-            index = self.rng.randrange(1_000_000)
             heartbeat_s = config.heartbeat_timeout_ms / 1000
-            if kind == "kill_worker":
-                down_s = self.rng.uniform(0.2, 3.0)
-            else:
-                down_s = self.rng.uniform(0.5, 1.5 * heartbeat_s)
-            same_id = self.rng.random() < 0.5
-            faulted = self._faulted_workers()
+            faulted_ids = self._faulted_workers()
             candidates = [
                 w
                 for w in self._current_workers()
-                if w.running() and not w.stopped and w.worker_id not in faulted
+                if w.running() and not w.stopped and w.worker_id not in faulted_ids
             ]
-            if not candidates or (faulted and not both):
+            if not candidates or (faulted_ids and draw.allow >= 0.3):
                 return False
-            worker = candidates[index % len(candidates)]
+            worker = candidates[draw.index % len(candidates)]
             pid = worker.pid
             if kind == "kill_worker":
+                down_s = 0.2 + 2.8 * draw.duration
                 worker.kill9()
+                same_id = draw.variant < 0.5
                 next_id = worker.worker_id if same_id else f"w{next(self._worker_names)}"
                 self.log.fault(kind, worker.worker_id, pid, f"start {next_id} in {down_s:.2f} s")
                 # The target names the dead worker; the replacement's id follows "->".
                 self._schedule(down_s, "start_worker", f"{worker.worker_id}->{next_id}")
             else:
+                # Up to 1.5 heartbeat timeouts: sometimes declared dead (tasks re-run).
+                down_s = 0.5 + (1.5 * heartbeat_s - 0.5) * draw.duration
                 worker.sigstop()
                 self.log.fault(
                     kind,
@@ -474,10 +493,10 @@ class ChaosSoak:
                 self._schedule(down_s, "cont_worker", worker.worker_id)
             return True
         if kind == "restart_zookeeper":
-            crash = self.rng.random() < 0.5
-            down_s = self.rng.uniform(0.0, 1.2 * session_s)
             if any(r.kind == "start_zookeeper" for r in self._pending):
                 return False
+            down_s = 1.2 * session_s * draw.duration
+            crash = draw.variant < 0.5
             zk_pid = self.zookeeper.pid
             if crash:
                 self.zookeeper.kill9()

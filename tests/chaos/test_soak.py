@@ -1,4 +1,4 @@
-"""Issue 7, acceptance 3: the chaos soak, CI version (at least 50 faults, a few minutes).
+"""Issue 7, acceptance 3: the chaos soak, CI version (60 faults, about 3 minutes).
 
 The seed comes from ``STEWARD_CHAOS_SEED`` (else a fixed default) and is printed with the
 fault log; rerun one run with ``STEWARD_CHAOS_SEED=<seed>``, or the long version with
@@ -20,7 +20,7 @@ from tests.chaos.soak import ChaosSoak, SoakConfig
 pytest_plugins = ["tests.zk_fixture"]
 
 DEFAULT_SEED = 20261122
-CI_FAULTS = 50
+CI_FAULTS = 60
 
 
 @pytest.mark.slow
