@@ -178,6 +178,9 @@ class ChaosLoad:
             thread.join(max(0.0, deadline - time.monotonic()))
             assert not thread.is_alive(), f"{thread.name} did not stop within {timeout_s} s"
 
+    def dead_threads(self) -> list[str]:
+        return [t.name for t in self._threads if not t.is_alive()]
+
     def acked_count(self) -> int:
         with self._lock:
             return len(self.acked)
@@ -602,8 +605,8 @@ class ChaosSoak:
     def _check_load(self) -> None:
         load = self.load
         assert load is not None
-        for thread in load._threads:
-            assert thread.is_alive(), f"load thread {thread.name} died"
+        dead = load.dead_threads()
+        assert not dead, f"load threads {dead} died"
 
     # -- checks -------------------------------------------------------------------------------
 
