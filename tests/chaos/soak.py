@@ -816,12 +816,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", type=int, default=500, help="default %(default)s")
     parser.add_argument("--ledgers", choices=("file", "pulsar"), default="file")
     parser.add_argument("--clients", type=int, default=SoakConfig.clients)
+    parser.add_argument("--heartbeat-timeout-ms", type=int, default=SoakConfig.heartbeat_timeout_ms)
     parser.add_argument("--keep", type=Path, default=None, help="keep data and logs in DIR")
     args = parser.parse_args(argv)
     if args.faults < 1:
         parser.error("--faults must be at least 1")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
-    config = SoakConfig(seed=seed, faults=args.faults, ledgers=args.ledgers, clients=args.clients)
+    if args.clients < 1 or args.heartbeat_timeout_ms < 1:
+        parser.error("--clients and --heartbeat-timeout-ms must be positive")
+    config = SoakConfig(
+        seed=seed,
+        faults=args.faults,
+        ledgers=args.ledgers,
+        clients=args.clients,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+    )
     with ExitStack() as stack:
         if args.keep is not None:
             args.keep.mkdir(parents=True, exist_ok=True)
