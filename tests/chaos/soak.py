@@ -178,6 +178,9 @@ class ChaosLoad:
             thread.join(max(0.0, deadline - time.monotonic()))
             assert not thread.is_alive(), f"{thread.name} did not stop within {timeout_s} s"
 
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
     def dead_threads(self) -> list[str]:
         return [t.name for t in self._threads if not t.is_alive()]
 
@@ -317,6 +320,7 @@ class ChaosSoak:
         self._seq = itertools.count()
         self._worker_names = itertools.count(config.workers)
         self._start_failures: Counter[str] = Counter()
+        self._killed_workers: set[int] = set()  # id() of the worker processes killed
         self._worker_args = ("--task-type", f"*={config.worker_slots}")
         self.cluster: ClusterProcesses | None = None
         self.load: ChaosLoad | None = None
@@ -379,9 +383,10 @@ class ChaosSoak:
                 draw = dataclasses.replace(draw, kind=missing[draw.index % len(missing)])
             if self._inject(draw):
                 injected += 1
-            self._check_load()
+            self._check_alive()
         self.log.note("faults over", "-", None, f"{injected} faults; healing everything")
         self._heal_all()
+        self._check_alive()
         healed_at = time.monotonic()
         acked_then = load.acked_count()
         wait_until(
@@ -478,6 +483,7 @@ class ChaosSoak:
             if kind == "kill_worker":
                 down_s = 0.2 + 2.8 * draw.duration
                 worker.kill9()
+                self._killed_workers.add(id(worker))
                 same_id = draw.variant < 0.5
                 next_id = worker.worker_id if same_id else f"w{next(self._worker_names)}"
                 self.log.fault(kind, worker.worker_id, pid, f"start {next_id} in {down_s:.2f} s")
@@ -602,11 +608,22 @@ class ChaosSoak:
         for _ in range(self.config.workers - len(running)):
             self._start_worker(f"w{next(self._worker_names)}")
 
-    def _check_load(self) -> None:
+    def _check_alive(self) -> None:
+        """Only the faults end processes: a broker or worker that exited by itself crashed."""
+        assert self.cluster is not None
+        faulted = self._faulted_brokers()
+        for node in self.cluster.nodes.values():
+            if not node.running() and node.broker_id not in faulted:
+                raise AssertionError(f"broker {node.broker_id} exited by itself\n{node.log_tail()}")
+        for worker in self.cluster.workers:
+            if not worker.running() and id(worker) not in self._killed_workers:
+                raise AssertionError(
+                    f"worker {worker.worker_id} exited by itself\n{worker.log_tail()}"
+                )
         load = self.load
-        assert load is not None
-        dead = load.dead_threads()
-        assert not dead, f"load threads {dead} died"
+        if load is not None and not load.stopping():
+            dead = load.dead_threads()
+            assert not dead, f"load threads {dead} died"
 
     # -- checks -------------------------------------------------------------------------------
 
@@ -645,6 +662,7 @@ class ChaosSoak:
                 f"{len(stuck)} acknowledged tasks not final after {config.drain_timeout_s} s "
                 f"of draining with healthy workers: {dict(list(stuck.items())[:20])}"
             )
+        self._check_alive()  # nothing crashed while draining
         problems += self._check_tasks(load, tasks)
         effects = self._read_effects()
         problems += self._check_effects(tasks, effects)
