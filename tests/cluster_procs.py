@@ -605,10 +605,12 @@ class ClusterWorker:
         self.cache_dir = cache_dir
         self.extra_args = extra_args
         self.proc: subprocess.Popen[bytes] | None = None
+        self.stopped = False  # SIGSTOPped
         self._log: IO[bytes] | None = None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.stopped = False
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in kill9
         self.proc = subprocess.Popen(
             [
@@ -631,7 +633,24 @@ class ClusterWorker:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, f"worker {self.worker_id} was never started"
+        return self.proc.pid
+
+    def sigstop(self) -> None:
+        """Freeze the worker (its TCP connection stays open, it answers nothing)."""
+        assert self.running(), f"worker {self.worker_id} is not running"
+        os.kill(self.pid, signal.SIGSTOP)
+        self.stopped = True
+
+    def sigcont(self) -> None:
+        assert self.running(), f"worker {self.worker_id} is not running"
+        os.kill(self.pid, signal.SIGCONT)
+        self.stopped = False
+
     def kill9(self) -> None:
+        self.stopped = False
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)

@@ -1,0 +1,30 @@
+"""The soak's task code, uploaded as a code artifact (``chaos_tasks:record``).
+
+Each run of a task appends a ``start`` record before its work and a ``done`` record
+after it to a shared file (one ``write`` with ``O_APPEND``: lines never interleave),
+so the soak can prove that no attempt of a task ran twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+
+def _note(path: str, event: str, task_id: int, attempt: int) -> None:
+    line = json.dumps({"event": event, "task": task_id, "attempt": attempt, "pid": os.getpid()})
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def record(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    path = str(params["effects"])
+    _note(path, "start", ctx.task_id, ctx.attempt)
+    if ctx.cancelled.wait(float(params["seconds"])):
+        ctx.check_cancelled()
+    _note(path, "done", ctx.task_id, ctx.attempt)
+    return {"task": ctx.task_id, "attempt": ctx.attempt, "key": params["key"]}

@@ -1,0 +1,869 @@
+"""Chaos soak (issue 7, acceptance 3): a cluster under load while a seeded schedule of faults
+hits it, then a check that nothing acknowledged was lost or run twice.
+
+A 3-broker cluster (real ``steward broker`` processes on a real ZooKeeper, file or pulsar
+ledgers) and 2 real workers run short tasks (``chaos_tasks:record``, a code artifact that
+appends a start and a done record of (task id, attempt) to a shared file) while several
+client threads submit them through the multi-URL :class:`~clients.client.StewardClient`
+with idempotency keys. ``random.Random(seed)`` draws the fault schedule: kill -9 a broker
+(the leader or a follower) and restart it on its data dir, SIGSTOP a broker (sometimes
+past the session timeout) then SIGCONT, kill -9 a worker and start a new one, SIGSTOP a
+worker, restart ZooKeeper (crash or clean stop, same port and data), with random gaps.
+Normally at most one broker is down or frozen; sometimes a second one goes too, rarely
+all three (no leader at all for a while). Every fault and recovery is printed as it happens.
+
+Afterwards (faults healed, load stopped, bounded waits): every acknowledged task is on the
+leader with its tenant, type and params, and, after a drain with healthy workers, final;
+no submission became two tasks; no (task, attempt) ran twice; a finished task's result is
+from its last attempt and that attempt's run is on record; all brokers report the same
+digest; the leader's newest snapshot passes the state machine's invariant check.
+
+The seed fixes every draw of the schedule (kind, gap, duration, target choice; see
+:class:`FaultDraw`); whether a drawn fault can land (at most so many brokers down) and
+which broker leads at that moment depend on the run's timing.
+
+The long version::
+
+    python -m tests.chaos.soak --seed 7 --faults 500 [--ledgers file|pulsar] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import heapq
+import itertools
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import Counter
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from broker.state import StateMachine
+from broker.zk import ZooKeeperServer
+from clients.client import ConnectionFailedError, StewardClient, StewardError, UnavailableError
+from snapshot.format import read_snapshot
+from tests.cluster_procs import (
+    BrokerNode,
+    ClusterError,
+    ClusterProcesses,
+    ClusterWorker,
+    fetch_tasks,
+)
+from tests.worker_procs import wait_until
+
+TASK_MODULE = Path(__file__).with_name("chaos_tasks.py")
+TASK_TYPE = "chaos_tasks:record"
+TENANT = "chaos"
+FINAL_STATES = frozenset({"finished", "error", "cancelled"})
+LIVE_STATES = frozenset({"waiting", "running", "delayed", "pending"})
+# A broker restart that fails because ZooKeeper is unreachable is tried again this often.
+MAX_START_FAILURES = 5
+
+# Fault kinds and how often each is drawn.
+FAULT_WEIGHTS: dict[str, float] = {
+    "kill_broker": 3.0,
+    "stop_broker": 3.0,
+    "kill_worker": 2.0,
+    "stop_worker": 2.0,
+    "restart_zookeeper": 1.0,
+}
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    seed: int
+    faults: int = 50
+    ledgers: str = "file"  # or "pulsar" (pulsar-lite)
+    brokers: int = 3
+    workers: int = 2
+    clients: int = 4
+    submit_pause_s: float = 0.15  # per client thread, between acknowledged submissions
+    gap_s: tuple[float, float] = (0.3, 2.5)  # between two faults
+    session_timeout_ms: int = 4_000
+    # Shorter than ClusterProcesses' default so that frozen workers are declared dead
+    # (their tasks re-run with a higher attempt) within the soak.
+    heartbeat_timeout_ms: int = 8_000
+    worker_slots: int = 4
+    max_attempts: int = 10
+    task_seconds_max: float = 0.5
+    snapshot_interval_s: float = 3.0
+    drain_timeout_s: float = 180.0
+    settle_timeout_s: float = 90.0
+
+
+@dataclass
+class FaultLog:
+    seed: int
+    started: float = field(default_factory=time.monotonic)
+    lines: list[str] = field(default_factory=list)
+    faults: Counter[str] = field(default_factory=Counter)
+
+    def note(self, action: str, target: str, pid: int | None, detail: str = "") -> None:
+        elapsed_s = time.monotonic() - self.started
+        line = (
+            f"[chaos {time.strftime('%H:%M:%S')} +{elapsed_s:7.2f}s] {action:<18} "
+            f"{target:<10} pid={pid if pid is not None else '-':<8} {detail}"
+        ).rstrip()
+        self.lines.append(line)
+        print(line, flush=True)
+
+    def fault(self, kind: str, target: str, pid: int | None, detail: str = "") -> None:
+        self.faults[kind] += 1
+        self.note(kind, target, pid, detail)
+
+    def dump(self) -> str:
+        return "\n".join(
+            [f"fault log (seed {self.seed}, {sum(self.faults.values())} faults):", *self.lines]
+        )
+
+
+@dataclass(frozen=True)
+class Acked:
+    key: str
+    task_id: int
+    params: dict[str, Any]
+    at: float  # monotonic
+
+
+class ChaosLoad:
+    """Client threads that submit ``chaos_tasks:record`` tasks through the multi-URL client,
+    each with its own idempotency key retried until acknowledged (or the load stops)."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        seed: int,
+        code_sha: str,
+        effects_path: Path,
+        config: SoakConfig,
+    ) -> None:
+        self.urls = urls
+        self.seed = seed
+        self.code_sha = code_sha
+        self.effects_path = effects_path
+        self.config = config
+        self.attempted: dict[str, dict[str, Any]] = {}
+        self.acked: dict[str, Acked] = {}
+        self.retries: Counter[str] = Counter()  # error class -> retried submissions
+        self.unexpected: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> ChaosLoad:
+        for client_no in range(self.config.clients):
+            thread = threading.Thread(
+                target=self._client, args=(client_no,), name=f"chaos-load-{client_no}", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self._stop.set()
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            assert not thread.is_alive(), f"{thread.name} did not stop within {timeout_s} s"
+
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def dead_threads(self) -> list[str]:
+        return [t.name for t in self._threads if not t.is_alive()]
+
+    def acked_count(self) -> int:
+        with self._lock:
+            return len(self.acked)
+
+    def _client(self, client_no: int) -> None:
+        rng = random.Random(f"{self.seed}-load-{client_no}")
+        # A frozen broker never answers: a short request timeout moves on to the next one.
+        with StewardClient(self.urls, timeout_s=3.0, failover_timeout_s=30.0) as client:
+            for seq in itertools.count():
+                if self._stop.is_set():
+                    return
+                key = f"chaos-{self.seed}-{client_no}-{seq}"
+                params = {
+                    "key": key,
+                    "seconds": round(rng.uniform(0.0, self.config.task_seconds_max), 3),
+                    "effects": str(self.effects_path),
+                }
+                with self._lock:
+                    self.attempted[key] = params
+                self._submit(client, key, params)
+                self._stop.wait(self.config.submit_pause_s)
+
+    def _submit(self, client: StewardClient, key: str, params: dict[str, Any]) -> None:
+        while not self._stop.is_set():
+            try:
+                handle = client.submit(
+                    TASK_TYPE,
+                    params,
+                    tenant=TENANT,
+                    idempotency_key=key,
+                    code=self.code_sha,
+                    max_attempts=self.config.max_attempts,
+                )
+            except (UnavailableError, ConnectionFailedError) as exc:
+                # Retryable: the same key again (the broker answers a replay if it was
+                # applied the first time).
+                with self._lock:
+                    self.retries[type(exc).__name__] += 1
+                continue
+            except StewardError as exc:
+                with self._lock:
+                    self.unexpected.append(f"{key}: {exc!r}")
+                return
+            except Exception as exc:  # the client must not leak transport errors
+                with self._lock:
+                    self.unexpected.append(f"{key}: {exc!r}")
+                self._stop.wait(0.5)
+                continue
+            with self._lock:
+                self.acked[key] = Acked(key, handle.id, params, time.monotonic())
+            return
+
+
+@dataclass(frozen=True)
+class FaultDraw:
+    """One step of the schedule. Every step draws the same values in the same order,
+    whatever the cluster's state, so a seed always gives the same sequence of draws;
+    whether and where a drawn fault lands depends on the state at that moment."""
+
+    kind: str
+    gap_s: float  # wait before it
+    leader: bool  # brokers: prefer the leader
+    index: int  # which candidate target
+    allow: float  # compared with thresholds: may a second (third) one go down
+    duration: float  # in [0, 1), scaled per kind
+    variant: float  # long or short pause, crash or clean stop, same or new worker id
+
+    @classmethod
+    def draw(cls, rng: random.Random, config: SoakConfig) -> FaultDraw:
+        kinds = list(FAULT_WEIGHTS)
+        return cls(
+            kind=rng.choices(kinds, weights=[FAULT_WEIGHTS[k] for k in kinds])[0],
+            gap_s=rng.uniform(*config.gap_s),
+            leader=rng.random() < 0.5,
+            index=rng.randrange(1_000_000),
+            allow=rng.random(),
+            duration=rng.random(),
+            variant=rng.random(),
+        )
+
+
+@dataclass(order=True)
+class _Recovery:
+    due: float
+    seq: int
+    kind: str = field(compare=False)
+    target: str = field(compare=False)
+
+
+@dataclass
+class SoakResult:
+    seed: int
+    faults: Counter[str]
+    acked: int
+    tasks: int
+    states: Counter[str]
+    reruns: int  # tasks that ran more than one attempt
+    digest: str
+    duration_s: float
+    fault_log: str
+
+    def summary(self) -> str:
+        return (
+            f"chaos soak seed {self.seed}: {sum(self.faults.values())} faults "
+            f"{dict(sorted(self.faults.items()))}; {self.acked} acknowledged tasks, "
+            f"{self.tasks} on the leader, final states {dict(sorted(self.states.items()))}, "
+            f"{self.reruns} re-run with a higher attempt; digest {self.digest[:16]}; "
+            f"{self.duration_s:.1f} s"
+        )
+
+
+class ChaosSoak:
+    """One soak run (see the module docstring). ``run()`` raises AssertionError with the
+    seed and the fault log when a check fails."""
+
+    def __init__(
+        self,
+        config: SoakConfig,
+        zookeeper: ZooKeeperServer,
+        root: Path,
+        *,
+        pulsar_url: str | None = None,
+    ) -> None:
+        if config.ledgers == "pulsar" and pulsar_url is None:
+            raise ValueError("the pulsar ledger backend needs pulsar_url")
+        self.config = config
+        self.zookeeper = zookeeper
+        self.root = root
+        self.pulsar_url = pulsar_url if config.ledgers == "pulsar" else None
+        self.rng = random.Random(config.seed)
+        self.log = FaultLog(config.seed)
+        self.effects_path = root / "effects.jsonl"
+        self._pending: list[_Recovery] = []
+        self._seq = itertools.count()
+        self._worker_names = itertools.count(config.workers)
+        self._start_failures: Counter[str] = Counter()
+        self._killed_workers: set[int] = set()  # id() of the worker processes killed
+        self._worker_args = ("--task-type", f"*={config.worker_slots}")
+        self.cluster: ClusterProcesses | None = None
+        self.load: ChaosLoad | None = None
+
+    # -- the run ------------------------------------------------------------------------------
+
+    def run(self) -> SoakResult:
+        print(f"chaos soak seed {self.config.seed} (rerun: --seed {self.config.seed})", flush=True)
+        started = time.monotonic()
+        cluster = ClusterProcesses(
+            self.zookeeper.connect_string,
+            self.root / "cluster",
+            brokers=self.config.brokers,
+            session_timeout_ms=self.config.session_timeout_ms,
+            heartbeat_timeout_ms=self.config.heartbeat_timeout_ms,
+            extra_args=("--snapshot-interval-s", str(self.config.snapshot_interval_s)),
+            pulsar_url=self.pulsar_url,
+        )
+        with cluster:
+            self.cluster = cluster
+            try:
+                result = self._run(cluster, started)
+            except BaseException:
+                print(f"\nchaos soak FAILED with seed {self.config.seed}", flush=True)
+                print(self.log.dump(), flush=True)
+                if self.load is not None:
+                    with contextlib.suppress(AssertionError):  # the first error matters
+                        self.load.stop()
+                raise
+        print(self.log.dump(), flush=True)
+        print(result.summary(), flush=True)
+        return result
+
+    def _run(self, cluster: ClusterProcesses, started: float) -> SoakResult:
+        config = self.config
+        leader = cluster.wait_for_leader(60)
+        self.log.note("leader", leader.broker_id, leader.pid)
+        with StewardClient(cluster.urls(), timeout_s=10, failover_timeout_s=60) as client:
+            code_sha = client.upload_code(TASK_MODULE)
+        workers = [self._start_worker(f"w{i}") for i in range(config.workers)]
+        cluster.wait_workers_connected([w.worker_id for w in workers], 60)
+        self.load = ChaosLoad(
+            cluster.urls(),
+            seed=config.seed,
+            code_sha=code_sha,
+            effects_path=self.effects_path,
+            config=config,
+        ).start()
+        load = self.load
+        wait_until(lambda: load.acked_count() >= 20, 60, "20 acknowledged tasks before the faults")
+
+        injected = 0
+        while injected < config.faults:
+            self._recover_due()
+            draw = FaultDraw.draw(self.rng, config)
+            self._sleep_recovering(draw.gap_s)
+            missing = sorted(set(FAULT_WEIGHTS) - set(self.log.faults))
+            if config.faults - injected <= len(missing):
+                # Every kind of fault at least once, however short the run.
+                draw = dataclasses.replace(draw, kind=missing[draw.index % len(missing)])
+            if self._inject(draw):
+                injected += 1
+            self._check_alive()
+        self.log.note("faults over", "-", None, f"{injected} faults; healing everything")
+        self._heal_all()
+        self._check_alive()
+        healed_at = time.monotonic()
+        acked_then = load.acked_count()
+        wait_until(
+            lambda: load.acked_count() >= acked_then + 20,
+            config.settle_timeout_s,
+            "20 more acknowledged tasks after the faults",
+            pause_s=0.2,
+        )
+        load.stop()
+        self.log.note(
+            "load stopped",
+            "-",
+            None,
+            f"{len(load.acked)} acknowledged of {len(load.attempted)} attempted; "
+            f"retried {dict(load.retries)}; progress {time.monotonic() - healed_at:.1f} s "
+            "after healing",
+        )
+        return self._check(cluster, load, started)
+
+    # -- faults -------------------------------------------------------------------------------
+
+    def _faulted_brokers(self) -> set[str]:
+        return {r.target for r in self._pending if r.kind in ("restart_broker", "cont_broker")}
+
+    def _faulted_workers(self) -> set[str]:
+        return {r.target for r in self._pending if r.kind in ("start_worker", "cont_worker")}
+
+    def _schedule(self, delay_s: float, kind: str, target: str) -> None:
+        heapq.heappush(
+            self._pending, _Recovery(time.monotonic() + delay_s, next(self._seq), kind, target)
+        )
+
+    def _pick_broker(self, draw: FaultDraw) -> tuple[BrokerNode, str] | None:
+        """The leader when the draw prefers it (and one is known), else any healthy broker;
+        with its role."""
+        assert self.cluster is not None
+        faulted = self._faulted_brokers()
+        candidates = [n for n in self.cluster.live() if n.broker_id not in faulted]
+        if not candidates:
+            return None
+        leader = self.cluster.leader()
+        if draw.leader and leader is not None and leader in candidates:
+            return leader, "leader"
+        node = candidates[draw.index % len(candidates)]
+        return node, "leader" if node is leader else "follower"
+
+    def _inject(self, draw: FaultDraw) -> bool:
+        """Inject the drawn fault if the cluster's state allows it now."""
+        assert self.cluster is not None
+        config = self.config
+        kind = draw.kind
+        session_s = config.session_timeout_ms / 1000
+        if kind in ("kill_broker", "stop_broker"):
+            # Mostly one broker down or frozen at a time (the others make progress); now
+            # and then a second one too, rarely all of them (no leader at all for a while).
+            faulted = len(self._faulted_brokers())
+            allowed = faulted == 0 or (faulted == 1 and draw.allow < 0.25) or draw.allow < 0.1
+            picked = self._pick_broker(draw) if allowed else None
+            if picked is None:
+                return False
+            node, role = picked
+            pid = node.pid
+            down = faulted + 1
+            if kind == "kill_broker":
+                down_s = 0.2 + 5.8 * draw.duration
+                node.kill9()
+                self.log.fault(
+                    kind, node.broker_id, pid, f"{role}; restart in {down_s:.2f} s; {down} down"
+                )
+                self._schedule(down_s, "restart_broker", node.broker_id)
+            else:
+                if draw.variant < 0.4:  # past the session timeout: the leader is replaced
+                    down_s = session_s + 0.5 + (session_s - 0.5) * draw.duration
+                else:
+                    down_s = 0.3 + 1.7 * draw.duration
+                node.sigstop()
+                self.log.fault(
+                    kind, node.broker_id, pid, f"{role}; SIGCONT in {down_s:.2f} s; {down} down"
+                )
+                self._schedule(down_s, "cont_broker", node.broker_id)
+            return True
+        if kind in ("kill_worker", "stop_worker"):
+            heartbeat_s = config.heartbeat_timeout_ms / 1000
+            faulted_ids = self._faulted_workers()
+            candidates = [
+                w
+                for w in self._current_workers()
+                if w.running() and not w.stopped and w.worker_id not in faulted_ids
+            ]
+            if not candidates or (faulted_ids and draw.allow >= 0.3):
+                return False
+            worker = candidates[draw.index % len(candidates)]
+            pid = worker.pid
+            if kind == "kill_worker":
+                down_s = 0.2 + 2.8 * draw.duration
+                worker.kill9()
+                self._killed_workers.add(id(worker))
+                same_id = draw.variant < 0.5
+                next_id = worker.worker_id if same_id else f"w{next(self._worker_names)}"
+                self.log.fault(kind, worker.worker_id, pid, f"start {next_id} in {down_s:.2f} s")
+                # The target names the dead worker; the replacement's id follows "->".
+                self._schedule(down_s, "start_worker", f"{worker.worker_id}->{next_id}")
+            else:
+                # Up to 1.5 heartbeat timeouts: sometimes declared dead (tasks re-run).
+                down_s = 0.5 + (1.5 * heartbeat_s - 0.5) * draw.duration
+                worker.sigstop()
+                self.log.fault(
+                    kind,
+                    worker.worker_id,
+                    pid,
+                    f"SIGCONT in {down_s:.2f} s (heartbeat timeout {heartbeat_s:.1f} s)",
+                )
+                self._schedule(down_s, "cont_worker", worker.worker_id)
+            return True
+        if kind == "restart_zookeeper":
+            if any(r.kind == "start_zookeeper" for r in self._pending):
+                return False
+            down_s = 1.2 * session_s * draw.duration
+            crash = draw.variant < 0.5
+            zk_pid = self.zookeeper.pid
+            if crash:
+                self.zookeeper.kill9()
+            else:
+                self.zookeeper.stop()
+            how = "kill -9" if crash else "clean stop"
+            self.log.fault(kind, "zookeeper", zk_pid, f"{how}; start in {down_s:.2f} s")
+            self._schedule(down_s, "start_zookeeper", "zookeeper")
+            return True
+        raise ValueError(f"unknown fault kind {kind!r}")
+
+    def _current_workers(self) -> list[ClusterWorker]:
+        """The newest worker process of every worker id."""
+        assert self.cluster is not None
+        newest: dict[str, ClusterWorker] = {}
+        for worker in self.cluster.workers:
+            newest[worker.worker_id] = worker
+        return list(newest.values())
+
+    def _start_worker(self, worker_id: str) -> ClusterWorker:
+        assert self.cluster is not None
+        return self.cluster.start_worker(worker_id, *self._worker_args)
+
+    # -- recoveries ---------------------------------------------------------------------------
+
+    def _sleep_recovering(self, duration_s: float) -> None:
+        end = time.monotonic() + duration_s
+        while True:
+            self._recover_due()
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.05))
+
+    def _recover_due(self, everything: bool = False) -> None:
+        while self._pending and (everything or self._pending[0].due <= time.monotonic()):
+            self._recover(heapq.heappop(self._pending))
+
+    def _recover(self, recovery: _Recovery) -> None:
+        assert self.cluster is not None
+        kind, target = recovery.kind, recovery.target
+        if kind == "restart_broker":
+            node = self.cluster.node(target)
+            # A broker that cannot reach ZooKeeper at start exits (code 2): like a
+            # supervisor, start it again once ZooKeeper is back.
+            zookeeper_due = [r.due for r in self._pending if r.kind == "start_zookeeper"]
+            if zookeeper_due or not self.zookeeper.is_running():
+                self.log.note("defer restart", target, None, "(ZooKeeper is down)")
+                due = max([time.monotonic(), *zookeeper_due]) + 0.1
+                heapq.heappush(self._pending, _Recovery(due, next(self._seq), kind, target))
+                return
+            try:
+                self.cluster.restart(target)
+            except ClusterError:
+                self._start_failures[target] += 1
+                if (
+                    "cannot reach ZooKeeper" not in node.log_tail(3000)
+                    or self._start_failures[target] > MAX_START_FAILURES
+                ):
+                    raise
+                self.log.note("restart failed", target, None, "cannot reach ZooKeeper; again")
+                self._schedule(1.0, kind, target)
+                return
+            self.log.note("restart broker", target, node.pid, f"http {node.http_port}")
+        elif kind == "cont_broker":
+            node = self.cluster.node(target)
+            if node.running():
+                node.sigcont()
+                self.log.note("SIGCONT broker", target, node.pid)
+        elif kind == "start_worker":
+            old_id, new_id = target.split("->")
+            worker = self._start_worker(new_id)
+            self.log.note("start worker", new_id, worker.pid, f"(replaces {old_id})")
+        elif kind == "cont_worker":
+            worker = next(w for w in self._current_workers() if w.worker_id == target)
+            if worker.running():
+                worker.sigcont()
+                self.log.note("SIGCONT worker", target, worker.pid)
+        elif kind == "start_zookeeper":
+            self.zookeeper.start()
+            self.log.note("start zookeeper", "zookeeper", self.zookeeper.pid)
+        else:
+            raise ValueError(f"unknown recovery {kind!r}")
+
+    def _heal_all(self) -> None:
+        """Run every pending recovery now, then make sure everything runs unfrozen."""
+        assert self.cluster is not None
+        self._recover_due(everything=True)
+        if not self.zookeeper.is_running():
+            self.zookeeper.start()
+        for node in self.cluster.nodes.values():
+            if node.running() and node.stopped:
+                node.sigcont()
+            if not node.running():
+                self.cluster.restart(node.broker_id)
+        running = [w for w in self._current_workers() if w.running()]
+        for worker in running:
+            if worker.stopped:
+                worker.sigcont()
+        for _ in range(self.config.workers - len(running)):
+            self._start_worker(f"w{next(self._worker_names)}")
+
+    def _check_alive(self) -> None:
+        """Only the faults end processes: a broker or worker that exited by itself crashed."""
+        assert self.cluster is not None
+        faulted = self._faulted_brokers()
+        for node in self.cluster.nodes.values():
+            if not node.running() and node.broker_id not in faulted:
+                raise AssertionError(f"broker {node.broker_id} exited by itself\n{node.log_tail()}")
+        for worker in self.cluster.workers:
+            if not worker.running() and id(worker) not in self._killed_workers:
+                raise AssertionError(
+                    f"worker {worker.worker_id} exited by itself\n{worker.log_tail()}"
+                )
+        load = self.load
+        if load is not None and not load.stopping():
+            dead = load.dead_threads()
+            assert not dead, f"load threads {dead} died"
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def _check(self, cluster: ClusterProcesses, load: ChaosLoad, started: float) -> SoakResult:
+        config = self.config
+        problems: list[str] = []
+        problems += [f"unexpected client error: {u}" for u in load.unexpected[:10]]
+        leader = cluster.wait_for_leader(config.settle_timeout_s)
+        self.log.note("leader", leader.broker_id, leader.pid, "(after the faults)")
+        acked_ids = {a.task_id for a in load.acked.values()}
+
+        def drained() -> dict[int, dict[str, Any]] | None:
+            current = cluster.leader()
+            if current is None:
+                return None
+            try:
+                tasks = fetch_tasks(current, tenant=TENANT)
+            except (httpx.TransportError, httpx.HTTPStatusError):
+                return None
+            live = [i for i in acked_ids if i in tasks and tasks[i]["state"] not in FINAL_STATES]
+            return tasks if not live else None
+
+        try:
+            tasks: dict[int, dict[str, Any]] = wait_until(
+                drained, config.drain_timeout_s, "every acknowledged task to be final", 0.5
+            )
+        except AssertionError:
+            current = cluster.wait_for_leader(config.settle_timeout_s)
+            tasks = fetch_tasks(current, tenant=TENANT)
+            stuck = {
+                i: (tasks[i]["state"], tasks[i]["attempt"], tasks[i]["worker"])
+                for i in sorted(acked_ids)
+                if i in tasks and tasks[i]["state"] not in FINAL_STATES
+            }
+            problems.append(
+                f"{len(stuck)} acknowledged tasks not final after {config.drain_timeout_s} s "
+                f"of draining with healthy workers: {dict(list(stuck.items())[:20])}"
+            )
+        self._check_alive()  # nothing crashed while draining
+        problems += self._check_tasks(load, tasks)
+        effects = self._read_effects()
+        problems += self._check_effects(tasks, effects)
+        try:
+            digest = cluster.wait_for_equal_digests(config.settle_timeout_s)
+        except AssertionError as exc:
+            problems.append(f"digests differ: {exc}")
+            digest = "?"
+        live = cluster.live()
+        if len(live) != config.brokers:
+            problems.append(f"only {[n.broker_id for n in live]} are live at the end")
+        problems += self._check_snapshot(cluster)
+        states = Counter(tasks[i]["state"] for i in acked_ids if i in tasks)
+        reruns = len({e["task"] for e in effects if e["attempt"] > 1})
+        result = SoakResult(
+            seed=config.seed,
+            faults=self.log.faults,
+            acked=len(load.acked),
+            tasks=len(tasks),
+            states=states,
+            reruns=reruns,
+            digest=digest,
+            duration_s=time.monotonic() - started,
+            fault_log=self.log.dump(),
+        )
+        if problems:
+            raise AssertionError(
+                f"chaos soak seed {config.seed}: {len(problems)} problems\n"
+                + "\n".join(problems[:40])
+                + f"\n{result.summary()}"
+            )
+        return result
+
+    @staticmethod
+    def _check_tasks(load: ChaosLoad, tasks: dict[int, dict[str, Any]]) -> list[str]:
+        problems: list[str] = []
+        for key, ack in load.acked.items():
+            task = tasks.get(ack.task_id)
+            if task is None:
+                problems.append(f"acknowledged task {ack.task_id} ({key}) is lost")
+                continue
+            if (task["type"], task["tenant"], task["params"]) != (TASK_TYPE, TENANT, ack.params):
+                problems.append(
+                    f"task {ack.task_id} is {task['type']}/{task['tenant']} {task['params']}, "
+                    f"was submitted as {ack.params}"
+                )
+        keys = Counter(
+            t["params"].get("key") for t in tasks.values() if isinstance(t["params"], dict)
+        )
+        problems += [f"submission {k} became {n} tasks" for k, n in keys.items() if n > 1][:10]
+        problems += [
+            f"task {i} ({t['params']}) was never submitted"
+            for i, t in tasks.items()
+            if not isinstance(t["params"], dict) or t["params"].get("key") not in load.attempted
+        ][:10]
+        for task_id, task in tasks.items():
+            if task["state"] == "finished":
+                expected = {
+                    "task": task_id,
+                    "attempt": task["attempt"],
+                    "key": task["params"]["key"],
+                }
+                if task["result"] != expected:
+                    problems.append(
+                        f"finished task {task_id} attempt {task['attempt']} has result "
+                        f"{task['result']}, expected {expected}"
+                    )
+            elif task["state"] not in FINAL_STATES | LIVE_STATES:
+                problems.append(f"task {task_id} is in unknown state {task['state']}")
+        return problems
+
+    def _read_effects(self) -> list[dict[str, Any]]:
+        if not self.effects_path.exists():
+            return []
+        records = []
+        for line in self.effects_path.read_text().splitlines():
+            records.append(json.loads(line))
+        return records
+
+    @staticmethod
+    def _check_effects(
+        tasks: dict[int, dict[str, Any]], effects: list[dict[str, Any]]
+    ) -> list[str]:
+        problems: list[str] = []
+        runs = Counter((e["task"], e["attempt"], e["event"]) for e in effects)
+        problems += [
+            f"task {t} attempt {a} has {n} '{ev}' records (ran twice)"
+            for (t, a, ev), n in runs.items()
+            if n > 1
+        ][:10]
+        started: dict[int, list[int]] = {}
+        for task_id, attempt, event in runs:
+            if event == "start":
+                started.setdefault(task_id, []).append(attempt)
+        for task_id, task in tasks.items():
+            attempts = started.get(task_id, [])
+            if attempts and max(attempts) > task["attempt"]:
+                problems.append(
+                    f"task {task_id} ran attempt {max(attempts)} but the broker shows attempt "
+                    f"{task['attempt']}"
+                )
+            if task["state"] == "finished" and (task_id, task["attempt"], "done") not in runs:
+                problems.append(
+                    f"task {task_id} finished with attempt {task['attempt']} but no run of it "
+                    "completed"
+                )
+        unknown = {t for (t, _, _) in runs} - set(tasks)
+        if unknown:
+            problems.append(f"records of tasks the leader does not know: {sorted(unknown)[:10]}")
+        return problems
+
+    def _check_snapshot(self, cluster: ClusterProcesses) -> list[str]:
+        """The leader's newest snapshot loads and passes the state machine's invariants."""
+        leader = cluster.wait_for_leader(self.config.settle_timeout_s)
+        response = httpx.get(leader.url + "/api/v1/snapshot/latest", timeout=30)
+        if response.status_code != 200:
+            return [f"no snapshot on the leader: HTTP {response.status_code} {response.text}"]
+        path = self.root / "leader-latest.snap"
+        path.write_bytes(response.content)
+        header, body = read_snapshot(path)
+        machine = StateMachine.from_snapshot(body)
+        try:
+            machine.check_invariants()
+        except AssertionError as exc:
+            return [f"snapshot at {header.ledger_id}:{header.entry_id} breaks an invariant: {exc}"]
+        if machine.digest() != header.digest:
+            return [f"snapshot digest {header.digest} but its state hashes to {machine.digest()}"]
+        now = leader.get_json("/api/v1/state/digest", timeout_s=30)
+        position = (now["position"]["ledger_id"], now["position"]["entry_id"])
+        if position == header.position and now["digest"] != header.digest:
+            return [
+                f"the leader's digest at {position} is {now['digest']}, its snapshot's is "
+                f"{header.digest}"
+            ]
+        self.log.note(
+            "snapshot checked",
+            leader.broker_id,
+            leader.pid,
+            f"at {header.ledger_id}:{header.entry_id}, {len(machine.tasks)} tasks, invariants ok",
+        )
+        return []
+
+
+def run_soak(
+    config: SoakConfig, root: Path, *, zookeeper: ZooKeeperServer | None = None
+) -> SoakResult:
+    """Start what the soak needs (ZooKeeper, pulsar-lite) under ``root`` unless given."""
+    with ExitStack() as stack:
+        if zookeeper is None:
+            zookeeper = stack.enter_context(
+                ZooKeeperServer(root / "zookeeper", stop_with_parent=True)
+            )
+        pulsar_url = None
+        if config.ledgers == "pulsar":
+            from broker.pulsar_lite import PulsarLiteServer
+
+            pulsar = stack.enter_context(
+                PulsarLiteServer(root / "pulsar-lite", stop_with_parent=True)
+            )
+            pulsar_url = pulsar.service_url
+        return ChaosSoak(config, zookeeper, root, pulsar_url=pulsar_url).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.chaos.soak", description=__doc__.split("\n\n")[0] if __doc__ else ""
+    )
+    parser.add_argument("--seed", type=int, default=None, help="default: a random one (printed)")
+    parser.add_argument("--faults", type=int, default=500, help="default %(default)s")
+    parser.add_argument("--ledgers", choices=("file", "pulsar"), default="file")
+    parser.add_argument("--clients", type=int, default=SoakConfig.clients)
+    parser.add_argument("--heartbeat-timeout-ms", type=int, default=SoakConfig.heartbeat_timeout_ms)
+    parser.add_argument("--keep", type=Path, default=None, help="keep data and logs in DIR")
+    args = parser.parse_args(argv)
+    if args.faults < 1:
+        parser.error("--faults must be at least 1")
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
+    if args.clients < 1 or args.heartbeat_timeout_ms < 1:
+        parser.error("--clients and --heartbeat-timeout-ms must be positive")
+    config = SoakConfig(
+        seed=seed,
+        faults=args.faults,
+        ledgers=args.ledgers,
+        clients=args.clients,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+    )
+    with ExitStack() as stack:
+        if args.keep is not None:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            root = args.keep
+        else:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="steward-chaos-")))
+        try:
+            run_soak(config, root)
+        except AssertionError:
+            traceback.print_exc()
+            print(f"chaos soak FAILED, seed {seed}", file=sys.stderr)
+            return 1
+    print(f"chaos soak passed, seed {seed}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
