@@ -22,10 +22,9 @@ from broker import entries as e
 from broker.auth import AuthConfig, hash_token
 from broker.code_store import CodeStore
 from broker.http_api import ApiApp, ApiConfig
-from broker.node import Node, NodeConfig
+from broker.node import Node
 from broker.state import StateMachine
-from log.memory import MemoryLedgerListStore, MemoryLedgerStore
-from snapshot.store import SnapshotStore
+from tests.memory_node import memory_node
 
 ADMIN_SECRET = "bootstrap-admin-secret"
 WORKER_SECRET = "worker-secret"
@@ -51,12 +50,7 @@ class Env:
 
 @pytest.fixture
 async def env(tmp_path: Path) -> AsyncIterator[Env]:
-    node = Node(
-        NodeConfig(data_dir=tmp_path, timer_poll_interval_s=0.01),
-        ledgers=MemoryLedgerStore(),
-        ledger_list=MemoryLedgerListStore(),
-        snapshots=SnapshotStore(tmp_path / "snapshots"),
-    )
+    node = memory_node(tmp_path)
     await node.start()
     auth = AuthConfig.from_secrets([ADMIN_SECRET], WORKER_SECRET, PEER_SECRET)
     app = ApiApp(node, ApiConfig(auth=auth), code_store=CodeStore(tmp_path / "code"))

@@ -11,23 +11,17 @@ import pytest
 
 from broker import entries as e
 from broker.http_api import ApiApp, ApiConfig
-from broker.node import Node, NodeConfig
+from broker.node import Node
 from clients import cli
 from clients.client import InvalidRequestError, StewardClient, TaskTimeoutError, TreeFailedError
-from log.memory import MemoryLedgerListStore, MemoryLedgerStore
-from snapshot.store import SnapshotStore
 from tests.asgi_server import Served, serve, unserve
+from tests.memory_node import memory_node
 from tests.unit.test_http_api import run_and_finish
 
 
 @pytest.fixture
 async def served(tmp_path: Path) -> AsyncIterator[tuple[Node, Served]]:
-    node = Node(
-        NodeConfig(data_dir=tmp_path, timer_poll_interval_s=0.01),
-        ledgers=MemoryLedgerStore(),
-        ledger_list=MemoryLedgerListStore(),
-        snapshots=SnapshotStore(tmp_path / "snapshots"),
-    )
+    node = memory_node(tmp_path)
     await node.start()
     server = await serve(ApiApp(node, ApiConfig()))
     try:

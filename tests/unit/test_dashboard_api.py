@@ -22,11 +22,10 @@ from broker import entries as e
 from broker.dashboard import ThroughputRecorder
 from broker.http_api import ApiApp, ApiConfig, ClusterView
 from broker.local_server import free_port
-from broker.node import Node, NodeConfig, Stamp
+from broker.node import Node, Stamp
 from broker.state import TaskRef
-from log.memory import MemoryLedgerListStore, MemoryLedgerStore
-from snapshot.store import SnapshotStore
 from tests.asgi_server import Receive, Scope, Send, serve, unserve
+from tests.memory_node import memory_node
 
 CONFIG = ApiConfig(max_list_limit=50)
 
@@ -34,12 +33,7 @@ CONFIG = ApiConfig(max_list_limit=50)
 async def _client(
     tmp_path: Path, cluster: ClusterView | None = None
 ) -> AsyncIterator[tuple[Node, httpx.AsyncClient]]:
-    node = Node(
-        NodeConfig(data_dir=tmp_path, timer_poll_interval_s=0.01),
-        ledgers=MemoryLedgerStore(),
-        ledger_list=MemoryLedgerListStore(),
-        snapshots=SnapshotStore(tmp_path / "snapshots"),
-    )
+    node = memory_node(tmp_path)
     await node.start()
     statuses: list[int] = []
 

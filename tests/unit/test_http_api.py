@@ -21,9 +21,8 @@ import pytest
 
 from broker import entries as e
 from broker.http_api import ApiApp, ApiConfig
-from broker.node import Node, NodeConfig, Stamp
-from log.memory import MemoryLedgerListStore, MemoryLedgerStore
-from snapshot.store import SnapshotStore
+from broker.node import Node, Stamp
+from tests.memory_node import memory_node
 
 CONFIG = ApiConfig(
     max_request_bytes=64 * 1024,
@@ -60,12 +59,7 @@ class Api:
 
 @pytest.fixture
 async def api(tmp_path: Path) -> AsyncIterator[Api]:
-    node = Node(
-        NodeConfig(data_dir=tmp_path, timer_poll_interval_s=0.01),
-        ledgers=MemoryLedgerStore(),
-        ledger_list=MemoryLedgerListStore(),
-        snapshots=SnapshotStore(tmp_path / "snapshots"),
-    )
+    node = memory_node(tmp_path)
     await node.start()
     app = ApiApp(node, CONFIG)
     statuses: list[tuple[str, int]] = []

@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from broker import entries as e
 from broker.http_api import ApiApp, ApiConfig
 from broker.node import Node, NodeConfig, Stamp
-from log.memory import MemoryLedgerListStore, MemoryLedgerStore
 from snapshot.store import SnapshotStore
+from tests.memory_node import memory_node
 from tests.unit.ledger_helpers import MemoryBackend
 
 WAIT_S = 30.0
@@ -54,12 +54,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 @pytest.fixture
 async def scraper(tmp_path: Path) -> AsyncIterator[Scraper]:
-    node = Node(
-        NodeConfig(data_dir=tmp_path, timer_poll_interval_s=0.01),
-        ledgers=MemoryLedgerStore(),
-        ledger_list=MemoryLedgerListStore(),
-        snapshots=SnapshotStore(tmp_path / "snapshots"),
-    )
+    node = memory_node(tmp_path)
     await node.start()
     app = ApiApp(node, ApiConfig())
     transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
