@@ -37,7 +37,17 @@ def free_port() -> int:
         return port
 
 
-def start_broker(data_dir: Path, port: int) -> subprocess.Popen[bytes]:
+# --auth: the broker requires tokens; requests carry a tenant's (set by main).
+EXTRA_HEADERS = ""
+BENCH_ADMIN_TOKEN = "bench-admin-token"
+
+
+def start_broker(data_dir: Path, port: int, auth: bool = False) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    auth_args: list[str] = []
+    if auth:
+        env["STEWARD_ADMIN_TOKEN"] = BENCH_ADMIN_TOKEN
+        auth_args = ["--worker-token", "bench-worker-token"]
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -50,8 +60,10 @@ def start_broker(data_dir: Path, port: int) -> subprocess.Popen[bytes]:
             f"127.0.0.1:{port}",
             "--log-level",
             "WARNING",
+            *auth_args,
         ],
         stdout=subprocess.DEVNULL,
+        env=env,
     )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -65,10 +77,27 @@ def start_broker(data_dir: Path, port: int) -> subprocess.Popen[bytes]:
     raise SystemExit("broker did not become ready within 30 s")
 
 
+def tenant_token(port: int) -> str:
+    """A tenant token made through the admin API (authentication on)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/api/v1/tokens",
+        data=json.dumps({"name": "bench", "tenant": "bench"}).encode(),
+        headers={
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {BENCH_ADMIN_TOKEN}",
+        },
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        token: str = json.loads(answer.read())["token"]
+    return token
+
+
 def request_bytes(port: int, body: bytes) -> bytes:
     head = (
         f"POST /api/v1/tasks HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        f"{EXTRA_HEADERS}\r\n"
     )
     return head.encode() + body
 
@@ -134,7 +163,9 @@ async def run_scenario(
     params = json.dumps({"payload": "x" * 60, "n": 0})
 
     def make_body(seq: int) -> bytes:
-        task = f'{{"type":"noop","tenant":"t{seq % 4}","params":{params}}}'
+        # A tenant token acts for its own tenant only: the body then names none.
+        tenant = "" if EXTRA_HEADERS else f'"tenant":"t{seq % 4}",'
+        task = f'{{"type":"noop",{tenant}"params":{params}}}'
         if batch == 1:
             return task.encode()
         return ('{"tasks":[' + ",".join([task] * batch) + "]}").encode()
@@ -183,12 +214,20 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--warmup-s", type=float, default=2.0)
+    parser.add_argument(
+        "--auth",
+        action="store_true",
+        help="authentication on: every request carries a tenant token the broker checks",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="steward-bench-") as tmp:
         port = free_port()
-        broker = start_broker(Path(tmp) / "data", port)
+        broker = start_broker(Path(tmp) / "data", port, auth=args.auth)
         try:
+            if args.auth:
+                global EXTRA_HEADERS
+                EXTRA_HEADERS = f"Authorization: Bearer {tenant_token(port)}\r\n"
             print(f"machine: {os.cpu_count()} cores, python {sys.version.split()[0]}")
             scenarios = []
             if args.scenario in ("batch", "all"):
