@@ -900,6 +900,12 @@ class Node:
                     await self._apply_retention()
                 except LeadershipLostError as exc:
                     self._depose(str(exc))
+                except Exception as exc:
+                    # The snapshot is written; retention runs again after the next one
+                    # (e.g. ZooKeeper unreachable for a moment: not worth a traceback).
+                    logger.warning(
+                        "ledger retention skipped: %s: %s", type(exc).__name__, exc or "no detail"
+                    )
 
     async def _apply_retention(self) -> None:
         snapshots = await asyncio.to_thread(self.snapshots.list)

@@ -636,6 +636,40 @@ class SlowLedgerList(LedgerListStore):
         return await self.inner.compare_and_set(new, expected_version)
 
 
+class FlakyLedgerList(SlowLedgerList):
+    """A ledger list that cannot be read while ``down`` (ZooKeeper unreachable)."""
+
+    down = False
+
+    async def get(self) -> tuple[LedgerList, int]:
+        if self.down:
+            raise ConnectionError("connection lost")
+        return await self.inner.get()
+
+
+async def test_a_snapshot_stands_when_retention_cannot_read_the_ledger_list(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rng = random.Random(seed_for("retention-list-down"))
+    clock = FakeClock()
+    config = node_config(tmp_path / "data", ledger_retention_ms=1, snapshot_keep=1)
+    flaky = FlakyLedgerList(FileLedgerListStore(config.data_dir / "ledgers.list"), 0.0)
+    node = make_node(config, clock, flaky)
+    await asyncio.wait_for(node.start(), WAIT_S)
+    try:
+        await Workload(node, clock, rng).run(20)
+        taken = node.stats.snapshots_taken
+        flaky.down = True
+        with caplog.at_level(logging.WARNING, "broker.node"):
+            await node.take_snapshot()  # must not raise: the snapshot is written
+        flaky.down = False
+        assert node.stats.snapshots_taken == taken + 1
+        assert "ledger retention skipped: ConnectionError: connection lost" in caplog.text
+        assert node.failure is None
+    finally:
+        await shut(node, snapshot=False)
+
+
 async def test_retention_running_during_a_roll_does_not_break_the_node(tmp_path: Path) -> None:
     rng = random.Random(seed_for("retention-vs-roll"))
     clock = FakeClock()
