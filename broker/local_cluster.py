@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import ssl
 import subprocess
@@ -24,6 +25,7 @@ from typing import IO
 
 import httpx
 
+from broker.auth import read_secret
 from broker.local_server import free_port
 from broker.pulsar_lite import PulsarLiteServer
 from broker.tls import TlsConfig
@@ -49,6 +51,9 @@ class LocalClusterConfig:
     # Brokers serve HTTPS and TLS to workers with this certificate (it must name
     # 127.0.0.1); workers, the brokers' peer calls and this launcher verify with its CA.
     tls: TlsConfig | None = None
+    # Authentication on: the token in this file is the admin one; the worker and cluster
+    # tokens are made up here and handed to the children in their environment.
+    admin_token_file: Path | None = None
 
 
 @dataclass
@@ -83,6 +88,22 @@ class LocalCluster:
         self.workers: list[_Child] = []
         tls = config.tls
         self._verify: ssl.SSLContext | bool = tls.client_context() if tls is not None else True
+        self._admin_headers: dict[str, str] = {}
+        self._broker_env: dict[str, str] = {}
+        self._worker_env: dict[str, str] = {}
+        if config.admin_token_file is not None:
+            admin_token = read_secret(config.admin_token_file)  # ValueError: a clear message
+            worker_token = secrets.token_urlsafe(32)
+            self._admin_headers = {"authorization": f"Bearer {admin_token}"}
+            self._worker_env = {"STEWARD_WORKER_TOKEN": worker_token}
+            self._broker_env = {
+                **self._worker_env,
+                "STEWARD_CLUSTER_TOKEN": secrets.token_urlsafe(32),
+            }
+
+    def _auth_args(self) -> list[str]:
+        file = self.config.admin_token_file
+        return ["--admin-token-file", str(file)] if file is not None else []
 
     def _tls_args(self, broker: bool) -> list[str]:
         tls = self.config.tls
@@ -103,12 +124,17 @@ class LocalCluster:
             "pulsar-lite",
         ]
 
-    def _spawn(self, name: str, args: list[str]) -> _Child:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> _Child:
         logs = self.data_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
         proc = subprocess.Popen(
-            [*_steward(), *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            [*_steward(), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            # Secrets travel in the environment, not on command lines others can read.
+            env={**os.environ, **(env or {})},
         )
         return _Child(name, proc, log)
 
@@ -149,7 +175,9 @@ class LocalCluster:
                     "--log-level",
                     config.log_level,
                     *self._tls_args(broker=True),
+                    *self._auth_args(),
                 ],
+                self._broker_env,
             )
             child.url = f"{'https' if config.tls is not None else 'http'}://{HOST}:{port}"
             self.brokers.append(child)
@@ -171,6 +199,7 @@ class LocalCluster:
                         str(self.data_dir / f"worker-{n}-cache"),
                         *self._tls_args(broker=False),
                     ],
+                    self._worker_env,
                 )
             )
         for broker in self.brokers:
@@ -179,7 +208,9 @@ class LocalCluster:
         print(f"logs        {self.data_dir / 'logs'}")
         ca = self._tls_args(broker=False)
         ca_option = f" --ca-file {ca[1]}" if ca else ""
-        print(f"client      steward --url {urls}{ca_option} status", flush=True)
+        file = self.config.admin_token_file
+        token_option = f' --token "$(cat {file})"' if file is not None else ""
+        print(f"client      steward --url {urls}{ca_option}{token_option} status", flush=True)
 
     def _wait_for_leader(self) -> None:
         deadline = time.monotonic() + _READY_TIMEOUT_S
@@ -193,7 +224,10 @@ class LocalCluster:
             for broker in self.brokers:
                 try:
                     summary = httpx.get(
-                        f"{broker.url}/api/v1/cluster", timeout=1.0, verify=self._verify
+                        f"{broker.url}/api/v1/cluster",
+                        timeout=1.0,
+                        verify=self._verify,
+                        headers=self._admin_headers,
                     ).json()
                 except (httpx.HTTPError, ValueError):
                     continue

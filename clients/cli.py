@@ -369,6 +369,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="cluster up: file ledgers in DIR/ledgers, or pulsar: a pulsar-lite broker beside "
         "ZooKeeper",
     )
+    p.add_argument(
+        "--admin-token-file",
+        type=Path,
+        metavar="PATH",
+        help="cluster up: authentication on, with the token in this file as the admin one "
+        "(worker and cluster tokens are made up and passed on)",
+    )
     p.add_argument("--tls-cert", type=Path, metavar="PATH", help="cluster up: brokers use TLS")
     p.add_argument("--tls-key", type=Path, metavar="PATH", help="cluster up: key of --tls-cert")
     p.add_argument(
@@ -831,10 +838,11 @@ def run_cluster_up(args: argparse.Namespace) -> int:
         min_replication=args.min_replication,
         ledgers=args.ledgers,
         tls=_tls_config(args),
+        admin_token_file=args.admin_token_file,
     )
     try:
         return run_local_cluster(config)
-    except (RuntimeError, ZooKeeperError, OSError) as exc:
+    except (RuntimeError, ZooKeeperError, OSError, ValueError) as exc:
         print(f"steward: cluster up failed: {exc}", file=sys.stderr)
         return 2
 

@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from clients.client import StewardClient
@@ -48,8 +49,13 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-@pytest.mark.parametrize("ledgers", ["file", "pulsar"])
-def test_cluster_up_runs_a_task_and_stops_cleanly(tmp_path: Path, ledgers: str) -> None:
+@pytest.mark.parametrize(("ledgers", "auth"), [("file", False), ("pulsar", False), ("file", True)])
+def test_cluster_up_runs_a_task_and_stops_cleanly(tmp_path: Path, ledgers: str, auth: bool) -> None:
+    admin_token = "cluster-up-admin-token"
+    auth_args: list[str] = []
+    if auth:
+        (tmp_path / "admin-token").write_text(admin_token + "\n")
+        auth_args = ["--admin-token-file", str(tmp_path / "admin-token")]
     proc = subprocess.Popen(
         [
             *steward_command(),
@@ -63,6 +69,7 @@ def test_cluster_up_runs_a_task_and_stops_cleanly(tmp_path: Path, ledgers: str) 
             ledgers,
             "--data-dir",
             str(tmp_path / "cluster"),
+            *auth_args,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -92,7 +99,11 @@ def test_cluster_up_runs_a_task_and_stops_cleanly(tmp_path: Path, ledgers: str) 
         assert len(children) >= (6 if ledgers == "pulsar" else 5), children
         if ledgers == "pulsar":
             assert re.search(r"^pulsar-lite\s+pulsar://127\.0\.0\.1:\d+$", output, re.M), output
-        with StewardClient(urls) as client:
+        if auth:
+            # Brokers and the worker got their tokens: a task runs; nobody else gets in.
+            assert "--token" in output, output
+            assert httpx.get(urls[0] + "/api/v1/tasks", timeout=10).status_code == 401
+        with StewardClient(urls, token=admin_token if auth else None) as client:
             handle = client.submit("sleep", params={"seconds": 0.1}, tenant="up")
             task = handle.wait(timeout=60)
             assert task["state"] == "finished", task
