@@ -138,6 +138,11 @@ def bearer_token(header: bytes | None) -> str:
     return token
 
 
+def bearer_headers(token: str | None) -> dict[str, str]:
+    """The ``Authorization`` header that presents ``token`` (none without a token)."""
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
 def read_secret(path: str | os.PathLike[str]) -> str:
     """A secret kept in a file (first line, surrounding whitespace ignored)."""
     text = Path(path).read_text(encoding="utf-8")

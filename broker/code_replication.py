@@ -64,6 +64,7 @@ from kazoo.exceptions import (  # type: ignore[import-untyped]
 from kazoo.protocol.states import KazooState  # type: ignore[import-untyped]
 
 from broker import entries as e
+from broker.auth import bearer_headers
 from broker.code_store import CodeStore
 from broker.node import BrokerUnavailableError, Node
 from broker.state import ApplyResult, Artifact, Rejected
@@ -145,7 +146,7 @@ class CodeReplicator:
         self._fetch_timeout_s = fetch_timeout_s
         self._max_bytes = max_artifact_bytes
         # Sent to peers (brokers with authentication on serve artifacts to peers only).
-        self._headers = {"authorization": f"Bearer {peer_token}"} if peer_token else {}
+        self._headers = bearer_headers(peer_token)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._http: httpx.AsyncClient | None = None
         self._started = False

@@ -25,7 +25,7 @@ from typing import IO
 
 import httpx
 
-from broker.auth import read_secret
+from broker.auth import bearer_headers, read_secret
 from broker.local_server import free_port
 from broker.pulsar_lite import PulsarLiteServer
 from broker.tls import TlsConfig
@@ -94,7 +94,7 @@ class LocalCluster:
         if config.admin_token_file is not None:
             admin_token = read_secret(config.admin_token_file)  # ValueError: a clear message
             worker_token = secrets.token_urlsafe(32)
-            self._admin_headers = {"authorization": f"Bearer {admin_token}"}
+            self._admin_headers = bearer_headers(admin_token)
             self._worker_env = {"STEWARD_WORKER_TOKEN": worker_token}
             self._broker_env = {
                 **self._worker_env,

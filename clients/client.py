@@ -51,6 +51,7 @@ from typing import Any, Final
 
 import httpx
 
+from broker.auth import bearer_headers
 from broker.tls import certificate_error, client_context, describe_certificate_error
 
 FINAL_STATES: Final = frozenset({"finished", "error", "cancelled"})
@@ -202,10 +203,6 @@ def parse_urls(url: str | Sequence[str]) -> list[str]:
     if not urls:
         raise ValueError("no broker URL given")
     return urls
-
-
-def _auth_headers(token: str | None) -> dict[str, str]:
-    return {"authorization": f"Bearer {token}"} if token else {}
 
 
 def _timeout(timeout_s: float) -> httpx.Timeout:
@@ -465,7 +462,7 @@ class StewardClient:
         self._http = httpx.Client(
             timeout=_timeout(timeout_s),
             follow_redirects=False,
-            headers=_auth_headers(token),
+            headers=bearer_headers(token),
             verify=_verify(ca_file),
         )
 
@@ -766,7 +763,7 @@ class AsyncStewardClient:
         self._http = httpx.AsyncClient(
             timeout=_timeout(timeout_s),
             follow_redirects=False,
-            headers=_auth_headers(token),
+            headers=bearer_headers(token),
             verify=_verify(ca_file),
         )
 

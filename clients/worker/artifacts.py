@@ -65,6 +65,8 @@ from typing import Any, Final
 
 import httpx
 
+from broker.auth import bearer_headers
+
 logger = logging.getLogger(__name__)
 
 SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
@@ -247,7 +249,7 @@ class ArtifactCache:
         self.cache_dir = Path(cache_dir)
         self.http_url = http_url.rstrip("/")
         self.max_artifact_bytes = max_artifact_bytes
-        headers = {"authorization": f"Bearer {token}"} if token else {}
+        headers = bearer_headers(token)
         # https:// brokers are verified with ssl_context (default: httpx's, certifi).
         self._client = httpx.Client(
             timeout=timeout_s,

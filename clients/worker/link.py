@@ -41,6 +41,7 @@ import httpx
 import msgspec
 
 from broker.api_models import ClusterSummary
+from broker.auth import bearer_headers
 from broker.logs import task_fields
 from broker.protocol import (
     Assign,
@@ -99,7 +100,7 @@ async def find_leader(
 ) -> Leader:
     """Ask the brokers in turn (from ``start``) who leads. https:// brokers are verified
     with ``ssl_context`` (default: httpx's). Raises LeaderUnknownError."""
-    headers = {"authorization": f"Bearer {token}"} if token else {}
+    headers = bearer_headers(token)
     problems: list[str] = []
     verify: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
     async with httpx.AsyncClient(timeout=timeout_s, headers=headers, verify=verify) as http:
