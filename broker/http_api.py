@@ -670,28 +670,38 @@ class ApiApp:
                 if not waiter.done():
                     waiter.set_result(None)
 
-    async def list_tasks(self, request: Request) -> tuple[int, bytes]:
+    @staticmethod
+    def _state_filter(request: Request, cursor: str) -> str | None:
+        """The state filter of a task list, its query parameters checked."""
         query = request.query
-        unknown = set(query) - {"state", "tenant", "type", "limit", "after"}
+        unknown = set(query) - {"state", "tenant", "type", "limit", cursor}
         if unknown:
             raise HttpError(400, "invalid_request", f"unknown query parameters: {sorted(unknown)}")
         state = query.get("state")
         if state is not None and state not in _TASK_STATES:
             raise HttpError(400, "invalid_request", f"state must be one of {sorted(_TASK_STATES)}")
-        limit = _int_param(query, "limit", 100, 1, self.config.max_list_limit)
-        after = _int_param(query, "after", 0, 0, 2**62)
+        return state
+
+    def _listed_tenant(self, request: Request) -> str | None:
+        """The tenant filter of a task list: a tenant token lists its own tenant only."""
         self._require(request, CallerRole.TENANT)
-        tenant = query.get("tenant")
+        tenant = request.query.get("tenant")
         if request.principal.role is CallerRole.TENANT:
             if tenant is not None and tenant != request.principal.tenant:
                 raise HttpError(
                     403, "forbidden", "a tenant token lists its own tenant's tasks only"
                 )
             tenant = request.principal.tenant
+        return tenant
+
+    async def list_tasks(self, request: Request) -> tuple[int, bytes]:
+        state = self._state_filter(request, "after")
+        limit = _int_param(request.query, "limit", 100, 1, self.config.max_list_limit)
+        after = _int_param(request.query, "after", 0, 0, 2**62)
         tasks = self.node.state.list_tasks(
             state=state,
-            tenant=tenant,
-            task_type=query.get("type"),
+            tenant=self._listed_tenant(request),
+            task_type=request.query.get("type"),
             after_id=after,
             limit=limit,
         )
@@ -1095,41 +1105,19 @@ class ApiApp:
 
     async def recent_tasks(self, request: Request) -> tuple[int, bytes]:
         """Matching tasks, newest first (the dashboard's task search)."""
-        query = request.query
-        unknown = set(query) - {"state", "tenant", "type", "limit", "before"}
-        if unknown:
-            raise HttpError(400, "invalid_request", f"unknown query parameters: {sorted(unknown)}")
-        state_filter = query.get("state")
-        if state_filter is not None and state_filter not in _TASK_STATES:
-            raise HttpError(400, "invalid_request", f"state must be one of {sorted(_TASK_STATES)}")
-        tenant = query.get("tenant")
-        task_type = query.get("type")
-        limit = _int_param(query, "limit", 50, 1, self.config.max_list_limit)
-        before = _int_param(query, "before", 2**62, 1, 2**62)
-        self._require(request, CallerRole.TENANT)
-        if request.principal.role is CallerRole.TENANT:  # as list_tasks: its own tasks only
-            if tenant is not None and tenant != request.principal.tenant:
-                raise HttpError(
-                    403, "forbidden", "a tenant token lists its own tenant's tasks only"
-                )
-            tenant = request.principal.tenant
+        state_filter = self._state_filter(request, "before")
+        limit = _int_param(request.query, "limit", 50, 1, self.config.max_list_limit)
+        before = _int_param(request.query, "before", 2**62, 1, 2**62)
         state = self.node.state
-        found: list[m.TaskView] = []
-        # The task map is in ascending id order (ids are assigned increasing and applied in
-        # log order; snapshots keep the order), so walking it backwards is newest first.
-        for task_id in reversed(state.tasks):
-            if task_id >= before:
-                continue
-            task = state.tasks[task_id]
-            if state_filter is not None and task.state != state_filter:
-                continue
-            if tenant is not None and task.tenant != tenant:
-                continue
-            if task_type is not None and task.type != task_type:
-                continue
-            found.append(task_view(task, state.tree(task_id)))
-            if len(found) == limit:
-                break
+        tasks = state.list_tasks(
+            state=state_filter,
+            tenant=self._listed_tenant(request),
+            task_type=request.query.get("type"),
+            before_id=before,
+            limit=limit,
+            newest_first=True,
+        )
+        found = [task_view(task, state.tree(task.id)) for task in tasks]
         next_before = found[-1].id if len(found) == limit else None
         return 200, _json_encoder.encode(m.RecentTaskList(found, next_before))
 

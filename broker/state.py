@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import itertools
 import math
 import re
 from collections import OrderedDict
@@ -1208,15 +1209,17 @@ class StateMachine:
         tenant: str | None = None,
         task_type: str | None = None,
         after_id: int = 0,
+        before_id: int | None = None,
         limit: int = 100,
+        newest_first: bool = False,
     ) -> list[Task]:
-        """Matching tasks with id > after_id, ascending by id, at most ``limit``."""
-        candidates: Iterable[int] = self.by_state[state] if state is not None else self.tasks
+        """Matching tasks with after_id < id < before_id, at most ``limit``: the lowest ids
+        ascending, or with ``newest_first`` the highest ids descending."""
         tasks = self.tasks
 
-        def matching() -> Iterator[int]:
+        def matching(candidates: Iterable[int]) -> Iterator[int]:
             for task_id in candidates:
-                if task_id <= after_id:
+                if task_id <= after_id or (before_id is not None and task_id >= before_id):
                     continue
                 task = tasks[task_id]
                 if tenant is not None and task.tenant != tenant:
@@ -1225,7 +1228,13 @@ class StateMachine:
                     continue
                 yield task_id
 
-        return [tasks[i] for i in heapq.nsmallest(limit, matching())]
+        if newest_first and state is None:
+            # Ids are applied in increasing order (snapshots keep it), so the task map walked
+            # backwards is newest first and the walk stops after ``limit`` matches.
+            return [tasks[i] for i in itertools.islice(matching(reversed(tasks)), limit)]
+        candidates: Iterable[int] = self.by_state[state] if state is not None else tasks
+        pick = heapq.nlargest if newest_first else heapq.nsmallest
+        return [tasks[i] for i in pick(limit, matching(candidates))]
 
     # --- snapshots and digest ----------------------------------------------------------
 
