@@ -30,8 +30,6 @@ ZK_CONNECT_TIMEOUT_S = 15.0
 class LedgerBackend(ABC):
     #: Names of the pytest fixtures the constructor takes as keyword arguments.
     fixtures: ClassVar[tuple[str, ...]] = ()
-    #: Why the fencing tests do not apply, for a backend whose stores have can_fence False.
-    cannot_fence_reason: ClassVar[str] = ""
 
     def __init__(self, tmp_path: Path, **fixtures: Any) -> None:
         self.tmp_path = tmp_path
@@ -80,13 +78,11 @@ class PulsarBackend(LedgerBackend):
     """pulsar-lite (one per session) with ledger ids and the ledger list in ZooKeeper, the
     way a cluster runs it; every test gets its own cluster name (topics, znodes)."""
 
+    # pulsar-lite 0.2.0 ignores producer access modes (no ExclusiveWithFencing), so its
+    # stores cannot fence (PulsarConfig.fencing is False there): the ZooKeeper check of
+    # DESIGN §4 protects acknowledged writes instead, and recovery's SEAL keeps a deposed
+    # writer's late appends from every reader (assert_recovered_end_is_final).
     fixtures = ("pulsar_lite", "zookeeper")
-    cannot_fence_reason = (
-        "pulsar-lite 0.2.0 ignores producer access modes (no ExclusiveWithFencing), so "
-        "PulsarConfig.fencing is False there; the ZooKeeper check of DESIGN §4 protects "
-        "acknowledged writes instead, and recovery's SEAL keeps a deposed writer's late "
-        "appends from every reader (test_readers_never_see_past_recovered_length)"
-    )
 
     def __init__(
         self, tmp_path: Path, *, pulsar_lite: PulsarLiteServer, zookeeper: ZooKeeperServer
