@@ -21,6 +21,7 @@ from broker import api_models as m
 from broker import entries as e
 from broker.node import Node
 from broker.state import ApplyResult, StopRunning, TaskRef, TaskState
+from broker.tls import client_context
 
 # Only these files are served; anything else under /dashboard/ is a 404.
 ASSET_TYPES: Final[dict[str, bytes]] = {
@@ -132,7 +133,7 @@ PEER_STATUS_TIMEOUT_S: Final = 1.0  # a frozen peer must not stall the dashboard
 def peer_ssl_context() -> ssl.SSLContext:
     # Once: building one loads the CA bundle (~50 ms), which would stall the event loop
     # on every dashboard refresh.
-    return ssl.create_default_context()
+    return client_context()
 
 
 async def peer_status(client: httpx.AsyncClient, peer: m.BrokerSummary) -> m.BrokerStatus:
