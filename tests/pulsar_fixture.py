@@ -18,33 +18,17 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from broker.pulsar_lite import PulsarLiteServer
+from tests.server_fixtures import in_temp_dir, one_server, server_factory
 
 
 @pytest.fixture(scope="session")
 def pulsar_lite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PulsarLiteServer]:
-    server = PulsarLiteServer(tmp_path_factory.mktemp("pulsar-lite"), stop_with_parent=True)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from one_server(in_temp_dir(PulsarLiteServer, tmp_path_factory, "pulsar-lite"))
 
 
 @pytest.fixture
 def pulsar_lite_factory(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Callable[[], PulsarLiteServer]]:
-    """Call it to get another started broker; every one is stopped after the test."""
-    servers: list[PulsarLiteServer] = []
-
-    def start() -> PulsarLiteServer:
-        server = PulsarLiteServer(tmp_path_factory.mktemp("pulsar-lite"), stop_with_parent=True)
-        servers.append(server)
-        server.start()
-        return server
-
-    try:
-        yield start
-    finally:
-        for server in servers:
-            server.stop()
+    """Call it to get another started server; every one is stopped after the test."""
+    yield from server_factory(in_temp_dir(PulsarLiteServer, tmp_path_factory, "pulsar-lite"))

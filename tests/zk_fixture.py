@@ -25,16 +25,12 @@ from pathlib import Path
 import pytest
 
 from broker.zk import ZooKeeperServer
+from tests.server_fixtures import in_temp_dir, one_server, server_factory
 
 
 @pytest.fixture(scope="module")
 def zookeeper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeperServer]:
-    server = ZooKeeperServer(tmp_path_factory.mktemp("zookeeper"), stop_with_parent=True)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from one_server(in_temp_dir(ZooKeeperServer, tmp_path_factory, "zookeeper"))
 
 
 @pytest.fixture
@@ -42,19 +38,7 @@ def zookeeper_factory(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Callable[[], ZooKeeperServer]]:
     """Call it to get another started server; every one is stopped after the test."""
-    servers: list[ZooKeeperServer] = []
-
-    def start() -> ZooKeeperServer:
-        server = ZooKeeperServer(tmp_path_factory.mktemp("zookeeper"), stop_with_parent=True)
-        servers.append(server)
-        server.start()
-        return server
-
-    try:
-        yield start
-    finally:
-        for server in servers:
-            server.stop()
+    yield from server_factory(in_temp_dir(ZooKeeperServer, tmp_path_factory, "zookeeper"))
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
