@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from clients.client import StewardClient
+from clients.client import StewardClient, TaskHandle
 from examples.spark_fanout import fanout_job
 from examples.spark_fanout.run import direct_answer, submit_fanout, upload_job, wait_fanout
 from tests.procs import HOST, BrokerProcess, fetch_all_tasks, free_port
@@ -125,6 +125,35 @@ def _check_replayed_tree(setup: Setup, outcome_root: dict[str, Any]) -> None:
     assert outcome_root["state"] == "finished" and outcome_root["attempt"] == 2
 
 
+def _start_tree(
+    setup: Setup,
+    client: StewardClient,
+    out_dir: Path,
+    *,
+    tree_timeout_s: float,
+    child_sleep_s: float,
+    child_max_attempts: int,
+) -> tuple[TaskHandle, list[dict[str, Any]]]:
+    """The fan-out tree (plain-Python partitions, root max_attempts 2) submitted, and its
+    children once they all run."""
+    handle = submit_fanout(
+        client,
+        upload_job(client),
+        out_dir,
+        rows=ROWS,
+        partitions=PARTITIONS,
+        engine="python",
+        max_attempts=2,
+        tree_timeout_s=tree_timeout_s,
+        child_sleep_s=child_sleep_s,
+        child_max_attempts=child_max_attempts,
+    )
+    first: list[dict[str, Any]] = wait_until(
+        lambda: _all_children_running(setup, handle.id), 60, "the children to run"
+    )
+    return handle, first
+
+
 def _first_run_dir(out_dir: Path, root_id: int) -> Path:
     return out_dir / f"root-{root_id}" / "attempt-1"
 
@@ -136,20 +165,8 @@ def test_kill9_of_a_worker_mid_tree_fails_the_tree_and_the_replay_is_correct(
     setup: Setup = make_setup(heartbeat_timeout_ms=1500)
     out_dir = setup.root / "out"
     with StewardClient(setup.broker.url) as client:
-        handle = submit_fanout(
-            client,
-            upload_job(client),
-            out_dir,
-            rows=ROWS,
-            partitions=PARTITIONS,
-            engine="python",
-            max_attempts=2,
-            tree_timeout_s=120,
-            child_sleep_s=3.0,
-            child_max_attempts=1,
-        )
-        first = wait_until(
-            lambda: _all_children_running(setup, handle.id), 60, "the children to run"
+        handle, first = _start_tree(
+            setup, client, out_dir, tree_timeout_s=120, child_sleep_s=3.0, child_max_attempts=1
         )
         victim = first[0]["worker"]
         setup.worker(victim).kill9()
@@ -190,20 +207,8 @@ def test_sigstop_of_a_worker_mid_tree_times_the_tree_out_and_the_replay_is_corre
     setup: Setup = make_setup(heartbeat_timeout_ms=30_000)
     out_dir = setup.root / "out"
     with StewardClient(setup.broker.url) as client:
-        handle = submit_fanout(
-            client,
-            upload_job(client),
-            out_dir,
-            rows=ROWS,
-            partitions=PARTITIONS,
-            engine="python",
-            max_attempts=2,
-            tree_timeout_s=10,
-            child_sleep_s=2.0,
-            child_max_attempts=1,
-        )
-        first = wait_until(
-            lambda: _all_children_running(setup, handle.id), 60, "the children to run"
+        handle, first = _start_tree(
+            setup, client, out_dir, tree_timeout_s=10, child_sleep_s=2.0, child_max_attempts=1
         )
         victim = setup.worker(first[0]["worker"])
         assert victim.proc is not None
@@ -238,20 +243,8 @@ def test_kill9_with_child_retries_left_keeps_the_tree_on_its_first_run(make_setu
     setup: Setup = make_setup(heartbeat_timeout_ms=1500)
     out_dir = setup.root / "out"
     with StewardClient(setup.broker.url) as client:
-        handle = submit_fanout(
-            client,
-            upload_job(client),
-            out_dir,
-            rows=ROWS,
-            partitions=PARTITIONS,
-            engine="python",
-            max_attempts=2,
-            tree_timeout_s=120,
-            child_sleep_s=3.0,
-            child_max_attempts=2,
-        )
-        first = wait_until(
-            lambda: _all_children_running(setup, handle.id), 60, "the children to run"
+        handle, first = _start_tree(
+            setup, client, out_dir, tree_timeout_s=120, child_sleep_s=3.0, child_max_attempts=2
         )
         victim = first[0]["worker"]
         setup.worker(victim).kill9()
