@@ -111,3 +111,46 @@ async def test_deposed_leader_never_gets_a_write_acknowledged(
         for node in (old, new, follower):
             await node.step_down("test over")
         await backend.close()
+
+
+async def test_a_confirmation_answered_before_a_take_over_acknowledges_only_what_it_holds(
+    backend: LedgerBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The CI run of test_sigstop_leader that froze the leader after ZooKeeper had answered
+    # its leadership check but before it acted on the answer: on resuming it acknowledged
+    # that batch, which is right only because the batch was durable before the check, so
+    # the new leader's recovery holds it. Here the answer is held back by hand across a
+    # whole take-over.
+    old = make_node(backend, tmp_path, "old")
+    new = make_node(backend, tmp_path, "new")
+    answered, release = asyncio.Event(), asyncio.Event()
+    try:
+        async with asyncio.timeout(WAIT_S):
+            await lead(old)
+            await old.propose(submit("before"))
+            check = old.ledger_list.confirmed_version
+
+            async def answered_then_frozen() -> int:
+                version = await check()
+                answered.set()
+                await release.wait()
+                return version
+
+            monkeypatch.setattr(old.ledger_list, "confirmed_version", answered_then_frozen)
+            in_flight = asyncio.create_task(old.propose(submit("in-flight")))
+            await answered.wait()
+            await lead(new)  # the take-over happens while `old` holds a stale "you lead"
+            release.set()
+            await in_flight  # acknowledged on the pre-take-over confirmation...
+            params = {bytes(t.params) for t in new.state.tasks.values()}
+            assert msgspec.json.encode("in-flight") in params, params  # ...which was true
+            late = await asyncio.gather(old.propose(submit("late")), return_exceptions=True)
+            assert isinstance(late[0], BrokerUnavailableError), late
+            await new.propose(submit("after"))
+            params = {bytes(t.params) for t in new.state.tasks.values()}
+            assert msgspec.json.encode("late") not in params, params
+    finally:
+        release.set()
+        for node in (old, new):
+            await node.step_down("test over")
+        await backend.close()
