@@ -45,11 +45,6 @@ class Role(enum.StrEnum):
     PEER = "peer"
 
 
-#: Roles a token created through the API may have (worker and peer tokens are shared
-#: secrets from the configuration).
-TOKEN_ROLES: Final = frozenset({Role.ADMIN.value, Role.TENANT.value})
-
-
 @dataclass(frozen=True, slots=True)
 class Principal:
     role: Role

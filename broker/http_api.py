@@ -28,7 +28,6 @@ from broker import dashboard
 from broker import entries as e
 from broker.auth import (
     ANONYMOUS_ADMIN,
-    TOKEN_ROLES,
     AuthConfig,
     AuthError,
     Principal,
@@ -60,6 +59,7 @@ from broker.state import (
     validate_idempotency_key,
     validate_limits,
     validate_task_spec,
+    validate_token_fields,
 )
 from snapshot.peer import (
     LATEST_SNAPSHOT_PATH,
@@ -1152,16 +1152,9 @@ class ApiApp:
     async def create_token(self, request: Request) -> tuple[int, bytes]:
         self._require(request)
         body = _decode(_token_decoder, request.body)
-        if body.role not in TOKEN_ROLES:
-            raise HttpError(400, "invalid_request", "role must be 'tenant' or 'admin'")
-        if (body.role == "tenant") != (body.tenant is not None):
-            raise HttpError(
-                400, "invalid_request", "a tenant token needs tenant; an admin token takes none"
-            )
-        if body.tenant is not None and not NAME_RE.match(body.tenant):
-            raise HttpError(400, "invalid_request", f"tenant name {body.tenant!r} is not valid")
-        if not 0 < len(body.name) <= 200:
-            raise HttpError(400, "invalid_request", "name must hold 1 to 200 characters")
+        problem = validate_token_fields(body.name, body.role, body.tenant)
+        if problem is not None:
+            raise HttpError(400, "invalid_request", problem)
         # The secret is made here and shown once; only its hash goes to the log.
         secret = new_token()
         token_id = new_token_id()

@@ -260,6 +260,11 @@ MAX_RESOURCES: Final = 32
 MAX_ATTEMPTS_LIMIT: Final = 1000
 MAX_TREE_TIMEOUT_MS: Final = 7 * 24 * 3600 * 1000
 IDEMPOTENCY_KEY_RE: Final = re.compile(r"[\x20-\x7e]{1,128}")
+SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")  # fullmatch: a hex digest (code artifacts)
+#: Roles a token created through the API may have (worker and peer secrets come from the
+#: configuration: broker/auth.py).
+TOKEN_ROLES: Final = frozenset({"admin", "tenant"})
+MAX_TOKEN_NAME_CHARS: Final = 200
 #: Idempotency keys are kept at least this long, longer when finished tasks are.
 IDEMPOTENCY_MIN_RETENTION_MS: Final = 24 * 3600 * 1000
 
@@ -281,10 +286,24 @@ def validate_task_spec(spec: e.TaskSpec) -> str | None:
             return f"resource name {name!r} is not valid"
         if not (math.isfinite(amount) and amount >= 0):
             return f"resource {name!r} must be a finite number >= 0"
-    if spec.code is not None and not re.fullmatch(r"[0-9a-f]{64}", spec.code):
+    if spec.code is not None and not SHA256_RE.fullmatch(spec.code):
         return "code must be the sha256 (64 lowercase hex digits) of an uploaded artifact"
     if spec.track_tree and not 0 < spec.tree_timeout_ms <= MAX_TREE_TIMEOUT_MS:
         return f"tree_timeout_ms must be between 1 and {MAX_TREE_TIMEOUT_MS}"
+    return None
+
+
+def validate_token_fields(name: str, role: str, tenant: str | None) -> str | None:
+    """Why an API token with these fields is invalid, or None (the API before logging,
+    apply as the authority)."""
+    if role not in TOKEN_ROLES:
+        return "role must be 'tenant' or 'admin'"
+    if (role == "tenant") != (tenant is not None):
+        return "a tenant token names its tenant; an admin token takes none"
+    if tenant is not None and not NAME_RE.match(tenant):
+        return f"tenant name {tenant!r} is not valid"
+    if not 0 < len(name) <= MAX_TOKEN_NAME_CHARS:
+        return f"a token name must hold 1 to {MAX_TOKEN_NAME_CHARS} characters"
     return None
 
 
@@ -1101,7 +1120,7 @@ class StateMachine:
             self._push_timer(self._purge_ms(root), _Timer.PURGE, root.id)
 
     def _add_code(self, entry: e.AddCode) -> Artifact | Rejected:
-        if not re.fullmatch(r"[0-9a-f]{64}", entry.sha256):
+        if not SHA256_RE.fullmatch(entry.sha256):
             return Rejected(ErrorCode.INVALID, "sha256 must be 64 lowercase hex digits")
         if entry.size_bytes < 0:
             return Rejected(ErrorCode.INVALID, "size_bytes must be >= 0")
@@ -1130,16 +1149,11 @@ class StateMachine:
     def _create_token(self, entry: e.CreateToken) -> ApiToken | Rejected:
         if not re.fullmatch(r"[0-9a-f]{1,64}", entry.token_id):
             return Rejected(ErrorCode.INVALID, "token_id must be 1 to 64 lowercase hex digits")
-        if not re.fullmatch(r"[0-9a-f]{64}", entry.sha256):
+        if not SHA256_RE.fullmatch(entry.sha256):
             return Rejected(ErrorCode.INVALID, "sha256 must be 64 lowercase hex digits")
-        if not 0 < len(entry.name) <= 200:
-            return Rejected(ErrorCode.INVALID, "a token name must hold 1 to 200 characters")
-        if entry.role not in ("tenant", "admin"):
-            return Rejected(ErrorCode.INVALID, "role must be 'tenant' or 'admin'")
-        if (entry.role == "tenant") != (entry.tenant is not None):
-            return Rejected(ErrorCode.INVALID, "a tenant token names its tenant; an admin one none")
-        if entry.tenant is not None and not NAME_RE.match(entry.tenant):
-            return Rejected(ErrorCode.INVALID, f"tenant name {entry.tenant!r} is not valid")
+        problem = validate_token_fields(entry.name, entry.role, entry.tenant)
+        if problem is not None:
+            return Rejected(ErrorCode.INVALID, problem)
         if entry.token_id in self.tokens or entry.sha256 in self.token_ids_by_hash:
             return Rejected(ErrorCode.CONFLICT, f"token {entry.token_id} already exists")
         token = ApiToken(
@@ -1157,7 +1171,7 @@ class StateMachine:
         return token
 
     def _code_ready(self, entry: e.CodeReady) -> Artifact | Rejected:
-        if not re.fullmatch(r"[0-9a-f]{64}", entry.sha256):
+        if not SHA256_RE.fullmatch(entry.sha256):
             return Rejected(ErrorCode.INVALID, "sha256 must be 64 lowercase hex digits")
         artifact = self.artifacts.get(entry.sha256)
         if artifact is None:
