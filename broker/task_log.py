@@ -111,7 +111,8 @@ def log_applied(
         )
     for task_id in final:
         task = tasks.get(task_id)
-        if task is None:
+        # Finished tasks were logged (at DEBUG) with their report above.
+        if task is None or task.state == TaskState.FINISHED:
             continue
         fields = task_fields(task_id, task.tenant, attempt=task.attempt)
         if task.state == TaskState.ERROR:
