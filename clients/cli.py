@@ -110,20 +110,26 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ledger-roll-mb", type=float, default=64.0)
     _add_log_format_option(p)
     p.add_argument("--log-level", default="INFO")
+    _add_tls_options(p, "", "to verify other brokers with, passed on to child workers")
+
+
+def _add_tls_options(p: argparse.ArgumentParser, scope: str, ca_use: str) -> None:
+    """--tls-cert/--tls-key/--tls-ca of a broker (``scope`` prefixes the help texts)."""
     p.add_argument(
         "--tls-cert",
         type=Path,
         metavar="PATH",
-        help="PEM certificate (chain): serve HTTPS and TLS to workers (needs --tls-key)",
+        help=f"{scope}PEM certificate (chain): serve HTTPS and TLS to workers (needs --tls-key)",
     )
-    p.add_argument("--tls-key", type=Path, metavar="PATH", help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--tls-key", type=Path, metavar="PATH", help=f"{scope}PEM private key of --tls-cert"
+    )
     p.add_argument(
         "--tls-ca",
         type=Path,
         default=os.environ.get(CA_ENV),
         metavar="PATH",
-        help=f"CA bundle to verify other brokers with, passed on to child workers "
-        f"(env {CA_ENV}; default: the system trust store)",
+        help=f"{scope}CA bundle {ca_use} (env {CA_ENV}; default: the system trust store)",
     )
 
 
@@ -376,15 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="cluster up: authentication on, with the token in this file as the admin one "
         "(worker and cluster tokens are made up and passed on)",
     )
-    p.add_argument("--tls-cert", type=Path, metavar="PATH", help="cluster up: brokers use TLS")
-    p.add_argument("--tls-key", type=Path, metavar="PATH", help="cluster up: key of --tls-cert")
-    p.add_argument(
-        "--tls-ca",
-        type=Path,
-        default=os.environ.get(CA_ENV),
-        metavar="PATH",
-        help=f"cluster up: the CA bundle brokers and workers verify with (env {CA_ENV})",
-    )
+    _add_tls_options(p, "cluster up: ", "brokers and workers verify with")
     sub.add_parser("digest", help="show the state digest and log position")
 
     p = sub.add_parser("token", help="API tokens (admin): create, list, revoke")
