@@ -17,9 +17,7 @@ token and ZooKeeper digest credentials, a real worker, and the real CLI:
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -30,6 +28,7 @@ from broker.zk import ZooKeeperServer
 from clients.client import AuthenticationError, NotFoundError, StewardClient
 from tests.cluster_procs import ClusterProcesses
 from tests.procs import steward_command
+from tests.worker_procs import wait_until
 
 pytest_plugins = ["tests.zk_fixture"]
 
@@ -38,16 +37,6 @@ WORKER = "worker-secret-for-the-test"
 CLUSTER_TOKEN = "cluster-secret-for-the-test"
 ZK_AUTH = "steward:zk-secret-for-the-test"
 JOB = b"def run(params, ctx):\n    return {'doubled': params['n'] * 2}\n"
-
-
-def wait_until(what: str, condition: Any, timeout_s: float, interval_s: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def cli(urls: list[str], token: str | None, *args: str) -> subprocess.CompletedProcess[str]:
@@ -110,7 +99,7 @@ def test_tokens_tenants_workers_peers_and_zookeeper_acls_in_a_cluster(
 
             # A tenant token made on the leader works on a follower (replicated state).
             on_follower = StewardClient([followers[0].url], token=alice, timeout_s=10)
-            wait_until("alice's token on a follower", lambda: _whoami(on_follower), 10)
+            wait_until(lambda: _whoami(on_follower), 10, "alice's token on a follower")
 
             # Alice's code: the other brokers fetch it with the cluster token (ready at 3).
             with StewardClient(urls, token=alice, timeout_s=10) as as_alice:
@@ -118,12 +107,12 @@ def test_tokens_tenants_workers_peers_and_zookeeper_acls_in_a_cluster(
                 job.write_bytes(JOB)
                 sha256 = as_alice.upload_code(job)
                 wait_until(
-                    "the artifact to reach 3 brokers",
                     lambda: (
                         all((n.data_dir / "code" / sha256).exists() for n in cluster.live())
                         and _ready(leader.url, sha256)
                     ),
                     30,
+                    "the artifact to reach 3 brokers",
                 )
                 # A worker with the wrong token is refused; the right one runs the task.
                 intruder = cluster.start_worker("intruder", "--token", "wrong-token")
@@ -168,7 +157,7 @@ def test_tokens_tenants_workers_peers_and_zookeeper_acls_in_a_cluster(
             # Revoking Alice's token reaches the followers.
             revoked = cli(urls, ADMIN, "token", "revoke", alice_id)
             assert revoked.returncode == 0, revoked.stderr
-            wait_until("the revocation on a follower", lambda: not _whoami(on_follower), 10)
+            wait_until(lambda: not _whoami(on_follower), 10, "the revocation on a follower")
             on_follower.close()
 
             # Kill -9 the leader: the new one serves Bob's token and runs his tasks.
