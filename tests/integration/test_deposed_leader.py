@@ -21,9 +21,8 @@ import msgspec
 import pytest
 
 from broker import entries as e
-from broker.node import BrokerUnavailableError, Node, NodeConfig, Stamp
-from snapshot.store import SnapshotStore
-from tests.unit.ledger_helpers import BACKENDS, LedgerBackend
+from broker.node import BrokerUnavailableError, Node, Stamp
+from tests.unit.ledger_helpers import BACKENDS, LedgerBackend, cluster_node
 
 pytest_plugins = ["tests.zk_fixture", "tests.pulsar_fixture"]
 
@@ -38,20 +37,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> LedgerBackend:
 
 
 def make_node(backend: LedgerBackend, tmp_path: Path, name: str) -> Node:
-    node = Node(
-        NodeConfig(
-            data_dir=tmp_path / name,
-            broker_id=name,
-            cluster_id="deposed",
-            snapshot_interval_s=3600.0,
-            timer_poll_interval_s=3600.0,
-        ),
-        ledgers=backend.new_store(),
-        ledger_list=backend.new_list_store(),
-        snapshots=SnapshotStore(tmp_path / name / "snapshots"),
-    )
-    node.leadership_check = lambda: True  # a stale view: it always thinks it leads
-    return node
+    return cluster_node(backend, tmp_path, name, "deposed")  # a stale view: it always leads
 
 
 def submit(tag: str) -> Callable[[Stamp], e.Entry]:

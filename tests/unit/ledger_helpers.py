@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
+from broker.node import Node, NodeConfig
 from broker.pulsar_lite import PulsarLiteServer
 from broker.zk import ZooKeeperServer
 from log.api import LedgerListStore, LedgerStore
@@ -23,6 +24,7 @@ from log.file import FileLedgerListStore, FileLedgerStore
 from log.memory import MemoryLedgerCluster, MemoryLedgerListStore, MemoryLedgerStore
 from log.pulsar import PulsarConfig, PulsarLedgerStore
 from log.zk_list import ZooKeeperLedgerIdAllocator, ZooKeeperLedgerListStore, ledger_list_path
+from snapshot.store import SnapshotStore
 
 ZK_CONNECT_TIMEOUT_S = 15.0
 
@@ -120,3 +122,22 @@ BACKENDS: dict[str, type[LedgerBackend]] = {
     "file": FileBackend,
     "pulsar": PulsarBackend,
 }
+
+
+def cluster_node(backend: LedgerBackend, tmp_path: Path, name: str, cluster_id: str) -> Node:
+    """A cluster-mode Node over ``backend`` (timers and snapshots out of the way) whose
+    elector view always says it leads: only the ledgers and the ledger list can depose it."""
+    node = Node(
+        NodeConfig(
+            data_dir=tmp_path / name,
+            broker_id=name,
+            cluster_id=cluster_id,
+            snapshot_interval_s=3600.0,
+            timer_poll_interval_s=3600.0,
+        ),
+        ledgers=backend.new_store(),
+        ledger_list=backend.new_list_store(),
+        snapshots=SnapshotStore(tmp_path / name / "snapshots"),
+    )
+    node.leadership_check = lambda: True
+    return node

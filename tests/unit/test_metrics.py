@@ -16,10 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker import entries as e
 from broker.http_api import ApiApp, ApiConfig
-from broker.node import Node, NodeConfig, Stamp
-from snapshot.store import SnapshotStore
+from broker.node import Node, Stamp
 from tests.memory_node import memory_node
-from tests.unit.ledger_helpers import MemoryBackend
+from tests.unit.ledger_helpers import MemoryBackend, cluster_node
 
 WAIT_S = 30.0
 
@@ -257,27 +256,10 @@ async def test_snapshot_duration_and_size(scraper: Scraper) -> None:
     assert value(samples, "steward_snapshot_body_bytes") > 0
 
 
-def cluster_node(backend: MemoryBackend, tmp_path: Path, name: str) -> Node:
-    node = Node(
-        NodeConfig(
-            data_dir=tmp_path / name,
-            broker_id=name,
-            cluster_id="metrics",
-            snapshot_interval_s=3600.0,
-            timer_poll_interval_s=3600.0,
-        ),
-        ledgers=backend.new_store(),
-        ledger_list=backend.new_list_store(),
-        snapshots=SnapshotStore(tmp_path / name / "snapshots"),
-    )
-    node.leadership_check = lambda: True
-    return node
-
-
 async def test_follower_lag_and_leader_only_task_counters(tmp_path: Path) -> None:
     backend = MemoryBackend(tmp_path)
-    leader = cluster_node(backend, tmp_path, "leader")
-    follower = cluster_node(backend, tmp_path, "follower")
+    leader = cluster_node(backend, tmp_path, "leader", "metrics")
+    follower = cluster_node(backend, tmp_path, "follower", "metrics")
 
     def build(stamp: Stamp) -> e.Entry:
         [task_id] = stamp.task_ids(1)
