@@ -80,6 +80,13 @@ def _tail(path: Path, max_bytes: int) -> str:
         return "(no log)"
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
 class BrokerNode:
     """One ``steward broker`` subprocess with fixed ports (kept across restarts)."""
 
@@ -273,10 +280,7 @@ class BrokerNode:
         return _tail(self.log_path, max_bytes)
 
     def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
+        return _read_text(self.log_path)
 
     # -- HTTP ---------------------------------------------------------------------------
 
@@ -660,6 +664,9 @@ class ClusterWorker:
 
     def log_tail(self, max_bytes: int = 3000) -> str:
         return _tail(self.log_path, max_bytes)
+
+    def log_text(self) -> str:
+        return _read_text(self.log_path)
 
 
 # -- client load ----------------------------------------------------------------------------------
