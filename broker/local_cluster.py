@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import httpx
 
@@ -181,7 +181,7 @@ class LocalCluster:
             )
             child.url = f"{'https' if config.tls is not None else 'http'}://{HOST}:{port}"
             self.brokers.append(child)
-        self._wait_for_leader()
+        self._wait_until_serving()
         urls = ",".join(b.url for b in self.brokers if b.url)
         for n in range(1, config.workers + 1):
             self.workers.append(
@@ -212,8 +212,11 @@ class LocalCluster:
         token_option = f' --token "$(cat {file})"' if file is not None else ""
         print(f"client      steward --url {urls}{ca_option}{token_option} status", flush=True)
 
-    def _wait_for_leader(self) -> None:
+    def _wait_until_serving(self) -> None:
+        """Return once every broker answers HTTP and one of them names the leader: each URL
+        printed after this takes requests (a follower redirects writes to the leader)."""
         deadline = time.monotonic() + _READY_TIMEOUT_S
+        serving: set[str] = set()
         while time.monotonic() < deadline:
             for broker in self.brokers:
                 if broker.proc.poll() is not None:
@@ -222,20 +225,32 @@ class LocalCluster:
                         f"see {self.data_dir / 'logs' / (broker.name + '.log')}"
                     )
             for broker in self.brokers:
-                try:
-                    summary = httpx.get(
-                        f"{broker.url}/api/v1/cluster",
-                        timeout=1.0,
-                        verify=self._verify,
-                        headers=self._admin_headers,
-                    ).json()
-                except (httpx.HTTPError, ValueError):
-                    continue
-                if summary.get("leader"):
-                    print(f"leader      {summary['leader']} {summary.get('leader_url')}")
-                    return
+                if broker.name not in serving and self._get_json(broker, "/healthz") is not None:
+                    serving.add(broker.name)
+            if len(serving) == len(self.brokers):
+                for broker in self.brokers:
+                    summary = self._get_json(broker, "/api/v1/cluster")
+                    if summary is not None and summary.get("leader"):
+                        print(f"leader      {summary['leader']} {summary.get('leader_url')}")
+                        return
             time.sleep(0.2)
-        raise RuntimeError(f"no leader elected within {_READY_TIMEOUT_S:g} s")
+        waiting = [b.name for b in self.brokers if b.name not in serving]
+        problem = f"{', '.join(waiting)} not serving" if waiting else "no leader elected"
+        raise RuntimeError(f"{problem} within {_READY_TIMEOUT_S:g} s")
+
+    def _get_json(self, broker: _Child, path: str) -> dict[str, Any] | None:
+        """The broker's JSON answer to a GET, or None if it does not answer (yet) with 200."""
+        try:
+            response = httpx.get(
+                f"{broker.url}{path}",
+                timeout=1.0,
+                verify=self._verify,
+                headers=self._admin_headers,
+            )
+            body = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        return body if isinstance(body, dict) else None
 
     def watch(self, stop: threading.Event) -> None:
         """Report children that exit until ``stop`` is set."""
@@ -249,11 +264,8 @@ class LocalCluster:
 
     def _leader_last(self) -> list[_Child]:
         def is_leader(child: _Child) -> bool:
-            try:
-                health = httpx.get(f"{child.url}/healthz", timeout=1.0, verify=self._verify).json()
-            except (httpx.HTTPError, ValueError):
-                return False
-            return bool(health.get("role") == "leader")
+            health = self._get_json(child, "/healthz")
+            return health is not None and health.get("role") == "leader"
 
         return sorted(self.brokers, key=is_leader)
 
