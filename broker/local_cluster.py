@@ -33,6 +33,10 @@ from broker.zk import ZooKeeperServer
 
 HOST = "127.0.0.1"
 _READY_TIMEOUT_S = 90.0
+# What a broker prints when it cannot listen on its HTTP port (broker/standalone.py).
+_PORT_TAKEN_MARKER = "could not serve HTTP on"
+_MAX_RESPAWNS = 5
+_LOG_SCAN_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class _Child:
     proc: subprocess.Popen[bytes]
     log: IO[bytes]
     url: str | None = None
+    log_offset: int = 0  # where this start's lines begin in the log file
 
 
 def _steward() -> list[str]:
@@ -128,6 +133,7 @@ class LocalCluster:
         logs = self.data_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
+        log_offset = log.seek(0, os.SEEK_END)
         proc = subprocess.Popen(
             [*_steward(), *args],
             stdout=log,
@@ -136,7 +142,12 @@ class LocalCluster:
             # Secrets travel in the environment, not on command lines others can read.
             env={**os.environ, **(env or {})},
         )
-        return _Child(name, proc, log)
+        return _Child(name, proc, log, log_offset=log_offset)
+
+    def _log_since_start(self, child: _Child) -> str:
+        with open(self.data_dir / "logs" / f"{child.name}.log", "rb") as log:
+            log.seek(child.log_offset)
+            return log.read(_LOG_SCAN_BYTES).decode(errors="replace")
 
     def start(self) -> None:
         config = self.config
@@ -148,39 +159,7 @@ class LocalCluster:
             print(f"pulsar-lite {self.pulsar.service_url}", flush=True)
         for n in range(1, config.brokers + 1):
             port = config.first_http_port + n - 1 if config.first_http_port else free_port()
-            name = f"broker-{n}"
-            child = self._spawn(
-                name,
-                [
-                    "broker",
-                    "--zookeeper",
-                    self.zookeeper.connect_string,
-                    "--cluster",
-                    config.cluster,
-                    "--broker-id",
-                    name,
-                    "--data-dir",
-                    str(self.data_dir / name),
-                    *self._ledger_args(),
-                    "--http",
-                    f"{HOST}:{port}",
-                    "--worker-listen",
-                    f"{HOST}:0",
-                    "--session-timeout-ms",
-                    str(config.session_timeout_ms),
-                    "--min-replication",
-                    str(config.min_replication),
-                    "--log-format",
-                    config.log_format,
-                    "--log-level",
-                    config.log_level,
-                    *self._tls_args(broker=True),
-                    *self._auth_args(),
-                ],
-                self._broker_env,
-            )
-            child.url = f"{'https' if config.tls is not None else 'http'}://{HOST}:{port}"
-            self.brokers.append(child)
+            self.brokers.append(self._spawn_broker(f"broker-{n}", port))
         self._wait_until_serving()
         urls = ",".join(b.url for b in self.brokers if b.url)
         for n in range(1, config.workers + 1):
@@ -212,18 +191,62 @@ class LocalCluster:
         token_option = f' --token "$(cat {file})"' if file is not None else ""
         print(f"client      steward --url {urls}{ca_option}{token_option} status", flush=True)
 
+    def _spawn_broker(self, name: str, port: int) -> _Child:
+        config = self.config
+        child = self._spawn(
+            name,
+            [
+                "broker",
+                "--zookeeper",
+                self.zookeeper.connect_string,
+                "--cluster",
+                config.cluster,
+                "--broker-id",
+                name,
+                "--data-dir",
+                str(self.data_dir / name),
+                *self._ledger_args(),
+                "--http",
+                f"{HOST}:{port}",
+                "--worker-listen",
+                f"{HOST}:0",
+                "--session-timeout-ms",
+                str(config.session_timeout_ms),
+                "--min-replication",
+                str(config.min_replication),
+                "--log-format",
+                config.log_format,
+                "--log-level",
+                config.log_level,
+                *self._tls_args(broker=True),
+                *self._auth_args(),
+            ],
+            self._broker_env,
+        )
+        child.url = f"{'https' if config.tls is not None else 'http'}://{HOST}:{port}"
+        return child
+
     def _wait_until_serving(self) -> None:
         """Return once every broker answers HTTP and one of them names the leader: each URL
         printed after this takes requests (a follower redirects writes to the leader)."""
         deadline = time.monotonic() + _READY_TIMEOUT_S
         serving: set[str] = set()
+        respawns = 0
         while time.monotonic() < deadline:
-            for broker in self.brokers:
-                if broker.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"{broker.name} exited with {broker.proc.returncode}; "
-                        f"see {self.data_dir / 'logs' / (broker.name + '.log')}"
-                    )
+            for n, broker in enumerate(self.brokers):
+                if broker.proc.poll() is None:
+                    continue
+                port_taken = _PORT_TAKEN_MARKER in self._log_since_start(broker)
+                if port_taken and not self.config.first_http_port and respawns < _MAX_RESPAWNS:
+                    # The free port picked for it was taken before it could listen.
+                    respawns += 1
+                    broker.log.close()
+                    self.brokers[n] = self._spawn_broker(broker.name, free_port())
+                    continue
+                raise RuntimeError(
+                    f"{broker.name} exited with {broker.proc.returncode}; "
+                    f"see {self.data_dir / 'logs' / (broker.name + '.log')}"
+                )
             for broker in self.brokers:
                 if broker.name not in serving and self._get_json(broker, "/healthz") is not None:
                     serving.add(broker.name)

@@ -7,6 +7,7 @@ runs in tests/integration/test_cluster_up.py); the processes are real ``sleep`` 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import threading
 import time
@@ -64,33 +65,50 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
+class _Launcher:
+    """Starts stand-in broker processes the way LocalCluster does: output into
+    ``DATA_DIR/logs/NAME.log``, where the cluster reads why one exited."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def child(self, name: str, url: str, argv: list[str]) -> _Child:
+        logs = self.cluster.data_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - closed by close()
+        offset = log.seek(0, os.SEEK_END)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        self.processes.append(proc)
+        return _Child(name, proc, log, url=url, log_offset=offset)
+
+    def close(self) -> None:
+        for proc in self.processes:
+            proc.kill()
+            proc.wait(timeout=10)
+        for child in self.cluster.brokers:
+            child.log.close()
+
+
 @pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
+def launcher(tmp_path: Path) -> Iterator[_Launcher]:
+    started = _Launcher(LocalCluster(LocalClusterConfig(data_dir=tmp_path)))
     yield started
-    for proc in started:
-        proc.kill()
-        proc.wait(timeout=10)
+    started.close()
 
 
-def _cluster(
-    tmp_path: Path, urls: list[str], processes: list[subprocess.Popen[bytes]], argv: list[str]
-) -> LocalCluster:
-    cluster = LocalCluster(LocalClusterConfig(data_dir=tmp_path))
+def _cluster(launcher: _Launcher, urls: list[str], argv: list[str]) -> LocalCluster:
     for n, url in enumerate(urls, start=1):
-        proc = subprocess.Popen(argv)
-        processes.append(proc)
-        log = open(tmp_path / f"broker-{n}.log", "ab")  # noqa: SIM115 - closed below
-        cluster.brokers.append(_Child(f"broker-{n}", proc, log, url=url))
-    return cluster
+        launcher.cluster.brokers.append(launcher.child(f"broker-{n}", url, argv))
+    return launcher.cluster
 
 
 def test_up_waits_until_every_broker_serves(
-    tmp_path: Path, processes: list[subprocess.Popen[bytes]], capsys: pytest.CaptureFixture[str]
+    launcher: _Launcher, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ready, slow = _FakeBroker(), _FakeBroker()
     ready.listen()
-    cluster = _cluster(tmp_path, [ready.url, slow.url], processes, ["sleep", "60"])
+    cluster = _cluster(launcher, [ready.url, slow.url], ["sleep", "60"])
     # broker-2 starts listening 1 s after broker-1 already names the leader.
     timer = threading.Timer(1.0, slow.listen)
     timer.start()
@@ -100,8 +118,6 @@ def test_up_waits_until_every_broker_serves(
         waited_s = time.monotonic() - started
     finally:
         timer.cancel()
-        for child in cluster.brokers:
-            child.log.close()
         timer.join(timeout=5)
         ready.close()
         slow.close()
@@ -110,15 +126,71 @@ def test_up_waits_until_every_broker_serves(
     assert "leader      broker-1 http://leader" in capsys.readouterr().out
 
 
-def test_up_names_a_broker_that_exited(
-    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
-) -> None:
+def test_up_names_a_broker_that_exited(launcher: _Launcher) -> None:
     silent = _FakeBroker()
-    cluster = _cluster(tmp_path, [silent.url], processes, ["sh", "-c", "exit 3"])
-    processes[0].wait(timeout=10)
+    cluster = _cluster(launcher, [silent.url], ["sh", "-c", "echo 'no such ledger'; exit 3"])
+    launcher.processes[0].wait(timeout=10)
     try:
         with pytest.raises(RuntimeError, match=r"broker-1 exited with 3; see .*broker-1\.log"):
             cluster._wait_until_serving()
     finally:
-        cluster.brokers[0].log.close()
         silent.close()
+
+
+PORT_TAKEN = ["sh", "-c", "echo 'steward: could not serve HTTP on 127.0.0.1:1'; exit 2"]
+
+
+def test_up_restarts_a_broker_whose_free_port_was_taken(
+    launcher: _Launcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An earlier start of broker-1 left lines in its log: only this start's lines count.
+    log = launcher.cluster.data_dir / "logs" / "broker-1.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("steward: could not serve HTTP on 127.0.0.1:9 (an earlier start)\n")
+    serving = _FakeBroker()
+    serving.listen()
+    cluster = _cluster(launcher, ["http://127.0.0.1:1"], PORT_TAKEN)
+    launcher.processes[0].wait(timeout=10)
+    respawned: list[tuple[str, int]] = []
+
+    def spawn_broker(name: str, port: int) -> _Child:
+        respawned.append((name, port))
+        return launcher.child(name, serving.url, ["sleep", "60"])
+
+    monkeypatch.setattr(cluster, "_spawn_broker", spawn_broker)
+    try:
+        cluster._wait_until_serving()
+    finally:
+        serving.close()
+    assert [name for name, _ in respawned] == ["broker-1"]
+    assert cluster.brokers[0].url == serving.url
+    assert serving.paths["/healthz"] >= 1
+
+
+def test_up_does_not_move_a_broker_off_a_port_the_user_chose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    launcher = _Launcher(
+        LocalCluster(LocalClusterConfig(data_dir=tmp_path, first_http_port=18_080))
+    )
+    cluster = _cluster(launcher, ["http://127.0.0.1:18080"], PORT_TAKEN)
+    launcher.processes[0].wait(timeout=10)
+    monkeypatch.setattr(cluster, "_spawn_broker", lambda *_: pytest.fail("respawned"))
+    try:
+        with pytest.raises(RuntimeError, match="broker-1 exited with 2"):
+            cluster._wait_until_serving()
+    finally:
+        launcher.close()
+
+
+def test_a_broker_whose_log_says_nothing_of_its_port_is_not_respawned(
+    launcher: _Launcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = launcher.cluster.data_dir / "logs" / "broker-1.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("steward: could not serve HTTP on 127.0.0.1:9 (an earlier start)\n")
+    cluster = _cluster(launcher, ["http://127.0.0.1:1"], ["sh", "-c", "exit 4"])
+    launcher.processes[0].wait(timeout=10)
+    monkeypatch.setattr(cluster, "_spawn_broker", lambda *_: pytest.fail("respawned"))
+    with pytest.raises(RuntimeError, match="broker-1 exited with 4"):
+        cluster._wait_until_serving()
