@@ -140,17 +140,23 @@ def test_up_names_a_broker_that_exited(launcher: _Launcher) -> None:
 PORT_TAKEN = ["sh", "-c", "echo 'steward: could not serve HTTP on 127.0.0.1:1'; exit 2"]
 
 
-def test_up_restarts_a_broker_whose_free_port_was_taken(
-    launcher: _Launcher, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # An earlier start of broker-1 left lines in its log: only this start's lines count.
+def _exited_broker(launcher: _Launcher, argv: list[str]) -> LocalCluster:
+    """A cluster whose one broker ran ``argv`` and exited. An earlier start left a
+    port-taken line in its log: only the lines of this start may count."""
     log = launcher.cluster.data_dir / "logs" / "broker-1.log"
     log.parent.mkdir(parents=True)
     log.write_text("steward: could not serve HTTP on 127.0.0.1:9 (an earlier start)\n")
+    cluster = _cluster(launcher, ["http://127.0.0.1:1"], argv)
+    launcher.processes[0].wait(timeout=10)
+    return cluster
+
+
+def test_up_restarts_a_broker_whose_free_port_was_taken(
+    launcher: _Launcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
     serving = _FakeBroker()
     serving.listen()
-    cluster = _cluster(launcher, ["http://127.0.0.1:1"], PORT_TAKEN)
-    launcher.processes[0].wait(timeout=10)
+    cluster = _exited_broker(launcher, PORT_TAKEN)
     respawned: list[tuple[str, int]] = []
 
     def spawn_broker(name: str, port: int) -> _Child:
@@ -173,8 +179,7 @@ def test_up_does_not_move_a_broker_off_a_port_the_user_chose(
     launcher = _Launcher(
         LocalCluster(LocalClusterConfig(data_dir=tmp_path, first_http_port=18_080))
     )
-    cluster = _cluster(launcher, ["http://127.0.0.1:18080"], PORT_TAKEN)
-    launcher.processes[0].wait(timeout=10)
+    cluster = _exited_broker(launcher, PORT_TAKEN)
     monkeypatch.setattr(cluster, "_spawn_broker", lambda *_: pytest.fail("respawned"))
     try:
         with pytest.raises(RuntimeError, match="broker-1 exited with 2"):
@@ -186,11 +191,7 @@ def test_up_does_not_move_a_broker_off_a_port_the_user_chose(
 def test_a_broker_whose_log_says_nothing_of_its_port_is_not_respawned(
     launcher: _Launcher, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    log = launcher.cluster.data_dir / "logs" / "broker-1.log"
-    log.parent.mkdir(parents=True)
-    log.write_text("steward: could not serve HTTP on 127.0.0.1:9 (an earlier start)\n")
-    cluster = _cluster(launcher, ["http://127.0.0.1:1"], ["sh", "-c", "exit 4"])
-    launcher.processes[0].wait(timeout=10)
+    cluster = _exited_broker(launcher, ["sh", "-c", "exit 4"])
     monkeypatch.setattr(cluster, "_spawn_broker", lambda *_: pytest.fail("respawned"))
     with pytest.raises(RuntimeError, match="broker-1 exited with 4"):
         cluster._wait_until_serving()
