@@ -217,8 +217,11 @@ def _mean_running(cluster: Cluster, tenants: list[str], seconds: float) -> dict[
     samples = 0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
+        # One request per sample: every tenant's count from the same state.
+        listing = cluster.http.get("/api/v1/tenants").json()["tenants"]
+        running = {t["name"]: int(t["counts"]["running"]) for t in listing}
         for tenant in tenants:
-            totals[tenant] += cluster.tenant_running(tenant)
+            totals[tenant] += running[tenant]
         samples += 1
         time.sleep(0.1)
     return {t: totals[t] / samples for t in tenants}
@@ -229,14 +232,20 @@ def test_weighted_fair_shares_and_runtime_weight_change(cluster: Cluster) -> Non
         cluster.worker(f"fair-{n}", "--tenant", "fa", "--tenant", "fb", "--task-type", "sleep=4")
     cluster.http.put("/api/v1/tenants/fa", json={"weight": 3})
     cluster.http.put("/api/v1/tenants/fb", json={"weight": 1})
-    for tenant in ("fa", "fb"):
-        batch = [
-            {"type": "sleep", "tenant": tenant, "params": {"seconds": 0.25}} for _ in range(600)
-        ]
-        assert cluster.http.post("/api/v1/tasks", json={"tasks": batch}).status_code == 200
-    # Measure once both workers' 8 slots are busy.
+    # One batch: both queues exist when the first slots are handed out (with one batch per
+    # tenant, fa's could fill every slot before fb's arrived, skewing the first second).
+    batch = [
+        {"type": "sleep", "tenant": tenant, "params": {"seconds": 1.0}}
+        for tenant in ("fa", "fb")
+        for _ in range(600)
+    ]
+    assert cluster.http.post("/api/v1/tasks", json={"tasks": batch}).status_code == 200
+    # Measure once both workers' 8 slots are busy, with both tenants in them.
     wait_until(
-        lambda: cluster.tenant_running("fa") + cluster.tenant_running("fb") == 8,
+        lambda: (
+            cluster.tenant_running("fa") + cluster.tenant_running("fb") == 8
+            and cluster.tenant_running("fb") > 0
+        ),
         20,
         "the two workers to be saturated",
     )
@@ -245,7 +254,7 @@ def test_weighted_fair_shares_and_runtime_weight_change(cluster: Cluster) -> Non
     assert 3 * 0.9 <= ratio <= 3 * 1.1, shares
     # A weight change applies to the tasks already waiting, without resubmission.
     cluster.http.put("/api/v1/tenants/fb", json={"weight": 3})
-    # Tasks last 0.25 s: the new shares settle as running tasks finish.
+    # Tasks last 1 s: the new shares settle as running tasks finish.
     wait_until(lambda: cluster.tenant_running("fb") >= 4, 20, "fb to reach its new share")
     shares = _mean_running(cluster, ["fa", "fb"], 4.0)
     ratio = shares["fa"] / shares["fb"]
