@@ -50,7 +50,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import re
 import ssl
 from collections.abc import Callable, Iterable
 from typing import Any, Final
@@ -65,7 +64,7 @@ from kazoo.protocol.states import KazooState  # type: ignore[import-untyped]
 
 from broker import entries as e
 from broker.auth import bearer_headers
-from broker.code_store import CodeStore
+from broker.code_store import SHA256_RE, CodeStore
 from broker.node import BrokerUnavailableError, Node
 from broker.state import ApplyResult, Artifact, Rejected
 from log.zk_list import KazooTimeoutError, cluster_path, kazoo_result
@@ -82,7 +81,6 @@ DEFAULT_MAX_ARTIFACT_BYTES: Final = 256 * 1024 * 1024
 # after that the periodic sync takes over.
 _FETCH_ATTEMPTS: Final = 5
 _FIRST_RETRY_DELAY_S: Final = 0.1
-_SHA_RE: Final = re.compile(r"^[0-9a-f]{64}$")
 _ZK_ERRORS: Final = (KazooException, KazooTimeoutError)
 
 
@@ -213,7 +211,7 @@ class CodeReplicator:
 
     def ensure(self, sha256: str) -> None:
         """Make sure the artifact gets here and is registered (in the background)."""
-        if not _SHA_RE.match(sha256) or self._stopping:
+        if not SHA256_RE.fullmatch(sha256) or self._stopping:
             return
         if self._loop is None:
             self._pending.add(sha256)
@@ -383,7 +381,7 @@ class CodeReplicator:
         stored = await asyncio.to_thread(self._stored)
         wanted = set(stored)
         if self._known is not None:
-            wanted.update(sha for sha in self._known() if _SHA_RE.match(sha))
+            wanted.update(sha for sha in self._known() if SHA256_RE.fullmatch(sha))
         if self._session_id != self._current_session():
             self._registered.clear()
         for sha256 in sorted(wanted - self._registered):
@@ -395,7 +393,7 @@ class CodeReplicator:
             names = os.listdir(self._store.directory)
         except FileNotFoundError:
             return []
-        return sorted(name for name in names if _SHA_RE.match(name))
+        return sorted(name for name in names if SHA256_RE.fullmatch(name))
 
     def _current_session(self) -> int | None:
         if self._zk.state != KazooState.CONNECTED:

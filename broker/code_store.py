@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Final
 
 ARTIFACT_SUFFIXES: Final = (".py", ".zip", ".whl")
-_SHA_RE: Final = re.compile(r"^[0-9a-f]{64}$")
+#: An artifact's name: the sha256 of its bytes as 64 lowercase hex digits (use fullmatch).
+SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
 
 
 class InvalidArtifactError(ValueError):
@@ -57,12 +58,12 @@ class CodeStore:
         directory.mkdir(parents=True, exist_ok=True)
 
     def path(self, sha256: str) -> Path:
-        if not _SHA_RE.match(sha256):
+        if not SHA256_RE.fullmatch(sha256):
             raise ValueError("not a sha256")
         return self.directory / sha256
 
     def has(self, sha256: str) -> bool:
-        return _SHA_RE.match(sha256) is not None and self.path(sha256).exists()
+        return SHA256_RE.fullmatch(sha256) is not None and self.path(sha256).exists()
 
     def put(self, data: bytes) -> str:
         """Store ``data`` durably (temp file, fsync, rename); returns its sha256."""

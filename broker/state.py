@@ -32,6 +32,7 @@ from typing import Any, Final
 import msgspec
 
 from broker import entries as e
+from broker.code_store import SHA256_RE
 
 
 class TaskState(StrEnum):
@@ -260,7 +261,6 @@ MAX_RESOURCES: Final = 32
 MAX_ATTEMPTS_LIMIT: Final = 1000
 MAX_TREE_TIMEOUT_MS: Final = 7 * 24 * 3600 * 1000
 IDEMPOTENCY_KEY_RE: Final = re.compile(r"[\x20-\x7e]{1,128}")
-SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")  # fullmatch: a hex digest (code artifacts)
 #: Roles a token created through the API may have (worker and peer secrets come from the
 #: configuration: broker/auth.py).
 TOKEN_ROLES: Final = frozenset({"admin", "tenant"})

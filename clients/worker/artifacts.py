@@ -50,7 +50,6 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
-import re
 import shutil
 import ssl
 import sys
@@ -66,10 +65,10 @@ from typing import Any, Final
 import httpx
 
 from broker.auth import bearer_headers
+from broker.code_store import SHA256_RE
 
 logger = logging.getLogger(__name__)
 
-SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
 PREFIX: Final = "steward_artifact_"
 _ZIP_MAGIC: Final = (b"PK\x03\x04", b"PK\x05\x06")
 _CHUNK_BYTES: Final = 1024 * 1024
