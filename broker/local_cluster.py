@@ -130,9 +130,9 @@ class LocalCluster:
         ]
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> _Child:
-        logs = self.data_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
+        log_path = self._log_path(name)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         log_offset = log.seek(0, os.SEEK_END)
         proc = subprocess.Popen(
             [*_steward(), *args],
@@ -144,8 +144,11 @@ class LocalCluster:
         )
         return _Child(name, proc, log, log_offset=log_offset)
 
+    def _log_path(self, name: str) -> Path:
+        return self.data_dir / "logs" / f"{name}.log"
+
     def _log_since_start(self, child: _Child) -> str:
-        with open(self.data_dir / "logs" / f"{child.name}.log", "rb") as log:
+        with open(self._log_path(child.name), "rb") as log:
             log.seek(child.log_offset)
             return log.read(_LOG_SCAN_BYTES).decode(errors="replace")
 
@@ -245,7 +248,7 @@ class LocalCluster:
                     continue
                 raise RuntimeError(
                     f"{broker.name} exited with {broker.proc.returncode}; "
-                    f"see {self.data_dir / 'logs' / (broker.name + '.log')}"
+                    f"see {self._log_path(broker.name)}"
                 )
             for broker in self.brokers:
                 if broker.name not in serving and self._get_json(broker, "/healthz") is not None:

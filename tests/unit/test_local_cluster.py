@@ -74,9 +74,9 @@ class _Launcher:
         self.processes: list[subprocess.Popen[bytes]] = []
 
     def child(self, name: str, url: str, argv: list[str]) -> _Child:
-        logs = self.cluster.data_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - closed by close()
+        log_path = self.cluster._log_path(name)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "ab")  # noqa: SIM115 - closed by close()
         offset = log.seek(0, os.SEEK_END)
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         self.processes.append(proc)
@@ -143,7 +143,7 @@ PORT_TAKEN = ["sh", "-c", "echo 'steward: could not serve HTTP on 127.0.0.1:1'; 
 def _exited_broker(launcher: _Launcher, argv: list[str]) -> LocalCluster:
     """A cluster whose one broker ran ``argv`` and exited. An earlier start left a
     port-taken line in its log: only the lines of this start may count."""
-    log = launcher.cluster.data_dir / "logs" / "broker-1.log"
+    log = launcher.cluster._log_path("broker-1")
     log.parent.mkdir(parents=True)
     log.write_text("steward: could not serve HTTP on 127.0.0.1:9 (an earlier start)\n")
     cluster = _cluster(launcher, ["http://127.0.0.1:1"], argv)
