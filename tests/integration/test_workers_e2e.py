@@ -212,14 +212,18 @@ def test_dropped_connection_keeps_the_running_task(cluster: Cluster) -> None:
         proxy.close()
 
 
+def _running_counts(cluster: Cluster) -> dict[str, int]:
+    """Every tenant's running tasks, from one request (so from one state)."""
+    listing = cluster.http.get("/api/v1/tenants").json()["tenants"]
+    return {t["name"]: int(t["counts"]["running"]) for t in listing}
+
+
 def _mean_running(cluster: Cluster, tenants: list[str], seconds: float) -> dict[str, float]:
     totals = dict.fromkeys(tenants, 0)
     samples = 0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        # One request per sample: every tenant's count from the same state.
-        listing = cluster.http.get("/api/v1/tenants").json()["tenants"]
-        running = {t["name"]: int(t["counts"]["running"]) for t in listing}
+        running = _running_counts(cluster)
         for tenant in tenants:
             totals[tenant] += running[tenant]
         samples += 1
@@ -240,15 +244,13 @@ def test_weighted_fair_shares_and_runtime_weight_change(cluster: Cluster) -> Non
         for _ in range(600)
     ]
     assert cluster.http.post("/api/v1/tasks", json={"tasks": batch}).status_code == 200
+
     # Measure once both workers' 8 slots are busy, with both tenants in them.
-    wait_until(
-        lambda: (
-            cluster.tenant_running("fa") + cluster.tenant_running("fb") == 8
-            and cluster.tenant_running("fb") > 0
-        ),
-        20,
-        "the two workers to be saturated",
-    )
+    def saturated() -> bool:
+        running = _running_counts(cluster)
+        return running["fa"] + running["fb"] == 8 and running["fb"] > 0
+
+    wait_until(saturated, 20, "the two workers to be saturated")
     shares = _mean_running(cluster, ["fa", "fb"], 5.0)
     ratio = shares["fa"] / shares["fb"]
     assert 3 * 0.9 <= ratio <= 3 * 1.1, shares
