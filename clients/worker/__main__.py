@@ -14,11 +14,15 @@ from clients.worker.config import (
     default_cache_dir,
     default_resources,
     default_task_types,
+    default_work_dir,
     default_worker_id,
     parse_host_port,
     parse_http_urls,
 )
 from clients.worker.link import run_worker
+from clients.worker.sandbox import make_non_dumpable
+from clients.worker.task_identity import DEFAULT_TASK_UID_RANGE
+from clients.worker.task_procs import check_task_processes
 
 
 def _pair(text: str) -> tuple[str, str]:
@@ -34,6 +38,13 @@ def _broker(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def _uid_range(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition("-")
+    if not sep or not low.isdigit() or not high.isdigit() or not 0 < int(low) <= int(high):
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH with 0 < LOW <= HIGH, got {text!r}")
+    return int(low), int(high)
 
 
 def _brokers(text: str) -> list[str]:
@@ -106,6 +117,73 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"CA bundle to verify brokers with (https:// URLs, TLS worker endpoint; env "
         f"{CA_ENV}; default: the system trust store)",
     )
+    isolation = p.add_argument_group("task isolation (docs/SECURITY.md)")
+    isolation.add_argument(
+        "--task-isolation",
+        choices=("process", "thread"),
+        default="process",
+        help="'process': tenant code runs in task processes, one tenant each, under task"
+        " users (default); 'thread': in the worker process (trusted tenants only)",
+    )
+    isolation.add_argument(
+        "--task-user",
+        metavar="USER",
+        help="run every tenant's task processes as USER (default as root: a uid of its own"
+        " per tenant from --task-uid-range; otherwise the worker's own user)",
+    )
+    isolation.add_argument(
+        "--tenant-user",
+        type=_pair,
+        action="append",
+        default=[],
+        metavar="TENANT=USER",
+        help="run TENANT's task processes as USER; repeatable",
+    )
+    isolation.add_argument(
+        "--task-uid-range",
+        type=_uid_range,
+        default=DEFAULT_TASK_UID_RANGE,
+        metavar="LOW-HIGH",
+        help="uids given to tenants when the worker runs as root (default: %(default)s);"
+        " give each worker on a host its own range",
+    )
+    isolation.add_argument(
+        "--allow-root-tasks",
+        action="store_true",
+        help="allow --task-user root: tenant code then runs as root (unsafe, logged loudly)",
+    )
+    isolation.add_argument(
+        "--task-memory-mb",
+        type=int,
+        default=0,
+        help="address-space limit of a task process unless the task asks for"
+        " resources.memory_mb (default: 0, none)",
+    )
+    isolation.add_argument(
+        "--work-dir",
+        type=Path,
+        default=default_work_dir(),
+        help="task processes' working directories, homes and code copies (default:"
+        " %(default)s; task users must be able to reach it)",
+    )
+    isolation.add_argument(
+        "--task-process-idle-s",
+        type=float,
+        default=60.0,
+        help="end a task process idle this long (default: %(default)s)",
+    )
+    isolation.add_argument(
+        "--task-process-max-tasks",
+        type=int,
+        default=1000,
+        help="start a fresh process after this many tasks (default: %(default)s)",
+    )
+    isolation.add_argument(
+        "--task-process-max-rss-mb",
+        type=float,
+        default=0.0,
+        help="start a fresh process once one's resident memory passes this (default: 0, off)",
+    )
     p.add_argument("--log-level", default="INFO")
     from broker.logs import add_log_format_option
 
@@ -137,6 +215,16 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         token=args.token,
         tls=args.tls,
         tls_ca=args.tls_ca,
+        task_isolation=args.task_isolation,
+        task_user=args.task_user,
+        tenant_users=dict(args.tenant_user),
+        task_uid_range=args.task_uid_range,
+        allow_root_tasks=args.allow_root_tasks,
+        task_memory_mb=args.task_memory_mb,
+        work_dir=args.work_dir,
+        task_process_idle_s=args.task_process_idle_s,
+        task_process_max_tasks=args.task_process_max_tasks,
+        task_process_max_rss_mb=args.task_process_max_rss_mb,
     )
 
 
@@ -145,8 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
+        if config.task_isolation == "process":
+            check_task_processes(config)
     except ValueError as exc:
         parser.error(str(exc))
+    # Task processes under the worker's own uid must not read its memory or environment.
+    make_non_dumpable()
     from broker.logs import setup_logging
 
     # Task-related lines carry task_id and tenant (text: "task=12 tenant=acme").

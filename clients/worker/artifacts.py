@@ -388,26 +388,40 @@ class ArtifactCache:
 
     def _load_locked(self, sha: str) -> LoadedArtifact:
         path = self._fetch_locked(sha, verify_cached=True)
-        prefix = f"{PREFIX}{sha[:12]}"
-        existing = sys.modules.get(prefix)
-        finder = _artifact_finder()
-        if existing is not None and getattr(existing, "__steward_sha__", None) not in (None, sha):
-            raise ArtifactError(f"artifact prefix collision for {sha} and {existing}")
-        if path.suffix == ".py":
-            module = existing or _exec_py_module(prefix, path, sha)
-            loaded = LoadedArtifact(sha, "py", prefix, module, frozenset())
-        else:
-            root = self._extract(sha, path)
-            top_names = _top_level_names(root)
-            scope = _Scope(prefix, root, top_names, _scoped_builtins(prefix, top_names))
-            finder.add(scope)
-            module = existing or _package_module(prefix, root, sha)
-            # Another cache in this process may have loaded this sha from another directory
-            # (tests): point lazy imports at this copy.
-            module.__path__ = [str(root)]
-            loaded = LoadedArtifact(sha, "zip", prefix, module, top_names)
-        _register_pickle_by_value(module)
-        return loaded
+        return load_verified(sha, path if path.suffix == ".py" else self._extract(sha, path))
+
+    def verified_copy(self, sha: str) -> Path:
+        """The artifact's verified ``<sha>.py`` file or extracted directory, fetched if missing.
+
+        Task processes import from a copy of this (``clients/worker/task_procs.py``).
+        """
+        self.check_sha(sha)
+        with self._sha_lock(sha):
+            path = self._fetch_locked(sha, verify_cached=True)
+            return path if path.suffix == ".py" else self._extract(sha, path)
+
+
+def load_verified(sha: str, path: Path) -> LoadedArtifact:
+    """Import an artifact from a verified local copy: a ``.py`` file or an extracted archive."""
+    prefix = f"{PREFIX}{sha[:12]}"
+    existing = sys.modules.get(prefix)
+    finder = _artifact_finder()
+    if existing is not None and getattr(existing, "__steward_sha__", None) not in (None, sha):
+        raise ArtifactError(f"artifact prefix collision for {sha} and {existing}")
+    if not path.is_dir():
+        module = existing or _exec_py_module(prefix, path, sha)
+        loaded = LoadedArtifact(sha, "py", prefix, module, frozenset())
+    else:
+        top_names = _top_level_names(path)
+        scope = _Scope(prefix, path, top_names, _scoped_builtins(prefix, top_names))
+        finder.add(scope)
+        module = existing or _package_module(prefix, path, sha)
+        # Another cache in this process may have loaded this sha from another directory
+        # (tests): point lazy imports at this copy.
+        module.__path__ = [str(path)]
+        loaded = LoadedArtifact(sha, "zip", prefix, module, top_names)
+    _register_pickle_by_value(module)
+    return loaded
 
 
 def _file_sha256(path: Path) -> str:

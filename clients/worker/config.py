@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import socket
 import ssl
+import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from broker.protocol import DEFAULT_MAX_FRAME_BYTES
 from broker.tls import TlsConfigError, client_context
+from clients.worker.task_identity import DEFAULT_TASK_UID_RANGE
 
 DEFAULT_MAX_RESULT_BYTES = 1024 * 1024
 
@@ -53,6 +56,11 @@ def default_resources() -> dict[str, float]:
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "steward" / "artifacts"
+
+
+def default_work_dir() -> Path:
+    """Where task processes get their directories: outside any home, so task users reach it."""
+    return Path(tempfile.gettempdir()) / f"steward-worker-{os.geteuid()}"
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
@@ -120,6 +128,20 @@ class WorkerConfig:
     # (a PEM CA bundle) or else the system trust store.
     tls: bool = False
     tls_ca: Path | None = None
+    # Where tasks run (docs/SECURITY.md): "process" (tenant code in task processes, one
+    # tenant each, under task users) or "thread" (in this process: trusted tenants only).
+    task_isolation: str = "process"
+    task_user: str | None = None  # one user for every tenant's task processes
+    tenant_users: dict[str, str] = field(default_factory=dict)  # tenant -> user
+    task_uid_range: tuple[int, int] = DEFAULT_TASK_UID_RANGE  # a uid per tenant (as root)
+    allow_root_tasks: bool = False
+    task_memory_mb: int = 0  # RLIMIT_AS of a task process; 0: none (resources.memory_mb wins)
+    work_dir: Path = field(default_factory=default_work_dir)
+    task_python: str = sys.executable
+    task_process_idle_s: float = 60.0  # an idle task process is ended after this long
+    task_process_max_tasks: int = 1000  # ... and a process after this many tasks
+    task_process_max_rss_mb: float = 0.0  # ... or once its resident memory passes this
+    max_output_bytes: int = 1024 * 1024  # captured output kept per attempt (the last bytes)
     _ssl_context: ssl.SSLContext | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -143,6 +165,11 @@ class WorkerConfig:
         if not 0 < self.reconnect_backoff_min_s <= self.reconnect_backoff_max_s:
             raise ValueError("need 0 < reconnect_backoff_min_s <= reconnect_backoff_max_s")
         self.cache_dir = Path(self.cache_dir)
+        self.work_dir = Path(self.work_dir)
+        if self.task_isolation not in ("process", "thread"):
+            raise ValueError("task_isolation must be 'process' or 'thread'")
+        if self.task_memory_mb < 0 or self.task_process_max_tasks < 1:
+            raise ValueError("need task_memory_mb >= 0 and task_process_max_tasks >= 1")
 
     def capacity(self) -> int:
         """Tasks this worker may run at once: the sum of its task-type capacities."""

@@ -1,410 +1,135 @@
-"""The task runtime: runs assigned tasks on a thread pool and turns outcomes into reports.
+"""The task runtime: runs assigned tasks and turns their outcomes into reports.
 
 A task type names a callable ``fn(params, ctx)``: one of the built-ins (``noop``,
 ``sleep``, ``fail``, ``spark.sql``), one registered with :meth:`TaskRuntime.register`, or
 ``module:function`` from the task's code artifact. ``params`` is the decoded JSON;
-``ctx`` is a :class:`TaskContext`. The return value becomes the task's JSON result.
+``ctx`` is a :class:`TaskContext` (``clients/worker/task_api.py``). The return value
+becomes the task's JSON result.
 
-Threads and Spark. Tasks run on one ``ThreadPoolExecutor`` sized to the sum of the
-worker's task-type capacities. All tasks share one SparkSession per process, created on
-first use of ``ctx.spark`` and kept for the life of the process. PySpark runs in pinned
-thread mode (the default since 3.2: each Python thread has its own JVM thread), so the
-job group set with ``SparkContext.setJobGroup`` in the task's thread tags exactly that
-task's jobs. ``ctx.spark`` sets it (``steward-<task_id>-<attempt>``, interrupt on cancel)
-in every thread that asks for the session, and the task's pool thread clears it when the
-task ends, so the next task on that thread starts clean. Threads a task starts itself
-must also go through ``ctx.spark`` (or use ``pyspark.InheritableThread``) to be tagged.
+Where tasks run. With ``task_isolation="process"`` (the default) the built-in types and
+every code artifact, i.e. everything a tenant supplies, run in task processes
+(``clients/worker/task_procs.py``): one tenant per process, under a uid that is not the
+worker's, and a cancel ends the process. Types registered with :meth:`TaskRuntime.register`
+are the embedding program's own code and run in the worker process, on a thread, as does
+everything with ``task_isolation="thread"`` (trusted single-tenant setups and tests).
 
-Cancelling (a broker Cancel, a dropped task, the deadline) sets ``ctx.cancelled`` and
-cancels the task's job group, repeatedly every 0.5 s while the task runs, because a job
-submitted just after a cancel (a query still being planned, an adaptive query's next
-stage) is not covered by the earlier cancel. Python code must cooperate
-(``ctx.cancelled.wait``, ``ctx.check_cancelled()``); a task that has not stopped
-``cancel_grace_s`` after the cancel is reported as cancelled anyway and its thread is
-abandoned (it keeps its pool slot until it returns: threads cannot be killed).
+Slots. Each running task holds one thread of a ``ThreadPoolExecutor`` sized to the sum
+of the worker's task-type capacities: the thread either runs the function or waits for
+the task process running it.
+
+Cancelling (a broker Cancel, a dropped task, the deadline) sets ``ctx.cancelled``. In a
+task process it also sends SIGTERM (which raises :class:`TaskCancelled` in the task) and,
+if the task has not ended ``cancel_grace_s`` later, SIGKILL to the process group. On a
+thread it cancels the task's Spark job group, repeatedly every 0.5 s while the task runs,
+because a job submitted just after a cancel (a query still being planned, an adaptive
+query's next stage) is not covered by the earlier cancel. Thread code must cooperate
+(``ctx.cancelled.wait``, ``ctx.check_cancelled()``); a thread that has not stopped
+``cancel_grace_s`` after the cancel is reported as cancelled anyway and abandoned (it
+keeps its pool slot until it returns: threads cannot be killed).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
-import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Final
+from pathlib import Path
+from typing import Any, Final
 
 from broker.logs import task_fields
-from broker.protocol import AssignedTask, SpawnRequest, TaskAttempt, TaskReport
+from broker.protocol import AssignedTask, TaskAttempt, TaskReport
+from clients.worker import task_wire
 from clients.worker.artifacts import ArtifactCache
-from clients.worker.config import WorkerConfig, cpu_count
+from clients.worker.config import WorkerConfig
+from clients.worker.task_api import (
+    BUILTIN_TASKS,
+    MAX_ERROR_CHARS,
+    TaskCancelled,
+    TaskContext,
+    TaskFn,
+    encode_result,
+    error_text,
+    make_task_logger,
+    shared_spark,
+    spark_defaults,
+)
+from clients.worker.task_identity import TaskIdentities, TaskIdentity
+from clients.worker.task_procs import Outcome, PoolLimits, TaskProcess, TaskProcessPool, WorkArea
+
+__all__ = [
+    "BUILTIN_TASKS",
+    "TaskCancelled",
+    "TaskContext",
+    "TaskFn",
+    "TaskKey",
+    "TaskRuntime",
+    "encode_result",
+    "error_text",
+    "make_task_logger",
+    "shared_spark",
+    "spark_defaults",
+]
 
 logger = logging.getLogger(__name__)
-task_logger_parent: Final = logging.getLogger("steward.task")
 
-TaskFn = Callable[[Any, "TaskContext"], Any]
 TaskKey = tuple[int, int]  # (task_id, attempt)
 
-DEFAULT_SQL_MAX_ROWS: Final = 1000
-MAX_ERROR_CHARS: Final = 64 * 1024
 _SPARK_RECANCEL_S: Final = 0.5
+_KEPT_OUTPUTS: Final = 256  # attempts whose captured output the worker keeps
 
 
-class TaskCancelled(Exception):
-    """Raised inside a task by :meth:`TaskContext.check_cancelled` once it is cancelled."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-# -- the shared SparkSession (the one piece of process-wide state) --
-
-_spark_lock = threading.Lock()
-_spark_session: Any = None
+def task_identities(config: WorkerConfig) -> TaskIdentities:
+    """Who runs each tenant's task processes (TaskUserError when the config is unusable)."""
+    return TaskIdentities(
+        task_user=config.task_user,
+        tenant_users=config.tenant_users,
+        uid_range=config.task_uid_range,
+        allow_root=config.allow_root_tasks,
+    )
 
 
-def spark_defaults(master: str) -> dict[str, str]:
-    defaults = {
-        "spark.ui.enabled": "false",
-        "spark.ui.showConsoleProgress": "false",
-    }
-    if master.startswith("local"):
-        defaults.update(
-            {
-                # One machine: the default 200 shuffle partitions are pure overhead.
-                "spark.sql.shuffle.partitions": str(max(2, cpu_count())),
-                "spark.default.parallelism": str(max(2, cpu_count())),
-                # Listen on loopback only (the driver's RPC and block manager ports).
-                "spark.driver.host": "127.0.0.1",
-                "spark.driver.bindAddress": "127.0.0.1",
-            }
-        )
-    return defaults
+def task_memory_limit_mb(task: AssignedTask, default_mb: int) -> int:
+    """The task's ``resources.memory_mb`` when given, else the worker's default (0: none)."""
+    asked = task.resources.get("memory_mb")
+    if asked is not None and asked > 0:
+        return max(1, int(asked))
+    return default_mb
 
 
-def shared_spark(master: str = "local[*]", conf: Mapping[str, str] | None = None) -> Any:
-    """The process's SparkSession: created on the first call, the same object afterwards.
-
-    ``master`` and ``conf`` only matter for the first call (one JVM per process).
-    """
-    global _spark_session
-    with _spark_lock:
-        session = _spark_session
-        if session is not None and session.sparkContext._jsc is not None:
-            return session
-        if session is not None:
-            logger.warning("the shared SparkSession was stopped; creating a new one")
-        from pyspark.sql import SparkSession
-
-        if master.startswith("local"):
-            # Spark's own address lookup (before the conf applies) otherwise picks the
-            # host's external interface; everything here stays on loopback.
-            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        builder: Any = SparkSession.builder.master(master).appName("steward-worker")
-        for key, value in {**spark_defaults(master), **(conf or {})}.items():
-            builder = builder.config(key, value)
-        started = time.monotonic()
-        _spark_session = builder.getOrCreate()
-        logger.info(
-            "SparkSession started (master %s) in %.1f s", master, time.monotonic() - started
-        )
-        return _spark_session
-
-
-def _cancel_job_group(session: Any, group: str, reason: str) -> None:
-    # Not cancelJobGroupAndFutureJobs: it remembers the group for good, so a later task
-    # with the same id and attempt (a broker whose data was reset) would be killed at
-    # once; and it does not cover every late job anyway (see the module docstring).
-    sc = session.sparkContext
+def outcome_report(
+    task: AssignedTask, outcome: Outcome, memory_mb: int, max_result_bytes: int
+) -> TaskReport:
+    """The report of a task process's outcome; checks what the (untrusted) process sent."""
+    done = outcome.done
+    if done is None:
+        error = f"the task's process {outcome.exit_description}"
+        return TaskReport(task.task_id, task.attempt, ok=False, error=error)
+    if not done.ok:
+        error = (done.error or "failed")[:MAX_ERROR_CHARS]
+        if done.out_of_memory and memory_mb:
+            error = f"killed: memory limit {memory_mb} MB\n\n{error}"
+        return TaskReport(task.task_id, task.attempt, ok=False, error=error)
     try:
-        sc._jsc.sc().cancelJobGroup(group, reason)  # the reason shows in the job's error
-    except Exception:  # a Spark without the (group, reason) overload
-        logger.debug("falling back to SparkContext.cancelJobGroup", exc_info=True)
-        sc.cancelJobGroup(group)
-
-
-# -- the task context --
-
-
-class _TaskLogFilter(logging.Filter):
-    def __init__(self, task_id: int, attempt: int, tenant: str) -> None:
-        super().__init__()
-        self.task_id = task_id
-        self.attempt = attempt
-        self.tenant = tenant
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.task_id = self.task_id
-        record.attempt = self.attempt
-        record.tenant = self.tenant
-        return True
-
-
-def make_task_logger(task_id: int, attempt: int, tenant: str) -> logging.Logger:
-    """A logger under ``steward.task`` whose records carry task_id, attempt and tenant.
-
-    Built directly rather than with logging.getLogger, which would keep one logger per
-    task in the logging manager forever.
-    """
-    task_logger = logging.Logger(f"steward.task.{task_id}")
-    task_logger.parent = task_logger_parent
-    task_logger.addFilter(_TaskLogFilter(task_id, attempt, tenant))
-    return task_logger
-
-
-class TaskContext:
-    """What a task function gets besides its params."""
-
-    def __init__(
-        self,
-        task: AssignedTask,
-        *,
-        params: Any = None,
-        spark_factory: Callable[[], Any] | None = None,
-        max_result_bytes: int = 1024 * 1024,
-    ) -> None:
-        self.task_id = task.task_id
-        self.attempt = task.attempt
-        self.tenant = task.tenant
-        self.type = task.type
-        self.code = task.code
-        self.deadline_ms = task.deadline_ms
-        self.resources = dict(task.resources)
-        self.params = params
-        self.max_result_bytes = max_result_bytes
-        self.logger = make_task_logger(task.task_id, task.attempt, task.tenant)
-        self.cancelled = threading.Event()
-        self.cancel_reason: str | None = None
-        self._spark_factory = spark_factory or shared_spark
-        self._lock = threading.Lock()
-        self._group_threads: set[int] = set()
-        self._session: Any = None
-        self._spawns: list[SpawnRequest] = []
-        self._spawn_bytes = 0
-
-    #: Children one task may spawn (the broker's default limit).
-    MAX_SPAWNS: ClassVar[int] = 10_000
-    #: Largest params of one child (the broker's default limit).
-    MAX_SPAWN_PARAMS_BYTES: ClassVar[int] = 64 * 1024
-
-    def spawn(
-        self,
-        type: str,
-        params: Any = None,
-        *,
-        anchors: Sequence[int] | None = None,
-        tracked: bool = True,
-        tenant: str | None = None,
-        slot: str | None = None,
-        max_attempts: int = 1,
-        deadline_ms: int | None = None,
-        start_after_ms: int | None = None,
-        resources: Mapping[str, float] | None = None,
-        code: str | None = None,
-    ) -> None:
-        """Create a child task when this task finishes successfully.
-
-        The children travel with the task's finish report and are created by the same
-        log entry that records the finish: a task that fails, crashes or is cancelled
-        spawns nothing. ``anchors``: None anchors the child to this task; otherwise task
-        ids of this task's tree (``ctx.task_id`` for this one; several make a DAG).
-        ``tracked=False`` spawns outside the tree (Storm's unanchored emit). Children of
-        an untracked task are never tracked. ``tenant`` and ``code`` default to this
-        task's. The broker validates the rest; an invalid child fails this task.
-        """
-        if not tracked and anchors:
-            raise ValueError("an untracked child takes no anchors")
-        if tracked and anchors is not None and not anchors:
-            raise ValueError("anchors=[] would leave the child untracked: say tracked=False")
-        try:
-            encoded = encode_result(params, self.MAX_SPAWN_PARAMS_BYTES)
-        except ValueError as exc:
-            raise ValueError(f"spawn {type!r}: params: {exc}") from None
-        anchor_self = tracked and (anchors is None or self.task_id in anchors)
-        others = tuple(dict.fromkeys(int(a) for a in anchors or () if a != self.task_id))
-        request = SpawnRequest(
-            type=type,
-            params=encoded,
-            tenant=tenant,
-            tracked=tracked,
-            anchor_self=anchor_self,
-            anchors=others if tracked else (),
-            slot=slot,
-            max_attempts=max_attempts,
-            deadline_ms=deadline_ms,
-            start_after_ms=start_after_ms,
-            resources=dict(resources or {}),
-            code=code,
+        if done.result is None or len(done.result) > max_result_bytes:
+            raise ValueError("result missing or over max_result_bytes")
+        json.loads(done.result)
+        if len(done.spawn) > TaskContext.MAX_SPAWNS or (
+            sum(len(s.params) for s in done.spawn) > max_result_bytes
+        ):
+            raise ValueError("too many or too large spawn requests")
+    except ValueError as exc:
+        return TaskReport(
+            task.task_id,
+            task.attempt,
+            ok=False,
+            error=f"the task's process sent a bad result: {exc}",
         )
-        with self._lock:
-            if len(self._spawns) >= self.MAX_SPAWNS:
-                raise ValueError(f"a task may spawn at most {self.MAX_SPAWNS} children")
-            if self._spawn_bytes + len(encoded) > self.max_result_bytes:
-                raise ValueError(
-                    f"the children's params exceed max_result_bytes ({self.max_result_bytes})"
-                )
-            self._spawns.append(request)
-            self._spawn_bytes += len(encoded)
-
-    @property
-    def spawned(self) -> tuple[SpawnRequest, ...]:
-        """The children requested so far (sent with a successful finish)."""
-        with self._lock:
-            return tuple(self._spawns)
-
-    @property
-    def job_group(self) -> str:
-        return f"steward-{self.task_id}-{self.attempt}"
-
-    @property
-    def uses_spark(self) -> bool:
-        with self._lock:
-            return bool(self._group_threads)
-
-    @property
-    def spark(self) -> Any:
-        """The worker's shared SparkSession, with this task's job group set in this thread."""
-        self.check_cancelled()
-        session = self._spark_factory()
-        thread_id = threading.get_ident()
-        with self._lock:
-            first_in_thread = thread_id not in self._group_threads
-            self._group_threads.add(thread_id)
-            self._session = session
-        if first_in_thread:
-            session.sparkContext.setJobGroup(
-                self.job_group,
-                f"steward task {self.task_id} attempt {self.attempt} ({self.type}, {self.tenant})",
-                interruptOnCancel=True,
-            )
-        # A cancel that raced with setJobGroup above may have missed this group.
-        self.check_cancelled()
-        return session
-
-    def check_cancelled(self) -> None:
-        if self.cancelled.is_set():
-            raise TaskCancelled(self.cancel_reason or "cancelled")
-
-    def _cancel(self, reason: str) -> None:
-        with self._lock:
-            if self.cancel_reason is None:
-                self.cancel_reason = reason
-        self.cancelled.set()
-
-    def _cancel_spark(self) -> None:
-        with self._lock:
-            session = self._session if self._group_threads else None
-        if session is not None:
-            _cancel_job_group(session, self.job_group, self.cancel_reason or "cancelled")
-
-    def _leave_job_group(self) -> None:
-        """Clear the job group in the calling thread (a pool thread runs other tasks next)."""
-        thread_id = threading.get_ident()
-        with self._lock:
-            session = self._session if thread_id in self._group_threads else None
-        if session is not None:
-            try:
-                session.sparkContext._jsc.clearJobGroup()
-            except Exception:
-                logger.warning("could not clear Spark job group %s", self.job_group, exc_info=True)
-
-
-# -- built-in task types --
-
-
-def _params_dict(params: Any, type_name: str) -> dict[str, Any]:
-    if params is None:
-        return {}
-    if not isinstance(params, dict):
-        raise ValueError(f"{type_name} params must be a JSON object, got {type(params).__name__}")
-    return params
-
-
-def task_noop(params: Any, ctx: TaskContext) -> None:
-    return None
-
-
-def task_sleep(params: Any, ctx: TaskContext) -> dict[str, float]:
-    seconds = _params_dict(params, "sleep").get("seconds", 0)
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
-        raise ValueError(f"sleep needs params {{'seconds': number >= 0}}, got {seconds!r}")
-    if ctx.cancelled.wait(float(seconds)):
-        ctx.check_cancelled()
-    return {"slept": seconds}
-
-
-def task_fail(params: Any, ctx: TaskContext) -> None:
-    message = _params_dict(params, "fail").get("message")
-    raise RuntimeError(str(message) if message is not None else "task failed (fail task)")
-
-
-def task_spark_sql(params: Any, ctx: TaskContext) -> list[Any]:
-    """Run one SQL query; the rows as JSON objects (nulls kept), all or an error."""
-    p = _params_dict(params, "spark.sql")
-    query = p.get("query")
-    if not isinstance(query, str) or not query.strip():
-        raise ValueError("spark.sql needs params {'query': str, 'max_rows'?: int}")
-    max_rows = p.get("max_rows", DEFAULT_SQL_MAX_ROWS)
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0:
-        raise ValueError(f"spark.sql max_rows must be an integer >= 0, got {max_rows!r}")
-    from pyspark.sql import functions as sf
-
-    df = ctx.spark.sql(query)
-    as_json = df.select(sf.to_json(sf.struct("*"), {"ignoreNullFields": "false"}).alias("j"))
-    # One row past the cap tells "exactly max_rows" from "more" without collecting all.
-    lines: list[str] = [row[0] for row in as_json.limit(max_rows + 1).collect()]
-    if len(lines) > max_rows:
-        raise ValueError(
-            f"spark.sql: the query returned more than max_rows={max_rows} rows;"
-            " add a LIMIT or raise max_rows"
-        )
-    size = 2 + sum(len(line.encode()) + 1 for line in lines)
-    if size > ctx.max_result_bytes:
-        raise ValueError(
-            f"spark.sql: the {len(lines)} rows take about {size} bytes as JSON, over the"
-            f" max_result_bytes limit of {ctx.max_result_bytes}; select fewer rows or columns"
-        )
-    return [json.loads(line) for line in lines]
-
-
-BUILTIN_TASKS: Final[Mapping[str, TaskFn]] = {
-    "noop": task_noop,
-    "sleep": task_sleep,
-    "fail": task_fail,
-    "spark.sql": task_spark_sql,
-}
-
-
-# -- the runtime --
-
-
-def encode_result(value: Any, max_result_bytes: int) -> bytes:
-    """JSON text of a task's return value; ValueError when not JSON or too large."""
-    try:
-        text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise ValueError(f"the task's result is not JSON-serializable: {exc}") from None
-    data = text.encode()
-    if len(data) > max_result_bytes:
-        raise ValueError(
-            f"the task's result is {len(data)} bytes of JSON, over the max_result_bytes"
-            f" limit of {max_result_bytes}"
-        )
-    return data
-
-
-def error_text(exc: BaseException, max_chars: int = MAX_ERROR_CHARS) -> str:
-    """The message first (what a user reads), then the formatted traceback, capped."""
-    text = f"{type(exc).__name__}: {exc}\n\n{''.join(traceback.format_exception(exc))}"
-    if len(text) > max_chars:
-        # Keep the head (the message) and the tail (where it was raised).
-        half = max_chars // 2
-        text = f"{text[:half]}\n... [{len(text) - 2 * half} characters cut] ...\n{text[-half:]}"
-    return text
+    return TaskReport(task.task_id, task.attempt, ok=True, result=done.result, spawn=done.spawn)
 
 
 def _fields(entry: _Running) -> dict[str, Any]:
@@ -420,6 +145,7 @@ class _Running:
     thread_done: threading.Event = field(default_factory=threading.Event)
     reported: bool = False
     suppress_report: bool = False
+    process: TaskProcess | None = None  # the task process running it, if any
 
 
 class TaskRuntime:
@@ -450,6 +176,26 @@ class TaskRuntime:
             lambda: shared_spark(config.spark_master, config.spark_conf)
         )
         self._registry: dict[str, TaskFn] = dict(BUILTIN_TASKS)
+        # Types the embedding program registered: its own code, run in this process.
+        self._registered: set[str] = set()
+        self.identities: TaskIdentities | None = None
+        self.processes: TaskProcessPool | None = None
+        if config.task_isolation == "process":
+            self.identities = task_identities(config)
+            self.processes = TaskProcessPool(
+                PoolLimits(
+                    capacity=config.capacity(),
+                    idle_s=config.task_process_idle_s,
+                    max_tasks=config.task_process_max_tasks,
+                    max_rss_mb=config.task_process_max_rss_mb,
+                    max_output_bytes=config.max_output_bytes,
+                    max_frame_bytes=2 * config.max_result_bytes + 1024 * 1024,
+                ),
+                WorkArea(config.work_dir),
+                python=config.task_python,
+            )
+        # Captured output of the latest attempts run in task processes (bounded).
+        self._outputs: OrderedDict[TaskKey, bytes] = OrderedDict()
         self._entries: dict[TaskKey, _Running] = {}
         # Attempts known per task id, so a newer attempt finds older ones in O(1).
         self._attempts: dict[int, set[int]] = {}
@@ -460,8 +206,14 @@ class TaskRuntime:
         self._closed = False
 
     def register(self, type_name: str, fn: TaskFn) -> None:
-        """Add or replace a task type (e.g. for embedding or tests)."""
+        """Add or replace a task type run in this process (the embedder's own code)."""
         self._registry[type_name] = fn
+        self._registered.add(type_name)
+
+    def output(self, key: TaskKey) -> bytes | None:
+        """The captured stdout/stderr of a recent attempt run in a task process."""
+        with self._lock:
+            return self._outputs.get(key)
 
     # -- queries (any thread) --
 
@@ -523,6 +275,11 @@ class TaskRuntime:
             entry.thread_done.set()
             self._finish(entry, self._cancelled_report(entry))
             return True
+        with self._lock:
+            process = entry.process
+        if process is not None:  # ended for sure: SIGTERM now, SIGKILL after the grace
+            process.cancel(reason, self.config.cancel_grace_s)
+            return True
         threading.Thread(
             target=self._watch_cancelled,
             args=(entry,),
@@ -552,6 +309,8 @@ class TaskRuntime:
         with self._lock:
             self._closed = True
         self._pool.shutdown(wait=wait, cancel_futures=True)
+        if self.processes is not None:
+            self.processes.close()
         self.artifacts.close()
 
     # -- task threads --
@@ -568,6 +327,8 @@ class TaskRuntime:
         task, ctx = entry.task, entry.ctx
         # DEBUG: one line per task at full rate would flood the log; failures are INFO.
         ctx.logger.debug("task %d attempt %d running (%s)", task.task_id, task.attempt, task.type)
+        if self.processes is not None and task.type not in self._registered:
+            return self._execute_in_process(entry, self.processes)
         try:
             ctx.check_cancelled()
             try:
@@ -592,6 +353,90 @@ class TaskRuntime:
             return TaskReport(task.task_id, task.attempt, ok=False, error=error_text(exc))
         ctx.logger.debug("task %d attempt %d finished", task.task_id, task.attempt)
         return TaskReport(task.task_id, task.attempt, ok=True, result=result, spawn=ctx.spawned)
+
+    def _execute_in_process(self, entry: _Running, pool: TaskProcessPool) -> TaskReport:
+        task, ctx = entry.task, entry.ctx
+        assert self.identities is not None
+        try:
+            ctx.check_cancelled()
+            identity = self.identities.for_tenant(task.tenant)
+            code_path = self._code_for_process(task, identity, pool)
+            memory_mb = task_memory_limit_mb(task, self.config.task_memory_mb)
+            process = pool.acquire(task.tenant, memory_mb, identity)
+        except BaseException as exc:
+            if ctx.cancelled.is_set():
+                return self._cancelled_report(entry)
+            ctx.logger.info("task %d attempt %d failed: %s", task.task_id, task.attempt, exc)
+            return TaskReport(task.task_id, task.attempt, ok=False, error=error_text(exc))
+        with self._lock:
+            entry.process = process
+        retire = True
+        try:
+            if ctx.cancelled.is_set():
+                return self._cancelled_report(entry)
+            with pool.work.attempt_dir(task.task_id, task.attempt, identity) as workdir:
+                outcome = process.run(
+                    task_wire.Run(
+                        task_id=task.task_id,
+                        attempt=task.attempt,
+                        tenant=task.tenant,
+                        type=task.type,
+                        params=task.params,
+                        workdir=str(workdir),
+                        max_result_bytes=self.config.max_result_bytes,
+                        code=task.code,
+                        code_path=str(code_path) if code_path is not None else None,
+                        deadline_ms=task.deadline_ms,
+                        resources=dict(task.resources),
+                        spark_master=self.config.spark_master,
+                        spark_conf=dict(self.config.spark_conf),
+                    )
+                )
+            self._keep_output((task.task_id, task.attempt), outcome.output)
+            report = outcome_report(task, outcome, memory_mb, self.config.max_result_bytes)
+            retire = ctx.cancelled.is_set() or outcome.done is None or not report.ok
+            if ctx.cancelled.is_set():
+                note = ""
+                if outcome.killed:
+                    note = (
+                        f" (the task did not stop within {self.config.cancel_grace_s:g} s;"
+                        " its process was killed)"
+                    )
+                return self._cancelled_report(entry, note)
+            if not report.ok:
+                ctx.logger.info(
+                    "task %d attempt %d failed: %s",
+                    task.task_id,
+                    task.attempt,
+                    (report.error or "").split("\n", 1)[0],
+                )
+            return report
+        finally:
+            with self._lock:
+                entry.process = None
+            pool.release(process, retire=retire)
+
+    def _code_for_process(
+        self, task: AssignedTask, identity: TaskIdentity, pool: TaskProcessPool
+    ) -> Path | None:
+        if task.type in BUILTIN_TASKS:
+            return None
+        if ":" not in task.type:
+            raise LookupError(
+                f"unknown task type {task.type!r}: not one of {', '.join(sorted(BUILTIN_TASKS))}"
+                " and not 'module:function' with a code artifact"
+            )
+        if task.code is None:
+            raise LookupError(f"task type {task.type!r} needs a code artifact (none given)")
+        verified = self.artifacts.verified_copy(task.code)
+        return pool.work.code_copy(task.code, verified, identity)
+
+    def _keep_output(self, key: TaskKey, output: bytes) -> None:
+        with self._lock:
+            self._outputs[key] = output
+            self._outputs.move_to_end(key)
+            while len(self._outputs) > _KEPT_OUTPUTS:
+                self._outputs.popitem(last=False)
 
     def _resolve(self, task: AssignedTask) -> TaskFn:
         fn = self._registry.get(task.type)

@@ -264,6 +264,9 @@ class Env:
             "reconnect_backoff_min_s": 0.02,
             "reconnect_backoff_max_s": 0.2,
             "cancel_grace_s": 2.0,
+            # These tests are about the link and the runtime's bookkeeping; tasks in task
+            # processes are tested in tests/unit/test_task_processes.py.
+            "task_isolation": "thread",
         }
         settings.update(overrides)
         worker = Worker(WorkerConfig(**settings))

@@ -1,0 +1,648 @@
+"""Task processes: warm per-tenant pools of processes that run tenant code.
+
+Why processes (docs/SECURITY.md): the worker holds a credential and runs tasks of many
+tenants; a task thread could read both. A task process serves one tenant only, ever, runs
+under that tenant's uid (``clients/worker/task_identity.py``) with a scrubbed environment
+and no descriptors but its pipes, is non-dumpable, and can be killed, which is what makes
+cancel, deadlines and memory limits hard.
+
+Why not ``multiprocessing``/``loky``/``billiard`` pools: none starts a child under another
+uid with a chosen environment (they inherit the parent's), and each treats the death of
+one child as the death of the pool (``BrokenProcessPool``), while here killing a task's
+process is the normal way to cancel it. ``subprocess.Popen`` does the exec with
+``user``/``group``/``extra_groups``/``env``/``umask``/``pass_fds``; the protocol is
+``clients/worker/task_wire.py``. Measured cost per no-op task: docs/BENCHMARKS.md.
+
+Pools. Processes are keyed by (tenant, memory limit) and reused most-recently-used first;
+at most ``capacity`` (the worker's slots) live at once, an idle process of another key is
+retired to make room. A process is retired after ``max_tasks`` tasks, when its resident
+memory passes ``max_rss_mb``, after any cancel, crash or protocol error, and when idle for
+``idle_s``. Every process is in its own session: retiring kills its whole process group.
+
+Files (under the work root, ``0711``, the worker's): ``attempts/<task>-<attempt>-<rand>``
+(``0700``, the task user's, removed after the attempt; the task's cwd and TMPDIR),
+``homes/<uid>`` (``0700``, the task user's HOME) and ``code/<uid>/`` (``0750``,
+root:the task user's group, files ``0640``): the verified artifacts that uid may import,
+copied from the worker's cache so no tenant reads the cache itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+import clients
+from clients.worker import task_wire
+from clients.worker.task_identity import TaskIdentity
+
+if TYPE_CHECKING:
+    from clients.worker.config import WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+_READ_BYTES: Final = 64 * 1024
+_START_TIMEOUT_S: Final = 60.0
+_REAP_TIMEOUT_S: Final = 5.0
+#: Variables a task process inherits from the worker; nothing else (no credentials).
+PASSED_ENV: Final = ("PATH", "LANG", "LC_ALL", "TZ", "JAVA_HOME", "SPARK_HOME")
+PROJECT_ROOT: Final = Path(clients.__file__).resolve().parent.parent
+
+
+class TaskProcessError(Exception):
+    """A task process could not be started (its task fails with this message)."""
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "unknown"
+        return f"exited with signal {-returncode} ({name})"
+    return f"exited with code {returncode}"
+
+
+def scrubbed_env(home: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    source = os.environ if base is None else base
+    env = {name: source[name] for name in PASSED_ENV if name in source}
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    env.setdefault("LANG", "C.UTF-8")
+    env.update(
+        {
+            "HOME": str(home),
+            "TMPDIR": str(home),
+            # Steward's own modules, for a worker run from a source checkout.
+            "PYTHONPATH": str(PROJECT_ROOT),
+            "PYTHONUNBUFFERED": "1",
+            # Spark binds the driver to loopback, as in the worker.
+            "SPARK_LOCAL_IP": "127.0.0.1",
+        }
+    )
+    return env
+
+
+@dataclass
+class Outcome:
+    """How one Run ended: a Done, or the process's exit (``done`` None)."""
+
+    done: task_wire.Done | None = None
+    exit_description: str = ""
+    output: bytes = b""
+    killed: bool = False  # the worker killed it (cancel past its grace)
+
+
+class _OutputTail:
+    """The last ``limit`` bytes of a process's output for the current attempt."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._buffer = bytearray()
+        self.dropped = 0
+
+    def add(self, data: bytes) -> None:
+        self._buffer += data
+        if len(self._buffer) > 2 * self.limit:
+            cut = len(self._buffer) - self.limit
+            self.dropped += cut
+            del self._buffer[:cut]
+
+    def take(self) -> bytes:
+        data = bytes(self._buffer[-self.limit :])
+        dropped = self.dropped + len(self._buffer) - len(data)
+        self._buffer.clear()
+        self.dropped = 0
+        if dropped:
+            data = f"[... {dropped} earlier bytes of output dropped ...]\n".encode() + data
+        return data
+
+
+class TaskProcess:
+    """One started task process and the thread reading its pipes."""
+
+    def __init__(
+        self,
+        key: tuple[str, int],
+        identity: TaskIdentity,
+        popen: subprocess.Popen[bytes],
+        control_fd: int,
+        events_fd: int,
+        *,
+        max_frame_bytes: int,
+        max_output_bytes: int,
+    ) -> None:
+        self.key = key
+        self.identity = identity
+        self.popen = popen
+        self.pid = popen.pid
+        self.tasks_run = 0
+        self.last_used = time.monotonic()
+        self._control_fd = control_fd
+        self._control_lock = threading.Lock()  # a write never meets a closed (reused) fd
+        self._events_fd = events_fd
+        assert popen.stdout is not None
+        self._output_fd = popen.stdout.fileno()
+        self._decoder = task_wire.EventDecoder(max_frame_bytes)
+        self._output = _OutputTail(max_output_bytes)
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._outcome: Outcome | None = None
+        self._finished = threading.Event()
+        self._exited = threading.Event()
+        self._killed = False
+        self._reader = threading.Thread(
+            target=self._read, name=f"steward-taskproc-{self.pid}", daemon=True
+        )
+        self._reader.start()
+
+    # -- the worker's side --
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        return self._ready.wait(timeout_s) and not self._exited.is_set()
+
+    @property
+    def alive(self) -> bool:
+        return not self._exited.is_set()
+
+    def run(self, run: task_wire.Run) -> Outcome:
+        """Send one task and block until its Done or the process's end."""
+        with self._lock:
+            self._outcome = None
+            self._finished.clear()
+        self.tasks_run += 1
+        try:
+            self._write_control(run)
+        except OSError as exc:
+            self.kill()
+            self._exited.wait(_REAP_TIMEOUT_S)
+            return Outcome(exit_description=f"could not be given the task: {exc}")
+        self._finished.wait()
+        with self._lock:
+            outcome = self._outcome
+        assert outcome is not None
+        self.last_used = time.monotonic()
+        return outcome
+
+    def cancel(self, reason: str, grace_s: float) -> None:
+        """Cancel frame and SIGTERM now; SIGKILL to the group if no end within the grace."""
+        with contextlib.suppress(OSError):
+            self._write_control(task_wire.Cancel(reason=reason))
+        self._signal(signal.SIGTERM)
+        timer = threading.Timer(grace_s, self._kill_if_running)
+        timer.daemon = True
+        timer.start()
+
+    def _kill_if_running(self) -> None:
+        if not self._finished.is_set():
+            with self._lock:
+                self._killed = True
+            self.kill()
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _write_control(self, message: task_wire.ToProcess) -> None:
+        with self._control_lock:
+            if self._control_fd < 0:
+                raise BrokenPipeError("the task process's control pipe is closed")
+            task_wire.write_frame(self._control_fd, message)
+
+    def _close_control(self) -> None:
+        with self._control_lock:
+            fd, self._control_fd = self._control_fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def retire(self) -> None:
+        """End the process (its whole group) and reap it; waits at most a few seconds."""
+        self._close_control()
+        self.kill()
+        self._exited.wait(_REAP_TIMEOUT_S)
+
+    def rss_mb(self) -> float:
+        try:
+            with open(f"/proc/{self.pid}/statm") as f:
+                pages = int(f.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            return 0.0
+        return pages * os.sysconf("SC_PAGE_SIZE") / (1024 * 1024)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if self._exited.is_set():
+            return
+        try:
+            os.killpg(self.pid, sig)  # its own session: the task's children too
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # pragma: no cover - a group it left; the process itself
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    # -- the reader thread --
+
+    def _read(self) -> None:
+        selector = selectors.DefaultSelector()
+        for fd in (self._events_fd, self._output_fd):
+            os.set_blocking(fd, False)
+            selector.register(fd, selectors.EVENT_READ)
+        try:
+            while self._read_ready(selector):
+                pass
+        finally:
+            selector.close()
+            self._on_exit()
+
+    def _read_ready(self, selector: selectors.BaseSelector) -> bool:
+        """Read what is ready; False once the events pipe ended or broke the protocol."""
+        for key, _ in selector.select():
+            fd = int(key.fd)
+            try:
+                data = os.read(fd, _READ_BYTES)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if fd == self._output_fd:
+                if data:
+                    self._output.add(data)
+                else:
+                    selector.unregister(fd)
+            elif not data:  # the process is ending
+                self._drain_output()
+                return False
+            elif not self._on_events(data):
+                return False
+        return True
+
+    def _on_events(self, data: bytes) -> bool:
+        try:
+            messages = self._decoder.feed(data)
+        except task_wire.WireError as exc:
+            logger.warning("task process %d broke the protocol (%s); killing it", self.pid, exc)
+            self.kill()
+            return False
+        for message in messages:
+            if isinstance(message, task_wire.Ready):
+                self._ready.set()
+            elif self._finished.is_set() or self._outcome is not None:
+                logger.warning("task process %d sent a Done with no task; killing it", self.pid)
+                self.kill()
+                return False
+            else:
+                self._drain_output()
+                self._set_outcome(Outcome(done=message, output=self._output.take()))
+        return True
+
+    def _drain_output(self) -> None:
+        # Everything the task wrote before its Done is already in the pipe.
+        for _ in range(64):
+            try:
+                data = os.read(self._output_fd, _READ_BYTES)
+            except (BlockingIOError, OSError):
+                return
+            if not data:
+                return
+            self._output.add(data)
+
+    def _set_outcome(self, outcome: Outcome) -> None:
+        with self._lock:
+            if self._outcome is None:
+                self._outcome = outcome
+        self._finished.set()
+
+    def _on_exit(self) -> None:
+        self.kill()  # a process that closed its events pipe is done for
+        try:
+            returncode = self.popen.wait(_REAP_TIMEOUT_S)
+            description = describe_exit(returncode)
+        except subprocess.TimeoutExpired:
+            description = "stopped answering"
+        os.close(self._events_fd)
+        assert self.popen.stdout is not None
+        self.popen.stdout.close()  # the output pipe (its file object owns the fd)
+        self._close_control()
+        with self._lock:
+            killed = self._killed
+        self._ready.set()
+        self._exited.set()
+        self._set_outcome(
+            Outcome(exit_description=description, output=self._output.take(), killed=killed)
+        )
+
+
+@dataclass
+class PoolLimits:
+    capacity: int
+    idle_s: float = 60.0
+    max_tasks: int = 1000
+    max_rss_mb: float = 0.0  # 0: no limit
+    max_output_bytes: int = 1024 * 1024
+    max_frame_bytes: int = 8 * 1024 * 1024
+
+
+class WorkArea:
+    """The worker's directories for task processes (layout: module docstring)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        _private_dir(self.root, 0o711)
+        for name in ("attempts", "homes", "code"):
+            _private_dir(self.root / name, 0o711)
+        self._code_lock = threading.Lock()
+
+    def home(self, identity: TaskIdentity) -> Path:
+        path = self.root / "homes" / str(identity.uid)
+        _owned_dir(path, identity, 0o700)
+        return path
+
+    @contextlib.contextmanager
+    def attempt_dir(self, task_id: int, attempt: int, identity: TaskIdentity) -> Iterator[Path]:
+        path = self.root / "attempts" / f"{task_id}-{attempt}-{secrets.token_hex(4)}"
+        path.mkdir(mode=0o700)
+        try:
+            if identity.switch:
+                os.chown(path, identity.uid, identity.gid)
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def code_copy(self, sha: str, verified: Path, identity: TaskIdentity) -> Path:
+        """A copy of a verified artifact that ``identity`` may read and nobody else."""
+        if not identity.switch:
+            return verified  # the task runs as the worker: it can read the cache anyway
+        parent = self.root / "code" / str(identity.uid)
+        with self._code_lock:
+            if not parent.is_dir():
+                parent.mkdir(mode=0o750)
+                os.chown(parent, 0, identity.gid)
+            target = parent / verified.name
+            if target.exists():
+                return target
+            tmp = parent / f".{sha[:12]}-{secrets.token_hex(4)}"
+            try:
+                if verified.is_dir():
+                    shutil.copytree(verified, tmp, symlinks=False)
+                else:
+                    shutil.copyfile(verified, tmp)
+                _share_tree(tmp, identity.gid)
+                os.rename(tmp, target)
+            finally:
+                if tmp.is_dir():
+                    shutil.rmtree(tmp, ignore_errors=True)
+                else:
+                    tmp.unlink(missing_ok=True)
+            return target
+
+
+def _private_dir(path: Path, mode: int) -> None:
+    path.mkdir(mode=mode, parents=True, exist_ok=True)
+    info = path.lstat()
+    if path.is_symlink() or info.st_uid != os.geteuid():
+        raise TaskProcessError(f"{path} is not a directory of this worker's user")
+    os.chmod(path, mode)
+
+
+def _owned_dir(path: Path, identity: TaskIdentity, mode: int) -> None:
+    path.mkdir(mode=mode, exist_ok=True)
+    if identity.switch:
+        os.chown(path, identity.uid, identity.gid)
+    os.chmod(path, mode)
+
+
+def _share_tree(root: Path, gid: int) -> None:
+    """root:gid, directories 0750 and files 0640: readable by the group only."""
+    paths = [root] if root.is_file() else [root, *root.rglob("*")]
+    for path in paths:
+        os.chown(path, 0, gid, follow_symlinks=False)
+        if not path.is_symlink():
+            os.chmod(path, 0o750 if path.is_dir() else 0o640)
+
+
+class TaskProcessPool:
+    """Warm task processes per (tenant, memory limit); see the module docstring."""
+
+    def __init__(
+        self,
+        limits: PoolLimits,
+        work: WorkArea,
+        *,
+        python: str = sys.executable,
+        spark_env: dict[str, str] | None = None,
+    ) -> None:
+        self.limits = limits
+        self.work = work
+        self.python = python
+        self.started = 0  # processes started, for tests and metrics
+        self._idle: dict[tuple[str, int], list[TaskProcess]] = {}
+        self._busy: set[TaskProcess] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name="steward-reaper", daemon=True)
+        self._reaper.start()
+
+    def acquire(self, tenant: str, memory_limit_mb: int, identity: TaskIdentity) -> TaskProcess:
+        key = (tenant, memory_limit_mb)
+        victim: TaskProcess | None = None
+        with self._lock:
+            if self._closed:
+                raise TaskProcessError("the worker is stopping")
+            idle = self._idle.get(key)
+            while idle:
+                process = idle.pop()  # most recently used: warmest caches
+                if process.alive:
+                    self._busy.add(process)
+                    return process
+            if self._live() >= self.limits.capacity:
+                victim = self._oldest_idle()
+        if victim is not None:
+            victim.retire()
+        process = self._start(key, identity)
+        with self._lock:
+            self._busy.add(process)
+        return process
+
+    def release(self, process: TaskProcess, *, retire: bool) -> None:
+        reason = ""
+        if retire:
+            reason = "after a cancel or failure"
+        elif not process.alive:
+            reason = "exited"
+        elif process.tasks_run >= self.limits.max_tasks:
+            reason = f"after {process.tasks_run} tasks"
+        elif self.limits.max_rss_mb and process.rss_mb() > self.limits.max_rss_mb:
+            reason = f"resident memory over {self.limits.max_rss_mb:g} MB"
+        with self._lock:
+            self._busy.discard(process)
+            if not reason and not self._closed:
+                self._idle.setdefault(process.key, []).append(process)
+                return
+        logger.debug("retiring task process %d (%s)", process.pid, reason or "stopping")
+        process.retire()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            processes = [p for idle in self._idle.values() for p in idle] + list(self._busy)
+            self._idle.clear()
+        self._stop.set()
+        for process in processes:
+            process.retire()
+
+    def live(self) -> int:
+        with self._lock:
+            return self._live()
+
+    def idle_pids(self, tenant: str | None = None) -> list[int]:
+        with self._lock:
+            return [
+                p.pid
+                for key, idle in self._idle.items()
+                if tenant is None or key[0] == tenant
+                for p in idle
+            ]
+
+    # -- internals --
+
+    def _live(self) -> int:
+        return len(self._busy) + sum(len(idle) for idle in self._idle.values())
+
+    def _oldest_idle(self) -> TaskProcess | None:
+        oldest: TaskProcess | None = None
+        for idle in self._idle.values():
+            for process in idle:
+                if oldest is None or process.last_used < oldest.last_used:
+                    oldest = process
+        if oldest is not None:
+            self._idle[oldest.key].remove(oldest)
+        return oldest
+
+    def _start(self, key: tuple[str, int], identity: TaskIdentity) -> TaskProcess:
+        home = self.work.home(identity)
+        control_r, control_w = os.pipe()
+        events_r, events_w = os.pipe()
+        args = [
+            self.python,
+            "-m",
+            "clients.worker.task_host",
+            "--control",
+            str(control_r),
+            "--events",
+            str(events_w),
+            "--max-frame-bytes",
+            str(self.limits.max_frame_bytes),
+            "--memory-limit-mb",
+            str(key[1]),
+        ]
+        try:
+            popen = subprocess.Popen(
+                args,
+                env=scrubbed_env(home),
+                cwd=home,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                pass_fds=(control_r, events_w),
+                start_new_session=True,
+                umask=0o077,
+                user=identity.uid if identity.switch else None,
+                group=identity.gid if identity.switch else None,
+                extra_groups=[] if identity.switch else None,
+            )
+        except OSError as exc:
+            for fd in (control_r, control_w, events_r, events_w):
+                os.close(fd)
+            raise TaskProcessError(
+                f"could not start a task process as uid {identity.uid}: {exc}."
+                f" The task user must be able to run {self.python} and read {PROJECT_ROOT}"
+                " (see docs/SECURITY.md, 'Task users')"
+            ) from None
+        os.close(control_r)
+        os.close(events_w)
+        process = TaskProcess(
+            key,
+            identity,
+            popen,
+            control_w,
+            events_r,
+            max_frame_bytes=self.limits.max_frame_bytes,
+            max_output_bytes=self.limits.max_output_bytes,
+        )
+        if not process.wait_ready(_START_TIMEOUT_S):
+            process.retire()
+            tail = process._output.take().decode(errors="replace")[-2000:]
+            raise TaskProcessError(
+                f"a task process as uid {identity.uid} did not start: {tail.strip()}"
+                f" (the task user must be able to run {self.python} and read {PROJECT_ROOT};"
+                " see docs/SECURITY.md, 'Task users')"
+            )
+        with self._lock:
+            self.started += 1
+        logger.debug("started task process %d for %s as uid %d", process.pid, key, identity.uid)
+        return process
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(1.0):
+            now = time.monotonic()
+            stale: list[TaskProcess] = []
+            with self._lock:
+                for idle in self._idle.values():
+                    for process in list(idle):
+                        if not process.alive or now - process.last_used > self.limits.idle_s:
+                            idle.remove(process)
+                            stale.append(process)
+            for process in stale:
+                process.retire()
+
+
+def check_task_processes(config: WorkerConfig) -> None:
+    """Fail at start, with what to do, when task users could not run a task process.
+
+    Starts one probe process as the identity a first tenant would get; ValueError (with
+    the reason) when it cannot start or import the task host.
+    """
+    from clients.worker.runtime import task_identities
+
+    identity = task_identities(config).for_tenant("steward-probe")
+    work = WorkArea(config.work_dir)
+    home = work.home(identity)
+    try:
+        probe = subprocess.run(
+            [config.task_python, "-c", "import clients.worker.task_host"],
+            env=scrubbed_env(home),
+            cwd=home,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=_START_TIMEOUT_S,
+            user=identity.uid if identity.switch else None,
+            group=identity.gid if identity.switch else None,
+            extra_groups=[] if identity.switch else None,
+            check=False,
+        )
+        failure = (
+            probe.stderr.decode(errors="replace").strip().splitlines()[-1:]
+            if probe.returncode
+            else []
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        failure = [str(exc)]
+    if failure:
+        raise ValueError(
+            f"task processes (uid {identity.uid}) cannot run {config.task_python} with"
+            f" Steward from {PROJECT_ROOT}: {failure[0]}. Install Steward in a virtualenv"
+            " made from a Python other users can read (e.g. /usr/bin/python3 -m venv"
+            " /opt/steward), or name a user that can with --task-user USER"
+            " (docs/SECURITY.md, 'Task users')"
+        )

@@ -1,0 +1,394 @@
+"""Tasks in task processes (clients/worker/task_procs.py) through the real TaskRuntime.
+
+Real processes, real signals; code artifacts are placed in the worker's cache as the
+download would leave them (the cache verifies their hash before use). CI runs as root, so
+tenants get uids of their own from the dynamic range; the tests that need root say so in
+their asserts, not with skips. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker.protocol import AssignedTask, TaskReport
+from clients.worker import WorkerConfig
+from clients.worker.runtime import TaskRuntime
+from clients.worker.task_identity import DEFAULT_TASK_UID_RANGE, TaskIdentities, TaskUserError
+
+WAIT_S = 20.0
+IS_ROOT = os.geteuid() == 0
+
+JOB = textwrap.dedent(
+    """
+    import ctypes, os, signal, sys, time
+
+    def whoami(params, ctx):
+        return {"pid": os.getpid(), "ppid": os.getppid(), "uid": os.getuid(),
+                "gid": os.getgid(), "groups": os.getgroups(), "cwd": os.getcwd(),
+                "env": dict(os.environ), "tenant": ctx.tenant}
+
+    def spin(params, ctx):
+        while True:
+            pass
+
+    def stubborn(params, ctx):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            time.sleep(0.01)
+
+    def segfault(params, ctx):
+        ctypes.string_at(0)
+
+    def exit3(params, ctx):
+        os._exit(3)
+
+    def hog(params, ctx):
+        blocks = []
+        for _ in range(64):
+            blocks.append(bytearray(64 * 1024 * 1024))
+        return len(blocks)
+
+    def chatty(params, ctx):
+        print("to stdout", params)
+        print("to stderr", params, file=sys.stderr)
+        ctx.logger.warning("through ctx.logger %s", params)
+        return params
+
+    def read_file(params, ctx):
+        with open(params) as f:
+            return f.read()
+
+    def write_cwd(params, ctx):
+        with open("left-behind.txt", "w") as f:
+            f.write("x")
+        return os.getcwd()
+    """
+)
+
+
+def _work_root(tmp: Path) -> Path:
+    root = Path(tempfile.mkdtemp(prefix="steward-test-work-"))
+    os.chmod(root, 0o711)
+    (tmp / "work-root").write_text(str(root))  # for cleanup
+    return root / "work"
+
+
+class Runtime:
+    """A TaskRuntime with task processes and a collecting on_report."""
+
+    def __init__(self, tmp: Path, **overrides: Any) -> None:
+        settings: dict[str, Any] = {
+            "broker": "127.0.0.1:1",
+            "http_url": "http://127.0.0.1:1",
+            "task_types": {"*": 4},
+            "cache_dir": tmp / "cache",
+            # Not under tmp: pytest makes its base 0700, and task users must reach this.
+            "work_dir": _work_root(tmp),
+            "cancel_grace_s": 1.0,
+            "task_process_idle_s": 30.0,
+        }
+        settings.update(overrides)
+        self.config = WorkerConfig(**settings)
+        self.reports: dict[tuple[int, int], TaskReport] = {}
+        self._cond = threading.Condition()
+        self.runtime = TaskRuntime(self.config, self._on_report)
+        self.sha = self._install(JOB.encode())
+
+    def _install(self, code: bytes) -> str:
+        sha = hashlib.sha256(code).hexdigest()
+        self.config.cache_dir.mkdir(parents=True, exist_ok=True)
+        (self.config.cache_dir / f"{sha}.py").write_bytes(code)
+        return sha
+
+    def _on_report(self, report: TaskReport) -> None:
+        with self._cond:
+            self.reports[report.task_id, report.attempt] = report
+            self._cond.notify_all()
+        self.runtime.forget((report.task_id, report.attempt))
+
+    def start(
+        self,
+        task_id: int,
+        fn: str,
+        params: Any = None,
+        *,
+        tenant: str = "alice",
+        resources: dict[str, float] | None = None,
+    ) -> None:
+        code = self.sha if ":" in fn else None
+        self.runtime.start(
+            AssignedTask(
+                task_id=task_id,
+                attempt=1,
+                type=fn,
+                tenant=tenant,
+                params=json.dumps(params).encode(),
+                code=code,
+                resources=resources or {},
+            )
+        )
+
+    def wait(self, task_id: int, timeout_s: float = WAIT_S) -> TaskReport:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while (task_id, 1) not in self.reports:
+                left = deadline - time.monotonic()
+                assert left > 0, f"task {task_id} did not report within {timeout_s} s"
+                self._cond.wait(left)
+            return self.reports[task_id, 1]
+
+    def result(self, task_id: int) -> Any:
+        report = self.wait(task_id)
+        assert report.ok, report.error
+        assert report.result is not None
+        return json.loads(report.result)
+
+    def close(self) -> None:
+        self.runtime.shutdown()
+        shutil.rmtree(self.config.work_dir.parent, ignore_errors=True)
+
+
+@pytest.fixture
+def rt(tmp_path: Path) -> Iterator[Runtime]:
+    runtime = Runtime(tmp_path)
+    yield runtime
+    runtime.close()
+
+
+def test_builtins_and_artifacts_run_in_a_task_process_not_the_worker(rt: Runtime) -> None:
+    rt.start(1, "noop")
+    rt.start(2, "sleep", {"seconds": 0.01})
+    rt.start(3, "fail", {"message": "boom"})
+    rt.start(4, "job:whoami")
+    assert rt.result(1) is None
+    assert rt.result(2) == {"slept": 0.01}
+    failed = rt.wait(3)
+    assert not failed.ok and failed.error is not None
+    assert failed.error.startswith("RuntimeError: boom\n")
+    seen = rt.result(4)
+    assert seen["pid"] != os.getpid()
+    assert seen["ppid"] == os.getpid()  # started by the worker itself, by exec
+    assert seen["tenant"] == "alice"
+
+
+def test_a_task_process_serves_one_tenant_and_is_reused_warm(rt: Runtime) -> None:
+    rt.start(1, "job:whoami", tenant="alice")
+    first = rt.result(1)
+    rt.start(2, "job:whoami", tenant="alice")
+    again = rt.result(2)
+    rt.start(3, "job:whoami", tenant="bob")
+    bob = rt.result(3)
+    assert again["pid"] == first["pid"]  # warm: the same process
+    assert bob["pid"] != first["pid"]
+    assert rt.runtime.processes is not None and rt.runtime.processes.started == 2
+    if IS_ROOT:  # CI: tenants get uids of their own, never root
+        low, high = DEFAULT_TASK_UID_RANGE
+        assert low <= first["uid"] <= high and low <= bob["uid"] <= high
+        assert first["uid"] != bob["uid"]
+        assert first["gid"] == first["uid"] and first["groups"] in ([], [first["gid"]])
+    else:
+        assert first["uid"] == bob["uid"] == os.getuid()
+
+
+def test_concurrent_tenants_run_in_different_processes(rt: Runtime) -> None:
+    for task_id, tenant in ((1, "alice"), (2, "bob"), (3, "alice"), (4, "bob")):
+        rt.start(task_id, "sleep", {"seconds": 0.5}, tenant=tenant)
+    for task_id in range(1, 5):
+        assert rt.result(task_id) == {"slept": 0.5}
+    assert rt.runtime.processes is not None
+    assert rt.runtime.processes.started == 4  # 4 at once: one process each
+
+
+def test_the_environment_is_scrubbed_and_the_worker_token_is_not_passed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STEWARD_WORKER_TOKEN", "s3cret-worker-token")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cret-aws")
+    rt = Runtime(tmp_path, token="s3cret-worker-token")
+    try:
+        rt.start(1, "job:whoami")
+        env = rt.result(1)["env"]
+    finally:
+        rt.close()
+    assert "s3cret" not in json.dumps(env)
+    assert set(env) <= {
+        "PATH", "LANG", "LC_ALL", "TZ", "JAVA_HOME", "SPARK_HOME", "HOME", "TMPDIR",
+        "PYTHONPATH", "PYTHONUNBUFFERED", "SPARK_LOCAL_IP",
+    }  # fmt: skip
+
+
+def test_each_attempt_gets_its_own_working_directory_removed_afterwards(rt: Runtime) -> None:
+    rt.start(1, "job:write_cwd")
+    rt.start(2, "job:whoami")
+    cwd = rt.result(1)
+    seen = rt.result(2)
+    assert cwd != seen["cwd"]
+    assert Path(cwd).parent == rt.config.work_dir / "attempts"
+    assert not Path(cwd).exists()  # removed with what the task left there
+    assert seen["env"]["TMPDIR"] == seen["cwd"] or seen["env"]["TMPDIR"]
+
+
+def test_hard_cancel_ends_a_spinning_task_within_the_grace(rt: Runtime) -> None:
+    rt.start(1, "job:spin")
+    _wait_busy(rt, 1)
+    started = time.monotonic()
+    rt.runtime.cancel((1, 1), "by test")
+    report = rt.wait(1)
+    elapsed_s = time.monotonic() - started
+    assert report.error is not None and report.error.startswith("cancelled: by test")
+    assert elapsed_s < rt.config.cancel_grace_s + 1.0
+    _wait_no_busy_process(rt)
+
+
+def test_a_task_ignoring_sigterm_is_killed_after_the_grace(rt: Runtime) -> None:
+    rt.start(1, "job:stubborn")
+    _wait_busy(rt, 1)
+    time.sleep(0.3)  # let it install its SIG_IGN
+    started = time.monotonic()
+    rt.runtime.cancel((1, 1), "by test")
+    report = rt.wait(1)
+    elapsed_s = time.monotonic() - started
+    assert report.error is not None and "its process was killed" in report.error
+    assert rt.config.cancel_grace_s - 0.2 < elapsed_s < rt.config.cancel_grace_s + 1.0
+    _wait_no_busy_process(rt)
+    rt.start(2, "noop")  # the slot works again
+    assert rt.result(2) is None
+
+
+def test_a_segfault_or_exit_fails_only_its_task(rt: Runtime) -> None:
+    rt.start(1, "sleep", {"seconds": 1.0})
+    rt.start(2, "job:segfault")
+    rt.start(3, "job:exit3")
+    segv = rt.wait(2)
+    assert segv.error == "the task's process exited with signal 11 (SIGSEGV)"
+    exited = rt.wait(3)
+    assert exited.error == "the task's process exited with code 3"
+    assert rt.result(1) == {"slept": 1.0}  # the neighbour lives on
+
+
+def test_a_task_over_its_memory_limit_fails_alone_with_the_limit_named(rt: Runtime) -> None:
+    rt.start(1, "job:hog", resources={"memory_mb": 300})
+    report = rt.wait(1)
+    assert report.error is not None
+    assert report.error.startswith("killed: memory limit 300 MB"), report.error[:300]
+    rt.start(2, "job:hog")  # no limit by default: the same code succeeds
+    assert rt.result(2) == 64
+
+
+def test_stdout_stderr_and_the_task_logger_are_captured_per_attempt(rt: Runtime) -> None:
+    rt.start(1, "job:chatty", "first")
+    rt.start(2, "job:chatty", "second")
+    assert rt.result(1) == "first" and rt.result(2) == "second"
+    first = rt.runtime.output((1, 1))
+    second = rt.runtime.output((2, 1))
+    assert first is not None and second is not None
+    for text, word in ((first.decode(), "first"), (second.decode(), "second")):
+        assert f"to stdout {word}" in text
+        assert f"to stderr {word}" in text
+        assert f"through ctx.logger {word}" in text
+    assert "second" not in first.decode() and "first" not in second.decode()
+
+
+def test_output_is_bounded_to_its_last_bytes(tmp_path: Path) -> None:
+    rt = Runtime(tmp_path, max_output_bytes=1000)
+    try:
+        rt.start(1, "job:chatty", "x" * 50_000)
+        rt.result(1)
+        output = rt.runtime.output((1, 1))
+    finally:
+        rt.close()
+    assert output is not None
+    assert len(output) < 1200 and b"earlier bytes of output dropped" in output
+
+
+def test_a_process_is_recycled_after_max_tasks(tmp_path: Path) -> None:
+    rt = Runtime(tmp_path, task_process_max_tasks=2, task_types={"*": 1})
+    try:
+        pids = []
+        for task_id in range(1, 6):
+            rt.start(task_id, "job:whoami")
+            pids.append(rt.result(task_id)["pid"])
+    finally:
+        rt.close()
+    assert pids[0] == pids[1] and pids[2] == pids[3] and pids[4] not in pids[:4]
+    assert len(set(pids)) == 3
+
+
+def test_idle_processes_are_ended_after_the_idle_timeout(tmp_path: Path) -> None:
+    rt = Runtime(tmp_path, task_process_idle_s=0.5)
+    try:
+        rt.start(1, "job:whoami")
+        pid = rt.result(1)["pid"]
+        assert rt.runtime.processes is not None
+        deadline = time.monotonic() + 5.0
+        while rt.runtime.processes.live() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rt.runtime.processes.live() == 0
+        assert not Path(f"/proc/{pid}").exists()
+    finally:
+        rt.close()
+
+
+def test_other_tenants_files_and_the_worker_are_out_of_reach(rt: Runtime) -> None:
+    secret = rt.config.work_dir.parent / "worker-secret"
+    secret.write_text("s3cret")
+    os.chmod(secret, 0o600)
+    rt.start(1, "job:read_file", str(secret))
+    rt.start(2, "job:read_file", f"/proc/{os.getpid()}/environ")
+    report, environ = rt.wait(1), rt.wait(2)
+    if IS_ROOT:
+        assert report.error is not None and "PermissionError" in report.error
+        assert environ.error is not None and "PermissionError" in environ.error
+    else:  # the same uid: only the worker's non-dumpable flag protects /proc
+        assert report.ok
+
+
+def test_task_users_root_needs_an_explicit_opt_in() -> None:
+    with pytest.raises(TaskUserError, match="allow-root-tasks"):
+        TaskIdentities(task_user="root", worker_uid=0)
+    identity = TaskIdentities(task_user="root", worker_uid=0, allow_root=True).for_tenant("a")
+    assert identity.uid == 0 and not identity.switch
+    with pytest.raises(TaskUserError, match="only a worker running as root"):
+        TaskIdentities(task_user="nobody", worker_uid=1000)
+
+
+def test_dynamic_uids_are_distinct_per_tenant_and_stable() -> None:
+    identities = TaskIdentities(worker_uid=0, uid_range=(70000, 70002))
+    uids = [identities.for_tenant(t).uid for t in ("a", "b", "c")]
+    assert sorted(uids) == [70000, 70001, 70002]
+    assert identities.for_tenant("b").uid == uids[1]
+    with pytest.raises(TaskUserError, match="used up"):
+        identities.for_tenant("d")
+    mapped = TaskIdentities(worker_uid=0, tenant_users={"a": "65534"}, task_user="1234")
+    assert mapped.for_tenant("a").uid == 65534 and mapped.for_tenant("z").uid == 1234
+
+
+def _wait_busy(rt: Runtime, count: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    processes = rt.runtime.processes
+    assert processes is not None
+    while processes.live() < count or processes.idle_pids():
+        assert time.monotonic() < deadline, "the task process did not start"
+        time.sleep(0.02)
+    time.sleep(0.2)  # into the task's code
+
+
+def _wait_no_busy_process(rt: Runtime) -> None:
+    processes = rt.runtime.processes
+    assert processes is not None
+    deadline = time.monotonic() + 2.0
+    while processes.live() > len(processes.idle_pids()):
+        assert time.monotonic() < deadline, "the cancelled task's process still holds its slot"
+        time.sleep(0.02)
