@@ -1442,7 +1442,9 @@ def openapi_document(config: ApiConfig | None = None) -> dict[str, Any]:
                     "safely: a submission repeating a key that created tasks in the last "
                     "24 hours (or the finished-task retention, if longer) creates nothing "
                     "and gets the same status and ids again, with replayed: true. A key "
-                    "reused for a different number of tasks is refused (409)."
+                    "reused for a different number of tasks is refused (409). Keys, like "
+                    "slot names, are the tenant's own: another tenant's equal key is "
+                    "another key."
                 ),
                 "parameters": [
                     {
