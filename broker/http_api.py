@@ -893,6 +893,11 @@ class ApiApp:
             for a in self.node.state.artifacts.values()
             if self._may_read_code(request, a)
         ]
+        if tenant is not None:
+            # In the order the tenant uploaded them, not that of the bytes' first upload
+            # (which would tell that another tenant sent some of them earlier). ISO times
+            # of one width sort as strings.
+            views.sort(key=lambda view: (view.created_at, view.sha256))
         return 200, _json_encoder.encode({"artifacts": views})
 
     async def download_code(self, request: Request) -> tuple[int, bytes]:

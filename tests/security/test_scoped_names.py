@@ -8,6 +8,7 @@ what the API cannot reach alone (mixed batches, old snapshots), on the state mac
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
@@ -187,8 +188,9 @@ async def test_uploading_bytes_another_tenant_uploaded_answers_like_a_first_uplo
     assert first.status_code == 201, first.text
     # Bob uploads the same bytes Alice did, and bytes nobody uploaded: the two answers
     # differ only in the hash (which he computes himself) and his own upload times.
-    seen = await env.call("bob", "POST", "/api/v1/code?name=job.py", content=ALICES)
     fresh = await env.call("bob", "POST", "/api/v1/code?name=job.py", content=BOBS_OWN)
+    await asyncio.sleep(0.005)  # so that his two uploads have different times
+    seen = await env.call("bob", "POST", "/api/v1/code?name=job.py", content=ALICES)
     assert seen.status_code == fresh.status_code == 201, (seen.text, fresh.text)
     assert sorted(seen.headers) == sorted(fresh.headers)
 
@@ -208,6 +210,8 @@ async def test_uploading_bytes_another_tenant_uploaded_answers_like_a_first_uplo
     assert listed.status_code == 200
     names = {a["sha256"]: a["name"] for a in listed.json()["artifacts"]}
     assert names == {sha: "job.py", fresh.json()["sha256"]: "job.py"}
+    # In the order he uploaded them: the bytes Alice sent first are not listed first.
+    assert [a["sha256"] for a in listed.json()["artifacts"]] == [fresh.json()["sha256"], sha]
     assert "alice" not in listed.text
     # Alice keeps seeing her own name.
     hers = await env.call("alice", "GET", "/api/v1/code")
