@@ -69,8 +69,8 @@ class CodeStore:
         """Store ``data`` durably (temp file, fsync, rename); returns its sha256."""
         sha256 = hashlib.sha256(data).hexdigest()
         final = self.path(sha256)
-        if final.exists():
-            return sha256
+        # Written again even when present: skipping the write would let an upload's
+        # latency tell a tenant that another tenant uploaded the same bytes.
         fd, temp = tempfile.mkstemp(dir=self.directory, prefix=".upload-")
         try:
             with os.fdopen(fd, "wb") as handle:

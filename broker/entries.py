@@ -84,10 +84,14 @@ class BeginTransaction(_Entry, frozen=True, tag="txn_begin"):
 
 class CommitTransaction(_Entry, frozen=True, tag="txn_commit"):
     transaction_id: int = 0
+    # The tenant asking: another tenant's transaction is "not open" to it (None: any
+    # tenant's, an admin's request or an entry written before transactions were scoped).
+    tenant: str | None = None
 
 
 class RollbackTransaction(_Entry, frozen=True, tag="txn_rollback"):
     transaction_id: int = 0
+    tenant: str | None = None  # as CommitTransaction.tenant
 
 
 class TenantLimitsPatch(msgspec.Struct, omit_defaults=True, frozen=True):

@@ -757,10 +757,15 @@ class ApiApp:
         if txn is None or not request.principal.may_see_tenant(txn.tenant):
             raise HttpError(404, "not_found", f"transaction {txn_id} is not open")
 
+        # The state machine checks the tenant again when it applies the entry.
+        tenant = request.principal.tenant if request.principal.role is CallerRole.TENANT else None
+
         def build(stamp: Stamp) -> e.Entry:
             if commit:
-                return e.CommitTransaction(time_ms=stamp.now_ms, transaction_id=txn_id)
-            return e.RollbackTransaction(time_ms=stamp.now_ms, transaction_id=txn_id)
+                return e.CommitTransaction(
+                    time_ms=stamp.now_ms, transaction_id=txn_id, tenant=tenant
+                )
+            return e.RollbackTransaction(time_ms=stamp.now_ms, transaction_id=txn_id, tenant=tenant)
 
         result = await self.node.propose(build)
         if isinstance(result, Rejected):
@@ -870,7 +875,9 @@ class ApiApp:
         if isinstance(result, Rejected):
             raise _rejected_error(result)
         assert isinstance(result, Artifact)
-        return 201, _json_encoder.encode(artifact_view(result))
+        # Always 201 and the uploader's own name and time: the same answer whether or not
+        # another tenant sent these bytes before.
+        return 201, _json_encoder.encode(artifact_view(result, owner))
 
     def _may_read_code(self, request: Request, artifact: Artifact) -> bool:
         principal = request.principal
@@ -880,11 +887,17 @@ class ApiApp:
 
     async def list_code(self, request: Request) -> tuple[int, bytes]:
         self._require(request, CallerRole.TENANT, CallerRole.WORKER, CallerRole.PEER)
+        tenant = request.principal.tenant if request.principal.role is CallerRole.TENANT else None
         views = [
-            artifact_view(a)
+            artifact_view(a, tenant)
             for a in self.node.state.artifacts.values()
             if self._may_read_code(request, a)
         ]
+        if tenant is not None:
+            # In the order the tenant uploaded them, not that of the bytes' first upload
+            # (which would tell that another tenant sent some of them earlier). ISO times
+            # of one width sort as strings.
+            views.sort(key=lambda view: (view.created_at, view.sha256))
         return 200, _json_encoder.encode({"artifacts": views})
 
     async def download_code(self, request: Request) -> tuple[int, bytes]:
@@ -1218,12 +1231,18 @@ def token_view(token: ApiToken) -> m.TokenView:
     )
 
 
-def artifact_view(artifact: Artifact) -> m.ArtifactView:
+def artifact_view(artifact: Artifact, tenant: str | None = None) -> m.ArtifactView:
+    """The artifact as ``tenant`` sees it (None: an admin): its own upload's name and time
+    when it uploaded it, never another tenant's."""
+    upload = artifact.upload_of(tenant) if tenant is not None else None
+    name, created_ms = (
+        (upload.name, upload.created_ms) if upload else (artifact.name, artifact.created_ms)
+    )
     return m.ArtifactView(
         sha256=artifact.sha256,
-        name=artifact.name,
+        name=name,
         size_bytes=artifact.size_bytes,
-        created_at=iso_ms(artifact.created_ms) or "",
+        created_at=iso_ms(created_ms) or "",
         ready=artifact.ready,
     )
 
@@ -1428,7 +1447,9 @@ def openapi_document(config: ApiConfig | None = None) -> dict[str, Any]:
                     "safely: a submission repeating a key that created tasks in the last "
                     "24 hours (or the finished-task retention, if longer) creates nothing "
                     "and gets the same status and ids again, with replayed: true. A key "
-                    "reused for a different number of tasks is refused (409)."
+                    "reused for a different number of tasks is refused (409). Keys, like "
+                    "slot names, are the tenant's own: another tenant's equal key is "
+                    "another key."
                 ),
                 "parameters": [
                     {

@@ -12,9 +12,13 @@ time, identically on every replica.
 
 Idempotency: a SubmitTasks carrying an ``idempotency_key`` already remembered
 creates nothing and returns the first submission's results (``ReplayedResults``).
-Keys live in one namespace (a batch may mix tenants), are remembered only when
-the submission created at least one task, and are dropped, after the timers, at
-the first entry at least ``max(finished-task retention, 24 h)`` past their first use.
+Keys are scoped to the submitting tenant (``idempotency_scope``: one tenant's key
+never replays another's submission), are remembered only when the submission
+created at least one task, and are dropped, after the timers, at the first entry at
+least ``max(finished-task retention, 24 h)`` past their first use.
+
+Names are tenant-scoped the same way: a slot is held per (tenant, slot), and a
+transaction answers only to its own tenant (another's is "not open").
 """
 
 from __future__ import annotations
@@ -162,6 +166,15 @@ class Worker(msgspec.Struct, array_like=True, gc=False):
     reason: str | None = None
 
 
+class ArtifactUpload(msgspec.Struct, array_like=True, gc=False):
+    """One tenant's first upload of an artifact: what that tenant is shown, so that the
+    answer to its upload does not depend on whether another tenant sent the same bytes."""
+
+    tenant: str
+    name: str
+    created_ms: int
+
+
 class Artifact(msgspec.Struct, array_like=True, gc=False):
     sha256: str
     name: str
@@ -171,6 +184,15 @@ class Artifact(msgspec.Struct, array_like=True, gc=False):
     ready: bool = True
     # Tenants that uploaded it (authentication on); empty: shared, usable by every tenant.
     owners: list[str] = []
+    # Each uploading tenant's own name and time, in upload order (the default reads older
+    # snapshots); ``name`` and ``created_ms`` above are the first or the shared upload's.
+    uploads: list[ArtifactUpload] = []
+
+    def upload_of(self, tenant: str) -> ArtifactUpload | None:
+        for upload in self.uploads:
+            if upload.tenant == tenant:
+                return upload
+        return None
 
 
 class ApiToken(msgspec.Struct, array_like=True, gc=False):
@@ -347,6 +369,15 @@ class SubmissionRecord(msgspec.Struct, array_like=True, gc=False):
     key: str
     created_ms: int
     results: list[RememberedResult]
+    # The key's namespace: idempotency_scope() of the submission. None only in snapshots
+    # written before keys were scoped (from_snapshot fills it in).
+    scope: str | None = None
+
+
+def idempotency_scope(tenants: Iterable[str]) -> str:
+    """The namespace of a submission's idempotency key: its tenant; for an admin's batch
+    mixing tenants, their sorted names joined by "," (never a tenant name: NAME_RE)."""
+    return ",".join(sorted(set(tenants)))
 
 
 class SnapshotBody(msgspec.Struct):
@@ -397,16 +428,16 @@ class StateMachine:
         # Waiting tasks whose code artifact is not ready, by artifact: kept out of the
         # queues above so the scheduler never even looks at them (derived, like below).
         self.parked: dict[str, dict[int, None]] = {}
-        # Idempotency key -> the first submission's result, oldest first (so expiry
-        # only looks at the front). Keyed on the key alone: a batch may mix tenants.
-        self.idempotency: OrderedDict[str, SubmissionRecord] = OrderedDict()
+        # (scope, idempotency key) -> the first submission's result, oldest first (so
+        # expiry only looks at the front); the scope is the tenant (idempotency_scope).
+        self.idempotency: OrderedDict[tuple[str, str], SubmissionRecord] = OrderedDict()
         # Tracked trees by root id; a record lives as long as its root task.
         self.trees: dict[int, TreeRecord] = {}
         # API tokens by id, and their ids by secret hash (derived).
         self.tokens: dict[str, ApiToken] = {}
         self.token_ids_by_hash: dict[str, str] = {}
-        # Derived indexes, rebuilt on snapshot load.
-        self.slots: dict[str, int] = {}
+        # Derived indexes, rebuilt on snapshot load. Slots by (tenant, slot name).
+        self.slots: dict[tuple[str, str], int] = {}
         self.by_state: dict[str, set[int]] = {s.value: set() for s in TaskState}
         self.tenant_counts: dict[str, dict[str, int]] = {}
         self.running_by_worker: dict[str, set[int]] = {}
@@ -525,7 +556,7 @@ class StateMachine:
         self.by_state[task.state].add(task.id)
         self._counts(task.tenant)[task.state] += 1
         if task.slot is not None and task.state in LIVE_STATES:
-            self.slots[task.slot] = task.id
+            self.slots[(task.tenant, task.slot)] = task.id
         if task.state == TaskState.WAITING:
             self._enqueue(task)
         elif task.state == TaskState.RUNNING and task.worker is not None:
@@ -609,8 +640,8 @@ class StateMachine:
         task.state = new
         task.updated_ms = self.now_ms
         if new in FINAL_STATES:
-            if task.slot is not None and self.slots.get(task.slot) == task.id:
-                del self.slots[task.slot]
+            if task.slot is not None and self.slots.get((task.tenant, task.slot)) == task.id:
+                del self.slots[(task.tenant, task.slot)]
             if self.collect_effects:
                 self.became_final.append(task.id)
             task.finished_ms = self.now_ms
@@ -626,8 +657,8 @@ class StateMachine:
             self._dequeue(task)
         elif task.state == TaskState.RUNNING and task.worker is not None:
             self.running_by_worker[task.worker].discard(task.id)
-        if task.slot is not None and self.slots.get(task.slot) == task.id:
-            del self.slots[task.slot]
+        if task.slot is not None and self.slots.get((task.tenant, task.slot)) == task.id:
+            del self.slots[(task.tenant, task.slot)]
         if task.root is not None and task.state in LIVE_STATES:
             self._untrack_live(task)
         if task.root == task.id:
@@ -658,7 +689,8 @@ class StateMachine:
         if key is None:
             return [self._submit_one(spec) for spec in entry.tasks]
         problem = validate_idempotency_key(key)
-        record = self.idempotency.get(key) if problem is None else None
+        scoped = (idempotency_scope(spec.tenant for spec in entry.tasks), key)
+        record = self.idempotency.get(scoped) if problem is None else None
         if problem is not None or record is not None:
             # The ids the leader stamped are used up, as a rejected spec's are.
             self.max_task_id = max([self.max_task_id, *(spec.id for spec in entry.tasks)])
@@ -674,7 +706,7 @@ class StateMachine:
         # A submission that created nothing is not remembered: a retry may try again
         # (e.g. once the tenant's queue has room) and still cannot duplicate anything.
         if any(isinstance(r, TaskRef) for r in results):
-            self.idempotency[key] = SubmissionRecord(
+            self.idempotency[scoped] = SubmissionRecord(
                 key,
                 self.now_ms,
                 [
@@ -683,6 +715,7 @@ class StateMachine:
                     else RememberedResult(None, r.code.value, r.message)
                     for r in results
                 ],
+                scoped[0],
             )
         return results
 
@@ -704,28 +737,18 @@ class StateMachine:
         if spec.transaction is not None and parent is not None:
             return Rejected(ErrorCode.INVALID, "a spawned task cannot join a transaction")
         if spec.transaction is not None:
-            txn = self.transactions.get(spec.transaction)
+            txn = self._open_transaction(spec.transaction, spec.tenant)
             if txn is None:
                 return Rejected(ErrorCode.NOT_FOUND, f"transaction {spec.transaction} is not open")
-            if txn.tenant != spec.tenant:
-                return Rejected(
-                    ErrorCode.INVALID,
-                    f"transaction {txn.id} belongs to tenant {txn.tenant!r}, not {spec.tenant!r}",
-                )
         if spec.code is not None and spec.code not in self.artifacts:
             return Rejected(ErrorCode.NOT_FOUND, f"code artifact {spec.code} was never uploaded")
-        if spec.slot is not None and spec.slot in self.slots:
-            return Rejected(
-                ErrorCode.SLOT_BUSY, f"slot {spec.slot!r} is held by task {self.slots[spec.slot]}"
-            )
+        holder = self.slots.get((spec.tenant, spec.slot)) if spec.slot is not None else None
+        if holder is not None:
+            return Rejected(ErrorCode.SLOT_BUSY, f"slot {spec.slot!r} is held by task {holder}")
         tenant = self._tenant(spec.tenant)
-        # Like Storm's max spout pending, the queue limit admits new work only: the
-        # children of work already admitted are not refused (their tree would fail).
-        if (
-            parent is None
-            and tenant.max_waiting
-            and self._queued(spec.tenant) >= tenant.max_waiting
-        ):
+        # Spawned children count too; _finish checks a finish's children together first,
+        # so a spawn over the limit fails its parent's attempt instead of losing some.
+        if tenant.max_waiting and self._queued(spec.tenant) >= tenant.max_waiting:
             return Rejected(
                 ErrorCode.TENANT_QUEUE_FULL,
                 f"tenant {spec.tenant!r} already has {tenant.max_waiting} queued tasks "
@@ -805,10 +828,19 @@ class StateMachine:
         self._push_timer(txn.expires_ms, _Timer.TXN_EXPIRE, txn.id)
         return TransactionRef(txn.id, txn.tenant, txn.expires_ms)
 
+    def _open_transaction(self, txn_id: int, tenant: str | None) -> Transaction | None:
+        """The open transaction ``txn_id`` as ``tenant`` sees it (None: any tenant's):
+        another tenant's answers as one that is not open, so its existence is not shown."""
+        txn = self.transactions.get(txn_id)
+        if txn is None or (tenant is not None and txn.tenant != tenant):
+            return None
+        return txn
+
     def _commit(self, entry: e.CommitTransaction) -> TransactionDone | Rejected:
-        txn = self.transactions.pop(entry.transaction_id, None)
+        txn = self._open_transaction(entry.transaction_id, entry.tenant)
         if txn is None:
             return Rejected(ErrorCode.NOT_FOUND, f"transaction {entry.transaction_id} is not open")
+        del self.transactions[txn.id]
         committed: list[int] = []
         for task_id in txn.task_ids:
             task = self.tasks.get(task_id)
@@ -824,7 +856,7 @@ class StateMachine:
         return TransactionDone(txn.id, "committed", tuple(committed))
 
     def _rollback(self, entry: e.RollbackTransaction) -> TransactionDone | Rejected:
-        txn = self.transactions.get(entry.transaction_id)
+        txn = self._open_transaction(entry.transaction_id, entry.tenant)
         if txn is None:
             return Rejected(ErrorCode.NOT_FOUND, f"transaction {entry.transaction_id} is not open")
         dropped = self._drop_transaction(txn)
@@ -986,7 +1018,13 @@ class StateMachine:
                 self._use_ids(outcome.spawn)
                 results.append(Rejected(ErrorCode.STALE, f"task {outcome.task_id} not running"))
                 continue
-            if outcome.ok:
+            refusal = self._spawn_refusal(outcome.spawn) if outcome.ok else None
+            if refusal is not None:
+                # Nothing spawned: the attempt fails (and retries if it may), as any
+                # error of the task would; the limit is read from the state being applied.
+                self._use_ids(outcome.spawn)
+                self._retry_or_fail(task, refusal)
+            elif outcome.ok:
                 task.result = outcome.result
                 task.error = None
                 self._move(task, TaskState.FINISHED)
@@ -1003,6 +1041,21 @@ class StateMachine:
         # Children not created still used up the ids the leader stamped for them.
         if spawn:
             self.max_task_id = max(self.max_task_id, *(s.task.id for s in spawn))
+
+    def _spawn_refusal(self, spawn: tuple[e.Spawn, ...]) -> str | None:
+        """Why a finish may not create these children: all of them would not fit in a
+        tenant's max_waiting (each tenant counted once, in the children's order)."""
+        if not spawn:
+            return None
+        counts: dict[str, int] = {}
+        for child in spawn:
+            counts[child.task.tenant] = counts.get(child.task.tenant, 0) + 1
+        for name, count in counts.items():
+            tenant = self.tenants.get(name)
+            limit = tenant.max_waiting if tenant is not None else 0
+            if limit and self._queued(name) + count > limit:
+                return f"spawn refused: tenant {name!r} max_waiting {limit} reached"
+        return None
 
     def _start_tree(self, root: int) -> None:
         """The root runs: its tree's timeout starts, once per run."""
@@ -1080,7 +1133,7 @@ class StateMachine:
             and root.attempt < root.max_attempts
             and (root.deadline_ms is None or root.deadline_ms > self.now_ms)
             # Its slot may have gone to another task since the root finished.
-            and (root.slot is None or self.slots.get(root.slot, root.id) == root.id)
+            and (root.slot is None or self.slots.get((root.tenant, root.slot), root.id) == root.id)
         )
         if not replayable:
             if root.state in LIVE_STATES:
@@ -1097,7 +1150,7 @@ class StateMachine:
             root.result = None
             root.finished_ms = None
             if root.slot is not None:
-                self.slots[root.slot] = root.id
+                self.slots[(root.tenant, root.slot)] = root.id
             self._move(root, TaskState.WAITING)
             if root.deadline_ms is not None:
                 self._push_timer(root.deadline_ms, _Timer.DEADLINE, root.id)
@@ -1141,9 +1194,15 @@ class StateMachine:
                 # Uploaded again by a leader that needs no replicas first: no reason to wait.
                 self._release_code(artifact)
             if entry.tenant is None:
-                artifact.owners = []  # an admin upload shares it with every tenant
+                if artifact.owners:
+                    # An admin upload shares it with every tenant: they are shown the
+                    # admin's name and time, not those of the tenant that uploaded first.
+                    artifact.name, artifact.created_ms = entry.name, self.now_ms
+                artifact.owners = []
             elif artifact.owners and entry.tenant not in artifact.owners:
                 artifact.owners = sorted([*artifact.owners, entry.tenant])
+        if entry.tenant is not None and artifact.upload_of(entry.tenant) is None:
+            artifact.uploads.append(ArtifactUpload(entry.tenant, entry.name, self.now_ms))
         return artifact
 
     def _create_token(self, entry: e.CreateToken) -> ApiToken | Rejected:
@@ -1300,12 +1359,26 @@ class StateMachine:
             machine._add_task(task)
         for txn in machine.transactions.values():
             machine._push_timer(txn.expires_ms, _Timer.TXN_EXPIRE, txn.id)
-        machine.idempotency = OrderedDict((r.key, r) for r in body.idempotency)
+        for record in body.idempotency:
+            if record.scope is None:
+                record.scope = machine._legacy_scope(record)
+        machine.idempotency = OrderedDict(((r.scope or "", r.key), r) for r in body.idempotency)
         machine.trees = {t.root: t for t in body.trees}
         machine._push_tree_timers()
         machine.tokens = {t.id: t for t in body.tokens}
         machine.token_ids_by_hash = {t.sha256: t.id for t in body.tokens}
         return machine
+
+    def _legacy_scope(self, record: SubmissionRecord) -> str:
+        """The scope of a key remembered before keys were scoped: its tasks' tenants, as
+        its submission had them. Its tasks may all be purged: then "" (no tenant's scope),
+        and the key is forgotten a little early."""
+        tenants = [
+            task.tenant
+            for r in record.results
+            if r.task_id is not None and (task := self.tasks.get(r.task_id)) is not None
+        ]
+        return idempotency_scope(tenants)
 
     def _push_tree_timers(self) -> None:
         for tree in self.trees.values():
@@ -1335,7 +1408,7 @@ class StateMachine:
             fail("token index out of step with the tokens")
         by_state: dict[str, set[int]] = {s.value: set() for s in TaskState}
         counts: dict[str, dict[str, int]] = {}
-        slots: dict[str, int] = {}
+        slots: dict[tuple[str, str], int] = {}
         running: dict[str, set[int]] = {}
         for task_id, task in self.tasks.items():
             if task_id != task.id:
@@ -1346,9 +1419,10 @@ class StateMachine:
             per = counts.setdefault(task.tenant, {s.value: 0 for s in TaskState})
             per[task.state] += 1
             if task.slot is not None and task.state in LIVE_STATES:
-                if task.slot in slots:
-                    fail(f"slot {task.slot!r} held by live tasks {slots[task.slot]} and {task.id}")
-                slots[task.slot] = task.id
+                slot = (task.tenant, task.slot)
+                if slot in slots:
+                    fail(f"slot {slot!r} held by live tasks {slots[slot]} and {task.id}")
+                slots[slot] = task.id
             if task.state == TaskState.RUNNING:
                 if task.worker is None:
                     fail(f"running task {task.id} has no worker")
@@ -1383,6 +1457,10 @@ class StateMachine:
                     fail(f"waiting queue of {tenant!r} holds task {task_id} wrongly")
                 if queued is not None and self._code_blocked(queued):
                     fail(f"task {task_id} is queued though its code is not ready")
+        for known in self.artifacts.values():
+            uploaders = [u.tenant for u in known.uploads]
+            if len(set(uploaders)) != len(uploaders):
+                fail(f"artifact {known.sha256} records a tenant's upload twice")
         for sha256, parked in self.parked.items():
             artifact = self.artifacts.get(sha256)
             if artifact is None or artifact.ready or not parked:
@@ -1401,7 +1479,7 @@ class StateMachine:
                 fail(f"transaction {txn.id} holds non-pending tasks: {states}")
         previous_ms = 0
         for key, record in self.idempotency.items():
-            if key != record.key or validate_idempotency_key(key) is not None:
+            if key != (record.scope, record.key) or validate_idempotency_key(key[1]) is not None:
                 fail(f"idempotency record {record.key!r} kept under {key!r}")
             if not previous_ms <= record.created_ms <= self.now_ms:
                 fail(f"idempotency key {key!r} out of time order ({record.created_ms})")

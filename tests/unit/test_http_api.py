@@ -597,10 +597,12 @@ async def test_unknown_transaction_is_404(api: Api) -> None:
     assert await all_tasks(api) == []
 
 
-async def test_transaction_of_another_tenant_is_400(api: Api) -> None:
+async def test_transaction_of_another_tenant_is_404(api: Api) -> None:
+    # Scoped to its tenant: to another, a transaction is not open (its owner unsaid).
     txn = await begin(api, tenant="owner")
     response = await api.post(TASKS, json={"type": "a", "tenant": "other", "transaction": txn})
-    assert "owner" in error_of(response, 400, "invalid_request")
+    message = error_of(response, 404, "not_found")
+    assert message == f"transaction {txn} is not open" and "owner" not in message
     assert await all_tasks(api) == []
 
 

@@ -83,7 +83,7 @@ def test_a_different_key_or_no_key_creates_tasks(sm: Machine) -> None:
     assert sm.submit("k2", sm.spec()) == [TaskRef(2, "waiting")]
     assert sm.submit(None, sm.spec()) == [TaskRef(3, "waiting")]
     assert sm.submit(None, sm.spec()) == [TaskRef(4, "waiting")]
-    assert list(sm.m.idempotency) == ["k1", "k2"]
+    assert list(sm.m.idempotency) == [("t", "k1"), ("t", "k2")]
 
 
 def test_batch_with_rejected_items_replays_them_too(sm: Machine) -> None:
@@ -102,7 +102,7 @@ def test_a_submission_that_created_nothing_is_not_remembered(sm: Machine) -> Non
     sm.submit(None, sm.spec())
     (full,) = sm.submit("k", sm.spec())
     assert isinstance(full, Rejected) and full.code is ErrorCode.TENANT_QUEUE_FULL
-    assert "k" not in sm.m.idempotency
+    assert ("t", "k") not in sm.m.idempotency
     sm.m.apply(e.SetTenant(time_ms=sm.now, tenant="t", limits=e.TenantLimitsPatch(max_waiting=0)))
     (created,) = sm.submit("k", sm.spec())
     assert isinstance(created, TaskRef)
@@ -120,20 +120,20 @@ def test_invalid_key_is_rejected_and_creates_nothing(sm: Machine, key: str) -> N
 @pytest.mark.parametrize("key", ["a", "x" * 128, " !~", "550e8400-e29b-41d4-a716-446655440000"])
 def test_valid_keys(sm: Machine, key: str) -> None:
     assert isinstance(sm.submit(key, sm.spec())[0], TaskRef)
-    assert key in sm.m.idempotency
+    assert ("t", key) in sm.m.idempotency
 
 
 def test_keys_expire_after_24_hours_by_entry_time(sm: Machine) -> None:
     sm.submit("old", sm.spec())
     sm.submit("newer", sm.spec(), advance_ms=HOUR_MS)
     sm.tick(IDEMPOTENCY_MIN_RETENTION_MS - HOUR_MS - 1)
-    assert list(sm.m.idempotency) == ["old", "newer"]
+    assert list(sm.m.idempotency) == [("t", "old"), ("t", "newer")]
     sm.tick(1)  # 24 h after the first use of "old"
-    assert list(sm.m.idempotency) == ["newer"]
+    assert list(sm.m.idempotency) == [("t", "newer")]
     # Forgotten: the same key now creates new tasks (the old ones may be purged too).
     assert sm.submit("old", sm.spec()) == [TaskRef(3, "waiting")]
     sm.tick(HOUR_MS)
-    assert list(sm.m.idempotency) == ["old"]
+    assert list(sm.m.idempotency) == [("t", "old")]
 
 
 def test_keys_live_as_long_as_finished_tasks_when_that_is_longer(sm: Machine) -> None:
@@ -141,9 +141,9 @@ def test_keys_live_as_long_as_finished_tasks_when_that_is_longer(sm: Machine) ->
     sm.m.apply(e.SetConfig(time_ms=sm.now, finished_task_retention_ms=retention_ms))
     sm.submit("k", sm.spec())
     sm.tick(retention_ms - 1)
-    assert "k" in sm.m.idempotency
+    assert ("t", "k") in sm.m.idempotency
     sm.tick(1)
-    assert "k" not in sm.m.idempotency
+    assert ("t", "k") not in sm.m.idempotency
 
 
 def test_short_retention_still_keeps_keys_24_hours(sm: Machine) -> None:
@@ -171,7 +171,7 @@ def test_keys_survive_a_snapshot_and_expire_alike(sm: Machine) -> None:
             ),
         ]
         machine.tick(IDEMPOTENCY_MIN_RETENTION_MS - HOUR_MS)
-        assert list(machine.m.idempotency) == ["b"]
+        assert list(machine.m.idempotency) == [("t", "b")]
     assert loaded.m.digest() == sm.m.digest()
 
 

@@ -273,11 +273,15 @@ def test_slot_is_busy_while_live_and_freed_when_the_task_ends(sm: Machine, how: 
     sm.register()
     holder = sm.add(slot="nightly", deadline_ms=T0 + 60_000)
     assert code(sm.submit_one(slot="nightly")) == ErrorCode.SLOT_BUSY
+    # Slot names are the tenant's own: another tenant's "nightly" is another slot.
+    other = sm.submit_one("other-tenant", slot="nightly")
+    assert isinstance(other, TaskRef)
     assert code(sm.submit_one("other-tenant", slot="nightly")) == ErrorCode.SLOT_BUSY
     assert isinstance(sm.assign(holder), TaskRef)
     assert code(sm.submit_one(slot="nightly")) == ErrorCode.SLOT_BUSY
     _end_running(sm, holder, how)
-    assert "nightly" not in sm.m.slots
+    assert ("t", "nightly") not in sm.m.slots
+    assert sm.m.slots[("other-tenant", "nightly")] == other.id
     assert isinstance(sm.submit_one(slot="nightly"), TaskRef)
 
 
@@ -442,10 +446,15 @@ def test_expiry_fires_before_a_deadline_due_at_the_same_time(sm: Machine) -> Non
 
 def test_transaction_rules(sm: Machine) -> None:
     txn = sm.begin("t")
+    # Another tenant's transaction answers as one that is not open (its owner unsaid).
     result = sm.submit_one("other", transaction=txn)
-    assert code(result) == ErrorCode.INVALID and isinstance(result, Rejected)
-    assert "belongs to tenant" in result.message
+    assert code(result) == ErrorCode.NOT_FOUND and isinstance(result, Rejected)
+    assert result.message == f"transaction {txn} is not open"
     assert code(sm.submit_one(transaction=999)) == ErrorCode.NOT_FOUND
+    for other in (e.CommitTransaction, e.RollbackTransaction):
+        refused = sm.apply(other(time_ms=sm.now, transaction_id=txn, tenant="other"))
+        assert code(refused) == ErrorCode.NOT_FOUND
+    assert txn in sm.m.transactions
     reused = e.BeginTransaction(time_ms=sm.now, transaction_id=txn, tenant="t")
     assert code(sm.apply(reused)) == ErrorCode.INVALID
     for tenant, ttl in (("bad name", 1_000), ("t", 0), ("t", -1)):
