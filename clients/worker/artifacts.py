@@ -440,7 +440,10 @@ class ArtifactCache:
         """``iter_zip_members`` of the cached archive, under the worker's limits."""
         with archive.open("rb") as file:
             try:
-                yield from iter_zip_members(file, self.limits, f"artifact {sha[:12]}")
+                for path, is_dir, chunks in iter_zip_members(
+                    file, self.limits, f"artifact {sha[:12]}"
+                ):
+                    yield path, is_dir, _artifact_errors(chunks)
             except InvalidArtifactError as exc:
                 raise ArtifactError(str(exc)) from None
 
@@ -531,6 +534,14 @@ def _file_sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(_CHUNK_BYTES), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _artifact_errors(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """A member's chunks, a bound crossed while inflating raised as an ArtifactError."""
+    try:
+        yield from chunks
+    except InvalidArtifactError as exc:
+        raise ArtifactError(str(exc)) from None
 
 
 def _listdir(directory: Path) -> list[str]:
