@@ -6,7 +6,8 @@ scheduler's queues, until a ``CodeReady`` entry (broker/state.py). Two parts mak
 happen, both on the broker's event loop:
 
 - :class:`CodeReplicator`, on every broker: when an applied ``AddCode`` names an
-  artifact missing here, fetches it at once from peers (``GET <peer>/api/v1/code/<sha>``),
+  artifact missing here (or whose stored copy no longer hashes to its name, checked once
+  per process), fetches it at once from peers (``GET <peer>/api/v1/code/<sha>``),
   checks its sha256, stores it, and registers the replica in ZooKeeper as the ephemeral
   znode ``/steward/<cluster>/code/<sha256>/<broker_id>``. A periodic sync (every
   ``sync_interval_s``) is only the safety net for missed entries and failed fetches.
@@ -265,7 +266,9 @@ class CodeReplicator:
 
     async def _ensure(self, sha256: str) -> None:
         try:
-            if not await asyncio.to_thread(self._store.has, sha256):
+            # Hashed on first use by this process: a copy damaged or changed while the
+            # broker was down is removed and fetched again, never registered.
+            if not await asyncio.to_thread(self._store.verify, sha256):
                 delay_s = _FIRST_RETRY_DELAY_S
                 for attempt in range(_FETCH_ATTEMPTS):
                     if await self._fetch(sha256):

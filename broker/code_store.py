@@ -1,61 +1,152 @@
-"""Code artifacts on a broker's disk, content-addressed by sha256 (DESIGN §7)."""
+"""Code artifacts on a broker's disk, content-addressed by sha256 (DESIGN §7).
+
+An upload is checked (:func:`validate_upload`) without parsing anything unbounded in
+the broker: the name, the size bounds and a zip's entry count here, the ``.py``
+compile and the zip's streamed inflation in a child process with an address-space,
+CPU and wall-clock limit (``broker/artifact_check.py``). A stored file is hashed again
+before its first use by a process (:meth:`CodeStore.verify`), so a file damaged or
+changed while the broker was down is dropped (and fetched again from a peer), not served.
+"""
 
 from __future__ import annotations
 
-import ast
+import asyncio
 import contextlib
 import hashlib
 import io
+import json
+import logging
 import os
 import re
+import sys
 import tempfile
-import zipfile
+import threading
 from pathlib import Path
 from typing import Final
+
+from broker.artifact_check import (
+    ArtifactLimits,
+    ArtifactTooLargeError,
+    InvalidArtifactError,
+    count_zip_entries,
+    limits_json,
+)
+from log.private_fs import make_private_dirs
+
+__all__ = [
+    "ARTIFACT_SUFFIXES",
+    "SHA256_RE",
+    "ArtifactLimits",
+    "ArtifactTooLargeError",
+    "CodeStore",
+    "InvalidArtifactError",
+    "UploadChecker",
+    "check_artifact_name",
+]
+
+logger = logging.getLogger(__name__)
 
 ARTIFACT_SUFFIXES: Final = (".py", ".zip", ".whl")
 #: An artifact's name: the sha256 of its bytes as 64 lowercase hex digits (use fullmatch).
 SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
+_CHECK_SCRIPT: Final = str(Path(__file__).with_name("artifact_check.py"))
+_CHUNK_BYTES: Final = 1024 * 1024
+#: The check process's answer is one short JSON line; more is a broken check.
+_MAX_ANSWER_BYTES: Final = 64 * 1024
 
 
-class InvalidArtifactError(ValueError):
-    """The uploaded bytes are not a usable artifact (a clear message for the client)."""
-
-
-def validate_artifact(name: str, data: bytes) -> None:
+def check_artifact_name(name: str) -> None:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}", name):
         raise InvalidArtifactError("name must be a plain file name (letters, digits, . _ + -)")
     if not name.endswith(ARTIFACT_SUFFIXES):
         raise InvalidArtifactError(f"name must end with one of {', '.join(ARTIFACT_SUFFIXES)}")
-    if not data:
-        raise InvalidArtifactError("the artifact is empty")
-    if name.endswith(".py"):
+
+
+class UploadChecker:
+    """Checks uploads, at most ``max_concurrent`` check processes at a time."""
+
+    def __init__(self, limits: ArtifactLimits | None = None, max_concurrent: int = 2) -> None:
+        self.limits = limits or ArtifactLimits()
+        self._slots = asyncio.Semaphore(max_concurrent)
+
+    async def check(self, name: str, data: bytes) -> None:
+        """Raise :class:`InvalidArtifactError` (:class:`ArtifactTooLargeError` for a
+        bound) unless ``data`` is a usable artifact called ``name``."""
+        check_artifact_name(name)
+        if not data:
+            raise InvalidArtifactError("the artifact is empty")
+        limits = self.limits
+        if name.endswith(".py"):
+            if len(data) > limits.max_py_bytes:
+                raise ArtifactTooLargeError(
+                    f"{name} is {len(data)} bytes; a .py artifact may have"
+                    f" {limits.max_py_bytes} (ship larger code as a .zip or wheel)"
+                )
+            kind = "py"
+        else:
+            # Cheap and bounded (a few bytes per entry, at most max_zip_entries + 1):
+            # refuses an archive of too many entries before any process is started.
+            count_zip_entries(io.BytesIO(data), limits, name)
+            kind = "zip"
+        async with self._slots:
+            await self._run_check(kind, name, data)
+
+    async def _run_check(self, kind: str, name: str, data: bytes) -> None:
+        limits = self.limits
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-I",  # no PYTHON* variables, no user site, not the current directory
+            "-S",  # standard library only
+            "-B",
+            _CHECK_SCRIPT,
+            kind,
+            name,
+            limits_json(limits),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+            env={},
+        )
         try:
-            ast.parse(data.decode("utf-8"), filename=name)
-        except UnicodeDecodeError:
-            raise InvalidArtifactError("a .py artifact must be UTF-8 text") from None
-        except SyntaxError as exc:
+            async with asyncio.timeout(limits.check_timeout_s):
+                answer, _ = await process.communicate(data)
+        except TimeoutError:
             raise InvalidArtifactError(
-                f"{name} does not parse: {exc.msg} (line {exc.lineno})"
+                f"{name} could not be checked within {limits.check_timeout_s} s;"
+                " make it smaller or simpler"
             ) from None
-    else:
+        finally:
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
         try:
-            with zipfile.ZipFile(io.BytesIO(data)) as archive:
-                bad = archive.testzip()
-                names = archive.namelist()
-        except zipfile.BadZipFile:
-            raise InvalidArtifactError(f"{name} is not a valid zip archive") from None
-        if bad is not None:
-            raise InvalidArtifactError(f"{name}: member {bad} is corrupt")
-        for member in names:
-            if member.startswith("/") or ".." in Path(member).parts:
-                raise InvalidArtifactError(f"{name}: member {member!r} escapes the archive")
+            result = json.loads(answer[:_MAX_ANSWER_BYTES])
+        except ValueError:
+            result = None
+        if not isinstance(result, dict):
+            # Killed by its limits (e.g. RLIMIT_CPU) before it could answer.
+            raise InvalidArtifactError(
+                f"{name} could not be checked within the broker's limits"
+                f" (check process exit status {process.returncode}); make it smaller or simpler"
+            )
+        if result.get("ok") is True:
+            return
+        message = str(result.get("error") or "invalid artifact")
+        if result.get("too_large"):
+            raise ArtifactTooLargeError(message)
+        raise InvalidArtifactError(message)
 
 
 class CodeStore:
+    """Artifact files named by their sha256 in one directory (0700; files 0600)."""
+
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(directory)
+        # Files hashed (or written) by this process: trusted until the process ends.
+        self._verified: set[str] = set()
+        self._lock = threading.Lock()
 
     def path(self, sha256: str) -> Path:
         if not SHA256_RE.fullmatch(sha256):
@@ -63,7 +154,26 @@ class CodeStore:
         return self.directory / sha256
 
     def has(self, sha256: str) -> bool:
+        """The file is present (not hashed: see :meth:`verify`)."""
         return SHA256_RE.fullmatch(sha256) is not None and self.path(sha256).exists()
+
+    def verify(self, sha256: str) -> bool:
+        """True when the stored file hashes to its name. Hashed once per process; a file
+        that does not match is removed (a peer or an upload brings it again). Blocking."""
+        with self._lock:
+            if sha256 in self._verified:
+                return self.has(sha256)
+        path = self.path(sha256)
+        try:
+            actual = _file_sha256(path)
+        except FileNotFoundError:
+            return False
+        if actual != sha256:
+            self._drop(sha256, actual)
+            return False
+        with self._lock:
+            self._verified.add(sha256)
+        return True
 
     def put(self, data: bytes) -> str:
         """Store ``data`` durably (temp file, fsync, rename); returns its sha256."""
@@ -71,7 +181,7 @@ class CodeStore:
         final = self.path(sha256)
         # Written again even when present: skipping the write would let an upload's
         # latency tell a tenant that another tenant uploaded the same bytes.
-        fd, temp = tempfile.mkstemp(dir=self.directory, prefix=".upload-")
+        fd, temp = tempfile.mkstemp(dir=self.directory, prefix=".upload-")  # mode 0600
         try:
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
@@ -86,10 +196,41 @@ class CodeStore:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+        with self._lock:
+            self._verified.add(sha256)
         return sha256
 
     def read(self, sha256: str) -> bytes:
-        return self.path(sha256).read_bytes()
+        """The artifact's bytes, hashed on every read; FileNotFoundError when missing or
+        damaged (then also removed, so that the replicator fetches it again)."""
+        data = self.path(sha256).read_bytes()
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != sha256:
+            with self._lock:
+                self._verified.discard(sha256)
+            self._drop(sha256, actual)
+            raise FileNotFoundError(f"code artifact {sha256} is damaged on this broker")
+        with self._lock:
+            self._verified.add(sha256)
+        return data
+
+    def _drop(self, sha256: str, actual: str) -> None:
+        logger.warning(
+            "code artifact %s: the stored file hashes to %s (damaged or changed);"
+            " removed, to be fetched again",
+            sha256,
+            actual,
+        )
+        with contextlib.suppress(FileNotFoundError):
+            self.path(sha256).unlink()
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def with_suppressed_unlink(path: str) -> None:

@@ -37,7 +37,13 @@ from broker.auth import (
     new_token_id,
 )
 from broker.auth import Role as CallerRole
-from broker.code_store import CodeStore, InvalidArtifactError, validate_artifact
+from broker.code_store import (
+    ArtifactLimits,
+    ArtifactTooLargeError,
+    CodeStore,
+    InvalidArtifactError,
+    UploadChecker,
+)
 from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.node import VERSION, BrokerUnavailableError, Node, Role, Stamp
 from broker.state import (
@@ -96,7 +102,7 @@ _FINAL: Final = frozenset(s.value for s in FINAL_STATES)
 JSON_TYPE: Final = b"application/json"
 _MAX_TTL_S: Final = m.MAX_TRANSACTION_TTL_S
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
-# For the schema: the artifact names code_store.validate_artifact takes (it checks more).
+# For the schema: the artifact names code_store.check_artifact_name takes.
 ARTIFACT_NAME_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$"
 
 
@@ -106,6 +112,8 @@ class ApiConfig:
     port: int = 8080
     max_request_bytes: int = 8 * 1024 * 1024
     max_code_bytes: int = 64 * 1024 * 1024
+    # A .py's size, a zip's entries, inflated size and ratio, the check process's limits.
+    artifact_limits: ArtifactLimits = field(default_factory=ArtifactLimits)
     max_wait_s: float = 60.0
     max_tasks_per_request: int = 10_000
     max_params_bytes: int = 64 * 1024
@@ -221,6 +229,7 @@ class Request:
     params: tuple[str, ...]
     headers: Sequence[tuple[bytes, bytes]] = ()  # ASGI: names lowercase
     principal: Principal = ANONYMOUS_ADMIN  # who is calling (authentication off: anyone)
+    peer: str = "?"  # the client's "host:port", for logs
 
     def header(self, name: bytes) -> bytes | None:
         """The value of a header sent once (``name`` lowercase); 400 when repeated."""
@@ -253,6 +262,7 @@ class ApiApp:
         self.node = node
         self.config = config
         self.code_store = code_store
+        self._upload_checker = UploadChecker(config.artifact_limits)
         self.cluster_view = cluster
         # Requests waiting for a task to reach a final state (long polling).
         self._waiters: dict[int, list[asyncio.Future[None]]] = {}
@@ -381,7 +391,9 @@ class ApiApp:
                 else b""
             )
             query = _parse_query(scope.get("query_string", b""))
-            request = Request(method, path, query, body, match.groups(), headers, principal)
+            request = Request(
+                method, path, query, body, match.groups(), headers, principal, _peer(scope)
+            )
             return await handler(request)
         raise HttpError(404, "not_found", f"no such endpoint: {path}")
 
@@ -857,8 +869,15 @@ class ApiApp:
             raise HttpError(400, "invalid_request", "the name query parameter is required")
         data = request.body
         try:
-            await asyncio.to_thread(validate_artifact, name, data)
+            # Never parsed here: a hostile .py or zip must not grow or stall the broker.
+            await self._upload_checker.check(name, data)
         except InvalidArtifactError as exc:
+            too_large = isinstance(exc, ArtifactTooLargeError)
+            logger.warning(
+                "code upload %r (%d bytes) from %s refused: %s", name, len(data), request.peer, exc
+            )
+            if too_large:
+                raise HttpError(413, "too_large", str(exc)) from None
             raise HttpError(400, "invalid_artifact", str(exc)) from None
         sha256 = await asyncio.to_thread(store.put, data)
         ready = self.config.min_replication <= 1
@@ -907,7 +926,14 @@ class ApiApp:
         artifact = self.node.state.artifacts.get(sha256)
         if artifact is None or not self._may_read_code(request, artifact) or not store.has(sha256):
             raise HttpError(404, "not_found", f"code artifact {sha256} is not on this broker")
-        return 200, Binary(await asyncio.to_thread(store.read, sha256))
+        try:
+            # Hashed on every read: a damaged copy is dropped (and fetched again), not served.
+            data = await asyncio.to_thread(store.read, sha256)
+        except FileNotFoundError:
+            raise HttpError(
+                404, "not_found", f"code artifact {sha256} is not on this broker"
+            ) from None
+        return 200, Binary(data)
 
     # --- cluster --------------------------------------------------------------------------------
 
@@ -1282,6 +1308,14 @@ def task_view(task: Any, tree: TreeRecord | None = None) -> m.TaskView:
     )
 
 
+def _peer(scope: Scope) -> str:
+    client = scope.get("client")
+    if not client:
+        return "?"
+    host, port = client[0], client[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+
 def _decode(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
     if not body.strip():
         raise HttpError(400, "invalid_request", "a JSON request body is required")
@@ -1556,6 +1590,12 @@ def openapi_document(config: ApiConfig | None = None) -> dict[str, Any]:
         "/api/v1/code": {
             "post": {
                 "summary": "Upload a code artifact (.py, .zip or wheel; the raw bytes as body)",
+                "description": (
+                    "Checked in a separate, memory- and time-limited process: a .py must"
+                    " compile (nothing runs); a zip is inflated in chunks and counted. 413"
+                    " past a bound (.py size, zip entries, inflated size, compression ratio),"
+                    " 400 invalid_artifact otherwise."
+                ),
                 "parameters": [
                     {
                         **query("name", {"type": "string", "pattern": ARTIFACT_NAME_PATTERN}),

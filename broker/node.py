@@ -58,6 +58,7 @@ from log.api import (
     LedgerStore,
     LedgerWriter,
 )
+from log.private_fs import FILE_MODE, make_private_dirs
 from snapshot.store import SnapshotStore
 
 logger = logging.getLogger(__name__)
@@ -986,8 +987,8 @@ class DataDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        make_private_dirs(self.path.parent)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -61,6 +61,7 @@ from log.api import (
     LedgerWriter,
     NoSuchLedgerError,
 )
+from log.private_fs import FILE_MODE, make_private_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +136,9 @@ def _atomic_write(path: str, data: bytes) -> None:
     Callers serialise writers of one path (flock), so a fixed temporary name is safe.
     """
     tmp_path = path + ".tmp"
-    fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
     try:
+        os.fchmod(fd, FILE_MODE)  # a temporary file left by an older version may be 0644
         _write_all(fd, data)
         os.fsync(fd)
     finally:
@@ -539,7 +541,7 @@ class FileLedgerStore(LedgerStore):
     ) -> None:
         super().__init__()
         self._directory = os.fspath(directory)
-        os.makedirs(self._directory, exist_ok=True)
+        make_private_dirs(self._directory)
         #: How often a tailing reader checks the segment's size.
         self.poll_interval_s = poll_interval_s
         self._append_waiters: dict[int, set[asyncio.Future[None]]] = {}
@@ -589,14 +591,14 @@ class FileLedgerStore(LedgerStore):
 
     def _create_sync(self) -> tuple[int, int]:
         lock_fd = os.open(
-            os.path.join(self._directory, _NEXT_ID_LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644
+            os.path.join(self._directory, _NEXT_ID_LOCK_FILE), os.O_RDWR | os.O_CREAT, FILE_MODE
         )
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             on_disk = self._scan_ids_sync()
             ledger_id = max(self._read_next_id_sync(), max(on_disk, default=0) + 1)
             path = self.log_path(ledger_id)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, FILE_MODE)
             try:
                 # Its directory fsync also makes the new segment's name durable.
                 _atomic_write(
@@ -644,8 +646,11 @@ class FileLedgerStore(LedgerStore):
             fencing_path = self.fencing_path(ledger_id)
             if not os.path.exists(self.marker_path(ledger_id)):
                 # Before measuring: from now on the writer acknowledges nothing more.
-                with open(fencing_path, "wb") as fencing:
-                    os.fsync(fencing.fileno())
+                fencing_fd = os.open(fencing_path, os.O_WRONLY | os.O_CREAT, FILE_MODE)
+                try:
+                    os.fsync(fencing_fd)
+                finally:
+                    os.close(fencing_fd)
                 _fsync_dir(self._directory)
             # Waits (bounded) for the writer's batch in progress, which then counts as
             # written; a writer frozen while holding the lock is not waited for.
@@ -739,7 +744,7 @@ class FileLedgerListStore(LedgerListStore):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self._path = os.fspath(path)
         self._lock_path = self._path + ".lock"
-        os.makedirs(os.path.dirname(os.path.abspath(self._path)), exist_ok=True)
+        make_private_dirs(os.path.dirname(os.path.abspath(self._path)))
 
     @property
     def path(self) -> str:
@@ -764,7 +769,7 @@ class FileLedgerListStore(LedgerListStore):
         return await _in_thread(self._compare_and_set_sync, new, expected_version)
 
     def _compare_and_set_sync(self, new: LedgerList, expected_version: int) -> int:
-        lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, FILE_MODE)
         try:
             # The data file is replaced by rename, so the lock lives in a file of its own.
             fcntl.flock(lock_fd, fcntl.LOCK_EX)

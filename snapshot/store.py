@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from log.private_fs import make_private_dirs
 from snapshot.format import (
     DEFAULT_COMPRESSION_LEVEL,
     TEMP_PREFIX,
@@ -68,7 +69,7 @@ class SnapshotStore:
         self._keep = keep
         self._cluster_id = cluster_id
         self._lock = threading.Lock()
-        self._directory.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(self._directory)  # 0700: snapshots hold every tenant's state
 
     @property
     def directory(self) -> Path:

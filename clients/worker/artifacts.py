@@ -8,7 +8,17 @@ Cache layout (``cache_dir``)::
 Artifacts are downloaded from ``GET {http_url}/api/v1/code/{sha}``, hashed while
 streaming, and renamed into place only when the hash matches, so a file in the cache
 is always complete (several worker processes may share one cache directory). Within a
-process, concurrent requests for one sha wait for a single download.
+process, concurrent requests for one sha wait for a single download. The cache is the
+worker's own: directories 0700, files 0600.
+
+Nothing cached is trusted across a restart: before a process first uses a cached file
+it hashes it again (a mismatch is removed and downloaded again), and before it first
+uses an unpacked tree it compares every file with the verified archive (any difference,
+missing or extra file: the tree is unpacked again; ``__pycache__`` directories are
+dropped, as a planted ``.pyc`` would run instead of its verified source). Archives are
+unpacked under the same bounds as on upload (``broker/artifact_check.py``: entry count,
+inflated size and ratio, counted while inflating in chunks), and a ``.py`` over
+``max_py_bytes`` is refused.
 
 Isolation. Every artifact version is imported under its own package prefix
 ``steward_artifact_<sha12>``; nothing is added to ``sys.path``:
@@ -52,20 +62,28 @@ import logging
 import os
 import shutil
 import ssl
+import stat
 import sys
 import tempfile
 import threading
 import types
-import zipfile
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Final
 
 import httpx
 
+from broker.artifact_check import (
+    ArtifactLimits,
+    InvalidArtifactError,
+    iter_zip_members,
+    write_private_file,
+)
 from broker.auth import bearer_headers
 from broker.code_store import SHA256_RE
+from log.private_fs import make_private_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -244,10 +262,12 @@ class ArtifactCache:
         max_artifact_bytes: int = 1024 * 1024 * 1024,
         transport: httpx.BaseTransport | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        limits: ArtifactLimits | None = None,
     ) -> None:
         self.cache_dir = Path(cache_dir)
         self.http_url = http_url.rstrip("/")
         self.max_artifact_bytes = max_artifact_bytes
+        self.limits = limits or ArtifactLimits()
         headers = bearer_headers(token)
         # https:// brokers are verified with ssl_context (default: httpx's, certifi).
         self._client = httpx.Client(
@@ -259,6 +279,9 @@ class ArtifactCache:
         self._lock = threading.Lock()
         self._sha_locks: dict[str, threading.Lock] = {}
         self._loaded: dict[str, LoadedArtifact] = {}
+        # Cached files and unpacked trees checked by this process (see the module doc).
+        self._verified_files: set[str] = set()
+        self._verified_trees: set[str] = set()
         self.downloads = 0  # completed downloads, for tests and metrics
 
     def close(self) -> None:
@@ -294,7 +317,7 @@ class ArtifactCache:
         """The verified artifact file (``<sha>.py`` or ``<sha>.zip``), downloaded if missing."""
         self.check_sha(sha)
         with self._sha_lock(sha):
-            return self._fetch_locked(sha, verify_cached=False)
+            return self._fetch_locked(sha)
 
     # -- internals (caller holds the sha's lock) --
 
@@ -305,17 +328,36 @@ class ArtifactCache:
                 return path
         return None
 
-    def _fetch_locked(self, sha: str, *, verify_cached: bool) -> Path:
+    def _fetch_locked(self, sha: str) -> Path:
         path = self._cached_file(sha)
-        if path is not None:
-            if not verify_cached or _file_sha256(path) == sha:
-                return path
-            logger.warning("cached artifact %s is corrupt; downloading it again", path)
-            path.unlink(missing_ok=True)
-        return self._download(sha)
+        if path is not None and sha not in self._verified_files:
+            # First use by this process: the file may have changed while no process ran.
+            if _file_sha256(path) == sha:
+                self._verified_files.add(sha)
+                if path.suffix == ".py":
+                    self._drop_bytecode(sha)
+            else:
+                logger.warning("cached artifact %s is corrupt; downloading it again", path)
+                path.unlink(missing_ok=True)
+                path = None
+        if path is None:
+            path = self._download(sha)
+            self._verified_files.add(sha)
+        if path.suffix == ".py" and path.stat().st_size > self.limits.max_py_bytes:
+            raise ArtifactError(
+                f"artifact {sha[:12]} is a .py of more than {self.limits.max_py_bytes} bytes"
+            )
+        return path
+
+    def _drop_bytecode(self, sha: str) -> None:
+        """A ``.pyc`` left beside a cached ``.py`` would run instead of the verified source."""
+        pycache = self.cache_dir / "__pycache__"
+        for name in _listdir(pycache):
+            if name.startswith(f"{sha}."):
+                (pycache / name).unlink(missing_ok=True)
 
     def _download(self, sha: str) -> Path:
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(self.cache_dir)
         url = f"{self.http_url}/api/v1/code/{sha}"
         digest = hashlib.sha256()
         size = 0
@@ -363,31 +405,107 @@ class ArtifactCache:
             tmp.unlink(missing_ok=True)
 
     def _extract(self, sha: str, archive: Path) -> Path:
+        """The archive unpacked to ``<sha>/``, checked against the archive once per process."""
         target = self.cache_dir / sha
-        if target.is_dir():
+        if sha in self._verified_trees and target.is_dir():
             return target
+        if target.is_dir():
+            if self._tree_matches(sha, archive, target):
+                self._verified_trees.add(sha)
+                return target
+            logger.warning("unpacked artifact %s differs from its archive; unpacking it again", sha)
+            self._move_aside(sha, target)
+        make_private_dirs(self.cache_dir)
         tmp = Path(tempfile.mkdtemp(prefix=f".{sha[:12]}-", suffix=".extract", dir=self.cache_dir))
         try:
-            try:
-                with zipfile.ZipFile(archive) as zf:
-                    for name in zf.namelist():
-                        p = PurePosixPath(name)
-                        if p.is_absolute() or ".." in p.parts or "\\" in name:
-                            raise ArtifactError(f"artifact {sha[:12]}: unsafe path {name!r}")
-                    zf.extractall(tmp)
-            except zipfile.BadZipFile as exc:
-                raise ArtifactError(f"artifact {sha[:12]} is not a valid zip: {exc}") from None
+            self._unpack(sha, archive, tmp)
             try:
                 os.rename(tmp, target)
             except OSError:
                 if not target.is_dir():  # not "another process extracted it first"
                     raise
+                # Check that copy like any other found in place.
+                if not self._tree_matches(sha, archive, target):
+                    raise ArtifactError(
+                        f"unpacked artifact {sha[:12]} at {target} keeps changing"
+                    ) from None
+            self._verified_trees.add(sha)
             return target
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def _members(
+        self, sha: str, archive: Path
+    ) -> Iterator[tuple[PurePosixPath, bool, Iterator[bytes]]]:
+        """``iter_zip_members`` of the cached archive, under the worker's limits."""
+        with archive.open("rb") as file:
+            try:
+                for path, is_dir, chunks in iter_zip_members(
+                    file, self.limits, f"artifact {sha[:12]}"
+                ):
+                    yield path, is_dir, _artifact_errors(chunks)
+            except InvalidArtifactError as exc:
+                raise ArtifactError(str(exc)) from None
+
+    def _unpack(self, sha: str, archive: Path, into: Path) -> None:
+        for path, is_dir, chunks in self._members(sha, archive):
+            dest = into.joinpath(*path.parts)
+            try:
+                if is_dir:
+                    make_private_dirs(dest)
+                else:
+                    make_private_dirs(dest.parent)
+                    write_private_file(dest, chunks)
+            except OSError as exc:
+                raise ArtifactError(f"artifact {sha[:12]}: cannot unpack {path}: {exc}") from None
+
+    def _tree_matches(self, sha: str, archive: Path, root: Path) -> bool:
+        """Whether ``root`` holds exactly the archive's files, byte for byte.
+
+        Inflates the (verified) archive again, in chunks under the limits, and hashes
+        both sides; ``__pycache__`` directories the archive lacks are removed.
+        """
+        files: dict[PurePosixPath, str] = {}
+        dirs: set[PurePosixPath] = set()
+        for path, is_dir, chunks in self._members(sha, archive):
+            dirs.update(p for p in path.parents if p != PurePosixPath("."))
+            if is_dir:
+                dirs.add(path)
+            else:
+                digest = hashlib.sha256()
+                for chunk in chunks:
+                    digest.update(chunk)
+                files[path] = digest.hexdigest()
+        for dirpath, dirnames, filenames in os.walk(root):
+            here = PurePosixPath(os.path.relpath(dirpath, root))
+            for name in list(dirnames):
+                full = os.path.join(dirpath, name)
+                if os.path.islink(full):
+                    return False
+                if here / name not in dirs:
+                    if name != "__pycache__":
+                        return False
+                    shutil.rmtree(full, ignore_errors=True)
+                    dirnames.remove(name)
+            for name in filenames:
+                full = os.path.join(dirpath, name)
+                wanted = files.pop(here / name, None)
+                if wanted is None or not stat.S_ISREG(os.lstat(full).st_mode):
+                    return False
+                if _file_sha256(Path(full)) != wanted:
+                    return False
+        return not files  # none missing
+
+    def _move_aside(self, sha: str, target: Path) -> None:
+        stale = self.cache_dir / f".{sha[:12]}-{uuid.uuid4().hex}.stale"
+        try:
+            os.rename(target, stale)
+        except FileNotFoundError:
+            return  # another process moved it
+        shutil.rmtree(stale, ignore_errors=True)
+
     def _load_locked(self, sha: str) -> LoadedArtifact:
-        path = self._fetch_locked(sha, verify_cached=True)
+        path = self._fetch_locked(sha)
         return load_verified(sha, path if path.suffix == ".py" else self._extract(sha, path))
 
     def verified_copy(self, sha: str) -> Path:
@@ -397,7 +515,7 @@ class ArtifactCache:
         """
         self.check_sha(sha)
         with self._sha_lock(sha):
-            path = self._fetch_locked(sha, verify_cached=True)
+            path = self._fetch_locked(sha)
             return path if path.suffix == ".py" else self._extract(sha, path)
 
 
@@ -430,6 +548,21 @@ def _file_sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(_CHUNK_BYTES), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _artifact_errors(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """A member's chunks, a bound crossed while inflating raised as an ArtifactError."""
+    try:
+        yield from chunks
+    except InvalidArtifactError as exc:
+        raise ArtifactError(str(exc)) from None
+
+
+def _listdir(directory: Path) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def _top_level_names(root: Path) -> frozenset[str]:
