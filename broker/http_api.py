@@ -38,6 +38,7 @@ from broker.auth import (
 )
 from broker.auth import Role as CallerRole
 from broker.code_store import CodeStore, InvalidArtifactError, validate_artifact
+from broker.edges import HttpEdgeConfig
 from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.node import VERSION, BrokerUnavailableError, Node, Role, Stamp
 from broker.state import (
@@ -115,6 +116,8 @@ class ApiConfig:
     min_replication: int = 1
     # Tokens from the configuration; authentication is on when it holds an admin token.
     auth: AuthConfig = field(default_factory=AuthConfig)
+    # Header size, header and body deadlines, connection cap (broker/edges.py).
+    edges: HttpEdgeConfig = field(default_factory=HttpEdgeConfig)
 
 
 class Binary(bytes):
