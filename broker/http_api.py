@@ -1754,7 +1754,10 @@ def openapi_document(config: ApiConfig | None = None) -> dict[str, Any]:
             "description": (
                 "When the broker has an admin token configured, every operation but "
                 "/healthz and this document needs Authorization: Bearer <token> (401 "
-                "without a valid one; 403 when the token's role may not do it)."
+                "without a valid one; 403 when the token's role may not do it). Every "
+                "connection: request line and headers at most 64 KiB (431), sent within "
+                "the header timeout, a body at a minimum rate (408); beyond the broker's "
+                "connection cap a connection is answered 503 too_many_connections."
             ),
         },
         "paths": paths,
