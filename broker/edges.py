@@ -42,10 +42,10 @@ _STATUS_LINES: Final = {
     431: b"HTTP/1.1 431 Request Header Fields Too Large\r\n",
     503: b"HTTP/1.1 503 Service Unavailable\r\n",
 }
-# Body bytes handed to the parser at once: a request pipelined behind a body is charged
-# the whole piece it began in (it cannot be told apart), so keep pieces well below the
-# header bound.
-_BODY_PIECE_BYTES: Final = 16 * 1024
+# Bytes handed to the parser at once: a request pipelined behind another is charged the
+# whole piece it began in (where it begins cannot be told), so pieces stay well below the
+# header bound (such a request may have 48 KiB of headers, any other 64 KiB).
+_PIECE_BYTES: Final = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         view = memoryview(data)
         limit = self.edge.max_head_bytes
         while view and self._state == _ACTIVE and not self.transport.is_closing():
-            size = limit - self._head_bytes if self._in_head else _BODY_PIECE_BYTES
+            size = min(limit - self._head_bytes, _PIECE_BYTES) if self._in_head else _PIECE_BYTES
             piece = view[:size]
             view = view[len(piece) :]
             # httptools takes any buffer; uvicorn's signature says bytes.
@@ -312,13 +312,13 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             self._state_to(_CLOSED)
             return
         cycle = self.cycle
-        # In a head, an earlier request may still be answered (pipelining): our answer
-        # would be taken for its. In a body, the app may have answered already.
-        may_answer = (
-            cycle is None
-            or cycle.response_complete
-            or (not self._in_head and not cycle.response_started)
-        )
+        if self._in_head:
+            # An earlier request may still be being answered (pipelining): our answer
+            # would be taken for its.
+            may_answer = cycle is None or cycle.response_complete
+        else:
+            # The app may have answered this request already.
+            may_answer = cycle is not None and not cycle.response_started
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the app's receive() ends, its answer is dropped
             cycle.message_event.set()

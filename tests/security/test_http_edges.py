@@ -247,3 +247,25 @@ def test_malformed_request_gets_a_json_400(broker: BrokerProcess) -> None:
     assert status == 400
     assert headers["content-type"] == "application/json"
     assert body["error"]["code"] == "invalid_request"
+
+
+def test_a_request_answered_early_gets_no_second_answer_when_its_body_stalls(
+    broker: BrokerProcess,
+) -> None:
+    # Declared over the 8 MiB body cap: 413 at once; the body that follows is dropped
+    # and, arriving too slowly, ends the connection without another answer.
+    first = (
+        b"POST /api/v1/tasks HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: 9000000\r\n\r\n"
+    )
+    give_up_s = BODY_TIMEOUT_S + CUT_OFF_MARGIN_S
+    with connect(broker.port, timeout_s=give_up_s) as sock:
+        sock.sendall(first)
+        status, _, body = parse_response(sock.recv(65536))
+        assert status == 413
+        assert body["error"]["code"] == "too_large"
+        lived_s = dribble(sock, b"", b"a", give_up_s)
+        sock.settimeout(give_up_s)
+        rest = read_until_closed(sock)
+    assert lived_s < give_up_s, f"the stalled body kept the connection for {lived_s:.1f} s"
+    assert rest == b""
