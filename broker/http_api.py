@@ -44,6 +44,7 @@ from broker.code_store import (
     InvalidArtifactError,
     UploadChecker,
 )
+from broker.edges import HttpEdgeConfig
 from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.node import VERSION, BrokerUnavailableError, Node, Role, Stamp
 from broker.state import (
@@ -123,6 +124,8 @@ class ApiConfig:
     min_replication: int = 1
     # Tokens from the configuration; authentication is on when it holds an admin token.
     auth: AuthConfig = field(default_factory=AuthConfig)
+    # Header size, header and body deadlines, connection cap (broker/edges.py).
+    edges: HttpEdgeConfig = field(default_factory=HttpEdgeConfig)
 
 
 class Binary(bytes):
@@ -1812,7 +1815,10 @@ def openapi_document(config: ApiConfig | None = None) -> dict[str, Any]:
             "description": (
                 "When the broker has an admin token configured, every operation but "
                 "/healthz and this document needs Authorization: Bearer <token> (401 "
-                "without a valid one; 403 when the token's role may not do it)."
+                "without a valid one; 403 when the token's role may not do it). Every "
+                "connection: request line and headers at most 64 KiB (431), sent within "
+                "the header timeout, a body at a minimum rate (408); beyond the broker's "
+                "connection cap a connection is answered 503 too_many_connections."
             ),
         },
         "paths": paths,

@@ -19,6 +19,7 @@ from typing import Any
 import uvicorn
 
 from broker.code_store import CodeStore
+from broker.edges import bounded_http_protocol
 from broker.http_api import ApiApp, ApiConfig
 from broker.node import BrokerStartupError, DataDirLock, Node, NodeConfig
 from broker.tls import TlsConfig, TlsConfigError, server_context
@@ -120,7 +121,9 @@ async def start_http_server(
             log_config=None,
             access_log=False,
             lifespan="off",
-            http="httptools",
+            # httptools with the header bound, deadlines and connection cap it lacks.
+            http=bounded_http_protocol(config.edges),
+            ws="none",
             backlog=4096,
             timeout_keep_alive=30,
             **ssl_options,

@@ -25,6 +25,7 @@ import msgspec
 
 from broker import entries as e
 from broker import protocol as p
+from broker.edges import RefusalLog
 from broker.logs import task_fields
 from broker.node import BrokerStartupError, BrokerUnavailableError, Node, Stamp
 from broker.scheduler import schedule
@@ -51,7 +52,14 @@ class WorkerLinkConfig:
     heartbeat_interval_ms: int = 1000
     # A worker silent (or disconnected) this long is declared dead.
     heartbeat_timeout_ms: int = 10_000
-    hello_timeout_s: float = 10.0
+    # A connection must send its hello within this (it is closed with an error frame after).
+    hello_timeout_s: float = 5.0
+    # Before the hello is accepted nothing longer is read: a hello carries 7 to 15 bytes
+    # per task the worker still runs, so this fits a worker running over 17,000 tasks.
+    max_hello_bytes: int = 256 * 1024
+    # Connections still in their handshake (TLS done, hello not yet accepted); more are
+    # refused with an error frame. Their buffers are bounded by max_hello_bytes each.
+    max_unauthenticated: int = 64
     # Workers connect over TLS (the broker's certificate) when set.
     tls: TlsConfig | None = None
     max_frame_bytes: int = p.DEFAULT_MAX_FRAME_BYTES
@@ -105,6 +113,8 @@ class WorkerLink:
         # When a worker the state counts as connected was last seen (monotonic).
         self._last_contact: dict[str, float] = {}
         self._declaring_dead: set[str] = set()
+        self._unauthenticated = 0  # connections whose hello is not accepted yet
+        self._refusals = RefusalLog(logger)
         self._started = time.monotonic()
         node.listeners.append(self._on_applied)
 
@@ -194,14 +204,32 @@ class WorkerLink:
     async def _handle_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        peer = writer.get_extra_info("peername")
-        decoder = p.FrameDecoder(self.config.max_frame_bytes)
+        peer = _peer_address(writer)
+        if self._unauthenticated >= self.config.max_unauthenticated:
+            self._refusals.warning(
+                "worker port: refused %s: %d connections are already in their handshake",
+                peer,
+                self._unauthenticated,
+            )
+            _send_error(
+                writer,
+                "too_many_connections",
+                f"over {self.config.max_unauthenticated} connections are in their handshake; "
+                "retry later",
+            )
+            return
+        self._unauthenticated += 1
+        decoder = p.FrameDecoder(min(self.config.max_hello_bytes, self.config.max_frame_bytes))
         session: _Session | None = None
         try:
-            hello = await asyncio.wait_for(
-                self._read_hello(reader, decoder), timeout=self.config.hello_timeout_s
-            )
-            session = await self._register(hello, writer)
+            try:
+                hello = await asyncio.wait_for(
+                    self._read_hello(reader, decoder), timeout=self.config.hello_timeout_s
+                )
+                session = await self._register(hello, writer)
+            finally:
+                self._unauthenticated -= 1
+            decoder.max_frame_bytes = self.config.max_frame_bytes
             while True:
                 data = await reader.read(65536)
                 if not data:
@@ -212,9 +240,15 @@ class WorkerLink:
                 if session.closed:
                     break
         except p.ProtocolError as exc:
-            logger.warning("worker %s at %s: %s", _name(session), peer, exc.message)
+            if session is None:
+                self._refusals.warning("worker port: refused %s: %s", peer, exc.message)
+            else:
+                logger.warning("worker %s at %s: %s", session.worker_id, peer, exc.message)
             _send_error(writer, exc.code, exc.message)
         except TimeoutError:
+            self._refusals.warning(
+                "worker port: refused %s: no hello within %s s", peer, self.config.hello_timeout_s
+            )
             _send_error(writer, "timeout", "no hello within the handshake timeout")
         except BrokerUnavailableError as exc:
             _send_error(writer, "unavailable", str(exc))
@@ -235,7 +269,12 @@ class WorkerLink:
             data = await reader.read(65536)
             if not data:
                 raise ConnectionError("closed before hello")
-            messages = decoder.feed(data)
+            try:
+                messages = decoder.feed(data)
+            except p.ProtocolError as exc:
+                if exc.code == "frame_too_large":
+                    raise p.ProtocolError("frame_too_large", f"{exc.message} of a hello") from None
+                raise
             if messages:
                 hello = messages[0]
                 if not isinstance(hello, p.Hello):
@@ -598,8 +637,9 @@ def _stamp_ids(stamp: Stamp, outcomes: tuple[e.TaskOutcome, ...]) -> tuple[e.Tas
     )
 
 
-def _name(session: _Session | None) -> str:
-    return session.worker_id if session is not None else "(before hello)"
+def _peer_address(writer: asyncio.StreamWriter) -> str:
+    peer = writer.get_extra_info("peername")
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "unknown peer"
 
 
 def _send_error(writer: asyncio.StreamWriter, code: str, message: str) -> None:

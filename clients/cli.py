@@ -25,6 +25,7 @@ from clients.progress import print_progress
 
 if TYPE_CHECKING:
     from broker.auth import AuthConfig
+    from broker.edges import HttpEdgeConfig
     from log.pulsar import PulsarConfig
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -108,9 +109,69 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--snapshot-interval-s", type=float, default=60.0)
     p.add_argument("--ledger-roll-mb", type=float, default=64.0)
+    _add_edge_options(p)
     _add_log_format_option(p)
     p.add_argument("--log-level", default="INFO")
     _add_tls_options(p, "", "to verify other brokers with, passed on to child workers")
+
+
+def _add_edge_options(p: argparse.ArgumentParser) -> None:
+    """Bounds on what a client or a would-be worker may make the broker hold or wait for."""
+    p.add_argument(
+        "--http-header-timeout-s",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="a request's line and headers must arrive within this (408 after; "
+        "default %(default)s)",
+    )
+    p.add_argument(
+        "--http-body-timeout-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="a request body must arrive within this, plus 1 s per 64 KiB received "
+        "(408 after; default %(default)s)",
+    )
+    p.add_argument(
+        "--http-max-connections",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="HTTP connections served at once; more are answered 503 (default %(default)s)",
+    )
+    p.add_argument(
+        "--worker-hello-timeout-s",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="a connection to the worker port must send its hello within this "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--worker-max-unauthenticated",
+        type=int,
+        default=64,
+        metavar="N",
+        help="worker-port connections before their hello is accepted; more are refused "
+        "(default %(default)s)",
+    )
+
+
+def _http_edges(args: argparse.Namespace) -> HttpEdgeConfig:
+    from broker.edges import HttpEdgeConfig
+
+    edges = HttpEdgeConfig(
+        header_timeout_s=args.http_header_timeout_s,
+        body_timeout_s=args.http_body_timeout_s,
+        max_connections=args.http_max_connections,
+    )
+    problem = edges.problem()
+    if problem is not None:
+        raise UsageError(f"--http-*: {problem}")
+    if not args.worker_hello_timeout_s > 0 or args.worker_max_unauthenticated < 1:
+        raise UsageError("need --worker-hello-timeout-s > 0 and --worker-max-unauthenticated >= 1")
+    return edges
 
 
 def _add_tls_options(p: argparse.ArgumentParser, scope: str, ca_use: str) -> None:
@@ -701,12 +762,14 @@ def run_standalone(args: argparse.Namespace) -> int:
             snapshot_interval_s=args.snapshot_interval_s,
             ledger_roll_bytes=int(args.ledger_roll_mb * 1024 * 1024),
         ),
-        api=ApiConfig(host=host, port=port, auth=auth),
+        api=ApiConfig(host=host, port=port, auth=auth, edges=_http_edges(args)),
         workers=WorkerLinkConfig(
             host=args.worker_listen[0],
             port=args.worker_listen[1],
             heartbeat_interval_ms=args.heartbeat_interval_ms,
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            hello_timeout_s=args.worker_hello_timeout_s,
+            max_unauthenticated=args.worker_max_unauthenticated,
             token=args.worker_token,
             tenant_isolation=auth.enabled,
         ),
@@ -788,12 +851,14 @@ def run_broker(args: argparse.Namespace) -> int:
         ledgers=args.ledgers,
         pulsar=_pulsar_config(args),
         advertise_host=args.advertise,
-        api=ApiConfig(host=host, port=port, auth=auth),
+        api=ApiConfig(host=host, port=port, auth=auth, edges=_http_edges(args)),
         workers=WorkerLinkConfig(
             host=args.worker_listen[0],
             port=args.worker_listen[1],
             heartbeat_interval_ms=args.heartbeat_interval_ms,
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            hello_timeout_s=args.worker_hello_timeout_s,
+            max_unauthenticated=args.worker_max_unauthenticated,
             token=args.worker_token,
             tenant_isolation=auth.enabled,
         ),
