@@ -177,11 +177,8 @@ class Artifact(msgspec.Struct, array_like=True, gc=False):
     owners: list[str] = []
 
 
-class ApiToken(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """An API token issued through the API; only its SHA-256 is kept (broker/auth.py).
-
-    omit_defaults: a trailing default field is left out of the encoding, so admin and
-    tenant tokens encode (and digest) as they did before worker credentials existed."""
+class ApiToken(msgspec.Struct, array_like=True, gc=False):
+    """An API token issued through the API; only its SHA-256 is kept (broker/auth.py)."""
 
     id: str
     name: str
