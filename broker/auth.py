@@ -17,7 +17,7 @@ Four kinds of callers:
   broker/worker_link.py), or the workers' shared token (``--worker-token-file``; legacy,
   unscoped). Finding the leader, and downloading the code artifacts of tasks currently
   running on the credential's own connected workers.
-- ``peer``: the brokers' shared token (``--cluster-token``): snapshot and code
+- ``peer``: the brokers' shared token (``--cluster-token-file``): snapshot and code
   downloads between brokers, the state digest.
 
 Tokens created through the API live in the replicated state as SHA-256 hashes (the

@@ -529,3 +529,23 @@ async def test_reports_are_accepted_only_from_the_attempts_connection(
     await owner.expect(p.FinishAck)
     task = broker.node.state.tasks[task_id]
     assert (task.state, task.result) == (TaskState.FINISHED, b'"mine"')
+
+
+async def test_snapshots_from_before_worker_credentials_still_load(broker: Broker) -> None:
+    """Tokens and workers of older snapshots lack the trailing ``tenants`` / ``credential``
+    fields: they load as unscoped tokens and shared-token workers."""
+    import msgspec
+
+    from broker.state import StateMachine
+
+    await broker.call(ADMIN, "POST", "/api/v1/tokens", json={"name": "t", "tenant": "a"})
+    worker = broker.worker("w1", token=SHARED)
+    await worker.hello()
+    body = msgspec.msgpack.decode(broker.node.state.encode_snapshot())
+    body["tokens"] = [token[:-1] for token in body["tokens"]]
+    body["workers"] = [w[:-1] for w in body["workers"]]
+    old = StateMachine.from_snapshot(msgspec.msgpack.encode(body))
+    [token] = old.tokens.values()
+    assert (token.role, token.tenant, token.tenants) == ("tenant", "a", [])
+    assert old.workers["w1"].credential is None
+    old.check_invariants()
