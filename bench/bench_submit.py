@@ -44,10 +44,9 @@ BENCH_ADMIN_TOKEN = "bench-admin-token"
 
 def start_broker(data_dir: Path, port: int, auth: bool = False) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
-    auth_args: list[str] = []
     if auth:
         env["STEWARD_ADMIN_TOKEN"] = BENCH_ADMIN_TOKEN
-        auth_args = ["--worker-token", "bench-worker-token"]
+        env["STEWARD_WORKER_TOKEN"] = "bench-worker-token"  # secrets never on argv
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -60,7 +59,6 @@ def start_broker(data_dir: Path, port: int, auth: bool = False) -> subprocess.Po
             f"127.0.0.1:{port}",
             "--log-level",
             "WARNING",
-            *auth_args,
         ],
         stdout=subprocess.DEVNULL,
         env=env,

@@ -328,11 +328,14 @@ def schema_components(types: list[Any]) -> tuple[list[dict[str, Any]], dict[str,
 
 
 class TokenCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """An API token to issue: ``role`` "tenant" (with ``tenant``) or "admin"."""
+    """An API token to issue: ``role`` "tenant" (with ``tenant``), "admin", or "worker"
+    (a worker credential, optionally limited to ``tenants``)."""
 
     name: str
     role: str = "tenant"
     tenant: str | None = None
+    # A worker credential's tenants: its workers may serve these only (none: every tenant).
+    tenants: list[str] | None = None
 
 
 class TokenView(msgspec.Struct, kw_only=True):
@@ -341,6 +344,7 @@ class TokenView(msgspec.Struct, kw_only=True):
     role: str
     tenant: str | None
     created_at: str
+    tenants: list[str] = []  # a worker credential's tenants (empty: every tenant)
 
 
 class TokenCreated(TokenView, kw_only=True):

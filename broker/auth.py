@@ -12,9 +12,12 @@ Four kinds of callers:
 - ``tenant``: a token created for one tenant. Its own tasks, transactions and code
   artifacts only; anything else answers as if it did not exist (404) or 403, and never
   shows another tenant's ids or counts.
-- ``worker``: the workers' shared token (``--worker-token``): finding the leader and
-  downloading code artifacts.
-- ``peer``: the brokers' shared token (``--cluster-token``): snapshot and code
+- ``worker``: a worker credential created through the API with role worker (scoped:
+  optionally to some tenants; the worker link binds each connection to it, see
+  broker/worker_link.py), or the workers' shared token (``--worker-token-file``; legacy,
+  unscoped). Finding the leader, and downloading the code artifacts of tasks currently
+  running on the credential's own connected workers.
+- ``peer``: the brokers' shared token (``--cluster-token-file``): snapshot and code
   downloads between brokers, the state digest.
 
 Tokens created through the API live in the replicated state as SHA-256 hashes (the
@@ -31,6 +34,7 @@ import hashlib
 import hmac
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -146,6 +150,43 @@ def read_secret(path: str | os.PathLike[str]) -> str:
     if not secret:
         raise ValueError(f"{path}: the file holds no token")
     return secret
+
+
+class SecretOptionError(ValueError):
+    """A secret option is unusable (unreadable file, or given twice); a usage error."""
+
+
+def secret_from_options(
+    *,
+    argv_value: str | None,
+    argv_flag: str,
+    file: str | os.PathLike[str] | None,
+    file_flag: str,
+    env: str,
+    warn: Callable[[str], None],
+) -> str | None:
+    """A secret from its file option, its (deprecated) command-line option or the
+    environment variable ``env``, in that order; None when none is given.
+
+    A secret on the command line is readable by every local user (``/proc/PID/cmdline``,
+    ``ps``): it still works, with ``warn`` called once. ``env`` is removed from
+    ``os.environ`` either way, so child processes (task code, a JVM) never inherit it.
+    """
+    from_env = os.environ.pop(env, None)
+    if file is not None and argv_value is not None:
+        raise SecretOptionError(f"give {file_flag} or {argv_flag}, not both")
+    if file is not None:
+        try:
+            return read_secret(file)
+        except (OSError, ValueError) as exc:
+            raise SecretOptionError(f"{file_flag}: {exc}") from None
+    if argv_value is not None:
+        warn(
+            f"{argv_flag} on the command line is deprecated: every local user can read it "
+            f"(ps, /proc/PID/cmdline); use {file_flag} PATH or the environment variable {env}"
+        )
+        return argv_value
+    return from_env or None
 
 
 def kazoo_auth_options(credentials: str | None) -> dict[str, Any]:

@@ -132,6 +132,9 @@ class RegisterWorker(_Entry, frozen=True, tag="worker_register"):
     task_types: dict[str, int] = {}  # capacity per task type ("*" for any)
     tenants: tuple[str, ...] = ()  # empty: serves every tenant
     running: tuple[TaskAttempt, ...] = ()
+    # The id of the API worker credential it authenticated with; None: the shared
+    # worker token (or authentication off).
+    credential: str | None = None
 
 
 class WorkerDead(_Entry, frozen=True, tag="worker_dead"):
@@ -192,9 +195,11 @@ class CreateToken(_Entry, frozen=True, tag="token_create"):
 
     token_id: str = ""
     name: str = ""
-    role: str = "tenant"  # "tenant" | "admin"
+    role: str = "tenant"  # "tenant" | "admin" | "worker"
     tenant: str | None = None  # the tenant a tenant token acts for
     sha256: str = ""
+    # A worker credential: the tenants its workers may serve (empty: every tenant).
+    tenants: tuple[str, ...] = ()
 
 
 class RevokeToken(_Entry, frozen=True, tag="token_revoke"):

@@ -14,6 +14,7 @@ import logging
 import math
 import re
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -63,6 +64,7 @@ from broker.state import (
     TransactionRef,
     TreeRecord,
     TreeState,
+    WorkerState,
     validate_idempotency_key,
     validate_limits,
     validate_task_spec,
@@ -105,6 +107,8 @@ _MAX_TTL_S: Final = m.MAX_TRANSACTION_TTL_S
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 # For the schema: the artifact names code_store.check_artifact_name takes.
 ARTIFACT_NAME_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$"
+# How long a follower waits to apply the assignment a worker downloads an artifact for.
+_ASSIGNMENT_WAIT_S: Final = 2.0
 
 
 @dataclass(frozen=True)
@@ -418,6 +422,8 @@ class ApiApp:
         token = self.node.state.tokens[token_id]
         if token.role == CallerRole.ADMIN.value:
             return Principal(CallerRole.ADMIN, token_id=token.id)
+        if token.role == CallerRole.WORKER.value:
+            return Principal(CallerRole.WORKER, token_id=token.id)
         return Principal(CallerRole.TENANT, tenant=token.tenant, token_id=token.id)
 
     @staticmethod
@@ -903,9 +909,25 @@ class ApiApp:
 
     def _may_read_code(self, request: Request, artifact: Artifact) -> bool:
         principal = request.principal
+        if principal.role is CallerRole.WORKER:
+            return self._assigned_to_credential(principal, artifact.sha256)
         if principal.role is not CallerRole.TENANT:
-            return True  # admin, workers and peer brokers
+            return True  # admin and peer brokers
         return not artifact.owners or principal.tenant in artifact.owners
+
+    def _assigned_to_credential(self, principal: Principal, sha256: str) -> bool:
+        """Whether a task running on a connected worker of this credential uses the
+        artifact: a worker credential (or the shared worker token, ``token_id`` None)
+        reads only the code of tasks currently assigned to its own workers."""
+        state = self.node.state
+        for worker in state.workers.values():
+            if worker.state != WorkerState.CONNECTED or worker.credential != principal.token_id:
+                continue
+            for task_id in state.running_by_worker.get(worker.id, ()):
+                task = state.tasks.get(task_id)
+                if task is not None and task.code == sha256:
+                    return True
+        return False
 
     async def list_code(self, request: Request) -> tuple[int, bytes]:
         self._require(request, CallerRole.TENANT, CallerRole.WORKER, CallerRole.PEER)
@@ -927,7 +949,20 @@ class ApiApp:
         store = self._code_store()
         sha256 = request.params[0]
         artifact = self.node.state.artifacts.get(sha256)
-        if artifact is None or not self._may_read_code(request, artifact) or not store.has(sha256):
+        allowed = artifact is not None and self._may_read_code(request, artifact)
+        if artifact is not None and not allowed and request.principal.role is CallerRole.WORKER:
+            allowed = await self._await_assignment(request.principal, sha256)
+        if artifact is None or not allowed or not store.has(sha256):
+            # One answer for a missing artifact and one the caller may not read.
+            if artifact is not None and not allowed:
+                logger.warning(
+                    "refused code artifact %s to %s credential %s: no task of its workers "
+                    "uses it (client %s)",
+                    sha256[:12],
+                    request.principal.role.value,
+                    request.principal.token_id or "(shared worker token)",
+                    request.peer,
+                )
             raise HttpError(404, "not_found", f"code artifact {sha256} is not on this broker")
         try:
             # Hashed on every read: a damaged copy is dropped (and fetched again), not served.
@@ -937,6 +972,18 @@ class ApiApp:
                 404, "not_found", f"code artifact {sha256} is not on this broker"
             ) from None
         return 200, Binary(data)
+
+    async def _await_assignment(self, principal: Principal, sha256: str) -> bool:
+        """A follower may not have applied the assignment its leader already pushed to
+        the worker: wait a little for it there (bounded) before refusing."""
+        if self.node.writable:
+            return False  # the leader applied the assignment before the worker heard of it
+        deadline = time.monotonic() + _ASSIGNMENT_WAIT_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+            if self._assigned_to_credential(principal, sha256):
+                return True
+        return False
 
     # --- cluster --------------------------------------------------------------------------------
 
@@ -1190,7 +1237,8 @@ class ApiApp:
     async def create_token(self, request: Request) -> tuple[int, bytes]:
         self._require(request)
         body = _decode(_token_decoder, request.body)
-        problem = validate_token_fields(body.name, body.role, body.tenant)
+        tenants = tuple(body.tenants or ())
+        problem = validate_token_fields(body.name, body.role, body.tenant, tenants)
         if problem is not None:
             raise HttpError(400, "invalid_request", problem)
         # The secret is made here and shown once; only its hash goes to the log.
@@ -1204,6 +1252,7 @@ class ApiApp:
                 role=body.role,
                 tenant=body.tenant,
                 sha256=hash_token(secret),
+                tenants=tenants,
             )
         )
         if isinstance(result, Rejected):
@@ -1256,6 +1305,7 @@ def token_view(token: ApiToken) -> m.TokenView:
         name=token.name,
         role=token.role,
         tenant=token.tenant,
+        tenants=token.tenants,
         created_at=iso_ms(token.created_ms) or "",
     )
 

@@ -29,7 +29,7 @@ import itertools
 import math
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from enum import IntEnum, StrEnum
 from typing import Any, Final
 
@@ -164,6 +164,10 @@ class Worker(msgspec.Struct, array_like=True, gc=False):
     task_types: dict[str, int] = {}
     tenants: list[str] = []
     reason: str | None = None
+    # The API worker credential (token id) it registered with; None: the shared worker
+    # token. Binds the worker id to that credential while connected (apply refuses
+    # another) and scopes the credential's artifact downloads (broker/http_api.py).
+    credential: str | None = None
 
 
 class ArtifactUpload(msgspec.Struct, array_like=True, gc=False):
@@ -200,10 +204,12 @@ class ApiToken(msgspec.Struct, array_like=True, gc=False):
 
     id: str
     name: str
-    role: str  # "tenant" | "admin"
+    role: str  # "tenant" | "admin" | "worker"
     tenant: str | None
     sha256: str
     created_ms: int
+    # A worker credential's tenants: its workers serve these only (empty: every tenant).
+    tenants: list[str] = []
 
 
 class Config(msgspec.Struct):
@@ -283,9 +289,10 @@ MAX_RESOURCES: Final = 32
 MAX_ATTEMPTS_LIMIT: Final = 1000
 MAX_TREE_TIMEOUT_MS: Final = 7 * 24 * 3600 * 1000
 IDEMPOTENCY_KEY_RE: Final = re.compile(r"[\x20-\x7e]{1,128}")
-#: Roles a token created through the API may have (worker and peer secrets come from the
-#: configuration: broker/auth.py).
-TOKEN_ROLES: Final = frozenset({"admin", "tenant"})
+#: Roles a token created through the API may have (the peer secret and the shared worker
+#: token come from the configuration: broker/auth.py).
+TOKEN_ROLES: Final = frozenset({"admin", "tenant", "worker"})
+MAX_TOKEN_TENANTS: Final = 1000
 MAX_TOKEN_NAME_CHARS: Final = 200
 #: Idempotency keys are kept at least this long, longer when finished tasks are.
 IDEMPOTENCY_MIN_RETENTION_MS: Final = 24 * 3600 * 1000
@@ -315,15 +322,26 @@ def validate_task_spec(spec: e.TaskSpec) -> str | None:
     return None
 
 
-def validate_token_fields(name: str, role: str, tenant: str | None) -> str | None:
+def validate_token_fields(
+    name: str, role: str, tenant: str | None, tenants: Sequence[str] = ()
+) -> str | None:
     """Why an API token with these fields is invalid, or None (the API before logging,
     apply as the authority)."""
     if role not in TOKEN_ROLES:
-        return "role must be 'tenant' or 'admin'"
+        return "role must be 'tenant', 'admin' or 'worker'"
     if (role == "tenant") != (tenant is not None):
-        return "a tenant token names its tenant; an admin token takes none"
+        return "a tenant token names its tenant; admin and worker tokens take none"
     if tenant is not None and not NAME_RE.match(tenant):
         return f"tenant name {tenant!r} is not valid"
+    if tenants and role != "worker":
+        return "only a worker token takes a tenants list"
+    if len(tenants) > MAX_TOKEN_TENANTS:
+        return f"a worker token names at most {MAX_TOKEN_TENANTS} tenants"
+    for served in tenants:
+        if not NAME_RE.match(served):
+            return f"tenant name {served!r} is not valid"
+    if len(set(tenants)) != len(tenants):
+        return "a worker token names each tenant once"
     if not 0 < len(name) <= MAX_TOKEN_NAME_CHARS:
         return f"a token name must hold 1 to {MAX_TOKEN_NAME_CHARS} characters"
     return None
@@ -912,6 +930,18 @@ class StateMachine:
             n < 0 for n in entry.task_types.values()
         ):
             return Rejected(ErrorCode.INVALID, "worker capacities must be finite and >= 0")
+        known = self.workers.get(entry.worker_id)
+        if (
+            known is not None
+            and known.state == WorkerState.CONNECTED
+            and known.credential != entry.credential
+        ):
+            # A worker id belongs to the credential it connected with until it is declared
+            # dead: another credential must not take over its running tasks.
+            return Rejected(
+                ErrorCode.CONFLICT,
+                f"worker id {entry.worker_id!r} is connected with another credential",
+            )
         reported = {(r.task_id, r.attempt) for r in entry.running}
         keep: list[e.TaskAttempt] = []
         lost: list[int] = []
@@ -950,6 +980,7 @@ class StateMachine:
         worker.task_types = dict(entry.task_types)
         worker.tenants = list(entry.tenants)
         worker.reason = None
+        worker.credential = entry.credential
         return WorkerReconciled(entry.worker_id, tuple(keep), tuple(lost))
 
     def _worker_dead(self, entry: e.WorkerDead) -> Rejected | None:
@@ -1210,13 +1241,19 @@ class StateMachine:
             return Rejected(ErrorCode.INVALID, "token_id must be 1 to 64 lowercase hex digits")
         if not SHA256_RE.fullmatch(entry.sha256):
             return Rejected(ErrorCode.INVALID, "sha256 must be 64 lowercase hex digits")
-        problem = validate_token_fields(entry.name, entry.role, entry.tenant)
+        problem = validate_token_fields(entry.name, entry.role, entry.tenant, entry.tenants)
         if problem is not None:
             return Rejected(ErrorCode.INVALID, problem)
         if entry.token_id in self.tokens or entry.sha256 in self.token_ids_by_hash:
             return Rejected(ErrorCode.CONFLICT, f"token {entry.token_id} already exists")
         token = ApiToken(
-            entry.token_id, entry.name, entry.role, entry.tenant, entry.sha256, self.now_ms
+            entry.token_id,
+            entry.name,
+            entry.role,
+            entry.tenant,
+            entry.sha256,
+            self.now_ms,
+            tenants=list(entry.tenants),
         )
         self.tokens[token.id] = token
         self.token_ids_by_hash[token.sha256] = token.id

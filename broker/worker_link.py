@@ -25,6 +25,8 @@ import msgspec
 
 from broker import entries as e
 from broker import protocol as p
+from broker.auth import Role as CallerRole
+from broker.auth import hash_token
 from broker.edges import RefusalLog
 from broker.logs import task_fields
 from broker.node import BrokerStartupError, BrokerUnavailableError, Node, Stamp
@@ -32,6 +34,7 @@ from broker.scheduler import schedule
 from broker.state import (
     NAME_RE,
     ApplyResult,
+    ErrorCode,
     Rejected,
     StopRunning,
     TaskRef,
@@ -69,19 +72,32 @@ class WorkerLinkConfig:
     # Children one finish report may spawn, and the params size of each (like the API's).
     max_spawns_per_report: int = 10_000
     max_params_bytes: int = 64 * 1024
+    # The shared worker token (legacy, unscoped): any worker holding it may connect.
     token: str | None = None
     # Authentication on: a task may spawn children only in its own tenant, using code
     # its tenant may use (a task must not act for another tenant).
     tenant_isolation: bool = False
+    # Authentication on: worker credentials issued through the API (role "worker") are
+    # accepted, and some credential is required even without a shared token.
+    worker_credentials: bool = False
 
 
 class _Session:
     """One connected worker."""
 
-    def __init__(self, worker_id: str, writer: asyncio.StreamWriter, max_frame_bytes: int) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        writer: asyncio.StreamWriter,
+        max_frame_bytes: int,
+        credential: str | None = None,
+        peer: object = None,
+    ) -> None:
         self.worker_id = worker_id
+        self.peer = peer  # the connection's address, for logs
         self.writer = writer
         self.max_frame_bytes = max_frame_bytes
+        self.credential = credential  # API worker credential id; None: the shared token
         self.last_seen = time.monotonic()
         self.closed = False
 
@@ -115,6 +131,8 @@ class WorkerLink:
         self._declaring_dead: set[str] = set()
         self._unauthenticated = 0  # connections whose hello is not accepted yet
         self._refusals = RefusalLog(logger)
+        # Worker ids whose Hello is being logged: a concurrent Hello for one is refused.
+        self._registering: set[str] = set()
         self._started = time.monotonic()
         node.listeners.append(self._on_applied)
 
@@ -198,6 +216,17 @@ class WorkerLink:
             session = self.sessions.get(worker_id)
             if session is not None:
                 session.send(p.Cancel(tasks=tuple(attempts), reason=reason))
+        if isinstance(entry, e.RevokeToken) and not isinstance(result, Rejected):
+            # A revoked worker credential loses its connections at once, not at reconnect.
+            for session in list(self.sessions.values()):
+                if session.credential == entry.token_id:
+                    logger.warning(
+                        "worker %s: its credential %s was revoked; disconnecting",
+                        session.worker_id,
+                        entry.token_id,
+                    )
+                    _send_error(session.writer, "unauthorized", "the worker credential was revoked")
+                    session.close()
 
     # --- connections ----------------------------------------------------------------------
 
@@ -226,7 +255,7 @@ class WorkerLink:
                 hello = await asyncio.wait_for(
                     self._read_hello(reader, decoder), timeout=self.config.hello_timeout_s
                 )
-                session = await self._register(hello, writer)
+                session = await self._register(hello, writer, peer)
             finally:
                 self._unauthenticated -= 1
             decoder.max_frame_bytes = self.config.max_frame_bytes
@@ -283,21 +312,82 @@ class WorkerLink:
                     raise p.ProtocolError("bad_handshake", "wait for welcome before sending more")
                 return hello
 
-    async def _register(self, hello: p.Hello, writer: asyncio.StreamWriter) -> _Session:
+    def _credential(self, hello: p.Hello) -> tuple[str | None, tuple[str, ...] | None]:
+        """(credential id, tenants it may serve) of a Hello's token; ProtocolError when it
+        names none. Credential None is the shared token (or authentication off); tenants
+        None: every tenant."""
         expected = self.config.token
-        if expected is not None and not hmac.compare_digest(
-            (hello.token or "").encode(), expected.encode()
-        ):  # constant time: the comparison must not leak how much of a guess was right
-            raise p.ProtocolError("unauthorized", "wrong or missing worker token")
+        presented = (hello.token or "").encode("utf-8", "surrogatepass")
+        # constant time: the comparison must not leak how much of a guess was right
+        if expected is not None and hmac.compare_digest(presented, expected.encode()):
+            return None, None
+        if self.config.worker_credentials and hello.token:
+            state = self.node.state
+            token_id = state.token_ids_by_hash.get(hash_token(hello.token))
+            token = state.tokens.get(token_id) if token_id is not None else None
+            if token is not None and token.role == CallerRole.WORKER.value:
+                return token.id, tuple(token.tenants) or None
+        if expected is None and not self.config.worker_credentials:
+            return None, None  # authentication off
+        raise p.ProtocolError("unauthorized", "wrong or missing worker token")
+
+    def _live_session(self, worker_id: str) -> _Session | None:
+        """The open connection of this worker id that still heartbeats, if any.
+
+        A connection silent for three heartbeat intervals (a working worker beats every
+        interval) is presumed half-open: a reconnect of its worker may replace it."""
+        session = self.sessions.get(worker_id)
+        if session is None or session.closed:
+            return None
+        silent_s = time.monotonic() - session.last_seen
+        return session if silent_s <= 3 * self.config.heartbeat_interval_ms / 1000 else None
+
+    async def _register(
+        self, hello: p.Hello, writer: asyncio.StreamWriter, peer: object
+    ) -> _Session:
+        credential, scope = self._credential(hello)
         if not NAME_RE.match(hello.worker_id):
             raise p.ProtocolError("bad_handshake", "worker_id must be a valid name")
         if any(n < 0 for n in hello.task_types.values()) or any(
             not (a >= 0) for a in hello.resources.values()
         ):
             raise p.ProtocolError("bad_handshake", "capacities and resources must be >= 0")
+        tenants = tuple(hello.tenants)
+        if scope is not None:
+            # A scoped credential serves its tenants only: "all" narrows to them, anything
+            # beyond them is refused (a worker must not silently serve less than it asked).
+            outside = sorted(set(tenants) - set(scope))
+            if outside:
+                raise p.ProtocolError(
+                    "forbidden",
+                    f"this worker credential may serve tenants {', '.join(scope)} only, "
+                    f"not {', '.join(outside)}",
+                )
+            tenants = tenants or scope
+        if self._live_session(hello.worker_id) is not None or hello.worker_id in self._registering:
+            # Taking over a live connection would hand its tasks to whoever asked.
+            raise p.ProtocolError(
+                "worker_id_in_use",
+                f"worker {hello.worker_id} is connected on another live connection; "
+                "retry once it is gone, or use another --worker-id",
+            )
+        self._registering.add(hello.worker_id)
+        try:
+            return await self._register_checked(hello, writer, credential, tenants, peer)
+        finally:
+            self._registering.discard(hello.worker_id)
+
+    async def _register_checked(
+        self,
+        hello: p.Hello,
+        writer: asyncio.StreamWriter,
+        credential: str | None,
+        tenants: tuple[str, ...],
+        peer: object,
+    ) -> _Session:
         previous = self.sessions.pop(hello.worker_id, None)
         if previous is not None:
-            # The same worker reconnected before we noticed the old connection died.
+            # The same worker reconnected before we noticed the old (silent) connection died.
             previous.close()
         # Contact now: until the session is registered below, the heartbeat loop must
         # not judge this worker (connected in the state, no session) by an old contact.
@@ -312,15 +402,17 @@ class WorkerLink:
                 process_id=hello.process_id,
                 resources=dict(hello.resources),
                 task_types=dict(hello.task_types),
-                tenants=tuple(hello.tenants),
+                tenants=tenants,
                 running=entry_running,
+                credential=credential,
             )
         )
         if isinstance(result, Rejected):
-            raise p.ProtocolError("bad_handshake", result.message)
+            code = "worker_id_in_use" if result.code == ErrorCode.CONFLICT else "bad_handshake"
+            raise p.ProtocolError(code, result.message)
         assert isinstance(result, WorkerReconciled)
         keep = {(k.task_id, k.attempt) for k in result.keep}
-        session = _Session(hello.worker_id, writer, self.config.max_frame_bytes)
+        session = _Session(hello.worker_id, writer, self.config.max_frame_bytes, credential, peer)
         session.send(
             p.Welcome(
                 broker_id=self.node.config.broker_id,
@@ -433,6 +525,8 @@ class WorkerLink:
                 stale: list[tuple[_Session, p.TaskReport]] = []
                 for item in batch:
                     (live if self._is_running(*item) else stale).append(item)
+                for session, report in stale:
+                    self._log_foreign_report(session, report)
                 if stale:
                     self._acknowledge(stale)
                 batch = live
@@ -452,12 +546,34 @@ class WorkerLink:
                 self._acknowledge(batch)
 
     def _is_running(self, session: _Session, report: p.TaskReport) -> bool:
+        """Whether the report is for an attempt running on this very connection: the
+        task's worker is the session's and the session is that worker's current one (a
+        replaced connection's queued reports are not its to make)."""
         task = self.node.state.tasks.get(report.task_id)
         return (
             task is not None
             and task.state == TaskState.RUNNING
             and task.worker == session.worker_id
             and task.attempt == report.attempt
+            and self.sessions.get(session.worker_id) is session
+        )
+
+    def _log_foreign_report(self, session: _Session, report: p.TaskReport) -> None:
+        """Log a report for an attempt running elsewhere (not a late duplicate): it is
+        refused (acknowledged, so a confused worker stops resending, but not applied)."""
+        task = self.node.state.tasks.get(report.task_id)
+        if task is None or task.state != TaskState.RUNNING:
+            return
+        if task.worker == session.worker_id and self.sessions.get(session.worker_id) is session:
+            return  # its own task, another attempt: a late duplicate
+        logger.warning(
+            "worker %s at %s: refused a report for task %d attempt %d, which runs on %s",
+            session.worker_id,
+            session.peer,
+            report.task_id,
+            report.attempt,
+            "another connection" if task.worker == session.worker_id else task.worker,
+            extra=task_fields(task.id, task.tenant),
         )
 
     def _acknowledge(self, batch: list[tuple[_Session, p.TaskReport]]) -> None:

@@ -68,6 +68,13 @@ def _json_value(text: str) -> Any:
         raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
 
 
+def _tenant_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected TENANT[,TENANT...], got {text!r}")
+    return names
+
+
 def _resource(text: str) -> tuple[str, float]:
     name, sep, amount = text.partition("=")
     try:
@@ -81,9 +88,19 @@ def _resource(text: str) -> tuple[str, float]:
 def _add_broker_options(p: argparse.ArgumentParser) -> None:
     """Options every kind of broker takes (standalone and cluster)."""
     p.add_argument(
+        "--worker-token-file",
+        type=Path,
+        default=os.environ.get("STEWARD_WORKER_TOKEN_FILE"),
+        metavar="PATH",
+        help="the workers' shared token (legacy, unscoped; prefer worker credentials: "
+        "steward token create NAME --worker), first line of this file (env "
+        "STEWARD_WORKER_TOKEN_FILE, or the token itself in STEWARD_WORKER_TOKEN)",
+    )
+    p.add_argument(
         "--worker-token",
-        default=os.environ.get("STEWARD_WORKER_TOKEN"),
-        help="workers must present this token (env STEWARD_WORKER_TOKEN)",
+        default=None,
+        help="deprecated (readable by every local user): use --worker-token-file or "
+        "STEWARD_WORKER_TOKEN",
     )
     p.add_argument(
         "--admin-token-file",
@@ -95,10 +112,19 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
         "STEWARD_ADMIN_TOKEN)",
     )
     p.add_argument(
+        "--cluster-token-file",
+        type=Path,
+        default=os.environ.get("STEWARD_CLUSTER_TOKEN_FILE"),
+        metavar="PATH",
+        help="the brokers' shared secret for snapshot and code downloads between them, "
+        "first line of this file (env STEWARD_CLUSTER_TOKEN_FILE, or the secret itself in "
+        "STEWARD_CLUSTER_TOKEN)",
+    )
+    p.add_argument(
         "--cluster-token",
-        default=os.environ.get("STEWARD_CLUSTER_TOKEN"),
-        help="the brokers' shared secret for snapshot and code downloads between them "
-        "(env STEWARD_CLUSTER_TOKEN)",
+        default=None,
+        help="deprecated (readable by every local user): use --cluster-token-file or "
+        "STEWARD_CLUSTER_TOKEN",
     )
     p.add_argument("--heartbeat-interval-ms", type=int, default=1000)
     p.add_argument(
@@ -453,6 +479,18 @@ def build_parser() -> argparse.ArgumentParser:
     who = p.add_mutually_exclusive_group(required=True)
     who.add_argument("--tenant", help="a token acting for this tenant only")
     who.add_argument("--admin", action="store_true", help="an admin token")
+    who.add_argument(
+        "--worker",
+        action="store_true",
+        help="a worker credential (for steward worker --token-file): binds each worker "
+        "connection to its worker id and to --tenants",
+    )
+    p.add_argument(
+        "--tenants",
+        type=_tenant_list,
+        metavar="A,B",
+        help="with --worker: the only tenants its workers may serve (default: every tenant)",
+    )
     token_sub.add_parser("list", help="list tokens (never their secrets)")
     p = token_sub.add_parser("revoke", help="revoke a token at once, on every broker")
     p.add_argument("id")
@@ -704,15 +742,28 @@ def run_client_command(args: argparse.Namespace) -> int:
             print(f"workers: {len(summary['workers'])}  tenants: {summary['tenants']}")
         elif args.command == "token":
             if args.token_command == "create":
-                created = client.create_token(args.name, tenant=args.tenant, admin=args.admin)
+                if args.tenants is not None and not args.worker:
+                    raise UsageError("--tenants goes with --worker (a worker credential's scope)")
+                created = client.create_token(
+                    args.name,
+                    tenant=args.tenant,
+                    admin=args.admin,
+                    worker=args.worker,
+                    tenants=args.tenants,
+                )
                 print(
                     f"token {created['id']} ({created['role']}"
                     + (f" of tenant {created['tenant']}" if created["tenant"] else "")
+                    + (f" serving {','.join(created['tenants'])}" if created.get("tenants") else "")
                     + "); its secret, shown only now:"
                 )
                 print(created["token"])
             elif args.token_command == "list":
-                _print_table(client.tokens(), ["id", "name", "role", "tenant", "created_at"])
+                tokens = [
+                    {**t, "tenants": ",".join(t.get("tenants") or ()) or "-"}
+                    for t in client.tokens()
+                ]
+                _print_table(tokens, ["id", "name", "role", "tenant", "tenants", "created_at"])
             else:
                 revoked = client.revoke_token(args.id)
                 print(f"token {revoked['id']} revoked")
@@ -725,17 +776,44 @@ def run_client_command(args: argparse.Namespace) -> int:
 
 
 def _auth_config(args: argparse.Namespace) -> AuthConfig:
-    """Authentication settings of a broker from its options (off without an admin token)."""
-    from broker.auth import AuthConfig, read_secret
+    """Authentication settings of a broker from its options (off without an admin token).
 
+    Sets ``args.worker_token`` and ``args.cluster_token`` to the secrets found (file,
+    deprecated command line, environment) and removes the secrets' environment variables,
+    so the broker's children (workers it starts get theirs explicitly) inherit none."""
+    from broker.auth import AuthConfig, SecretOptionError, read_secret, secret_from_options
+
+    def warn(message: str) -> None:
+        print(f"steward: warning: {message}", file=sys.stderr, flush=True)
+
+    try:
+        args.worker_token = secret_from_options(
+            argv_value=args.worker_token,
+            argv_flag="--worker-token",
+            file=args.worker_token_file,
+            file_flag="--worker-token-file",
+            env="STEWARD_WORKER_TOKEN",
+            warn=warn,
+        )
+        args.cluster_token = secret_from_options(
+            argv_value=args.cluster_token,
+            argv_flag="--cluster-token",
+            file=args.cluster_token_file,
+            file_flag="--cluster-token-file",
+            env="STEWARD_CLUSTER_TOKEN",
+            warn=warn,
+        )
+    except SecretOptionError as exc:
+        raise UsageError(str(exc)) from None
     admin_tokens: list[str] = []
+    admin_from_env = os.environ.pop("STEWARD_ADMIN_TOKEN", None)
     if args.admin_token_file is not None:
         try:
             admin_tokens.append(read_secret(args.admin_token_file))
         except (OSError, ValueError) as exc:
             raise UsageError(f"--admin-token-file: {exc}") from None
-    elif os.environ.get("STEWARD_ADMIN_TOKEN"):
-        admin_tokens.append(os.environ["STEWARD_ADMIN_TOKEN"])
+    elif admin_from_env:
+        admin_tokens.append(admin_from_env)
     return AuthConfig.from_secrets(admin_tokens, args.worker_token, args.cluster_token)
 
 
@@ -754,8 +832,12 @@ def run_standalone(args: argparse.Namespace) -> int:
     os.environ[LOG_FORMAT_ENV] = args.log_format
     host, port = args.http
     auth = _auth_config(args)
-    if auth.enabled and args.worker_token is None:
-        raise UsageError("with authentication on, workers need a --worker-token too")
+    if auth.enabled and args.worker_token is None and args.workers > 0:
+        # Other workers may use worker credentials; the ones started here share a token.
+        raise UsageError(
+            "with authentication on, the --workers started here need a shared token: "
+            "give --worker-token-file PATH (or STEWARD_WORKER_TOKEN)"
+        )
     config = StandaloneConfig(
         node=NodeConfig(
             data_dir=args.data_dir,
@@ -772,6 +854,7 @@ def run_standalone(args: argparse.Namespace) -> int:
             max_unauthenticated=args.worker_max_unauthenticated,
             token=args.worker_token,
             tenant_isolation=auth.enabled,
+            worker_credentials=auth.enabled,
         ),
         child_workers=args.workers,
         tls=_tls_config(args),
@@ -832,8 +915,11 @@ def run_broker(args: argparse.Namespace) -> int:
         raise UsageError("need 0 < --heartbeat-interval-ms < --heartbeat-timeout-ms")
     host, port = args.http
     auth = _auth_config(args)
-    if auth.enabled and (args.worker_token is None or args.cluster_token is None):
-        raise UsageError("with authentication on, give --worker-token and --cluster-token too")
+    if auth.enabled and args.cluster_token is None:
+        # Workers need no shared token: they may use worker credentials (token create --worker).
+        raise UsageError(
+            "with authentication on, give --cluster-token-file PATH (or STEWARD_CLUSTER_TOKEN) too"
+        )
     if args.zookeeper_auth is not None and ":" not in args.zookeeper_auth:
         raise UsageError("--zookeeper-auth must be USER:PASSWORD")
     config = BrokerConfig(
@@ -861,6 +947,7 @@ def run_broker(args: argparse.Namespace) -> int:
             max_unauthenticated=args.worker_max_unauthenticated,
             token=args.worker_token,
             tenant_isolation=auth.enabled,
+            worker_credentials=auth.enabled,
         ),
         cluster_token=args.cluster_token,
         zookeeper_auth=args.zookeeper_auth,

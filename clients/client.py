@@ -656,12 +656,24 @@ class StewardClient:
     # API tokens (admin)
 
     def create_token(
-        self, name: str, *, tenant: str | None = None, admin: bool = False
+        self,
+        name: str,
+        *,
+        tenant: str | None = None,
+        admin: bool = False,
+        worker: bool = False,
+        tenants: list[str] | None = None,
     ) -> dict[str, Any]:
-        """Issue a token for ``tenant`` (or an admin one); its secret is in ``["token"]``."""
-        if admin == (tenant is not None):
-            raise ValueError("give a tenant, or admin=True, not both")
-        body = {"name": name, "role": "admin" if admin else "tenant", "tenant": tenant}
+        """Issue a token for ``tenant``, an admin one, or a worker credential (serving
+        ``tenants`` only, when given); its secret is in ``["token"]``."""
+        if (tenant is not None) + admin + worker != 1:
+            raise ValueError("give one of a tenant, admin=True or worker=True")
+        if tenants is not None and not worker:
+            raise ValueError("tenants= goes with worker=True only")
+        role = "admin" if admin else "worker" if worker else "tenant"
+        body: dict[str, Any] = {"name": name, "role": role, "tenant": tenant}
+        if tenants:
+            body["tenants"] = tenants
         result: dict[str, Any] = self._call("POST", "/api/v1/tokens", json=body)
         return result
 

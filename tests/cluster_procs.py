@@ -182,7 +182,7 @@ class BrokerNode:
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **self.cluster.extra_env),
             start_new_session=True,  # a ^C of the test run does not hit the broker first
         )
 
@@ -341,8 +341,11 @@ class ClusterProcesses:
         extra_args: tuple[str, ...] = (),
         pulsar_url: str | None = None,
         admin_token: str | None = None,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         self.zookeeper = zookeeper
+        # Added to every broker's environment: secrets (STEWARD_CLUSTER_TOKEN), not argv.
+        self.extra_env = extra_env or {}
         # Authentication on (the brokers' extra_args name an admin token): probes send it.
         self.http_headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
         # None: the file backend in root/ledgers; else the pulsar backend on pulsar-lite.
@@ -552,8 +555,11 @@ class ClusterProcesses:
 
     # -- workers -------------------------------------------------------------------------------
 
-    def start_worker(self, worker_id: str, *args: str) -> ClusterWorker:
-        """A worker that finds the leader itself (``--brokers`` with every broker's URL)."""
+    def start_worker(
+        self, worker_id: str, *args: str, env: dict[str, str] | None = None
+    ) -> ClusterWorker:
+        """A worker that finds the leader itself (``--brokers`` with every broker's URL);
+        ``env`` is added to its environment (a token: STEWARD_WORKER_TOKEN, never argv)."""
         assert worker_supports_brokers_flag(), "steward worker has no --brokers option"
         tls_args = ["--tls-ca", str(self.tls.ca_path)] if self.tls is not None else []
         worker = ClusterWorker(
@@ -562,6 +568,7 @@ class ClusterProcesses:
             log_path=self.root / "logs" / f"{worker_id}.log",
             cache_dir=self.root / "cache" / worker_id,
             extra_args=args,
+            env=env,
         )
         self.workers.append(worker)
         worker.start()
@@ -602,9 +609,11 @@ class ClusterWorker:
         log_path: Path,
         cache_dir: Path,
         extra_args: tuple[str, ...],
+        env: dict[str, str] | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.target = target
+        self.env = env or {}
         self.log_path = log_path
         self.cache_dir = cache_dir
         self.extra_args = extra_args
@@ -630,7 +639,7 @@ class ClusterWorker:
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env),
             start_new_session=True,
         )
 

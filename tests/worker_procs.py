@@ -44,6 +44,7 @@ class WorkerProcess:
         log_dir: Path,
         cache_dir: Path,
         extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.broker = broker
         self.http_url = http_url
@@ -51,13 +52,15 @@ class WorkerProcess:
         self.log_path = log_dir / f"{worker_id}.log"
         self.cache_dir = cache_dir
         self.extra_args = extra_args
+        # Added to the environment: secrets (STEWARD_WORKER_TOKEN), never on argv.
+        self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
     def start(self) -> WorkerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         self.proc = subprocess.Popen(
             [
                 *steward_command(),

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from broker.auth import secret_from_options
 from broker.tls import CA_ENV
 from clients.worker.config import (
     WorkerConfig,
@@ -55,6 +56,8 @@ def _brokers(text: str) -> list[str]:
 
 
 _DEFAULT_HTTP_URL = "http://127.0.0.1:8080"
+TOKEN_ENV = "STEWARD_WORKER_TOKEN"
+TOKEN_FILE_ENV = "STEWARD_WORKER_TOKEN_FILE"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,7 +105,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spark-conf", type=_pair, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     p.add_argument("--max-result-bytes", type=int, default=1024 * 1024)
-    p.add_argument("--token", default=os.environ.get("STEWARD_WORKER_TOKEN"))
+    p.add_argument(
+        "--token-file",
+        "--worker-token-file",
+        dest="token_file",
+        type=Path,
+        default=os.environ.get(TOKEN_FILE_ENV),
+        metavar="PATH",
+        help=f"the worker credential (steward token create NAME --worker) or the shared "
+        f"worker token, first line of this file (env {TOKEN_FILE_ENV}; or the secret itself "
+        f"in {TOKEN_ENV}, which the worker removes from its environment)",
+    )
+    p.add_argument(
+        "--token",
+        default=None,
+        help=f"deprecated: the secret on the command line, readable by every local user; "
+        f"use --token-file or {TOKEN_ENV}",
+    )
     p.add_argument(
         "--tls",
         action="store_true",
@@ -191,6 +210,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _warn(message: str) -> None:
+    print(f"steward worker: warning: {message}", file=sys.stderr, flush=True)
+
+
+def worker_token(args: argparse.Namespace) -> str | None:
+    """The token from --token-file, --token (deprecated: warns) or STEWARD_WORKER_TOKEN,
+    which is removed from the environment so no child process inherits it."""
+    return secret_from_options(
+        argv_value=args.token,
+        argv_flag="--token",
+        file=args.token_file,
+        file_flag="--token-file",
+        env=TOKEN_ENV,
+        warn=_warn,
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     brokers: list[str] = args.brokers or []
     http_url: str | None = args.http_url
@@ -212,7 +248,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         spark_conf=dict(args.spark_conf),
         cache_dir=args.cache_dir,
         max_result_bytes=args.max_result_bytes,
-        token=args.token,
+        token=worker_token(args),
         tls=args.tls,
         tls_ca=args.tls_ca,
         task_isolation=args.task_isolation,

@@ -62,20 +62,25 @@ def test_tokens_tenants_workers_peers_and_zookeeper_acls_in_a_cluster(
 ) -> None:
     admin_file = tmp_path / "admin-token"
     admin_file.write_text(ADMIN + "\n")
+    worker_file = tmp_path / "worker-token"
+    worker_file.write_text(WORKER + "\n")
+    # Secrets in files and the environment, never on a command line.
     auth_args = (
         "--admin-token-file",
         str(admin_file),
-        "--worker-token",
-        WORKER,
-        "--cluster-token",
-        CLUSTER_TOKEN,
+        "--worker-token-file",
+        str(worker_file),
         "--zookeeper-auth",
         ZK_AUTH,
         "--min-replication",
         "3",
     )
     with ClusterProcesses(
-        zookeeper.connect_string, tmp_path, extra_args=auth_args, admin_token=ADMIN
+        zookeeper.connect_string,
+        tmp_path,
+        extra_args=auth_args,
+        admin_token=ADMIN,
+        extra_env={"STEWARD_CLUSTER_TOKEN": CLUSTER_TOKEN},
     ) as cluster:
         try:
             leader = cluster.wait_for_leader()
@@ -115,9 +120,19 @@ def test_tokens_tenants_workers_peers_and_zookeeper_acls_in_a_cluster(
                     "the artifact to reach 3 brokers",
                 )
                 # A worker with the wrong token is refused; the right one runs the task.
-                intruder = cluster.start_worker("intruder", "--token", "wrong-token")
-                cluster.start_worker("w1", "--token", WORKER)
-                cluster.wait_workers_connected(["w1"])
+                intruder = cluster.start_worker(
+                    "intruder", env={"STEWARD_WORKER_TOKEN": "wrong-token"}
+                )
+                cluster.start_worker("w1", env={"STEWARD_WORKER_TOKEN": WORKER})
+                # A worker credential made with the CLI, scoped to Alice, in a file.
+                made = cli(urls, ADMIN, "token", "create", "w2", "--worker", "--tenants", "alice")
+                assert made.returncode == 0 and "serving alice" in made.stdout, made.stderr
+                scoped_file = tmp_path / "w2-token"
+                scoped_file.write_text(made.stdout.strip().splitlines()[-1] + "\n")
+                cluster.start_worker("w2", "--token-file", str(scoped_file))
+                cluster.wait_workers_connected(["w1", "w2"])
+                workers = leader.get_json("/api/v1/workers", timeout_s=5)["workers"]
+                assert {w["id"]: w["tenants"] for w in workers}["w2"] == ["alice"]
                 handle = as_alice.submit("job:run", {"n": 21}, code=sha256)
                 assert handle.result(timeout=60) == {"doubled": 42}
                 task_id = handle.id

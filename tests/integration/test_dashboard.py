@@ -368,8 +368,11 @@ def test_dashboard_says_when_a_token_is_needed_or_not_enough(
     with BrokerProcess(
         tmp_path / "data",
         log_path=tmp_path / "broker.log",
-        extra_args=("--worker-token", "dashboard-worker-secret"),
-        env={**os.environ, "STEWARD_ADMIN_TOKEN": ADMIN_TOKEN},
+        env={
+            **os.environ,
+            "STEWARD_ADMIN_TOKEN": ADMIN_TOKEN,
+            "STEWARD_WORKER_TOKEN": "dashboard-worker-secret",
+        },
     ) as broker:
         broker.start()
         admin = {"authorization": f"Bearer {ADMIN_TOKEN}"}

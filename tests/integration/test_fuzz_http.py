@@ -158,8 +158,15 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> FuzzTarget:
     process = BrokerProcess(
         tmp_path / "data",
         log_path=tmp_path / "broker.log",
-        extra_args=("--worker-token", "fuzz-worker-token") if auth else (),
-        env={**os.environ, "STEWARD_ADMIN_TOKEN": ADMIN_TOKEN} if auth else None,
+        env=(
+            {
+                **os.environ,
+                "STEWARD_ADMIN_TOKEN": ADMIN_TOKEN,
+                "STEWARD_WORKER_TOKEN": "fuzz-worker-token",
+            }
+            if auth
+            else None
+        ),
     )
     process.start()
     headers: dict[str, str] = {}

@@ -413,7 +413,11 @@ async def test_quick_reconnect_keeps_the_running_task(broker: Broker, drop_first
         await worker.close()
         again = broker.worker("w1")
     else:
-        # The old connection still looks open to the broker: the new hello replaces it.
+        # The old connection still looks open to the broker but went silent (half-open):
+        # past three heartbeat intervals the new hello replaces it. (While it still
+        # heartbeats a second hello is refused: tests/security/test_worker_credentials.py.)
+        worker.stop_heartbeats()
+        await asyncio.sleep(3 * INTERVAL_MS / 1000 + 0.1)
         again = broker.worker("w1")
     welcome = await again.hello(running=[(task_id, 1)])
     if not drop_first:
