@@ -397,7 +397,11 @@ class WorkArea:
                 else:
                     shutil.copyfile(verified, tmp)
                 _share_tree(tmp, identity.gid)
-                os.rename(tmp, target)
+                try:
+                    os.rename(tmp, target)
+                except OSError:
+                    if not target.exists():  # not "another worker sharing the dir was first"
+                        raise
             finally:
                 if tmp.is_dir():
                     shutil.rmtree(tmp, ignore_errors=True)
