@@ -394,7 +394,10 @@ class TaskRuntime:
                 )
             self._keep_output((task.task_id, task.attempt), outcome.output)
             report = outcome_report(task, outcome, memory_mb, self.config.max_result_bytes)
-            retire = ctx.cancelled.is_set() or outcome.done is None or not report.ok
+            # A task's exception leaves its process fit for the next task; a cancel, a
+            # crash or exhausted memory does not.
+            done = outcome.done
+            retire = ctx.cancelled.is_set() or done is None or done.out_of_memory
             if ctx.cancelled.is_set():
                 note = ""
                 if outcome.killed:

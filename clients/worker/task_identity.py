@@ -1,4 +1,4 @@
-"""Which uid runs a tenant's task processes (docs/SECURITY.md, "Task users").
+"""Which uid runs a tenant's task processes (docs/SECURITY.md, "Task processes").
 
 A worker running as root never runs tenant code as root unless told so explicitly:
 

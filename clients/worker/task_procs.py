@@ -481,7 +481,7 @@ class TaskProcessPool:
     def release(self, process: TaskProcess, *, retire: bool) -> None:
         reason = ""
         if retire:
-            reason = "after a cancel or failure"
+            reason = "after a cancel, a crash or running out of memory"
         elif not process.alive:
             reason = "exited"
         elif process.tasks_run >= self.limits.max_tasks:
@@ -571,7 +571,7 @@ class TaskProcessPool:
             raise TaskProcessError(
                 f"could not start a task process as uid {identity.uid}: {exc}."
                 f" The task user must be able to run {self.python} and read {PROJECT_ROOT}"
-                " (see docs/SECURITY.md, 'Task users')"
+                " (see docs/SECURITY.md, 'Task processes')"
             ) from None
         os.close(control_r)
         os.close(events_w)
@@ -590,7 +590,7 @@ class TaskProcessPool:
             raise TaskProcessError(
                 f"a task process as uid {identity.uid} did not start: {tail.strip()}"
                 f" (the task user must be able to run {self.python} and read {PROJECT_ROOT};"
-                " see docs/SECURITY.md, 'Task users')"
+                " see docs/SECURITY.md, 'Task processes')"
             )
         with self._lock:
             self.started += 1
@@ -648,5 +648,5 @@ def check_task_processes(config: WorkerConfig) -> None:
             f" Steward from {PROJECT_ROOT}: {failure[0]}. Install Steward in a virtualenv"
             " made from a Python other users can read (e.g. /usr/bin/python3 -m venv"
             " /opt/steward), or name a user that can with --task-user USER"
-            " (docs/SECURITY.md, 'Task users')"
+            " (docs/SECURITY.md, 'Task processes')"
         )

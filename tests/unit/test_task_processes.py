@@ -333,7 +333,9 @@ def test_idle_processes_are_ended_after_the_idle_timeout(tmp_path: Path) -> None
         pid = rt.result(1)["pid"]
         assert rt.runtime.processes is not None
         deadline = time.monotonic() + 5.0
-        while rt.runtime.processes.live() and time.monotonic() < deadline:
+        while rt.runtime.processes.live() or Path(f"/proc/{pid}").exists():
+            if time.monotonic() > deadline:
+                break
             time.sleep(0.05)
         assert rt.runtime.processes.live() == 0
         assert not Path(f"/proc/{pid}").exists()
