@@ -4,7 +4,8 @@ Side by side in one run, each with 2 worker processes on this machine:
 
 - Steward: ``steward standalone`` (every submission, assignment and finish is fsynced
   to its write-ahead log before it is acknowledged) + 2 ``steward worker`` processes
-  (``--task-type noop=SLOTS``, thread pool). Submitted over HTTP in batches (one log
+  (``--task-type noop=SLOTS``; tasks in task processes, or with ``--task-isolation thread``
+  on the worker's thread pool). Submitted over HTTP in batches (one log
   entry per batch) on one keep-alive connection.
 - Celery 5 + Redis (broker and result backend): 2 worker processes
   ``-P threads -c 8`` (or one prefork worker with 2 child processes:
@@ -147,7 +148,13 @@ def steward_run(http: RawHttp, tasks: int, batch: int, poll_s: float, timeout_s:
 def bench_steward(args: argparse.Namespace, root: Path) -> Outcome:
     outcome = Outcome("steward", "own WAL, fsync each entry", [])
     with Procs(root / "logs" / "steward") as procs:
-        cluster = start_steward(procs, root / "steward-data", workers=2, slots=args.steward_slots)
+        cluster = start_steward(
+            procs,
+            root / "steward-data",
+            workers=2,
+            slots=args.steward_slots,
+            task_isolation=args.task_isolation,
+        )
         with RawHttp(cluster.port, timeout_s=60) as http:
 
             def once(n: int, timeout_s: float) -> Run:
@@ -369,6 +376,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1_000, help="tasks in the warm-up run")
     parser.add_argument("--batch", type=int, default=1_000, help="Steward tasks per HTTP request")
     parser.add_argument("--steward-slots", type=int, default=64, help="noop slots per worker")
+    parser.add_argument(
+        "--task-isolation",
+        choices=["process", "thread"],
+        default="process",
+        help="Steward workers run tasks in task processes (default) or in the worker",
+    )
     parser.add_argument("--peer-threads", type=int, default=8, help="threads per peer worker")
     parser.add_argument("--celery-pool", choices=["threads", "prefork", "solo"], default="threads")
     parser.add_argument("--celery-acks-late", action="store_true")
@@ -411,7 +424,8 @@ def main() -> None:
     )
     print(
         f"steward  {version('steward')}: standalone broker (fsync per log entry) + 2 workers "
-        f"x noop={args.steward_slots} threads; HTTP batches of {args.batch:,}"
+        f"x noop={args.steward_slots} slots, task isolation {args.task_isolation};"
+        f" HTTP batches of {args.batch:,}"
     )
     if "celery" in systems:
         pool = {

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -30,6 +32,21 @@ def wait_until(check: Callable[[], Any], timeout_s: float, what: str, pause_s: f
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(pause_s)
+
+
+@contextlib.contextmanager
+def task_writable_dir(prefix: str = "steward-test-shared-") -> Iterator[Path]:
+    """A directory the workers' task users can write, like /tmp (sticky, 1777), removed after.
+
+    Workers run tasks under uids of their own (docs/SECURITY.md, "Task processes"); pytest's
+    base temp directory is 0700, so a directory under ``tmp_path`` is out of their reach.
+    """
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        os.chmod(path, 0o1777)
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class WorkerProcess:

@@ -376,9 +376,19 @@ class StewardCluster:
 
 
 def start_steward(
-    procs: Procs, data_dir: Path, *, workers: int, slots: int, ready_timeout_s: float = 120.0
+    procs: Procs,
+    data_dir: Path,
+    *,
+    workers: int,
+    slots: int,
+    ready_timeout_s: float = 120.0,
+    task_isolation: str = "process",
 ) -> StewardCluster:
-    """A standalone broker (durable file ledger) and ``workers`` worker processes."""
+    """A standalone broker (durable file ledger) and ``workers`` worker processes.
+
+    ``task_isolation``: where the workers run tasks ("process": task processes, the
+    default; "thread": in the worker process).
+    """
     port, worker_port = free_port(), free_port()
     broker = procs.start(
         "steward-broker",
@@ -420,6 +430,8 @@ def start_steward(
                 f"bench-w{i}",
                 "--task-type",
                 f"noop={slots}",
+                "--task-isolation",
+                task_isolation,
                 "--log-level",
                 "WARNING",
             ],

@@ -58,8 +58,9 @@ from clients.worker.task_api import (
     shared_spark,
     spark_defaults,
 )
+from clients.worker.task_env import WorkArea
 from clients.worker.task_identity import TaskIdentities, TaskIdentity
-from clients.worker.task_procs import Outcome, PoolLimits, TaskProcess, TaskProcessPool, WorkArea
+from clients.worker.task_procs import Outcome, PoolLimits, TaskProcess, TaskProcessPool
 
 __all__ = [
     "BUILTIN_TASKS",

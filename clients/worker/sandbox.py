@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import Final
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_DUMPABLE: Final = 4  # from <linux/prctl.h>
+_PR_SET_PDEATHSIG: Final = 1  # from <linux/prctl.h>
+_PR_SET_DUMPABLE: Final = 4
 _PR_GET_DUMPABLE: Final = 3
 _PR_SET_NO_NEW_PRIVS: Final = 38
 _PR_GET_NO_NEW_PRIVS: Final = 39
@@ -57,6 +60,19 @@ def make_non_dumpable() -> bool:
 def forbid_new_privileges() -> bool:
     """setuid binaries run by this process (and its children) gain nothing."""
     return _call(_PR_SET_NO_NEW_PRIVS, 1)
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """SIGKILL this process when its parent (the worker) dies; exit now if it already did.
+
+    A task must not outlive the worker that would report it (a kill -9 of the worker
+    must end its tasks, as the broker re-runs them elsewhere).
+    """
+    if not _call(_PR_SET_PDEATHSIG, int(signal.SIGKILL)):
+        return False
+    if os.getppid() != parent_pid:  # it died before the prctl took effect
+        os._exit(1)
+    return True
 
 
 def is_dumpable() -> bool | None:

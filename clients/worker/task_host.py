@@ -67,7 +67,8 @@ class _Host:
                     self.cancel(message.reason)
         except (OSError, task_wire.WireError) as exc:
             print(f"steward task process: control pipe: {exc}", file=sys.stderr, flush=True)
-        self.runs.put(None)  # the worker is gone or done with this process
+        # The worker is gone or done with this process: a task must not run on unreported.
+        os._exit(0)
 
     def cancel(self, reason: str) -> None:
         with self.lock:
@@ -175,7 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--events", type=int, required=True)
     parser.add_argument("--max-frame-bytes", type=int, required=True)
     parser.add_argument("--memory-limit-mb", type=int, default=0)
+    parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
+    sandbox.die_with_parent(args.parent_pid)
     sandbox.make_non_dumpable()
     sandbox.forbid_new_privileges()
     _limit_memory(args.memory_limit_mb)

@@ -31,21 +31,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-import clients
 from clients.worker import task_wire
+from clients.worker.task_env import (
+    PROJECT_ROOT,
+    TaskProcessError,
+    WorkArea,
+    has_passwd_entry,
+    nss_wrapper_library,
+    scrubbed_env,
+)
 from clients.worker.task_identity import TaskIdentity
 
 if TYPE_CHECKING:
@@ -56,13 +59,6 @@ logger = logging.getLogger(__name__)
 _READ_BYTES: Final = 64 * 1024
 _START_TIMEOUT_S: Final = 60.0
 _REAP_TIMEOUT_S: Final = 5.0
-#: Variables a task process inherits from the worker; nothing else (no credentials).
-PASSED_ENV: Final = ("PATH", "LANG", "LC_ALL", "TZ", "JAVA_HOME", "SPARK_HOME")
-PROJECT_ROOT: Final = Path(clients.__file__).resolve().parent.parent
-
-
-class TaskProcessError(Exception):
-    """A task process could not be started (its task fails with this message)."""
 
 
 def describe_exit(returncode: int) -> str:
@@ -73,25 +69,6 @@ def describe_exit(returncode: int) -> str:
             name = "unknown"
         return f"exited with signal {-returncode} ({name})"
     return f"exited with code {returncode}"
-
-
-def scrubbed_env(home: Path, base: dict[str, str] | None = None) -> dict[str, str]:
-    source = os.environ if base is None else base
-    env = {name: source[name] for name in PASSED_ENV if name in source}
-    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
-    env.setdefault("LANG", "C.UTF-8")
-    env.update(
-        {
-            "HOME": str(home),
-            "TMPDIR": str(home),
-            # Steward's own modules, for a worker run from a source checkout.
-            "PYTHONPATH": str(PROJECT_ROOT),
-            "PYTHONUNBUFFERED": "1",
-            # Spark binds the driver to loopback, as in the worker.
-            "SPARK_LOCAL_IP": "127.0.0.1",
-        }
-    )
-    return env
 
 
 @dataclass
@@ -352,88 +329,6 @@ class PoolLimits:
     max_frame_bytes: int = 8 * 1024 * 1024
 
 
-class WorkArea:
-    """The worker's directories for task processes (layout: module docstring)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = Path(root)
-        _private_dir(self.root, 0o711)
-        for name in ("attempts", "homes", "code"):
-            _private_dir(self.root / name, 0o711)
-        self._code_lock = threading.Lock()
-
-    def home(self, identity: TaskIdentity) -> Path:
-        path = self.root / "homes" / str(identity.uid)
-        _owned_dir(path, identity, 0o700)
-        return path
-
-    @contextlib.contextmanager
-    def attempt_dir(self, task_id: int, attempt: int, identity: TaskIdentity) -> Iterator[Path]:
-        path = self.root / "attempts" / f"{task_id}-{attempt}-{secrets.token_hex(4)}"
-        path.mkdir(mode=0o700)
-        try:
-            if identity.switch:
-                os.chown(path, identity.uid, identity.gid)
-            yield path
-        finally:
-            shutil.rmtree(path, ignore_errors=True)
-
-    def code_copy(self, sha: str, verified: Path, identity: TaskIdentity) -> Path:
-        """A copy of a verified artifact that ``identity`` may read and nobody else."""
-        if not identity.switch:
-            return verified  # the task runs as the worker: it can read the cache anyway
-        parent = self.root / "code" / str(identity.uid)
-        with self._code_lock:
-            if not parent.is_dir():
-                parent.mkdir(mode=0o750)
-                os.chown(parent, 0, identity.gid)
-            target = parent / verified.name
-            if target.exists():
-                return target
-            tmp = parent / f".{sha[:12]}-{secrets.token_hex(4)}"
-            try:
-                if verified.is_dir():
-                    shutil.copytree(verified, tmp, symlinks=False)
-                else:
-                    shutil.copyfile(verified, tmp)
-                _share_tree(tmp, identity.gid)
-                try:
-                    os.rename(tmp, target)
-                except OSError:
-                    if not target.exists():  # not "another worker sharing the dir was first"
-                        raise
-            finally:
-                if tmp.is_dir():
-                    shutil.rmtree(tmp, ignore_errors=True)
-                else:
-                    tmp.unlink(missing_ok=True)
-            return target
-
-
-def _private_dir(path: Path, mode: int) -> None:
-    path.mkdir(mode=mode, parents=True, exist_ok=True)
-    info = path.lstat()
-    if path.is_symlink() or info.st_uid != os.geteuid():
-        raise TaskProcessError(f"{path} is not a directory of this worker's user")
-    os.chmod(path, mode)
-
-
-def _owned_dir(path: Path, identity: TaskIdentity, mode: int) -> None:
-    path.mkdir(mode=mode, exist_ok=True)
-    if identity.switch:
-        os.chown(path, identity.uid, identity.gid)
-    os.chmod(path, mode)
-
-
-def _share_tree(root: Path, gid: int) -> None:
-    """root:gid, directories 0750 and files 0640: readable by the group only."""
-    paths = [root] if root.is_file() else [root, *root.rglob("*")]
-    for path in paths:
-        os.chown(path, 0, gid, follow_symlinks=False)
-        if not path.is_symlink():
-            os.chmod(path, 0o750 if path.is_dir() else 0o640)
-
-
 class TaskProcessPool:
     """Warm task processes per (tenant, memory limit); see the module docstring."""
 
@@ -549,11 +444,13 @@ class TaskProcessPool:
             str(self.limits.max_frame_bytes),
             "--memory-limit-mb",
             str(key[1]),
+            "--parent-pid",
+            str(os.getpid()),
         ]
         try:
             popen = subprocess.Popen(
                 args,
-                env=scrubbed_env(home),
+                env=scrubbed_env(home, identity),
                 cwd=home,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -625,7 +522,7 @@ def check_task_processes(config: WorkerConfig) -> None:
     try:
         probe = subprocess.run(
             [config.task_python, "-c", "import clients.worker.task_host"],
-            env=scrubbed_env(home),
+            env=scrubbed_env(home, identity),
             cwd=home,
             stdin=subprocess.DEVNULL,
             capture_output=True,
@@ -642,6 +539,13 @@ def check_task_processes(config: WorkerConfig) -> None:
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         failure = [str(exc)]
+    if identity.switch and not has_passwd_entry(identity.uid) and nss_wrapper_library() is None:
+        print(
+            f"steward worker: warning: uid {identity.uid} has no passwd entry and"
+            " libnss-wrapper is not installed: tasks that start a JVM (Spark) will fail;"
+            " apt-get install libnss-wrapper, or name users with --task-user",
+            file=sys.stderr,
+        )
     if failure:
         raise ValueError(
             f"task processes (uid {identity.uid}) cannot run {config.task_python} with"

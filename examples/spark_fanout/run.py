@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -41,6 +42,18 @@ def upload_job(client: StewardClient) -> str:
     return client.upload_code(JOB_PATH)
 
 
+def share_out_dir(out_dir: Path) -> Path:
+    """Create ``out_dir`` writable by the workers' task users, as /tmp is (sticky, 1777).
+
+    Workers run each tenant's tasks under a uid of its own (docs/SECURITY.md, "Task
+    processes"), so the tree's tasks cannot write a directory only this user can; its
+    parents must let them through (``o+x``).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(out_dir, 0o1777)
+    return out_dir
+
+
 def submit_fanout(
     client: StewardClient,
     code: str,
@@ -56,6 +69,7 @@ def submit_fanout(
     child_max_attempts: int = 1,
 ) -> TaskHandle:
     """Submit the tracked root; a failed tree is replayed while ``max_attempts`` allow."""
+    share_out_dir(out_dir)
     params = {
         "rows": rows,
         "partitions": partitions,
@@ -148,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.partitions > min(args.rows, fanout_job.MAX_PARTITIONS):
         parser.error(f"--partitions must be at most min(--rows, {fanout_job.MAX_PARTITIONS})")
     scratch = Path(tempfile.mkdtemp(prefix="steward-fanout-"))
+    os.chmod(scratch, 0o711)  # task users pass through to the shared out dir
     out_dir = args.out_dir if args.out_dir is not None else scratch / "out"
     try:
         options: dict[str, Any] = {"rows": args.rows, "partitions": args.partitions}

@@ -35,7 +35,9 @@ import dataclasses
 import heapq
 import itertools
 import json
+import os
 import random
+import shutil
 import sys
 import tempfile
 import threading
@@ -315,7 +317,11 @@ class ChaosSoak:
         self.pulsar_url = pulsar_url if config.ledgers == "pulsar" else None
         self.rng = random.Random(config.seed)
         self.log = FaultLog(config.seed)
-        self.effects_path = root / "effects.jsonl"
+        # Tasks run under uids of their own (docs/SECURITY.md, "Task processes"): their
+        # record file lives in a directory they can write (removed when the run ends).
+        self.effects_dir = Path(tempfile.mkdtemp(prefix="steward-soak-effects-"))
+        os.chmod(self.effects_dir, 0o1777)
+        self.effects_path = self.effects_dir / "effects.jsonl"
         self._pending: list[_Recovery] = []
         self._seq = itertools.count()
         self._worker_names = itertools.count(config.workers)
@@ -350,6 +356,8 @@ class ChaosSoak:
                     with contextlib.suppress(AssertionError):  # the first error matters
                         self.load.stop()
                 raise
+            finally:
+                shutil.rmtree(self.effects_dir, ignore_errors=True)
         print(self.log.dump(), flush=True)
         print(result.summary(), flush=True)
         return result

@@ -20,7 +20,7 @@ from clients.client import StewardClient
 from examples.spark_fanout import fanout_job
 from examples.spark_fanout.run import direct_answer, run_fanout
 from tests.procs import HOST, BrokerProcess, fetch_all_tasks, free_port
-from tests.worker_procs import WorkerProcess
+from tests.worker_procs import WorkerProcess, task_writable_dir
 
 pytestmark = pytest.mark.slow
 
@@ -29,10 +29,13 @@ TREE_WAIT_S = 120.0  # the first Spark job of a fresh worker starts the JVM
 
 
 class Setup:
-    def __init__(self, broker: BrokerProcess, worker: WorkerProcess, root: Path) -> None:
+    def __init__(
+        self, broker: BrokerProcess, worker: WorkerProcess, root: Path, shared: Path
+    ) -> None:
         self.broker = broker
         self.worker = worker
         self.root = root
+        self.shared = shared  # written by the tasks, under their own uids
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         worker.start()
         with httpx.Client(base_url=broker.url, timeout=30) as http:
             worker.wait_connected(http)
-        yield Setup(broker, worker, root)
+        with task_writable_dir() as shared:
+            yield Setup(broker, worker, root, shared)
     finally:
         worker.stop()
         broker.kill9()
@@ -73,7 +77,7 @@ def test_the_fanout_gives_the_same_answer_as_a_direct_computation(setup: Setup) 
     with StewardClient(setup.broker.url) as client:
         outcome = run_fanout(
             client,
-            setup.root / "out",
+            setup.shared / "out",
             rows=rows,
             partitions=partitions,
             timeout_s=TREE_WAIT_S,
@@ -122,7 +126,7 @@ def test_the_runner_prints_the_answer_next_to_the_direct_computation(setup: Setu
         "--partitions",
         "5",
         "--out-dir",
-        str(setup.root / "runner-out"),
+        str(setup.shared / "runner-out"),
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "tree completed on attempt 1" in done.stdout

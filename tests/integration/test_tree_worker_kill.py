@@ -22,7 +22,7 @@ from clients.client import StewardClient, TaskHandle
 from examples.spark_fanout import fanout_job
 from examples.spark_fanout.run import direct_answer, submit_fanout, upload_job, wait_fanout
 from tests.procs import HOST, BrokerProcess, fetch_all_tasks, free_port
-from tests.worker_procs import WorkerProcess, wait_until
+from tests.worker_procs import WorkerProcess, task_writable_dir, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +31,9 @@ PART_TYPE = f"{fanout_job.MODULE}:partition"
 
 
 class Setup:
-    def __init__(self, root: Path, heartbeat_timeout_ms: int) -> None:
+    def __init__(self, root: Path, heartbeat_timeout_ms: int, shared: Path) -> None:
         self.root = root
+        self.shared = shared  # written by the tasks, under their own uids
         self.worker_port = free_port()
         self.broker = BrokerProcess(
             root / "data",
@@ -93,11 +94,20 @@ class Setup:
 
 
 @pytest.fixture
-def make_setup(tmp_path: Path) -> Iterator[Any]:
+def shared_dir() -> Iterator[Path]:
+    with task_writable_dir() as path:
+        yield path
+
+
+@pytest.fixture
+def make_setup(tmp_path: Path, shared_dir: Path) -> Iterator[Any]:
     made: list[Setup] = []
 
     def make(heartbeat_timeout_ms: int) -> Setup:
-        setup = Setup(tmp_path / f"run{len(made)}", heartbeat_timeout_ms)
+        shared = shared_dir / f"run{len(made)}"
+        shared.mkdir()
+        os.chmod(shared, 0o1777)
+        setup = Setup(tmp_path / f"run{len(made)}", heartbeat_timeout_ms, shared)
         made.append(setup)
         setup.start()
         return setup
@@ -163,7 +173,7 @@ def test_kill9_of_a_worker_mid_tree_fails_the_tree_and_the_replay_is_correct(
 ) -> None:
     # A dead worker is declared within 1.5 s; the tree itself would wait 120 s.
     setup: Setup = make_setup(heartbeat_timeout_ms=1500)
-    out_dir = setup.root / "out"
+    out_dir = setup.shared / "out"
     with StewardClient(setup.broker.url) as client:
         handle, first = _start_tree(
             setup, client, out_dir, tree_timeout_s=120, child_sleep_s=3.0, child_max_attempts=1
@@ -205,7 +215,7 @@ def test_sigstop_of_a_worker_mid_tree_times_the_tree_out_and_the_replay_is_corre
 ) -> None:
     # The stopped worker is not declared dead (30 s) before the tree times out (10 s).
     setup: Setup = make_setup(heartbeat_timeout_ms=30_000)
-    out_dir = setup.root / "out"
+    out_dir = setup.shared / "out"
     with StewardClient(setup.broker.url) as client:
         handle, first = _start_tree(
             setup, client, out_dir, tree_timeout_s=10, child_sleep_s=2.0, child_max_attempts=1
@@ -241,7 +251,7 @@ def test_kill9_with_child_retries_left_keeps_the_tree_on_its_first_run(make_setu
     # Children with max_attempts=2: the killed worker's children run again (same task
     # ids) on the other worker, so the tree neither fails nor replays its root.
     setup: Setup = make_setup(heartbeat_timeout_ms=1500)
-    out_dir = setup.root / "out"
+    out_dir = setup.shared / "out"
     with StewardClient(setup.broker.url) as client:
         handle, first = _start_tree(
             setup, client, out_dir, tree_timeout_s=120, child_sleep_s=3.0, child_max_attempts=2

@@ -1,0 +1,188 @@
+"""Where task processes live: their environment, users' passwd view, and directories.
+
+``scrubbed_env`` is everything a task process inherits from the worker (nothing secret).
+A uid from the dynamic range has no ``/etc/passwd`` entry, which the JVM (Spark's
+``user.home``, Hadoop's login) cannot do without: when Debian's ``libnss-wrapper`` is
+installed, the process gets a one-line passwd and group file of its own through
+``LD_PRELOAD`` (as OpenShift does for arbitrary uids); without it, plain Python tasks run
+and a JVM started by a task fails (the worker warns at start).
+
+The work area's layout and modes: docs/SECURITY.md, "Task processes".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import pwd
+import secrets
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final
+
+import clients
+from clients.worker.task_identity import TaskIdentity
+
+logger = logging.getLogger(__name__)
+
+#: Variables a task process inherits from the worker; nothing else (no credentials).
+PASSED_ENV: Final = ("PATH", "LANG", "LC_ALL", "TZ", "JAVA_HOME", "SPARK_HOME")
+PROJECT_ROOT: Final = Path(clients.__file__).resolve().parent.parent
+_NSS_WRAPPER_GLOBS: Final = (
+    "/usr/lib/*-linux-gnu/libnss_wrapper.so",
+    "/usr/lib64/libnss_wrapper.so",
+    "/usr/lib/libnss_wrapper.so",
+)
+
+
+class TaskProcessError(Exception):
+    """A task process could not be started (its task fails with this message)."""
+
+
+def nss_wrapper_library() -> str | None:
+    """libnss_wrapper.so's path, or None where it is not installed."""
+    for pattern in _NSS_WRAPPER_GLOBS:
+        for path in sorted(glob.glob(pattern)):
+            return path
+    return None
+
+
+def has_passwd_entry(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
+
+
+def scrubbed_env(
+    home: Path, identity: TaskIdentity | None = None, base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The whole environment of a task process (docs/SECURITY.md, \"Task processes\")."""
+    source = os.environ if base is None else base
+    env = {name: source[name] for name in PASSED_ENV if name in source}
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    env.setdefault("LANG", "C.UTF-8")
+    env.update(
+        {
+            "HOME": str(home),
+            "TMPDIR": str(home),
+            # Steward's own modules, for a worker run from a source checkout.
+            "PYTHONPATH": str(PROJECT_ROOT),
+            "PYTHONUNBUFFERED": "1",
+            # Spark binds the driver to loopback, as in the worker.
+            "SPARK_LOCAL_IP": "127.0.0.1",
+        }
+    )
+    if identity is not None and identity.switch and not has_passwd_entry(identity.uid):
+        env.update(_passwd_view(home, identity))
+    return env
+
+
+def _passwd_view(home: Path, identity: TaskIdentity) -> dict[str, str]:
+    """A passwd and group entry for a uid the system does not know (see the docstring)."""
+    library = nss_wrapper_library()
+    if library is None:
+        return {"HADOOP_USER_NAME": f"steward-{identity.uid}"}
+    name = f"steward-{identity.uid}"
+    passwd = home / ".steward-passwd"
+    group = home / ".steward-group"
+    passwd.write_text(
+        f"{name}:x:{identity.uid}:{identity.gid}:Steward task user:{home}:/bin/false\n"
+    )
+    group.write_text(f"{name}:x:{identity.gid}:\n")
+    for path in (passwd, group):
+        os.chmod(path, 0o644)
+    return {
+        "LD_PRELOAD": library,
+        "NSS_WRAPPER_PASSWD": str(passwd),
+        "NSS_WRAPPER_GROUP": str(group),
+        "USER": name,
+        "LOGNAME": name,
+    }
+
+
+class WorkArea:
+    """The worker's directories for task processes (layout: module docstring)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        _private_dir(self.root, 0o711)
+        for name in ("attempts", "homes", "code"):
+            _private_dir(self.root / name, 0o711)
+        self._code_lock = threading.Lock()
+
+    def home(self, identity: TaskIdentity) -> Path:
+        path = self.root / "homes" / str(identity.uid)
+        _owned_dir(path, identity, 0o700)
+        return path
+
+    @contextlib.contextmanager
+    def attempt_dir(self, task_id: int, attempt: int, identity: TaskIdentity) -> Iterator[Path]:
+        path = self.root / "attempts" / f"{task_id}-{attempt}-{secrets.token_hex(4)}"
+        path.mkdir(mode=0o700)
+        try:
+            if identity.switch:
+                os.chown(path, identity.uid, identity.gid)
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def code_copy(self, sha: str, verified: Path, identity: TaskIdentity) -> Path:
+        """A copy of a verified artifact that ``identity`` may read and nobody else."""
+        if not identity.switch:
+            return verified  # the task runs as the worker: it can read the cache anyway
+        parent = self.root / "code" / str(identity.uid)
+        with self._code_lock:
+            if not parent.is_dir():
+                parent.mkdir(mode=0o750)
+                os.chown(parent, 0, identity.gid)
+            target = parent / verified.name
+            if target.exists():
+                return target
+            tmp = parent / f".{sha[:12]}-{secrets.token_hex(4)}"
+            try:
+                if verified.is_dir():
+                    shutil.copytree(verified, tmp, symlinks=False)
+                else:
+                    shutil.copyfile(verified, tmp)
+                _share_tree(tmp, identity.gid)
+                try:
+                    os.rename(tmp, target)
+                except OSError:
+                    if not target.exists():  # not "another worker sharing the dir was first"
+                        raise
+            finally:
+                if tmp.is_dir():
+                    shutil.rmtree(tmp, ignore_errors=True)
+                else:
+                    tmp.unlink(missing_ok=True)
+            return target
+
+
+def _private_dir(path: Path, mode: int) -> None:
+    path.mkdir(mode=mode, parents=True, exist_ok=True)
+    info = path.lstat()
+    if path.is_symlink() or info.st_uid != os.geteuid():
+        raise TaskProcessError(f"{path} is not a directory of this worker's user")
+    os.chmod(path, mode)
+
+
+def _owned_dir(path: Path, identity: TaskIdentity, mode: int) -> None:
+    path.mkdir(mode=mode, exist_ok=True)
+    if identity.switch:
+        os.chown(path, identity.uid, identity.gid)
+    os.chmod(path, mode)
+
+
+def _share_tree(root: Path, gid: int) -> None:
+    """root:gid, directories 0750 and files 0640: readable by the group only."""
+    paths = [root] if root.is_file() else [root, *root.rglob("*")]
+    for path in paths:
+        os.chown(path, 0, gid, follow_symlinks=False)
+        if not path.is_symlink():
+            os.chmod(path, 0o750 if path.is_dir() else 0o640)
