@@ -39,7 +39,7 @@ ENV PYTHONUNBUFFERED=1 \
 RUN set -eux; \
     mkdir -p /usr/share/man/man1; \
     apt-get update; \
-    apt-get install -y --no-install-recommends openjdk-17-jre-headless; \
+    apt-get install -y --no-install-recommends openjdk-17-jre-headless libnss-wrapper; \
     rm -rf /var/lib/apt/lists/*
 
 # pyspark alone is most of the image (its jars): its own layer, so rebuilding after a code

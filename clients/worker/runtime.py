@@ -406,6 +406,13 @@ class TaskRuntime:
                         f" (the task did not stop within {self.config.cancel_grace_s:g} s;"
                         " its process was killed)"
                     )
+                ctx.logger.info(
+                    "task %d attempt %d cancelled: %s%s",
+                    task.task_id,
+                    task.attempt,
+                    ctx.cancel_reason or "cancelled",
+                    note,
+                )
                 return self._cancelled_report(entry, note)
             if not report.ok:
                 ctx.logger.info(
