@@ -52,6 +52,7 @@ from clients.worker.task_api import (
     TaskCancelled,
     TaskContext,
     TaskFn,
+    call_task,
     encode_result,
     error_text,
     make_task_logger,
@@ -331,16 +332,9 @@ class TaskRuntime:
         if self.processes is not None and task.type not in self._registered:
             return self._execute_in_process(entry, self.processes)
         try:
-            ctx.check_cancelled()
-            try:
-                ctx.params = json.loads(task.params) if task.params else None
-            except ValueError as exc:
-                raise ValueError(f"the task's params are not valid JSON: {exc}") from None
-            fn = self._resolve(task)
-            ctx.check_cancelled()
-            value = fn(ctx.params, ctx)
-            ctx.check_cancelled()
-            result = encode_result(value, self.config.max_result_bytes)
+            result = call_task(
+                ctx, task.params, lambda: self._resolve(task), self.config.max_result_bytes
+            )
         except BaseException as exc:  # every failure of task code (even SystemExit) is a report
             if ctx.cancelled.is_set():
                 ctx.logger.info(

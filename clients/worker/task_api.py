@@ -377,6 +377,26 @@ def encode_result(value: Any, max_result_bytes: int) -> bytes:
     return data
 
 
+def call_task(
+    ctx: TaskContext, raw_params: bytes, resolve: Callable[[], TaskFn], max_result_bytes: int
+) -> bytes:
+    """Decode the params, resolve and call the task function, encode its result.
+
+    The one sequence both places that run task code use (a worker thread, a task
+    process); every exception propagates to the caller, which reports it.
+    """
+    ctx.check_cancelled()
+    try:
+        ctx.params = json.loads(raw_params) if raw_params else None
+    except ValueError as exc:
+        raise ValueError(f"the task's params are not valid JSON: {exc}") from None
+    fn = resolve()
+    ctx.check_cancelled()
+    value = fn(ctx.params, ctx)
+    ctx.check_cancelled()
+    return encode_result(value, max_result_bytes)
+
+
 def error_text(exc: BaseException, max_chars: int = MAX_ERROR_CHARS) -> str:
     """The message first (what a user reads), then the formatted traceback, capped."""
     text = f"{type(exc).__name__}: {exc}\n\n{''.join(traceback.format_exception(exc))}"

@@ -15,7 +15,6 @@ worker sends SIGTERM with each Cancel, which raises :class:`TaskCancelled` in th
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import queue
@@ -36,7 +35,7 @@ from clients.worker.task_api import (
     TaskCancelled,
     TaskContext,
     TaskFn,
-    encode_result,
+    call_task,
     error_text,
     shared_spark,
 )
@@ -129,15 +128,7 @@ class _Host:
             os.chdir(run.workdir)
             tempfile.tempdir = run.workdir
             os.environ["TMPDIR"] = run.workdir
-            try:
-                ctx.params = json.loads(run.params) if run.params else None
-            except ValueError as exc:
-                raise ValueError(f"the task's params are not valid JSON: {exc}") from None
-            fn = self.resolve(run)
-            ctx.check_cancelled()
-            value = fn(ctx.params, ctx)
-            ctx.check_cancelled()
-            result = encode_result(value, run.max_result_bytes)
+            result = call_task(ctx, run.params, lambda: self.resolve(run), run.max_result_bytes)
             return task_wire.Done(ok=True, result=result, spawn=ctx.spawned)
         except BaseException as exc:  # every failure of task code (even SystemExit) is a report
             return task_wire.Done(

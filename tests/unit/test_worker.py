@@ -265,7 +265,7 @@ class Env:
             "reconnect_backoff_max_s": 0.2,
             "cancel_grace_s": 2.0,
             # These tests are about the link and the runtime's bookkeeping; tasks in task
-            # processes are tested in tests/unit/test_task_processes.py.
+            # processes are tested in tests/security/test_task_processes.py.
             "task_isolation": "thread",
         }
         settings.update(overrides)
