@@ -196,6 +196,8 @@ class TaskRuntime:
                 WorkArea(config.work_dir),
                 python=config.task_python,
             )
+        # (sha256, uid) -> the verified copy that uid's task processes import.
+        self._code_copies: dict[tuple[str, int], Path] = {}
         # Captured output of the latest attempts run in task processes (bounded).
         self._outputs: OrderedDict[TaskKey, bytes] = OrderedDict()
         self._entries: dict[TaskKey, _Running] = {}
@@ -377,7 +379,7 @@ class TaskRuntime:
                         tenant=task.tenant,
                         type=task.type,
                         params=task.params,
-                        workdir=str(workdir),
+                        workdir=workdir,
                         max_result_bytes=self.config.max_result_bytes,
                         code=task.code,
                         code_path=str(code_path) if code_path is not None else None,
@@ -433,8 +435,13 @@ class TaskRuntime:
             )
         if task.code is None:
             raise LookupError(f"task type {task.type!r} needs a code artifact (none given)")
-        verified = self.artifacts.verified_copy(task.code)
-        return pool.work.code_copy(task.code, verified, identity)
+        key = (task.code, identity.uid)
+        copy = self._code_copies.get(key)
+        if copy is None:  # verified once per worker process, then trusted
+            verified = self.artifacts.verified_copy(task.code)
+            copy = pool.work.code_copy(task.code, verified, identity)
+            self._code_copies[key] = copy
+        return copy
 
     def _keep_output(self, key: TaskKey, output: bytes) -> None:
         with self._lock:
