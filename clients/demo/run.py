@@ -182,11 +182,27 @@ def run_wordcount(client: StewardClient, lines: list[str]) -> dict[str, Any]:
     return {"counts": counts, "finished_s": finished_s, "tasks": total, "artifact": sha}
 
 
+def _task_process_problem() -> str | None:
+    """What would stop the demo's workers from running tasks (say it now, not after 60 s)."""
+    from clients.worker.config import WorkerConfig
+    from clients.worker.task_procs import check_task_processes
+
+    try:
+        check_task_processes(WorkerConfig(broker="127.0.0.1:1", http_url="http://127.0.0.1:1"))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def run_demo(keep: bool = False) -> int:
     data_root = Path(tempfile.mkdtemp(prefix="steward-demo-"))
     lines = corpus_lines()
     print(f"steward demo: data dir {data_root}")
     print(f"corpus: {len(lines):,} lines; tenants and weights: {TENANT_WEIGHTS}")
+    problem = _task_process_problem()
+    if problem is not None:
+        print(f"steward demo: {problem}", file=sys.stderr)
+        return 2
     try:
         print("starting a standalone broker and a PySpark worker ...", flush=True)
         with local_cluster(data_root / "data", log=data_root / "demo.log") as url:

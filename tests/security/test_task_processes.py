@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import textwrap
 import threading
@@ -26,6 +27,7 @@ from broker.protocol import AssignedTask, TaskReport
 from clients.worker import WorkerConfig
 from clients.worker.runtime import TaskRuntime
 from clients.worker.task_identity import DEFAULT_TASK_UID_RANGE, TaskIdentities, TaskUserError
+from clients.worker.task_procs import check_task_processes
 
 WAIT_S = 20.0
 IS_ROOT = os.geteuid() == 0
@@ -397,3 +399,24 @@ def _wait_no_busy_process(rt: Runtime) -> None:
     while processes.live() > len(processes.idle_pids()):
         assert time.monotonic() < deadline, "the cancelled task's process still holds its slot"
         time.sleep(0.02)
+
+
+def test_the_worker_says_at_start_when_task_users_cannot_run_its_python(tmp_path: Path) -> None:
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    python = closed / "python3"
+    python.symlink_to(sys.executable)
+    config = WorkerConfig(
+        broker="127.0.0.1:1",
+        http_url="http://127.0.0.1:1",
+        work_dir=_work_root(tmp_path),
+        task_python=str(python),
+    )
+    try:
+        if IS_ROOT:  # CI: the task user (a dynamic uid) cannot pass the 0700 directory
+            with pytest.raises(ValueError, match=r"cannot run .* Install Steward in a virtualenv"):
+                check_task_processes(config)
+        else:  # tasks run as the worker, which can
+            check_task_processes(config)
+    finally:
+        shutil.rmtree(config.work_dir.parent, ignore_errors=True)
