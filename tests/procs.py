@@ -7,6 +7,7 @@ always kills its subprocess (by pid, never by name) when the block ends.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import re
@@ -17,6 +18,7 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any
@@ -318,3 +320,44 @@ def get_digest(client: httpx.Client) -> dict[str, Any]:
     response.raise_for_status()
     body: dict[str, Any] = response.json()
     return body
+
+
+@dataclasses.dataclass
+class AuthenticatedBroker:
+    """A started ``steward standalone`` with authentication on (:func:`authenticated_broker`)."""
+
+    broker: BrokerProcess
+    worker_port: int
+    worker_token_file: Path  # the shared worker token, as workers read it (0600)
+    http: httpx.Client  # as the admin
+
+
+@contextlib.contextmanager
+def authenticated_broker(
+    root: Path, *, admin_token: str, worker_token: str
+) -> Iterator[AuthenticatedBroker]:
+    """A standalone broker whose admin token comes from the environment and whose shared
+    worker token from a file (secrets never on a command line); stopped on exit."""
+    token_file = root / "worker-token"
+    token_file.write_text(worker_token + "\n")
+    os.chmod(token_file, 0o600)
+    worker_port = free_port()
+    with BrokerProcess(
+        root / "data",
+        log_path=root / "broker.log",
+        extra_args=(
+            "--worker-listen",
+            f"{HOST}:{worker_port}",
+            "--worker-token-file",
+            str(token_file),
+        ),
+        env={**os.environ, "STEWARD_ADMIN_TOKEN": admin_token},
+    ) as broker:
+        broker.start()
+        http = httpx.Client(
+            base_url=broker.url, headers={"authorization": f"Bearer {admin_token}"}, timeout=30
+        )
+        try:
+            yield AuthenticatedBroker(broker, worker_port, token_file, http)
+        finally:
+            http.close()

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import HOST, BrokerProcess, free_port
+from tests.procs import HOST, BrokerProcess, authenticated_broker
 from tests.worker_procs import WorkerProcess, wait_until
 
 ADMIN = "admin-secret-for-the-isolation-test"
@@ -186,28 +186,10 @@ class Cluster:
 
 
 def _cluster(tmp_path: Path, *worker_args: str) -> Iterator[Cluster]:
-    token_file = tmp_path / "worker-token"
-    token_file.write_text(WORKER_TOKEN + "\n")
-    os.chmod(token_file, 0o600)
-    worker_port = free_port()
-    env = {**os.environ, "STEWARD_ADMIN_TOKEN": ADMIN}
-    with BrokerProcess(
-        tmp_path / "data",
-        log_path=tmp_path / "broker.log",
-        extra_args=(
-            "--worker-listen",
-            f"{HOST}:{worker_port}",
-            "--worker-token-file",
-            str(token_file),
-        ),
-        env=env,
-    ) as broker:
-        broker.start()
-        http = httpx.Client(
-            base_url=broker.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=30
-        )
+    with authenticated_broker(tmp_path, admin_token=ADMIN, worker_token=WORKER_TOKEN) as auth:
+        broker, http, token_file = auth.broker, auth.http, auth.worker_token_file
         worker = WorkerProcess(
-            broker=f"{HOST}:{worker_port}",
+            broker=f"{HOST}:{auth.worker_port}",
             http_url=broker.url,
             worker_id="w-isolation",
             log_dir=tmp_path / "logs",
@@ -226,7 +208,6 @@ def _cluster(tmp_path: Path, *worker_args: str) -> Iterator[Cluster]:
             print(broker.log_tail())
             raise
         finally:
-            http.close()
             worker.stop()
 
 

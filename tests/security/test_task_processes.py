@@ -41,12 +41,17 @@ JOB = textwrap.dedent(
                 "gid": os.getgid(), "groups": os.getgroups(), "cwd": os.getcwd(),
                 "env": dict(os.environ), "tenant": ctx.tenant}
 
+    def _ready(params):
+        open(params["ready"], "w").close()
+
     def spin(params, ctx):
+        _ready(params)
         while True:
             pass
 
     def stubborn(params, ctx):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _ready(params)
         while True:
             time.sleep(0.01)
 
@@ -107,6 +112,13 @@ class Runtime:
         self._cond = threading.Condition()
         self.runtime = TaskRuntime(self.config, self._on_report)
         self.sha = self._install(JOB.encode())
+
+    def ready_path(self, task_id: int) -> str:
+        """Where a task says it runs: a directory task users can write, like /tmp."""
+        ready = self.config.work_dir.parent / "ready"
+        ready.mkdir(exist_ok=True)
+        os.chmod(ready, 0o1777)
+        return str(ready / str(task_id))
 
     def _install(self, code: bytes) -> str:
         sha = hashlib.sha256(code).hexdigest()
@@ -246,8 +258,8 @@ def test_each_attempt_gets_its_own_working_directory_removed_afterwards(rt: Runt
 
 
 def test_hard_cancel_ends_a_spinning_task_within_the_grace(rt: Runtime) -> None:
-    rt.start(1, "job:spin")
-    _wait_busy(rt, 1)
+    rt.start(1, "job:spin", {"ready": rt.ready_path(1)})
+    _wait_running(rt, 1)
     started = time.monotonic()
     rt.runtime.cancel((1, 1), "by test")
     report = rt.wait(1)
@@ -258,9 +270,8 @@ def test_hard_cancel_ends_a_spinning_task_within_the_grace(rt: Runtime) -> None:
 
 
 def test_a_task_ignoring_sigterm_is_killed_after_the_grace(rt: Runtime) -> None:
-    rt.start(1, "job:stubborn")
-    _wait_busy(rt, 1)
-    time.sleep(0.3)  # let it install its SIG_IGN
+    rt.start(1, "job:stubborn", {"ready": rt.ready_path(1)})
+    _wait_running(rt, 1)  # its SIG_IGN installed
     started = time.monotonic()
     rt.runtime.cancel((1, 1), "by test")
     report = rt.wait(1)
@@ -382,14 +393,12 @@ def test_dynamic_uids_are_distinct_per_tenant_and_stable() -> None:
     assert mapped.for_tenant("a").uid == 65534 and mapped.for_tenant("z").uid == 1234
 
 
-def _wait_busy(rt: Runtime, count: int) -> None:
+def _wait_running(rt: Runtime, task_id: int) -> None:
+    """Until the task's code says it runs (it creates its ready file)."""
     deadline = time.monotonic() + WAIT_S
-    processes = rt.runtime.processes
-    assert processes is not None
-    while processes.live() < count or processes.idle_pids():
-        assert time.monotonic() < deadline, "the task process did not start"
+    while not Path(rt.ready_path(task_id)).exists():
+        assert time.monotonic() < deadline, f"task {task_id} did not start running"
         time.sleep(0.02)
-    time.sleep(0.2)  # into the task's code
 
 
 def _wait_no_busy_process(rt: Runtime) -> None:

@@ -26,12 +26,11 @@ import pytest
 
 from broker.artifact_check import ArtifactLimits
 from clients.worker.artifacts import ArtifactCache, ArtifactError
+from tests.edge_probes import AttackWatch
 from tests.procs import BrokerProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MIB = 1024 * 1024
-MAX_RSS_GROWTH_BYTES = 64 * MIB
-HEALTHZ_BOUND_S = 1.0
 UPLOAD_WAIT_S = 120.0  # a bound on each upload's answer, not a performance target
 
 
@@ -80,22 +79,11 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
         yield proc
 
 
-def _status_kb(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
-
-
 def upload_while_probing(
     broker: BrokerProcess, uploads: list[tuple[str, bytes]]
 ) -> list[httpx.Response]:
     """Send ``uploads`` at once; meanwhile /healthz must answer within 1 s, every time,
     and the broker's RSS (sampled, and its high-water mark) may grow < 64 MB."""
-    pid = broker.pid
-    baseline_kb = _status_kb(pid, "VmRSS")
-    hwm_before_kb = _status_kb(pid, "VmHWM")
     answers: list[httpx.Response | BaseException | None] = [None] * len(uploads)
 
     def send(index: int, name: str, data: bytes) -> None:
@@ -109,29 +97,14 @@ def upload_while_probing(
         threading.Thread(target=send, args=(i, name, data), daemon=True)
         for i, (name, data) in enumerate(uploads)
     ]
-    for thread in threads:
-        thread.start()
-    peak_kb = baseline_kb
-    probes = 0
     deadline = time.monotonic() + UPLOAD_WAIT_S
-    with httpx.Client(base_url=broker.url, timeout=10.0) as probe:
-        while (probes == 0 or any(t.is_alive() for t in threads)) and time.monotonic() < deadline:
-            started = time.monotonic()
-            health = probe.get("/healthz")
-            elapsed_s = time.monotonic() - started
-            assert health.status_code == 200, health.text
-            assert elapsed_s < HEALTHZ_BOUND_S, f"/healthz took {elapsed_s:.2f} s during uploads"
-            probes += 1
-            peak_kb = max(peak_kb, _status_kb(pid, "VmRSS"))
-            time.sleep(0.02)
-    for thread in threads:
-        thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        assert not thread.is_alive(), "an upload got no answer in time"
-    hwm_after_kb = _status_kb(pid, "VmHWM")
-    if hwm_after_kb > hwm_before_kb:  # a new high-water mark, maybe between two samples
-        peak_kb = max(peak_kb, hwm_after_kb)
-    growth_bytes = (peak_kb - baseline_kb) * 1024
-    assert growth_bytes < MAX_RSS_GROWTH_BYTES, f"broker RSS grew by {growth_bytes / MIB:.0f} MB"
+    with AttackWatch(broker.url, broker.pid, interval_s=0.02) as watch:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            assert not thread.is_alive(), "an upload got no answer in time"
+    watch.check()
     responses = []
     for answer in answers:
         assert isinstance(answer, httpx.Response), f"upload failed: {answer!r}"

@@ -41,7 +41,7 @@ from clients import cli
 from clients.worker.__main__ import build_parser, worker_token
 from tests.fake_worker import FakeWorker
 from tests.memory_node import memory_node
-from tests.procs import HOST, BrokerProcess, free_port
+from tests.procs import HOST, authenticated_broker
 from tests.worker_procs import WorkerProcess
 
 ADMIN = "admin-secret-for-the-credentials-test"
@@ -184,26 +184,14 @@ def run(params, ctx):
 def test_worker_token_from_a_file_or_the_environment_is_out_of_a_tasks_reach(
     tmp_path: Path,
 ) -> None:
-    token_file = tmp_path / "worker-token"
-    token_file.write_text(SHARED + "\n")
-    worker_port = free_port()
-    env = {**os.environ, "STEWARD_ADMIN_TOKEN": ADMIN}
-    with BrokerProcess(
-        tmp_path / "data",
-        log_path=tmp_path / "broker.log",
-        extra_args=(
-            "--worker-listen",
-            f"{HOST}:{worker_port}",
-            "--worker-token-file",
-            str(token_file),
-        ),
-        env=env,
-    ) as broker:
-        broker.start()
-        workers: list[WorkerProcess] = []
-        http = httpx.Client(
-            base_url=broker.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=30
+    with authenticated_broker(tmp_path, admin_token=ADMIN, worker_token=SHARED) as auth:
+        broker, http, token_file, worker_port = (
+            auth.broker,
+            auth.http,
+            auth.worker_token_file,
+            auth.worker_port,
         )
+        workers: list[WorkerProcess] = []
         try:
             # One worker reads the token from a file, the other from the environment.
             for worker_id, tenant, args, extra_env in (
@@ -251,7 +239,6 @@ def test_worker_token_from_a_file_or_the_environment_is_out_of_a_tasks_reach(
             print(broker.log_tail())
             raise
         finally:
-            http.close()
             for worker in workers:
                 worker.stop()
 
