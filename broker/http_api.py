@@ -279,6 +279,7 @@ class ApiApp:
         node.tree_listeners.append(self._on_trees_ended)
         self._routes: list[Route] = []
         self._openapi: bytes | None = None
+        self._digest_cache: tuple[tuple[int, tuple[int, int]], str] | None = None
         self._add("/healthz", public=True, GET=self.health)
         self._add("/api/v1/openapi.json", public=True, GET=self.openapi)
         self._add("/api/v1/tasks", POST=self.submit, GET=self.list_tasks)
@@ -991,6 +992,16 @@ class ApiApp:
         ledger_id, entry_id = self.node.position
         return m.Position(ledger_id, entry_id)
 
+    def _state_digest(self) -> str:
+        """The state's digest, computed once per applied position: it encodes the whole
+        state, and dashboards and scripts poll /cluster many times a second."""
+        state = self.node.state
+        key = (id(state), self.node.position)
+        cached = self._digest_cache
+        if cached is None or cached[0] != key:
+            cached = self._digest_cache = (key, state.digest())
+        return cached[1]
+
     async def cluster(self, request: Request) -> tuple[int, bytes]:
         # Workers find the leader here; tenants follow redirects and need not see it.
         self._require(request, CallerRole.WORKER, CallerRole.PEER)
@@ -1009,7 +1020,7 @@ class ApiApp:
             url=view.url if view is not None else None,
             worker_address=view.worker_address if view is not None else None,
             worker_tls=view.worker_tls if view is not None else False,
-            digest=state.digest(),
+            digest=self._state_digest(),
         )
         leader = view.leader() if view is not None else broker
         if leader is not None and leader.id == broker.id:
@@ -1093,7 +1104,7 @@ class ApiApp:
 
     async def digest(self, request: Request) -> tuple[int, bytes]:
         self._require(request, CallerRole.PEER)
-        body = m.DigestBody(position=self._position(), digest=self.node.state.digest())
+        body = m.DigestBody(position=self._position(), digest=self._state_digest())
         return 200, _json_encoder.encode(body)
 
     # --- dashboard ----------------------------------------------------------------------------

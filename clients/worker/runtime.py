@@ -13,9 +13,11 @@ worker's, and a cancel ends the process. Types registered with :meth:`TaskRuntim
 are the embedding program's own code and run in the worker process, on a thread, as does
 everything with ``task_isolation="thread"`` (trusted single-tenant setups and tests).
 
-Slots. Each running task holds one thread of a ``ThreadPoolExecutor`` sized to the sum
-of the worker's task-type capacities: the thread either runs the function or waits for
-the task process running it.
+Slots. A task on a thread holds one thread of a ``ThreadPoolExecutor`` sized to the sum
+of the worker's task-type capacities. A task for a task process holds no thread: when a
+warm process of its tenant is idle and its code is already copied, :meth:`TaskRuntime.start`
+sends it there directly; otherwise a pool thread downloads the code or starts a process
+first. The pool's one dispatcher thread reads every process's pipes and reports outcomes.
 
 Cancelling (a broker Cancel, a dropped task, the deadline) sets ``ctx.cancelled``. In a
 task process it also sends SIGTERM (which raises :class:`TaskCancelled` in the task) and,
@@ -33,12 +35,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from broker.logs import task_fields
 from broker.protocol import AssignedTask, TaskAttempt, TaskReport
@@ -144,6 +146,7 @@ class _Running:
     reported: bool = False
     suppress_report: bool = False
     process: TaskProcess | None = None  # the task process running it, if any
+    in_process: bool = False  # run in a task process (holds a process slot once begun)
 
 
 class TaskRuntime:
@@ -197,6 +200,10 @@ class TaskRuntime:
         # Captured output of the latest attempts run in task processes (bounded).
         self._outputs: OrderedDict[TaskKey, bytes] = OrderedDict()
         self._entries: dict[TaskKey, _Running] = {}
+        # Process tasks begun (preparing, sent, or running) and those waiting for a slot:
+        # at most capacity() at once, as the thread pool bounds thread tasks.
+        self._process_tasks = 0
+        self._waiting: deque[_Running] = deque()
         # Attempts known per task id, so a newer attempt finds older ones in O(1).
         self._attempts: dict[int, set[int]] = {}
         self._lock = threading.Lock()
@@ -251,12 +258,20 @@ class TaskRuntime:
             max_result_bytes=self.config.max_result_bytes,
         )
         entry = _Running(task, ctx)
+        entry.in_process = self.processes is not None and task.type not in self._registered
         with self._lock:
             if key in self._entries or self._closed:
                 return False
             self._entries[key] = entry
             self._attempts.setdefault(key[0], set()).add(key[1])
-            entry.future = self._pool.submit(self._run, entry)
+            if not entry.in_process:
+                entry.future = self._pool.submit(self._run, entry)
+                return True
+            if self._process_tasks >= self.config.capacity():
+                self._waiting.append(entry)
+                return True
+            self._process_tasks += 1
+        self._begin_process_tasks(entry)
         return True
 
     def cancel(self, key: TaskKey, reason: str, *, report: bool = True) -> bool:
@@ -271,9 +286,18 @@ class TaskRuntime:
                 return True
             entry.ctx._cancel(reason)
             future = entry.future
+            waiting = entry in self._waiting
+            if waiting:
+                self._waiting.remove(entry)
+        if waiting:  # never begun: it held no slot
+            entry.thread_done.set()
+            self._finish(entry, self._cancelled_report(entry))
+            return True
         if future is not None and future.cancel():  # still queued: it never ran
             entry.thread_done.set()
             self._finish(entry, self._cancelled_report(entry))
+            if entry.in_process:
+                self._begin_process_tasks(self._next_process_task())
             return True
         with self._lock:
             process = entry.process
@@ -327,8 +351,6 @@ class TaskRuntime:
         task, ctx = entry.task, entry.ctx
         # DEBUG: one line per task at full rate would flood the log; failures are INFO.
         ctx.logger.debug("task %d attempt %d running (%s)", task.task_id, task.attempt, task.type)
-        if self.processes is not None and task.type not in self._registered:
-            return self._execute_in_process(entry, self.processes)
         try:
             result = call_task(
                 ctx, task.params, lambda: self._resolve(task), self.config.max_result_bytes
@@ -347,15 +369,64 @@ class TaskRuntime:
         ctx.logger.debug("task %d attempt %d finished", task.task_id, task.attempt)
         return TaskReport(task.task_id, task.attempt, ok=True, result=result, spawn=ctx.spawned)
 
-    def _execute_in_process(self, entry: _Running, pool: TaskProcessPool) -> TaskReport:
+    # -- task processes --
+
+    def _begin_process_tasks(self, entry: _Running | None) -> None:
+        """Send ``entry`` (which holds a process slot), then the waiting tasks its slot
+        passes to if it fails at once; a loop, not recursion: thousands may fail in a row."""
+        while entry is not None:
+            sent = self._dispatch(entry, wait=False)
+            if sent is True:
+                return
+            if sent is False:  # needs a download or a new process: a pool thread does that
+                with self._lock:
+                    entry.future = self._pool.submit(self._prepare_and_dispatch, entry)
+                return
+            entry = self._end_process_task(entry, sent)
+
+    def _prepare_and_dispatch(self, entry: _Running) -> None:
+        sent = self._dispatch(entry, wait=True)
+        if sent is not True and sent is not False:
+            self._begin_process_tasks(self._end_process_task(entry, sent))
+
+    def _next_process_task(self) -> _Running | None:
+        """A slot was freed: the waiting task it passes to, or None (the slot is free)."""
+        with self._lock:
+            if self._waiting and not self._closed:
+                return self._waiting.popleft()
+            self._process_tasks -= 1
+            return None
+
+    def _end_process_task(self, entry: _Running, report: TaskReport) -> _Running | None:
+        entry.thread_done.set()
+        self._finish(entry, report)
+        return self._next_process_task()
+
+    def _dispatch(self, entry: _Running, *, wait: bool) -> bool | TaskReport:
+        """Send a task to a task process; True when sent (its outcome arrives in
+        :meth:`_on_outcome`), or the report of a task that cannot be sent.
+
+        ``wait`` False (on the caller's thread): only with a warm process and code already
+        copied, else False and nothing done. ``wait`` True (on a pool thread): downloads
+        code and starts a process as needed.
+        """
         task, ctx = entry.task, entry.ctx
-        assert self.identities is not None
+        pool, identities = self.processes, self.identities
+        assert pool is not None and identities is not None
         try:
             ctx.check_cancelled()
-            identity = self.identities.for_tenant(task.tenant)
-            code_path = self._code_for_process(task, identity, pool)
+            identity = identities.for_tenant(task.tenant)
+            code_path = self._code_for_process(task, identity, pool, wait=wait)
+            if code_path is False:
+                return False
             memory_mb = task_memory_limit_mb(task, self.config.task_memory_mb)
-            process = pool.acquire(task.tenant, memory_mb, identity)
+            if wait:
+                process = pool.acquire(task.tenant, memory_mb, identity)
+            else:
+                found = pool.idle_process(task.tenant, memory_mb)
+                if found is None:
+                    return False
+                process = found
         except BaseException as exc:
             if ctx.cancelled.is_set():
                 return self._cancelled_report(entry)
@@ -363,49 +434,61 @@ class TaskRuntime:
             return TaskReport(task.task_id, task.attempt, ok=False, error=error_text(exc))
         with self._lock:
             entry.process = process
-        retire = True
-        try:
-            if ctx.cancelled.is_set():
-                return self._cancelled_report(entry)
-            with pool.work.attempt_dir(task.task_id, task.attempt, identity) as workdir:
-                outcome = process.run(
-                    task_wire.Run(
-                        task_id=task.task_id,
-                        attempt=task.attempt,
-                        tenant=task.tenant,
-                        type=task.type,
-                        params=task.params,
-                        workdir=workdir,
-                        max_result_bytes=self.config.max_result_bytes,
-                        code=task.code,
-                        code_path=str(code_path) if code_path is not None else None,
-                        deadline_ms=task.deadline_ms,
-                        resources=dict(task.resources),
-                        spark_master=self.config.spark_master,
-                        spark_conf=dict(self.config.spark_conf),
-                    )
+            cancelled = ctx.cancelled.is_set()
+        if cancelled:  # cancel() came before the process was known: it never ran
+            with self._lock:
+                entry.process = None
+            pool.release(process, retire=False)
+            return self._cancelled_report(entry)
+        run = task_wire.Run(
+            task_id=task.task_id,
+            attempt=task.attempt,
+            tenant=task.tenant,
+            type=task.type,
+            params=task.params,
+            workdir=process.workdir,
+            max_result_bytes=self.config.max_result_bytes,
+            code=task.code,
+            code_path=str(code_path) if code_path is not None else None,
+            deadline_ms=task.deadline_ms,
+            resources=dict(task.resources),
+            spark_master=self.config.spark_master,
+            spark_conf=dict(self.config.spark_conf),
+        )
+        process.start_run(run, lambda outcome: self._on_outcome(entry, process, memory_mb, outcome))
+        return True
+
+    def _on_outcome(
+        self, entry: _Running, process: TaskProcess, memory_mb: int, outcome: Outcome
+    ) -> None:
+        """A task process's Done or end, on the dispatcher's thread: must not block."""
+        task, ctx = entry.task, entry.ctx
+        pool = self.processes
+        assert pool is not None
+        with self._lock:
+            entry.process = None
+        # A task's exception leaves its process fit for the next task; a cancel, a crash or
+        # exhausted memory does not.
+        done = outcome.done
+        pool.release(process, retire=ctx.cancelled.is_set() or done is None or done.out_of_memory)
+        self._keep_output((task.task_id, task.attempt), outcome.output)
+        if ctx.cancelled.is_set():
+            note = ""
+            if outcome.killed:
+                note = (
+                    f" (the task did not stop within {self.config.cancel_grace_s:g} s;"
+                    " its process was killed)"
                 )
-            self._keep_output((task.task_id, task.attempt), outcome.output)
+            ctx.logger.info(
+                "task %d attempt %d cancelled: %s%s",
+                task.task_id,
+                task.attempt,
+                ctx.cancel_reason or "cancelled",
+                note,
+            )
+            report = self._cancelled_report(entry, note)
+        else:
             report = outcome_report(task, outcome, memory_mb, self.config.max_result_bytes)
-            # A task's exception leaves its process fit for the next task; a cancel, a
-            # crash or exhausted memory does not.
-            done = outcome.done
-            retire = ctx.cancelled.is_set() or done is None or done.out_of_memory
-            if ctx.cancelled.is_set():
-                note = ""
-                if outcome.killed:
-                    note = (
-                        f" (the task did not stop within {self.config.cancel_grace_s:g} s;"
-                        " its process was killed)"
-                    )
-                ctx.logger.info(
-                    "task %d attempt %d cancelled: %s%s",
-                    task.task_id,
-                    task.attempt,
-                    ctx.cancel_reason or "cancelled",
-                    note,
-                )
-                return self._cancelled_report(entry, note)
             if not report.ok:
                 ctx.logger.info(
                     "task %d attempt %d failed: %s",
@@ -413,15 +496,13 @@ class TaskRuntime:
                     task.attempt,
                     (report.error or "").split("\n", 1)[0],
                 )
-            return report
-        finally:
-            with self._lock:
-                entry.process = None
-            pool.release(process, retire=retire)
+        self._begin_process_tasks(self._end_process_task(entry, report))
 
     def _code_for_process(
-        self, task: AssignedTask, identity: TaskIdentity, pool: TaskProcessPool
-    ) -> Path | None:
+        self, task: AssignedTask, identity: TaskIdentity, pool: TaskProcessPool, *, wait: bool
+    ) -> Path | Literal[False] | None:
+        """The code copy the process imports (None: a built-in type); False: not ready
+        and ``wait`` is False."""
         if task.type in BUILTIN_TASKS:
             return None
         if ":" not in task.type:
@@ -434,6 +515,8 @@ class TaskRuntime:
         key = (task.code, identity.uid)
         copy = self._code_copies.get(key)
         if copy is None:  # verified once per worker process, then trusted
+            if not wait:
+                return False
             verified = self.artifacts.verified_copy(task.code)
             copy = pool.work.code_copy(task.code, verified, identity)
             self._code_copies[key] = copy

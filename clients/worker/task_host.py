@@ -7,9 +7,11 @@ new privileges and applies its memory limit (``RLIMIT_AS``, hard, so task code c
 raise it). Then it speaks ``clients/worker/task_wire.py``: Ready, then a Done for each Run.
 
 Its stdout and stderr (one pipe, read by the worker) are the task's captured output;
-``ctx.logger`` writes there too. A reader thread takes Cancel frames while a task runs; the
-worker sends SIGTERM with each Cancel, which raises :class:`TaskCancelled` in the task's
-(main) thread so even a busy loop stops; the worker kills the process if it does not.
+``ctx.logger`` writes there too. Frames are read and tasks run on the main thread (no
+hand-off between threads per task). A cancel is SIGTERM (the worker also sends a Cancel
+frame, read after the task): it raises :class:`TaskCancelled` in the task's thread so even
+a busy loop stops; the worker kills the process if it does not. The process exits when its
+control pipe closes between tasks, and with the worker (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import queue
 import resource
 import signal
 import sys
@@ -46,61 +47,36 @@ class _Host:
         self.control_fd = control_fd
         self.events_fd = events_fd
         self.max_frame_bytes = max_frame_bytes
-        self.runs: queue.Queue[task_wire.Run | None] = queue.Queue()
         self.current: TaskContext | None = None
-        self.lock = threading.Lock()
         self.artifacts: dict[str, Any] = {}
         self.sigterm_raised = False
 
-    # -- the control reader (a thread) --
-
-    def read_control(self) -> None:
-        try:
-            while True:
-                message = task_wire.read_to_process(self.control_fd, self.max_frame_bytes)
-                if message is None:
-                    break
-                if isinstance(message, task_wire.Run):
-                    self.runs.put(message)
-                else:
-                    self.cancel(message.reason)
-        except (OSError, task_wire.WireError) as exc:
-            print(f"steward task process: control pipe: {exc}", file=sys.stderr, flush=True)
-        # The worker is gone or done with this process: a task must not run on unreported.
-        os._exit(0)
-
-    def cancel(self, reason: str) -> None:
-        with self.lock:
-            ctx = self.current
-        if ctx is None:
-            return
-        ctx._cancel(reason)
-        if ctx.uses_spark:
-            try:
-                ctx._cancel_spark()
-            except Exception as exc:  # the process is ended anyway if the task goes on
-                print(f"steward: cancelling Spark jobs failed: {exc}", file=sys.stderr)
-
     def on_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        with self.lock:
-            ctx = self.current
-            first = not self.sigterm_raised
-            self.sigterm_raised = True
+        # Runs in the main thread, between bytecodes of the task (or in its blocking call).
+        ctx = self.current
         if ctx is None:
             os._exit(0)  # between tasks: nothing to clean up
         ctx._cancel(ctx.cancel_reason or "cancelled")
-        if first:  # once: a task that catches it gets the grace, then SIGKILL
+        if ctx.uses_spark:  # its jobs run in the JVM: cancel them too, off this thread
+            threading.Thread(target=_cancel_spark, args=(ctx,), daemon=True).start()
+        if not self.sigterm_raised:  # once: a task that catches it gets the grace, then SIGKILL
+            self.sigterm_raised = True
             raise TaskCancelled(ctx.cancel_reason or "cancelled")
 
-    # -- the main thread --
-
     def serve(self) -> None:
+        """Ready, then one Done per Run, read and run on this (the main) thread."""
         task_wire.write_frame(self.events_fd, task_wire.Ready(pid=os.getpid()))
         while True:
-            run = self.runs.get()
-            if run is None:
+            try:
+                message = task_wire.read_to_process(self.control_fd, self.max_frame_bytes)
+            except (OSError, task_wire.WireError) as exc:
+                print(f"steward task process: control pipe: {exc}", file=sys.stderr, flush=True)
                 return
-            done = self.run(run)
+            if message is None:  # the worker is done with this process
+                return
+            if isinstance(message, task_wire.Cancel):
+                continue  # for a task that has ended already (a running one gets SIGTERM)
+            done = self.run(message)
             sys.stdout.flush()
             sys.stderr.flush()
             task_wire.write_frame(self.events_fd, done)
@@ -121,9 +97,8 @@ class _Host:
             spark_factory=lambda: shared_spark(run.spark_master, run.spark_conf),
             max_result_bytes=run.max_result_bytes,
         )
-        with self.lock:
-            self.current = ctx
-            self.sigterm_raised = False
+        self.sigterm_raised = False
+        self.current = ctx
         try:
             os.chdir(run.workdir)
             tempfile.tempdir = run.workdir
@@ -135,8 +110,7 @@ class _Host:
                 ok=False, error=error_text(exc), out_of_memory=isinstance(exc, MemoryError)
             )
         finally:
-            with self.lock:
-                self.current = None
+            self.current = None
             ctx._leave_job_group()
 
     def resolve(self, run: task_wire.Run) -> TaskFn:
@@ -153,6 +127,13 @@ class _Host:
             self.artifacts[run.code] = loaded
         resolved: TaskFn = loaded.resolve(run.type)
         return resolved
+
+
+def _cancel_spark(ctx: TaskContext) -> None:
+    try:
+        ctx._cancel_spark()
+    except Exception as exc:  # the process is ended anyway if the task goes on
+        print(f"steward: cancelling Spark jobs failed: {exc}", file=sys.stderr)
 
 
 def _limit_memory(limit_mb: int) -> None:
@@ -180,9 +161,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     host = _Host(args.control, args.events, args.max_frame_bytes)
     signal.signal(signal.SIGTERM, host.on_sigterm)
-    threading.Thread(target=host.read_control, name="steward-control", daemon=True).start()
     host.serve()
-    return 0
+    # The worker is gone or done with this process; exit without waiting for threads a
+    # task may have left behind.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

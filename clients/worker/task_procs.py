@@ -19,11 +19,15 @@ retired to make room. A process is retired after ``max_tasks`` tasks, when its r
 memory passes ``max_rss_mb``, after any cancel, crash or protocol error, and when idle for
 ``idle_s``. Every process is in its own session: retiring kills its whole process group.
 
-Files (under the work root, ``0711``, the worker's): ``attempts/<task>-<attempt>-<rand>``
-(``0700``, the task user's, removed after the attempt; the task's cwd and TMPDIR),
-``homes/<uid>`` (``0700``, the task user's HOME) and ``code/<uid>/`` (``0750``,
-root:the task user's group, files ``0640``): the verified artifacts that uid may import,
-copied from the worker's cache so no tenant reads the cache itself.
+Files (under the work root, ``0711``, the worker's): ``attempts/<uid>-<rand>`` (``0700``,
+the task user's; one per process, every attempt's cwd and TMPDIR, found empty by each
+attempt: see :meth:`TaskProcessPool.release`; removed with the process), ``homes/<uid>``
+(``0700``, the task user's HOME) and ``code/<uid>/`` (``0750``, root:the task user's
+group, files ``0640``): the verified artifacts that uid may import, copied from the
+worker's cache so no tenant reads the cache itself.
+
+Threads. One :class:`Dispatcher` thread reads every process's pipes and delivers outcomes
+(no thread per process or per task); a cleaner thread removes what tasks leave behind.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -106,8 +112,11 @@ class _OutputTail:
         return data
 
 
+OutcomeCallback = Callable[[Outcome], None]
+
+
 class TaskProcess:
-    """One started task process and the thread reading its pipes."""
+    """One started task process. Its pipes are read by the pool's :class:`Dispatcher`."""
 
     def __init__(
         self,
@@ -117,10 +126,12 @@ class TaskProcess:
         control_fd: int,
         events_fd: int,
         *,
+        workdir: str,
         max_frame_bytes: int,
         max_output_bytes: int,
     ) -> None:
         self.key = key
+        self.workdir = workdir  # every attempt's cwd and TMPDIR, emptied in between
         self.identity = identity
         self.popen = popen
         self.pid = popen.pid
@@ -128,23 +139,18 @@ class TaskProcess:
         self.last_used = time.monotonic()
         self._control_fd = control_fd
         self._control_lock = threading.Lock()  # a write never meets a closed (reused) fd
-        self._events_fd = events_fd
+        self.events_fd = events_fd
         assert popen.stdout is not None
-        self._output_fd = popen.stdout.fileno()
+        self.output_fd = popen.stdout.fileno()
         self._decoder = task_wire.EventDecoder(max_frame_bytes)
         self._output = _OutputTail(max_output_bytes)
         self._lock = threading.Lock()
         self._ready = threading.Event()
-        self._outcome: Outcome | None = None
-        self._finished = threading.Event()
+        self._on_outcome: OutcomeCallback | None = None  # the Run in progress, if any
         self._exited = threading.Event()
         self._killed = False
-        self._reader = threading.Thread(
-            target=self._read, name=f"steward-taskproc-{self.pid}", daemon=True
-        )
-        self._reader.start()
 
-    # -- the worker's side --
+    # -- the worker's side (any thread) --
 
     def wait_ready(self, timeout_s: float) -> bool:
         return self._ready.wait(timeout_s) and not self._exited.is_set()
@@ -153,39 +159,52 @@ class TaskProcess:
     def alive(self) -> bool:
         return not self._exited.is_set()
 
-    def run(self, run: task_wire.Run) -> Outcome:
-        """Send one task and block until its Done or the process's end."""
+    def start_run(self, run: task_wire.Run, on_outcome: OutcomeCallback) -> None:
+        """Send one task; ``on_outcome`` is called once, on the dispatcher's thread, with
+        its Done or the process's end. Never blocks on the task itself."""
         with self._lock:
-            self._outcome = None
-            self._finished.clear()
+            if self._on_outcome is not None:
+                raise TaskProcessError(f"task process {self.pid} is already running a task")
+            self._on_outcome = on_outcome
+            self._killed = False
         self.tasks_run += 1
         try:
             self._write_control(run)
         except OSError as exc:
+            # Its end (which the kill makes sure of) reaches on_outcome through the dispatcher.
+            logger.warning("task process %d could not be given a task: %s", self.pid, exc)
             self.kill()
-            self._exited.wait(_REAP_TIMEOUT_S)
-            return Outcome(exit_description=f"could not be given the task: {exc}")
-        self._finished.wait()
-        with self._lock:
-            outcome = self._outcome
-        assert outcome is not None
-        self.last_used = time.monotonic()
-        return outcome
+
+    def run(self, run: task_wire.Run) -> Outcome:
+        """Send one task and block until its outcome (for callers with a thread to spare)."""
+        finished = threading.Event()
+        outcomes: list[Outcome] = []
+
+        def on_outcome(outcome: Outcome) -> None:
+            outcomes.append(outcome)
+            finished.set()
+
+        self.start_run(run, on_outcome)
+        finished.wait()
+        return outcomes[0]
 
     def cancel(self, reason: str, grace_s: float) -> None:
         """Cancel frame and SIGTERM now; SIGKILL to the group if no end within the grace."""
         with contextlib.suppress(OSError):
             self._write_control(task_wire.Cancel(reason=reason))
         self._signal(signal.SIGTERM)
-        timer = threading.Timer(grace_s, self._kill_if_running)
+        with self._lock:
+            running = self._on_outcome
+        timer = threading.Timer(grace_s, self._kill_if_running, args=(running,))
         timer.daemon = True
         timer.start()
 
-    def _kill_if_running(self) -> None:
-        if not self._finished.is_set():
-            with self._lock:
-                self._killed = True
-            self.kill()
+    def _kill_if_running(self, cancelled: OutcomeCallback | None) -> None:
+        with self._lock:
+            if cancelled is None or self._on_outcome is not cancelled:
+                return  # that task ended (and the process was retired) in time
+            self._killed = True
+        self.kill()
 
     def kill(self) -> None:
         self._signal(signal.SIGKILL)
@@ -202,11 +221,12 @@ class TaskProcess:
         if fd >= 0:
             os.close(fd)
 
-    def retire(self) -> None:
-        """End the process (its whole group) and reap it; waits at most a few seconds."""
+    def retire(self, *, wait: bool = True) -> None:
+        """End the process (its whole group); ``wait``: until the dispatcher reaped it."""
         self._close_control()
         self.kill()
-        self._exited.wait(_REAP_TIMEOUT_S)
+        if wait:
+            self._exited.wait(_REAP_TIMEOUT_S)
 
     def rss_mb(self) -> float:
         try:
@@ -227,43 +247,31 @@ class TaskProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
 
-    # -- the reader thread --
+    # -- the dispatcher's side (its thread only) --
 
-    def _read(self) -> None:
-        selector = selectors.DefaultSelector()
-        for fd in (self._events_fd, self._output_fd):
-            os.set_blocking(fd, False)
-            selector.register(fd, selectors.EVENT_READ)
+    def on_output(self) -> bool:
+        """Read the output pipe; False at its end."""
         try:
-            while self._read_ready(selector):
-                pass
-        finally:
-            selector.close()
-            self._on_exit()
+            data = os.read(self.output_fd, _READ_BYTES)
+        except BlockingIOError:
+            return True
+        except OSError:
+            data = b""
+        if data:
+            self._output.add(data)
+        return bool(data)
 
-    def _read_ready(self, selector: selectors.BaseSelector) -> bool:
-        """Read what is ready; False once the events pipe ended or broke the protocol."""
-        for key, _ in selector.select():
-            fd = int(key.fd)
-            try:
-                data = os.read(fd, _READ_BYTES)
-            except BlockingIOError:
-                continue
-            except OSError:
-                data = b""
-            if fd == self._output_fd:
-                if data:
-                    self._output.add(data)
-                else:
-                    selector.unregister(fd)
-            elif not data:  # the process is ending
-                self._drain_output()
-                return False
-            elif not self._on_events(data):
-                return False
-        return True
-
-    def _on_events(self, data: bytes) -> bool:
+    def on_events(self) -> bool:
+        """Read the events pipe and act on it; False once it ended or broke the protocol."""
+        try:
+            data = os.read(self.events_fd, _READ_BYTES)
+        except BlockingIOError:
+            return True
+        except OSError:
+            data = b""
+        if not data:  # the process is ending
+            self._drain_output()
+            return False
         try:
             messages = self._decoder.feed(data)
         except task_wire.WireError as exc:
@@ -273,50 +281,134 @@ class TaskProcess:
         for message in messages:
             if isinstance(message, task_wire.Ready):
                 self._ready.set()
-            elif self._finished.is_set() or self._outcome is not None:
+                continue
+            with self._lock:
+                on_outcome, self._on_outcome = self._on_outcome, None
+            if on_outcome is None:
                 logger.warning("task process %d sent a Done with no task; killing it", self.pid)
                 self.kill()
                 return False
-            else:
-                self._drain_output()
-                self._set_outcome(Outcome(done=message, output=self._output.take()))
+            self.last_used = time.monotonic()
+            self._drain_output()
+            _deliver(on_outcome, Outcome(done=message, output=self._output.take()))
         return True
 
     def _drain_output(self) -> None:
         # Everything the task wrote before its Done is already in the pipe.
         for _ in range(64):
             try:
-                data = os.read(self._output_fd, _READ_BYTES)
+                data = os.read(self.output_fd, _READ_BYTES)
             except (BlockingIOError, OSError):
                 return
             if not data:
                 return
             self._output.add(data)
 
-    def _set_outcome(self, outcome: Outcome) -> None:
-        with self._lock:
-            if self._outcome is None:
-                self._outcome = outcome
-        self._finished.set()
-
-    def _on_exit(self) -> None:
+    def on_exit(self) -> None:
+        """The events pipe ended: reap the process and end the Run in progress, if any."""
         self.kill()  # a process that closed its events pipe is done for
         try:
             returncode = self.popen.wait(_REAP_TIMEOUT_S)
             description = describe_exit(returncode)
         except subprocess.TimeoutExpired:
             description = "stopped answering"
-        os.close(self._events_fd)
+        os.close(self.events_fd)
         assert self.popen.stdout is not None
         self.popen.stdout.close()  # the output pipe (its file object owns the fd)
         self._close_control()
         with self._lock:
             killed = self._killed
+            on_outcome, self._on_outcome = self._on_outcome, None
         self._ready.set()
         self._exited.set()
-        self._set_outcome(
-            Outcome(exit_description=description, output=self._output.take(), killed=killed)
-        )
+        if on_outcome is not None:
+            outcome = Outcome(
+                exit_description=description, output=self._output.take(), killed=killed
+            )
+            _deliver(on_outcome, outcome)
+
+
+def _deliver(on_outcome: OutcomeCallback, outcome: Outcome) -> None:
+    try:
+        on_outcome(outcome)
+    except Exception:  # the dispatcher serves every other task: log and go on
+        logger.exception("handling a task process's outcome failed")
+
+
+class Dispatcher:
+    """One thread reading every task process's pipes (no thread per process or per task).
+
+    Outcomes are delivered on this thread: their callbacks must not block.
+    """
+
+    def __init__(self, on_exit: Callable[[TaskProcess], None]) -> None:
+        self._on_exit = on_exit
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._added: list[TaskProcess] = []
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="steward-taskprocs", daemon=True)
+        self._thread.start()
+
+    def add(self, process: TaskProcess) -> None:
+        with self._lock:
+            self._added.append(process)
+        self._wake()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+        self._wake()
+        self._thread.join(_REAP_TIMEOUT_S)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"x")
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                for key, _ in self._selector.select():
+                    if key.data is None:
+                        if not self._take_added():
+                            return
+                    else:
+                        self._on_ready(key.fileobj, key.data)  # type: ignore[arg-type]
+        finally:
+            self._selector.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _take_added(self) -> bool:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._wake_r, 4096)
+        with self._lock:
+            added, self._added = self._added, []
+            stopping = self._stopping
+        for process in added:
+            for fd in (process.events_fd, process.output_fd):
+                os.set_blocking(fd, False)
+                self._selector.register(fd, selectors.EVENT_READ, process)
+        return not stopping
+
+    def _on_ready(self, fd: int, process: TaskProcess) -> None:
+        if not process.alive:  # ended earlier in this batch of events; its fds are closed
+            return
+        if fd == process.output_fd:
+            if not process.on_output():
+                self._selector.unregister(fd)
+        elif not process.on_events():
+            self._selector.unregister(fd)
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(process.output_fd)
+            process.on_exit()
+            self._on_exit(process)
 
 
 @dataclass
@@ -348,22 +440,35 @@ class TaskProcessPool:
         self._busy: set[TaskProcess] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._dispatcher = Dispatcher(self._on_exit)
+        # Removes working directories (what tasks leave, those of ended processes) so
+        # that neither the dispatcher nor the caller waits on a big tree.
+        self._cleaner = ThreadPoolExecutor(1, thread_name_prefix="steward-cleaner")
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="steward-reaper", daemon=True)
         self._reaper.start()
 
-    def acquire(self, tenant: str, memory_limit_mb: int, identity: TaskIdentity) -> TaskProcess:
-        key = (tenant, memory_limit_mb)
-        victim: TaskProcess | None = None
+    def idle_process(self, tenant: str, memory_limit_mb: int) -> TaskProcess | None:
+        """A warm process of that key, now, or None (never starts one, never blocks)."""
         with self._lock:
             if self._closed:
                 raise TaskProcessError("the worker is stopping")
-            idle = self._idle.get(key)
+            idle = self._idle.get((tenant, memory_limit_mb))
             while idle:
                 process = idle.pop()  # most recently used: warmest caches
                 if process.alive:
                     self._busy.add(process)
                     return process
+        return None
+
+    def acquire(self, tenant: str, memory_limit_mb: int, identity: TaskIdentity) -> TaskProcess:
+        """A warm process of that key, or a new one (blocks while it starts)."""
+        process = self.idle_process(tenant, memory_limit_mb)
+        if process is not None:
+            return process
+        key = (tenant, memory_limit_mb)
+        victim: TaskProcess | None = None
+        with self._lock:
             if self._live() >= self.limits.capacity:
                 victim = self._oldest_idle()
         if victim is not None:
@@ -373,7 +478,8 @@ class TaskProcessPool:
             self._busy.add(process)
         return process
 
-    def release(self, process: TaskProcess, *, retire: bool) -> None:
+    def release(self, process: TaskProcess, *, retire: bool, cleaned: bool = False) -> None:
+        """Back to idle after a task (may run on the dispatcher's thread: never blocks)."""
         reason = ""
         if retire:
             reason = "after a cancel, a crash or running out of memory"
@@ -383,22 +489,45 @@ class TaskProcessPool:
             reason = f"after {process.tasks_run} tasks"
         elif self.limits.max_rss_mb and process.rss_mb() > self.limits.max_rss_mb:
             reason = f"resident memory over {self.limits.max_rss_mb:g} MB"
+        else:
+            clean = self.work.attempt_dir_clean(process.workdir, process.identity)
+            if clean is False and not cleaned:  # leftovers: removed off this thread
+                self._cleaner.submit(self._clean_then_release, process)
+                return
+            if not clean:
+                reason = "its working directory was changed or could not be emptied"
         with self._lock:
             self._busy.discard(process)
             if not reason and not self._closed:
                 self._idle.setdefault(process.key, []).append(process)
                 return
         logger.debug("retiring task process %d (%s)", process.pid, reason or "stopping")
-        process.retire()
+        process.retire(wait=False)  # may run on the dispatcher's thread, which reaps it
+
+    def _clean_then_release(self, process: TaskProcess) -> None:
+        emptied = self.work.empty_attempt_dir(process.workdir)
+        self.release(process, retire=not emptied, cleaned=True)
+
+    def _on_exit(self, process: TaskProcess) -> None:
+        with self._lock:
+            closed = self._closed
+        if closed:  # the cleaner is shutting down: remove it here
+            self.work.remove_attempt_dir(process.workdir)
+        else:
+            self._cleaner.submit(self.work.remove_attempt_dir, process.workdir)
 
     def close(self) -> None:
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             processes = [p for idle in self._idle.values() for p in idle] + list(self._busy)
             self._idle.clear()
         self._stop.set()
         for process in processes:
             process.retire()
+        self._dispatcher.close()
+        self._cleaner.shutdown(wait=True)
 
     def live(self) -> int:
         with self._lock:
@@ -430,6 +559,7 @@ class TaskProcessPool:
 
     def _start(self, key: tuple[str, int], identity: TaskIdentity) -> TaskProcess:
         home = self.work.home(identity)
+        workdir = self.work.make_attempt_dir(identity)
         control_r, control_w = os.pipe()
         events_r, events_w = os.pipe()
         args = [
@@ -465,6 +595,7 @@ class TaskProcessPool:
         except OSError as exc:
             for fd in (control_r, control_w, events_r, events_w):
                 os.close(fd)
+            self.work.remove_attempt_dir(workdir)
             raise TaskProcessError(
                 f"could not start a task process as uid {identity.uid}: {exc}."
                 f" The task user must be able to run {self.python} and read {PROJECT_ROOT}"
@@ -478,9 +609,11 @@ class TaskProcessPool:
             popen,
             control_w,
             events_r,
+            workdir=workdir,
             max_frame_bytes=self.limits.max_frame_bytes,
             max_output_bytes=self.limits.max_output_bytes,
         )
+        self._dispatcher.add(process)
         if not process.wait_ready(_START_TIMEOUT_S):
             process.retire()
             tail = process._output.take().decode(errors="replace")[-2000:]

@@ -244,7 +244,7 @@ def test_a_task_searching_everything_it_can_reach_finds_no_worker_token(cluster:
 def test_another_tenants_running_task_is_out_of_reach(cluster: Cluster) -> None:
     t0 = time.time()
     holder = cluster.submit("hold", "alice", {"secret": PARAMS_SECRET, "seconds": 30, "t0": t0})
-    pid = wait_until(lambda: _holder_pid(cluster), 30, "alice's task to start")
+    pid = wait_until(lambda: _holder_pid(cluster, t0), 30, "alice's task to start")
     peeker = cluster.submit("peek", "bob", {"pid": pid, "secret": PARAMS_SECRET})
     peeked = cluster.result(peeker)
     cluster.http.post(f"/api/v1/tasks/{holder}/cancel")
@@ -255,12 +255,15 @@ def test_another_tenants_running_task_is_out_of_reach(cluster: Cluster) -> None:
     assert peeked["uid"] != 0 and peeked["pid"] != pid
 
 
-def _holder_pid(cluster: Cluster) -> int | None:
+def _holder_pid(cluster: Cluster, t0: float) -> int | None:
     # The holder writes its pid into its working directory; the worker's default work dir
-    # is /tmp/steward-worker-<uid>/attempts/<task>-<attempt>-<random>/pid (root can read).
+    # is /tmp/steward-worker-<uid>/attempts/<uid>-<random>/pid (root can read). Other
+    # tests' workers share that directory: only a file written since t0 counts.
     attempts = Path(f"/tmp/steward-worker-{os.geteuid()}") / "attempts"
     for path in attempts.glob("*/pid"):
         try:
+            if path.stat().st_mtime < t0 - 1:
+                continue
             return int(path.read_text())
         except (OSError, ValueError):
             continue

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import textwrap
@@ -80,7 +81,12 @@ JOB = textwrap.dedent(
     def write_cwd(params, ctx):
         with open("left-behind.txt", "w") as f:
             f.write("x")
+        os.mkdir("left-dir")
+        os.symlink("/etc", "left-dir/etc")
         return os.getcwd()
+
+    def list_cwd(params, ctx):
+        return {"cwd": os.getcwd(), "files": os.listdir("."), "pid": os.getpid()}
     """
 )
 
@@ -246,15 +252,30 @@ def test_the_environment_is_scrubbed_and_the_worker_token_is_not_passed(
     }  # fmt: skip
 
 
-def test_each_attempt_gets_its_own_working_directory_removed_afterwards(rt: Runtime) -> None:
+def test_each_attempt_starts_in_a_clean_private_working_directory(rt: Runtime) -> None:
     rt.start(1, "job:write_cwd")
-    rt.start(2, "job:whoami")
+    rt.start(2, "job:whoami")  # at the same time: another process, another directory
     cwd = rt.result(1)
     seen = rt.result(2)
     assert cwd != seen["cwd"]
     assert Path(cwd).parent == rt.config.work_dir / "attempts"
-    assert not Path(cwd).exists()  # removed with what the task left there
-    assert seen["env"]["TMPDIR"] == seen["cwd"] or seen["env"]["TMPDIR"]
+    info = os.stat(cwd)
+    assert stat.S_IMODE(info.st_mode) == 0o700
+    assert info.st_uid == seen["uid"]
+    assert seen["env"]["TMPDIR"] == seen["cwd"]
+    # The next attempts, whichever process runs them, find nothing an earlier one left.
+    for task_id in (3, 4, 5):
+        rt.start(task_id, "job:list_cwd")
+        assert rt.result(task_id)["files"] == []
+    # Emptied off the dispatcher's thread, before that process takes another task.
+    deadline = time.monotonic() + WAIT_S
+    while os.path.exists(os.path.join(cwd, "left-behind.txt")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert os.listdir(cwd) == []
+    assert os.path.exists("/etc/passwd")  # the symlink was removed, not followed
+    # A retired process's directory goes with it.
+    rt.runtime.shutdown()
+    assert not Path(cwd).exists()
 
 
 def test_hard_cancel_ends_a_spinning_task_within_the_grace(rt: Runtime) -> None:
