@@ -272,7 +272,7 @@ class ApiApp:
         self.config = config
         self.code_store = code_store
         # Task output the leader's worker link collects (None: GET .../logs finds none).
-        self.outputs = outputs or OutputStore()
+        self.outputs = outputs if outputs is not None else OutputStore()
         self._upload_checker = UploadChecker(config.artifact_limits)
         self.cluster_view = cluster
         # Requests waiting for a task to reach a final state (long polling).

@@ -127,7 +127,11 @@ class WorkerLink:
         self.node = node
         self.config = config
         # Where the workers' Output frames go; shared with the HTTP API's logs route.
-        self.outputs = outputs or OutputStore(max_total_bytes=config.max_output_total_bytes)
+        self.outputs = (
+            outputs
+            if outputs is not None
+            else OutputStore(max_total_bytes=config.max_output_total_bytes)
+        )
         self.sessions: dict[str, _Session] = {}
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
