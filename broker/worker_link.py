@@ -500,6 +500,9 @@ class WorkerLink:
             self.outputs.missing(key)
         else:
             self.outputs.add(key, message.offset, message.data, complete=message.complete)
+        # Output of tasks the state forgot (retention) goes too, checked now and then.
+        tasks = self.node.state.tasks
+        self.outputs.prune(lambda task_id: task_id in tasks)
 
     def _fetch_output(self, worker_id: str, task_id: int, attempt: int) -> bool:
         """Ask a connected worker for an attempt's output (it answers with Output)."""
