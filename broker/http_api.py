@@ -1614,8 +1614,8 @@ def openapi_document(config: ApiConfig | None = None) -> dict[str, Any]:
                 ),
                 "parameters": [
                     id_param,
-                    query("attempt", {"type": "integer", "minimum": 1}),
-                    query("offset", {"type": "integer", "minimum": 0}),
+                    query("attempt", {"type": "integer", "minimum": 1, "maximum": 2**62}),
+                    query("offset", {"type": "integer", "minimum": 0, "maximum": 2**62}),
                 ],
                 "responses": {"200": response("TaskLogs"), **errors},
             }

@@ -31,7 +31,7 @@ from typing import Any, Final
 import msgspec
 
 from broker.auth import Principal
-from broker.state import StateMachine, TaskState
+from broker.state import FINAL_STATES, StateMachine, TaskState
 
 OutputKey = tuple[int, int]  # (task_id, attempt)
 
@@ -244,7 +244,9 @@ async def logs_answer(
     if task.attempt == 0:
         if attempt is not None:
             raise LogsError(400, "invalid_request", f"task {task_id} has not run yet")
-        return _encode(TaskLogs(task_id, 0, "", False, False, 0, 0, available=False))
+        # Not run yet: complete only if it never will (e.g. cancelled while waiting).
+        never = task.state in FINAL_STATES
+        return _encode(TaskLogs(task_id, 0, "", False, never, 0, 0, available=False))
     if attempt is None:
         attempt = task.attempt
     if attempt > task.attempt:

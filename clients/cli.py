@@ -586,7 +586,8 @@ def _print_logs(client: StewardClient, task_id: int, attempt: int | None, follow
     tty = sys.stdout.isatty()
     while True:
         answer = client.logs(task_id, attempt=attempt, offset=offset)
-        attempt = int(answer["attempt"])  # follow the attempt seen first, not a retry
+        if answer["attempt"] >= 1:  # follow the attempt seen first, not a later retry
+            attempt = int(answer["attempt"])
         if answer["truncated"]:
             dropped = int(answer["offset"]) - offset
             print(f"[... {dropped} earlier bytes of output dropped ...]", file=sys.stderr)
@@ -600,12 +601,13 @@ def _print_logs(client: StewardClient, task_id: int, attempt: int | None, follow
             break
         time.sleep(_LOGS_POLL_S)
     if not answer["available"] and offset == 0:
-        state = "over" if answer["complete"] else "running"
-        print(
-            f"steward: no output captured for task {task_id} attempt {attempt} ({state}; "
-            "output is captured for tasks run in task processes)",
-            file=sys.stderr,
-        )
+        if not attempt:
+            why = "it has not run" + ("" if answer["complete"] else " yet")
+        elif not answer["complete"]:
+            why = f"attempt {attempt} has written nothing yet"
+        else:
+            why = f"attempt {attempt} ran outside a task process, or its output is gone"
+        print(f"steward: no output captured for task {task_id}: {why}", file=sys.stderr)
     return 0
 
 

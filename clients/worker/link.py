@@ -521,19 +521,17 @@ class Worker:
 
     def _send_live_output(self, conn: _Connection, key: TaskKey) -> bool:
         """Send what is new of a running attempt's output; False: it has none here."""
-        live = self.runtime.live_output(key)
+        sent = conn.output_sent.get(key)
+        live = self.runtime.live_output(key, since=sent or 0)
         if live is None:
             return False
         start, data = live
         end = start + len(data)
-        sent = conn.output_sent.get(key)
         if sent is not None and end <= sent:
-            return True
-        begin = max(start, sent or 0, end - MAX_OUTPUT_BYTES)
-        if end > begin or sent is None:
-            conn.send(
-                Output(task_id=key[0], attempt=key[1], offset=begin, data=data[begin - start :])
-            )
+            return True  # nothing new (or the attempt's output was just taken: it ended)
+        if len(data) > MAX_OUTPUT_BYTES:
+            start, data = end - MAX_OUTPUT_BYTES, data[-MAX_OUTPUT_BYTES:]
+        conn.send(Output(task_id=key[0], attempt=key[1], offset=start, data=data))
         conn.output_sent[key] = end
         return True
 

@@ -226,9 +226,10 @@ class TaskRuntime:
         with self._lock:
             return self._outputs.get(key)
 
-    def live_output(self, key: TaskKey) -> tuple[int, bytes] | None:
-        """(offset, bytes) of what a running attempt's task process wrote so far and the
-        worker still holds, or None (not running in a task process, or no steady view)."""
+    def live_output(self, key: TaskKey, since: int = 0) -> tuple[int, bytes] | None:
+        """(offset, bytes) of what a running attempt's task process wrote from offset
+        ``since`` on (or from its first byte still held), or None (not running in a task
+        process, or no steady view)."""
         with self._lock:  # entry.process is this attempt's until it is set back to None
             entry = self._entries.get(key)
             process = entry.process if entry is not None else None
@@ -240,9 +241,10 @@ class TaskRuntime:
             tail = process._output
             for _ in range(8):
                 dropped = tail.dropped
-                data = bytes(tail._buffer)
-                if dropped == tail.dropped and len(data) <= 2 * tail.limit:
-                    return dropped, data
+                skip = max(0, since - dropped)
+                data = bytes(tail._buffer[skip:])  # only what is new is copied
+                if dropped == tail.dropped and skip + len(data) <= 2 * tail.limit:
+                    return dropped + skip, data
         return None
 
     # -- queries (any thread) --

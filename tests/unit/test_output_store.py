@@ -187,3 +187,6 @@ async def test_logs_are_the_owners_only_and_bad_requests_are_4xx() -> None:
         assert caught.value.status == status, (principal, task_id, query)
     not_run = await _answer(store, state, alice, 6)
     assert not_run["available"] is False and not_run["output"] == ""
+    assert not_run["complete"] is False  # it may still run: a follower keeps polling
+    never = _State(_task(8, "alice", TaskState.CANCELLED, 0))
+    assert (await _answer(store, never, alice, 8))["complete"] is True
