@@ -21,7 +21,8 @@ Conversation::
     either -> Error (then closes)
 
 Output is not state: it never enters the replicated log. A worker sends Output only to a
-broker whose Welcome says ``output=True`` (an older broker refuses unknown frames).
+broker whose Welcome says ``output=True`` and a broker sends FetchOutput only to a worker
+whose Hello does (an older peer refuses unknown frames; it ignores the unknown field).
 
 Versions: a message carries the lowest version that has every field it uses, so a
 newer peer still talks to an older one until it needs something new. Version 2: a
@@ -78,6 +79,8 @@ class Hello(_Message, frozen=True, tag="hello"):
     tenants: tuple[str, ...] = ()  # empty: serves every tenant
     running: tuple[TaskAttempt, ...] = ()  # tasks this worker still runs
     token: str | None = None
+    # The worker answers FetchOutput (an older one would drop the connection on it).
+    output: bool = False
 
 
 class Welcome(_Message, frozen=True, tag="welcome"):

@@ -102,6 +102,7 @@ class _Session:
         self.writer = writer
         self.max_frame_bytes = max_frame_bytes
         self.credential = credential  # API worker credential id; None: the shared token
+        self.answers_fetch = False  # its Hello said it answers FetchOutput
         self.last_seen = time.monotonic()
         self.closed = False
 
@@ -428,6 +429,7 @@ class WorkerLink:
         assert isinstance(result, WorkerReconciled)
         keep = {(k.task_id, k.attempt) for k in result.keep}
         session = _Session(hello.worker_id, writer, self.config.max_frame_bytes, credential, peer)
+        session.answers_fetch = hello.output
         session.send(
             p.Welcome(
                 broker_id=self.node.config.broker_id,
@@ -507,7 +509,7 @@ class WorkerLink:
     def _fetch_output(self, worker_id: str, task_id: int, attempt: int) -> bool:
         """Ask a connected worker for an attempt's output (it answers with Output)."""
         session = self.sessions.get(worker_id)
-        if session is None or session.closed:
+        if session is None or session.closed or not session.answers_fetch:
             return False
         session.send(p.FetchOutput(tasks=(p.TaskAttempt(task_id, attempt),)))
         return True

@@ -393,8 +393,10 @@ async function refreshOutput(task) {
     try {
       logs = await api("/api/v1/tasks/" + task.id + "/logs?attempt=" + task.attempt + "&offset=" + shown.offset);
     } catch (error) {
+      // A follower redirects .../logs to the leader, another origin: fetch refuses that.
+      const why = error.status === 0 ? "output is served by the leader: open its dashboard" : error.message;
       $("detail-output-box").hidden = false;
-      $("detail-output-note").textContent = "(" + error.message + ")";
+      $("detail-output-note").textContent = "(" + why + ")";
       return;
     }
     if (shown.task !== task.id || shown.attempt !== task.attempt) return; // another was opened

@@ -388,6 +388,7 @@ class Worker:
             tenants=tuple(c.tenants),
             running=self._held_attempts(),
             token=c.token,
+            output=True,
         )
 
     def _held_attempts(self) -> tuple[TaskAttempt, ...]:

@@ -165,7 +165,10 @@ async def test_an_oversized_output_frame_is_a_protocol_error(broker: Broker) -> 
 async def test_a_leader_without_the_output_asks_the_worker_that_ran_it(broker: Broker) -> None:
     alice = await broker.tenant_token("alice")
     worker = broker.worker("w1")
-    await worker.hello()
+    await worker.connect()
+    worker.send(p.Hello(worker_id="w1", token=SHARED, task_types={"*": 1}, output=True))
+    await worker.expect(p.Welcome)
+    worker.start_heartbeats()
     task_id = await broker.submit("alice")
     await worker.expect(p.Assign)
     worker.finish_ok(task_id, 1)
@@ -182,3 +185,20 @@ async def test_a_leader_without_the_output_asks_the_worker_that_ran_it(broker: B
     await asyncio.wait_for(answering, 5)
     assert answer.status_code == 200, answer.text
     assert answer.json()["output"] == "kept by w1\n" and answer.json()["available"] is True
+
+
+async def test_an_older_worker_is_never_asked_for_output(broker: Broker) -> None:
+    """A worker whose Hello does not offer output would drop the connection on a
+    FetchOutput frame it cannot decode: the leader answers without asking it."""
+    alice = await broker.tenant_token("alice")
+    worker = broker.worker("w1")
+    welcome = await worker.hello()  # FakeWorker's Hello: no output=True
+    assert welcome.output
+    task_id = await broker.submit("alice")
+    await worker.expect(p.Assign)
+    worker.finish_ok(task_id, 1)
+    await worker.expect(p.FinishAck)
+    answer = await broker.call(alice, f"/api/v1/tasks/{task_id}/logs")
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["available"] is False and answer.json()["complete"] is True
+    await worker.expect_none(p.FetchOutput)
