@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, Protocol, TypeVar
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl
 
 import msgspec
 from msgspec import UnsetType
@@ -48,7 +48,14 @@ from broker.code_store import (
 from broker.edges import HttpEdgeConfig
 from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.node import VERSION, BrokerUnavailableError, Node, Role, Stamp
-from broker.output_store import LogsError, OutputStore, TaskLogs, logs_answer
+from broker.output_store import (
+    PROXIED_HEADER,
+    LogsError,
+    OutputStore,
+    TaskLogs,
+    logs_answer,
+    logs_from_leader,
+)
 from broker.state import (
     FINAL_STATES,
     MAX_TREE_TIMEOUT_MS,
@@ -662,12 +669,21 @@ class ApiApp:
         return 200, _json_encoder.encode(view)
 
     async def task_logs(self, request: Request) -> tuple[int, bytes]:
-        """An attempt's captured output: broker/output_store.py (only the leader holds it)."""
+        """An attempt's captured output: broker/output_store.py (only the leader holds it;
+        a follower asks the leader, so the dashboard works on any broker)."""
         self._require(request, CallerRole.TENANT)
-        if self.cluster_view is not None and not self.node.writable:
-            query = urlencode(request.query).encode("ascii")
-            self._redirect_to_leader({"path": request.path, "query_string": query})
+        view = self.cluster_view
         try:
+            if view is not None and not self.node.writable:
+                leader = view.leader()
+                return await logs_from_leader(
+                    leader.url if leader is not None and leader.url != view.url else None,
+                    request.path,
+                    request.query,
+                    request.header(b"authorization"),
+                    proxied=request.header(PROXIED_HEADER) is not None,
+                    ssl_context=view.peer_ssl_context,
+                )
             answer = await logs_answer(
                 self.outputs,
                 self.node.state,
@@ -676,7 +692,7 @@ class ApiApp:
                 request.query,
             )
         except LogsError as exc:
-            raise HttpError(exc.status, exc.code, exc.message) from None
+            raise HttpError(exc.status, exc.code, exc.message, retryable=exc.retryable) from None
         return 200, answer
 
     @staticmethod
@@ -1609,8 +1625,8 @@ def openapi_document(config: ApiConfig | None = None) -> dict[str, Any]:
                     "The last 1 MiB of each attempt run in a task process, as the worker "
                     "ships it (about once a second while it runs). Tenant-scoped like "
                     "GET /api/v1/tasks/{id}. Pass next_offset back as offset to get only "
-                    "newer output; complete: the attempt writes no more. Served by the "
-                    "leader (a follower redirects)."
+                    "newer output; complete: the attempt writes no more. Kept by the "
+                    "leader (a follower asks it)."
                 ),
                 "parameters": [
                     id_param,

@@ -22,15 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import re
+import ssl
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import httpx
 import msgspec
 
 from broker.auth import Principal
+from broker.dashboard import peer_ssl_context
 from broker.state import FINAL_STATES, StateMachine, TaskState
 
 OutputKey = tuple[int, int]  # (task_id, attempt)
@@ -69,11 +72,12 @@ class TaskLogs(msgspec.Struct, frozen=True):
 class LogsError(Exception):
     """A request the logs route refuses: ``status`` with an error ``code`` and message."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, *, retryable: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.retryable = retryable
 
 
 @dataclass
@@ -281,6 +285,44 @@ async def logs_answer(
             offset=begin,
         )
     )
+
+
+#: Marks a request a follower passed on to its leader: one hop only (brokers with stale
+#: views must not pass a request around).
+PROXIED_HEADER: Final = b"x-steward-logs-proxied"
+_PROXY_TIMEOUT_S: Final = FETCH_TIMEOUT_S + 3.0
+
+
+async def logs_from_leader(
+    leader_url: str | None,
+    path: str,
+    query: dict[str, str],
+    authorization: bytes | None,
+    *,
+    proxied: bool,
+    ssl_context: ssl.SSLContext | None,
+) -> tuple[int, bytes]:
+    """A follower's answer: the leader's (status, JSON body) for the same request, with
+    the caller's credentials (the leader checks them and the tenant scope again)."""
+    if leader_url is None or proxied:
+        raise LogsError(
+            503, "unavailable", "no leader to serve task output right now; retry", retryable=True
+        )
+    headers = {PROXIED_HEADER.decode(): "1"}
+    if authorization is not None:
+        headers["authorization"] = authorization.decode("latin-1")
+    try:
+        async with httpx.AsyncClient(
+            timeout=_PROXY_TIMEOUT_S, verify=ssl_context or peer_ssl_context()
+        ) as client:
+            response = await client.get(leader_url + path, params=query, headers=headers)
+    except httpx.HTTPError as exc:
+        raise LogsError(
+            503, "unavailable", f"the leader at {leader_url} did not answer: {exc}", retryable=True
+        ) from None
+    if response.headers.get("content-type", "").split(";")[0] != "application/json":
+        raise LogsError(503, "unavailable", "the leader's answer was not JSON", retryable=True)
+    return response.status_code, response.content
 
 
 _encoder: Final = msgspec.json.Encoder()

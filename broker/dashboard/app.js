@@ -393,10 +393,8 @@ async function refreshOutput(task) {
     try {
       logs = await api("/api/v1/tasks/" + task.id + "/logs?attempt=" + task.attempt + "&offset=" + shown.offset);
     } catch (error) {
-      // A follower redirects .../logs to the leader, another origin: fetch refuses that.
-      const why = error.status === 0 ? "output is served by the leader: open its dashboard" : error.message;
       $("detail-output-box").hidden = false;
-      $("detail-output-note").textContent = "(" + why + ")";
+      $("detail-output-note").textContent = "(" + error.message + ")";
       return;
     }
     if (shown.task !== task.id || shown.attempt !== task.attempt) return; // another was opened

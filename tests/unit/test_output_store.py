@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
 from broker import protocol as p
 from broker.auth import ANONYMOUS_ADMIN, Principal, Role
-from broker.output_store import LogsError, OutputStore, logs_answer
+from broker.http_api import ApiApp, ApiConfig
+from broker.output_store import LogsError, OutputStore, logs_answer, logs_from_leader
 from broker.state import Task, TaskState
+from clients.client import NotFoundError, StewardClient
 from clients.worker.runtime import split_dropped_note
+from tests.asgi_server import serve, unserve
+from tests.memory_node import memory_node
+from tests.unit.test_http_api import run_and_finish
 
 MIB = 1024 * 1024
 
@@ -190,3 +196,42 @@ async def test_logs_are_the_owners_only_and_bad_requests_are_4xx() -> None:
     assert not_run["complete"] is False  # it may still run: a follower keeps polling
     never = _State(_task(8, "alice", TaskState.CANCELLED, 0))
     assert (await _answer(store, never, alice, 8))["complete"] is True
+
+
+async def test_a_follower_passes_the_request_to_the_leader_once(tmp_path: Path) -> None:
+    """The leader served over HTTP; what a follower does with a logs request (and what
+    the Python client gets from the leader)."""
+    node = memory_node(tmp_path)
+    await node.start()
+    store = OutputStore()
+    server = await serve(ApiApp(node, ApiConfig(), outputs=store))
+    try:
+        with StewardClient(server.url) as client:
+            task_id = (await asyncio.to_thread(client.submit, "noop")).id
+            await run_and_finish(node, task_id)
+            store.add((task_id, 1), 0, b"printed\n", complete=True)
+            path = f"/api/v1/tasks/{task_id}/logs"
+            status, body = await logs_from_leader(
+                server.url, path, {"offset": "2"}, None, proxied=False, ssl_context=None
+            )
+            assert status == 200 and json.loads(body)["output"] == "inted\n"
+            status, body = await logs_from_leader(
+                server.url, path, {"attempt": "9"}, None, proxied=False, ssl_context=None
+            )
+            assert status == 400 and json.loads(body)["error"]["code"] == "invalid_request"
+            logs = await asyncio.to_thread(client.logs, task_id)
+            assert logs["output"] == "printed\n" and logs["complete"] is True
+            with pytest.raises(NotFoundError):
+                await asyncio.to_thread(client.logs, task_id + 100)
+    finally:
+        await unserve(server)
+        await node.stop(snapshot=False)
+    # No leader known, a request already passed on once, a leader that does not answer.
+    for url, proxied in (
+        (None, False),
+        ("http://127.0.0.1:9", True),
+        ("http://127.0.0.1:9", False),
+    ):
+        with pytest.raises(LogsError) as caught:
+            await logs_from_leader(url, "/x", {}, None, proxied=proxied, ssl_context=None)
+        assert caught.value.status == 503 and caught.value.retryable
