@@ -20,6 +20,11 @@ them: they are sent again after every reconnect and every
 wait for the next connection. A ProtocolError or an Error frame ends the connection and
 the worker reconnects with bounded exponential backoff (with jitter), until stopped.
 
+Task output (to a broker whose Welcome takes it): each running attempt's new output goes
+out in an Output frame at most once a second, and an ended attempt's whole kept tail just
+before its report, on every connection the report is sent on; a FetchOutput is answered
+from what the runtime still holds.
+
 All protocol state lives on the event loop's thread; task threads only hand reports
 over with ``call_soon_threadsafe``.
 """

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -223,6 +224,23 @@ def test_output_over_a_mib_keeps_its_last_mib(setup: Setup) -> None:
     assert after["output"] == "" and after["truncated"] is False
 
 
+def _read_until(process: subprocess.Popen[bytes], needle: bytes, timeout_s: float) -> bytes:
+    """What the process printed until ``needle`` appeared, it closed stdout, or the time
+    is up (never blocks longer)."""
+    assert process.stdout is not None
+    seen = b""
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout_s
+        while needle not in seen and time.monotonic() < deadline:
+            if selector.select(timeout=0.5):
+                chunk = os.read(process.stdout.fileno(), 65536)
+                if not chunk:
+                    break
+                seen += chunk
+    return seen
+
+
 def test_logs_follow_prints_a_running_tasks_output_before_it_ends(setup: Setup) -> None:
     release = setup.shared / "release-slow"
     task_id = setup.submit("alice", "slow", {"release": str(release)})
@@ -233,22 +251,17 @@ def test_logs_follow_prints_a_running_tasks_output_before_it_ends(setup: Setup) 
     )
     follow = setup.steward("alice", "logs", str(task_id), "--follow")
     try:
-        assert follow.stdout is not None
-        seen = b""
-        selector = selectors.DefaultSelector()
-        selector.register(follow.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + 30
-        while b"first line" not in seen and time.monotonic() < deadline:
-            if selector.select(timeout=0.5):
-                chunk = os.read(follow.stdout.fileno(), 65536)
-                if not chunk:
-                    break
-                seen += chunk
-        selector.close()
+        seen = _read_until(follow, b"first line", 30)
         assert b"first line, before the task ends" in seen, seen
         # Printed while the task still runs (it waits for the release file).
         task = setup.tenants["alice"].get(f"/api/v1/tasks/{task_id}").json()
         assert task["state"] == "running" and not release.exists()
+        # Ctrl-C ends another follower cleanly: exit status 130, no traceback.
+        interrupted = setup.steward("alice", "logs", str(task_id), "--follow")
+        assert b"first line" in _read_until(interrupted, b"first line", 30)  # following now
+        interrupted.send_signal(signal.SIGINT)
+        _, err = interrupted.communicate(timeout=30)
+        assert interrupted.returncode == 130 and b"Traceback" not in err, err
         release.touch()
         rest, err = follow.communicate(timeout=60)
         assert follow.returncode == 0, err
