@@ -541,8 +541,11 @@ class Worker:
         conn.output_sent[key] = end
         return True
 
-    def _send_final_output(self, conn: _Connection, key: TaskKey) -> bool:
-        """Send an ended attempt's whole kept output; False: the worker holds none."""
+    def _send_final_output(
+        self, conn: _Connection, key: TaskKey, *, before_report: bool = True
+    ) -> bool:
+        """Send an ended attempt's whole kept output; False: the worker holds none.
+        ``before_report``: remembered until the report's FinishAck (not resent)."""
         output = self.runtime.output(key)
         if output is None:
             return False
@@ -551,14 +554,15 @@ class Worker:
             start += len(data) - MAX_OUTPUT_BYTES
             data = data[-MAX_OUTPUT_BYTES:]
         conn.send(Output(task_id=key[0], attempt=key[1], offset=start, data=data, complete=True))
-        conn.final_output_sent.add(key)
+        if before_report:
+            conn.final_output_sent.add(key)
         conn.output_sent.pop(key, None)
         return True
 
     def _on_fetch_output(self, conn: _Connection, message: FetchOutput) -> None:
         for ta in message.tasks:
             key = (ta.task_id, ta.attempt)
-            if self._send_final_output(conn, key):
+            if self._send_final_output(conn, key, before_report=False):
                 continue
             conn.output_sent.pop(key, None)  # the broker lacks it: send all that is kept
             if not self._send_live_output(conn, key):

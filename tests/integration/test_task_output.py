@@ -272,3 +272,36 @@ def test_logs_follow_prints_a_running_tasks_output_before_it_ends(setup: Setup) 
             follow.kill()
             follow.wait(timeout=10)
     assert setup.wait_final("alice", task_id)["result"] == "done"
+
+
+def test_a_restarted_broker_gets_a_finished_tasks_output_from_its_worker(setup: Setup) -> None:
+    """The leader keeps output in memory only: after a restart it asks the worker that
+    ran the attempt (FetchOutput), which still holds it."""
+    marker = "kept-on-the-worker-5d1e"
+    task_id = setup.submit(
+        "alice", "chatty", {"marker": marker, "dir": str(setup.shared), "all": [marker]}
+    )
+    setup.wait_final("alice", task_id)
+    assert setup.broker.terminate() == 0
+    setup.broker.start()  # a new HTTP port; the worker port stays
+    headers = {"authorization": f"Bearer {setup.tokens['alice']}"}
+    with (
+        httpx.Client(base_url=setup.broker.url, headers=headers, timeout=30) as alice,
+        httpx.Client(
+            base_url=setup.broker.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=30
+        ) as admin,
+    ):
+        setup.worker.wait_connected(admin)
+        # Connected in the recovered state may precede the worker's reconnection: until it
+        # is back, the answer is "not available" (complete: the task is over).
+        logs = wait_until(
+            lambda: (
+                (answer := alice.get(f"/api/v1/tasks/{task_id}/logs").json())["available"]
+                and answer
+            ),
+            30,
+            "the worker to send the output",
+        )
+        assert logs["complete"] is True, logs
+        assert f"stdout says {marker}" in logs["output"]
+        assert f"ctx.logger says {marker}" in logs["output"]
