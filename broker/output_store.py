@@ -14,8 +14,9 @@ output asks that worker over the worker link (FetchOutput) if it is connected. K
 output off disk also keeps untrusted tenant text out of the broker's data dir and its
 writes off the ledger's disk.
 
-``GET /api/v1/tasks/{id}/logs`` is answered by :func:`logs_answer`; ``broker/http_api.py``
-only registers the route.
+``GET /api/v1/tasks/{id}/logs`` is answered by :func:`logs_answer` on the leader and by
+:func:`logs_from_leader` on a follower (it asks the leader, so the dashboard of any broker
+shows output); ``broker/http_api.py`` only registers the route.
 """
 
 from __future__ import annotations
