@@ -57,6 +57,7 @@ from broker.node import (
     NodeConfig,
     Role,
 )
+from broker.output_store import OutputStore
 from broker.standalone import http_scheme, start_http_server, stop_http_server
 from broker.state import LIVE_STATES
 from broker.tls import TlsConfig, TlsConfigError
@@ -170,6 +171,8 @@ class ClusterBroker:
             ),
         )
         self.code_store = CodeStore(node_config.data_dir / "code")
+        # Task output while this broker leads (every leadership's link feeds the same one).
+        self.outputs = OutputStore(max_total_bytes=config.workers.max_output_total_bytes)
         try:
             # Built up front: a bad certificate, key or CA bundle stops the broker at start.
             self._peer_ssl = config.tls.client_context() if config.tls is not None else None
@@ -429,7 +432,7 @@ class ClusterBroker:
             await node.step_down(f"could not open a ledger: {exc}")
             await self._requeue()
             return
-        link = WorkerLink(node, self._workers_config)
+        link = WorkerLink(node, self._workers_config, self.outputs)
         try:
             await link.start()
         except BrokerStartupError as exc:
@@ -550,7 +553,9 @@ async def serve_broker(config: BrokerConfig, *, ready: asyncio.Event | None = No
         gc.collect()
         gc.freeze()
         api_config = dataclasses.replace(config.api, min_replication=config.min_replication)
-        app = ApiApp(broker.node, api_config, broker.code_store, cluster=broker)
+        app = ApiApp(
+            broker.node, api_config, broker.code_store, cluster=broker, outputs=broker.outputs
+        )
         server, server_task = await start_http_server(app, config.api, tls=config.tls)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

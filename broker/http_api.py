@@ -48,6 +48,14 @@ from broker.code_store import (
 from broker.edges import HttpEdgeConfig
 from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.node import VERSION, BrokerUnavailableError, Node, Role, Stamp
+from broker.output_store import (
+    PROXIED_HEADER,
+    LogsError,
+    OutputStore,
+    TaskLogs,
+    logs_answer,
+    logs_from_leader,
+)
 from broker.state import (
     FINAL_STATES,
     MAX_TREE_TIMEOUT_MS,
@@ -265,10 +273,13 @@ class ApiApp:
         config: ApiConfig,
         code_store: CodeStore | None = None,
         cluster: ClusterView | None = None,
+        outputs: OutputStore | None = None,
     ) -> None:
         self.node = node
         self.config = config
         self.code_store = code_store
+        # Task output the leader's worker link collects (None: GET .../logs finds none).
+        self.outputs = outputs if outputs is not None else OutputStore()
         self._upload_checker = UploadChecker(config.artifact_limits)
         self.cluster_view = cluster
         # Requests waiting for a task to reach a final state (long polling).
@@ -285,6 +296,7 @@ class ApiApp:
         self._add("/api/v1/tasks", POST=self.submit, GET=self.list_tasks)
         self._add(r"/api/v1/tasks/(\d{1,18})", GET=self.get_task)
         self._add(r"/api/v1/tasks/(\d{1,18})/cancel", POST=self.cancel_task)
+        self._add(r"/api/v1/tasks/(\d{1,18})/logs", GET=self.task_logs)
         self._add("/api/v1/transactions", POST=self.begin_transaction)
         self._add(r"/api/v1/transactions/(\d{1,18})/commit", POST=self.commit_transaction)
         self._add(r"/api/v1/transactions/(\d{1,18})/rollback", POST=self.rollback_transaction)
@@ -656,6 +668,33 @@ class ApiApp:
             await self._wait(waiters, task_id, wait_s)
             view = self._task_view(task_id, request.principal)
         return 200, _json_encoder.encode(view)
+
+    async def task_logs(self, request: Request) -> tuple[int, bytes]:
+        """An attempt's captured output: broker/output_store.py (only the leader holds it;
+        a follower asks the leader, so the dashboard works on any broker)."""
+        self._require(request, CallerRole.TENANT)
+        view = self.cluster_view
+        try:
+            if view is not None and not self.node.writable:
+                leader = view.leader()
+                return await logs_from_leader(
+                    leader.url if leader is not None and leader.url != view.url else None,
+                    request.path,
+                    request.query,
+                    request.header(b"authorization"),
+                    proxied=request.header(PROXIED_HEADER) is not None,
+                    ssl_context=view.peer_ssl_context,
+                )
+            answer = await logs_answer(
+                self.outputs,
+                self.node.state,
+                request.principal,
+                int(request.params[0]),
+                request.query,
+            )
+        except LogsError as exc:
+            raise HttpError(exc.status, exc.code, exc.message, retryable=exc.retryable) from None
+        return 200, answer
 
     @staticmethod
     async def _wait(
@@ -1482,6 +1521,7 @@ def openapi_document(config: ApiConfig | None = None) -> dict[str, Any]:
         m.SubmitBatchResponse,
         m.TaskRefBody,
         m.TaskView,
+        TaskLogs,
         m.TaskList,
         m.BrokerStatusList,  # the dashboard's views
         m.WorkerList,
@@ -1587,6 +1627,24 @@ def openapi_document(config: ApiConfig | None = None) -> dict[str, Any]:
                     query("wait_tree", {"type": "boolean"}),
                 ],
                 "responses": {"200": response("TaskView"), **errors},
+            }
+        },
+        "/api/v1/tasks/{id}/logs": {
+            "get": {
+                "summary": "An attempt's captured stdout, stderr and ctx.logger output",
+                "description": (
+                    "The last 1 MiB of each attempt run in a task process, as the worker "
+                    "ships it (about once a second while it runs). Tenant-scoped like "
+                    "GET /api/v1/tasks/{id}. Pass next_offset back as offset to get only "
+                    "newer output; complete: the attempt writes no more. Kept by the "
+                    "leader (a follower asks it)."
+                ),
+                "parameters": [
+                    id_param,
+                    query("attempt", {"type": "integer", "minimum": 1, "maximum": 2**62}),
+                    query("offset", {"type": "integer", "minimum": 0, "maximum": 2**62}),
+                ],
+                "responses": {"200": response("TaskLogs"), **errors},
             }
         },
         "/api/v1/tasks/{id}/cancel": {

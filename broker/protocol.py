@@ -16,7 +16,13 @@ Conversation::
     both   -> Heartbeat (every interval; a peer silent past the timeout is dead)
     broker -> Assign (tasks, already logged as running)     worker -> Finish (batched)
     broker -> FinishAck (resend until acknowledged)          broker -> Cancel
+    worker -> Output (a running attempt's new output, then its whole kept tail at the end)
+    broker -> FetchOutput (the leader lacks an attempt's output)  worker -> Output
     either -> Error (then closes)
+
+Output is not state: it never enters the replicated log. A worker sends Output only to a
+broker whose Welcome says ``output=True`` and a broker sends FetchOutput only to a worker
+whose Hello does (an older peer refuses unknown frames; it ignores the unknown field).
 
 Versions: a message carries the lowest version that has every field it uses, so a
 newer peer still talks to an older one until it needs something new. Version 2: a
@@ -38,6 +44,10 @@ BASE_VERSION: Final = 1
 #: First version with TaskReport.spawn.
 SPAWN_VERSION: Final = 2
 DEFAULT_MAX_FRAME_BYTES: Final = 16 * 1024 * 1024
+#: Most bytes of task output one Output frame carries (the tail an attempt keeps).
+MAX_OUTPUT_BYTES: Final = 1024 * 1024
+#: Most attempts one FetchOutput names.
+MAX_FETCH_OUTPUT: Final = 64
 _LENGTH: Final = struct.Struct(">I")
 
 
@@ -69,6 +79,8 @@ class Hello(_Message, frozen=True, tag="hello"):
     tenants: tuple[str, ...] = ()  # empty: serves every tenant
     running: tuple[TaskAttempt, ...] = ()  # tasks this worker still runs
     token: str | None = None
+    # The worker answers FetchOutput (an older one would drop the connection on it).
+    output: bool = False
 
 
 class Welcome(_Message, frozen=True, tag="welcome"):
@@ -77,6 +89,9 @@ class Welcome(_Message, frozen=True, tag="welcome"):
     heartbeat_timeout_ms: int = 10_000
     keep: tuple[TaskAttempt, ...] = ()  # reported tasks the broker still counts as running
     drop: tuple[TaskAttempt, ...] = ()  # reported tasks to stop (already re-queued or over)
+    # The broker takes Output frames (an older worker ignores the field, an older broker
+    # never sets it).
+    output: bool = False
 
 
 class Heartbeat(_Message, frozen=True, tag="heartbeat"):
@@ -145,12 +160,47 @@ class Cancel(_Message, frozen=True, tag="cancel"):
     reason: str = ""
 
 
+class Output(_Message, frozen=True, tag="output"):
+    """Captured stdout/stderr/``ctx.logger`` output of one attempt.
+
+    ``offset`` is the position of ``data``'s first byte in everything the attempt wrote
+    (earlier bytes may have been dropped: a worker keeps the last MAX_OUTPUT_BYTES).
+    While the attempt runs, frames carry what is new; with ``complete`` the frame carries
+    the attempt's whole kept tail and the attempt writes no more. ``missing``: the worker
+    has no output of that attempt (an answer to FetchOutput).
+    """
+
+    task_id: int = 0
+    attempt: int = 0
+    offset: int = 0
+    data: bytes = b""
+    complete: bool = False
+    missing: bool = False
+
+
+class FetchOutput(_Message, frozen=True, tag="fetch_output"):
+    """The leader asks for attempts' output it does not hold (e.g. after a failover)."""
+
+    tasks: tuple[TaskAttempt, ...] = ()
+
+
 class Error(_Message, frozen=True, tag="error"):
     code: str = "protocol_error"
     message: str = ""
 
 
-Message = Hello | Welcome | Heartbeat | Assign | Finish | FinishAck | Cancel | Error
+Message = (
+    Hello
+    | Welcome
+    | Heartbeat
+    | Assign
+    | Finish
+    | FinishAck
+    | Cancel
+    | Output
+    | FetchOutput
+    | Error
+)
 
 _encoder: Final = msgspec.msgpack.Encoder()
 _decoder: Final = msgspec.msgpack.Decoder(Message)
@@ -194,6 +244,13 @@ def decode_payload(payload: bytes) -> Message:
             "unsupported_version",
             f"message version {message.v} is newer than {PROTOCOL_VERSION}",
         )
+    if isinstance(message, Output) and (len(message.data) > MAX_OUTPUT_BYTES or message.offset < 0):
+        raise ProtocolError(
+            "output_too_large",
+            f"an Output frame carries at most {MAX_OUTPUT_BYTES} bytes at offset >= 0",
+        )
+    if isinstance(message, FetchOutput) and len(message.tasks) > MAX_FETCH_OUTPUT:
+        raise ProtocolError("bad_message", f"FetchOutput names at most {MAX_FETCH_OUTPUT} attempts")
     return message
 
 

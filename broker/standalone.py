@@ -62,7 +62,9 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
         gc.freeze()
         link = WorkerLink(node, dataclasses.replace(config.workers, tls=config.tls))
         await link.start()
-        app = ApiApp(node, config.api, CodeStore(config.node.data_dir / "code"))
+        app = ApiApp(
+            node, config.api, CodeStore(config.node.data_dir / "code"), outputs=link.outputs
+        )
         server, server_task = await start_http_server(app, config.api, tls=config.tls)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

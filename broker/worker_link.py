@@ -30,6 +30,7 @@ from broker.auth import hash_token
 from broker.edges import RefusalLog
 from broker.logs import task_fields
 from broker.node import BrokerStartupError, BrokerUnavailableError, Node, Stamp
+from broker.output_store import OutputStore
 from broker.scheduler import schedule
 from broker.state import (
     NAME_RE,
@@ -80,6 +81,9 @@ class WorkerLinkConfig:
     # Authentication on: worker credentials issued through the API (role "worker") are
     # accepted, and some credential is required even without a shared token.
     worker_credentials: bool = False
+    # Task output kept on the leader (broker/output_store.py): in total, the least
+    # recently written attempt evicted first (each attempt keeps its last 1 MiB).
+    max_output_total_bytes: int = 256 * 1024 * 1024
 
 
 class _Session:
@@ -98,6 +102,7 @@ class _Session:
         self.writer = writer
         self.max_frame_bytes = max_frame_bytes
         self.credential = credential  # API worker credential id; None: the shared token
+        self.answers_fetch = False  # its Hello said it answers FetchOutput
         self.last_seen = time.monotonic()
         self.closed = False
 
@@ -117,9 +122,17 @@ class _Session:
 
 
 class WorkerLink:
-    def __init__(self, node: Node, config: WorkerLinkConfig) -> None:
+    def __init__(
+        self, node: Node, config: WorkerLinkConfig, outputs: OutputStore | None = None
+    ) -> None:
         self.node = node
         self.config = config
+        # Where the workers' Output frames go; shared with the HTTP API's logs route.
+        self.outputs = (
+            outputs
+            if outputs is not None
+            else OutputStore(max_total_bytes=config.max_output_total_bytes)
+        )
         self.sessions: dict[str, _Session] = {}
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -165,6 +178,7 @@ class WorkerLink:
                 f"cannot listen for workers on {self.config.host}:{self.config.port}: "
                 f"{exc.strerror or exc}"
             ) from None
+        self.outputs.fetcher = self._fetch_output
         self._tasks = [
             asyncio.create_task(self._schedule_loop(), name="steward-schedule"),
             asyncio.create_task(self._finish_loop(), name="steward-finish"),
@@ -181,6 +195,8 @@ class WorkerLink:
     async def stop(self) -> None:
         with contextlib.suppress(ValueError):
             self.node.listeners.remove(self._on_applied)
+        if self.outputs.fetcher == self._fetch_output:
+            self.outputs.fetcher = None
         if self._server is not None:
             self._server.close()
         for session in list(self.sessions.values()):
@@ -413,6 +429,7 @@ class WorkerLink:
         assert isinstance(result, WorkerReconciled)
         keep = {(k.task_id, k.attempt) for k in result.keep}
         session = _Session(hello.worker_id, writer, self.config.max_frame_bytes, credential, peer)
+        session.answers_fetch = hello.output
         session.send(
             p.Welcome(
                 broker_id=self.node.config.broker_id,
@@ -420,6 +437,7 @@ class WorkerLink:
                 heartbeat_timeout_ms=self.config.heartbeat_timeout_ms,
                 keep=tuple(p.TaskAttempt(t, a) for t, a in sorted(keep)),
                 drop=tuple(r for r in hello.running if (r.task_id, r.attempt) not in keep),
+                output=True,
             )
         )
         self.sessions[hello.worker_id] = session
@@ -442,6 +460,9 @@ class WorkerLink:
                 self._reports.append((session, report))
             self._reports_ready.set()
             return
+        if isinstance(message, p.Output):
+            self._on_output(session, message)
+            return
         if isinstance(message, p.Error):
             logger.warning("worker %s reported: %s", session.worker_id, message.message)
             session.close()
@@ -449,6 +470,49 @@ class WorkerLink:
         raise p.ProtocolError(
             "unexpected_message", f"a worker may not send {message.__class__.__name__}"
         )
+
+    # --- task output (not state: kept in self.outputs, never logged) ---------------------
+
+    def _on_output(self, session: _Session, message: p.Output) -> None:
+        """Keep an attempt's output if that attempt was assigned to this very connection
+        (running, or ended on it) and its worker serves the task's tenant; else refuse it
+        (logged): a worker must not write into another attempt's output."""
+        key = (message.task_id, message.attempt)
+        task = self.node.state.tasks.get(message.task_id)
+        worker = self.node.state.workers.get(session.worker_id)
+        problem = ""
+        if task is None or task.attempt != message.attempt or task.worker != session.worker_id:
+            problem = "an attempt not assigned to it"
+        elif self.sessions.get(session.worker_id) is not session:
+            problem = "an attempt of a replaced connection"
+        elif worker is None or (worker.tenants and task.tenant not in worker.tenants):
+            problem = "a tenant it does not serve"
+        if problem:
+            self._refusals.warning(
+                "worker %s at %s: refused output for task %d attempt %d: %s",
+                session.worker_id,
+                session.peer,
+                message.task_id,
+                message.attempt,
+                problem,
+            )
+            self.outputs.missing(key)
+            return
+        if message.missing:
+            self.outputs.missing(key)
+        else:
+            self.outputs.add(key, message.offset, message.data, complete=message.complete)
+        # Output of tasks the state forgot (retention) goes too, checked now and then.
+        tasks = self.node.state.tasks
+        self.outputs.prune(lambda task_id: task_id in tasks)
+
+    def _fetch_output(self, worker_id: str, task_id: int, attempt: int) -> bool:
+        """Ask a connected worker for an attempt's output (it answers with Output)."""
+        session = self.sessions.get(worker_id)
+        if session is None or session.closed or not session.answers_fetch:
+            return False
+        session.send(p.FetchOutput(tasks=(p.TaskAttempt(task_id, attempt),)))
+        return True
 
     # --- scheduling -------------------------------------------------------------------------
 

@@ -6,11 +6,12 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from broker.tls import CA_ENV, TlsConfig, TlsConfigError
 from clients.client import (
@@ -182,6 +183,14 @@ def _add_edge_options(p: argparse.ArgumentParser) -> None:
         help="worker-port connections before their hello is accepted; more are refused "
         "(default %(default)s)",
     )
+    p.add_argument(
+        "--max-task-output-mb",
+        type=float,
+        default=256.0,
+        metavar="MB",
+        help="task output (steward logs) the leader keeps in memory in total, the oldest "
+        "attempt's evicted first; each attempt keeps its last 1 MiB (default %(default)s)",
+    )
 
 
 def _http_edges(args: argparse.Namespace) -> HttpEdgeConfig:
@@ -197,6 +206,8 @@ def _http_edges(args: argparse.Namespace) -> HttpEdgeConfig:
         raise UsageError(f"--http-*: {problem}")
     if not args.worker_hello_timeout_s > 0 or args.worker_max_unauthenticated < 1:
         raise UsageError("need --worker-hello-timeout-s > 0 and --worker-max-unauthenticated >= 1")
+    if not args.max_task_output_mb >= 0:
+        raise UsageError("--max-task-output-mb must be >= 0")
     return edges
 
 
@@ -414,6 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cancel", help="cancel a task")
     p.add_argument("id", type=int)
 
+    p = sub.add_parser("logs", help="a task attempt's captured stdout, stderr and ctx.logger")
+    p.add_argument("id", type=int)
+    p.add_argument("--attempt", type=int, help="which attempt (default: the latest)")
+    p.add_argument(
+        "--follow", "-f", action="store_true", help="keep printing new output until it ends"
+    )
+
     p = sub.add_parser("tenant", help="show or change a tenant's service level")
     p.add_argument("name")
     p.add_argument("--max-waiting", type=int)
@@ -553,6 +571,44 @@ def tree_status(tree: dict[str, Any]) -> str:
             else f", last failure: {tree['reason']}"
         )
     return text
+
+
+_LOGS_POLL_S: Final = 0.5
+# Terminal control characters but newline and tab: task output is untrusted text, and an
+# escape sequence must not drive the reader's terminal.
+_CONTROL_CHARS: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _print_logs(client: StewardClient, task_id: int, attempt: int | None, follow: bool) -> int:
+    """Print an attempt's output; with ``follow`` poll for more until the attempt is over
+    (Ctrl-C stops it: main() turns KeyboardInterrupt into exit status 130)."""
+    offset = 0
+    tty = sys.stdout.isatty()
+    while True:
+        answer = client.logs(task_id, attempt=attempt, offset=offset)
+        if answer["attempt"] >= 1:  # follow the attempt seen first, not a later retry
+            attempt = int(answer["attempt"])
+        if answer["truncated"]:
+            dropped = int(answer["offset"]) - offset
+            print(f"[... {dropped} earlier bytes of output dropped ...]", file=sys.stderr)
+        text = str(answer["output"])
+        if tty:
+            text = _CONTROL_CHARS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        offset = int(answer["next_offset"])
+        if not follow or answer["complete"]:
+            break
+        time.sleep(_LOGS_POLL_S)
+    if not answer["available"] and offset == 0:
+        if not attempt:
+            why = "it has not run" + ("" if answer["complete"] else " yet")
+        elif not answer["complete"]:
+            why = f"attempt {attempt} has written nothing yet"
+        else:
+            why = f"attempt {attempt} ran outside a task process, or its output is gone"
+        print(f"steward: no output captured for task {task_id}: {why}", file=sys.stderr)
+    return 0
 
 
 def _print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
@@ -697,6 +753,10 @@ def run_client_command(args: argparse.Namespace) -> int:
         elif args.command == "cancel":
             cancelled = client.cancel(args.id)
             print(f"task {cancelled['id']} {cancelled['state']}")
+        elif args.command == "logs":
+            if args.attempt is not None and args.attempt < 1:
+                raise UsageError("--attempt must be >= 1")
+            return _print_logs(client, args.id, args.attempt, args.follow)
         elif args.command == "tenant":
             limits = {
                 k: v
@@ -855,6 +915,7 @@ def run_standalone(args: argparse.Namespace) -> int:
             token=args.worker_token,
             tenant_isolation=auth.enabled,
             worker_credentials=auth.enabled,
+            max_output_total_bytes=int(args.max_task_output_mb * 1024 * 1024),
         ),
         child_workers=args.workers,
         tls=_tls_config(args),
@@ -948,6 +1009,7 @@ def run_broker(args: argparse.Namespace) -> int:
             token=args.worker_token,
             tenant_isolation=auth.enabled,
             worker_credentials=auth.enabled,
+            max_output_total_bytes=int(args.max_task_output_mb * 1024 * 1024),
         ),
         cluster_token=args.cluster_token,
         zookeeper_auth=args.zookeeper_auth,

@@ -352,6 +352,13 @@ def _task_query(wait_s: float, wait_tree: bool) -> dict[str, str] | None:
     return params or None
 
 
+def _logs_query(attempt: int | None, offset: int) -> dict[str, str]:
+    query = {"offset": str(offset)} if offset else {}
+    if attempt is not None:
+        query["attempt"] = str(attempt)
+    return query
+
+
 def _list_query(
     state: str | None, tenant: str | None, type: str | None, limit: int, after: int
 ) -> dict[str, Any]:
@@ -490,8 +497,10 @@ class StewardClient:
         content: bytes | None = None,
         timeout_s: float | None = None,
         headers: dict[str, str] | None = None,
+        leader: bool = False,
     ) -> Any:
-        call = _Call(self._router, write=method != "GET")
+        # leader: a read only the leader can answer (a follower redirects it, like a write).
+        call = _Call(self._router, write=method != "GET" or leader)
         timeout = _timeout(timeout_s or self._timeout_s)
         while True:
             base = call.target()
@@ -578,6 +587,15 @@ class StewardClient:
 
     def cancel(self, task_id: int) -> dict[str, Any]:
         result: dict[str, Any] = self._call("POST", f"/api/v1/tasks/{task_id}/cancel")
+        return result
+
+    def logs(self, task_id: int, attempt: int | None = None, offset: int = 0) -> dict[str, Any]:
+        """An attempt's captured output (default: the latest attempt) from byte ``offset``:
+        ``{task_id, attempt, output, truncated, complete, next_offset, offset, available}``.
+        Pass ``next_offset`` back as ``offset`` to get only newer output."""
+        result: dict[str, Any] = self._call(
+            "GET", f"/api/v1/tasks/{task_id}/logs", params=_logs_query(attempt, offset), leader=True
+        )
         return result
 
     # transactions
@@ -803,8 +821,10 @@ class AsyncStewardClient:
         content: bytes | None = None,
         timeout_s: float | None = None,
         headers: dict[str, str] | None = None,
+        leader: bool = False,
     ) -> Any:
-        call = _Call(self._router, write=method != "GET")
+        # leader: a read only the leader can answer (a follower redirects it, like a write).
+        call = _Call(self._router, write=method != "GET" or leader)
         timeout = _timeout(timeout_s or self._timeout_s)
         while True:
             base = call.target()
@@ -887,6 +907,15 @@ class AsyncStewardClient:
 
     async def cancel(self, task_id: int) -> dict[str, Any]:
         result: dict[str, Any] = await self._call("POST", f"/api/v1/tasks/{task_id}/cancel")
+        return result
+
+    async def logs(
+        self, task_id: int, attempt: int | None = None, offset: int = 0
+    ) -> dict[str, Any]:
+        """As :meth:`StewardClient.logs`."""
+        result: dict[str, Any] = await self._call(
+            "GET", f"/api/v1/tasks/{task_id}/logs", params=_logs_query(attempt, offset), leader=True
+        )
         return result
 
     async def begin(self, *, tenant: str | None = None, ttl_s: float = 60.0) -> int:

@@ -14,6 +14,8 @@ const view = {
   before: null, // task id cursor of the shown page (null: newest)
   nextBefore: null,
   selectedTask: null,
+  // The selected task's shown output: fetched from offset on, appended (GET .../logs).
+  output: { task: null, attempt: null, offset: 0, text: "", complete: false },
   timer: null,
   busy: false,
 };
@@ -370,6 +372,43 @@ function renderDetail(task) {
   for (const row of $("tasks").tBodies[0].rows) {
     row.classList.toggle("selected", row.dataset.task === String(task.id));
   }
+  return refreshOutput(task);
+}
+
+const OUTPUT_SHOWN_CHARS = 1024 * 1024;
+
+// The attempt's captured stdout/stderr/ctx.logger output: untrusted text, set with
+// textContent only. Fetched incrementally (offset) while the attempt runs.
+async function refreshOutput(task) {
+  const shown = view.output;
+  if (shown.task !== task.id || shown.attempt !== task.attempt) {
+    Object.assign(shown, { task: task.id, attempt: task.attempt, offset: 0, text: "", complete: false });
+  }
+  if (task.attempt < 1) {
+    $("detail-output-box").hidden = true;
+    return;
+  }
+  if (!shown.complete) {
+    let logs;
+    try {
+      logs = await api("/api/v1/tasks/" + task.id + "/logs?attempt=" + task.attempt + "&offset=" + shown.offset);
+    } catch (error) {
+      $("detail-output-box").hidden = false;
+      $("detail-output-note").textContent = "(" + error.message + ")";
+      return;
+    }
+    if (shown.task !== task.id || shown.attempt !== task.attempt) return; // another was opened
+    if (logs.truncated) shown.text += "[... earlier output dropped ...]\n";
+    shown.text = (shown.text + logs.output).slice(-OUTPUT_SHOWN_CHARS);
+    shown.offset = logs.next_offset;
+    shown.complete = logs.complete;
+    shown.available = logs.available || shown.text !== "";
+  }
+  $("detail-output-box").hidden = false;
+  $("detail-output-note").textContent = shown.available
+    ? "attempt " + task.attempt + (shown.complete ? "" : ", live")
+    : "(none captured for attempt " + task.attempt + ")";
+  $("detail-output").textContent = shown.text;
 }
 
 function showDetailError(id, error) {
@@ -380,6 +419,7 @@ function showDetailError(id, error) {
   $("detail-params").textContent = "";
   $("detail-result-box").hidden = true;
   $("detail-error-box").hidden = true;
+  $("detail-output-box").hidden = true;
 }
 
 // --- refresh -----------------------------------------------------------------------------

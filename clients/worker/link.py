@@ -20,6 +20,11 @@ them: they are sent again after every reconnect and every
 wait for the next connection. A ProtocolError or an Error frame ends the connection and
 the worker reconnects with bounded exponential backoff (with jitter), until stopped.
 
+Task output (to a broker whose Welcome takes it): each running attempt's new output goes
+out in an Output frame at most once a second, and an ended attempt's whole kept tail just
+before its report, on every connection the report is sent on; a FetchOutput is answered
+from what the runtime still holds.
+
 All protocol state lives on the event loop's thread; task threads only hand reports
 over with ``call_soon_threadsafe``.
 """
@@ -44,16 +49,19 @@ from broker.api_models import ClusterSummary
 from broker.auth import bearer_headers
 from broker.logs import task_fields
 from broker.protocol import (
+    MAX_OUTPUT_BYTES,
     Assign,
     AssignedTask,
     Cancel,
     Error,
+    FetchOutput,
     Finish,
     FinishAck,
     FrameDecoder,
     Heartbeat,
     Hello,
     Message,
+    Output,
     ProtocolError,
     TaskAttempt,
     TaskReport,
@@ -61,12 +69,13 @@ from broker.protocol import (
     encode_message,
 )
 from clients.worker.config import WorkerConfig, parse_host_port
-from clients.worker.runtime import TaskKey, TaskRuntime
+from clients.worker.runtime import TaskKey, TaskRuntime, split_dropped_note
 
 logger = logging.getLogger(__name__)
 
 _READ_BYTES = 256 * 1024
 _REPORT_OVERHEAD_BYTES = 64  # msgpack framing of one report besides its payload
+_OUTPUT_INTERVAL_S = 1.0  # running attempts' new output goes out at most this often
 
 
 class BrokerError(Exception):
@@ -142,6 +151,12 @@ class _Connection:
         self.broker_id = welcome.broker_id
         self.seq = 0
         self.closed = False
+        self.takes_output = welcome.output  # the broker accepts Output frames
+        # Per attempt, the end offset of the output already sent on this connection, and
+        # the attempts whose final output was sent (each connection starts afresh: a new
+        # leader holds nothing).
+        self.output_sent: dict[TaskKey, int] = {}
+        self.final_output_sent: set[TaskKey] = set()
 
     def send(self, message: Message) -> bool:
         """Queue a frame on the transport (flow control: see the heartbeat loop's drain)."""
@@ -327,12 +342,14 @@ class Worker:
             self._welcomed = True
             self._on_welcome(conn, welcome)
             heartbeats = asyncio.ensure_future(self._heartbeat_loop(conn))
+            outputs = asyncio.ensure_future(self._output_loop(conn))
             try:
                 await self._serve(conn, reader, decoder, rest)
             finally:
                 conn.closed = True  # the heartbeat loop's exit, should its cancel be lost
                 heartbeats.cancel()
-                await asyncio.wait({heartbeats}, timeout=1.0)
+                outputs.cancel()
+                await asyncio.wait({heartbeats, outputs}, timeout=1.0)
         finally:
             self._conn = None
             self._writer = None
@@ -376,6 +393,7 @@ class Worker:
             tenants=tuple(c.tenants),
             running=self._held_attempts(),
             token=c.token,
+            output=True,
         )
 
     def _held_attempts(self) -> tuple[TaskAttempt, ...]:
@@ -492,6 +510,64 @@ class Worker:
                 return
             await asyncio.sleep(conn.heartbeat_interval_s)
 
+    # -- task output (shipped to the broker: GET /api/v1/tasks/{id}/logs) --
+
+    async def _output_loop(self, conn: _Connection) -> None:
+        """Send running attempts' new output, at most once per interval each."""
+        if not conn.takes_output:
+            return
+        while not conn.closed:
+            await asyncio.sleep(_OUTPUT_INTERVAL_S)
+            running = {(ta.task_id, ta.attempt) for ta in self.runtime.running()}
+            for key in [k for k in conn.output_sent if k not in running]:
+                del conn.output_sent[key]
+            for key in running:
+                if key not in conn.final_output_sent:
+                    self._send_live_output(conn, key)
+
+    def _send_live_output(self, conn: _Connection, key: TaskKey) -> bool:
+        """Send what is new of a running attempt's output; False: it has none here."""
+        sent = conn.output_sent.get(key)
+        live = self.runtime.live_output(key, since=sent or 0)
+        if live is None:
+            return False
+        start, data = live
+        end = start + len(data)
+        if sent is not None and end <= sent:
+            return True  # nothing new (or the attempt's output was just taken: it ended)
+        if len(data) > MAX_OUTPUT_BYTES:
+            start, data = end - MAX_OUTPUT_BYTES, data[-MAX_OUTPUT_BYTES:]
+        conn.send(Output(task_id=key[0], attempt=key[1], offset=start, data=data))
+        conn.output_sent[key] = end
+        return True
+
+    def _send_final_output(
+        self, conn: _Connection, key: TaskKey, *, before_report: bool = True
+    ) -> bool:
+        """Send an ended attempt's whole kept output; False: the worker holds none.
+        ``before_report``: remembered until the report's FinishAck (not resent)."""
+        output = self.runtime.output(key)
+        if output is None:
+            return False
+        start, data = split_dropped_note(output)
+        if len(data) > MAX_OUTPUT_BYTES:
+            start += len(data) - MAX_OUTPUT_BYTES
+            data = data[-MAX_OUTPUT_BYTES:]
+        conn.send(Output(task_id=key[0], attempt=key[1], offset=start, data=data, complete=True))
+        if before_report:
+            conn.final_output_sent.add(key)
+        conn.output_sent.pop(key, None)
+        return True
+
+    def _on_fetch_output(self, conn: _Connection, message: FetchOutput) -> None:
+        for ta in message.tasks:
+            key = (ta.task_id, ta.attempt)
+            if self._send_final_output(conn, key, before_report=False):
+                continue
+            conn.output_sent.pop(key, None)  # the broker lacks it: send all that is kept
+            if not self._send_live_output(conn, key):
+                conn.send(Output(task_id=ta.task_id, attempt=ta.attempt, missing=True))
+
     # -- messages from the broker --
 
     def _handle(self, conn: _Connection, message: Message) -> bool:
@@ -509,7 +585,11 @@ class Worker:
                 key = (ta.task_id, ta.attempt)
                 self._unacked.pop(key, None)
                 self._sent_at.pop(key, None)
+                conn.final_output_sent.discard(key)
             self._changed.set()
+        elif isinstance(message, FetchOutput):
+            if conn.takes_output:
+                self._on_fetch_output(conn, message)
         elif isinstance(message, Error):
             logger.warning("broker error %s: %s; reconnecting", message.code, message.message)
             return False
@@ -637,6 +717,10 @@ class Worker:
             if batch and size + n > budget:
                 conn.send(Finish(reports=tuple(batch)))
                 batch, size = [], 0
+            if conn.takes_output and key not in conn.final_output_sent:
+                # Before its report: once the broker logs the attempt over, it holds all
+                # of its output (a follower of the logs stops at the end, missing nothing).
+                self._send_final_output(conn, key)
             batch.append(report)
             size += n
             self._sent_at[key] = now

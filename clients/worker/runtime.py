@@ -33,6 +33,7 @@ keeps its pool slot until it returns: threads cannot be killed).
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict, deque
@@ -84,6 +85,16 @@ TaskKey = tuple[int, int]  # (task_id, attempt)
 
 _SPARK_RECANCEL_S: Final = 0.5
 _KEPT_OUTPUTS: Final = 256  # attempts whose captured output the worker keeps
+# task_procs.py puts this line before an attempt's output when it kept only the tail.
+_DROPPED_NOTE = re.compile(rb"\A\[\.\.\. (\d{1,18}) earlier bytes of output dropped \.\.\.\]\n")
+
+
+def split_dropped_note(output: bytes) -> tuple[int, bytes]:
+    """(offset of the first kept byte, the kept bytes) of an attempt's captured output."""
+    match = _DROPPED_NOTE.match(output)
+    if match is None:
+        return 0, output
+    return int(match.group(1)), output[match.end() :]
 
 
 def task_identities(config: WorkerConfig) -> TaskIdentities:
@@ -221,6 +232,27 @@ class TaskRuntime:
         """The captured stdout/stderr of a recent attempt run in a task process."""
         with self._lock:
             return self._outputs.get(key)
+
+    def live_output(self, key: TaskKey, since: int = 0) -> tuple[int, bytes] | None:
+        """(offset, bytes) of what a running attempt's task process wrote from offset
+        ``since`` on (or from its first byte still held), or None (not running in a task
+        process, or no steady view)."""
+        with self._lock:  # entry.process is this attempt's until it is set back to None
+            entry = self._entries.get(key)
+            process = entry.process if entry is not None else None
+            if process is None:
+                return None
+            # The process's reader thread appends and trims meanwhile; a view is steady when
+            # no trim ran across it (the count of dropped bytes is the same before and
+            # after, and a trim's intermediate state is over twice the limit).
+            tail = process._output
+            for _ in range(8):
+                dropped = tail.dropped
+                skip = max(0, since - dropped)
+                data = bytes(tail._buffer[skip:])  # only what is new is copied
+                if dropped == tail.dropped and skip + len(data) <= 2 * tail.limit:
+                    return dropped + skip, data
+        return None
 
     # -- queries (any thread) --
 

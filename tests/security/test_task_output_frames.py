@@ -1,0 +1,204 @@
+"""Issue 14, item 4 at the worker port: task output goes only where it belongs.
+
+A worker's Output frames are kept only for an attempt assigned to that very connection (a
+worker must not write into another tenant's task output); an oversized frame is a
+protocol error; the leader that lacks an attempt's output asks the worker that ran it;
+and the logs route answers the task's tenant only (another tenant gets the 404 of a
+missing task). A Node on in-memory ledgers with a WorkerLink and the HTTP API in process,
+driven by :class:`tests.fake_worker.FakeWorker`; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from broker import protocol as p
+from broker.auth import AuthConfig
+from broker.http_api import ApiApp, ApiConfig
+from broker.output_store import OutputStore
+from broker.worker_link import WorkerLink, WorkerLinkConfig
+from tests.fake_worker import FakeWorker
+from tests.memory_node import memory_node
+
+ADMIN = "admin-secret-for-the-output-test"
+SHARED = "shared-worker-token-for-the-output-test"
+PEER = "peer-secret-for-the-output-test"
+
+
+@dataclass
+class Broker:
+    link: WorkerLink
+    outputs: OutputStore
+    http: httpx.AsyncClient
+    workers: list[FakeWorker] = field(default_factory=list)
+
+    def worker(self, worker_id: str, **options: Any) -> FakeWorker:
+        worker = FakeWorker(self.link.port, worker_id, token=SHARED, **options)
+        self.workers.append(worker)
+        return worker
+
+    async def call(self, token: str, path: str, **params: Any) -> httpx.Response:
+        headers = {"authorization": f"Bearer {token}"}
+        return await self.http.get(path, headers=headers, params=params)
+
+    async def tenant_token(self, tenant: str) -> str:
+        created = await self.http.post(
+            "/api/v1/tokens",
+            json={"name": f"{tenant}-key", "tenant": tenant},
+            headers={"authorization": f"Bearer {ADMIN}"},
+        )
+        assert created.status_code == 201, created.text
+        token: str = created.json()["token"]
+        return token
+
+    async def submit(self, tenant: str) -> int:
+        response = await self.http.post(
+            "/api/v1/tasks",
+            json={"type": "noop", "tenant": tenant},
+            headers={"authorization": f"Bearer {ADMIN}"},
+        )
+        assert response.status_code == 201, response.text
+        return int(response.json()["id"])
+
+
+@pytest.fixture
+async def broker(tmp_path: Path) -> AsyncIterator[Broker]:
+    node = memory_node(tmp_path)
+    await node.start()
+    outputs = OutputStore()
+    link = WorkerLink(
+        node,
+        WorkerLinkConfig(
+            port=0,
+            heartbeat_interval_ms=100,
+            heartbeat_timeout_ms=5000,
+            token=SHARED,
+            tenant_isolation=True,
+            worker_credentials=True,
+        ),
+        outputs,
+    )
+    await link.start()
+    app = ApiApp(
+        node, ApiConfig(auth=AuthConfig.from_secrets([ADMIN], SHARED, PEER)), outputs=outputs
+    )
+    transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        harness = Broker(link, outputs, http)
+        try:
+            yield harness
+        finally:
+            for worker in harness.workers:
+                await worker.close()
+            await link.stop()
+            await node.stop(snapshot=False)
+
+
+async def test_output_is_kept_only_from_the_attempts_connection_and_read_by_its_tenant(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    alice, bob = await broker.tenant_token("alice"), await broker.tenant_token("bob")
+    owner = broker.worker("w1", task_types={"*": 1})
+    welcome = await owner.hello()
+    assert welcome.output  # this broker takes Output frames
+    task_id = await broker.submit("alice")
+    await owner.expect(p.Assign)
+    path = f"/api/v1/tasks/{task_id}/logs"
+
+    # Another worker writes into alice's running attempt: refused and logged.
+    other = broker.worker("w2")
+    await other.hello()
+    with caplog.at_level(logging.WARNING, logger="broker.worker_link"):
+        other.send(p.Output(task_id=task_id, attempt=1, data=b"forged by w2\n"))
+        other.finish_ok(999, 1)  # a round trip: the Output before it was handled
+        await other.expect(p.FinishAck)
+    assert (task_id, 1) not in broker.outputs
+    assert any("refused output" in r.getMessage() for r in caplog.records)
+    assert any("127.0.0.1" in r.getMessage() for r in caplog.records)
+
+    # The owner's output while running, then its final tail before the report.
+    owner.send(p.Output(task_id=task_id, attempt=1, data=b"alice's first line\n"))
+    owner.send(
+        p.Output(task_id=task_id, attempt=1, data=b"alice's first line\nand last\n", complete=True)
+    )
+    owner.finish_ok(task_id, 1)
+    await owner.expect(p.FinishAck)
+    answer = await broker.call(alice, path)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["output"] == "alice's first line\nand last\n"
+    assert answer.json()["complete"] is True
+    # A later frame (even from the owner's connection) cannot rewrite an ended attempt's.
+    owner.send(p.Output(task_id=task_id, attempt=1, offset=100, data=b"late\n"))
+    owner.finish_ok(999, 1)
+    await owner.expect(p.FinishAck)
+    assert "late" not in (await broker.call(alice, path)).json()["output"]
+
+    # Bob: the same answer as for a task that does not exist.
+    refused = await broker.call(bob, path)
+    missing = await broker.call(bob, "/api/v1/tasks/999999/logs")
+    assert refused.status_code == missing.status_code == 404
+    assert refused.json()["error"]["code"] == "not_found"
+    assert "alice" not in refused.text
+
+
+async def test_an_oversized_output_frame_is_a_protocol_error(broker: Broker) -> None:
+    worker = broker.worker("w1")
+    await worker.hello()
+    task_id = await broker.submit("alice")
+    await worker.expect(p.Assign)
+    too_big = p.Output(task_id=task_id, attempt=1, data=b"x" * (p.MAX_OUTPUT_BYTES + 1))
+    worker.send(too_big)
+    error = await worker.expect(p.Error)
+    assert error.code == "output_too_large"
+    await worker.wait_closed_by_peer()
+    assert (task_id, 1) not in broker.outputs
+
+
+async def test_a_leader_without_the_output_asks_the_worker_that_ran_it(broker: Broker) -> None:
+    alice = await broker.tenant_token("alice")
+    worker = broker.worker("w1")
+    await worker.connect()
+    worker.send(p.Hello(worker_id="w1", token=SHARED, task_types={"*": 1}, output=True))
+    await worker.expect(p.Welcome)
+    worker.start_heartbeats()
+    task_id = await broker.submit("alice")
+    await worker.expect(p.Assign)
+    worker.finish_ok(task_id, 1)
+    await worker.expect(p.FinishAck)
+    assert (task_id, 1) not in broker.outputs  # as on a new leader after a failover
+
+    async def answer_fetch() -> None:
+        fetch = await worker.expect(p.FetchOutput)
+        assert fetch.tasks == (p.TaskAttempt(task_id, 1),)
+        worker.send(p.Output(task_id=task_id, attempt=1, data=b"kept by w1\n", complete=True))
+
+    answering = asyncio.create_task(answer_fetch())
+    answer = await broker.call(alice, f"/api/v1/tasks/{task_id}/logs")
+    await asyncio.wait_for(answering, 5)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["output"] == "kept by w1\n" and answer.json()["available"] is True
+
+
+async def test_an_older_worker_is_never_asked_for_output(broker: Broker) -> None:
+    """A worker whose Hello does not offer output would drop the connection on a
+    FetchOutput frame it cannot decode: the leader answers without asking it."""
+    alice = await broker.tenant_token("alice")
+    worker = broker.worker("w1")
+    welcome = await worker.hello()  # FakeWorker's Hello: no output=True
+    assert welcome.output
+    task_id = await broker.submit("alice")
+    await worker.expect(p.Assign)
+    worker.finish_ok(task_id, 1)
+    await worker.expect(p.FinishAck)
+    answer = await broker.call(alice, f"/api/v1/tasks/{task_id}/logs")
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["available"] is False and answer.json()["complete"] is True
+    await worker.expect_none(p.FetchOutput)
