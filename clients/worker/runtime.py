@@ -236,23 +236,13 @@ class TaskRuntime:
     def live_output(self, key: TaskKey, since: int = 0) -> tuple[int, bytes] | None:
         """(offset, bytes) of what a running attempt's task process wrote from offset
         ``since`` on (or from its first byte still held), or None (not running in a task
-        process, or no steady view)."""
+        process)."""
         with self._lock:  # entry.process is this attempt's until it is set back to None
             entry = self._entries.get(key)
             process = entry.process if entry is not None else None
             if process is None:
                 return None
-            # The process's reader thread appends and trims meanwhile; a view is steady when
-            # no trim ran across it (the count of dropped bytes is the same before and
-            # after, and a trim's intermediate state is over twice the limit).
-            tail = process._output
-            for _ in range(8):
-                dropped = tail.dropped
-                skip = max(0, since - dropped)
-                data = bytes(tail._buffer[skip:])  # only what is new is copied
-                if dropped == tail.dropped and skip + len(data) <= 2 * tail.limit:
-                    return dropped + skip, data
-        return None
+            return process.output_from(since)
 
     # -- queries (any thread) --
 

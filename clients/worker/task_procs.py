@@ -94,19 +94,29 @@ class _OutputTail:
         self.limit = limit
         self._buffer = bytearray()
         self.dropped = 0
+        self._lock = threading.Lock()  # the dispatcher adds while a follower reads
 
     def add(self, data: bytes) -> None:
-        self._buffer += data
-        if len(self._buffer) > 2 * self.limit:
-            cut = len(self._buffer) - self.limit
-            self.dropped += cut
-            del self._buffer[:cut]
+        with self._lock:
+            self._buffer += data
+            if len(self._buffer) > 2 * self.limit:
+                cut = len(self._buffer) - self.limit
+                self.dropped += cut
+                del self._buffer[:cut]
+
+    def read_from(self, since: int) -> tuple[int, bytes]:
+        """(offset, bytes) of what is held from offset ``since`` on (or from the first
+        byte still held); offsets count from the start of the current attempt."""
+        with self._lock:
+            skip = max(0, since - self.dropped)
+            return self.dropped + skip, bytes(self._buffer[skip:])
 
     def take(self) -> bytes:
-        data = bytes(self._buffer[-self.limit :])
-        dropped = self.dropped + len(self._buffer) - len(data)
-        self._buffer.clear()
-        self.dropped = 0
+        with self._lock:
+            data = bytes(self._buffer[-self.limit :])
+            dropped = self.dropped + len(self._buffer) - len(data)
+            self._buffer.clear()
+            self.dropped = 0
         if dropped:
             data = f"[... {dropped} earlier bytes of output dropped ...]\n".encode() + data
         return data
@@ -151,6 +161,10 @@ class TaskProcess:
         self._killed = False
 
     # -- the worker's side (any thread) --
+
+    def output_from(self, since: int) -> tuple[int, bytes]:
+        """The current attempt's output held so far, from offset ``since`` on."""
+        return self._output.read_from(since)
 
     def wait_ready(self, timeout_s: float) -> bool:
         return self._ready.wait(timeout_s) and not self._exited.is_set()
