@@ -68,14 +68,20 @@ class Bench:
         code = self.sha if ":" in type_name else None
         start_done = self.done
         started = time.perf_counter()
-        for i in range(count):
-            task = AssignedTask(self.next_id, 1, type_name, "bench", b"null", code)
-            self.next_id += 1
-            self.runtime.start(task)
-            if sequential:
+        if sequential:
+            for i in range(count):
+                self.runtime.start(self.task(type_name, code))
                 self.wait(start_done + i + 1)
+        else:
+            with self.runtime.batched():  # as the worker link starts one Assign frame's tasks
+                for _ in range(count):
+                    self.runtime.start(self.task(type_name, code))
         self.wait(start_done + count)
         return time.perf_counter() - started
+
+    def task(self, type_name: str, code: str | None) -> AssignedTask:
+        self.next_id += 1
+        return AssignedTask(self.next_id, 1, type_name, "bench", b"null", code)
 
     def wait(self, target: int) -> None:
         deadline = time.monotonic() + 300

@@ -601,6 +601,11 @@ class Worker:
         return True
 
     def _on_assign(self, tasks: Iterable[AssignedTask]) -> None:
+        # Runs for one task process leave in one write when a frame assigns several.
+        with self.runtime.batched():
+            self._start_assigned(tasks)
+
+    def _start_assigned(self, tasks: Iterable[AssignedTask]) -> None:
         for task in tasks:
             key = (task.task_id, task.attempt)
             if self.runtime.is_known(key) or key in self._unacked:

@@ -32,6 +32,7 @@ keeps its pool slot until it returns: threads cannot be killed).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -63,7 +64,13 @@ from clients.worker.task_api import (
 )
 from clients.worker.task_env import WorkArea
 from clients.worker.task_identity import TaskIdentities, TaskIdentity
-from clients.worker.task_procs import Outcome, PoolLimits, TaskProcess, TaskProcessPool
+from clients.worker.task_procs import (
+    Outcome,
+    PoolLimits,
+    TaskProcess,
+    TaskProcessPool,
+    batched_writes,
+)
 
 __all__ = [
     "BUILTIN_TASKS",
@@ -228,6 +235,10 @@ class TaskRuntime:
         self._registry[type_name] = fn
         self._registered.add(type_name)
 
+    def batched(self) -> contextlib.AbstractContextManager[None]:
+        """Start several tasks inside: each task process gets its Runs in one write."""
+        return batched_writes()
+
     def output(self, key: TaskKey) -> bytes | None:
         """The captured stdout/stderr of a recent attempt run in a task process."""
         with self._lock:
@@ -242,7 +253,7 @@ class TaskRuntime:
             process = entry.process if entry is not None else None
             if process is None:
                 return None
-            return process.output_from(since)
+            return process.output_from(key, since)
 
     # -- queries (any thread) --
 
@@ -324,7 +335,7 @@ class TaskRuntime:
         with self._lock:
             process = entry.process
         if process is not None:  # ended for sure: SIGTERM now, SIGKILL after the grace
-            process.cancel(reason, self.config.cancel_grace_s)
+            process.cancel(key, reason, self.config.cancel_grace_s)
             return True
         threading.Thread(
             target=self._watch_cancelled,
@@ -445,7 +456,9 @@ class TaskRuntime:
             if wait:
                 process = pool.acquire(task.tenant, memory_mb, identity)
             else:
-                found = pool.idle_process(task.tenant, memory_mb)
+                found = pool.pipeline_process(
+                    task.tenant, memory_mb, task.type
+                ) or pool.idle_process(task.tenant, memory_mb)
                 if found is None:
                     return False
                 process = found
@@ -460,7 +473,7 @@ class TaskRuntime:
         if cancelled:  # cancel() came before the process was known: it never ran
             with self._lock:
                 entry.process = None
-            pool.release(process, retire=False)
+            pool.unclaim(process)
             return self._cancelled_report(entry)
         run = task_wire.Run(
             task_id=task.task_id,
@@ -483,18 +496,28 @@ class TaskRuntime:
     def _on_outcome(
         self, entry: _Running, process: TaskProcess, memory_mb: int, outcome: Outcome
     ) -> None:
-        """A task process's Done or end, on the dispatcher's thread: must not block."""
+        """A task process's Done or end, on the dispatcher's thread (or the canceller's, for
+        a task cancelled while queued): must not block."""
         task, ctx = entry.task, entry.ctx
         pool = self.processes
         assert pool is not None
         with self._lock:
             entry.process = None
-        # A task's exception leaves its process fit for the next task; a cancel, a crash or
-        # exhausted memory does not.
         done = outcome.done
-        pool.release(process, retire=ctx.cancelled.is_set() or done is None or done.out_of_memory)
+        skipped = outcome.skipped or (done is not None and done.skipped)
+        # A task's exception leaves its process fit for the next task; a cancel (of a task
+        # that ran), a crash or exhausted memory does not.
+        retire = not skipped and (ctx.cancelled.is_set() or done is None or done.out_of_memory)
+        pool.release(process, retire=retire)
+        if done is not None and not skipped:
+            pool.note_run_time(task.tenant, task.type, done.elapsed_us)
+        if outcome.not_started and not skipped and not ctx.cancelled.is_set():
+            # Queued behind a task whose process ended: it never ran, send it elsewhere
+            # (it keeps its slot).
+            self._begin_process_tasks(entry)
+            return
         self._keep_output((task.task_id, task.attempt), outcome.output)
-        if ctx.cancelled.is_set():
+        if ctx.cancelled.is_set() or skipped:
             note = ""
             if outcome.killed:
                 note = (

@@ -15,6 +15,7 @@ thread that asks for the session; threads a task starts itself must also go thro
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -159,7 +160,6 @@ class TaskContext:
         self.resources = dict(task.resources)
         self.params = params
         self.max_result_bytes = max_result_bytes
-        self.logger = make_task_logger(task.task_id, task.attempt, task.tenant)
         self.cancelled = threading.Event()
         self.cancel_reason: str | None = None
         self._spark_factory = spark_factory or shared_spark
@@ -168,6 +168,11 @@ class TaskContext:
         self._session: Any = None
         self._spawns: list[SpawnRequest] = []
         self._spawn_bytes = 0
+
+    @functools.cached_property
+    def logger(self) -> logging.Logger:
+        # Made on first use: most tasks never log, and a Logger costs more than a no-op task.
+        return make_task_logger(self.task_id, self.attempt, self.tenant)
 
     #: Children one task may spawn (the broker's default limit).
     MAX_SPAWNS: ClassVar[int] = 10_000

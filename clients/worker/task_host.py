@@ -7,11 +7,13 @@ new privileges and applies its memory limit (``RLIMIT_AS``, hard, so task code c
 raise it). Then it speaks ``clients/worker/task_wire.py``: Ready, then a Done for each Run.
 
 Its stdout and stderr (one pipe, read by the worker) are the task's captured output;
-``ctx.logger`` writes there too. Frames are read and tasks run on the main thread (no
-hand-off between threads per task). A cancel is SIGTERM (the worker also sends a Cancel
-frame, read after the task): it raises :class:`TaskCancelled` in the task's thread so even
-a busy loop stops; the worker kills the process if it does not. The process exits when its
-control pipe closes between tasks, and with the worker (``PR_SET_PDEATHSIG``).
+``ctx.logger`` writes there too; after each task the process writes ``--output-marker``
+there, which tells the worker where one attempt's output ends. Frames are read and tasks
+run on the main thread, in the order sent (no hand-off between threads per task). A cancel
+is a Cancel frame then SIGTERM: the handler reads the frame and, when it names the running
+task, raises :class:`TaskCancelled` in it, so even a busy loop stops (the worker kills the
+process if it does not); a cancelled task not started yet is skipped. The process exits
+when its control pipe closes between tasks, and with the worker (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -20,14 +22,20 @@ import argparse
 import logging
 import os
 import resource
+import select
+import shutil
 import signal
 import sys
 import tempfile
 import threading
+import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Final
+
+import msgspec
 
 from broker.protocol import AssignedTask
 from clients.worker import sandbox, task_wire
@@ -41,21 +49,53 @@ from clients.worker.task_api import (
     shared_spark,
 )
 
+_READ_BYTES: Final = 64 * 1024
+
 
 class _Host:
-    def __init__(self, control_fd: int, events_fd: int, max_frame_bytes: int) -> None:
+    def __init__(
+        self, control_fd: int, events_fd: int, max_frame_bytes: int, output_marker: bytes
+    ) -> None:
         self.control_fd = control_fd
         self.events_fd = events_fd
-        self.max_frame_bytes = max_frame_bytes
+        self.output_marker = output_marker
+        self.decoder = task_wire.ControlDecoder(max_frame_bytes)
+        self.runs: deque[task_wire.Run] = deque()
+        self.cancelled: set[tuple[int, int]] = set()  # (task_id, attempt) to skip or stop
+        self.control_ended = False
         self.current: TaskContext | None = None
+        self.current_key: tuple[int, int] | None = None
         self.artifacts: dict[str, Any] = {}
         self.sigterm_raised = False
+        os.set_blocking(control_fd, False)
+
+    def take_control(self) -> None:
+        """Take every frame the worker sent so far; never blocks."""
+        while not self.control_ended:
+            try:
+                data = os.read(self.control_fd, _READ_BYTES)
+            except BlockingIOError:
+                return
+            if not data:
+                self.control_ended = True
+                return
+            for message in self.decoder.feed(data):
+                if isinstance(message, task_wire.Run):
+                    self.runs.append(message)
+                else:
+                    self.cancelled.add((message.task_id, message.attempt))
 
     def on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         # Runs in the main thread, between bytecodes of the task (or in its blocking call).
         ctx = self.current
         if ctx is None:
-            os._exit(0)  # between tasks: nothing to clean up
+            return  # between tasks: the main loop reads the Cancel that came first
+        try:
+            self.take_control()  # the worker wrote the Cancel before it signalled
+        except (OSError, task_wire.WireError):
+            os._exit(3)
+        if self.current_key not in self.cancelled:
+            return  # a Cancel for a task still queued here: it will be skipped
         ctx._cancel(ctx.cancel_reason or "cancelled")
         if ctx.uses_spark:  # its jobs run in the JVM: cancel them too, off this thread
             threading.Thread(target=_cancel_spark, args=(ctx,), daemon=True).start()
@@ -64,21 +104,38 @@ class _Host:
             raise TaskCancelled(ctx.cancel_reason or "cancelled")
 
     def serve(self) -> None:
-        """Ready, then one Done per Run, read and run on this (the main) thread."""
+        """Ready, then a Done for each Run in order, all on this (the main) thread."""
         task_wire.write_frame(self.events_fd, task_wire.Ready(pid=os.getpid()))
         while True:
             try:
-                message = task_wire.read_to_process(self.control_fd, self.max_frame_bytes)
+                self.take_control()
             except (OSError, task_wire.WireError) as exc:
                 print(f"steward task process: control pipe: {exc}", file=sys.stderr, flush=True)
                 return
-            if message is None:  # the worker is done with this process
-                return
-            if isinstance(message, task_wire.Cancel):
-                continue  # for a task that has ended already (a running one gets SIGTERM)
-            done = self.run(message)
+            if not self.runs:
+                if self.control_ended:  # the worker is done with this process
+                    return
+                select.select([self.control_fd], [], [])
+                continue
+            run = self.runs.popleft()
+            key = (run.task_id, run.attempt)
+            if key in self.cancelled:
+                done = task_wire.Done(
+                    ok=False,
+                    error="cancelled before it started",
+                    task_id=run.task_id,
+                    attempt=run.attempt,
+                    skipped=True,
+                )
+            else:
+                done = self.run(run)
+            self.cancelled.discard(key)
+            if self.cancelled:  # only Cancels for runs still queued stay
+                self.cancelled &= {(r.task_id, r.attempt) for r in self.runs}
+            _empty_workdir(run.workdir)
             sys.stdout.flush()
             sys.stderr.flush()
+            task_wire.write_all(1, self.output_marker)
             task_wire.write_frame(self.events_fd, done)
 
     def run(self, run: task_wire.Run) -> task_wire.Done:
@@ -97,21 +154,30 @@ class _Host:
             spark_factory=lambda: shared_spark(run.spark_master, run.spark_conf),
             max_result_bytes=run.max_result_bytes,
         )
-        self.sigterm_raised = False
-        self.current = ctx
+        started = 0.0
         try:
+            self.sigterm_raised = False
+            self.current_key = (run.task_id, run.attempt)
+            self.current = ctx  # from here on a SIGTERM may raise TaskCancelled
             os.chdir(run.workdir)
             tempfile.tempdir = run.workdir
             os.environ["TMPDIR"] = run.workdir
-            result = call_task(ctx, run.params, lambda: self.resolve(run), run.max_result_bytes)
-            return task_wire.Done(ok=True, result=result, spawn=ctx.spawned)
+            fn = self.resolve(run)  # the first run imports its code: not the task's time
+            started = time.perf_counter()
+            result = call_task(ctx, run.params, lambda: fn, run.max_result_bytes)
+            done = task_wire.Done(ok=True, result=result, spawn=ctx.spawned)
         except BaseException as exc:  # every failure of task code (even SystemExit) is a report
-            return task_wire.Done(
+            done = task_wire.Done(
                 ok=False, error=error_text(exc), out_of_memory=isinstance(exc, MemoryError)
             )
         finally:
             self.current = None
+            self.current_key = None
             ctx._leave_job_group()
+        elapsed_us = int((time.perf_counter() - started) * 1e6) if started else 0
+        return msgspec.structs.replace(
+            done, task_id=run.task_id, attempt=run.attempt, elapsed_us=elapsed_us
+        )
 
     def resolve(self, run: task_wire.Run) -> TaskFn:
         fn = BUILTIN_TASKS.get(run.type)
@@ -127,6 +193,20 @@ class _Host:
             self.artifacts[run.code] = loaded
         resolved: TaskFn = loaded.resolve(run.type)
         return resolved
+
+
+def _empty_workdir(path: str) -> None:
+    """Remove what the attempt left (the worker checks again before other work)."""
+    try:
+        with os.scandir(path) as entries:
+            leftovers = [(entry.path, entry.is_dir(follow_symlinks=False)) for entry in entries]
+        for leftover, is_dir in leftovers:
+            if is_dir:
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                os.unlink(leftover)
+    except OSError:
+        pass  # the worker finds it and retires this process
 
 
 def _cancel_spark(ctx: TaskContext) -> None:
@@ -149,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-frame-bytes", type=int, required=True)
     parser.add_argument("--memory-limit-mb", type=int, default=0)
     parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--output-marker", required=True)
     args = parser.parse_args(argv)
     sandbox.die_with_parent(args.parent_pid)
     sandbox.make_non_dumpable()
@@ -159,7 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    host = _Host(args.control, args.events, args.max_frame_bytes)
+    host = _Host(
+        args.control, args.events, args.max_frame_bytes, task_wire.output_marker(args.output_marker)
+    )
     signal.signal(signal.SIGTERM, host.on_sigterm)
     host.serve()
     # The worker is gone or done with this process; exit without waiting for threads a

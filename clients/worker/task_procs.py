@@ -35,13 +35,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import selectors
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -79,54 +81,122 @@ def describe_exit(returncode: int) -> str:
 
 @dataclass
 class Outcome:
-    """How one Run ended: a Done, or the process's exit (``done`` None)."""
+    """How one Run ended: a Done, or the process's end (``done`` None)."""
 
     done: task_wire.Done | None = None
     exit_description: str = ""
     output: bytes = b""
     killed: bool = False  # the worker killed it (cancel past its grace)
+    # Never started: queued behind a task whose process ended (send it elsewhere), or
+    # cancelled while queued (``skipped``).
+    not_started: bool = False
+    skipped: bool = False
 
 
 class _OutputTail:
-    """The last ``limit`` bytes of a process's output for the current attempt."""
+    """The output pipe of one process, cut into attempts at each ``marker``; of the
+    attempt being written, the last ``limit`` bytes."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, marker: bytes) -> None:
         self.limit = limit
+        self.marker = marker
         self._buffer = bytearray()
         self.dropped = 0
+        self._ended: deque[bytes] = deque()  # attempts whose marker was read, in order
+        self._scanned = 0  # bytes of _buffer already searched for a marker
         self._lock = threading.Lock()  # the dispatcher adds while a follower reads
 
     def add(self, data: bytes) -> None:
         with self._lock:
             self._buffer += data
-            if len(self._buffer) > 2 * self.limit:
-                cut = len(self._buffer) - self.limit
+            while True:
+                # A marker may arrive in pieces: look where one could still start.
+                at = self._buffer.find(self.marker, max(0, self._scanned - len(self.marker)))
+                if at < 0:
+                    break
+                self._ended.append(self._cut(self._buffer[:at], self.dropped))
+                del self._buffer[: at + len(self.marker)]
+                self.dropped = 0
+                self._scanned = 0
+            self._scanned = len(self._buffer)
+            if len(self._buffer) > 2 * self.limit + len(self.marker):
+                cut = len(self._buffer) - self.limit - len(self.marker)
                 self.dropped += cut
                 del self._buffer[:cut]
+                self._scanned = len(self._buffer)
+
+    def _cut(self, data: bytearray | bytes, dropped: int) -> bytes:
+        kept = bytes(data[-self.limit :]) if len(data) > self.limit else bytes(data)
+        dropped += len(data) - len(kept)
+        if dropped:
+            kept = f"[... {dropped} earlier bytes of output dropped ...]\n".encode() + kept
+        return kept
 
     def read_from(self, since: int) -> tuple[int, bytes]:
-        """(offset, bytes) of what is held from offset ``since`` on (or from the first
-        byte still held); offsets count from the start of the current attempt."""
+        """(offset, bytes) of the attempt being written, from offset ``since`` on (or from
+        the first byte still held)."""
         with self._lock:
             skip = max(0, since - self.dropped)
             return self.dropped + skip, bytes(self._buffer[skip:])
 
-    def take(self) -> bytes:
+    def take_ended(self) -> bytes:
+        """The output of the earliest attempt not taken yet (its marker read)."""
         with self._lock:
-            data = bytes(self._buffer[-self.limit :])
-            dropped = self.dropped + len(self._buffer) - len(data)
+            if self._ended:
+                return self._ended.popleft()
+        return b""
+
+    def take_all(self) -> bytes:
+        """Everything held: the process ended (or wrote no marker)."""
+        with self._lock:
+            parts = list(self._ended)
+            self._ended.clear()
+            parts.append(self._cut(self._buffer, self.dropped))
             self._buffer.clear()
             self.dropped = 0
-        if dropped:
-            data = f"[... {dropped} earlier bytes of output dropped ...]\n".encode() + data
-        return data
+            self._scanned = 0
+        return b"".join(parts)
 
 
 OutcomeCallback = Callable[[Outcome], None]
+TaskKey = tuple[int, int]
+
+_held = threading.local()  # .processes: those with Runs held back on this thread
+
+
+@contextlib.contextmanager
+def batched_writes() -> Iterator[None]:
+    """Hold back the Run frames sent on this thread and write each process's in one go at
+    the end: one write (and one wake-up of the process) for a batch of tasks."""
+    if getattr(_held, "processes", None) is not None:
+        yield  # already batching further up this thread
+        return
+    processes: dict[TaskProcess, None] = {}
+    _held.processes = processes
+    try:
+        yield
+    finally:
+        _held.processes = None
+        for process in processes:
+            process.flush()
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A Run sent to a process whose Done has not come back."""
+
+    key: TaskKey
+    type_name: str
+    on_outcome: OutcomeCallback
+    killed: bool = False
 
 
 class TaskProcess:
-    """One started task process. Its pipes are read by the pool's :class:`Dispatcher`."""
+    """One started task process. Its pipes are read by the pool's :class:`Dispatcher`.
+
+    Runs are answered in the order sent; several may be outstanding (pipelining, see
+    :meth:`TaskProcessPool.pipeline_process`).
+    """
 
     def __init__(
         self,
@@ -137,33 +207,40 @@ class TaskProcess:
         events_fd: int,
         *,
         workdir: str,
+        output_marker: bytes,
         max_frame_bytes: int,
         max_output_bytes: int,
     ) -> None:
         self.key = key
-        self.workdir = workdir  # every attempt's cwd and TMPDIR, emptied in between
         self.identity = identity
+        self.workdir = workdir  # every attempt's cwd and TMPDIR, emptied in between
         self.popen = popen
         self.pid = popen.pid
         self.tasks_run = 0
         self.last_used = time.monotonic()
+        self.draining = False  # retire once the outstanding Runs are answered
         self._control_fd = control_fd
         self._control_lock = threading.Lock()  # a write never meets a closed (reused) fd
+        self._outbox: list[bytes] = []  # Runs held back by batched_writes()
         self.events_fd = events_fd
         assert popen.stdout is not None
         self.output_fd = popen.stdout.fileno()
         self._decoder = task_wire.EventDecoder(max_frame_bytes)
-        self._output = _OutputTail(max_output_bytes)
+        self._output = _OutputTail(max_output_bytes, output_marker)
         self._lock = threading.Lock()
         self._ready = threading.Event()
-        self._on_outcome: OutcomeCallback | None = None  # the Run in progress, if any
+        self._pending: deque[_Pending] = deque()  # sent, not answered: the first is running
+        self._skipped: set[TaskKey] = set()  # answered by the worker at cancel; Done ignored
+        self._claims = 0  # Runs the pool promised a caller room for, not sent yet
         self._exited = threading.Event()
-        self._killed = False
 
     # -- the worker's side (any thread) --
 
-    def output_from(self, since: int) -> tuple[int, bytes]:
-        """The current attempt's output held so far, from offset ``since`` on."""
+    def output_from(self, key: TaskKey, since: int) -> tuple[int, bytes] | None:
+        """The running attempt's output held so far, from offset ``since`` on."""
+        with self._lock:
+            if not self._pending or self._pending[0].key != key:
+                return None  # not running (yet): queued behind another
         return self._output.read_from(since)
 
     def wait_ready(self, timeout_s: float) -> bool:
@@ -173,20 +250,55 @@ class TaskProcess:
     def alive(self) -> bool:
         return not self._exited.is_set()
 
-    def start_run(self, run: task_wire.Run, on_outcome: OutcomeCallback) -> None:
-        """Send one task; ``on_outcome`` is called once, on the dispatcher's thread, with
-        its Done or the process's end. Never blocks on the task itself."""
+    def claim(self) -> None:
+        """Reserve room for one Run (the pool, under its lock); start_run uses it."""
         with self._lock:
-            if self._on_outcome is not None:
-                raise TaskProcessError(f"task process {self.pid} is already running a task")
-            self._on_outcome = on_outcome
-            self._killed = False
+            self._claims += 1
+
+    def unclaim(self) -> None:
+        with self._lock:
+            self._claims = max(0, self._claims - 1)
+
+    def load(self) -> int:
+        """Runs outstanding or claimed."""
+        with self._lock:
+            return len(self._pending) + self._claims
+
+    def outstanding_types(self) -> list[str]:
+        with self._lock:
+            return [pending.type_name for pending in self._pending]
+
+    def start_run(self, run: task_wire.Run, on_outcome: OutcomeCallback) -> None:
+        """Send one task; ``on_outcome`` is called once with its Done or the process's end,
+        on the dispatcher's thread (or the canceller's). Never blocks on the task itself."""
+        with self._lock:
+            self._claims = max(0, self._claims - 1)
+            self._pending.append(_Pending((run.task_id, run.attempt), run.type, on_outcome))
         self.tasks_run += 1
+        held: dict[TaskProcess, None] | None = getattr(_held, "processes", None)
+        if held is not None:
+            with self._control_lock:
+                self._outbox.append(task_wire.encode(run))
+            held[self] = None
+            return
         try:
             self._write_control(run)
         except OSError as exc:
             # Its end (which the kill makes sure of) reaches on_outcome through the dispatcher.
             logger.warning("task process %d could not be given a task: %s", self.pid, exc)
+            self.kill()
+
+    def flush(self) -> None:
+        """Write the Runs held back by :func:`batched_writes`."""
+        try:
+            with self._control_lock:
+                data, self._outbox = b"".join(self._outbox), []
+                if data:
+                    if self._control_fd < 0:
+                        raise BrokenPipeError("the task process's control pipe is closed")
+                    task_wire.write_all(self._control_fd, data)
+        except OSError as exc:
+            logger.warning("task process %d could not be given tasks: %s", self.pid, exc)
             self.kill()
 
     def run(self, run: task_wire.Run) -> Outcome:
@@ -202,22 +314,35 @@ class TaskProcess:
         finished.wait()
         return outcomes[0]
 
-    def cancel(self, reason: str, grace_s: float) -> None:
-        """Cancel frame and SIGTERM now; SIGKILL to the group if no end within the grace."""
+    def cancel(self, key: TaskKey, reason: str, grace_s: float) -> None:
+        """Cancel one task: a Cancel frame, then SIGTERM (the process reads the frame and
+        stops that task if it is the one running). A task still queued is answered now
+        (skipped); the running one's process is killed if it has not ended after the grace.
+        """
         with contextlib.suppress(OSError):
-            self._write_control(task_wire.Cancel(reason=reason))
-        self._signal(signal.SIGTERM)
+            self._write_control(task_wire.Cancel(reason=reason, task_id=key[0], attempt=key[1]))
         with self._lock:
-            running = self._on_outcome
-        timer = threading.Timer(grace_s, self._kill_if_running, args=(running,))
+            found = next((p for p in self._pending if p.key == key), None)
+            queued = found is not None and found is not self._pending[0]
+            if queued:
+                assert found is not None
+                self._pending.remove(found)
+                self._skipped.add(key)
+        if found is None:
+            return
+        if queued:
+            _deliver(found.on_outcome, Outcome(not_started=True, skipped=True))
+            return
+        self._signal(signal.SIGTERM)
+        timer = threading.Timer(grace_s, self._kill_if_running, args=(found,))
         timer.daemon = True
         timer.start()
 
-    def _kill_if_running(self, cancelled: OutcomeCallback | None) -> None:
+    def _kill_if_running(self, cancelled: _Pending) -> None:
         with self._lock:
-            if cancelled is None or self._on_outcome is not cancelled:
-                return  # that task ended (and the process was retired) in time
-            self._killed = True
+            if cancelled not in self._pending:
+                return  # that task ended in time
+            cancelled.killed = True
         self.kill()
 
     def kill(self) -> None:
@@ -227,7 +352,9 @@ class TaskProcess:
         with self._control_lock:
             if self._control_fd < 0:
                 raise BrokenPipeError("the task process's control pipe is closed")
-            task_wire.write_frame(self._control_fd, message)
+            # Held-back Runs first: frames reach the process in the order they were sent.
+            data, self._outbox = b"".join(self._outbox), []
+            task_wire.write_all(self._control_fd, data + task_wire.encode(message))
 
     def _close_control(self) -> None:
         with self._control_lock:
@@ -292,23 +419,34 @@ class TaskProcess:
             logger.warning("task process %d broke the protocol (%s); killing it", self.pid, exc)
             self.kill()
             return False
+        drained = False
         for message in messages:
             if isinstance(message, task_wire.Ready):
                 self._ready.set()
                 continue
+            key = (message.task_id, message.attempt)
             with self._lock:
-                on_outcome, self._on_outcome = self._on_outcome, None
-            if on_outcome is None:
-                logger.warning("task process %d sent a Done with no task; killing it", self.pid)
+                if key in self._skipped:  # answered at its cancel
+                    self._skipped.discard(key)
+                    pending = None
+                elif self._pending and self._pending[0].key == key:
+                    pending = self._pending.popleft()
+                else:
+                    pending = _NO_TASK
+            if pending is _NO_TASK:
+                logger.warning("task process %d sent a Done for no task; killing it", self.pid)
                 self.kill()
                 return False
+            if not drained:  # its output (and its marker) went into the pipe before the Done
+                self._drain_output()
+                drained = True
+            output = self._output.take_ended()
             self.last_used = time.monotonic()
-            self._drain_output()
-            _deliver(on_outcome, Outcome(done=message, output=self._output.take()))
+            if pending is not None:
+                _deliver(pending.on_outcome, Outcome(done=message, output=output))
         return True
 
     def _drain_output(self) -> None:
-        # Everything the task wrote before its Done is already in the pipe.
         for _ in range(64):
             try:
                 data = os.read(self.output_fd, _READ_BYTES)
@@ -319,7 +457,8 @@ class TaskProcess:
             self._output.add(data)
 
     def on_exit(self) -> None:
-        """The events pipe ended: reap the process and end the Run in progress, if any."""
+        """The events pipe ended: reap the process; the running Run ends with it, those
+        queued behind it never started."""
         self.kill()  # a process that closed its events pipe is done for
         try:
             returncode = self.popen.wait(_REAP_TIMEOUT_S)
@@ -331,15 +470,23 @@ class TaskProcess:
         self.popen.stdout.close()  # the output pipe (its file object owns the fd)
         self._close_control()
         with self._lock:
-            killed = self._killed
-            on_outcome, self._on_outcome = self._on_outcome, None
+            pending = list(self._pending)
+            self._pending.clear()
         self._ready.set()
         self._exited.set()
-        if on_outcome is not None:
-            outcome = Outcome(
-                exit_description=description, output=self._output.take(), killed=killed
-            )
-            _deliver(on_outcome, outcome)
+        for index, item in enumerate(pending):
+            if index == 0:
+                outcome = Outcome(
+                    exit_description=description,
+                    output=self._output.take_all(),
+                    killed=item.killed,
+                )
+            else:
+                outcome = Outcome(exit_description=description, not_started=True)
+            _deliver(item.on_outcome, outcome)
+
+
+_NO_TASK: Final = _Pending((-1, -1), "", lambda outcome: None)
 
 
 def _deliver(on_outcome: OutcomeCallback, outcome: Outcome) -> None:
@@ -388,12 +535,15 @@ class Dispatcher:
     def _loop(self) -> None:
         try:
             while True:
-                for key, _ in self._selector.select():
-                    if key.data is None:
-                        if not self._take_added():
-                            return
-                    else:
-                        self._on_ready(key.fileobj, key.data)  # type: ignore[arg-type]
+                ready = self._selector.select()
+                # Tasks that outcomes free slots for are sent together at the end.
+                with batched_writes():
+                    for key, _ in ready:
+                        if key.data is None:
+                            if not self._take_added():
+                                return
+                        else:
+                            self._on_ready(key.fileobj, key.data)  # type: ignore[arg-type]
         finally:
             self._selector.close()
             os.close(self._wake_r)
@@ -433,6 +583,10 @@ class PoolLimits:
     max_rss_mb: float = 0.0  # 0: no limit
     max_output_bytes: int = 1024 * 1024
     max_frame_bytes: int = 8 * 1024 * 1024
+    # Pipelining: Runs of a tenant's task types that take under fast_task_us (on average)
+    # are queued, up to pipeline_depth, on a process already running such tasks.
+    pipeline_depth: int = 16
+    fast_task_us: float = 1000.0
 
 
 class TaskProcessPool:
@@ -452,6 +606,9 @@ class TaskProcessPool:
         self.started = 0  # processes started, for tests and metrics
         self._idle: dict[tuple[str, int], list[TaskProcess]] = {}
         self._busy: set[TaskProcess] = set()
+        self._busy_by_key: dict[tuple[str, int], set[TaskProcess]] = {}
+        # Mean run time (microseconds, moving average) per (tenant, task type).
+        self._run_us: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._dispatcher = Dispatcher(self._on_exit)
@@ -463,7 +620,8 @@ class TaskProcessPool:
         self._reaper.start()
 
     def idle_process(self, tenant: str, memory_limit_mb: int) -> TaskProcess | None:
-        """A warm process of that key, now, or None (never starts one, never blocks)."""
+        """A warm idle process of that key, claimed for one Run, or None (never starts one,
+        never blocks)."""
         with self._lock:
             if self._closed:
                 raise TaskProcessError("the worker is stopping")
@@ -471,12 +629,58 @@ class TaskProcessPool:
             while idle:
                 process = idle.pop()  # most recently used: warmest caches
                 if process.alive:
-                    self._busy.add(process)
+                    self._mark_busy(process)
+                    process.claim()
                     return process
         return None
 
+    def pipeline_process(
+        self, tenant: str, memory_limit_mb: int, type_name: str
+    ) -> TaskProcess | None:
+        """A busy process of that key to queue one more Run on, claimed, or None.
+
+        Only for task types that take under ``fast_task_us`` on average, behind Runs that
+        all do too, at most ``pipeline_depth`` deep: one wake-up of the process then runs
+        several tasks (a no-op's round trip costs more than the task). Anything slower, or
+        new, gets a process of its own, so a long task never holds up another.
+        """
+        fast_us = self.limits.fast_task_us
+        with self._lock:
+            if self._closed:
+                raise TaskProcessError("the worker is stopping")
+            if self._run_us.get((tenant, type_name), fast_us) >= fast_us:
+                return None
+            best: TaskProcess | None = None
+            best_load = self.limits.pipeline_depth
+            for process in self._busy_by_key.get((tenant, memory_limit_mb), ()):
+                load = process.load()
+                if load == 0 or load >= best_load or process.draining or not process.alive:
+                    continue
+                if all(
+                    self._run_us.get((tenant, t), fast_us) < fast_us
+                    for t in process.outstanding_types()
+                ):
+                    best, best_load = process, load
+            if best is not None:
+                best.claim()
+            return best
+
+    def mean_run_us(self, tenant: str, type_name: str) -> float | None:
+        with self._lock:
+            return self._run_us.get((tenant, type_name))
+
+    def note_run_time(self, tenant: str, type_name: str, elapsed_us: int) -> None:
+        """A task's run time, as its process measured it (it only steers pipelining of
+        that tenant's own tasks)."""
+        key = (tenant, type_name)
+        with self._lock:
+            mean = self._run_us.get(key)
+            self._run_us[key] = elapsed_us if mean is None else 0.8 * mean + 0.2 * elapsed_us
+            if len(self._run_us) > 10_000:  # bounded: forget the oldest type seen
+                del self._run_us[next(iter(self._run_us))]
+
     def acquire(self, tenant: str, memory_limit_mb: int, identity: TaskIdentity) -> TaskProcess:
-        """A warm process of that key, or a new one (blocks while it starts)."""
+        """A warm process of that key, or a new one (blocks while it starts); claimed."""
         process = self.idle_process(tenant, memory_limit_mb)
         if process is not None:
             return process
@@ -489,37 +693,62 @@ class TaskProcessPool:
             victim.retire()
         process = self._start(key, identity)
         with self._lock:
-            self._busy.add(process)
+            self._mark_busy(process)
+            process.claim()
         return process
 
+    def unclaim(self, process: TaskProcess) -> None:
+        """A claimed process that was not given its Run after all."""
+        process.unclaim()
+        self.release(process, retire=False)
+
     def release(self, process: TaskProcess, *, retire: bool, cleaned: bool = False) -> None:
-        """Back to idle after a task (may run on the dispatcher's thread: never blocks)."""
-        reason = ""
-        if retire:
-            reason = "after a cancel, a crash or running out of memory"
-        elif not process.alive:
-            reason = "exited"
-        elif process.tasks_run >= self.limits.max_tasks:
-            reason = f"after {process.tasks_run} tasks"
-        elif self.limits.max_rss_mb and process.rss_mb() > self.limits.max_rss_mb:
-            reason = f"resident memory over {self.limits.max_rss_mb:g} MB"
-        else:
-            clean = self.work.attempt_dir_clean(process.workdir, process.identity)
-            if clean is False and not cleaned:  # leftovers: removed off this thread
-                self._cleaner.submit(self._clean_then_release, process)
-                return
-            if not clean:
-                reason = "its working directory was changed or could not be emptied"
+        """After each outcome (may run on the dispatcher's thread: never blocks): back to
+        idle once nothing is outstanding, unless it must be retired."""
         with self._lock:
-            self._busy.discard(process)
+            if process.load():  # more Runs outstanding or claimed: not idle yet
+                if retire:
+                    process.draining = True
+                return
+            reason = ""
+            if retire or process.draining:
+                reason = "after a cancel, a crash or running out of memory"
+            elif not process.alive:
+                reason = "exited"
+            elif process.tasks_run >= self.limits.max_tasks:
+                reason = f"after {process.tasks_run} tasks"
+            elif self.limits.max_rss_mb and process.rss_mb() > self.limits.max_rss_mb:
+                reason = f"resident memory over {self.limits.max_rss_mb:g} MB"
+            else:
+                clean = self.work.attempt_dir_clean(process.workdir, process.identity)
+                if clean is False and not cleaned:  # leftovers: removed off this thread
+                    process.claim()  # nobody queues work on it meanwhile
+                    self._cleaner.submit(self._clean_then_release, process)
+                    return
+                if not clean:
+                    reason = "its working directory was changed or could not be emptied"
+            self._unmark_busy(process)
             if not reason and not self._closed:
                 self._idle.setdefault(process.key, []).append(process)
                 return
         logger.debug("retiring task process %d (%s)", process.pid, reason or "stopping")
         process.retire(wait=False)  # may run on the dispatcher's thread, which reaps it
 
+    def _mark_busy(self, process: TaskProcess) -> None:
+        self._busy.add(process)
+        self._busy_by_key.setdefault(process.key, set()).add(process)
+
+    def _unmark_busy(self, process: TaskProcess) -> None:
+        self._busy.discard(process)
+        busy = self._busy_by_key.get(process.key)
+        if busy is not None:
+            busy.discard(process)
+            if not busy:
+                del self._busy_by_key[process.key]
+
     def _clean_then_release(self, process: TaskProcess) -> None:
         emptied = self.work.empty_attempt_dir(process.workdir)
+        process.unclaim()
         self.release(process, retire=not emptied, cleaned=True)
 
     def _on_exit(self, process: TaskProcess) -> None:
@@ -574,6 +803,7 @@ class TaskProcessPool:
     def _start(self, key: tuple[str, int], identity: TaskIdentity) -> TaskProcess:
         home = self.work.home(identity)
         workdir = self.work.make_attempt_dir(identity)
+        marker_token = f"steward-attempt-end-{secrets.token_hex(8)}"
         control_r, control_w = os.pipe()
         events_r, events_w = os.pipe()
         args = [
@@ -590,6 +820,8 @@ class TaskProcessPool:
             str(key[1]),
             "--parent-pid",
             str(os.getpid()),
+            "--output-marker",
+            marker_token,
         ]
         try:
             popen = subprocess.Popen(
@@ -624,13 +856,14 @@ class TaskProcessPool:
             control_w,
             events_r,
             workdir=workdir,
+            output_marker=task_wire.output_marker(marker_token),
             max_frame_bytes=self.limits.max_frame_bytes,
             max_output_bytes=self.limits.max_output_bytes,
         )
         self._dispatcher.add(process)
         if not process.wait_ready(_START_TIMEOUT_S):
             process.retire()
-            tail = process._output.take().decode(errors="replace")[-2000:]
+            tail = process._output.take_all().decode(errors="replace")[-2000:]
             raise TaskProcessError(
                 f"a task process as uid {identity.uid} did not start: {tail.strip()}"
                 f" (the task user must be able to run {self.python} and read {PROJECT_ROOT};"

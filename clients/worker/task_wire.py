@@ -2,10 +2,17 @@
 
 Each task process has two pipes to the worker besides its output: ``control`` (worker to
 process) and ``events`` (process to worker). Frames are a 4-byte big-endian length and a
-msgpack body. The conversation, one task at a time::
+msgpack body. The conversation::
 
-    process: Ready -> (worker: Run -> process: Done)* -> EOF
-    worker may send Cancel while a Run is in progress (with SIGTERM; SIGKILL after grace)
+    process: Ready -> (worker: Run+ ... process: Done per Run, in the order sent)* -> EOF
+    worker: Cancel(task) at any time, then SIGTERM (SIGKILL after the grace if it runs on)
+
+The worker may send several Runs before their Dones (pipelining, for tasks that take
+well under a millisecond; ``clients/worker/task_procs.py``); the process runs them one at a
+time in order. A Cancel for a Run not started yet makes the process skip it (a Done with
+``skipped``); for the running one, the SIGTERM that follows raises ``TaskCancelled`` in it.
+After each Run the process writes ``--output-marker`` to its output pipe, so the worker
+can tell one attempt's output from the next.
 
 The process trusts nothing it did not get on ``control``; the worker trusts nothing
 from ``events`` beyond its shape and size (the process runs a tenant's code and may
@@ -16,7 +23,7 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Final
+from typing import Final, Generic, TypeVar
 
 import msgspec
 
@@ -49,6 +56,8 @@ class Run(msgspec.Struct, frozen=True, tag="run", tag_field="kind"):
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel", tag_field="kind"):
     reason: str
+    task_id: int = 0
+    attempt: int = 0
 
 
 class Done(msgspec.Struct, frozen=True, tag="done", tag_field="kind"):
@@ -58,14 +67,25 @@ class Done(msgspec.Struct, frozen=True, tag="done", tag_field="kind"):
     spawn: tuple[SpawnRequest, ...] = ()
     # The task raised MemoryError (told apart so the worker can name the limit).
     out_of_memory: bool = False
+    task_id: int = 0
+    attempt: int = 0
+    skipped: bool = False  # cancelled before it started: it never ran
+    elapsed_us: int = 0  # how long the task's code ran
 
 
 ToProcess = Run | Cancel
 FromProcess = Ready | Done
 
+_Message = TypeVar("_Message", ToProcess, FromProcess)
+
 _to_process = msgspec.msgpack.Decoder(ToProcess)
 _from_process = msgspec.msgpack.Decoder(FromProcess)
 _encoder = msgspec.msgpack.Encoder()
+
+
+def output_marker(token: str) -> bytes:
+    """What a task process writes to its output after each Run (NULs: not in text)."""
+    return b"\0\0" + token.encode("ascii") + b"\0\0"
 
 
 class WireError(Exception):
@@ -79,52 +99,26 @@ def encode(message: ToProcess | FromProcess) -> bytes:
 
 def write_frame(fd: int, message: ToProcess | FromProcess) -> None:
     """Write a whole frame to a blocking fd."""
-    view = memoryview(encode(message))
+    write_all(fd, encode(message))
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
     while view:
-        written = os.write(fd, view)
-        view = view[written:]
+        view = view[os.write(fd, view) :]
 
 
-def _read_exactly(fd: int, size: int) -> bytes | None:
-    chunks: list[bytes] = []
-    left = size
-    while left:
-        chunk = os.read(fd, min(left, 1 << 20))
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+class _FrameDecoder(Generic[_Message]):
+    """Sans-IO frame decoder: feed bytes, take messages."""
 
-
-def read_to_process(fd: int, max_frame_bytes: int) -> ToProcess | None:
-    """The next frame for a task process from a blocking fd; None at EOF."""
-    head = _read_exactly(fd, _LENGTH.size)
-    if head is None:
-        return None
-    (size,) = _LENGTH.unpack(head)
-    if size > max_frame_bytes:
-        raise WireError(f"frame of {size} bytes over the limit of {max_frame_bytes}")
-    body = _read_exactly(fd, size)
-    if body is None:
-        raise WireError("control pipe closed inside a frame")
-    try:
-        message: ToProcess = _to_process.decode(body)
-    except msgspec.DecodeError as exc:
-        raise WireError(f"bad frame: {exc}") from None
-    return message
-
-
-class EventDecoder:
-    """Sans-IO decoder of a task process's events: feed bytes, take messages."""
-
-    def __init__(self, max_frame_bytes: int) -> None:
+    def __init__(self, max_frame_bytes: int, decoder: msgspec.msgpack.Decoder[_Message]) -> None:
         self._buffer = bytearray()
         self._max_frame_bytes = max_frame_bytes
+        self._decoder: msgspec.msgpack.Decoder[_Message] = decoder
 
-    def feed(self, data: bytes) -> list[FromProcess]:
+    def feed(self, data: bytes) -> list[_Message]:
         self._buffer += data
-        messages: list[FromProcess] = []
+        messages: list[_Message] = []
         while len(self._buffer) >= _LENGTH.size:
             (size,) = _LENGTH.unpack_from(self._buffer)
             if size > self._max_frame_bytes:
@@ -135,7 +129,7 @@ class EventDecoder:
             body = bytes(self._buffer[_LENGTH.size : end])
             del self._buffer[:end]
             try:
-                messages.append(_from_process.decode(body))
+                messages.append(self._decoder.decode(body))
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise WireError(f"bad frame: {exc}") from None
         return messages
@@ -143,3 +137,17 @@ class EventDecoder:
     @property
     def pending_bytes(self) -> int:
         return len(self._buffer)
+
+
+class EventDecoder(_FrameDecoder[FromProcess]):
+    """The worker's decoder of a task process's events."""
+
+    def __init__(self, max_frame_bytes: int) -> None:
+        super().__init__(max_frame_bytes, _from_process)
+
+
+class ControlDecoder(_FrameDecoder[ToProcess]):
+    """A task process's decoder of the worker's control frames."""
+
+    def __init__(self, max_frame_bytes: int) -> None:
+        super().__init__(max_frame_bytes, _to_process)

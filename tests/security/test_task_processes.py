@@ -87,6 +87,24 @@ JOB = textwrap.dedent(
 
     def list_cwd(params, ctx):
         return {"cwd": os.getcwd(), "files": os.listdir("."), "pid": os.getpid()}
+
+    def echo(params, ctx):
+        print("task", ctx.task_id)
+        return os.getpid()
+
+    def gate(params, ctx):
+        # Quick unless told to wait for a file (bounded) or to exit.
+        wait = (params or {}).get("wait")
+        deadline = time.monotonic() + 20
+        while wait and not os.path.exists(wait) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if (params or {}).get("exit"):
+            os._exit(3)
+        return os.getpid()
+
+    def nap(params, ctx):
+        time.sleep(0.05)
+        return os.getpid()
     """
 )
 
@@ -450,3 +468,79 @@ def test_the_worker_says_at_start_when_task_users_cannot_run_its_python(tmp_path
             check_task_processes(config)
     finally:
         shutil.rmtree(config.work_dir.parent, ignore_errors=True)
+
+
+def _learn(rt: Runtime, task_id: int, fn: str, params: Any = None) -> None:
+    """Run a type until the worker's mean of its run time settles (a first run is slower:
+    its code is cold), at most 50 times; task ids from task_id * 1000."""
+    pool = rt.runtime.processes
+    assert pool is not None
+    previous = None
+    for n in range(50):
+        rt.start(task_id * 1000 + n, fn, params)
+        rt.result(task_id * 1000 + n)
+        mean = pool.mean_run_us("alice", fn)
+        if previous is not None and mean is not None and abs(mean - previous) < 0.1 * previous:
+            return
+        previous = mean
+
+
+def _start_batch(rt: Runtime, tasks: list[tuple[int, str, Any]]) -> None:
+    """Start several tasks as one assignment frame does (Runs held and written together)."""
+    with rt.runtime.batched():
+        for task_id, fn, params in tasks:
+            rt.start(task_id, fn, params)
+
+
+def test_quick_tasks_are_pipelined_and_each_keeps_its_own_output(tmp_path: Path) -> None:
+    rt = Runtime(tmp_path, task_types={"*": 16})
+    try:
+        _learn(rt, 1, "job:echo")
+        ids = list(range(2, 14))
+        _start_batch(rt, [(task_id, "job:echo", None) for task_id in ids])
+        pids = {rt.result(task_id) for task_id in ids}
+        # Twelve slots free, yet one process ran them all (one per task without pipelining).
+        assert len(pids) == 1, pids
+        for task_id in ids:
+            assert rt.runtime.output((task_id, 1)) == f"task {task_id}\n".encode()
+    finally:
+        rt.close()
+
+
+def test_slow_task_types_are_not_pipelined(rt: Runtime) -> None:
+    _learn(rt, 1, "job:nap")
+    _start_batch(rt, [(task_id, "job:nap", None) for task_id in (2, 3, 4, 5)])
+    pids = [rt.result(task_id) for task_id in (2, 3, 4, 5)]
+    assert len(set(pids)) == 4, pids  # one process each, at once
+
+
+def test_a_cancelled_queued_task_is_skipped_at_once_and_the_process_kept(rt: Runtime) -> None:
+    _learn(rt, 1, "job:gate")
+    _learn(rt, 2, "job:echo")
+    release = Path(rt.ready_path(3))
+    _start_batch(rt, [(3, "job:gate", {"wait": str(release)}), (4, "job:echo", None)])
+    started = time.monotonic()
+    rt.runtime.cancel((4, 1), "by test")
+    report = rt.wait(4)
+    assert report.error == "cancelled: by test"
+    assert time.monotonic() - started < 1.0  # not held up by the task running before it
+    assert (3, 1) not in rt.reports  # which runs on, untouched
+    release.touch()
+    pid = rt.result(3)
+    rt.start(5, "job:echo")
+    assert rt.result(5) == pid  # the process was not retired
+    assert not rt.runtime.output((4, 1))  # it never ran: no output
+
+
+def test_tasks_queued_behind_a_crash_run_elsewhere(rt: Runtime) -> None:
+    _learn(rt, 1, "job:gate")
+    _learn(rt, 2, "job:echo")
+    _start_batch(
+        rt,
+        [(3, "job:gate", {"exit": True})] + [(task_id, "job:echo", None) for task_id in (4, 5, 6)],
+    )
+    crashed = rt.wait(3, timeout_s=40)
+    assert crashed.error is not None and "exited with code 3" in crashed.error
+    for task_id in (4, 5, 6):  # queued behind it in the same process: never started there
+        rt.result(task_id)
+        assert rt.runtime.output((task_id, 1)) == f"task {task_id}\n".encode()
