@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pwd
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,8 +34,9 @@ from tests.procs import HOST, BrokerProcess, authenticated_broker
 from tests.worker_procs import WorkerProcess, wait_until
 
 ADMIN = "admin-secret-for-the-isolation-test"
-WORKER_TOKEN = "worker-token-the-tasks-hunt-for-0123456789"
-PARAMS_SECRET = "tenant-a-params-secret-9876543210"
+# Made per run: a copy of this file anywhere a task can read must not count as a find.
+WORKER_TOKEN = f"worker-token-the-tasks-hunt-for-{secrets.token_hex(12)}"
+PARAMS_SECRET = f"tenant-a-params-secret-{secrets.token_hex(12)}"
 
 JOB = b'''\
 import gc, hashlib, json, os, re, time
