@@ -62,6 +62,7 @@ from broker.protocol import (
 )
 from clients.worker.config import WorkerConfig, parse_host_port
 from clients.worker.runtime import TaskKey, TaskRuntime
+from clients.worker.spark_connect import SparkConnectServer
 
 logger = logging.getLogger(__name__)
 
@@ -157,11 +158,24 @@ class _Connection:
 class Worker:
     """A Steward worker: connects to the broker and runs the tasks it is assigned."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(
+        self, config: WorkerConfig, *, spark_server: SparkConnectServer | None = None
+    ) -> None:
         self.config = config
         self.process_id = uuid.uuid4().hex  # new per process start: tells restarts apart
+        # One Spark Connect server per worker, started by run() (clients/worker/spark_connect.py);
+        # a given one (tests: one server for many workers) is the caller's to stop.
+        self._owns_spark = False
+        if (
+            spark_server is None
+            and config.spark == "connect"
+            and config.task_isolation == "process"
+        ):
+            spark_server = SparkConnectServer.from_config(config)
+            self._owns_spark = True
+        self.spark_server = spark_server
         # Register extra task types with worker.runtime.register(name, fn).
-        self.runtime = TaskRuntime(config, self._report_from_thread)
+        self.runtime = TaskRuntime(config, self._report_from_thread, spark_server=spark_server)
         self.sessions = 0  # Welcomes received, for tests and metrics
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: _Connection | None = None
@@ -202,6 +216,8 @@ class Worker:
         if self._loop is not None:
             raise RuntimeError("Worker.run() can only be called once")
         self._loop = asyncio.get_running_loop()
+        if self._owns_spark and self.spark_server is not None:
+            self.spark_server.start()  # in the background: the connect below does not wait
         backoff_s = self.config.reconnect_backoff_min_s
         try:
             while not self._final.is_set():
@@ -255,6 +271,8 @@ class Worker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._done.wait(), 5.0)
         self.runtime.shutdown(wait=False)
+        if self._owns_spark and self.spark_server is not None:
+            await asyncio.to_thread(self.spark_server.stop)
 
     async def _wait_until(self, condition: Callable[[], bool], deadline: float) -> bool:
         """Wait for ``condition`` (checked on each report or ack) until loop time ``deadline``."""

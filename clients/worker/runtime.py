@@ -45,6 +45,11 @@ from broker.protocol import AssignedTask, TaskAttempt, TaskReport
 from clients.worker import task_wire
 from clients.worker.artifacts import ArtifactCache
 from clients.worker.config import WorkerConfig
+from clients.worker.spark_connect import (
+    SparkConnectServer,
+    new_session_id,
+    tenant_uid_range,
+)
 from clients.worker.task_api import (
     BUILTIN_TASKS,
     MAX_ERROR_CHARS,
@@ -89,7 +94,7 @@ def task_identities(config: WorkerConfig) -> TaskIdentities:
     return TaskIdentities(
         task_user=config.task_user,
         tenant_users=config.tenant_users,
-        uid_range=config.task_uid_range,
+        uid_range=tenant_uid_range(config),
         allow_root=config.allow_root_tasks,
     )
 
@@ -160,8 +165,11 @@ class TaskRuntime:
         *,
         artifacts: ArtifactCache | None = None,
         spark_factory: Callable[[], Any] | None = None,
+        spark_server: SparkConnectServer | None = None,
     ) -> None:
         self.config = config
+        # The worker's Spark Connect server (--spark connect with task processes).
+        self.spark_server = spark_server
         self._on_report = on_report
         self.artifacts = artifacts or ArtifactCache(
             config.cache_dir,
@@ -249,6 +257,11 @@ class TaskRuntime:
             task,
             spark_factory=self._spark_factory,
             max_result_bytes=self.config.max_result_bytes,
+            spark_unavailable=(
+                "Spark is off on this worker (steward worker --spark off)"
+                if self.config.spark == "off"
+                else None
+            ),
         )
         entry = _Running(task, ctx)
         with self._lock:
@@ -364,6 +377,7 @@ class TaskRuntime:
         with self._lock:
             entry.process = process
         retire = True
+        spark_fields = self._spark_fields()
         try:
             if ctx.cancelled.is_set():
                 return self._cancelled_report(entry)
@@ -383,9 +397,16 @@ class TaskRuntime:
                         resources=dict(task.resources),
                         spark_master=self.config.spark_master,
                         spark_conf=dict(self.config.spark_conf),
+                        allow_classic_spark=self.config.allow_classic_spark
+                        or self.config.spark == "classic",
+                        **spark_fields,
                     )
                 )
             self._keep_output((task.task_id, task.attempt), outcome.output)
+            if spark_fields.get("spark_session_id") and (
+                ctx.cancelled.is_set() or outcome.done is None
+            ):
+                self._interrupt_spark_session(entry, str(spark_fields["spark_session_id"]))
             report = outcome_report(task, outcome, memory_mb, self.config.max_result_bytes)
             # A task's exception leaves its process fit for the next task; a cancel, a
             # crash or exhausted memory does not.
@@ -418,6 +439,46 @@ class TaskRuntime:
             with self._lock:
                 entry.process = None
             pool.release(process, retire=retire)
+
+    def _spark_fields(self) -> dict[str, Any]:
+        """The Run's Spark fields: the mode, and with Connect the server and a new session id."""
+        mode = self.config.spark
+        server = self.spark_server
+        if mode != "connect":
+            return {"spark_mode": mode}
+        if server is None:
+            return {"spark_mode": mode, "spark_error": "this worker has no Spark Connect server"}
+        endpoint = server.endpoint
+        return {
+            "spark_mode": mode,
+            "spark_connect_port": endpoint.port,
+            "spark_connect_token": endpoint.token,
+            "spark_connect_uid": endpoint.uid,
+            "spark_session_id": new_session_id(),
+            "spark_wait_s": server.wait_left_s(),
+            "spark_error": server.error() or "",
+        }
+
+    def _interrupt_spark_session(self, entry: _Running, session_id: str) -> None:
+        """The task's process is gone, not its queries: interrupt them on the server (from a
+        thread of its own, so the report does not wait for the server)."""
+        server = self.spark_server
+        if server is None:
+            return
+
+        def interrupt() -> None:
+            try:
+                server.interrupt(session_id)
+            except Exception as exc:
+                logger.warning(
+                    "could not interrupt the Spark session of task %d attempt %d: %s",
+                    entry.task.task_id,
+                    entry.task.attempt,
+                    exc,
+                    extra=_fields(entry),
+                )
+
+        threading.Thread(target=interrupt, name="steward-spark-interrupt", daemon=True).start()
 
     def _code_for_process(
         self, task: AssignedTask, identity: TaskIdentity, pool: TaskProcessPool

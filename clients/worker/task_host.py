@@ -30,6 +30,7 @@ from typing import Any
 
 from broker.protocol import AssignedTask
 from clients.worker import sandbox, task_wire
+from clients.worker.spark_connect import CLASSIC_FLAG_HINT, ConnectEndpoint, connect_session
 from clients.worker.task_api import (
     BUILTIN_TASKS,
     TaskCancelled,
@@ -120,6 +121,7 @@ class _Host:
             task,
             spark_factory=lambda: shared_spark(run.spark_master, run.spark_conf),
             max_result_bytes=run.max_result_bytes,
+            **spark_access(run),
         )
         with self.lock:
             self.current = ctx
@@ -138,6 +140,7 @@ class _Host:
             with self.lock:
                 self.current = None
             ctx._leave_job_group()
+            ctx._release_spark()
 
     def resolve(self, run: task_wire.Run) -> TaskFn:
         fn = BUILTIN_TASKS.get(run.type)
@@ -153,6 +156,32 @@ class _Host:
             self.artifacts[run.code] = loaded
         resolved: TaskFn = loaded.resolve(run.type)
         return resolved
+
+
+def spark_access(run: task_wire.Run) -> dict[str, Any]:
+    """How ``ctx.spark`` and ``ctx.classic_spark`` behave for this Run (TaskContext kwargs)."""
+    classic_refused = (
+        None if run.allow_classic_spark else f"classic Spark is off: {CLASSIC_FLAG_HINT}"
+    )
+    if run.spark_mode == "off":
+        off = "Spark is off on this worker (steward worker --spark off)"
+        return {"spark_unavailable": off, "classic_unavailable": off}
+    if run.spark_mode != "connect":
+        return {"classic_unavailable": classic_refused}
+    if run.spark_error:
+        return {
+            "spark_unavailable": f"Spark is not available: {run.spark_error}",
+            "classic_unavailable": classic_refused,
+        }
+    endpoint = ConnectEndpoint(
+        run.spark_connect_port, run.spark_connect_token, run.spark_connect_uid
+    )
+    return {
+        "connect_factory": lambda: connect_session(
+            endpoint, run.spark_session_id, run.spark_wait_s
+        ),
+        "classic_unavailable": classic_refused,
+    }
 
 
 def _limit_memory(limit_mb: int) -> None:
