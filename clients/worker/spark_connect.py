@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 #: ``--spark``: a Connect server per worker, a classic session per task process, or none.
 SPARK_MODES: Final = ("connect", "classic", "off")
 TOKEN_ENV: Final = "SPARK_CONNECT_AUTHENTICATE_TOKEN"
+#: The worker's --spark, passed to task processes (clients/worker/task_env.py, PASSED_ENV).
+SPARK_MODE_ENV: Final = "STEWARD_SPARK"
 #: The Spark Connect user id of every session (a session is found by user id and session id).
 USER_ID: Final = "steward"
 SERVER_CLASS: Final = "org.apache.spark.sql.connect.service.SparkConnectServer"
@@ -166,6 +168,15 @@ def connect_session(endpoint: ConnectEndpoint, session_id: str, wait_s: float) -
     from pyspark.sql import SparkSession
 
     return SparkSession.builder.remote(endpoint.url(session_id)).create()
+
+
+def preload_spark_client() -> None:
+    """Import the Spark Connect client (a task process does it in the background at start)."""
+    try:
+        import pyspark.sql.connect.session  # noqa: F401
+        from pyspark.sql import functions  # noqa: F401
+    except Exception:  # the task that uses Spark reports it
+        return
 
 
 def new_session_id() -> str:
@@ -476,7 +487,11 @@ class SparkConnectServer:
         # paid here, not by the first tenant's task.
         session = self.attach(new_session_id())
         try:
-            session.sql("SELECT 1").collect()
+            # The shape of the spark.sql task type's query (clients/worker/task_api.py).
+            session.sql(
+                "SELECT to_json(struct(*), map('ignoreNullFields', 'false')) AS j"
+                " FROM (SELECT 1 AS one) LIMIT 2"
+            ).collect()
         finally:
             with contextlib.suppress(Exception):
                 session.stop()

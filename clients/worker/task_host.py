@@ -30,7 +30,13 @@ from typing import Any
 
 from broker.protocol import AssignedTask
 from clients.worker import sandbox, task_wire
-from clients.worker.spark_connect import CLASSIC_FLAG_HINT, ConnectEndpoint, connect_session
+from clients.worker.spark_connect import (
+    CLASSIC_FLAG_HINT,
+    SPARK_MODE_ENV,
+    ConnectEndpoint,
+    connect_session,
+    preload_spark_client,
+)
 from clients.worker.task_api import (
     BUILTIN_TASKS,
     TaskCancelled,
@@ -210,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     host = _Host(args.control, args.events, args.max_frame_bytes)
     signal.signal(signal.SIGTERM, host.on_sigterm)
     threading.Thread(target=host.read_control, name="steward-control", daemon=True).start()
+    if os.environ.get(SPARK_MODE_ENV) == "connect":
+        # The Spark Connect client takes ~0.5 s to import: not on the first Spark task.
+        threading.Thread(target=preload_spark_client, name="steward-preload", daemon=True).start()
     host.serve()
     return 0
 
