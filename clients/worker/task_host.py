@@ -139,9 +139,11 @@ class _Host:
             result = call_task(ctx, run.params, lambda: self.resolve(run), run.max_result_bytes)
             return task_wire.Done(ok=True, result=result, spawn=ctx.spawned)
         except BaseException as exc:  # every failure of task code (even SystemExit) is a report
-            return task_wire.Done(
-                ok=False, error=error_text(exc), out_of_memory=isinstance(exc, MemoryError)
-            )
+            error = error_text(exc)
+            if run.spark_mode == "connect" and "JVM_ATTRIBUTE_NOT_SUPPORTED" in error:
+                # ctx.spark.sparkContext (RDDs) on a Connect session: say what to use.
+                error = f"{SPARK_CONTEXT_HINT}\n\n{error}"
+            return task_wire.Done(ok=False, error=error, out_of_memory=isinstance(exc, MemoryError))
         finally:
             with self.lock:
                 self.current = None
@@ -162,6 +164,12 @@ class _Host:
             self.artifacts[run.code] = loaded
         resolved: TaskFn = loaded.resolve(run.type)
         return resolved
+
+
+SPARK_CONTEXT_HINT = (
+    "ctx.spark is a Spark Connect session (DataFrames and SQL): for sparkContext or RDDs use"
+    " ctx.classic_spark, on a worker started with --allow-classic-spark"
+)
 
 
 def spark_access(run: task_wire.Run) -> dict[str, Any]:
