@@ -23,7 +23,7 @@ import pytest
 
 from broker.protocol import Cancel, TaskAttempt
 from clients.worker import Worker, WorkerConfig
-from clients.worker.spark_connect import SparkConnectServer
+from clients.worker.spark_connect import SparkConnectServer, new_session_id
 from tests.unit.test_worker import (
     WAIT_S,
     ArtifactServer,
@@ -218,11 +218,19 @@ async def _udf_running(marker_dir: Path) -> int:
     return int((marker_dir / "task-pid").read_text())
 
 
-async def _server_is_free(conn: Any, task_id: int) -> None:
+async def _server_is_free(server: SparkConnectServer) -> None:
     # local[2]: the two sleeping UDF tasks hold both of the server's cores, so this query
-    # only runs once they were interrupted (left alone they would sleep for 600 s).
-    conn.assign(task(task_id, "spark.sql", {"query": "SELECT 1 AS one"}, tenant="b"))
-    assert result_of(await conn.report(SPARK_WAIT_S)) == [{"one": 1}]
+    # only runs once they were interrupted (left alone they would sleep for 600 s). Asked
+    # straight from the test: the worker's link plays no part in it.
+    def query() -> list[Any]:
+        session = server.attach(new_session_id())
+        try:
+            return list(session.sql("SELECT 1 AS one").collect())
+        finally:
+            session.stop()
+
+    rows = await asyncio.wait_for(asyncio.to_thread(query), SPARK_WAIT_S)
+    assert [row.one for row in rows] == [1]
 
 
 async def test_cancel_interrupts_the_query_on_the_server(
@@ -236,7 +244,7 @@ async def test_cancel_interrupts_the_query_on_the_server(
         conn.send(Cancel(tasks=(TaskAttempt(21, 1),), reason="cancelled by user"))
         report = await conn.report(SPARK_WAIT_S)
         assert report.error is not None and report.error.startswith("cancelled: cancelled by user")
-        await _server_is_free(conn, 22)
+        await _server_is_free(server)
 
 
 async def test_a_killed_task_process_has_its_query_interrupted_by_the_worker(
@@ -251,7 +259,7 @@ async def test_a_killed_task_process_has_its_query_interrupted_by_the_worker(
         os.kill(pid, signal.SIGKILL)
         report = await conn.report(SPARK_WAIT_S)
         assert "signal 9" in (report.error or ""), report.error
-        await _server_is_free(conn, 32)
+        await _server_is_free(server)
 
 
 async def test_classic_spark_needs_the_flag(
