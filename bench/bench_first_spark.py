@@ -1,14 +1,19 @@
 """How long a PySpark task waits for Spark: the first one on a warm worker, and after.
 
 Starts a standalone broker and one worker (the demo's ``local_cluster``: ``*=4`` slots,
-``local[*]``), waits until the worker is connected, then times, from submission to result,
-``spark.sql`` ``SELECT 1``: tenant A's first task (cold: its Spark session is created),
-A's second (warm), tenant B's first (with task processes: another tenant, another process,
-another session), B's second. Prints each in seconds. Run it on the code to compare (e.g.
-a checkout of an older commit on PYTHONPATH) to get the before and after figures of
-docs/BENCHMARKS.md.
+``local[*]``; extra worker flags after ``--``, e.g. ``-- --spark classic``), waits until the
+worker is connected, then times, from submission to result, ``spark.sql`` ``SELECT 1``:
 
-    python bench/bench_first_spark.py
+- the first Spark task on the worker (tenant ``warmup``): with ``--spark connect`` it may
+  wait for the worker's Spark Connect server, which starts with the worker;
+- then, on the now warm worker, tenant A's first task (a new task process and, with
+  Connect, a new session; classic: a new JVM in A's process), A's second, tenant B's first
+  (another tenant, another process) and B's second.
+
+Prints each in seconds. Run it on the code to compare (e.g. a checkout of an older commit
+on PYTHONPATH) to get the before and after figures of docs/BENCHMARKS.md.
+
+    python bench/bench_first_spark.py [-- WORKER_FLAG ...]
 """
 
 from __future__ import annotations
@@ -34,15 +39,26 @@ def timed_query(client: StewardClient, tenant: str) -> float:
     return elapsed
 
 
-def main() -> None:
+def timed_noop(client: StewardClient, tenant: str) -> float:
+    started = time.perf_counter()
+    client.submit("noop", tenant=tenant).result(timeout=300)
+    return time.perf_counter() - started
+
+
+def main(argv: list[str]) -> None:
+    worker_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     root = Path(tempfile.mkdtemp(prefix="steward-bench-spark-"))
     print(f"machine: {os.cpu_count()} cores, python {sys.version.split()[0]}, uid {os.geteuid()}")
+    print(f"worker flags: {' '.join(worker_args) or '(defaults)'}")
     with (
-        local_cluster(root / "data", log=root / "steward.log") as url,
+        local_cluster(root / "data", log=root / "steward.log", worker_args=worker_args) as url,
         StewardClient(url) as client,
     ):
+        print(f"{'first Spark task on the worker':32} {timed_query(client, 'warmup'):7.2f} s")
+        # What any task of a new tenant costs (a task process starts), Spark or not.
+        print(f"{'warm worker: noop, new tenant':32} {timed_noop(client, 'n'):7.2f} s", flush=True)
         for label, tenant in (
-            ("tenant A, first PySpark task", "a"),
+            ("warm worker: tenant A, first", "a"),
             ("tenant A, second", "a"),
             ("tenant B, first", "b"),
             ("tenant B, second", "b"),
@@ -51,4 +67,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -56,8 +56,14 @@ def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None:
 
 
 @contextlib.contextmanager
-def local_cluster(data_dir: Path, *, workers: int = 1, log: Path | None = None) -> Iterator[str]:
-    """A standalone broker and worker processes; yields the broker URL."""
+def local_cluster(
+    data_dir: Path,
+    *,
+    workers: int = 1,
+    log: Path | None = None,
+    worker_args: Sequence[str] = (),
+) -> Iterator[str]:
+    """A standalone broker and worker processes (``worker_args`` added); yields the broker URL."""
     http_port, worker_port = free_port(), free_port()
     url = f"http://127.0.0.1:{http_port}"
     out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
@@ -100,6 +106,7 @@ def local_cluster(data_dir: Path, *, workers: int = 1, log: Path | None = None) 
                             "*=4",
                             "--log-level",
                             "WARNING",
+                            *worker_args,
                         ],
                         stdout=out,
                         stderr=out,

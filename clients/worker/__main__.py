@@ -22,6 +22,7 @@ from clients.worker.config import (
 )
 from clients.worker.link import run_worker
 from clients.worker.sandbox import make_non_dumpable
+from clients.worker.spark_connect import SPARK_MODES, spark_identity
 from clients.worker.task_identity import DEFAULT_TASK_UID_RANGE
 from clients.worker.task_procs import check_task_processes
 
@@ -101,8 +102,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="resource offered (default: cpu=cores, memory_mb=MemTotal); repeatable",
     )
     p.add_argument("--tenant", action="append", default=[], help="serve only these; repeatable")
-    p.add_argument("--spark-master", default="local[*]")
-    p.add_argument("--spark-conf", type=_pair, action="append", default=[], metavar="KEY=VALUE")
+    spark = p.add_argument_group("Spark (docs/SECURITY.md, 'Spark')")
+    spark.add_argument(
+        "--spark",
+        choices=SPARK_MODES,
+        default="connect",
+        help="'connect': one Spark Connect server per worker, started with it, and a session"
+        " per task attempt as ctx.spark (default); 'classic': a SparkSession (a JVM) in each"
+        " task process; 'off': no Spark",
+    )
+    spark.add_argument("--spark-master", default="local[*]")
+    spark.add_argument("--spark-conf", type=_pair, action="append", default=[], metavar="KEY=VALUE")
+    spark.add_argument(
+        "--spark-user",
+        metavar="USER",
+        help="run the Spark Connect server (and its Python UDFs) as USER (default as root:"
+        " the last uid of --task-uid-range, no tenant's; otherwise the worker's own user)",
+    )
+    spark.add_argument(
+        "--allow-classic-spark",
+        action="store_true",
+        help="with --spark connect: let tasks use ctx.classic_spark (RDDs, sparkContext): a"
+        " JVM in the tenant's task process, seconds to start",
+    )
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     p.add_argument("--max-result-bytes", type=int, default=1024 * 1024)
     p.add_argument(
@@ -244,6 +266,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         task_types={n: int(c) for n, c in args.task_type} or default_task_types(),
         resources={n: float(a) for n, a in args.resource} or default_resources(),
         tenants=list(args.tenant),
+        spark=args.spark,
+        spark_user=args.spark_user,
+        allow_classic_spark=args.allow_classic_spark,
         spark_master=args.spark_master,
         spark_conf=dict(args.spark_conf),
         cache_dir=args.cache_dir,
@@ -271,6 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
         if config.task_isolation == "process":
             check_task_processes(config)
+            if config.spark == "connect":
+                spark_identity(config)  # a usable --spark-user, or a uid of its own
     except ValueError as exc:
         parser.error(str(exc))
     # Task processes under the worker's own uid must not read its memory or environment.

@@ -96,6 +96,12 @@ class WorkerConfig:
     tenants: list[str] = field(default_factory=list)  # empty: serve every tenant
     spark_master: str = "local[*]"
     spark_conf: dict[str, str] = field(default_factory=dict)
+    # "connect": one Spark Connect server per worker, a session per task attempt;
+    # "classic": a SparkSession (a JVM) in each task process; "off": no Spark. With
+    # task_isolation "thread", ctx.spark is the worker process's classic session.
+    spark: str = "connect"
+    spark_user: str | None = None  # who runs the Connect server (default: spark_connect.py)
+    allow_classic_spark: bool = False  # ctx.classic_spark in task processes (connect mode)
     cache_dir: Path = field(default_factory=default_cache_dir)
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
     # Reports finishing within this window share one Finish frame.
@@ -168,6 +174,8 @@ class WorkerConfig:
         self.work_dir = Path(self.work_dir)
         if self.task_isolation not in ("process", "thread"):
             raise ValueError("task_isolation must be 'process' or 'thread'")
+        if self.spark not in ("connect", "classic", "off"):
+            raise ValueError("spark must be 'connect', 'classic' or 'off'")
         if self.task_memory_mb < 0 or self.task_process_max_tasks < 1:
             raise ValueError("need task_memory_mb >= 0 and task_process_max_tasks >= 1")
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import signal
 import ssl
@@ -70,6 +71,7 @@ from broker.protocol import (
 )
 from clients.worker.config import WorkerConfig, parse_host_port
 from clients.worker.runtime import TaskKey, TaskRuntime, split_dropped_note
+from clients.worker.spark_connect import SPARK_MODE_ENV, SparkConnectServer
 
 logger = logging.getLogger(__name__)
 
@@ -172,11 +174,24 @@ class _Connection:
 class Worker:
     """A Steward worker: connects to the broker and runs the tasks it is assigned."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(
+        self, config: WorkerConfig, *, spark_server: SparkConnectServer | None = None
+    ) -> None:
         self.config = config
         self.process_id = uuid.uuid4().hex  # new per process start: tells restarts apart
+        # One Spark Connect server per worker, started by run() (clients/worker/spark_connect.py);
+        # a given one (tests: one server for many workers) is the caller's to stop.
+        self._owns_spark = False
+        if (
+            spark_server is None
+            and config.spark == "connect"
+            and config.task_isolation == "process"
+        ):
+            spark_server = SparkConnectServer.from_config(config)
+            self._owns_spark = True
+        self.spark_server = spark_server
         # Register extra task types with worker.runtime.register(name, fn).
-        self.runtime = TaskRuntime(config, self._report_from_thread)
+        self.runtime = TaskRuntime(config, self._report_from_thread, spark_server=spark_server)
         self.sessions = 0  # Welcomes received, for tests and metrics
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: _Connection | None = None
@@ -217,6 +232,11 @@ class Worker:
         if self._loop is not None:
             raise RuntimeError("Worker.run() can only be called once")
         self._loop = asyncio.get_running_loop()
+        if self._owns_spark and self.spark_server is not None:
+            self.spark_server.start()  # in the background: the connect below does not wait
+        if self.spark_server is not None:
+            # Task processes inherit it (task_env.PASSED_ENV) and preload the Spark client.
+            os.environ[SPARK_MODE_ENV] = "connect"
         backoff_s = self.config.reconnect_backoff_min_s
         try:
             while not self._final.is_set():
@@ -270,6 +290,8 @@ class Worker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._done.wait(), 5.0)
         self.runtime.shutdown(wait=False)
+        if self._owns_spark and self.spark_server is not None:
+            await asyncio.to_thread(self.spark_server.stop)
 
     async def _wait_until(self, condition: Callable[[], bool], deadline: float) -> bool:
         """Wait for ``condition`` (checked on each report or ack) until loop time ``deadline``."""

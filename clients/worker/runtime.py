@@ -49,6 +49,11 @@ from broker.protocol import AssignedTask, TaskAttempt, TaskReport
 from clients.worker import task_wire
 from clients.worker.artifacts import ArtifactCache
 from clients.worker.config import WorkerConfig
+from clients.worker.spark_connect import (
+    SparkConnectServer,
+    new_session_id,
+    tenant_uid_range,
+)
 from clients.worker.task_api import (
     BUILTIN_TASKS,
     MAX_ERROR_CHARS,
@@ -109,7 +114,7 @@ def task_identities(config: WorkerConfig) -> TaskIdentities:
     return TaskIdentities(
         task_user=config.task_user,
         tenant_users=config.tenant_users,
-        uid_range=config.task_uid_range,
+        uid_range=tenant_uid_range(config),
         allow_root=config.allow_root_tasks,
     )
 
@@ -181,8 +186,11 @@ class TaskRuntime:
         *,
         artifacts: ArtifactCache | None = None,
         spark_factory: Callable[[], Any] | None = None,
+        spark_server: SparkConnectServer | None = None,
     ) -> None:
         self.config = config
+        # The worker's Spark Connect server (--spark connect with task processes).
+        self.spark_server = spark_server
         self._on_report = on_report
         self.artifacts = artifacts or ArtifactCache(
             config.cache_dir,
@@ -289,6 +297,11 @@ class TaskRuntime:
             task,
             spark_factory=self._spark_factory,
             max_result_bytes=self.config.max_result_bytes,
+            spark_unavailable=(
+                "Spark is off on this worker (steward worker --spark off)"
+                if self.config.spark == "off"
+                else None
+            ),
         )
         entry = _Running(task, ctx)
         entry.in_process = self.processes is not None and task.type not in self._registered
@@ -489,12 +502,14 @@ class TaskRuntime:
             resources=dict(task.resources),
             spark_master=self.config.spark_master,
             spark_conf=dict(self.config.spark_conf),
+            allow_classic_spark=self.config.allow_classic_spark or self.config.spark == "classic",
+            **self._spark_fields(),
         )
-        process.start_run(run, lambda outcome: self._on_outcome(entry, process, memory_mb, outcome))
+        process.start_run(run, lambda outcome: self._on_outcome(entry, process, run, outcome))
         return True
 
     def _on_outcome(
-        self, entry: _Running, process: TaskProcess, memory_mb: int, outcome: Outcome
+        self, entry: _Running, process: TaskProcess, run: task_wire.Run, outcome: Outcome
     ) -> None:
         """A task process's Done or end, on the dispatcher's thread (or the canceller's, for
         a task cancelled while queued): must not block."""
@@ -517,6 +532,9 @@ class TaskRuntime:
             self._begin_process_tasks(entry)
             return
         self._keep_output((task.task_id, task.attempt), outcome.output)
+        if run.spark_session_id and not skipped and (ctx.cancelled.is_set() or done is None):
+            # Its process stopped, maybe not its queries on the server.
+            self._interrupt_spark_session(entry, run.spark_session_id)
         if ctx.cancelled.is_set() or skipped:
             note = ""
             if outcome.killed:
@@ -533,6 +551,7 @@ class TaskRuntime:
             )
             report = self._cancelled_report(entry, note)
         else:
+            memory_mb = task_memory_limit_mb(task, self.config.task_memory_mb)
             report = outcome_report(task, outcome, memory_mb, self.config.max_result_bytes)
             if not report.ok:
                 ctx.logger.info(
@@ -542,6 +561,46 @@ class TaskRuntime:
                     (report.error or "").split("\n", 1)[0],
                 )
         self._begin_process_tasks(self._end_process_task(entry, report))
+
+    def _spark_fields(self) -> dict[str, Any]:
+        """The Run's Spark fields: the mode, and with Connect the server and a new session id."""
+        mode = self.config.spark
+        server = self.spark_server
+        if mode != "connect":
+            return {"spark_mode": mode}
+        if server is None:
+            return {"spark_mode": mode, "spark_error": "this worker has no Spark Connect server"}
+        endpoint = server.endpoint
+        return {
+            "spark_mode": mode,
+            "spark_connect_port": endpoint.port,
+            "spark_connect_token": endpoint.token,
+            "spark_connect_uid": endpoint.uid,
+            "spark_session_id": new_session_id(),
+            "spark_wait_s": server.wait_left_s(),
+            "spark_error": server.error() or "",
+        }
+
+    def _interrupt_spark_session(self, entry: _Running, session_id: str) -> None:
+        """The task's process is gone, not its queries: interrupt them on the server (from a
+        thread of its own, so the report does not wait for the server)."""
+        server = self.spark_server
+        if server is None:
+            return
+
+        def interrupt() -> None:
+            try:
+                server.interrupt(session_id)
+            except Exception as exc:
+                logger.warning(
+                    "could not interrupt the Spark session of task %d attempt %d: %s",
+                    entry.task.task_id,
+                    entry.task.attempt,
+                    exc,
+                    extra=_fields(entry),
+                )
+
+        threading.Thread(target=interrupt, name="steward-spark-interrupt", daemon=True).start()
 
     def _code_for_process(
         self, task: AssignedTask, identity: TaskIdentity, pool: TaskProcessPool, *, wait: bool

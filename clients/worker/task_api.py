@@ -4,8 +4,15 @@ Shared by the worker process (types registered in-process, and report building) 
 task processes (``clients/worker/task_host.py``) that run tenant code; see
 docs/SECURITY.md for why tenant code never runs in the worker process.
 
-Spark. A process has one SparkSession, created on first use of ``ctx.spark`` and kept
-for the life of the process. PySpark runs in pinned thread mode (the default since 3.2:
+Spark. With the worker's Spark Connect server (``--spark connect``, the default with task
+processes; ``clients/worker/spark_connect.py``), ``ctx.spark`` is a Spark Connect session
+of the attempt's own, made on first use, its operations tagged ``steward-<task_id>-<attempt>``
+(``addTag``, per thread), released when the attempt ends. It has no ``sparkContext``: the
+classic API (RDDs) is ``ctx.classic_spark``, where the worker allows it.
+
+Classic (``ctx.classic_spark``; ``ctx.spark`` with ``--spark classic`` or thread isolation).
+A process has one classic SparkSession, created on first use and kept for the life of the
+process. PySpark runs in pinned thread mode (the default since 3.2:
 each Python thread has its own JVM thread), so the job group set with
 ``SparkContext.setJobGroup`` in the task's thread tags exactly that task's jobs.
 ``ctx.spark`` sets it (``steward-<task_id>-<attempt>``, interrupt on cancel) in every
@@ -150,6 +157,9 @@ class TaskContext:
         params: Any = None,
         spark_factory: Callable[[], Any] | None = None,
         max_result_bytes: int = 1024 * 1024,
+        connect_factory: Callable[[], Any] | None = None,
+        spark_unavailable: str | None = None,
+        classic_unavailable: str | None = None,
     ) -> None:
         self.task_id = task.task_id
         self.attempt = task.attempt
@@ -163,9 +173,16 @@ class TaskContext:
         self.cancelled = threading.Event()
         self.cancel_reason: str | None = None
         self._spark_factory = spark_factory or shared_spark
+        # Spark Connect: a factory of this attempt's session (None: classic or no Spark).
+        self._connect_factory = connect_factory
+        self._spark_unavailable = spark_unavailable  # why ctx.spark is refused, if it is
+        self._classic_unavailable = classic_unavailable  # ... and ctx.classic_spark
         self._lock = threading.Lock()
+        self._connect_lock = threading.Lock()  # held while the session is made
         self._group_threads: set[int] = set()
         self._session: Any = None
+        self._connect_session: Any = None
+        self._connect_threads: set[int] = set()
         self._spawns: list[SpawnRequest] = []
         self._spawn_bytes = 0
 
@@ -251,12 +268,49 @@ class TaskContext:
     @property
     def uses_spark(self) -> bool:
         with self._lock:
-            return bool(self._group_threads)
+            return bool(self._group_threads) or self._connect_session is not None
 
     @property
     def spark(self) -> Any:
-        """The worker's shared SparkSession, with this task's job group set in this thread."""
+        """This attempt's Spark Connect session, or (classic) the process's SparkSession.
+
+        Either way this task's operations started from this thread carry its tag / job group.
+        """
         self.check_cancelled()
+        if self._connect_factory is not None:
+            return self._connect_spark()
+        if self._spark_unavailable is not None:
+            raise RuntimeError(self._spark_unavailable)
+        return self._classic_spark()
+
+    @property
+    def classic_spark(self) -> Any:
+        """The process's classic SparkSession (RDDs, ``sparkContext``), where the worker allows
+        it: it starts a JVM in this process on first use (seconds)."""
+        self.check_cancelled()
+        if self._classic_unavailable is not None:
+            raise RuntimeError(self._classic_unavailable)
+        return self._classic_spark()
+
+    def _connect_spark(self) -> Any:
+        assert self._connect_factory is not None
+        with self._connect_lock:
+            session = self._connect_session
+            if session is None:
+                session = self._connect_factory()
+                with self._lock:
+                    self._connect_session = session
+        thread_id = threading.get_ident()
+        with self._lock:
+            first_in_thread = thread_id not in self._connect_threads
+            self._connect_threads.add(thread_id)
+        if first_in_thread:  # tags are per thread in a Connect session
+            session.addTag(self.job_group)
+        # A cancel that came while the session was made did not interrupt it.
+        self.check_cancelled()
+        return session
+
+    def _classic_spark(self) -> Any:
         session = self._spark_factory()
         thread_id = threading.get_ident()
         with self._lock:
@@ -286,8 +340,23 @@ class TaskContext:
     def _cancel_spark(self) -> None:
         with self._lock:
             session = self._session if self._group_threads else None
+            connect = self._connect_session
+        if connect is not None:  # the session is this attempt's alone: all of it
+            connect.interruptAll()
         if session is not None:
             _cancel_job_group(session, self.job_group, self.cancel_reason or "cancelled")
+
+    def _release_spark(self) -> None:
+        """Release the attempt's Spark Connect session (the server ends what it still runs)."""
+        with self._connect_lock, self._lock:
+            session, self._connect_session = self._connect_session, None
+        if session is not None:
+            try:
+                session.stop()
+            except Exception:
+                logger.warning(
+                    "could not release Spark session of %s", self.job_group, exc_info=True
+                )
 
     def _leave_job_group(self) -> None:
         """Clear the job group in the calling thread (a pool thread runs other tasks next)."""

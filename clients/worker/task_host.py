@@ -39,6 +39,13 @@ import msgspec
 
 from broker.protocol import AssignedTask
 from clients.worker import sandbox, task_wire
+from clients.worker.spark_connect import (
+    CLASSIC_FLAG_HINT,
+    SPARK_MODE_ENV,
+    ConnectEndpoint,
+    connect_session,
+    preload_spark_client,
+)
 from clients.worker.task_api import (
     BUILTIN_TASKS,
     TaskCancelled,
@@ -153,6 +160,7 @@ class _Host:
             task,
             spark_factory=lambda: shared_spark(run.spark_master, run.spark_conf),
             max_result_bytes=run.max_result_bytes,
+            **spark_access(run),
         )
         started = 0.0
         try:
@@ -167,13 +175,16 @@ class _Host:
             result = call_task(ctx, run.params, lambda: fn, run.max_result_bytes)
             done = task_wire.Done(ok=True, result=result, spawn=ctx.spawned)
         except BaseException as exc:  # every failure of task code (even SystemExit) is a report
-            done = task_wire.Done(
-                ok=False, error=error_text(exc), out_of_memory=isinstance(exc, MemoryError)
-            )
+            error = error_text(exc)
+            if run.spark_mode == "connect" and "JVM_ATTRIBUTE_NOT_SUPPORTED" in error:
+                # ctx.spark.sparkContext (RDDs) on a Connect session: say what to use.
+                error = f"{SPARK_CONTEXT_HINT}\n\n{error}"
+            done = task_wire.Done(ok=False, error=error, out_of_memory=isinstance(exc, MemoryError))
         finally:
             self.current = None
             self.current_key = None
             ctx._leave_job_group()
+            ctx._release_spark()
         elapsed_us = int((time.perf_counter() - started) * 1e6) if started else 0
         return msgspec.structs.replace(
             done, task_id=run.task_id, attempt=run.attempt, elapsed_us=elapsed_us
@@ -216,6 +227,38 @@ def _cancel_spark(ctx: TaskContext) -> None:
         print(f"steward: cancelling Spark jobs failed: {exc}", file=sys.stderr)
 
 
+SPARK_CONTEXT_HINT = (
+    "ctx.spark is a Spark Connect session (DataFrames and SQL): for sparkContext or RDDs use"
+    " ctx.classic_spark, on a worker started with --allow-classic-spark"
+)
+
+
+def spark_access(run: task_wire.Run) -> dict[str, Any]:
+    """How ``ctx.spark`` and ``ctx.classic_spark`` behave for this Run (TaskContext kwargs)."""
+    classic_refused = (
+        None if run.allow_classic_spark else f"classic Spark is off: {CLASSIC_FLAG_HINT}"
+    )
+    if run.spark_mode == "off":
+        off = "Spark is off on this worker (steward worker --spark off)"
+        return {"spark_unavailable": off, "classic_unavailable": off}
+    if run.spark_mode != "connect":
+        return {"classic_unavailable": classic_refused}
+    if run.spark_error:
+        return {
+            "spark_unavailable": f"Spark is not available: {run.spark_error}",
+            "classic_unavailable": classic_refused,
+        }
+    endpoint = ConnectEndpoint(
+        run.spark_connect_port, run.spark_connect_token, run.spark_connect_uid
+    )
+    return {
+        "connect_factory": lambda: connect_session(
+            endpoint, run.spark_session_id, run.spark_wait_s
+        ),
+        "classic_unavailable": classic_refused,
+    }
+
+
 def _limit_memory(limit_mb: int) -> None:
     if limit_mb > 0:
         limit = limit_mb * 1024 * 1024
@@ -244,6 +287,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.control, args.events, args.max_frame_bytes, task_wire.output_marker(args.output_marker)
     )
     signal.signal(signal.SIGTERM, host.on_sigterm)
+    if os.environ.get(SPARK_MODE_ENV) == "connect":
+        # The Spark Connect client takes ~0.5 s to import: not on the first Spark task.
+        threading.Thread(target=preload_spark_client, name="steward-preload", daemon=True).start()
     host.serve()
     # The worker is gone or done with this process; exit without waiting for threads a
     # task may have left behind.

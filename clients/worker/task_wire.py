@@ -52,6 +52,17 @@ class Run(msgspec.Struct, frozen=True, tag="run", tag_field="kind"):
     resources: dict[str, float] = {}
     spark_master: str = "local[*]"
     spark_conf: dict[str, str] = {}
+    # Spark (clients/worker/spark_connect.py): "connect", "classic" or "off". With
+    # "connect", the worker's server (port, token, its uid) and this attempt's session id;
+    # spark_error says why the server is unavailable, spark_wait_s how long to wait for it.
+    spark_mode: str = "classic"
+    spark_connect_port: int = 0
+    spark_connect_token: str = ""
+    spark_connect_uid: int = -1
+    spark_session_id: str = ""
+    spark_wait_s: float = 0.0
+    spark_error: str = ""
+    allow_classic_spark: bool = True
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel", tag_field="kind"):

@@ -41,6 +41,7 @@ async def test_a_real_worker_grows_a_tree_that_completes(broker: Broker, tmp_pat
             cache_dir=tmp_path / "cache",
             reconnect_backoff_min_s=0.02,
             reconnect_backoff_max_s=0.2,
+            spark="off",  # no Spark Connect server (a JVM) for these plain tasks
         )
     )
     for name, fn in (("fanout", fanout), ("part", part), ("leaf", leaf)):
@@ -84,6 +85,7 @@ async def test_a_crashing_child_fails_the_tree_and_the_root_is_replayed(
             http_url="http://127.0.0.1:9",
             worker_id="real",
             cache_dir=tmp_path / "cache",
+            spark="off",
         )
     )
     worker.runtime.register("root", lambda params, ctx: ctx.spawn("flaky"))

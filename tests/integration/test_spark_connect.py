@@ -1,0 +1,286 @@
+"""Spark through the worker's Spark Connect server, with task processes (issue 14 item 2).
+
+One Spark Connect server for the module (it takes seconds to start), given to each test's
+worker (``Worker(config, spark_server=...)``); the worker runs every task in task
+processes, under a uid per tenant (CI runs as root), and the server under a uid of its own.
+The fake broker and the artifact server come from tests/unit/test_worker.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker.protocol import Cancel, TaskAttempt
+from clients.worker import Worker, WorkerConfig
+from clients.worker.spark_connect import SparkConnectServer, new_session_id
+from tests.unit.test_worker import (
+    WAIT_S,
+    ArtifactServer,
+    Env,
+    FakeBroker,
+    result_of,
+    task,
+    zip_bytes,
+)
+from tests.worker_procs import task_writable_dir, wait_until
+
+pytestmark = pytest.mark.slow
+
+SPARK_WAIT_S = 120.0  # a task's first query: a new session, code generation, UDF workers
+WORKER_TOKEN = "worker-secret-7d1f0c9a2b4e4f6a8c3d5e7f9a1b3c5d"
+
+JOB = {
+    "scjob/__init__.py": "",
+    "scjob/job.py": """
+import json
+import os
+import time
+
+
+def make_view(params, ctx):
+    spark = ctx.spark
+    spark.range(3).createOrReplaceTempView("steward_view")
+    spark.conf.set("steward.test.key", params["value"])
+    return {
+        "session": spark.session_id,
+        "view": spark.catalog.tableExists("steward_view"),
+        "conf": spark.conf.get("steward.test.key"),
+    }
+
+
+def peek(params, ctx):
+    spark = ctx.spark
+    return {
+        "session": spark.session_id,
+        "view": spark.catalog.tableExists("steward_view"),
+        "conf": spark.conf.get("steward.test.key", None),
+    }
+
+
+def what_i_see(params, ctx):
+    seen = {"env": dict(os.environ), "spark_token": ctx.spark.client.token}
+    with open("/proc/self/cmdline", "rb") as f:  # (environ: the process is non-dumpable)
+        seen["cmdline"] = f.read().decode(errors="replace")
+    return seen
+
+
+def slow_udf_query(params, ctx):
+    from pyspark.sql import functions as sf
+
+    marker_dir = params["marker_dir"]
+
+    def slow(x):  # runs on the server, in its Python UDF workers
+        with open(os.path.join(marker_dir, "udf-%d" % x), "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(600)
+        return x
+
+    with open(os.path.join(marker_dir, "task-pid"), "w") as f:
+        f.write(str(os.getpid()))
+    df = ctx.spark.range(0, 2, 1, 2).select(sf.udf(slow, "long")("id").alias("x"))
+    return [row.x for row in df.collect()]
+
+
+def classic_sum(params, ctx):
+    sc = ctx.classic_spark.sparkContext
+    return sc.parallelize([1, 2, 3], 2).sum()
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def work_root() -> Iterator[Path]:
+    # Not under pytest's tmp: its base is 0700, and task users must reach this.
+    root = Path(tempfile.mkdtemp(prefix="steward-test-sc-"))
+    os.chmod(root, 0o711)
+    try:
+        yield root / "work"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def worker_config(env: Env, work_dir: Path, **overrides: Any) -> WorkerConfig:
+    settings: dict[str, Any] = {
+        "broker": f"127.0.0.1:{env.broker.port}",
+        "http_url": env.http.url,
+        "worker_id": "sc1",
+        "task_types": {"*": 2},
+        "resources": {"cpu": 2.0, "memory_mb": 1024.0},
+        "cache_dir": env.tmp / "cache",
+        "finish_batch_ms": 2.0,
+        "reconnect_backoff_min_s": 0.02,
+        "reconnect_backoff_max_s": 0.2,
+        "cancel_grace_s": 2.0,
+        "spark_master": "local[2]",
+        "work_dir": work_dir,
+        "token": WORKER_TOKEN,
+    }
+    settings.update(overrides)
+    return WorkerConfig(**settings)
+
+
+@pytest.fixture(scope="module")
+def server(work_root: Path) -> Iterator[SparkConnectServer]:
+    config = WorkerConfig(
+        broker="127.0.0.1:1",
+        http_url="http://127.0.0.1:1",
+        spark_master="local[2]",
+        work_dir=work_root,
+    )
+    from clients.worker.task_env import WorkArea
+
+    WorkArea(work_root)  # the worker's directories, as a worker makes them
+    spark_server = SparkConnectServer.from_config(config)
+    spark_server.start()
+    try:
+        spark_server.wait_ready(240.0)
+        yield spark_server
+    finally:
+        spark_server.stop()
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    broker = FakeBroker()
+    await broker.start()
+    http = ArtifactServer()
+    http.start()
+    environment = Env(broker, http, tmp_path)
+    try:
+        yield environment
+    finally:
+        for worker, run in environment.workers:
+            await asyncio.wait_for(worker.stop(wait=False, timeout_s=1.0), 30)
+            await asyncio.wait_for(run, WAIT_S)
+        await broker.close()
+        http.stop()
+
+
+async def start_worker(
+    env: Env, server: SparkConnectServer, work_dir: Path, **overrides: Any
+) -> tuple[Worker, Any, str]:
+    worker = Worker(worker_config(env, work_dir, **overrides), spark_server=server)
+    env.workers.append((worker, asyncio.ensure_future(worker.run())))
+    conn = await env.broker.connect()
+    await asyncio.wait_for(worker.wait_connected(), WAIT_S)
+    return worker, conn, env.http.add(zip_bytes(JOB))
+
+
+async def test_tenants_get_sessions_of_their_own(
+    env: Env, server: SparkConnectServer, work_root: Path
+) -> None:
+    _, conn, sha = await start_worker(env, server, work_root)
+    conn.assign(task(1, "scjob.job:make_view", {"value": "a's"}, tenant="a", code=sha))
+    made = result_of(await conn.report(SPARK_WAIT_S))
+    assert made["view"] is True and made["conf"] == "a's"
+    conn.assign(
+        task(2, "scjob.job:peek", tenant="b", code=sha),
+        task(3, "scjob.job:peek", tenant="a", code=sha),  # a's next attempt: a new session
+    )
+    reports = await conn.reports(2, SPARK_WAIT_S)
+    other_tenant, next_attempt = result_of(reports[2, 1]), result_of(reports[3, 1])
+    for seen in (other_tenant, next_attempt):
+        assert seen["view"] is False and seen["conf"] is None, seen
+    assert len({made["session"], other_tenant["session"], next_attempt["session"]}) == 3
+
+
+async def test_a_task_never_sees_the_worker_token(
+    env: Env, server: SparkConnectServer, work_root: Path
+) -> None:
+    _, conn, sha = await start_worker(env, server, work_root)
+    conn.assign(task(11, "scjob.job:what_i_see", tenant="a", code=sha))
+    seen = result_of(await conn.report(SPARK_WAIT_S))
+    assert WORKER_TOKEN not in json.dumps(seen)
+    assert seen["spark_token"] and seen["spark_token"] != WORKER_TOKEN
+    # The Spark token reaches the server only through its environment, never its argv.
+    assert server.pid is not None
+    cmdline = await asyncio.to_thread(Path(f"/proc/{server.pid}/cmdline").read_bytes)
+    assert b"SparkConnectServer" in cmdline
+    assert seen["spark_token"].encode() not in cmdline
+
+
+async def _udf_running(marker_dir: Path) -> int:
+    def started() -> bool:
+        return (marker_dir / "task-pid").exists() and any(marker_dir.glob("udf-*"))
+
+    await asyncio.to_thread(wait_until, started, SPARK_WAIT_S, "the UDF to run on the server")
+    return int((marker_dir / "task-pid").read_text())
+
+
+async def _server_is_free(server: SparkConnectServer) -> None:
+    # local[2]: the two sleeping UDF tasks hold both of the server's cores, so this query
+    # only runs once they were interrupted (left alone they would sleep for 600 s). Asked
+    # straight from the test: the worker's link plays no part in it.
+    def query() -> list[Any]:
+        session = server.attach(new_session_id())
+        try:
+            return list(session.sql("SELECT 1 AS one").collect())
+        finally:
+            session.stop()
+
+    rows = await asyncio.wait_for(asyncio.to_thread(query), SPARK_WAIT_S)
+    assert [row.one for row in rows] == [1]
+
+
+async def test_cancel_interrupts_the_query_on_the_server(
+    env: Env, server: SparkConnectServer, work_root: Path
+) -> None:
+    _, conn, sha = await start_worker(env, server, work_root)
+    with task_writable_dir() as marker_dir:
+        params = {"marker_dir": str(marker_dir)}
+        conn.assign(task(21, "scjob.job:slow_udf_query", params, tenant="a", code=sha))
+        await _udf_running(marker_dir)
+        conn.send(Cancel(tasks=(TaskAttempt(21, 1),), reason="cancelled by user"))
+        report = await conn.report(SPARK_WAIT_S)
+        assert report.error is not None and report.error.startswith("cancelled: cancelled by user")
+        await _server_is_free(server)
+
+
+async def test_a_killed_task_process_has_its_query_interrupted_by_the_worker(
+    env: Env, server: SparkConnectServer, work_root: Path
+) -> None:
+    # SIGKILL: the task process cannot interrupt anything itself; only the worker can.
+    _, conn, sha = await start_worker(env, server, work_root)
+    with task_writable_dir() as marker_dir:
+        params = {"marker_dir": str(marker_dir)}
+        conn.assign(task(31, "scjob.job:slow_udf_query", params, tenant="a", code=sha))
+        pid = await _udf_running(marker_dir)
+        os.kill(pid, signal.SIGKILL)
+        report = await conn.report(SPARK_WAIT_S)
+        assert "signal 9" in (report.error or ""), report.error
+        await _server_is_free(server)
+
+
+async def test_classic_spark_needs_the_flag(
+    env: Env, server: SparkConnectServer, work_root: Path
+) -> None:
+    _, conn, sha = await start_worker(env, server, work_root)
+    conn.assign(task(41, "scjob.job:classic_sum", tenant="a", code=sha))
+    report = await conn.report(SPARK_WAIT_S)
+    assert not report.ok
+    assert "classic Spark is off" in (report.error or "")
+    assert "--allow-classic-spark" in (report.error or "")
+
+
+async def test_classic_spark_with_the_flag(
+    env: Env, server: SparkConnectServer, work_root: Path
+) -> None:
+    server.stop()  # the module's last test: one JVM at a time (the task process starts one)
+    _, conn, sha = await start_worker(
+        env, server, work_root, worker_id="sc-classic", allow_classic_spark=True
+    )
+    started = time.monotonic()
+    conn.assign(task(51, "scjob.job:classic_sum", tenant="c", code=sha))
+    report = await conn.report(SPARK_WAIT_S)
+    assert result_of(report) == 6, (report.error, time.monotonic() - started)
