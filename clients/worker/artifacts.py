@@ -75,14 +75,14 @@ from typing import Any, Final
 
 import httpx
 
-from broker.artifact_check import (
+from broker.artifacts.artifact_check import (
     ArtifactLimits,
     InvalidArtifactError,
     iter_zip_members,
     write_private_file,
 )
-from broker.auth import bearer_headers
-from broker.code_store import SHA256_RE
+from broker.artifacts.code_store import SHA256_RE
+from broker.security.auth import bearer_headers
 from log.private_fs import make_private_dirs
 
 logger = logging.getLogger(__name__)

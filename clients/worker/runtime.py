@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from broker.logs import task_fields
-from broker.protocol import AssignedTask, TaskAttempt, TaskReport
+from broker.observability.logs import task_fields
+from broker.workers.protocol import AssignedTask, TaskAttempt, TaskReport
 from clients.worker import task_wire
 from clients.worker.artifacts import ArtifactCache
 from clients.worker.config import WorkerConfig

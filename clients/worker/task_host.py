@@ -29,7 +29,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from broker.protocol import AssignedTask
+from broker.workers.protocol import AssignedTask
 from clients.worker import sandbox, task_wire
 from clients.worker.task_api import (
     BUILTIN_TASKS,

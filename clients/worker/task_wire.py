@@ -20,7 +20,7 @@ from typing import Final
 
 import msgspec
 
-from broker.protocol import SpawnRequest
+from broker.workers.protocol import SpawnRequest
 
 _LENGTH: Final = struct.Struct(">I")
 

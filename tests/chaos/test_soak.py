@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.zk import ZooKeeperServer
+from clients.dev.zk import ZooKeeperServer
 from tests.chaos.soak import ChaosSoak, SoakConfig
 
 pytest_plugins = ["tests.zk_fixture"]

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
-from broker.zk import ZooKeeperServer
+from clients.dev.zk import ZooKeeperServer
 from tests.cluster_procs import BrokerNode, ClusterProcesses
 
 pytest_plugins = ["tests.zk_fixture"]

@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from broker.pulsar_lite import PulsarLiteServer
-from broker.zk import ZooKeeperServer
+from clients.dev.pulsar_lite import PulsarLiteServer
+from clients.dev.zk import ZooKeeperServer
 from tests.cluster_procs import (
     BrokerNode,
     ClusterProcesses,

@@ -24,8 +24,8 @@ import pytest
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
 import log.pulsar
-from broker.pulsar_lite import PulsarLiteServer
-from broker.zk import ZooKeeperServer
+from clients.dev.pulsar_lite import PulsarLiteServer
+from clients.dev.zk import ZooKeeperServer
 from log.api import LedgerError, LedgerReader, NoSuchLedgerError
 from log.pulsar import (
     Kind,

@@ -31,9 +31,9 @@ from typing import Any
 import httpx
 import pytest
 
-from broker import protocol as p
-from broker.zk import ZooKeeperServer
+from broker.workers import protocol as p
 from clients.client import CertificateVerifyError, StewardClient
+from clients.dev.zk import ZooKeeperServer
 from tests.cluster_procs import BrokerNode, ClusterProcesses, fetch_tasks
 from tests.procs import HOST, BrokerProcess, free_port, steward_command
 from tests.tls_certs import TlsFiles, make_tls_files

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 import pytest
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
-from broker.election import ElectionError, LeaderElector, LeadershipStatus
-from broker.local_server import free_port
-from broker.zk import ZooKeeperServer, four_letter_word
+from broker.ha.election import ElectionError, LeaderElector, LeadershipStatus
+from clients.dev.local_server import free_port
+from clients.dev.zk import ZooKeeperServer, four_letter_word
 from log.api import BadVersionError, LedgerError, LedgerInfo, LedgerList, LedgerState
 from log.zk_list import ZooKeeperLedgerListStore, ledger_list_path
 

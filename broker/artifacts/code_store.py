@@ -3,7 +3,7 @@
 An upload is checked (:func:`validate_upload`) without parsing anything unbounded in
 the broker: the name, the size bounds and a zip's entry count here, the ``.py``
 compile and the zip's streamed inflation in a child process with an address-space,
-CPU and wall-clock limit (``broker/artifact_check.py``). A stored file is hashed again
+CPU and wall-clock limit (``broker/artifacts/artifact_check.py``). A stored file is hashed again
 before its first use by a process (:meth:`CodeStore.verify`), so a file damaged or
 changed while the broker was down is dropped (and fetched again from a peer), not served.
 """
@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Final
 
-from broker.artifact_check import (
+from broker.artifacts.artifact_check import (
     ArtifactLimits,
     ArtifactTooLargeError,
     InvalidArtifactError,

@@ -17,11 +17,11 @@ from typing import Final
 import httpx
 import msgspec
 
-from broker import api_models as m
-from broker import entries as e
-from broker.node import Node
-from broker.state import ApplyResult, StopRunning, TaskRef, TaskState
-from broker.tls import client_context
+from broker.api import api_models as m
+from broker.core import entries as e
+from broker.core.state import ApplyResult, StopRunning, TaskRef, TaskState
+from broker.replication.node import Node
+from broker.security.tls import client_context
 
 # Only these files are served; anything else under /dashboard/ is a 404.
 ASSET_TYPES: Final[dict[str, bytes]] = {
