@@ -31,6 +31,7 @@ from broker.artifacts.artifact_check import (
     count_zip_entries,
     limits_json,
 )
+from broker.core.entries import SHA256_RE
 from log.private_fs import make_private_dirs
 
 __all__ = [
@@ -47,8 +48,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ARTIFACT_SUFFIXES: Final = (".py", ".zip", ".whl")
-#: An artifact's name: the sha256 of its bytes as 64 lowercase hex digits (use fullmatch).
-SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
 _CHECK_SCRIPT: Final = str(Path(__file__).with_name("artifact_check.py"))
 _CHUNK_BYTES: Final = 1024 * 1024
 #: The check process's answer is one short JSON line; more is a broken check.

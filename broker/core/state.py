@@ -35,8 +35,8 @@ from typing import Any, Final
 
 import msgspec
 
-from broker.artifacts.code_store import SHA256_RE
 from broker.core import entries as e
+from broker.core.entries import SHA256_RE
 
 
 class TaskState(StrEnum):
