@@ -81,7 +81,7 @@ from broker.artifacts.artifact_check import (
     iter_zip_members,
     write_private_file,
 )
-from broker.artifacts.code_store import SHA256_RE
+from broker.core.entries import SHA256_RE
 from broker.security.auth import bearer_headers
 from log.private_fs import make_private_dirs
 
