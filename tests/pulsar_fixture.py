@@ -1,6 +1,6 @@
 """A real pulsar-lite broker for tests (the ``pulsar`` ledger backend's Pulsar).
 
-Load the fixtures with ``pytest_plugins = ["tests.pulsar_fixture"]`` in a test module.
+tests/conftest.py loads these fixtures for every test.
 
 - ``pulsar_lite`` (session scope): a started :class:`~clients.dev.pulsar_lite.PulsarLiteServer` on a
   free loopback port in a temporary directory, stopped after the session. Tests sharing it

@@ -1,6 +1,6 @@
 """A real ZooKeeper server for tests, plus a broker elector in a subprocess.
 
-Load the fixtures with ``pytest_plugins = ["tests.zk_fixture"]`` in a test module.
+tests/conftest.py loads these fixtures for every test.
 
 - ``zookeeper`` (module scope): a started :class:`~clients.dev.zk.ZooKeeperServer` in a temporary
   directory, stopped after the module. Tests sharing it use their own cluster names.

@@ -17,8 +17,6 @@ import pytest
 from clients.dev.zk import ZooKeeperServer
 from tests.chaos.soak import ChaosSoak, SoakConfig
 
-pytest_plugins = ["tests.zk_fixture"]
-
 DEFAULT_SEED = 20261122
 CI_FAULTS = 60
 

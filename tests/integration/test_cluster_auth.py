@@ -30,8 +30,6 @@ from tests.cluster_procs import ClusterProcesses
 from tests.procs import steward_command
 from tests.worker_procs import wait_until
 
-pytest_plugins = ["tests.zk_fixture"]
-
 ADMIN = "admin-secret-for-the-test"
 WORKER = "worker-secret-for-the-test"
 CLUSTER_TOKEN = "cluster-secret-for-the-test"

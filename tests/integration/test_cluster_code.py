@@ -20,8 +20,6 @@ from kazoo.client import KazooClient  # type: ignore[import-untyped]
 from clients.dev.zk import ZooKeeperServer
 from tests.cluster_procs import BrokerNode, ClusterProcesses
 
-pytest_plugins = ["tests.zk_fixture"]
-
 JOB = b"def run(params, ctx):\n    return params\n"
 FAR_FUTURE_S = 4_000_000_000  # start_after: keeps the task live (delayed) for the test
 

@@ -35,8 +35,6 @@ from tests.cluster_procs import (
 )
 from tests.worker_procs import wait_until
 
-pytest_plugins = ["tests.zk_fixture", "tests.pulsar_fixture"]
-
 
 @pytest.fixture(params=["file", "pulsar"])
 def pulsar_url(request: pytest.FixtureRequest) -> str | None:

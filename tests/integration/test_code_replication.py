@@ -32,8 +32,6 @@ from log.memory import MemoryLedgerListStore, MemoryLedgerStore
 from snapshot.store import SnapshotStore
 from tests.asgi_server import Receive, Scope, Send, Served, serve, unserve
 
-pytest_plugins = ["tests.zk_fixture"]
-
 SESSION_TIMEOUT_S = 3.0
 WAIT_S = 15.0
 JOB = b"def run(params):\n    return {'ok': True}\n"

@@ -34,7 +34,6 @@ from tests.cluster_procs import BrokerNode, ClusterProcesses
 from tests.procs import BrokerProcess
 from tests.worker_procs import wait_until
 
-pytest_plugins = ["tests.zk_fixture"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 CHROMIUM = Path("/usr/bin/chromium")

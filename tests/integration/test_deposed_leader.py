@@ -24,8 +24,6 @@ from broker.core import entries as e
 from broker.replication.node import BrokerUnavailableError, Node, Stamp
 from tests.unit.ledger_helpers import BACKENDS, LedgerBackend, cluster_node
 
-pytest_plugins = ["tests.zk_fixture", "tests.pulsar_fixture"]
-
 WAIT_S = 30.0
 
 

@@ -38,7 +38,6 @@ from log.pulsar import (
 )
 from log.zk_list import ZooKeeperLedgerIdAllocator
 
-pytest_plugins = ["tests.zk_fixture", "tests.pulsar_fixture"]
 pytestmark = pytest.mark.timeout(60)
 
 WAIT_S = 10.0

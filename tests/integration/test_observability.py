@@ -16,8 +16,6 @@ from tests.cluster_procs import ClusterProcesses
 from tests.procs import HOST, BrokerProcess, free_port
 from tests.worker_procs import WorkerProcess, wait_until
 
-pytest_plugins = ["tests.zk_fixture"]
-
 WAIT_S = 60.0
 
 

@@ -39,7 +39,6 @@ from tests.procs import HOST, BrokerProcess, free_port, steward_command
 from tests.tls_certs import TlsFiles, make_tls_files
 from tests.worker_procs import WorkerProcess, wait_until
 
-pytest_plugins = ["tests.zk_fixture"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 JOB = b"def run(params, ctx):\n    return {'echo': params, 'task': ctx.task_id}\n"

@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     # rewriting its asserts.
     from tests.zk_fixture import ElectorProcessFactory
 
-pytest_plugins = ["tests.zk_fixture"]
 
 SESSION_TIMEOUT_S = 3.0
 # kazoo declares the connection dropped after 2/3 of the session timeout without an answer.
