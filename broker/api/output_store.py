@@ -34,8 +34,8 @@ import httpx
 import msgspec
 
 from broker.core.state import FINAL_STATES, StateMachine, TaskState
-from broker.observability.dashboard import peer_ssl_context
 from broker.security.auth import Principal
+from broker.security.tls import peer_ssl_context
 
 OutputKey = tuple[int, int]  # (task_id, attempt)
 

@@ -106,7 +106,7 @@ RULES: tuple[Rule, ...] = (
          why="metrics, task log and dashboard read the state; they never drive it"),
     Rule("broker.api",
          ("broker.core", "broker.replication", "broker.security", "broker.artifacts",
-          "broker.observability", "snapshot.peer"),
+          "broker.observability.dashboard", "broker.observability.metrics", "snapshot.peer"),
          why="the HTTP API: above the node, beside workers and HA, below the server"),
     Rule("broker.workers",
          ("broker.workers.protocol", "broker.core", "broker.replication", "broker.security",
