@@ -47,8 +47,8 @@ from bench_submit import (
     start_broker,
 )
 
-from broker.pulsar_lite import PulsarLiteServer
-from broker.zk import ZooKeeperServer
+from clients.dev.pulsar_lite import PulsarLiteServer
+from clients.dev.zk import ZooKeeperServer
 
 SESSION_TIMEOUT_MS = 4000
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from broker.protocol import AssignedTask, TaskReport
+from broker.workers.protocol import AssignedTask, TaskReport
 from clients.worker.config import WorkerConfig
 from clients.worker.runtime import TaskRuntime
 

@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from broker.pulsar_lite import PulsarLiteServer
+from clients.dev.pulsar_lite import PulsarLiteServer
 from log.pulsar import PulsarConfig, PulsarLedgerStore
 
 CONCURRENCIES = (1, 32, 1000)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from broker.tls import CA_ENV, TlsConfig, TlsConfigError
+from broker.security.tls import CA_ENV, TlsConfig, TlsConfigError
 from clients.client import (
     CertificateVerifyError,
     StewardClient,
@@ -25,8 +25,8 @@ from clients.client import (
 from clients.progress import print_progress
 
 if TYPE_CHECKING:
-    from broker.auth import AuthConfig
-    from broker.edges import HttpEdgeConfig
+    from broker.api.edges import HttpEdgeConfig
+    from broker.security.auth import AuthConfig
     from log.pulsar import PulsarConfig
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -194,7 +194,7 @@ def _add_edge_options(p: argparse.ArgumentParser) -> None:
 
 
 def _http_edges(args: argparse.Namespace) -> HttpEdgeConfig:
-    from broker.edges import HttpEdgeConfig
+    from broker.api.edges import HttpEdgeConfig
 
     edges = HttpEdgeConfig(
         header_timeout_s=args.http_header_timeout_s,
@@ -239,7 +239,7 @@ def _tls_config(args: argparse.Namespace) -> TlsConfig | None:
 
 
 def _add_log_format_option(p: argparse.ArgumentParser) -> None:
-    from broker.logs import add_log_format_option
+    from broker.observability.logs import add_log_format_option
 
     add_log_format_option(p)
 
@@ -841,7 +841,7 @@ def _auth_config(args: argparse.Namespace) -> AuthConfig:
     Sets ``args.worker_token`` and ``args.cluster_token`` to the secrets found (file,
     deprecated command line, environment) and removes the secrets' environment variables,
     so the broker's children (workers it starts get theirs explicitly) inherit none."""
-    from broker.auth import AuthConfig, SecretOptionError, read_secret, secret_from_options
+    from broker.security.auth import AuthConfig, SecretOptionError, read_secret, secret_from_options
 
     def warn(message: str) -> None:
         print(f"steward: warning: {message}", file=sys.stderr, flush=True)
@@ -881,11 +881,11 @@ def run_standalone(args: argparse.Namespace) -> int:
 
     import uvloop
 
-    from broker.http_api import ApiConfig
-    from broker.logs import LOG_FORMAT_ENV, setup_logging
-    from broker.node import BrokerStartupError, NodeConfig
-    from broker.standalone import StandaloneConfig, serve_standalone
-    from broker.worker_link import WorkerLinkConfig
+    from broker.api.http_api import ApiConfig
+    from broker.observability.logs import LOG_FORMAT_ENV, setup_logging
+    from broker.replication.node import BrokerStartupError, NodeConfig
+    from broker.server.standalone import StandaloneConfig, serve_standalone
+    from broker.workers.worker_link import WorkerLinkConfig
 
     setup_logging(args.log_level, args.log_format)
     # Worker processes started beside the broker (--workers) log the same way.
@@ -955,11 +955,11 @@ def _pulsar_config(args: argparse.Namespace) -> PulsarConfig | None:
 def run_broker(args: argparse.Namespace) -> int:
     import uvloop
 
-    from broker.cluster import BrokerConfig, serve_broker
-    from broker.http_api import ApiConfig
-    from broker.logs import setup_logging
-    from broker.node import BrokerStartupError, NodeConfig
-    from broker.worker_link import WorkerLinkConfig
+    from broker.api.http_api import ApiConfig
+    from broker.observability.logs import setup_logging
+    from broker.replication.node import BrokerStartupError, NodeConfig
+    from broker.server.cluster import BrokerConfig, serve_broker
+    from broker.workers.worker_link import WorkerLinkConfig
 
     setup_logging(args.log_level, args.log_format, static_fields={"broker": args.broker_id})
     if not args.zookeeper:
@@ -1033,8 +1033,8 @@ def run_broker(args: argparse.Namespace) -> int:
 
 
 def run_cluster_up(args: argparse.Namespace) -> int:
-    from broker.local_cluster import LocalClusterConfig, run_local_cluster
-    from broker.zk import ZooKeeperError
+    from clients.dev.local_cluster import LocalClusterConfig, run_local_cluster
+    from clients.dev.zk import ZooKeeperError
 
     if args.brokers < 1 or args.workers < 0:
         raise UsageError("need --brokers >= 1 and --workers >= 0")

@@ -51,8 +51,8 @@ from typing import Any, Final
 
 import httpx
 
-from broker.auth import bearer_headers
-from broker.tls import certificate_error, client_context, describe_certificate_error
+from broker.security.auth import bearer_headers
+from broker.security.tls import certificate_error, client_context, describe_certificate_error
 
 FINAL_STATES: Final = frozenset({"finished", "error", "cancelled"})
 _POLL_SLICE_S: Final = 30.0  # one long-poll request waits at most this long

@@ -9,7 +9,7 @@ from typing import Any
 
 import uvicorn
 
-from broker.local_server import free_port
+from clients.dev.local_server import free_port
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from broker.node import Node, NodeConfig
+from broker.replication.node import Node, NodeConfig
 from log.memory import MemoryLedgerListStore, MemoryLedgerStore
 from snapshot.store import SnapshotStore
 

@@ -1,8 +1,8 @@
 """A real pulsar-lite broker for tests (the ``pulsar`` ledger backend's Pulsar).
 
-Load the fixtures with ``pytest_plugins = ["tests.pulsar_fixture"]`` in a test module.
+tests/conftest.py loads these fixtures for every test.
 
-- ``pulsar_lite`` (session scope): a started :class:`~broker.pulsar_lite.PulsarLiteServer` on a
+- ``pulsar_lite`` (session scope): a started :class:`~clients.dev.pulsar_lite.PulsarLiteServer` on a
   free loopback port in a temporary directory, stopped after the session. Tests sharing it
   use their own topic prefix (``PulsarConfig.cluster``) and ledger ids.
 - ``pulsar_lite_factory``: starts private brokers for tests that kill or restart one.
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from broker.pulsar_lite import PulsarLiteServer
+from clients.dev.pulsar_lite import PulsarLiteServer
 from tests.server_fixtures import in_temp_dir, one_server, server_factory
 
 

@@ -7,7 +7,7 @@ from typing import TypeVar
 
 import pytest
 
-from broker.local_server import LocalServerProcess
+from clients.dev.local_server import LocalServerProcess
 
 S = TypeVar("S", bound=LocalServerProcess)
 

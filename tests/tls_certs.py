@@ -12,7 +12,7 @@ from pathlib import Path
 
 import trustme
 
-from broker.tls import client_context
+from broker.security.tls import client_context
 
 
 @dataclass(frozen=True)

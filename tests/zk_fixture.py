@@ -1,15 +1,15 @@
 """A real ZooKeeper server for tests, plus a broker elector in a subprocess.
 
-Load the fixtures with ``pytest_plugins = ["tests.zk_fixture"]`` in a test module.
+tests/conftest.py loads these fixtures for every test.
 
-- ``zookeeper`` (module scope): a started :class:`~broker.zk.ZooKeeperServer` in a temporary
+- ``zookeeper`` (module scope): a started :class:`~clients.dev.zk.ZooKeeperServer` in a temporary
   directory, stopped after the module. Tests sharing it use their own cluster names.
 - ``zookeeper_factory``: starts private servers for tests that pause, restart or kill one.
 
 There is no skip: without Java or the ZooKeeper jars the fixtures fail with the reason.
 
 ``python -m tests.zk_fixture CONNECT CLUSTER BROKER_ID SESSION_TIMEOUT_S`` runs one
-:class:`~broker.election.LeaderElector` that joins the queue and waits to be killed (a broker
+:class:`~broker.ha.election.LeaderElector` that joins the queue and waits to be killed (a broker
 that tests can ``kill -9``); it prints ``JOINED`` once queued.
 The ``elector_process`` fixture starts one.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.zk import ZooKeeperServer
+from clients.dev.zk import ZooKeeperServer
 from tests.server_fixtures import in_temp_dir, one_server, server_factory
 
 
@@ -89,7 +89,7 @@ def elector_process(tmp_path: Path) -> Iterator[ElectorProcessFactory]:
 async def _run_elector(
     connect_string: str, cluster: str, broker_id: str, session_timeout_s: float
 ) -> None:
-    from broker.election import LeaderElector
+    from broker.ha.election import LeaderElector
 
     elector = LeaderElector(
         connect_string,

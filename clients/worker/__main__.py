@@ -8,8 +8,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from broker.auth import secret_from_options
-from broker.tls import CA_ENV
+from broker.security.auth import secret_from_options
+from broker.security.tls import CA_ENV
 from clients.worker.config import (
     WorkerConfig,
     default_cache_dir,
@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start a fresh process once one's resident memory passes this (default: 0, off)",
     )
     p.add_argument("--log-level", default="INFO")
-    from broker.logs import add_log_format_option
+    from broker.observability.logs import add_log_format_option
 
     add_log_format_option(p)
     return p
@@ -302,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     # Task processes under the worker's own uid must not read its memory or environment.
     make_non_dumpable()
-    from broker.logs import setup_logging
+    from broker.observability.logs import setup_logging
 
     # Task-related lines carry task_id and tenant (text: "task=12 tenant=acme").
     setup_logging(args.log_level, args.log_format, static_fields={"worker": config.worker_id})

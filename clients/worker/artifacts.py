@@ -16,7 +16,7 @@ it hashes it again (a mismatch is removed and downloaded again), and before it f
 uses an unpacked tree it compares every file with the verified archive (any difference,
 missing or extra file: the tree is unpacked again; ``__pycache__`` directories are
 dropped, as a planted ``.pyc`` would run instead of its verified source). Archives are
-unpacked under the same bounds as on upload (``broker/artifact_check.py``: entry count,
+unpacked under the same bounds as on upload (``broker/artifacts/artifact_check.py``: entry count,
 inflated size and ratio, counted while inflating in chunks), and a ``.py`` over
 ``max_py_bytes`` is refused.
 
@@ -75,14 +75,14 @@ from typing import Any, Final
 
 import httpx
 
-from broker.artifact_check import (
+from broker.artifacts.artifact_check import (
     ArtifactLimits,
     InvalidArtifactError,
     iter_zip_members,
     write_private_file,
 )
-from broker.auth import bearer_headers
-from broker.code_store import SHA256_RE
+from broker.core.entries import SHA256_RE
+from broker.security.auth import bearer_headers
 from log.private_fs import make_private_dirs
 
 logger = logging.getLogger(__name__)

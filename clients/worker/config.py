@@ -10,8 +10,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from broker.protocol import DEFAULT_MAX_FRAME_BYTES
-from broker.tls import TlsConfigError, client_context
+from broker.security.tls import TlsConfigError, client_context
+from broker.workers.protocol import DEFAULT_MAX_FRAME_BYTES
 from clients.worker.task_identity import DEFAULT_TASK_UID_RANGE
 
 DEFAULT_MAX_RESULT_BYTES = 1024 * 1024

@@ -46,10 +46,10 @@ from typing import Any, NamedTuple
 import httpx
 import msgspec
 
-from broker.api_models import ClusterSummary
-from broker.auth import bearer_headers
-from broker.logs import task_fields
-from broker.protocol import (
+from broker.api.api_models import ClusterSummary
+from broker.observability.logs import task_fields
+from broker.security.auth import bearer_headers
+from broker.workers.protocol import (
     MAX_OUTPUT_BYTES,
     Assign,
     AssignedTask,

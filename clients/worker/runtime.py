@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from broker.logs import task_fields
-from broker.protocol import AssignedTask, TaskAttempt, TaskReport
+from broker.observability.logs import task_fields
+from broker.workers.protocol import AssignedTask, TaskAttempt, TaskReport
 from clients.worker import task_wire
 from clients.worker.artifacts import ArtifactCache
 from clients.worker.config import WorkerConfig
@@ -141,7 +141,7 @@ def outcome_report(
             error = f"killed: memory limit {memory_mb} MB\n\n{error}"
         return TaskReport(task.task_id, task.attempt, ok=False, error=error)
     # Sizes only: they keep the Finish frame within the link's bound. Whether the result is
-    # JSON and the spawns valid, the broker checks for every worker (broker/worker_link.py).
+    # JSON and the spawns valid, the broker checks for every worker (broker/workers/worker_link.py).
     problem = ""
     if done.result is None or len(done.result) > max_result_bytes:
         problem = "result missing or over max_result_bytes"

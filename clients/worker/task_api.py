@@ -32,7 +32,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Final
 
-from broker.protocol import AssignedTask, SpawnRequest
+from broker.workers.protocol import AssignedTask, SpawnRequest
 from clients.worker.config import cpu_count
 
 logger = logging.getLogger(__name__)

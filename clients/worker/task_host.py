@@ -37,7 +37,7 @@ from typing import Any, Final
 
 import msgspec
 
-from broker.protocol import AssignedTask
+from broker.workers.protocol import AssignedTask
 from clients.worker import sandbox, task_wire
 from clients.worker.spark_connect import (
     CLASSIC_FLAG_HINT,

@@ -27,7 +27,7 @@ from typing import Final, Generic, TypeVar
 
 import msgspec
 
-from broker.protocol import SpawnRequest
+from broker.workers.protocol import SpawnRequest
 
 _LENGTH: Final = struct.Struct(">I")
 

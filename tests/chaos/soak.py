@@ -51,9 +51,9 @@ from typing import Any
 
 import httpx
 
-from broker.state import StateMachine
-from broker.zk import ZooKeeperServer
+from broker.core.state import StateMachine
 from clients.client import ConnectionFailedError, StewardClient, StewardError, UnavailableError
+from clients.dev.zk import ZooKeeperServer
 from snapshot.format import read_snapshot
 from tests.cluster_procs import (
     BrokerNode,
@@ -825,7 +825,7 @@ def run_soak(
             )
         pulsar_url = None
         if config.ledgers == "pulsar":
-            from broker.pulsar_lite import PulsarLiteServer
+            from clients.dev.pulsar_lite import PulsarLiteServer
 
             pulsar = stack.enter_context(
                 PulsarLiteServer(root / "pulsar-lite", stop_with_parent=True)

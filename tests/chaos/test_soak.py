@@ -14,10 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from broker.zk import ZooKeeperServer
+from clients.dev.zk import ZooKeeperServer
 from tests.chaos.soak import ChaosSoak, SoakConfig
-
-pytest_plugins = ["tests.zk_fixture"]
 
 DEFAULT_SEED = 20261122
 CI_FAULTS = 60

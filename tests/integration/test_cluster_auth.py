@@ -24,13 +24,11 @@ import pytest
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 from kazoo.exceptions import NoAuthError  # type: ignore[import-untyped]
 
-from broker.zk import ZooKeeperServer
 from clients.client import AuthenticationError, NotFoundError, StewardClient
+from clients.dev.zk import ZooKeeperServer
 from tests.cluster_procs import ClusterProcesses
 from tests.procs import steward_command
 from tests.worker_procs import wait_until
-
-pytest_plugins = ["tests.zk_fixture"]
 
 ADMIN = "admin-secret-for-the-test"
 WORKER = "worker-secret-for-the-test"

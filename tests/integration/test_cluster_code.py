@@ -17,10 +17,8 @@ from typing import Any
 import httpx
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
-from broker.zk import ZooKeeperServer
+from clients.dev.zk import ZooKeeperServer
 from tests.cluster_procs import BrokerNode, ClusterProcesses
-
-pytest_plugins = ["tests.zk_fixture"]
 
 JOB = b"def run(params, ctx):\n    return params\n"
 FAR_FUTURE_S = 4_000_000_000  # start_after: keeps the task live (delayed) for the test

@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from broker.pulsar_lite import PulsarLiteServer
-from broker.zk import ZooKeeperServer
+from clients.dev.pulsar_lite import PulsarLiteServer
+from clients.dev.zk import ZooKeeperServer
 from tests.cluster_procs import (
     BrokerNode,
     ClusterProcesses,
@@ -34,8 +34,6 @@ from tests.cluster_procs import (
     probe_idempotency,
 )
 from tests.worker_procs import wait_until
-
-pytest_plugins = ["tests.zk_fixture", "tests.pulsar_fixture"]
 
 
 @pytest.fixture(params=["file", "pulsar"])

@@ -1,4 +1,4 @@
-"""Code artifact replication (broker/code_replication.py) against a real ZooKeeper server.
+"""Code artifact replication (broker/ha/code_replication.py) against a real ZooKeeper server.
 
 Three "brokers" share one in-memory Node (one log, so one applied entry stream) but each
 has its own CodeStore, its own ZooKeeper session, its own CodeReplicator and its own
@@ -21,18 +21,16 @@ import httpx
 import pytest
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
-from broker import entries as e
-from broker.code_replication import CodeReplicator, ReplicationMonitor, replica_path
-from broker.code_store import CodeStore
-from broker.http_api import ApiApp, ApiConfig
-from broker.node import Node, NodeConfig
-from broker.state import ApplyResult, Artifact, TaskRef
-from broker.zk import ZooKeeperServer
+from broker.api.http_api import ApiApp, ApiConfig
+from broker.artifacts.code_store import CodeStore
+from broker.core import entries as e
+from broker.core.state import ApplyResult, Artifact, TaskRef
+from broker.ha.code_replication import CodeReplicator, ReplicationMonitor, replica_path
+from broker.replication.node import Node, NodeConfig
+from clients.dev.zk import ZooKeeperServer
 from log.memory import MemoryLedgerListStore, MemoryLedgerStore
 from snapshot.store import SnapshotStore
 from tests.asgi_server import Receive, Scope, Send, Served, serve, unserve
-
-pytest_plugins = ["tests.zk_fixture"]
 
 SESSION_TIMEOUT_S = 3.0
 WAIT_S = 15.0

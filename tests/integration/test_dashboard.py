@@ -29,12 +29,11 @@ from selenium.webdriver.chrome.webdriver import WebDriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from broker.zk import ZooKeeperServer
+from clients.dev.zk import ZooKeeperServer
 from tests.cluster_procs import BrokerNode, ClusterProcesses
 from tests.procs import BrokerProcess
 from tests.worker_procs import wait_until
 
-pytest_plugins = ["tests.zk_fixture"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 CHROMIUM = Path("/usr/bin/chromium")

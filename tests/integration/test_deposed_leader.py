@@ -1,7 +1,7 @@
 """A deposed leader never gets a write acknowledged, on every ledger backend (issue 5,
 acceptance 3; DESIGN §4).
 
-Two real :class:`~broker.node.Node` objects share one backend and one ledger list. The
+Two real :class:`~broker.replication.node.Node` objects share one backend and one ledger list. The
 first leads and writes; the second takes over (marks the first's ledger closing, recovers
 it, opens its own) while the first still believes it leads (its elector view is stale:
 ``leadership_check`` keeps answering True). Everything the first proposes afterwards must
@@ -20,11 +20,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from broker import entries as e
-from broker.node import BrokerUnavailableError, Node, Stamp
+from broker.core import entries as e
+from broker.replication.node import BrokerUnavailableError, Node, Stamp
 from tests.unit.ledger_helpers import BACKENDS, LedgerBackend, cluster_node
-
-pytest_plugins = ["tests.zk_fixture", "tests.pulsar_fixture"]
 
 WAIT_S = 30.0
 

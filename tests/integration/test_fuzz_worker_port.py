@@ -27,7 +27,7 @@ import httpx
 import msgspec
 import pytest
 
-from broker import protocol as p
+from broker.workers import protocol as p
 from tests.fake_worker import FakeWorker
 from tests.procs import HOST, BrokerProcess, free_port
 
@@ -42,7 +42,7 @@ CONNECTION_TIMEOUT_S = 30.0
 TASKS_DONE_TIMEOUT_S = 120.0
 GOOD_TYPE = "good"
 GOOD_TENANT = "good"
-# Codes the broker may answer with (broker/protocol.py and broker/worker_link.py).
+# Codes the broker may answer with (broker/workers/protocol.py and broker/workers/worker_link.py).
 ERROR_CODES = {
     "frame_too_large",
     "bad_frame",

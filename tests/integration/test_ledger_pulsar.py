@@ -24,8 +24,8 @@ import pytest
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
 import log.pulsar
-from broker.pulsar_lite import PulsarLiteServer
-from broker.zk import ZooKeeperServer
+from clients.dev.pulsar_lite import PulsarLiteServer
+from clients.dev.zk import ZooKeeperServer
 from log.api import LedgerError, LedgerReader, NoSuchLedgerError
 from log.pulsar import (
     Kind,
@@ -38,7 +38,6 @@ from log.pulsar import (
 )
 from log.zk_list import ZooKeeperLedgerIdAllocator
 
-pytest_plugins = ["tests.zk_fixture", "tests.pulsar_fixture"]
 pytestmark = pytest.mark.timeout(60)
 
 WAIT_S = 10.0

@@ -11,12 +11,10 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker.zk import ZooKeeperServer
+from clients.dev.zk import ZooKeeperServer
 from tests.cluster_procs import ClusterProcesses
 from tests.procs import HOST, BrokerProcess, free_port
 from tests.worker_procs import WorkerProcess, wait_until
-
-pytest_plugins = ["tests.zk_fixture"]
 
 WAIT_S = 60.0
 

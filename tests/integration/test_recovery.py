@@ -23,10 +23,10 @@ import httpx
 import msgspec
 import pytest
 
-from broker import entries as e
-from broker.node import Node, NodeConfig, Stamp
-from broker.standalone import build_node
-from broker.state import StateMachine, TaskRef
+from broker.core import entries as e
+from broker.core.state import StateMachine, TaskRef
+from broker.replication.node import Node, NodeConfig, Stamp
+from broker.server.standalone import build_node
 from log.api import LedgerState
 from log.file import FRAME_HEADER, encode_frame
 from tests.procs import BrokerProcess, fetch_all_tasks, get_digest

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from broker.protocol import Cancel, TaskAttempt
+from broker.workers.protocol import Cancel, TaskAttempt
 from clients.worker import Worker, WorkerConfig
 from clients.worker.spark_connect import SparkConnectServer, new_session_id
 from tests.unit.test_worker import (

@@ -31,15 +31,14 @@ from typing import Any
 import httpx
 import pytest
 
-from broker import protocol as p
-from broker.zk import ZooKeeperServer
+from broker.workers import protocol as p
 from clients.client import CertificateVerifyError, StewardClient
+from clients.dev.zk import ZooKeeperServer
 from tests.cluster_procs import BrokerNode, ClusterProcesses, fetch_tasks
 from tests.procs import HOST, BrokerProcess, free_port, steward_command
 from tests.tls_certs import TlsFiles, make_tls_files
 from tests.worker_procs import WorkerProcess, wait_until
 
-pytest_plugins = ["tests.zk_fixture"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 JOB = b"def run(params, ctx):\n    return {'echo': params, 'task': ctx.task_id}\n"

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from broker.protocol import Cancel, TaskAttempt
+from broker.workers.protocol import Cancel, TaskAttempt
 from clients.worker import TaskContext
 from clients.worker import runtime as worker_runtime
 from clients.worker.runtime import shared_spark

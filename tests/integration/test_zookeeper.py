@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 import pytest
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
-from broker.election import ElectionError, LeaderElector, LeadershipStatus
-from broker.local_server import free_port
-from broker.zk import ZooKeeperServer, four_letter_word
+from broker.ha.election import ElectionError, LeaderElector, LeadershipStatus
+from clients.dev.local_server import free_port
+from clients.dev.zk import ZooKeeperServer, four_letter_word
 from log.api import BadVersionError, LedgerError, LedgerInfo, LedgerList, LedgerState
 from log.zk_list import ZooKeeperLedgerListStore, ledger_list_path
 
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     # rewriting its asserts.
     from tests.zk_fixture import ElectorProcessFactory
 
-pytest_plugins = ["tests.zk_fixture"]
 
 SESSION_TIMEOUT_S = 3.0
 # kazoo declares the connection dropped after 2/3 of the session timeout without an answer.

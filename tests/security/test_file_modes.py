@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from broker.code_store import CodeStore
-from broker.node import DataDirLock
+from broker.artifacts.code_store import CodeStore
+from broker.replication.node import DataDirLock
 from clients.worker.artifacts import ArtifactCache
 from log.api import LedgerInfo, LedgerList, LedgerState
 from log.file import FileLedgerListStore, FileLedgerStore

@@ -13,9 +13,9 @@ from typing import Any
 
 import msgspec
 
-from broker import entries as e
-from broker.http_api import iso_ms
-from broker.state import (
+from broker.api.http_api import iso_ms
+from broker.core import entries as e
+from broker.core.state import (
     ErrorCode,
     Rejected,
     ReplayedResults,

@@ -11,9 +11,9 @@ from typing import Any
 
 import msgspec
 
-from broker import entries as e
-from broker import protocol as p
-from broker.state import StateMachine, TaskRef, TaskState, TreeState
+from broker.core import entries as e
+from broker.core.state import StateMachine, TaskRef, TaskState, TreeState
+from broker.workers import protocol as p
 from tests.unit.test_state import Machine
 from tests.unit.test_worker_link import Broker, broker, make_broker
 

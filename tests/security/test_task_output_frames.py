@@ -20,11 +20,11 @@ from typing import Any
 import httpx
 import pytest
 
-from broker import protocol as p
-from broker.auth import AuthConfig
-from broker.http_api import ApiApp, ApiConfig
-from broker.output_store import OutputStore
-from broker.worker_link import WorkerLink, WorkerLinkConfig
+from broker.api.http_api import ApiApp, ApiConfig
+from broker.api.output_store import OutputStore
+from broker.security.auth import AuthConfig
+from broker.workers import protocol as p
+from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
 from tests.fake_worker import FakeWorker
 from tests.memory_node import memory_node
 
@@ -116,7 +116,7 @@ async def test_output_is_kept_only_from_the_attempts_connection_and_read_by_its_
     # Another worker writes into alice's running attempt: refused and logged.
     other = broker.worker("w2")
     await other.hello()
-    with caplog.at_level(logging.WARNING, logger="broker.worker_link"):
+    with caplog.at_level(logging.WARNING, logger="broker.workers.worker_link"):
         other.send(p.Output(task_id=task_id, attempt=1, data=b"forged by w2\n"))
         other.finish_ok(999, 1)  # a round trip: the Output before it was handled
         await other.expect(p.FinishAck)

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from broker.protocol import AssignedTask, TaskReport
+from broker.workers.protocol import AssignedTask, TaskReport
 from clients.worker import WorkerConfig
 from clients.worker.runtime import TaskRuntime
 from clients.worker.task_identity import DEFAULT_TASK_UID_RANGE, TaskIdentities, TaskUserError

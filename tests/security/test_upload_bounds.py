@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from broker.artifact_check import ArtifactLimits
+from broker.artifacts.artifact_check import ArtifactLimits
 from clients.worker.artifacts import ArtifactCache, ArtifactError
 from tests.edge_probes import AttackWatch
 from tests.procs import BrokerProcess

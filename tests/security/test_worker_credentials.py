@@ -30,13 +30,13 @@ from typing import Any
 import httpx
 import pytest
 
-from broker import protocol as p
-from broker.auth import AuthConfig
-from broker.code_store import CodeStore
-from broker.http_api import ApiApp, ApiConfig
-from broker.node import Node
-from broker.state import TaskState, WorkerState
-from broker.worker_link import WorkerLink, WorkerLinkConfig
+from broker.api.http_api import ApiApp, ApiConfig
+from broker.artifacts.code_store import CodeStore
+from broker.core.state import TaskState, WorkerState
+from broker.replication.node import Node
+from broker.security.auth import AuthConfig
+from broker.workers import protocol as p
+from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
 from clients import cli
 from clients.worker.__main__ import build_parser, worker_token
 from tests.fake_worker import FakeWorker
@@ -362,7 +362,7 @@ async def test_token_api_validates_worker_credentials(broker: Broker) -> None:
     [view] = (await broker.call(ADMIN, "GET", "/api/v1/tokens")).json()["tokens"]
     assert (view["role"], view["tenants"]) == ("worker", ["a", "b"])
     # Worker credentials live in the replicated state: snapshots and digests carry them.
-    from broker.state import StateMachine
+    from broker.core.state import StateMachine
 
     state = broker.node.state
     reloaded = StateMachine.from_snapshot(state.encode_snapshot())
@@ -492,7 +492,7 @@ async def test_reports_are_accepted_only_from_the_attempts_connection(
     # Another worker's connection reports it: refused (and logged with its address).
     other = broker.worker("w2", token=secret)
     await other.hello()
-    with caplog.at_level(logging.WARNING, logger="broker.worker_link"):
+    with caplog.at_level(logging.WARNING, logger="broker.workers.worker_link"):
         other.finish_ok(task_id, 1, b'"forged"')
         await other.expect(p.FinishAck)
     assert broker.state_of(task_id) == (TaskState.RUNNING, "w1")
@@ -523,7 +523,7 @@ async def test_snapshots_from_before_worker_credentials_still_load(broker: Broke
     fields: they load as unscoped tokens and shared-token workers."""
     import msgspec
 
-    from broker.state import StateMachine
+    from broker.core.state import StateMachine
 
     await broker.call(ADMIN, "POST", "/api/v1/tokens", json={"name": "t", "tenant": "a"})
     worker = broker.worker("w1", token=SHARED)

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from broker import protocol as p
+from broker.workers import protocol as p
 from tests.edge_probes import AttackWatch, connect, read_until_closed, send_ignoring_close
 from tests.fake_worker import FakeWorker
 from tests.procs import HOST, BrokerProcess, free_port

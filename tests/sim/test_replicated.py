@@ -1,10 +1,10 @@
-"""Seeded simulation of the replicated broker core (broker/node.py) in cluster mode.
+"""Seeded simulation of the replicated broker core (broker/replication/node.py) in cluster mode.
 
 Several :class:`Node` replicas share one memory ledger cluster (log/memory.py, each
 replica with its own store client) and one ledger list (the "ZooKeeper" of the test),
 each with its own SnapshotStore in ``tmp_path``. A simulated elector decides who holds
 the leadership lock; each replica's ``leadership_check`` reads its own, possibly stale,
-view of it, and a per-replica manager mirrors broker/cluster.py (take over: recover_log,
+view of it, and a per-replica manager mirrors broker/server/cluster.py (take over: recover_log,
 open_for_writes; deposed: step_down, follow; history gap: install a peer's snapshot).
 
 Everything runs on one asyncio loop with virtual time (it jumps to the next timer
@@ -59,8 +59,9 @@ import msgspec
 import pytest
 from test_simulation import EntryGenerator
 
-from broker import entries as e
-from broker.node import (
+from broker.core import entries as e
+from broker.core.state import ApplyResult, Rejected, StateMachine, Task, TaskRef, Tenant
+from broker.replication.node import (
     BrokerUnavailableError,
     HistoryGapError,
     Node,
@@ -68,7 +69,6 @@ from broker.node import (
     Role,
     Stamp,
 )
-from broker.state import ApplyResult, Rejected, StateMachine, Task, TaskRef, Tenant
 from log.api import LedgerError, LedgerList, LedgerListStore, LedgerReader, LedgerState
 from log.memory import MemoryLedgerCluster, MemoryLedgerListStore, MemoryLedgerStore
 from snapshot.store import SnapshotStore
@@ -414,7 +414,7 @@ class Simulation:
             self.stats["deposed: elector"] += 1
         else:
             self.stats["deposed: other"] += 1
-        # As broker/cluster.py: deposed while the elector still says "leader" -> requeue.
+        # As broker/server/cluster.py: deposed while the elector still says "leader" -> requeue.
         if replica.elector_says_leader:
             replica.deposed = reason
         replica.changed.set()
@@ -491,7 +491,7 @@ class Simulation:
         replica.tasks.clear()
         replica.manager = replica.follow_task = None
 
-    # --- the per-replica manager (mirrors broker/cluster.py) ---------------------------------
+    # --- the per-replica manager (mirrors broker/server/cluster.py) ---------------------------
 
     async def _manage(self, replica: Replica, node: Node) -> None:
         while replica.node is node:
@@ -537,7 +537,7 @@ class Simulation:
         replica.changed.set()
 
     def report_lost_lock(self, replica: Replica) -> None:
-        """broker/cluster.py's status watcher: no longer the leader -> depose at once."""
+        """broker/server/cluster.py's status watcher: no longer the leader -> depose at once."""
         replica.elector_says_leader = False
         node = replica.node
         if node is not None and node.role in (Role.LEADER, Role.CANDIDATE):
@@ -614,7 +614,7 @@ class Simulation:
                 task.exception()
 
     async def _download_snapshot(self, replica: Replica, node: Node) -> None:
-        """The peer download of broker/cluster.py: the newest snapshot any replica has."""
+        """The peer download of broker/server/cluster.py: the newest snapshot any replica has."""
         best: tuple[tuple[int, int], Path] | None = None
         for peer in self.replicas:
             if peer is replica:
@@ -1052,7 +1052,7 @@ class Simulation:
 @contextlib.contextmanager
 def _quiet_logs() -> Iterator[None]:
     # Depositions and fenced appends are the point here: keep the log noise down.
-    names = ("broker.node", "log.memory", "snapshot.store")
+    names = ("broker.replication.node", "log.memory", "snapshot.store")
     loggers = [logging.getLogger(name) for name in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:

@@ -1,4 +1,4 @@
-"""Seeded deterministic simulation of the replicated state machine (broker/state.py).
+"""Seeded deterministic simulation of the replicated state machine (broker/core/state.py).
 
 A generator, a pure function of ``random.Random(seed)`` and of the state it
 reads, produces a long stream of log entries, valid and invalid ones mixed.
@@ -47,8 +47,8 @@ from typing import Final, NoReturn
 import msgspec
 import pytest
 
-from broker import entries as e
-from broker.state import (
+from broker.core import entries as e
+from broker.core.state import (
     FINAL_STATES,
     IDEMPOTENCY_MIN_RETENTION_MS,
     LIVE_STATES,

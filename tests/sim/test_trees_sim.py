@@ -18,7 +18,7 @@ the tasks the entry touched, and the roots the machine reports as ended.
 - ``test_ten_thousand_task_tree``: one tree of exactly 10,000 tasks per shape, with a
   snapshot restore in the middle.
 - ``test_trees_across_leader_changes``: tests/sim/test_replicated.py's cluster of real
-  ``broker/node.py`` Nodes (leader changes, kills, power losses, snapshots) runs this
+  ``broker/replication/node.py`` Nodes (leader changes, kills, power losses, snapshots) runs this
   workload; the oracle checks the committed log's replay; at the end the workload lets
   every tree end (no more failures) and every tree in flight at a leader change or kill
   must have ended on a later leader; all replicas agree at every settle point.
@@ -53,8 +53,8 @@ from test_replicated import (
 )
 from test_simulation import EntryGenerator, Expect
 
-from broker import entries as e
-from broker.state import (
+from broker.core import entries as e
+from broker.core.state import (
     MAX_TREE_TIMEOUT_MS,
     ApplyResult,
     Rejected,

@@ -16,9 +16,9 @@ from typing import Any, ClassVar
 
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
-from broker.node import Node, NodeConfig
-from broker.pulsar_lite import PulsarLiteServer
-from broker.zk import ZooKeeperServer
+from broker.replication.node import Node, NodeConfig
+from clients.dev.pulsar_lite import PulsarLiteServer
+from clients.dev.zk import ZooKeeperServer
 from log.api import LedgerListStore, LedgerStore
 from log.file import FileLedgerListStore, FileLedgerStore
 from log.memory import MemoryLedgerCluster, MemoryLedgerListStore, MemoryLedgerStore

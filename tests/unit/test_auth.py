@@ -1,4 +1,5 @@
-"""Authentication and authorization on the HTTP API (broker/auth.py, broker/http_api.py).
+"""Authentication and authorization on the HTTP API (broker/security/auth.py,
+broker/api/http_api.py).
 
 Every endpoint is called as its owner (a tenant token of the tenant the resource belongs
 to), as another tenant, as admin (the configured bootstrap token and a created admin
@@ -18,12 +19,12 @@ from typing import Any
 import httpx
 import pytest
 
-from broker import entries as e
-from broker.auth import AuthConfig, hash_token
-from broker.code_store import CodeStore
-from broker.http_api import ApiApp, ApiConfig
-from broker.node import Node
-from broker.state import StateMachine
+from broker.api.http_api import ApiApp, ApiConfig
+from broker.artifacts.code_store import CodeStore
+from broker.core import entries as e
+from broker.core.state import StateMachine
+from broker.replication.node import Node
+from broker.security.auth import AuthConfig, hash_token
 from tests.memory_node import memory_node
 
 ADMIN_SECRET = "bootstrap-admin-secret"

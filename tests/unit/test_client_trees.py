@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from broker import entries as e
-from broker.http_api import ApiApp, ApiConfig
-from broker.node import Node
+from broker.api.http_api import ApiApp, ApiConfig
+from broker.core import entries as e
+from broker.replication.node import Node
 from clients import cli
 from clients.client import InvalidRequestError, StewardClient, TaskTimeoutError, TreeFailedError
 from tests.asgi_server import Served, serve, unserve

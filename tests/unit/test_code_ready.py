@@ -11,9 +11,9 @@ from typing import Final
 
 import msgspec
 
-from broker import entries as e
-from broker.scheduler import schedule
-from broker.state import Artifact, ErrorCode, Rejected, StateMachine, TaskRef, TaskState
+from broker.core import entries as e
+from broker.core.scheduler import schedule
+from broker.core.state import Artifact, ErrorCode, Rejected, StateMachine, TaskRef, TaskState
 from tests.unit.test_state import Machine, code
 
 SHA: Final = "ab" * 32

@@ -17,13 +17,13 @@ import httpx
 import msgspec
 import pytest
 
-from broker import api_models as m
-from broker import entries as e
-from broker.dashboard import ThroughputRecorder
-from broker.http_api import ApiApp, ApiConfig, ClusterView
-from broker.local_server import free_port
-from broker.node import Node, Stamp
-from broker.state import TaskRef
+from broker.api import api_models as m
+from broker.api.http_api import ApiApp, ApiConfig, ClusterView
+from broker.core import entries as e
+from broker.core.state import TaskRef
+from broker.observability.dashboard import ThroughputRecorder
+from broker.replication.node import Node, Stamp
+from clients.dev.local_server import free_port
 from tests.asgi_server import Receive, Scope, Send, serve, unserve
 from tests.memory_node import memory_node
 

@@ -1,4 +1,4 @@
-"""The HTTP API (broker/http_api.py) in process: every error path and the happy paths.
+"""The HTTP API (broker/api/http_api.py) in process: every error path and the happy paths.
 
 Each test gets a fresh Node on memory ledgers behind ``httpx.ASGITransport``. The
 fixture records every response and fails the test if any had a status >= 500, except
@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
-from broker import entries as e
-from broker.http_api import ApiApp, ApiConfig
-from broker.node import Node, Stamp
+from broker.api.http_api import ApiApp, ApiConfig
+from broker.core import entries as e
+from broker.replication.node import Node, Stamp
 from tests.memory_node import memory_node
 
 CONFIG = ApiConfig(

@@ -1,4 +1,4 @@
-"""Idempotency keys on SubmitTasks (broker/state.py): a retried submission replays
+"""Idempotency keys on SubmitTasks (broker/core/state.py): a retried submission replays
 the first result instead of creating tasks again, deterministically on every replica."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any, Final
 import msgspec
 import pytest
 
-from broker import entries as e
-from broker.state import (
+from broker.core import entries as e
+from broker.core.state import (
     IDEMPOTENCY_MIN_RETENTION_MS,
     ErrorCode,
     Rejected,

@@ -1,6 +1,6 @@
-"""Structured logs (broker/logs.py): the JSON and text formatters, the --log-format option,
-and that every task-related line of the broker (broker/task_log.py) and the worker carries
-task_id and tenant."""
+"""Structured logs (broker/observability/logs.py): the JSON and text formatters, the
+--log-format option, and that every task-related line of the broker
+(broker/observability/task_log.py) and the worker carries task_id and tenant."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from broker import entries as e
-from broker.logs import JsonFormatter, TextFormatter, setup_logging, task_fields
-from broker.node import Node, NodeConfig, Stamp
+from broker.core import entries as e
+from broker.observability.logs import JsonFormatter, TextFormatter, setup_logging, task_fields
+from broker.replication.node import Node, NodeConfig, Stamp
 from clients import cli
 from clients.worker import __main__ as worker_main
 from clients.worker.runtime import make_task_logger

@@ -27,7 +27,6 @@ from log.api import (
 
 pytestmark = pytest.mark.timeout(60)
 # The pulsar backend runs against a real pulsar-lite, with ids and the list in ZooKeeper.
-pytest_plugins = ["tests.zk_fixture", "tests.pulsar_fixture"]
 
 # Every wait in these tests is bounded by this.
 WAIT_S = 5.0

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.local_cluster import LocalCluster, LocalClusterConfig, _Child
+from clients.dev.local_cluster import LocalCluster, LocalClusterConfig, _Child
 
 
 class _FakeBroker(ThreadingHTTPServer):

@@ -1,5 +1,5 @@
-"""Prometheus metrics (broker/metrics.py): scrape ``/metrics`` of an in-process ApiApp and
-check every family appears and moves as tasks are submitted, assigned, finished, failed
+"""Prometheus metrics (broker/observability/metrics.py): scrape ``/metrics`` of an in-process
+ApiApp and check every family appears and moves as tasks are submitted, assigned, finished, failed
 and cancelled; group commits, snapshots and a follower's lag, on real nodes over memory
 ledgers."""
 
@@ -14,9 +14,9 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker import entries as e
-from broker.http_api import ApiApp, ApiConfig
-from broker.node import Node, Stamp
+from broker.api.http_api import ApiApp, ApiConfig
+from broker.core import entries as e
+from broker.replication.node import Node, Stamp
 from tests.memory_node import memory_node
 from tests.unit.ledger_helpers import MemoryBackend, cluster_node
 

@@ -1,4 +1,5 @@
-"""The broker node's boot paths (broker/node.py) over the file ledger and snapshot stores.
+"""The broker node's boot paths (broker/replication/node.py) over the file ledger and snapshot
+stores.
 
 - snapshot + replay of the rest gives the same state as a full replay from the first entry,
   and as the live node that wrote the log; a corrupt newest snapshot is skipped;
@@ -24,9 +25,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from broker import entries as e
-from broker.node import BrokerStartupError, Node, NodeConfig, Stamp
-from broker.state import Rejected, TaskState
+from broker.core import entries as e
+from broker.core.state import Rejected, TaskState
+from broker.replication.node import BrokerStartupError, Node, NodeConfig, Stamp
 from log.api import LedgerList, LedgerListStore, LedgerState
 from log.file import FileLedgerListStore, FileLedgerStore
 from snapshot.format import SnapshotHeader
@@ -35,7 +36,7 @@ from snapshot.store import SnapshotStore
 WAIT_S = 30.0
 START_MS = 1_750_000_000_000
 ROLL_BYTES = 1500  # a dozen entries or so per ledger
-NODE_LOGGER = "broker.node"
+NODE_LOGGER = "broker.replication.node"
 SNAPSHOT_LOGGER = "snapshot.store"
 
 
@@ -72,7 +73,7 @@ def node_config(data_dir: Path, **overrides: object) -> NodeConfig:
 def make_node(
     config: NodeConfig, clock: FakeClock, ledger_list: LedgerListStore | None = None
 ) -> Node:
-    # The wiring of broker.standalone.build_node, with a fake clock.
+    # The wiring of broker.server.standalone.build_node, with a fake clock.
     data_dir = config.data_dir
     return Node(
         config,
@@ -660,7 +661,7 @@ async def test_a_snapshot_stands_when_retention_cannot_read_the_ledger_list(
         await Workload(node, clock, rng).run(20)
         taken = node.stats.snapshots_taken
         flaky.down = True
-        with caplog.at_level(logging.WARNING, "broker.node"):
+        with caplog.at_level(logging.WARNING, "broker.replication.node"):
             await node.take_snapshot()  # must not raise: the snapshot is written
         flaky.down = False
         assert node.stats.snapshots_taken == taken + 1

@@ -1,4 +1,4 @@
-"""The leader's task output store (broker/output_store.py): bounds, offsets, fetches,
+"""The leader's task output store (broker/api/output_store.py): bounds, offsets, fetches,
 and the logs route's answers (tenant scope, bad attempts)."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from broker import protocol as p
-from broker.auth import ANONYMOUS_ADMIN, Principal, Role
-from broker.http_api import ApiApp, ApiConfig
-from broker.output_store import LogsError, OutputStore, logs_answer, logs_from_leader
-from broker.state import Task, TaskState
+from broker.api.http_api import ApiApp, ApiConfig
+from broker.api.output_store import LogsError, OutputStore, logs_answer, logs_from_leader
+from broker.core.state import Task, TaskState
+from broker.security.auth import ANONYMOUS_ADMIN, Principal, Role
+from broker.workers import protocol as p
 from clients.client import NotFoundError, StewardClient
 from clients.worker.runtime import split_dropped_note
 from tests.asgi_server import serve, unserve

@@ -1,4 +1,4 @@
-"""The scheduler (broker/scheduler.py) against states built from real entries.
+"""The scheduler (broker/core/scheduler.py) against states built from real entries.
 
 Every round goes through the real path: ``schedule`` -> one ``AssignTasks``
 entry -> ``StateMachine.apply``, which must accept every assignment; after
@@ -13,9 +13,9 @@ from typing import Any, Final
 
 import pytest
 
-from broker import entries as e
-from broker.scheduler import schedule
-from broker.state import Rejected, StateMachine, Task, TaskRef, TaskState
+from broker.core import entries as e
+from broker.core.scheduler import schedule
+from broker.core.state import Rejected, StateMachine, Task, TaskRef, TaskState
 
 T0: Final = 1_700_000_000_000
 

@@ -17,11 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
-from broker import entries as e
-from broker.http_api import ApiApp, ApiConfig
-from broker.local_server import free_port
-from broker.node import Node, NodeConfig
-from broker.state import StateMachine
+from broker.api.http_api import ApiApp, ApiConfig
+from broker.core import entries as e
+from broker.core.state import StateMachine
+from broker.replication.node import Node, NodeConfig
+from clients.dev.local_server import free_port
 from log.memory import MemoryLedgerListStore, MemoryLedgerStore
 from snapshot.format import read_header
 from snapshot.peer import (
@@ -331,7 +331,7 @@ async def test_undecodable_state_is_not_installed(
 async def test_a_peer_with_authentication_serves_brokers_holding_the_cluster_token(
     tmp_path: Path, peers: Callable[..., Awaitable[Peer]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    from broker.auth import AuthConfig
+    from broker.security.auth import AuthConfig
 
     auth = AuthConfig.from_secrets(["admin-secret"], "worker-secret", "cluster-secret")
     peer = await peers("a", api_config=ApiConfig(auth=auth))

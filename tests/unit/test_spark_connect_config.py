@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from broker.protocol import AssignedTask
+from broker.workers.protocol import AssignedTask
 from clients.worker.__main__ import build_parser, config_from_args
 from clients.worker.config import WorkerConfig
 from clients.worker.runtime import task_identities

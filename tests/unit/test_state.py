@@ -1,4 +1,5 @@
-"""Rules of the replicated state machine (broker/state.py) and its entries (broker/entries.py).
+"""Rules of the replicated state machine (broker/core/state.py) and its entries
+(broker/core/entries.py).
 
 Each test is a small hand-built scenario; ``check_invariants()`` runs after
 every entry applied through ``Machine.apply``.
@@ -12,8 +13,8 @@ from typing import Any, Final
 import msgspec
 import pytest
 
-from broker import entries as e
-from broker.state import (
+from broker.core import entries as e
+from broker.core.state import (
     ApplyResult,
     Artifact,
     ErrorCode,

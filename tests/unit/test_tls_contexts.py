@@ -1,4 +1,4 @@
-"""TLS contexts (broker/tls.py) and their users, with a CA and certificate made at test
+"""TLS contexts (broker/security/tls.py) and their users, with a CA and certificate made at test
 time: a real TLS handshake, the HTTP API served over HTTPS by the broker's own uvicorn
 setup, the Python clients and the CLI (with and without the CA), the worker's options."""
 
@@ -14,12 +14,10 @@ import httpx
 import pytest
 import trustme
 
-from broker.http_api import ApiApp, ApiConfig
-from broker.local_server import free_port
-from broker.node import BrokerStartupError, Node, NodeConfig
-from broker.standalone import start_http_server, stop_http_server
-from broker.state import StateMachine
-from broker.tls import (
+from broker.api.http_api import ApiApp, ApiConfig
+from broker.core.state import StateMachine
+from broker.replication.node import BrokerStartupError, Node, NodeConfig
+from broker.security.tls import (
     TlsConfig,
     TlsConfigError,
     certificate_error,
@@ -27,8 +25,10 @@ from broker.tls import (
     describe_certificate_error,
     server_context,
 )
+from broker.server.standalone import start_http_server, stop_http_server
 from clients import cli
 from clients.client import AsyncStewardClient, CertificateVerifyError, StewardClient
+from clients.dev.local_server import free_port
 from clients.worker.__main__ import build_parser, config_from_args
 from clients.worker.config import WorkerConfig
 from log.memory import MemoryLedgerListStore, MemoryLedgerStore

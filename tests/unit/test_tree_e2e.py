@@ -1,5 +1,5 @@
 """Task trees end to end: a real worker (clients.worker) spawning children through the
-leader's worker endpoint (broker/worker_link.py) on a Node with in-memory ledgers."""
+leader's worker endpoint (broker/workers/worker_link.py) on a Node with in-memory ledgers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from broker.state import TaskState, TreeState
+from broker.core.state import TaskState, TreeState
 from clients.worker import TaskContext, Worker, WorkerConfig
 from tests.unit.test_worker_link import Broker, BrokerFactory, broker, make_broker
 

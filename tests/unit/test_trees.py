@@ -10,8 +10,8 @@ from typing import Any
 
 import msgspec
 
-from broker import entries as e
-from broker.state import (
+from broker.core import entries as e
+from broker.core.state import (
     StateMachine,
     StopRunning,
     TaskRef,

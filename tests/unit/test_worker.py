@@ -1,6 +1,6 @@
 """The worker (clients/worker) against a fake broker over real TCP, in one event loop.
 
-The fake broker speaks broker.protocol on 127.0.0.1:0 and lets each test decide what
+The fake broker speaks broker.workers.protocol on 127.0.0.1:0 and lets each test decide what
 to answer; artifacts come from a real HTTP server on 127.0.0.1:0. No Spark here (see
 tests/integration/test_worker_spark.py). Every wait is bounded.
 """
@@ -26,8 +26,8 @@ from typing import Any, TypeVar
 import msgspec
 import pytest
 
-from broker.api_models import ClusterSummary
-from broker.protocol import (
+from broker.api.api_models import ClusterSummary
+from broker.workers.protocol import (
     Assign,
     AssignedTask,
     Cancel,

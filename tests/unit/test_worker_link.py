@@ -1,4 +1,4 @@
-"""The leader's worker endpoint (broker/worker_link.py) against fake workers over real TCP.
+"""The leader's worker endpoint (broker/workers/worker_link.py) against fake workers over real TCP.
 
 Each test runs a Node on in-memory ledgers with a WorkerLink on an ephemeral
 port, heartbeats every 100 ms and a 600 ms heartbeat timeout, and drives it
@@ -17,11 +17,11 @@ from typing import Any, TypeVar
 
 import pytest
 
-from broker import entries as e
-from broker import protocol as p
-from broker.node import Node, NodeConfig, Stamp, wall_clock_ms
-from broker.state import ApplyResult, StopRunning, Task, TaskRef, TaskState, WorkerState
-from broker.worker_link import WorkerLink, WorkerLinkConfig
+from broker.core import entries as e
+from broker.core.state import ApplyResult, StopRunning, Task, TaskRef, TaskState, WorkerState
+from broker.replication.node import Node, NodeConfig, Stamp, wall_clock_ms
+from broker.workers import protocol as p
+from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
 from log.memory import MemoryLedgerListStore, MemoryLedgerStore
 from snapshot.store import SnapshotStore
 from tests.fake_worker import FakeWorker

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from broker.local_server import HOST, LocalServerProcess
+from clients.dev.local_server import HOST, LocalServerProcess
 
 logger = logging.getLogger(__name__)
 

@@ -36,18 +36,19 @@ from typing import Any
 
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
-from broker import api_models as m
-from broker.auth import kazoo_auth_options
-from broker.code_replication import CodeReplicator, ReplicationMonitor
-from broker.code_store import CodeStore
-from broker.election import (
+from broker.api import api_models as m
+from broker.api.http_api import ApiApp, ApiConfig
+from broker.api.output_store import OutputStore
+from broker.artifacts.code_store import CodeStore
+from broker.core.state import LIVE_STATES
+from broker.ha.code_replication import CodeReplicator, ReplicationMonitor
+from broker.ha.election import (
     ElectionError,
     LeaderElector,
     LeadershipStatus,
     default_client_factory,
 )
-from broker.http_api import ApiApp, ApiConfig
-from broker.node import (
+from broker.replication.node import (
     VERSION,
     BrokerStartupError,
     BrokerUnavailableError,
@@ -57,11 +58,10 @@ from broker.node import (
     NodeConfig,
     Role,
 )
-from broker.output_store import OutputStore
-from broker.standalone import http_scheme, start_http_server, stop_http_server
-from broker.state import LIVE_STATES
-from broker.tls import TlsConfig, TlsConfigError
-from broker.worker_link import WorkerLink, WorkerLinkConfig
+from broker.security.auth import kazoo_auth_options
+from broker.security.tls import TlsConfig, TlsConfigError
+from broker.server.standalone import http_scheme, start_http_server, stop_http_server
+from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
 from log.api import LedgerError, LedgerStore
 from log.file import FileLedgerStore
 from log.pulsar import PulsarConfig, PulsarLedgerStore

@@ -6,7 +6,7 @@ assignments of a scheduling round, batches of finish reports, and a worker
 declared dead after missing its heartbeat deadline. Workers are told only
 after the entry is applied.
 
-The protocol itself (frames, messages) lives in :mod:`broker.protocol`; this
+The protocol itself (frames, messages) lives in :mod:`broker.workers.protocol`; this
 module is the asyncio wrapper around it.
 """
 
@@ -23,16 +23,11 @@ from typing import Any
 
 import msgspec
 
-from broker import entries as e
-from broker import protocol as p
-from broker.auth import Role as CallerRole
-from broker.auth import hash_token
-from broker.edges import RefusalLog
-from broker.logs import task_fields
-from broker.node import BrokerStartupError, BrokerUnavailableError, Node, Stamp
-from broker.output_store import OutputStore
-from broker.scheduler import schedule
-from broker.state import (
+from broker.api.edges import RefusalLog
+from broker.api.output_store import OutputStore
+from broker.core import entries as e
+from broker.core.scheduler import schedule
+from broker.core.state import (
     NAME_RE,
     ApplyResult,
     ErrorCode,
@@ -44,9 +39,14 @@ from broker.state import (
     WorkerState,
     validate_task_spec,
 )
-from broker.tls import TlsConfig, TlsConfigError, server_context
+from broker.observability.logs import task_fields
+from broker.replication.node import BrokerStartupError, BrokerUnavailableError, Node, Stamp
+from broker.security.auth import Role as CallerRole
+from broker.security.auth import hash_token
+from broker.security.tls import TlsConfig, TlsConfigError, server_context
+from broker.workers import protocol as p
 
-logger = logging.getLogger(__name__)  # task events: broker/task_log.py
+logger = logging.getLogger(__name__)  # task events: broker/observability/task_log.py
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class WorkerLinkConfig:
     # Authentication on: worker credentials issued through the API (role "worker") are
     # accepted, and some credential is required even without a shared token.
     worker_credentials: bool = False
-    # Task output kept on the leader (broker/output_store.py): in total, the least
+    # Task output kept on the leader (broker/api/output_store.py): in total, the least
     # recently written attempt evicted first (each attempt keeps its last 1 MiB).
     max_output_total_bytes: int = 256 * 1024 * 1024
 

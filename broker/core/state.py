@@ -35,8 +35,8 @@ from typing import Any, Final
 
 import msgspec
 
-from broker import entries as e
-from broker.code_store import SHA256_RE
+from broker.core import entries as e
+from broker.core.entries import SHA256_RE
 
 
 class TaskState(StrEnum):
@@ -166,7 +166,7 @@ class Worker(msgspec.Struct, array_like=True, gc=False):
     reason: str | None = None
     # The API worker credential (token id) it registered with; None: the shared worker
     # token. Binds the worker id to that credential while connected (apply refuses
-    # another) and scopes the credential's artifact downloads (broker/http_api.py).
+    # another) and scopes the credential's artifact downloads (broker/api/http_api.py).
     credential: str | None = None
 
 
@@ -200,7 +200,7 @@ class Artifact(msgspec.Struct, array_like=True, gc=False):
 
 
 class ApiToken(msgspec.Struct, array_like=True, gc=False):
-    """An API token issued through the API; only its SHA-256 is kept (broker/auth.py)."""
+    """An API token issued through the API; only its SHA-256 is kept (broker/security/auth.py)."""
 
     id: str
     name: str
@@ -290,7 +290,7 @@ MAX_ATTEMPTS_LIMIT: Final = 1000
 MAX_TREE_TIMEOUT_MS: Final = 7 * 24 * 3600 * 1000
 IDEMPOTENCY_KEY_RE: Final = re.compile(r"[\x20-\x7e]{1,128}")
 #: Roles a token created through the API may have (the peer secret and the shared worker
-#: token come from the configuration: broker/auth.py).
+#: token come from the configuration: broker/security/auth.py).
 TOKEN_ROLES: Final = frozenset({"admin", "tenant", "worker"})
 MAX_TOKEN_TENANTS: Final = 1000
 MAX_TOKEN_NAME_CHARS: Final = 200

@@ -10,6 +10,7 @@ machine never looks inside them, so they are stored and served verbatim.
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 import msgspec
@@ -17,6 +18,11 @@ import msgspec
 #: Highest entry format version this code can apply. A broker that meets a
 #: newer entry must stop rather than skip it (skipping would fork the state).
 ENTRY_FORMAT_VERSION: Final = 1
+
+#: A code artifact's name: the sha256 of its bytes as 64 lowercase hex digits (use fullmatch).
+#: Here, with the entries that carry such names, so the state machine checks them without
+#: importing the artifact store (an IO module).
+SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
 
 
 class EntryDecodeError(Exception):

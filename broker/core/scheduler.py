@@ -36,8 +36,8 @@ import heapq
 from collections.abc import Collection, Iterator
 from typing import Final
 
-from broker.entries import Assignment
-from broker.state import StateMachine, Task, WorkerState
+from broker.core.entries import Assignment
+from broker.core.state import StateMachine, Task, WorkerState
 
 DEFAULT_MAX_ASSIGNMENTS: Final = 1000
 DEFAULT_LOOKAHEAD: Final = 16

@@ -17,11 +17,11 @@ from typing import Final
 import httpx
 import msgspec
 
-from broker import api_models as m
-from broker import entries as e
-from broker.node import Node
-from broker.state import ApplyResult, StopRunning, TaskRef, TaskState
-from broker.tls import client_context
+from broker.api import api_models as m
+from broker.core import entries as e
+from broker.core.state import ApplyResult, StopRunning, TaskRef, TaskState
+from broker.replication.node import Node
+from broker.security.tls import peer_ssl_context
 
 # Only these files are served; anything else under /dashboard/ is a 404.
 ASSET_TYPES: Final[dict[str, bytes]] = {
@@ -127,13 +127,6 @@ class ThroughputRecorder:
 
 RUNNING_SHOWN: Final = 50  # running task ids listed per worker
 PEER_STATUS_TIMEOUT_S: Final = 1.0  # a frozen peer must not stall the dashboard
-
-
-@functools.cache
-def peer_ssl_context() -> ssl.SSLContext:
-    # Once: building one loads the CA bundle (~50 ms), which would stall the event loop
-    # on every dashboard refresh.
-    return client_context()
 
 
 async def peer_status(client: httpx.AsyncClient, peer: m.BrokerSummary) -> m.BrokerStatus:

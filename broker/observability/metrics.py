@@ -44,8 +44,8 @@ from prometheus_client.core import (
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from broker import entries as e
-from broker.state import (
+from broker.core import entries as e
+from broker.core.state import (
     QUEUED_STATES,
     ApplyResult,
     Rejected,
@@ -55,7 +55,7 @@ from broker.state import (
 )
 
 if TYPE_CHECKING:
-    from broker.state import StateMachine
+    from broker.core.state import StateMachine
 
 #: The exposition format ``/metrics`` serves (Prometheus text format 0.0.4).
 CONTENT_TYPE: Final = b"text/plain; version=0.0.4; charset=utf-8"

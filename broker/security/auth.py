@@ -14,7 +14,7 @@ Four kinds of callers:
   shows another tenant's ids or counts.
 - ``worker``: a worker credential created through the API with role worker (scoped:
   optionally to some tenants; the worker link binds each connection to it, see
-  broker/worker_link.py), or the workers' shared token (``--worker-token-file``; legacy,
+  broker/workers/worker_link.py), or the workers' shared token (``--worker-token-file``; legacy,
   unscoped). Finding the leader, and downloading the code artifacts of tasks currently
   running on the credential's own connected workers.
 - ``peer``: the brokers' shared token (``--cluster-token-file``): snapshot and code

@@ -11,6 +11,7 @@ There is deliberately no switch to turn verification off.
 
 from __future__ import annotations
 
+import functools
 import os
 import ssl
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ __all__ = [
     "certificate_error",
     "client_context",
     "describe_certificate_error",
+    "peer_ssl_context",
     "server_context",
 ]
 
@@ -105,6 +107,15 @@ def client_context(ca_path: str | Path | None = None) -> ssl.SSLContext:
         raise TlsConfigError(f"cannot use CA bundle {str(ca_path)!r}: {_reason(exc)}") from None
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     return context
+
+
+@functools.cache
+def peer_ssl_context() -> ssl.SSLContext:
+    """The system-trust client context a broker uses to call its peers (dashboard statuses,
+    task output proxying) when it was given no CA bundle of its own."""
+    # Once: building one loads the CA bundle (~50 ms), which would stall the event loop
+    # on every dashboard refresh.
+    return client_context()
 
 
 def certificate_error(exc: BaseException) -> ssl.SSLCertVerificationError | None:

@@ -22,7 +22,7 @@ import os
 import socket
 from pathlib import Path
 
-from broker.local_server import HOST, LocalServerProcess
+from clients.dev.local_server import HOST, LocalServerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ _LOG_TAIL_BYTES = 4000
 # Names the data below the directory (pulsar-lite appends ``.rocksdb`` and ``.metadata.json``).
 _DB_PREFIX = "pulsar-lite"
 _CONFIG_TEMPLATE = """\
-# Written by steward (broker/pulsar_lite.py) at every start; edits are lost.
+# Written by steward (clients/dev/pulsar_lite.py) at every start; edits are lost.
 log_level = "{log_level}"
 
 [metrics]

@@ -2,7 +2,7 @@
 
 The leader stores an upload, then logs ``AddCode``; with ``min_replication`` > 1 it logs
 it with ``ready=False``, and tasks that use the artifact stay waiting, outside the
-scheduler's queues, until a ``CodeReady`` entry (broker/state.py). Two parts make that
+scheduler's queues, until a ``CodeReady`` entry (broker/core/state.py). Two parts make that
 happen, both on the broker's event loop:
 
 - :class:`CodeReplicator`, on every broker: when an applied ``AddCode`` names an
@@ -63,11 +63,11 @@ from kazoo.exceptions import (  # type: ignore[import-untyped]
 )
 from kazoo.protocol.states import KazooState  # type: ignore[import-untyped]
 
-from broker import entries as e
-from broker.auth import bearer_headers
-from broker.code_store import SHA256_RE, CodeStore
-from broker.node import BrokerUnavailableError, Node
-from broker.state import ApplyResult, Artifact, Rejected
+from broker.artifacts.code_store import SHA256_RE, CodeStore
+from broker.core import entries as e
+from broker.core.state import ApplyResult, Artifact, Rejected
+from broker.replication.node import BrokerUnavailableError, Node
+from broker.security.auth import bearer_headers
 from log.zk_list import KazooTimeoutError, cluster_path, kazoo_result
 
 __all__ = ["CodeReplicator", "ReplicationMonitor", "code_dir", "replica_path"]

@@ -25,15 +25,15 @@ from typing import IO, Any
 
 import httpx
 
-from broker.auth import bearer_headers, read_secret
-from broker.local_server import free_port
-from broker.pulsar_lite import PulsarLiteServer
-from broker.tls import TlsConfig
-from broker.zk import ZooKeeperServer
+from broker.security.auth import bearer_headers, read_secret
+from broker.security.tls import TlsConfig
+from clients.dev.local_server import free_port
+from clients.dev.pulsar_lite import PulsarLiteServer
+from clients.dev.zk import ZooKeeperServer
 
 HOST = "127.0.0.1"
 _READY_TIMEOUT_S = 90.0
-# What a broker prints when it cannot listen on its HTTP port (broker/standalone.py).
+# What a broker prints when it cannot listen on its HTTP port (broker/server/standalone.py).
 _PORT_TAKEN_MARKER = "could not serve HTTP on"
 _MAX_RESPAWNS = 5
 _LOG_SCAN_BYTES = 1 << 20
@@ -50,7 +50,8 @@ class LocalClusterConfig:
     zookeeper_port: int | None = None
     min_replication: int = 1
     log_level: str = "INFO"
-    log_format: str = "text"  # of brokers and workers: "text" or "json" (broker/logs.py)
+    # Of brokers and workers: "text" or "json" (broker/observability/logs.py).
+    log_format: str = "text"
     ledgers: str = "file"  # "file" (a shared directory) or "pulsar" (a pulsar-lite broker)
     # Brokers serve HTTPS and TLS to workers with this certificate (it must name
     # 127.0.0.1); workers, the brokers' peer calls and this launcher verify with its CA.

@@ -1,7 +1,7 @@
 """Task output on the leader: what each attempt wrote to stdout, stderr and ``ctx.logger``.
 
 Workers capture an attempt's output in its task process (the last 1 MiB) and ship it over
-the worker link (``broker/protocol.py`` Output frames): new bytes about once a second while
+the worker link (``broker/workers/protocol.py`` Output frames): new bytes about once a second while
 the attempt runs, its whole kept tail when it ends. Output is not state: it never enters
 the replicated log, and this store lives in the leader's memory only, bounded per attempt
 (``max_attempt_bytes``, the last bytes win) and in total (``max_total_bytes`` and
@@ -16,7 +16,7 @@ writes off the ledger's disk.
 
 ``GET /api/v1/tasks/{id}/logs`` is answered by :func:`logs_answer` on the leader and by
 :func:`logs_from_leader` on a follower (it asks the leader, so the dashboard of any broker
-shows output); ``broker/http_api.py`` only registers the route.
+shows output); ``broker/api/http_api.py`` only registers the route.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from typing import Any, Final
 import httpx
 import msgspec
 
-from broker.auth import Principal
-from broker.dashboard import peer_ssl_context
-from broker.state import FINAL_STATES, StateMachine, TaskState
+from broker.core.state import FINAL_STATES, StateMachine, TaskState
+from broker.security.auth import Principal
+from broker.security.tls import peer_ssl_context
 
 OutputKey = tuple[int, int]  # (task_id, attempt)
 

@@ -1,11 +1,11 @@
 """The broker's task log lines: what happened to tasks, one line per event.
 
 Written by the acting leader right after it applies a durable entry (the same place
-and for the same reason as the task counters in broker/metrics.py: once per event,
-never again for a follower or a replay). Every line carries ``task_id`` and ``tenant``
-(broker/logs.py shows them in text and JSON). Levels keep the hot path quiet: assignments,
-successful finishes and refused entries are DEBUG (one per task at full rate, and
-``isEnabledFor`` is checked once per entry); retries, failures, cancellations and
+and for the same reason as the task counters in broker/observability/metrics.py: once per
+event, never again for a follower or a replay). Every line carries ``task_id`` and ``tenant``
+(broker/observability/logs.py shows them in text and JSON). Levels keep the hot path quiet:
+assignments, successful finishes and refused entries are DEBUG (one per task at full rate,
+and ``isEnabledFor`` is checked once per entry); retries, failures, cancellations and
 the end of task trees are INFO.
 """
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 from typing import Final
 
-from broker import entries as e
-from broker.logs import task_fields
-from broker.state import ApplyResult, Rejected, StateMachine, TaskRef, TaskState
+from broker.core import entries as e
+from broker.core.state import ApplyResult, Rejected, StateMachine, TaskRef, TaskState
+from broker.observability.logs import task_fields
 
 logger: Final = logging.getLogger("steward.tasks")
 

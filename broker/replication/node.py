@@ -42,10 +42,10 @@ from typing import Final
 
 import msgspec
 
-from broker import entries as e
-from broker.metrics import BrokerMetrics
-from broker.state import ApplyResult, StateMachine, StopRunning
-from broker.task_log import log_applied
+from broker.core import entries as e
+from broker.core.state import ApplyResult, StateMachine, StopRunning
+from broker.observability.metrics import BrokerMetrics
+from broker.observability.task_log import log_applied
 from log.api import (
     BadVersionError,
     LedgerEntry,

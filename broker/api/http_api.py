@@ -24,31 +24,9 @@ from urllib.parse import parse_qsl
 import msgspec
 from msgspec import UnsetType
 
-from broker import api_models as m
-from broker import dashboard
-from broker import entries as e
-from broker.auth import (
-    ANONYMOUS_ADMIN,
-    AuthConfig,
-    AuthError,
-    Principal,
-    bearer_token,
-    hash_token,
-    new_token,
-    new_token_id,
-)
-from broker.auth import Role as CallerRole
-from broker.code_store import (
-    ArtifactLimits,
-    ArtifactTooLargeError,
-    CodeStore,
-    InvalidArtifactError,
-    UploadChecker,
-)
-from broker.edges import HttpEdgeConfig
-from broker.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from broker.node import VERSION, BrokerUnavailableError, Node, Role, Stamp
-from broker.output_store import (
+from broker.api import api_models as m
+from broker.api.edges import HttpEdgeConfig
+from broker.api.output_store import (
     PROXIED_HEADER,
     LogsError,
     OutputStore,
@@ -56,7 +34,15 @@ from broker.output_store import (
     logs_answer,
     logs_from_leader,
 )
-from broker.state import (
+from broker.artifacts.code_store import (
+    ArtifactLimits,
+    ArtifactTooLargeError,
+    CodeStore,
+    InvalidArtifactError,
+    UploadChecker,
+)
+from broker.core import entries as e
+from broker.core.state import (
     FINAL_STATES,
     MAX_TREE_TIMEOUT_MS,
     NAME_RE,
@@ -78,6 +64,20 @@ from broker.state import (
     validate_task_spec,
     validate_token_fields,
 )
+from broker.observability import dashboard
+from broker.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from broker.replication.node import VERSION, BrokerUnavailableError, Node, Role, Stamp
+from broker.security.auth import (
+    ANONYMOUS_ADMIN,
+    AuthConfig,
+    AuthError,
+    Principal,
+    bearer_token,
+    hash_token,
+    new_token,
+    new_token_id,
+)
+from broker.security.auth import Role as CallerRole
 from snapshot.peer import (
     LATEST_SNAPSHOT_PATH,
     POSITION_HEADER,
@@ -136,7 +136,7 @@ class ApiConfig:
     min_replication: int = 1
     # Tokens from the configuration; authentication is on when it holds an admin token.
     auth: AuthConfig = field(default_factory=AuthConfig)
-    # Header size, header and body deadlines, connection cap (broker/edges.py).
+    # Header size, header and body deadlines, connection cap (broker/api/edges.py).
     edges: HttpEdgeConfig = field(default_factory=HttpEdgeConfig)
 
 
@@ -670,7 +670,7 @@ class ApiApp:
         return 200, _json_encoder.encode(view)
 
     async def task_logs(self, request: Request) -> tuple[int, bytes]:
-        """An attempt's captured output: broker/output_store.py (only the leader holds it;
+        """An attempt's captured output: broker/api/output_store.py (only the leader holds it;
         a follower asks the leader, so the dashboard works on any broker)."""
         self._require(request, CallerRole.TENANT)
         view = self.cluster_view
@@ -1257,8 +1257,9 @@ class ApiApp:
         return 200, _json_encoder.encode(m.RecentTaskList(found, next_before))
 
     async def metrics(self, request: Request) -> tuple[int, bytes]:
-        """Prometheus text exposition of this broker's metrics (broker/metrics.py): tenants'
-        names and counts, so admins (and peer brokers) only when authentication is on."""
+        """Prometheus text exposition of this broker's metrics
+        (broker/observability/metrics.py): tenants' names and counts, so admins (and peer
+        brokers) only when authentication is on."""
         self._require(request, CallerRole.PEER)
         body = Binary(self.node.metrics.render())
         body.content_type = METRICS_CONTENT_TYPE

@@ -18,12 +18,12 @@ from typing import Any
 
 import uvicorn
 
-from broker.code_store import CodeStore
-from broker.edges import bounded_http_protocol
-from broker.http_api import ApiApp, ApiConfig
-from broker.node import BrokerStartupError, DataDirLock, Node, NodeConfig
-from broker.tls import TlsConfig, TlsConfigError, server_context
-from broker.worker_link import WorkerLink, WorkerLinkConfig
+from broker.api.edges import bounded_http_protocol
+from broker.api.http_api import ApiApp, ApiConfig
+from broker.artifacts.code_store import CodeStore
+from broker.replication.node import BrokerStartupError, DataDirLock, Node, NodeConfig
+from broker.security.tls import TlsConfig, TlsConfigError, server_context
+from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
 from log.file import FileLedgerListStore, FileLedgerStore
 from snapshot.store import SnapshotStore
 

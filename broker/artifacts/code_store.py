@@ -3,7 +3,7 @@
 An upload is checked (:func:`validate_upload`) without parsing anything unbounded in
 the broker: the name, the size bounds and a zip's entry count here, the ``.py``
 compile and the zip's streamed inflation in a child process with an address-space,
-CPU and wall-clock limit (``broker/artifact_check.py``). A stored file is hashed again
+CPU and wall-clock limit (``broker/artifacts/artifact_check.py``). A stored file is hashed again
 before its first use by a process (:meth:`CodeStore.verify`), so a file damaged or
 changed while the broker was down is dropped (and fetched again from a peer), not served.
 """
@@ -24,13 +24,14 @@ import threading
 from pathlib import Path
 from typing import Final
 
-from broker.artifact_check import (
+from broker.artifacts.artifact_check import (
     ArtifactLimits,
     ArtifactTooLargeError,
     InvalidArtifactError,
     count_zip_entries,
     limits_json,
 )
+from broker.core.entries import SHA256_RE
 from log.private_fs import make_private_dirs
 
 __all__ = [
@@ -47,8 +48,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ARTIFACT_SUFFIXES: Final = (".py", ".zip", ".whl")
-#: An artifact's name: the sha256 of its bytes as 64 lowercase hex digits (use fullmatch).
-SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
 _CHECK_SCRIPT: Final = str(Path(__file__).with_name("artifact_check.py"))
 _CHUNK_BYTES: Final = 1024 * 1024
 #: The check process's answer is one short JSON line; more is a broken check.

@@ -1,0 +1,1 @@
+"""High availability: leader election on ZooKeeper and code artifact replication."""

@@ -1,0 +1,1 @@
+"""Metrics, structured logs, the task log and the dashboard."""

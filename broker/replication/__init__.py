@@ -1,0 +1,1 @@
+"""The replicated node: leader log writer, follower tail, snapshots."""

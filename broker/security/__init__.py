@@ -1,0 +1,1 @@
+"""Credentials and transport security shared by brokers, workers and clients: tokens, TLS."""

@@ -1,0 +1,1 @@
+"""Development launchers: local ZooKeeper, pulsar-lite and the `steward cluster up` cluster."""

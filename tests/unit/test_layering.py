@@ -1,0 +1,330 @@
+"""Which package may import which: the layering of broker/, log/, snapshot/, clients/, examples/.
+
+Every module is parsed with ``ast`` (nothing is imported) and every import in it, at module
+level or inside a function, is checked against the rule of the module's package in RULES
+below. A module's rule is the entry with the longest ``package`` prefix; a module without a
+rule is an error too, so a new package has to be placed in the table. docs/DESIGN.md
+("Code layout") describes the packages.
+
+- ``may_import``: the project modules (and their submodules) a package may import besides
+  its own. Project modules are those under broker, log, snapshot, clients and examples. A
+  bare ``import clients`` (a root package, which holds no code of its own) is not checked.
+- ``forbidden``: top-level modules (standard library or third-party) it must not import.
+
+Boundaries the table keeps, in words:
+
+- broker.core (the pure state machine) imports nothing from the project outside core and no
+  IO, clock, randomness or concurrency module: no asyncio, socket, ssl, selectors,
+  subprocess, threading, os, time, random, uuid, kazoo, uvicorn, httpx, pulsar,
+  prometheus_client (so no metrics).
+- broker.workers.protocol (the wire protocol both sides speak) and broker.security (tokens,
+  TLS: used by brokers and every client) import nothing from the project.
+- log/ and snapshot/ import nothing from broker/ (so none of broker.api, ha, workers,
+  observability) and nothing from clients/.
+- Nothing in broker/ imports clients/ (the development launchers in clients/dev are called
+  from clients/cli.py, tests and bench only).
+- clients/ imports from broker/ only: the wire protocol, the API models the worker reads
+  (ClusterSummary), broker.security, the structured-log setup, the artifact checks and the
+  artifact-name pattern (broker.core.entries.SHA256_RE) the worker shares with the broker;
+  clients/cli.py additionally the broker launch entry points it runs for `steward broker` /
+  `steward standalone` (listed in its rule).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECT_PACKAGES = ("broker", "log", "snapshot", "clients", "examples")
+
+# Nothing with IO, a clock, randomness or threads: apply must be deterministic and replayable.
+_IMPURE = (
+    "asyncio",
+    "socket",
+    "ssl",
+    "selectors",
+    "subprocess",
+    "threading",
+    "multiprocessing",
+    "concurrent",
+    "os",
+    "time",
+    "random",
+    "uuid",
+    "kazoo",
+    "uvicorn",
+    "httpx",
+    "pulsar",
+    "prometheus_client",
+)
+_NETWORK = ("asyncio", "socket", "subprocess", "kazoo", "uvicorn", "httpx", "prometheus_client")
+_BROKER_SHARED_WITH_CLIENTS = (
+    "broker.workers.protocol",
+    "broker.api.api_models",
+    "broker.security",
+    "broker.observability.logs",
+    "broker.artifacts.artifact_check",
+    "broker.core.entries",
+)
+
+
+@dataclass(frozen=True)
+class Rule:
+    package: str
+    may_import: tuple[str, ...]
+    forbidden: tuple[str, ...] = ()
+    why: str = ""
+    # Only the module itself (a root package), not its subpackages: so a new subpackage
+    # has no rule until someone places it in the table.
+    exact: bool = False
+
+
+# fmt: off
+RULES: tuple[Rule, ...] = (
+    # --- broker/ ---------------------------------------------------------------------------
+    Rule("broker", (), why="the root package holds no code", exact=True),
+    Rule("broker.core", (), _IMPURE,
+         "the pure state machine: same result on leader, followers and snapshot load"),
+    Rule("broker.security", (), why="tokens and TLS, shared by brokers and every client"),
+    Rule("broker.workers.protocol", (), _NETWORK,
+         "the worker wire protocol: both sides import it, so it imports neither"),
+    Rule("broker.artifacts", ("broker.core.entries", "log.private_fs"),
+         why="the artifact store and checks: used by the API, HA and the worker"),
+    # The node feeds metrics and the task log from apply's results; this edge goes when
+    # apply returns its effects as values (issue 15, a later step).
+    Rule("broker.replication",
+         ("broker.core", "broker.observability.metrics", "broker.observability.task_log",
+          "log", "snapshot"),
+         why="the replicated node: the state machine on the write-ahead log and snapshots"),
+    Rule("broker.observability.logs", (), why="log setup, also used by workers and the CLI"),
+    Rule("broker.observability",
+         ("broker.core", "broker.replication", "broker.security.tls", "broker.api.api_models"),
+         why="metrics, task log and dashboard read the state; they never drive it"),
+    Rule("broker.api",
+         ("broker.core", "broker.replication", "broker.security", "broker.artifacts",
+          "broker.observability.dashboard", "broker.observability.metrics", "snapshot.peer"),
+         why="the HTTP API: above the node, beside workers and HA, below the server"),
+    Rule("broker.workers",
+         ("broker.workers.protocol", "broker.core", "broker.replication", "broker.security",
+          "broker.api.edges", "broker.api.output_store", "broker.observability.logs"),
+         why="the worker link: above the node; shares the API's edges and output store"),
+    Rule("broker.ha",
+         ("broker.core", "broker.replication", "broker.security", "broker.artifacts",
+          "log.zk_list"),
+         why="election and code replication: above the node, not the API or workers"),
+    Rule("broker.server", ("broker", "log", "snapshot"),
+         why="the process entry points wire every broker package together"),
+    # --- log/ and snapshot/ ----------------------------------------------------------------
+    Rule("log", (), why="the write-ahead log backends know nothing of the broker"),
+    Rule("snapshot", ("log.private_fs",), why="snapshot files know nothing of the broker"),
+    # --- clients/ --------------------------------------------------------------------------
+    Rule("clients", (), why="the root package holds no code", exact=True),
+    Rule("clients.progress", ()),
+    Rule("clients.client", ("broker.security",),
+         why="the Python client speaks HTTP; it shares only credentials and TLS"),
+    Rule("clients.worker", (*_BROKER_SHARED_WITH_CLIENTS, "log.private_fs"),
+         why="a worker shares the wire protocol and checks with the broker, nothing else"),
+    Rule("clients.dev", ("broker.security",),
+         why="development launchers start brokers as processes, never import them"),
+    Rule("clients.cli",
+         (*_BROKER_SHARED_WITH_CLIENTS, "clients.client", "clients.progress", "clients.dev",
+          "clients.worker.__main__", "clients.demo.run",
+          # `steward broker` / `steward standalone` run a broker in this process:
+          "broker.server", "broker.api.http_api", "broker.api.edges",
+          "broker.replication.node", "broker.workers.worker_link", "log.pulsar"),
+         why="the CLI: a client, plus the launch entry points of `steward broker|standalone`"),
+    Rule("clients.demo",
+         ("clients.client", "clients.progress", "clients.worker", "clients.dev"),
+         why="the demo drives the public client and a local worker"),
+    Rule("examples", ("clients.client", "clients.demo.run"),
+         why="examples use the public client (and the demo's local cluster without --url)"),
+)
+# fmt: on
+
+
+@dataclass(frozen=True)
+class Violation:
+    module: str
+    line: int
+    imported: str
+    rule: Rule
+
+    def __str__(self) -> str:
+        allowed = ", ".join(self.rule.may_import) or "nothing from the project"
+        return (
+            f"{self.module}:{self.line} imports {self.imported}: rule for "
+            f"{self.rule.package!r} ({self.rule.why or 'see RULES'}) allows {allowed}"
+            + (f"; forbids {', '.join(self.rule.forbidden)}" if self.rule.forbidden else "")
+        )
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def rule_for(module: str, rules: tuple[Rule, ...]) -> Rule | None:
+    matching = [
+        rule
+        for rule in rules
+        if module == rule.package or (not rule.exact and _within(module, rule.package))
+    ]
+    return max(matching, key=lambda rule: len(rule.package), default=None)
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, module: str) -> list[tuple[int, str, list[str]]]:
+    """(line, imported module, names imported from it) for every import in the file."""
+    is_package = path.name == "__init__.py"
+    found: list[tuple[int, str, list[str]]] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name, []) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            target = node.module or ""
+            if node.level:
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            found.append((node.lineno, target, [alias.name for alias in node.names]))
+    return found
+
+
+def check_tree(root: Path, rules: tuple[Rule, ...] = RULES) -> list[str]:
+    """Every layering problem under ``root``, one readable line each."""
+    problems: list[str] = []
+    for top in PROJECT_PACKAGES:
+        for path in sorted((root / top).rglob("*.py")):
+            module = module_name(path, root)
+            rule = rule_for(module, rules)
+            if rule is None:
+                problems.append(f"{module}: no rule in RULES covers this module; add one")
+                continue
+            for line, imported, names in imports_of(path, module):
+                if imported in PROJECT_PACKAGES or _within(imported, rule.package):
+                    continue
+                if imported.split(".")[0] in PROJECT_PACKAGES:
+                    # `from broker.api import api_models` names the submodule it imports.
+                    targets = [f"{imported}.{name}" for name in names] or [imported]
+                    if any(_within(imported, allowed) for allowed in rule.may_import) or all(
+                        any(_within(t, allowed) for allowed in rule.may_import) for t in targets
+                    ):
+                        continue
+                    shown = f"{imported} ({', '.join(names)})" if names else imported
+                    problems.append(str(Violation(module, line, shown, rule)))
+                elif imported.split(".")[0] in rule.forbidden:
+                    problems.append(str(Violation(module, line, imported, rule)))
+    return problems
+
+
+def test_the_tree_keeps_its_layers() -> None:
+    problems = check_tree(ROOT)
+    assert not problems, "layering violations:\n" + "\n".join(problems)
+
+
+def test_the_table_keeps_the_stated_boundaries() -> None:
+    # The table itself, so a later edit to RULES cannot quietly open one of these.
+    for rule in RULES:
+        if _within(rule.package, "broker"):
+            assert not [m for m in rule.may_import if _within(m, "clients")], rule
+        if _within(rule.package, "log") or _within(rule.package, "snapshot"):
+            assert not [m for m in rule.may_import if _within(m, "broker")], rule
+        if _within(rule.package, "broker.core"):
+            assert rule.may_import == () and set(_NETWORK) <= set(rule.forbidden), rule
+        if _within(rule.package, "clients") and rule.package != "clients.cli":
+            broker_imports = [m for m in rule.may_import if _within(m, "broker")]
+            assert set(broker_imports) <= set(_BROKER_SHARED_WITH_CLIENTS), rule
+
+
+def test_broker_keeps_at_most_eight_modules_at_its_top() -> None:
+    top = sorted(path.name for path in (ROOT / "broker").glob("*.py"))
+    assert len(top) <= 8, f"broker/ has {len(top)} top-level modules: {top}"
+
+
+def test_every_package_is_listed_for_the_wheel() -> None:
+    # setuptools gets an explicit package list: a package missing from it is missing from the
+    # image (the Dockerfile installs the wheel), which no in-tree test would notice.
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    on_disk = {
+        module_name(init, ROOT)
+        for top in ("broker", "log", "snapshot", "clients")
+        for init in (ROOT / top).rglob("__init__.py")
+    }
+    assert on_disk - listed == set(), f"packages missing from pyproject.toml: {on_disk - listed}"
+
+
+# --- the checker itself ---------------------------------------------------------------------
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+_CLEAN_TREE = {
+    "broker/__init__.py": "",
+    "broker/core/__init__.py": "",
+    "broker/core/state.py": "import hashlib\nfrom broker.core import entries\n",
+    "broker/core/entries.py": "import re\n",
+    "broker/api/__init__.py": "",
+    "broker/api/http_api.py": "from broker.core.state import x\nfrom . import api_models\n",
+    "broker/api/api_models.py": "",
+    "log/__init__.py": "",
+    "clients/__init__.py": "",
+    "clients/client.py": "from broker.security.tls import client_context\n",
+}
+
+
+def test_checker_passes_a_clean_tree(tmp_path: Path) -> None:
+    _write(tmp_path, _CLEAN_TREE)
+    assert check_tree(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        # core reaching into IO, the API, metrics
+        ("broker/core/state.py", "import asyncio\n", "broker.core.state:1 imports asyncio"),
+        ("broker/core/state.py", "def f():\n    import time\n", "broker.core.state:2 imports time"),
+        (
+            "broker/core/state.py",
+            "from broker.observability.metrics import BrokerMetrics\n",
+            "imports broker.observability.metrics",
+        ),
+        ("broker/core/state.py", "from ..api import http_api\n", "imports broker.api"),
+        # log/ reaching into the broker
+        ("log/file.py", "from broker.workers import worker_link\n", "log.file:1 imports"),
+        # broker reaching into clients
+        ("broker/api/http_api.py", "import clients.dev.zk\n", "imports clients.dev.zk"),
+        # a client importing the broker's internals
+        (
+            "clients/client.py",
+            "from broker.replication.node import Node\n",
+            "rule for 'clients.client'",
+        ),
+        # a module no rule covers
+        ("broker/newthing/x.py", "", "broker.newthing.x: no rule"),
+    ],
+)
+def test_checker_names_a_planted_violation(
+    tmp_path: Path, module: str, source: str, expected: str
+) -> None:
+    _write(tmp_path, {**_CLEAN_TREE, module: source})
+    problems = check_tree(tmp_path)
+    assert len(problems) == 1, problems
+    assert expected in problems[0]
