@@ -183,6 +183,12 @@ class WorkerConfig:
         """Tasks this worker may run at once: the sum of its task-type capacities."""
         return sum(self.task_types.values())
 
+    def may_run_spark(self) -> bool:
+        """Whether a task here can reach Spark: ``spark.sql``, a code artifact's type
+        (``module:function``) or ``*``. Of the other built-ins (noop, sleep, fail) none does,
+        so a worker serving only those starts no Spark Connect server (no JVM)."""
+        return any(name == "*" or name == "spark.sql" or ":" in name for name in self.task_types)
+
     def broker_address(self) -> tuple[str, int]:
         return parse_host_port(self.broker)
 

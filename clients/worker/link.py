@@ -186,6 +186,7 @@ class Worker:
             spark_server is None
             and config.spark == "connect"
             and config.task_isolation == "process"
+            and config.may_run_spark()
         ):
             spark_server = SparkConnectServer.from_config(config)
             self._owns_spark = True

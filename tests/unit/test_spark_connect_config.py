@@ -12,6 +12,7 @@ import pytest
 from broker.workers.protocol import AssignedTask
 from clients.worker.__main__ import build_parser, config_from_args
 from clients.worker.config import WorkerConfig
+from clients.worker.link import Worker
 from clients.worker.runtime import task_identities
 from clients.worker.spark_connect import (
     TOKEN_ENV,
@@ -155,3 +156,16 @@ def test_worker_flags() -> None:
         build_parser().parse_args(["--spark", "sometimes"])
     with pytest.raises(ValueError, match="spark must be"):
         config(spark="sometimes")
+
+
+def test_only_a_worker_whose_tasks_can_reach_spark_starts_a_server() -> None:
+    def has_server(types: dict[str, int]) -> bool:
+        config = WorkerConfig(broker="127.0.0.1:1", http_url="http://127.0.0.1:1", task_types=types)
+        worker = Worker(config)  # run() would start the server; this only builds it
+        worker.runtime.shutdown()
+        return worker.spark_server is not None
+
+    for types in ({"noop": 8}, {"sleep": 1, "fail": 1}):
+        assert not has_server(types), types  # no JVM for these
+    for types in ({"*": 4}, {"spark.sql": 1}, {"noop": 1, "jobs:run": 2}):
+        assert has_server(types), types
