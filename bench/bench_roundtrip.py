@@ -16,6 +16,7 @@ task, wait for its result, repeat; ``--warmup`` round trips first (not counted),
 
     python bench/bench_roundtrip.py                       # Steward, Celery, Dramatiq
     python bench/bench_roundtrip.py --systems steward --n 5000
+    python bench/bench_roundtrip.py --systems steward --task-isolation thread
     python bench/bench_roundtrip.py --systems steward --profile /tmp/rt-prof  # + py-spy
 
 Everything binds to 127.0.0.1; each wait is bounded; every process is stopped by pid.
@@ -92,7 +93,13 @@ def cpu_line(meter: CpuMeter) -> str:
 
 def bench_steward(args: argparse.Namespace, root: Path) -> list[str]:
     with Procs(root / "logs" / "steward") as procs:
-        cluster = start_steward(procs, root / "steward-data", workers=2, slots=args.steward_slots)
+        cluster = start_steward(
+            procs,
+            root / "steward-data",
+            workers=2,
+            slots=args.steward_slots,
+            task_isolation=args.task_isolation,
+        )
         with RawHttp(cluster.port, timeout_s=WAIT_S + 30) as http:
             submit = http.build(
                 "POST", "/api/v1/tasks", b'{"type":"noop","tenant":"bench","params":null}'
@@ -222,6 +229,12 @@ def main() -> None:
     parser.add_argument("--systems", default="steward,celery,dramatiq")
     parser.add_argument("--steward-slots", type=int, default=64, help="noop slots per worker")
     parser.add_argument("--peer-threads", type=int, default=8)
+    parser.add_argument(
+        "--task-isolation",
+        choices=("process", "thread"),
+        default="process",
+        help="Steward workers run tasks in task processes (default) or in the worker",
+    )
     parser.add_argument("--max-s", type=float, default=300.0, help="bound per system")
     parser.add_argument("--data-root", type=Path, default=None, help="default: a temp dir")
     parser.add_argument(
