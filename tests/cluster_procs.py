@@ -634,6 +634,8 @@ class ClusterWorker:
                 self.worker_id,
                 "--cache-dir",
                 str(self.cache_dir),
+                "--spark",  # these workers run load tasks, never Spark: no JVM
+                "off",
                 *self.extra_args,
             ],
             stdin=subprocess.DEVNULL,

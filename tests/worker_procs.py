@@ -62,13 +62,16 @@ class WorkerProcess:
         cache_dir: Path,
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        spark: bool = False,
     ) -> None:
         self.broker = broker
         self.http_url = http_url
         self.worker_id = worker_id
         self.log_path = log_dir / f"{worker_id}.log"
         self.cache_dir = cache_dir
-        self.extra_args = extra_args
+        # A worker whose tasks may reach Spark starts a Spark Connect server (a JVM): only
+        # the tests that use Spark ask for one.
+        self.extra_args = extra_args if spark else ("--spark", "off", *extra_args)
         # Added to the environment: secrets (STEWARD_WORKER_TOKEN), never on argv.
         self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None

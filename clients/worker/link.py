@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import random
 import signal
 import ssl
@@ -71,7 +70,7 @@ from broker.workers.protocol import (
 )
 from clients.worker.config import WorkerConfig, parse_host_port
 from clients.worker.runtime import TaskKey, TaskRuntime, split_dropped_note
-from clients.worker.spark_connect import SPARK_MODE_ENV, SparkConnectServer
+from clients.worker.spark_connect import SparkConnectServer
 
 logger = logging.getLogger(__name__)
 
@@ -235,9 +234,6 @@ class Worker:
         self._loop = asyncio.get_running_loop()
         if self._owns_spark and self.spark_server is not None:
             self.spark_server.start()  # in the background: the connect below does not wait
-        if self.spark_server is not None:
-            # Task processes inherit it (task_env.PASSED_ENV) and preload the Spark client.
-            os.environ[SPARK_MODE_ENV] = "connect"
         backoff_s = self.config.reconnect_backoff_min_s
         try:
             while not self._final.is_set():

@@ -66,6 +66,7 @@ from clients.worker.task_api import (
     make_task_logger,
     shared_spark,
     spark_defaults,
+    task_logger_parent,
 )
 from clients.worker.task_env import WorkArea
 from clients.worker.task_identity import TaskIdentities, TaskIdentity
@@ -220,6 +221,7 @@ class TaskRuntime:
                 ),
                 WorkArea(config.work_dir),
                 python=config.task_python,
+                preload_spark=spark_server is not None,
             )
         # (sha256, uid) -> the verified copy that uid's task processes import.
         self._code_copies: dict[tuple[str, int], Path] = {}
@@ -505,6 +507,14 @@ class TaskRuntime:
             allow_classic_spark=self.config.allow_classic_spark or self.config.spark == "classic",
             **self._spark_fields(),
         )
+        if task_logger_parent.isEnabledFor(logging.DEBUG):  # a task's logger costs a no-op task
+            ctx.logger.debug(
+                "task %d attempt %d running (%s) in process %d",
+                task.task_id,
+                task.attempt,
+                task.type,
+                process.pid,
+            )
         process.start_run(run, lambda outcome: self._on_outcome(entry, process, run, outcome))
         return True
 

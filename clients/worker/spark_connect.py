@@ -56,8 +56,6 @@ logger = logging.getLogger(__name__)
 #: ``--spark``: a Connect server per worker, a classic session per task process, or none.
 SPARK_MODES: Final = ("connect", "classic", "off")
 TOKEN_ENV: Final = "SPARK_CONNECT_AUTHENTICATE_TOKEN"
-#: The worker's --spark, passed to task processes (clients/worker/task_env.py, PASSED_ENV).
-SPARK_MODE_ENV: Final = "STEWARD_SPARK"
 #: The Spark Connect user id of every session (a session is found by user id and session id).
 USER_ID: Final = "steward"
 SERVER_CLASS: Final = "org.apache.spark.sql.connect.service.SparkConnectServer"

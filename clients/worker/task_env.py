@@ -29,7 +29,7 @@ from clients.worker.task_identity import TaskIdentity
 logger = logging.getLogger(__name__)
 
 #: Variables a task process inherits from the worker; nothing else (no credentials).
-PASSED_ENV: Final = ("PATH", "LANG", "LC_ALL", "TZ", "JAVA_HOME", "SPARK_HOME", "STEWARD_SPARK")
+PASSED_ENV: Final = ("PATH", "LANG", "LC_ALL", "TZ", "JAVA_HOME", "SPARK_HOME")
 PROJECT_ROOT: Final = Path(clients.__file__).resolve().parent.parent
 _NSS_WRAPPER_GLOBS: Final = (
     "/usr/lib/*-linux-gnu/libnss_wrapper.so",

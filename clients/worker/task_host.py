@@ -41,7 +41,6 @@ from broker.workers.protocol import AssignedTask
 from clients.worker import sandbox, task_wire
 from clients.worker.spark_connect import (
     CLASSIC_FLAG_HINT,
-    SPARK_MODE_ENV,
     ConnectEndpoint,
     connect_session,
     preload_spark_client,
@@ -273,6 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--memory-limit-mb", type=int, default=0)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--output-marker", required=True)
+    parser.add_argument("--preload-spark", action="store_true")
     args = parser.parse_args(argv)
     sandbox.die_with_parent(args.parent_pid)
     sandbox.make_non_dumpable()
@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.control, args.events, args.max_frame_bytes, task_wire.output_marker(args.output_marker)
     )
     signal.signal(signal.SIGTERM, host.on_sigterm)
-    if os.environ.get(SPARK_MODE_ENV) == "connect":
+    if args.preload_spark:
         # The Spark Connect client takes ~0.5 s to import: not on the first Spark task.
         threading.Thread(target=preload_spark_client, name="steward-preload", daemon=True).start()
     host.serve()

@@ -598,11 +598,13 @@ class TaskProcessPool:
         work: WorkArea,
         *,
         python: str = sys.executable,
-        spark_env: dict[str, str] | None = None,
+        preload_spark: bool = False,
     ) -> None:
         self.limits = limits
         self.work = work
         self.python = python
+        # Task processes import the Spark Connect client in the background when they start.
+        self.preload_spark = preload_spark
         self.started = 0  # processes started, for tests and metrics
         self._idle: dict[tuple[str, int], list[TaskProcess]] = {}
         self._busy: set[TaskProcess] = set()
@@ -822,6 +824,7 @@ class TaskProcessPool:
             str(os.getpid()),
             "--output-marker",
             marker_token,
+            *(["--preload-spark"] if self.preload_spark else []),
         ]
         try:
             popen = subprocess.Popen(

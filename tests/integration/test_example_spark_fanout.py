@@ -55,6 +55,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         log_dir=root / "logs",
         cache_dir=root / "cache",
         extra_args=("--task-type", "*=4", "--spark-master", "local[2]"),
+        spark=True,
     )
     try:
         worker.start()

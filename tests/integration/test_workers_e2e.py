@@ -31,7 +31,12 @@ class Cluster:
         self.workers: list[WorkerProcess] = []
 
     def worker(
-        self, worker_id: str, *args: str, via: str | None = None, wait: bool = True
+        self,
+        worker_id: str,
+        *args: str,
+        via: str | None = None,
+        wait: bool = True,
+        spark: bool = False,
     ) -> WorkerProcess:
         process = WorkerProcess(
             broker=via or self.worker_address,
@@ -40,6 +45,7 @@ class Cluster:
             log_dir=self.root / "logs",
             cache_dir=self.root / "cache" / worker_id,
             extra_args=args,
+            spark=spark,
         ).start()
         self.workers.append(process)
         if wait:
@@ -101,7 +107,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 def test_pyspark_word_count_equals_plain_python(cluster: Cluster) -> None:
-    cluster.worker("spark-1", "--tenant", "analytics", "--tenant", "adhoc")
+    cluster.worker("spark-1", "--tenant", "analytics", "--tenant", "adhoc", spark=True)
     lines = corpus_lines()[:1500]
     with StewardClient(cluster.broker.url) as client:
         outcome = run_wordcount(client, lines)
@@ -125,7 +131,7 @@ LONG_QUERY = {"query": "SELECT sum(id % 13) AS s FROM range(0, 10000000000000, 1
 
 
 def test_cancel_and_deadline_stop_the_spark_job(cluster: Cluster) -> None:
-    cluster.worker("spark-2", "--tenant", "sparkstop", "--task-type", "spark.sql=2")
+    cluster.worker("spark-2", "--tenant", "sparkstop", "--task-type", "spark.sql=2", spark=True)
     _spark_is_free(cluster, "sparkstop")  # warm the SparkSession up
     long_id = cluster.submit(type="spark.sql", tenant="sparkstop", params=LONG_QUERY)
     cluster.wait_state(long_id, {"running"}, 30)
