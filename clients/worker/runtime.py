@@ -70,13 +70,8 @@ from clients.worker.task_api import (
 )
 from clients.worker.task_env import WorkArea
 from clients.worker.task_identity import TaskIdentities, TaskIdentity
-from clients.worker.task_procs import (
-    Outcome,
-    PoolLimits,
-    TaskProcess,
-    TaskProcessPool,
-    batched_writes,
-)
+from clients.worker.task_process import Outcome, TaskProcess, batched_writes
+from clients.worker.task_procs import PoolLimits, TaskProcessPool
 
 __all__ = [
     "BUILTIN_TASKS",
