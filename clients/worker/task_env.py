@@ -157,18 +157,7 @@ class WorkArea:
 
     @staticmethod
     def empty_attempt_dir(path: str) -> bool:
-        """Remove what an attempt left in its directory (symlinks are not followed)."""
-        try:
-            with os.scandir(path) as entries:
-                leftovers = [(entry.path, entry.is_dir(follow_symlinks=False)) for entry in entries]
-            for leftover, is_dir in leftovers:
-                if is_dir:
-                    shutil.rmtree(leftover)
-                else:
-                    os.unlink(leftover)
-        except OSError:
-            return False
-        return True
+        return empty_dir(path)
 
     @staticmethod
     def remove_attempt_dir(path: str) -> None:
@@ -228,3 +217,20 @@ def _share_tree(root: Path, gid: int) -> None:
         os.chown(path, 0, gid, follow_symlinks=False)
         if not path.is_symlink():
             os.chmod(path, 0o750 if path.is_dir() else 0o640)
+
+
+def empty_dir(path: str) -> bool:
+    """Remove what is in a directory, keeping it (symlinks are removed, never followed);
+    False when something could not be removed. The worker and a task process (for its own
+    working directory, between the attempts it runs) both use it."""
+    try:
+        with os.scandir(path) as entries:
+            leftovers = [(entry.path, entry.is_dir(follow_symlinks=False)) for entry in entries]
+        for leftover, is_dir in leftovers:
+            if is_dir:
+                shutil.rmtree(leftover)
+            else:
+                os.unlink(leftover)
+    except OSError:
+        return False
+    return True

@@ -23,7 +23,6 @@ import logging
 import os
 import resource
 import select
-import shutil
 import signal
 import sys
 import tempfile
@@ -54,6 +53,7 @@ from clients.worker.task_api import (
     error_text,
     shared_spark,
 )
+from clients.worker.task_env import empty_dir
 
 _READ_BYTES: Final = 64 * 1024
 
@@ -138,7 +138,7 @@ class _Host:
             self.cancelled.discard(key)
             if self.cancelled:  # only Cancels for runs still queued stay
                 self.cancelled &= {(r.task_id, r.attempt) for r in self.runs}
-            _empty_workdir(run.workdir)
+            empty_dir(run.workdir)  # the worker checks again when the process goes idle
             sys.stdout.flush()
             sys.stderr.flush()
             task_wire.write_all(1, self.output_marker)
@@ -203,20 +203,6 @@ class _Host:
             self.artifacts[run.code] = loaded
         resolved: TaskFn = loaded.resolve(run.type)
         return resolved
-
-
-def _empty_workdir(path: str) -> None:
-    """Remove what the attempt left (the worker checks again before other work)."""
-    try:
-        with os.scandir(path) as entries:
-            leftovers = [(entry.path, entry.is_dir(follow_symlinks=False)) for entry in entries]
-        for leftover, is_dir in leftovers:
-            if is_dir:
-                shutil.rmtree(leftover, ignore_errors=True)
-            else:
-                os.unlink(leftover)
-    except OSError:
-        pass  # the worker finds it and retires this process
 
 
 def _cancel_spark(ctx: TaskContext) -> None:
