@@ -356,24 +356,16 @@ class TaskProcess:
 
     def on_output(self) -> bool:
         """Read the output pipe; False at its end."""
-        try:
-            data = os.read(self.output_fd, _READ_BYTES)
-        except BlockingIOError:
-            return True
-        except OSError:
-            data = b""
+        data = _read_ready(self.output_fd)
         if data:
             self._output.add(data)
-        return bool(data)
+        return data != b""
 
     def on_events(self) -> bool:
         """Read the events pipe and act on it; False once it ended or broke the protocol."""
-        try:
-            data = os.read(self.events_fd, _READ_BYTES)
-        except BlockingIOError:
+        data = _read_ready(self.events_fd)
+        if data is None:
             return True
-        except OSError:
-            data = b""
         if not data:  # the process is ending
             self._drain_output()
             return False
@@ -451,6 +443,16 @@ class TaskProcess:
 
 
 _NO_TASK: Final = _Pending((-1, -1), "", lambda outcome: None)
+
+
+def _read_ready(fd: int) -> bytes | None:
+    """What a non-blocking pipe holds: None if nothing yet, b"" at its end (or an error)."""
+    try:
+        return os.read(fd, _READ_BYTES)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
 
 
 def _deliver(on_outcome: OutcomeCallback, outcome: Outcome) -> None:
