@@ -1861,7 +1861,7 @@ def openapi_document(config: ApiConfig | None = None) -> dict[str, Any]:
                 "summary": "Prometheus metrics of this broker (text exposition format 0.0.4)",
                 "responses": {
                     "200": {
-                        "description": "Metric families (see README, Metrics)",
+                        "description": "Metric families (see docs/API.md, Metrics)",
                         "content": {"text/plain": {"schema": {"type": "string"}}},
                     },
                 },

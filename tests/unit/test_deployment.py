@@ -1,4 +1,4 @@
-"""docker-compose.yml, the Dockerfile and README's deployment section describe one deployment.
+"""docker-compose.yml, the Dockerfile and docs/OPERATIONS.md describe one deployment.
 
 No Docker engine is needed: the compose file is checked as data here, against the real CLI
 parsers, and validated by a real Compose implementation (`docker-compose config`) when one is
@@ -22,7 +22,7 @@ from clients.worker.__main__ import build_parser as build_worker_parser
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
-README = ROOT / "README.md"
+OPERATIONS = ROOT / "docs" / "OPERATIONS.md"  # the deployment guide
 
 BROKERS = ("broker-1", "broker-2", "broker-3")
 WORKERS = ("worker-1", "worker-2")
@@ -226,18 +226,18 @@ def test_compose_file_validates_with_docker_compose() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-# --- README -----------------------------------------------------------------------------------
+# --- docs/OPERATIONS.md ------------------------------------------------------------------------
 
 
 def _readme_section(title: str) -> str:
-    text = README.read_text()
+    text = OPERATIONS.read_text()
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start : end if end != -1 else len(text)]
 
 
 def test_readme_deployment_section_follows_running_a_real_cluster() -> None:
-    text = README.read_text()
+    text = OPERATIONS.read_text()
     assert text.index("\n## Running a real cluster\n") < text.index(
         "\n## Deploying on real engines\n"
     )
@@ -246,10 +246,10 @@ def test_readme_deployment_section_follows_running_a_real_cluster() -> None:
 def test_readme_names_every_service_and_published_port() -> None:
     section = _readme_section("Deploying on real engines")
     for name in SERVICES:
-        assert re.search(rf"`{re.escape(name)}`", section), f"README does not name {name}"
+        assert re.search(rf"`{re.escape(name)}`", section), f"OPERATIONS.md does not name {name}"
     for name, ports in _published_ports().items():
         for port in ports:
-            assert re.search(rf"\b{port}\b", section), f"README does not give {name}'s port {port}"
+            assert re.search(rf"\b{port}\b", section), f"OPERATIONS.md lacks {name}'s port {port}"
     for needed in (
         "docker compose up",
         "set-retention public/steward --size -1 --time -1",
@@ -258,4 +258,4 @@ def test_readme_names_every_service_and_published_port() -> None:
         "--pulsar-token",
         "--spark-master",
     ):
-        assert needed in section, f"README's deployment section does not give {needed!r}"
+        assert needed in section, f"docs/OPERATIONS.md does not give {needed!r}"
