@@ -24,6 +24,7 @@ import pytest
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
 import log.pulsar
+import log.pulsar.reader
 from clients.dev.pulsar_lite import PulsarLiteServer
 from clients.dev.zk import ZooKeeperServer
 from log.api import LedgerError, LedgerReader, NoSuchLedgerError
@@ -291,7 +292,7 @@ async def test_reader_buffer_budget_pauses_and_rewinds(
     stores: list[PulsarLedgerStore],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(log.pulsar, "READER_BUFFER_BYTES", 40)
+    monkeypatch.setattr(log.pulsar.reader, "READER_BUFFER_BYTES", 40)
     store = PulsarLedgerStore(lite_config(pulsar_lite, new_cluster()), counter_ids())
     stores.append(store)
     writer = await store.create_ledger()

@@ -120,6 +120,8 @@ RULES: tuple[Rule, ...] = (
          why="the process entry points wire every broker package together"),
     # --- log/ and snapshot/ ----------------------------------------------------------------
     Rule("log", (), why="the write-ahead log backends know nothing of the broker"),
+    Rule("log.pulsar", ("log.api",),
+         why="the Pulsar backend (writer, reader, store, config, wire format) on the ledger API"),
     Rule("snapshot", ("log.private_fs",), why="snapshot files know nothing of the broker"),
     # --- clients/ --------------------------------------------------------------------------
     Rule("clients", (), why="the root package holds no code", exact=True),
