@@ -1,4 +1,4 @@
-"""The ledger interface (DESIGN §3), implemented by every backend.
+"""The ledger interface (docs/DESIGN.md §3), implemented by every backend.
 
 BookKeeper's model: a *ledger* is an append-only sequence of entries ``0..n``
 written by exactly one writer. A reader may tail a ledger that is still being
@@ -65,7 +65,7 @@ class LedgerWriter(ABC):
 
         From the first call on, appends carry ``min(durable, confirmed)`` as their
         last-add-confirmed instead of the durable horizon alone. A replicated log calls it
-        after its own leadership check (DESIGN §4): with a backend that cannot fence, a
+        after its own leadership check (docs/DESIGN.md §4): with a backend that cannot fence, a
         deposed writer's late appends then never confirm an entry that is not part of
         the history the next leader recovered. ``confirm(-1)`` only switches this on.
         """

@@ -1,4 +1,4 @@
-"""File ledger backend (DESIGN §3): one segment file of CRC-framed entries per ledger.
+"""File ledger backend (docs/DESIGN.md §3): one segment file of CRC-framed entries per ledger.
 
 Layout of the store's directory:
 

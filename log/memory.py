@@ -1,4 +1,4 @@
-"""In-process ledger backend (DESIGN §3) for unit tests and simulations.
+"""In-process ledger backend (docs/DESIGN.md §3) for unit tests and simulations.
 
 Several :class:`MemoryLedgerStore` instances may share one :class:`MemoryLedgerCluster`,
 the way several brokers share one BookKeeper cluster; a test "restarts" a store by

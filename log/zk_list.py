@@ -1,12 +1,12 @@
-"""The ledger list in a ZooKeeper znode, changed only by compare-and-set (DESIGN §3).
+"""The ledger list in a ZooKeeper znode, changed only by compare-and-set (docs/DESIGN.md §3).
 
 The znode (``/steward/<cluster>/ledgers`` by convention, see :func:`ledger_list_path`) holds the
 :class:`~log.api.LedgerList` as JSON (msgspec, like the file store); its version is the znode's
 data version, so ``compare_and_set`` is ``set(path, data, version=expected)``, or ``create``
 when ``expected_version`` is -1.
 
-kazoo calls block, and with the quorum lost a plain call blocks forever (INFRA.md), so every
-call goes through kazoo's ``*_async`` API and :func:`kazoo_result`, which hands the result to
+kazoo calls block, and with the quorum lost a plain call blocks forever (checked here), so
+every call goes through kazoo's ``*_async`` API and :func:`kazoo_result`, which hands the result to
 the event loop and gives up after a timeout. Every failure that is not a lost compare-and-set
 comes out as :class:`~log.api.LedgerError`; after a timeout or a connection loss the outcome
 of a write is unknown and the caller must read the list again.

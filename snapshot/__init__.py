@@ -1,4 +1,4 @@
-"""Snapshots of the state machine (DESIGN §5): file format and local store."""
+"""Snapshots of the state machine (docs/DESIGN.md §5): file format and local store."""
 
 from snapshot.format import (
     FORMAT_VERSION,

@@ -1,4 +1,4 @@
-"""Snapshot file format (DESIGN §5): one file = header + zstd-compressed opaque state body.
+"""Snapshot file format (docs/DESIGN.md §5): one file = header + zstd-compressed opaque state body.
 
 Layout::
 

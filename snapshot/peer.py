@@ -1,4 +1,4 @@
-"""Snapshots between brokers over HTTP (DESIGN §5): serve the latest, download a peer's.
+"""Snapshots between brokers over HTTP (docs/DESIGN.md §5): serve the latest, download a peer's.
 
 A broker with no usable local snapshot (none, corrupt, or older than the first ledger
 still retained) calls :func:`download_latest_snapshot` with its peers' base URLs (found

@@ -1,4 +1,4 @@
-"""Local snapshot directory (DESIGN §5): write, list, prune, load the newest valid one.
+"""Local snapshot directory (docs/DESIGN.md §5): write, list, prune, load the newest valid one.
 
 Files are named ``snapshot-<ledger_id:012d>-<entry_id:012d>.snap`` and ordered by
 position (ledger_id, entry_id); ledger ids increase over time. In-progress files

@@ -131,7 +131,7 @@ class ApiConfig:
     max_tasks_per_request: int = 10_000
     max_params_bytes: int = 64 * 1024
     max_list_limit: int = 1_000
-    # Replicas an uploaded artifact needs before tasks using it may run (DESIGN §7). Above
+    # Replicas an uploaded artifact needs before tasks using it may run (docs/DESIGN.md §7). Above
     # 1 the upload is logged not ready; the leader's ReplicationMonitor readies it.
     min_replication: int = 1
     # Tokens from the configuration; authentication is on when it holds an admin token.
@@ -463,7 +463,7 @@ class ApiApp:
         return "default" if isinstance(stated, UnsetType) else stated
 
     def _redirect_to_leader(self, scope: Scope) -> None:
-        """A write reached a broker that cannot take it: name the leader (DESIGN §4)."""
+        """A write reached a broker that cannot take it: name the leader (docs/DESIGN.md §4)."""
         view = self.cluster_view
         assert view is not None
         leader = view.leader()
@@ -1128,7 +1128,7 @@ class ApiApp:
         return 200, _json_encoder.encode(self._config_view())
 
     async def latest_snapshot(self, request: Request) -> tuple[int, bytes]:
-        """The newest intact local snapshot file, for a peer that has none (DESIGN §5)."""
+        """The newest intact local snapshot file, for a peer that has none (docs/DESIGN.md §5)."""
         self._require(request, CallerRole.PEER)
         _no_query(request)
         found = await asyncio.to_thread(read_latest_snapshot, self.node.snapshots)

@@ -1,4 +1,4 @@
-"""Code artifacts on a broker's disk, content-addressed by sha256 (DESIGN §7).
+"""Code artifacts on a broker's disk, content-addressed by sha256 (docs/DESIGN.md §7).
 
 An upload is checked (:func:`validate_upload`) without parsing anything unbounded in
 the broker: the name, the size bounds and a zip's entry count here, the ``.py``

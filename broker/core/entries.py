@@ -180,7 +180,7 @@ class AddCode(_Entry, frozen=True, tag="code_add"):
     sha256: str = ""
     name: str = ""
     size_bytes: int = 0
-    # False when the leader wants more replicas first (DESIGN §7): tasks using it wait
+    # False when the leader wants more replicas first (docs/DESIGN.md §7): tasks using it wait
     # until a CodeReady entry. The default keeps entries written before the flag valid.
     ready: bool = True
     # The tenant that uploaded it, when authentication is on (None: an admin upload or
@@ -235,7 +235,7 @@ Entry = (
 class Confirm(_Entry, frozen=True, tag="lac"):
     """A log-level marker, not a state change: the leader writes one when the log goes
     idle so that the last-add-confirmed it carries lets followers apply the entries
-    before it (DESIGN §3). Never handed to the state machine."""
+    before it (docs/DESIGN.md §3). Never handed to the state machine."""
 
 
 Record = Entry | Confirm

@@ -1,4 +1,4 @@
-"""Code artifact replication between brokers (DESIGN §7, Storm's code distributor).
+"""Code artifact replication between brokers (docs/DESIGN.md §7, Storm's code distributor).
 
 The leader stores an upload, then logs ``AddCode``; with ``min_replication`` > 1 it logs
 it with ``ready=False``, and tasks that use the artifact stay waiting, outside the
@@ -29,7 +29,7 @@ Wiring in a cluster broker (the caller owns the started ``KazooClient``)::
     node.listeners.append(replicator.on_applied)   # leader and followers alike
     await replicator.start()
     ...
-    # DESIGN §4 step 3, before acting as leader:
+    # docs/DESIGN.md §4 step 3, before acting as leader:
     still_missing = await replicator.fetch_missing(codes of non-final tasks, timeout_s)
     # while acting as leader (stop it when leadership ends):
     monitor = ReplicationMonitor(node, zk, cluster, min_replication=m, max_replication_wait_ms=w)
@@ -235,7 +235,7 @@ class CodeReplicator:
 
     async def fetch_missing(self, required: Iterable[str], timeout_s: float) -> set[str]:
         """Fetch what is missing of ``required``, waiting up to ``timeout_s``; returns what
-        is still missing (e.g. for DESIGN §4 step 3: a leader must hold them all)."""
+        is still missing (e.g. for docs/DESIGN.md §4 step 3: a leader must hold them all)."""
         required = set(required)
         wanted = self.missing(required)
         for sha256 in sorted(wanted):

@@ -1,4 +1,4 @@
-"""Leader election and broker discovery in ZooKeeper (DESIGN §4), over kazoo.
+"""Leader election and broker discovery in ZooKeeper (docs/DESIGN.md §4), over kazoo.
 
 Layout under ``/steward/<cluster>/``:
 
@@ -11,9 +11,9 @@ The ``token`` (random, new for every node this elector creates) lets the elector
 whose ``create`` reply was lost with the connection, and delete nodes it gave up on.
 
 Why not kazoo's ``Lock``/``Election``: they keep reporting "acquired" through SUSPENDED and
-LOST (INFRA.md). Here leadership is derived from two facts only, both checked on every
-:meth:`LeaderElector.is_leader` call: this elector's queue node was the lowest at its last
-refresh, and kazoo's connection state is CONNECTED right now.
+LOST (checked on this machine). Here leadership is derived from two facts only, both
+checked on every :meth:`LeaderElector.is_leader` call: this elector's queue node was the
+lowest at its last refresh, and kazoo's connection state is CONNECTED right now.
 
 Threads: kazoo runs state listeners and watch callbacks on its own threads. They only hand
 work to the event loop (``call_soon_threadsafe``); every ZooKeeper request is made from the

@@ -1,6 +1,6 @@
 r"""The broker's replication core: boot, the write path, ledger rolling, snapshots.
 
-Write path (DESIGN §2): the caller's ``build(stamp)`` turns a request into an
+Write path (docs/DESIGN.md §2): the caller's ``build(stamp)`` turns a request into an
 entry with leader-chosen ids and time; the entry is appended to the open
 ledger (group commit in the backend); when it is durable it is applied, in
 log order, and only then is the caller answered. Nothing is applied before it
@@ -10,7 +10,7 @@ Boot: newest valid local snapshot, then every ledger after its position; a
 ledger left open by a dead writer is recovered (fenced, truncated to its valid
 prefix, marked closed with compare-and-set) before a new one is opened.
 
-Roles (DESIGN §4). A standalone node recovers and leads at once (:meth:`Node.start`).
+Roles (docs/DESIGN.md §4). A standalone node recovers and leads at once (:meth:`Node.start`).
 In a cluster a node boots (:meth:`Node.boot`), then *follows*: it tails the ledgers in
 the list and applies only what the leader confirmed (last-add-confirmed carried by the
 entries, or the ledger's closed length). When elected it *takes over*

@@ -1,4 +1,4 @@
-"""A broker of a highly available cluster (DESIGN §4): ZooKeeper election, follower
+"""A broker of a highly available cluster (docs/DESIGN.md §4): ZooKeeper election, follower
 tailing, take-over, step-down, and the HTTP and worker endpoints around one Node.
 
 Roles are driven by one task (:meth:`ClusterBroker._manage`), woken whenever the

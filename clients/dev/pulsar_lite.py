@@ -2,7 +2,7 @@
 
 pulsar-lite (PyPI, ``pulsar-lite==0.2.0``) speaks Pulsar's binary protocol and keeps topics in
 RocksDB; it is what ``steward cluster up --ledgers pulsar`` and the tests run the ``pulsar``
-ledger backend against. It is started the way INFRA.md found to work here: the binary shipped
+ledger backend against. It is started the way found to work on these machines: the binary shipped
 inside the wheel (``pulsar_lite/bin/pulsar-lite``), a config file whose ``[metrics]`` section
 is disabled (otherwise it serves metrics on 0.0.0.0:8080) and points at 127.0.0.1 anyway, and
 ``--addr 127.0.0.1:PORT --db-path DIR --log-level warn``. It is ready when it accepts TCP

@@ -1,6 +1,6 @@
 """A real standalone ZooKeeper server as a subprocess, for tests and the local dev cluster.
 
-The server is started the way INFRA.md found to work here: a config file with
+The server is started the way found to work on these machines: a config file with
 ``tickTime=500`` (session timeouts between 1 and 10 s, so tests can use short ones), bound to
 127.0.0.1 only, four-letter words ``srvr``/``ruok``/``mntr`` allowed, the admin HTTP server off,
 and ``ZooKeeperServerMain`` run from the jars that ``pyspark`` ships (Debian's ``zookeeper``
@@ -30,7 +30,7 @@ DEFAULT_TICK_TIME_MS = 500
 DEFAULT_START_TIMEOUT_S = 30.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
 DEFAULT_HEAP_MB = 256
-#: Added to INFRA.md's command: a small server's JVM starts about twice as fast with one
+#: Beyond the plain command: a small server's JVM starts about twice as fast with one
 #: JIT compiler tier and the serial collector (measured here on 2 busy CPUs: 6-8 s -> 3-4 s),
 #: which matters for tests that start and restart servers. Pass ``jvm_options=()`` to drop.
 DEFAULT_JVM_OPTIONS = ("-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1")

@@ -395,7 +395,7 @@ class Worker:
             logger.info("the leader's worker endpoint is %s (%s)", address, leader_url or "?")
         self.broker_address = address
         if c.download_from_leader and leader_url:
-            # The leader holds every artifact a live task references (DESIGN §4).
+            # The leader holds every artifact a live task references (docs/DESIGN.md §4).
             self.runtime.artifacts.http_url = leader_url.rstrip("/")
         # Never downgrade: --tls forces TLS even if a broker announced none.
         return *parse_host_port(address), c.tls or worker_tls

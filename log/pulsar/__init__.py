@@ -1,4 +1,4 @@
-"""The ``pulsar`` ledger backend (DESIGN §3): one persistent Pulsar topic per ledger.
+"""The ``pulsar`` ledger backend (docs/DESIGN.md §3): one persistent Pulsar topic per ledger.
 
 Brokers on several hosts share no disk, only ZooKeeper and the Pulsar cluster (Apache Pulsar
 >= 2.11, or pulsar-lite for tests and the local dev cluster), as Majordodo does with
@@ -66,7 +66,7 @@ producer of the same mode, which fences the old writer (its sends fail with
 modes, so with it ``fencing`` must be False and ``can_fence`` is False: a deposed writer in
 another process keeps getting acknowledgements, for entries no reader will ever return.
 The replicated log does not rely on that: the leader confirms in ZooKeeper that it still
-leads before it answers (DESIGN §4), and entries carry as LAC only what it confirmed
+leads before it answers (docs/DESIGN.md §4), and entries carry as LAC only what it confirmed
 (``LedgerWriter.confirm``, see broker/replication/node.py). A writer of the same store is fenced
 locally by recovery in any case.
 
@@ -100,9 +100,9 @@ checks and applies both at start-up through the admin API:
 
 pulsar-lite
 -----------
-What pulsar-lite 0.2.0 gets wrong and how this package copes (INFRA.md): no producer access
-modes (``fencing=False``); readers with ``receiver_queue_size`` > 1 or batched producers see
-duplicates, out-of-order deliveries and stalls (``reader_queue_size=1``, ``batching=False``,
+What pulsar-lite 0.2.0 gets wrong and how this package copes (checked on this machine): no
+producer access modes (``fencing=False``); readers with ``receiver_queue_size`` > 1 or
+batched producers see duplicates, out-of-order deliveries and stalls (``reader_queue_size=1``, ``batching=False``,
 the reader's next-id rule, and a reader that starts over when it stalls); ``seek`` is broken
 (never used: a reader is re-created from the last MessageId it accepted instead, inclusive,
 because a reader started exclusive of a MessageId receives nothing from pulsar-lite);

@@ -1,5 +1,5 @@
 """A deposed leader never gets a write acknowledged, on every ledger backend (issue 5,
-acceptance 3; DESIGN §4).
+acceptance 3; docs/DESIGN.md §4).
 
 Two real :class:`~broker.replication.node.Node` objects share one backend and one ledger list. The
 first leads and writes; the second takes over (marks the first's ledger closing, recovers

@@ -1,4 +1,4 @@
-"""Durability of the standalone broker under ``kill -9`` (DESIGN §1-3).
+"""Durability of the standalone broker under ``kill -9`` (docs/DESIGN.md §1-3).
 
 A real ``steward standalone`` subprocess takes continuous load from 32 concurrent
 HTTP clients; at a random moment it is SIGKILLed and restarted on the same data

@@ -82,7 +82,7 @@ class PulsarBackend(LedgerBackend):
 
     # pulsar-lite 0.2.0 ignores producer access modes (no ExclusiveWithFencing), so its
     # stores cannot fence (PulsarConfig.fencing is False there): the ZooKeeper check of
-    # DESIGN §4 protects acknowledged writes instead, and recovery's SEAL keeps a deposed
+    # docs/DESIGN.md §4 protects acknowledged writes instead, and recovery's SEAL keeps a deposed
     # writer's late appends from every reader (assert_recovered_end_is_final).
     fixtures = ("pulsar_lite", "zookeeper")
 

@@ -1,4 +1,4 @@
-"""Runnable gating by code readiness (DESIGN §7) in the pure state machine and scheduler.
+"""Runnable gating by code readiness (docs/DESIGN.md §7) in the pure state machine and scheduler.
 
 An artifact logged with ``AddCode(ready=False)`` keeps the tasks that use it waiting but
 out of the scheduler's queues ("parked") until ``CodeReady``; then they join their

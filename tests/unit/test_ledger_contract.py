@@ -1,4 +1,4 @@
-"""The ledger contract (log/api.py, DESIGN §3), run against every backend in BACKENDS."""
+"""The ledger contract (log/api.py, docs/DESIGN.md §3), run against every backend in BACKENDS."""
 
 from __future__ import annotations
 
