@@ -102,8 +102,9 @@ pulsar-lite
 -----------
 What pulsar-lite 0.2.0 gets wrong and how this package copes (checked on this machine): no
 producer access modes (``fencing=False``); readers with ``receiver_queue_size`` > 1 or
-batched producers see duplicates, out-of-order deliveries and stalls (``reader_queue_size=1``, ``batching=False``,
-the reader's next-id rule, and a reader that starts over when it stalls); ``seek`` is broken
+batched producers see duplicates, out-of-order deliveries and stalls
+(``reader_queue_size=1``, ``batching=False``, the reader's next-id rule, and a reader that
+starts over when it stalls); ``seek`` is broken
 (never used: a reader is re-created from the last MessageId it accepted instead, inclusive,
 because a reader started exclusive of a MessageId receives nothing from pulsar-lite);
 ``has_message_available`` raises on an empty topic, and on a reader started inclusive that
