@@ -1,4 +1,4 @@
-"""The Python clients follow the leader (clients/client.py): not_leader redirects,
+"""The Python clients follow the leader (clients/client/routing.py): not_leader redirects,
 retries of retryable errors under one idempotency key, fall-over to the next URL,
 and a clear give-up after ``failover_timeout_s``.
 

@@ -22,12 +22,12 @@ Boundaries the table keeps, in words:
 - log/ and snapshot/ import nothing from broker/ (so none of broker.api, ha, workers,
   observability) and nothing from clients/.
 - Nothing in broker/ imports clients/ (the development launchers in clients/dev are called
-  from clients/cli.py, tests and bench only).
+  from clients/cli/servers.py, tests and bench only).
 - clients/ imports from broker/ only: the wire protocol, the API models the worker reads
   (ClusterSummary), broker.security, the structured-log setup, the artifact checks and the
   artifact-name pattern (broker.core.entries.SHA256_RE) the worker shares with the broker;
-  clients/cli.py additionally the broker launch entry points it runs for `steward broker` /
-  `steward standalone` (listed in its rule).
+  clients/cli/servers.py additionally the broker launch entry points it runs for `steward
+  broker` / `steward standalone` (listed in its rule).
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ RULES: tuple[Rule, ...] = (
     # --- clients/ --------------------------------------------------------------------------
     Rule("clients", (), why="the root package holds no code", exact=True),
     Rule("clients.progress", ()),
+    # The package: errors, routing (leader-following, retries), encoding, sync and async.
     Rule("clients.client", ("broker.security",),
          why="the Python client speaks HTTP; it shares only credentials and TLS"),
     Rule("clients.worker", (*_BROKER_SHARED_WITH_CLIENTS, "log.private_fs"),
@@ -133,12 +134,16 @@ RULES: tuple[Rule, ...] = (
     Rule("clients.dev", ("broker.security",),
          why="development launchers start brokers as processes, never import them"),
     Rule("clients.cli",
-         (*_BROKER_SHARED_WITH_CLIENTS, "clients.client", "clients.progress", "clients.dev",
-          "clients.worker.__main__", "clients.demo.run",
-          # `steward broker` / `steward standalone` run a broker in this process:
+         (*_BROKER_SHARED_WITH_CLIENTS, "clients.client", "clients.progress",
+          "clients.worker.__main__", "clients.demo.run"),
+         why="the CLI: a client; `steward worker` and `steward demo` hand over to theirs"),
+    # `steward broker` / `steward standalone` run a broker in this process, `cluster up` a
+    # local cluster: only this module of the CLI imports their launch entry points.
+    Rule("clients.cli.servers",
+         (*_BROKER_SHARED_WITH_CLIENTS, "clients.cli", "clients.dev",
           "broker.server", "broker.api.http_api", "broker.api.edges",
           "broker.replication.node", "broker.workers.worker_link", "log.pulsar"),
-         why="the CLI: a client, plus the launch entry points of `steward broker|standalone`"),
+         why="the CLI's broker launch entry points: `steward broker|standalone|cluster up`"),
     Rule("clients.demo",
          ("clients.client", "clients.progress", "clients.worker", "clients.dev"),
          why="the demo drives the public client and a local worker"),
@@ -242,7 +247,7 @@ def test_the_table_keeps_the_stated_boundaries() -> None:
             assert not [m for m in rule.may_import if _within(m, "broker")], rule
         if _within(rule.package, "broker.core"):
             assert rule.may_import == () and set(_NETWORK) <= set(rule.forbidden), rule
-        if _within(rule.package, "clients") and rule.package != "clients.cli":
+        if _within(rule.package, "clients") and rule.package != "clients.cli.servers":
             broker_imports = [m for m in rule.may_import if _within(m, "broker")]
             assert set(broker_imports) <= set(_BROKER_SHARED_WITH_CLIENTS), rule
 

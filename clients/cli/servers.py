@@ -1,0 +1,259 @@
+"""The commands that run a broker or a local cluster in this process: ``steward
+standalone``, ``steward broker`` and ``steward cluster up``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from clients.cli.options import UsageError, _tls_config
+
+if TYPE_CHECKING:
+    from broker.api.edges import HttpEdgeConfig
+    from broker.security.auth import AuthConfig
+    from log.pulsar import PulsarConfig
+
+
+def _http_edges(args: argparse.Namespace) -> HttpEdgeConfig:
+    from broker.api.edges import HttpEdgeConfig
+
+    edges = HttpEdgeConfig(
+        header_timeout_s=args.http_header_timeout_s,
+        body_timeout_s=args.http_body_timeout_s,
+        max_connections=args.http_max_connections,
+    )
+    problem = edges.problem()
+    if problem is not None:
+        raise UsageError(f"--http-*: {problem}")
+    if not args.worker_hello_timeout_s > 0 or args.worker_max_unauthenticated < 1:
+        raise UsageError("need --worker-hello-timeout-s > 0 and --worker-max-unauthenticated >= 1")
+    if not args.max_task_output_mb >= 0:
+        raise UsageError("--max-task-output-mb must be >= 0")
+    return edges
+
+
+def _auth_config(args: argparse.Namespace) -> AuthConfig:
+    """Authentication settings of a broker from its options (off without an admin token).
+
+    Sets ``args.worker_token`` and ``args.cluster_token`` to the secrets found (file,
+    deprecated command line, environment) and removes the secrets' environment variables,
+    so the broker's children (workers it starts get theirs explicitly) inherit none."""
+    from broker.security.auth import AuthConfig, SecretOptionError, read_secret, secret_from_options
+
+    def warn(message: str) -> None:
+        print(f"steward: warning: {message}", file=sys.stderr, flush=True)
+
+    try:
+        args.worker_token = secret_from_options(
+            argv_value=args.worker_token,
+            argv_flag="--worker-token",
+            file=args.worker_token_file,
+            file_flag="--worker-token-file",
+            env="STEWARD_WORKER_TOKEN",
+            warn=warn,
+        )
+        args.cluster_token = secret_from_options(
+            argv_value=args.cluster_token,
+            argv_flag="--cluster-token",
+            file=args.cluster_token_file,
+            file_flag="--cluster-token-file",
+            env="STEWARD_CLUSTER_TOKEN",
+            warn=warn,
+        )
+    except SecretOptionError as exc:
+        raise UsageError(str(exc)) from None
+    admin_tokens: list[str] = []
+    admin_from_env = os.environ.pop("STEWARD_ADMIN_TOKEN", None)
+    if args.admin_token_file is not None:
+        try:
+            admin_tokens.append(read_secret(args.admin_token_file))
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--admin-token-file: {exc}") from None
+    elif admin_from_env:
+        admin_tokens.append(admin_from_env)
+    return AuthConfig.from_secrets(admin_tokens, args.worker_token, args.cluster_token)
+
+
+def run_standalone(args: argparse.Namespace) -> int:
+
+    import uvloop
+
+    from broker.api.http_api import ApiConfig
+    from broker.observability.logs import LOG_FORMAT_ENV, setup_logging
+    from broker.replication.node import BrokerStartupError, NodeConfig
+    from broker.server.standalone import StandaloneConfig, serve_standalone
+    from broker.workers.worker_link import WorkerLinkConfig
+
+    setup_logging(args.log_level, args.log_format)
+    # Worker processes started beside the broker (--workers) log the same way.
+    os.environ[LOG_FORMAT_ENV] = args.log_format
+    host, port = args.http
+    auth = _auth_config(args)
+    if auth.enabled and args.worker_token is None and args.workers > 0:
+        # Other workers may use worker credentials; the ones started here share a token.
+        raise UsageError(
+            "with authentication on, the --workers started here need a shared token: "
+            "give --worker-token-file PATH (or STEWARD_WORKER_TOKEN)"
+        )
+    config = StandaloneConfig(
+        node=NodeConfig(
+            data_dir=args.data_dir,
+            snapshot_interval_s=args.snapshot_interval_s,
+            ledger_roll_bytes=int(args.ledger_roll_mb * 1024 * 1024),
+        ),
+        api=ApiConfig(host=host, port=port, auth=auth, edges=_http_edges(args)),
+        workers=WorkerLinkConfig(
+            host=args.worker_listen[0],
+            port=args.worker_listen[1],
+            heartbeat_interval_ms=args.heartbeat_interval_ms,
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            hello_timeout_s=args.worker_hello_timeout_s,
+            max_unauthenticated=args.worker_max_unauthenticated,
+            token=args.worker_token,
+            tenant_isolation=auth.enabled,
+            worker_credentials=auth.enabled,
+            max_output_total_bytes=int(args.max_task_output_mb * 1024 * 1024),
+        ),
+        child_workers=args.workers,
+        tls=_tls_config(args),
+    )
+    if args.workers < 0:
+        raise UsageError("--workers must be >= 0")
+    if not 0 < args.heartbeat_interval_ms < args.heartbeat_timeout_ms:
+        raise UsageError("need 0 < --heartbeat-interval-ms < --heartbeat-timeout-ms")
+    try:
+        uvloop.run(serve_standalone(config))
+    except BrokerStartupError as exc:
+        print(f"steward: cannot start: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _pulsar_config(args: argparse.Namespace) -> PulsarConfig | None:
+    from log.pulsar import PulsarConfig
+
+    if args.ledgers != "pulsar":
+        return None
+    settings = {
+        "admin_url": args.pulsar_admin_url,
+        "tenant": args.pulsar_tenant,
+        "namespace": args.pulsar_namespace,
+        "cluster": args.cluster,
+        "auth_token": args.pulsar_token,
+    }
+    try:
+        if args.pulsar_flavor == "pulsar-lite":
+            return PulsarConfig.for_pulsar_lite(args.pulsar_url, **settings)
+        return PulsarConfig.for_apache_pulsar(args.pulsar_url, **settings)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def run_broker(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from broker.api.http_api import ApiConfig
+    from broker.observability.logs import setup_logging
+    from broker.replication.node import BrokerStartupError, NodeConfig
+    from broker.server.cluster import BrokerConfig, serve_broker
+    from broker.workers.worker_link import WorkerLinkConfig
+
+    setup_logging(args.log_level, args.log_format, static_fields={"broker": args.broker_id})
+    if not args.zookeeper:
+        raise UsageError("--zookeeper is required (or env STEWARD_ZOOKEEPER)")
+    if not 1 <= args.session_timeout_ms <= 600_000:
+        raise UsageError("--session-timeout-ms must be in [1, 600000]")
+    if args.min_replication < 1:
+        raise UsageError("--min-replication must be >= 1")
+    if args.ledgers == "file" and args.ledger_dir is None:
+        raise UsageError("--ledgers file needs --ledger-dir")
+    if args.ledgers == "pulsar" and not args.pulsar_url:
+        raise UsageError("--ledgers pulsar needs --pulsar-url")
+    if not 0 < args.heartbeat_interval_ms < args.heartbeat_timeout_ms:
+        raise UsageError("need 0 < --heartbeat-interval-ms < --heartbeat-timeout-ms")
+    host, port = args.http
+    auth = _auth_config(args)
+    if auth.enabled and args.cluster_token is None:
+        # Workers need no shared token: they may use worker credentials (token create --worker).
+        raise UsageError(
+            "with authentication on, give --cluster-token-file PATH (or STEWARD_CLUSTER_TOKEN) too"
+        )
+    if args.zookeeper_auth is not None and ":" not in args.zookeeper_auth:
+        raise UsageError("--zookeeper-auth must be USER:PASSWORD")
+    config = BrokerConfig(
+        node=NodeConfig(
+            data_dir=args.data_dir,
+            broker_id=args.broker_id,
+            cluster_id=args.cluster,
+            snapshot_interval_s=args.snapshot_interval_s,
+            ledger_roll_bytes=int(args.ledger_roll_mb * 1024 * 1024),
+            ledger_roll_age_ms=int(args.ledger_roll_age_s * 1000),
+            ledger_retention_ms=int(args.ledger_retention_h * 3600 * 1000),
+        ),
+        zookeeper=args.zookeeper,
+        ledger_dir=args.ledger_dir,
+        ledgers=args.ledgers,
+        pulsar=_pulsar_config(args),
+        advertise_host=args.advertise,
+        api=ApiConfig(host=host, port=port, auth=auth, edges=_http_edges(args)),
+        workers=WorkerLinkConfig(
+            host=args.worker_listen[0],
+            port=args.worker_listen[1],
+            heartbeat_interval_ms=args.heartbeat_interval_ms,
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            hello_timeout_s=args.worker_hello_timeout_s,
+            max_unauthenticated=args.worker_max_unauthenticated,
+            token=args.worker_token,
+            tenant_isolation=auth.enabled,
+            worker_credentials=auth.enabled,
+            max_output_total_bytes=int(args.max_task_output_mb * 1024 * 1024),
+        ),
+        cluster_token=args.cluster_token,
+        zookeeper_auth=args.zookeeper_auth,
+        session_timeout_ms=args.session_timeout_ms,
+        min_replication=args.min_replication,
+        max_replication_wait_ms=args.max_replication_wait_ms,
+        tls=_tls_config(args),
+    )
+    try:
+        uvloop.run(serve_broker(config))
+    except BrokerStartupError as exc:
+        print(f"steward: cannot start: {exc}", file=sys.stderr)
+        return 2
+    # Everything is closed and flushed (ledger, snapshot, ZooKeeper sessions). Leave without
+    # the interpreter's teardown: pulsar-client's C++ threads can abort the process in
+    # static destructors at exit ("terminate called without an active exception").
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_cluster_up(args: argparse.Namespace) -> int:
+    from clients.dev.local_cluster import LocalClusterConfig, run_local_cluster
+    from clients.dev.zk import ZooKeeperError
+
+    if args.brokers < 1 or args.workers < 0:
+        raise UsageError("need --brokers >= 1 and --workers >= 0")
+    if not 1000 <= args.session_timeout_ms <= 60_000:
+        raise UsageError("--session-timeout-ms must be in [1000, 60000]")
+    config = LocalClusterConfig(
+        data_dir=args.data_dir,
+        brokers=args.brokers,
+        workers=args.workers,
+        session_timeout_ms=args.session_timeout_ms,
+        first_http_port=args.first_http_port,
+        log_format=args.log_format,
+        min_replication=args.min_replication,
+        ledgers=args.ledgers,
+        tls=_tls_config(args),
+        admin_token_file=args.admin_token_file,
+    )
+    try:
+        return run_local_cluster(config)
+    except (RuntimeError, ZooKeeperError, OSError, ValueError) as exc:
+        print(f"steward: cluster up failed: {exc}", file=sys.stderr)
+        return 2

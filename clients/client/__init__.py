@@ -1,0 +1,89 @@
+"""Python clients for a Steward broker's HTTP API: sync and asyncio.
+
+    with StewardClient("http://b1:8080,http://b2:8080,http://b3:8080") as steward:
+        handle = steward.submit("spark.sql", {"query": "SELECT 1 AS x"}, tenant="acme")
+        print(handle.result(timeout=60))          # the task's JSON result
+        with steward.transaction(tenant="acme") as txn:
+            txn.submit("noop")                    # all run, or none (rolled back on error)
+
+Every error the API answers raises a :class:`StewardError` subclass.
+
+TLS. ``https://`` URLs are always verified, host name included: against
+``ca_file`` (a PEM CA bundle, or an ``ssl.SSLContext``) or else the system trust
+store; a certificate that does not verify raises :class:`CertificateVerifyError`
+at once (no failover retries).
+
+Failover. Give one broker URL or several (a sequence, or one comma-separated
+string). Writes (POST, PUT, DELETE) go to the leader: a follower's ``307
+not_leader`` answer is followed to the leader it names, which is remembered for
+later calls. On a retryable 503 (no leader yet, taking over, deposed), a
+connection error or a timeout, a write is sent again, to the known leader or the
+next URL, with backoff, for at most ``failover_timeout_s`` (default 30 s); then
+:class:`FailoverTimeoutError`. Reads go to the known leader (so a task just
+submitted is found), else to the URLs in turn, each tried once on connection
+errors. Other errors (4xx) are raised at once.
+
+A write retried after a lost answer may have been applied the first time:
+
+- ``submit`` / ``submit_many``: safe. Each call sends one idempotency key (a
+  uuid4, or the caller's ``idempotency_key``) on every try; the broker answers a
+  repeated key with the first result (same ids) instead of creating tasks again.
+- ``cancel``: safe, cancelling is idempotent (a retry after the cancel was
+  applied may answer 409 ``ConflictError``: the task is already cancelled).
+- ``set_tenant``, ``upload_code``: safe (same values; artifacts are content-addressed).
+- ``begin`` (and ``transaction()``): a retry may open a second transaction; the
+  one whose answer was lost stays empty and expires after its TTL.
+- ``commit`` / ``rollback``: a retry after the first one was applied answers 404
+  ``NotFoundError`` (the transaction is no longer open); check its tasks' states.
+
+Layout: :mod:`.errors` (the exceptions), :mod:`.routing` (leader-following and retries,
+shared by both clients), :mod:`.encoding` (request bodies, queries, task answers),
+:mod:`.sync_client` and :mod:`.async_client`. Import the names from ``clients.client``.
+"""
+
+from clients.client.async_client import AsyncStewardClient, AsyncTaskHandle, AsyncTransaction
+from clients.client.encoding import FINAL_STATES
+from clients.client.errors import (
+    AuthenticationError,
+    CertificateVerifyError,
+    ConflictError,
+    ConnectionFailedError,
+    FailoverTimeoutError,
+    InvalidRequestError,
+    NotFoundError,
+    PermissionDeniedError,
+    StewardError,
+    TaskFailedError,
+    TaskTimeoutError,
+    TenantQueueFullError,
+    TreeFailedError,
+    UnavailableError,
+)
+from clients.client.routing import DEFAULT_FAILOVER_TIMEOUT_S, parse_urls
+from clients.client.sync_client import StewardClient, TaskHandle, Transaction
+
+__all__ = [
+    "DEFAULT_FAILOVER_TIMEOUT_S",
+    "FINAL_STATES",
+    "AsyncStewardClient",
+    "AsyncTaskHandle",
+    "AsyncTransaction",
+    "AuthenticationError",
+    "CertificateVerifyError",
+    "ConflictError",
+    "ConnectionFailedError",
+    "FailoverTimeoutError",
+    "InvalidRequestError",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "StewardClient",
+    "StewardError",
+    "TaskFailedError",
+    "TaskHandle",
+    "TaskTimeoutError",
+    "TenantQueueFullError",
+    "Transaction",
+    "TreeFailedError",
+    "UnavailableError",
+    "parse_urls",
+]
