@@ -660,6 +660,7 @@ class StateMachine:
             )
 
     def _delete_task(self, task: Task) -> None:
+        check_move(task.state, None)
         del self.tasks[task.id]
         self.by_state[task.state].discard(task.id)
         self._counts(task.tenant)[task.state] -= 1
@@ -789,6 +790,7 @@ class StateMachine:
             root=root if root is not None else spec.id if spec.track_tree else None,
             parent=parent,
         )
+        check_move(None, task.state)  # created (not in _add_task: snapshot load uses it)
         self._add_task(task)
         if txn is not None:
             txn.task_ids.append(task.id)

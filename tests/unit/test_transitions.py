@@ -196,7 +196,7 @@ def test_check_move_allows_every_edge() -> None:
         check_move(None if old is None else str(old), None if new is None else str(new))
 
 
-def test_planted_illegal_move_raises_and_changes_nothing() -> None:
+def test_planted_illegal_moves_raise_and_change_nothing() -> None:
     m, _ = _machine()
     task_id = m.add()
     m.done(task_id)
@@ -211,6 +211,10 @@ def test_planted_illegal_move_raises_and_changes_nothing() -> None:
         machine._move(waiting, TaskState.FINISHED)
     machine.check_invariants()
     machine._move(waiting, TaskState.WAITING)  # no change is no move
+    with pytest.raises(AssertionError, match="illegal task state transition waiting -> None"):
+        machine._delete_task(waiting)
+    assert waiting.id in machine.tasks
+    machine.check_invariants()
 
 
 _DIAGRAM_EDGE: Final = re.compile(r"^\s*(\[\*\]|\w+)\s*-->\s*(\[\*\]|\w+)\s*:\s*(.+?)\s*$")
