@@ -37,17 +37,8 @@ import msgspec
 
 from broker.core import entries as e
 from broker.core.entries import SHA256_RE
-
-
-class TaskState(StrEnum):
-    PENDING = "pending"  # inside an uncommitted transaction
-    DELAYED = "delayed"  # waiting for its start_after time
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-    ERROR = "error"
-    CANCELLED = "cancelled"
-
+from broker.core.transitions import TaskState as TaskState  # re-exported: its old home
+from broker.core.transitions import check_move
 
 LIVE_STATES: Final = frozenset(
     {TaskState.PENDING, TaskState.DELAYED, TaskState.WAITING, TaskState.RUNNING}
@@ -631,6 +622,7 @@ class StateMachine:
         old = task.state
         if old == new:
             return
+        check_move(old, new)  # an illegal move is a bug: apply is deterministic
         self.by_state[old].discard(task.id)
         self.by_state[new].add(task.id)
         counts = self._counts(task.tenant)
@@ -668,6 +660,7 @@ class StateMachine:
             )
 
     def _delete_task(self, task: Task) -> None:
+        check_move(task.state, None)
         del self.tasks[task.id]
         self.by_state[task.state].discard(task.id)
         self._counts(task.tenant)[task.state] -= 1
@@ -797,6 +790,7 @@ class StateMachine:
             root=root if root is not None else spec.id if spec.track_tree else None,
             parent=parent,
         )
+        check_move(None, task.state)  # created (not in _add_task: snapshot load uses it)
         self._add_task(task)
         if txn is not None:
             txn.task_ids.append(task.id)

@@ -74,6 +74,7 @@ from broker.core.state import (
     idempotency_scope,
     tree_value,
 )
+from broker.core.transitions import EDGES
 
 DEFAULT_SEEDS: Final = 20
 DEFAULT_ENTRIES: Final = 10_000
@@ -851,33 +852,8 @@ class EntryGenerator:
 
 # --- checks ------------------------------------------------------------------------------
 
-# For each (old, new) transition: the entry types in which it may happen, or
-# None when a timer may cause it at the start of any entry.
-TIMER: Final = None
-TRANSITIONS: Final[dict[tuple[str | None, str | None], frozenset[type] | None]] = {
-    (None, PENDING): frozenset({e.SubmitTasks}),
-    (None, DELAYED): frozenset({e.SubmitTasks, e.FinishTasks}),  # submitted or spawned
-    (None, WAITING): frozenset({e.SubmitTasks, e.FinishTasks}),
-    (PENDING, DELAYED): frozenset({e.CommitTransaction}),
-    (PENDING, WAITING): frozenset({e.CommitTransaction}),
-    (PENDING, CANCELLED): TIMER,  # a cancel, or its tree timed out past its deadline
-    (PENDING, ERROR): TIMER,  # deadline
-    (PENDING, None): TIMER,  # rollback or expiry
-    (DELAYED, WAITING): TIMER,  # start_after reached
-    (DELAYED, CANCELLED): TIMER,  # a cancel, or its tree failed (checked below)
-    (DELAYED, ERROR): TIMER,
-    (WAITING, RUNNING): frozenset({e.AssignTasks}),
-    (WAITING, CANCELLED): TIMER,
-    (WAITING, ERROR): TIMER,
-    (RUNNING, FINISHED): frozenset({e.FinishTasks}),
-    (RUNNING, WAITING): TIMER,  # attempt over, or a root replayed (checked below)
-    (RUNNING, ERROR): TIMER,  # deadline, or a last failed attempt (checked below)
-    (RUNNING, CANCELLED): TIMER,
-    (FINISHED, WAITING): TIMER,  # a root replayed after its tree failed
-    (FINISHED, None): TIMER,  # purge
-    (ERROR, None): TIMER,
-    (CANCELLED, None): TIMER,
-}
+# The legal transitions and the entry types each may happen in are the one table in
+# broker/core/transitions.py: EDGES, (old, new) -> Edge, None as old/new: created/deleted.
 
 RESULT_TYPES: Final[dict[type, tuple[type, ...]]] = {
     e.CancelTask: (TaskRef, Rejected),
@@ -974,9 +950,9 @@ class Checker:
         for ev in events:
             tid, old, new, task = ev.task_id, ev.old, ev.new, ev.task
             self.stats[f"transition {old}->{new}"] += 1
-            if (old, new) not in TRANSITIONS:
+            if (old, new) not in EDGES:
                 fail(f"task {tid}: illegal transition {old} -> {new} in {kind.__name__}")
-            allowed = TRANSITIONS[(old, new)]
+            allowed = EDGES[(old, new)].entries
             if allowed is not None and kind not in allowed:
                 fail(f"task {tid}: transition {old} -> {new} in a {kind.__name__} entry")
             if old is None:
@@ -1897,7 +1873,7 @@ def test_generator_covers_the_rules() -> None:
     for seed in (0, 1, 2, 3):
         stats.update(_run_or_fail(seed, 4_000))
     wanted = [
-        *(f"transition {old}->{new}" for old, new in TRANSITIONS),
+        *(f"transition {old}->{new}" for old, new in EDGES),
         "SubmitTasks ok",
         "SubmitTasks rejected invalid",
         "SubmitTasks rejected slot_busy",
