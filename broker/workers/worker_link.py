@@ -37,7 +37,6 @@ from broker.core.state import (
     TaskState,
     WorkerReconciled,
     WorkerState,
-    validate_task_spec,
 )
 from broker.observability.logs import task_fields
 from broker.replication.node import BrokerStartupError, BrokerUnavailableError, Node, Stamp
@@ -45,6 +44,7 @@ from broker.security.auth import Role as CallerRole
 from broker.security.auth import hash_token
 from broker.security.tls import TlsConfig, TlsConfigError, server_context
 from broker.workers import protocol as p
+from broker.workers.finish_reports import outcome, stamp_ids
 
 logger = logging.getLogger(__name__)  # task events: broker/observability/task_log.py
 
@@ -596,10 +596,13 @@ class WorkerLink:
                 batch = live
                 if not batch:
                     continue
-                outcomes = tuple(self._outcome(session, report) for session, report in batch)
+                outcomes = tuple(
+                    outcome(self.config, self.node.state, session.worker_id, report)
+                    for session, report in batch
+                )
 
                 def build(stamp: Stamp, outcomes: tuple[e.TaskOutcome, ...] = outcomes) -> e.Entry:
-                    return e.FinishTasks(time_ms=stamp.now_ms, outcomes=_stamp_ids(stamp, outcomes))
+                    return e.FinishTasks(time_ms=stamp.now_ms, outcomes=stamp_ids(stamp, outcomes))
 
                 try:
                     await self.node.propose(build)
@@ -646,99 +649,6 @@ class WorkerLink:
             acks[session].append(p.TaskAttempt(report.task_id, report.attempt))
         for session, attempts in acks.items():
             session.send(p.FinishAck(tasks=tuple(attempts)))
-
-    def _outcome(self, session: _Session, report: p.TaskReport) -> e.TaskOutcome:
-        result = report.result
-        error = report.error
-        ok = report.ok
-        if ok:
-            if result is None:
-                result = b"null"
-            elif len(result) > self.config.max_result_bytes:
-                ok, result, error = False, None, "result too large for the broker"
-            else:
-                try:
-                    msgspec.json.decode(result)
-                except msgspec.DecodeError:
-                    ok, result, error = False, None, "the worker sent a result that is not JSON"
-        spawn: tuple[e.Spawn, ...] = ()
-        if ok and report.spawn:
-            try:
-                spawn = self._spawn(report)
-            except _InvalidSpawn as exc:
-                task = self.node.state.tasks.get(report.task_id)
-                logger.warning(
-                    "worker %s: task %d: %s",
-                    session.worker_id,
-                    report.task_id,
-                    exc.message,
-                    extra=task_fields(report.task_id, task.tenant if task is not None else ""),
-                )
-                ok, result, error = False, None, exc.message
-        return e.TaskOutcome(
-            task_id=report.task_id,
-            worker_id=session.worker_id,
-            attempt=report.attempt,
-            ok=ok,
-            result=result if ok else None,
-            error=None if ok else (error or "task failed")[:65536],
-            spawn=spawn,
-        )
-
-    def _spawn(self, report: p.TaskReport) -> tuple[e.Spawn, ...]:
-        """The children a report asks for, ids left 0 for the leader to stamp.
-
-        Raises _InvalidSpawn: the task then fails with that error rather than the
-        connection (its worker would resend the same report after reconnecting).
-        """
-        limit = self.config.max_spawns_per_report
-        if len(report.spawn) > limit:
-            raise _InvalidSpawn(f"invalid spawn: {len(report.spawn)} children, at most {limit}")
-        parent = self.node.state.tasks.get(report.task_id)
-        if parent is None:  # cannot happen: checked running just before
-            raise _InvalidSpawn("invalid spawn: the parent task is gone")
-        out: list[e.Spawn] = []
-        for index, request in enumerate(report.spawn):
-            where = f"invalid spawn #{index} (type {request.type!r})"
-            if not request.tracked and request.anchors:
-                raise _InvalidSpawn(f"{where}: an untracked child takes no anchors")
-            if any(a <= 0 for a in request.anchors):
-                raise _InvalidSpawn(f"{where}: anchors must be task ids")
-            if len(request.params) > self.config.max_params_bytes:
-                raise _InvalidSpawn(f"{where}: params over {self.config.max_params_bytes} bytes")
-            try:
-                msgspec.json.decode(request.params)
-            except msgspec.DecodeError:
-                raise _InvalidSpawn(f"{where}: params are not JSON") from None
-            tenant = request.tenant if request.tenant is not None else parent.tenant
-            code = request.code if request.code is not None else parent.code
-            if self.config.tenant_isolation:
-                if tenant != parent.tenant:
-                    raise _InvalidSpawn(f"{where}: a task spawns children in its own tenant only")
-                artifact = self.node.state.artifacts.get(code) if code is not None else None
-                if artifact is not None and artifact.owners and tenant not in artifact.owners:
-                    raise _InvalidSpawn(f"{where}: code artifact {code} was never uploaded")
-            spec = e.TaskSpec(
-                id=0,
-                type=request.type,
-                tenant=tenant,
-                params=request.params,
-                slot=request.slot,
-                max_attempts=request.max_attempts,
-                deadline_ms=request.deadline_ms,
-                start_after_ms=request.start_after_ms,
-                resources=dict(request.resources),
-                code=code,
-            )
-            problem = validate_task_spec(spec)
-            if problem is not None:
-                raise _InvalidSpawn(f"{where}: {problem}")
-            anchors: tuple[int, ...] = ()
-            if request.tracked:
-                own = (report.task_id,) if request.anchor_self else ()
-                anchors = tuple(dict.fromkeys(own + request.anchors))
-            out.append(e.Spawn(task=spec, anchors=anchors))
-        return tuple(out)
 
     # --- heartbeats and dead workers -------------------------------------------------------
 
@@ -789,32 +699,6 @@ class WorkerLink:
                 return
             finally:
                 self._declaring_dead.discard(worker.id)
-
-
-class _InvalidSpawn(Exception):
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
-def _stamp_ids(stamp: Stamp, outcomes: tuple[e.TaskOutcome, ...]) -> tuple[e.TaskOutcome, ...]:
-    """Give the children of each outcome their ids: the leader's, when the entry is made."""
-    count = sum(len(o.spawn) for o in outcomes)
-    if not count:
-        return outcomes
-    ids = iter(stamp.task_ids(count))
-    return tuple(
-        msgspec.structs.replace(
-            outcome,
-            spawn=tuple(
-                msgspec.structs.replace(s, task=msgspec.structs.replace(s.task, id=next(ids)))
-                for s in outcome.spawn
-            ),
-        )
-        if outcome.spawn
-        else outcome
-        for outcome in outcomes
-    )
 
 
 def _peer_address(writer: asyncio.StreamWriter) -> str:

@@ -1,0 +1,156 @@
+"""Turning a worker's finish report into the outcome the leader logs.
+
+A report's result must be JSON within the size limit, and the children it spawns must be
+valid task specs within the limits (and, with tenant isolation, in the task's own tenant
+using code that tenant may use); otherwise the task fails with the reason, rather than the
+connection (its worker would resend the same report after reconnecting). Children get
+their ids when the leader makes the entry (:func:`stamp_ids`).
+
+The asyncio side (batching, logging through the node, acknowledging) stays in
+:mod:`broker.workers.worker_link`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from broker.core import entries as e
+from broker.core.state import StateMachine, validate_task_spec
+from broker.observability.logs import task_fields
+from broker.workers import protocol as p
+
+if TYPE_CHECKING:
+    from broker.replication.node import Stamp
+    from broker.workers.worker_link import WorkerLinkConfig
+
+# The worker link's logger: these warnings were always logged under its name.
+logger = logging.getLogger("broker.workers.worker_link")
+
+
+class InvalidSpawn(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def outcome(
+    config: WorkerLinkConfig, state: StateMachine, worker_id: str, report: p.TaskReport
+) -> e.TaskOutcome:
+    """The outcome of a report for an attempt running on ``worker_id``."""
+    result = report.result
+    error = report.error
+    ok = report.ok
+    if ok:
+        if result is None:
+            result = b"null"
+        elif len(result) > config.max_result_bytes:
+            ok, result, error = False, None, "result too large for the broker"
+        else:
+            try:
+                msgspec.json.decode(result)
+            except msgspec.DecodeError:
+                ok, result, error = False, None, "the worker sent a result that is not JSON"
+    spawn: tuple[e.Spawn, ...] = ()
+    if ok and report.spawn:
+        try:
+            spawn = spawn_requests(config, state, report)
+        except InvalidSpawn as exc:
+            task = state.tasks.get(report.task_id)
+            logger.warning(
+                "worker %s: task %d: %s",
+                worker_id,
+                report.task_id,
+                exc.message,
+                extra=task_fields(report.task_id, task.tenant if task is not None else ""),
+            )
+            ok, result, error = False, None, exc.message
+    return e.TaskOutcome(
+        task_id=report.task_id,
+        worker_id=worker_id,
+        attempt=report.attempt,
+        ok=ok,
+        result=result if ok else None,
+        error=None if ok else (error or "task failed")[:65536],
+        spawn=spawn,
+    )
+
+
+def spawn_requests(
+    config: WorkerLinkConfig, state: StateMachine, report: p.TaskReport
+) -> tuple[e.Spawn, ...]:
+    """The children a report asks for, ids left 0 for the leader to stamp.
+
+    Raises InvalidSpawn: the task then fails with that error rather than the
+    connection (its worker would resend the same report after reconnecting).
+    """
+    limit = config.max_spawns_per_report
+    if len(report.spawn) > limit:
+        raise InvalidSpawn(f"invalid spawn: {len(report.spawn)} children, at most {limit}")
+    parent = state.tasks.get(report.task_id)
+    if parent is None:  # cannot happen: checked running just before
+        raise InvalidSpawn("invalid spawn: the parent task is gone")
+    out: list[e.Spawn] = []
+    for index, request in enumerate(report.spawn):
+        where = f"invalid spawn #{index} (type {request.type!r})"
+        if not request.tracked and request.anchors:
+            raise InvalidSpawn(f"{where}: an untracked child takes no anchors")
+        if any(a <= 0 for a in request.anchors):
+            raise InvalidSpawn(f"{where}: anchors must be task ids")
+        if len(request.params) > config.max_params_bytes:
+            raise InvalidSpawn(f"{where}: params over {config.max_params_bytes} bytes")
+        try:
+            msgspec.json.decode(request.params)
+        except msgspec.DecodeError:
+            raise InvalidSpawn(f"{where}: params are not JSON") from None
+        tenant = request.tenant if request.tenant is not None else parent.tenant
+        code = request.code if request.code is not None else parent.code
+        if config.tenant_isolation:
+            if tenant != parent.tenant:
+                raise InvalidSpawn(f"{where}: a task spawns children in its own tenant only")
+            artifact = state.artifacts.get(code) if code is not None else None
+            if artifact is not None and artifact.owners and tenant not in artifact.owners:
+                raise InvalidSpawn(f"{where}: code artifact {code} was never uploaded")
+        spec = e.TaskSpec(
+            id=0,
+            type=request.type,
+            tenant=tenant,
+            params=request.params,
+            slot=request.slot,
+            max_attempts=request.max_attempts,
+            deadline_ms=request.deadline_ms,
+            start_after_ms=request.start_after_ms,
+            resources=dict(request.resources),
+            code=code,
+        )
+        problem = validate_task_spec(spec)
+        if problem is not None:
+            raise InvalidSpawn(f"{where}: {problem}")
+        anchors: tuple[int, ...] = ()
+        if request.tracked:
+            own = (report.task_id,) if request.anchor_self else ()
+            anchors = tuple(dict.fromkeys(own + request.anchors))
+        out.append(e.Spawn(task=spec, anchors=anchors))
+    return tuple(out)
+
+
+def stamp_ids(stamp: Stamp, outcomes: tuple[e.TaskOutcome, ...]) -> tuple[e.TaskOutcome, ...]:
+    """Give the children of each outcome their ids: the leader's, when the entry is made."""
+    count = sum(len(o.spawn) for o in outcomes)
+    if not count:
+        return outcomes
+    ids = iter(stamp.task_ids(count))
+    return tuple(
+        msgspec.structs.replace(
+            outcome,
+            spawn=tuple(
+                msgspec.structs.replace(s, task=msgspec.structs.replace(s.task, id=next(ids)))
+                for s in outcome.spawn
+            ),
+        )
+        if outcome.spawn
+        else outcome
+        for outcome in outcomes
+    )
