@@ -137,7 +137,8 @@ def outcome_report(
             error = f"killed: memory limit {memory_mb} MB\n\n{error}"
         return TaskReport(task.task_id, task.attempt, ok=False, error=error)
     # Sizes only: they keep the Finish frame within the link's bound. Whether the result is
-    # JSON and the spawns valid, the broker checks for every worker (broker/workers/worker_link.py).
+    # JSON and the spawns valid, the broker checks for every worker
+    # (broker/workers/finish_reports.py).
     problem = ""
     if done.result is None or len(done.result) > max_result_bytes:
         problem = "result missing or over max_result_bytes"
