@@ -29,330 +29,61 @@ import itertools
 import math
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from enum import IntEnum, StrEnum
-from typing import Any, Final
-
-import msgspec
+from collections.abc import Callable, Iterable, Iterator
+from enum import IntEnum
+from typing import Any
 
 from broker.core import entries as e
 from broker.core.entries import SHA256_RE
+from broker.core.records import _MASK64
+from broker.core.records import FINAL_STATES as FINAL_STATES
+from broker.core.records import LIVE_STATES as LIVE_STATES
+from broker.core.records import QUEUED_STATES as QUEUED_STATES
+from broker.core.records import ApiToken as ApiToken
+from broker.core.records import ApplyResult as ApplyResult
+from broker.core.records import Artifact as Artifact
+from broker.core.records import ArtifactUpload as ArtifactUpload
+from broker.core.records import Config as Config
+from broker.core.records import ErrorCode as ErrorCode
+from broker.core.records import InvariantError as InvariantError
+from broker.core.records import Rejected as Rejected
+from broker.core.records import RememberedResult as RememberedResult
+from broker.core.records import ReplayedResults as ReplayedResults
+from broker.core.records import StopRunning as StopRunning
+from broker.core.records import SubmissionRecord as SubmissionRecord
+from broker.core.records import Task as Task
+from broker.core.records import TaskRef as TaskRef
+from broker.core.records import Tenant as Tenant
+from broker.core.records import Transaction as Transaction
+from broker.core.records import TransactionDone as TransactionDone
+from broker.core.records import TransactionRef as TransactionRef
+from broker.core.records import TreeRecord as TreeRecord
+from broker.core.records import TreeState as TreeState
+from broker.core.records import Worker as Worker
+from broker.core.records import WorkerReconciled as WorkerReconciled
+from broker.core.records import WorkerState as WorkerState
+from broker.core.records import idempotency_scope as idempotency_scope
+from broker.core.records import tree_value as tree_value
+from broker.core.snapshot_body import SNAPSHOT_BODY_VERSION as SNAPSHOT_BODY_VERSION
+from broker.core.snapshot_body import SnapshotBody as SnapshotBody
+from broker.core.snapshot_body import _snapshot_decoder, _snapshot_encoder
 from broker.core.transitions import TaskState as TaskState  # re-exported: its old home
 from broker.core.transitions import check_move
-
-LIVE_STATES: Final = frozenset(
-    {TaskState.PENDING, TaskState.DELAYED, TaskState.WAITING, TaskState.RUNNING}
-)
-FINAL_STATES: Final = frozenset({TaskState.FINISHED, TaskState.ERROR, TaskState.CANCELLED})
-# States that count against a tenant's max_waiting.
-QUEUED_STATES: Final = frozenset({TaskState.PENDING, TaskState.DELAYED, TaskState.WAITING})
-
-
-class WorkerState(StrEnum):
-    CONNECTED = "connected"
-    DEAD = "dead"
-
-
-class ErrorCode(StrEnum):
-    INVALID = "invalid"
-    NOT_FOUND = "not_found"
-    SLOT_BUSY = "slot_busy"
-    TENANT_QUEUE_FULL = "tenant_queue_full"
-    CONFLICT = "conflict"
-    STALE = "stale"
-
-
-class Task(msgspec.Struct, array_like=True, gc=False):
-    id: int
-    type: str
-    tenant: str
-    params: bytes
-    state: str
-    created_ms: int
-    updated_ms: int
-    slot: str | None = None
-    max_attempts: int = 1
-    attempt: int = 0
-    deadline_ms: int | None = None
-    start_after_ms: int | None = None
-    resources: dict[str, float] = {}
-    transaction: int | None = None
-    code: str | None = None
-    worker: str | None = None
-    result: bytes | None = None
-    error: str | None = None
-    finished_ms: int | None = None
-    # Task trees: the root of the tracked tree this task belongs to (its own id for a
-    # root) and the task whose finish spawned it. Last, so older snapshots still decode.
-    root: int | None = None
-    parent: int | None = None
-
-
-class TreeState(StrEnum):
-    PENDING = "pending"
-    COMPLETED = "completed"
-    FAILED = "failed"
-
-
-class TreeRecord(msgspec.Struct, array_like=True, gc=False):
-    """Storm's acker entry for one tracked root: a fixed size whatever the tree's size."""
-
-    root: int
-    tenant: str
-    # XOR of tree_value(id) of every task created in the current run of the tree and,
-    # again, of every one finished successfully: 0 exactly when all are done.
-    ack_val: int
-    timeout_ms: int
-    # Set when the root starts running in this run (time in a queue is not processing;
-    # and so every replay uses up an attempt of the root): None before.
-    deadline_ms: int | None = None
-    attempt: int = 1  # run of the tree, + 1 at each replay
-    state: str = TreeState.PENDING.value
-    reason: str | None = None  # why the (last) run failed
-    # When it completed or failed for good: the root is kept as long after this as
-    # after its own finish, so that its tree's outcome can be read.
-    ended_ms: int | None = None
-
-
-_MASK64: Final = (1 << 64) - 1
-
-
-def tree_value(task_id: int) -> int:
-    """The 64-bit value a task contributes to its root's ack val: splitmix64 of its id.
-
-    Deterministic on every replica (never Python's hash), well spread so that a
-    partial XOR returns to 0 only by a 2**-64 accident; never 0 itself.
-    """
-    z = (task_id + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) or 1
-
-
-class Tenant(msgspec.Struct, array_like=True, gc=False):
-    name: str
-    max_waiting: int = 0  # 0: unlimited
-    max_running: int = 0  # 0: unlimited
-    weight: float = 1.0
-
-
-class Transaction(msgspec.Struct, array_like=True, gc=False):
-    id: int
-    tenant: str
-    created_ms: int
-    expires_ms: int
-    task_ids: list[int] = []
-
-
-class Worker(msgspec.Struct, array_like=True, gc=False):
-    id: str
-    address: str
-    process_id: str
-    state: str
-    connected_ms: int
-    updated_ms: int
-    resources: dict[str, float] = {}
-    task_types: dict[str, int] = {}
-    tenants: list[str] = []
-    reason: str | None = None
-    # The API worker credential (token id) it registered with; None: the shared worker
-    # token. Binds the worker id to that credential while connected (apply refuses
-    # another) and scopes the credential's artifact downloads (broker/api/http_api.py).
-    credential: str | None = None
-
-
-class ArtifactUpload(msgspec.Struct, array_like=True, gc=False):
-    """One tenant's first upload of an artifact: what that tenant is shown, so that the
-    answer to its upload does not depend on whether another tenant sent the same bytes."""
-
-    tenant: str
-    name: str
-    created_ms: int
-
-
-class Artifact(msgspec.Struct, array_like=True, gc=False):
-    sha256: str
-    name: str
-    size_bytes: int
-    created_ms: int
-    # False until CodeReady: tasks using it stay waiting, outside the scheduler's queues.
-    ready: bool = True
-    # Tenants that uploaded it (authentication on); empty: shared, usable by every tenant.
-    owners: list[str] = []
-    # Each uploading tenant's own name and time, in upload order (the default reads older
-    # snapshots); ``name`` and ``created_ms`` above are the first or the shared upload's.
-    uploads: list[ArtifactUpload] = []
-
-    def upload_of(self, tenant: str) -> ArtifactUpload | None:
-        for upload in self.uploads:
-            if upload.tenant == tenant:
-                return upload
-        return None
-
-
-class ApiToken(msgspec.Struct, array_like=True, gc=False):
-    """An API token issued through the API; only its SHA-256 is kept (broker/security/auth.py)."""
-
-    id: str
-    name: str
-    role: str  # "tenant" | "admin" | "worker"
-    tenant: str | None
-    sha256: str
-    created_ms: int
-    # A worker credential's tenants: its workers serve these only (empty: every tenant).
-    tenants: list[str] = []
-
-
-class Config(msgspec.Struct):
-    finished_task_retention_ms: int = 24 * 3600 * 1000
-    # Cluster-wide caps on named resources summed over running tasks (e.g. a
-    # licence count); resources not listed are bounded by workers only.
-    global_limits: dict[str, float] = {}
-
-
-# --- apply results ---------------------------------------------------------
-
-
-class Rejected(msgspec.Struct, frozen=True):
-    code: ErrorCode
-    message: str
-
-
-class TaskRef(msgspec.Struct, frozen=True):
-    id: int
-    state: str
-
-
-class TransactionRef(msgspec.Struct, frozen=True):
-    id: int
-    tenant: str
-    expires_ms: int
-
-
-class TransactionDone(msgspec.Struct, frozen=True):
-    id: int
-    outcome: str  # "committed" | "rolled_back"
-    task_ids: tuple[int, ...]
-
-
-class ReplayedResults(list[TaskRef | Rejected]):
-    """A SubmitTasks result replayed for an idempotency key already used: the
-    first submission's results (same ids); nothing was created this time."""
-
-    __slots__ = ()
-
-
-class WorkerReconciled(msgspec.Struct, frozen=True):
-    worker_id: str
-    keep: tuple[e.TaskAttempt, ...]  # reported tasks still running on it
-    lost: tuple[int, ...]  # tasks it no longer runs: re-queued or failed
-
-
-class StopRunning(msgspec.Struct, frozen=True):
-    """A running task was ended by the broker (cancel, deadline): tell its worker."""
-
-    worker_id: str
-    task_id: int
-    attempt: int
-    reason: str
-
-
-ApplyResult = (
-    list[TaskRef | Rejected]
-    | TaskRef
-    | TransactionRef
-    | TransactionDone
-    | Tenant
-    | WorkerReconciled
-    | Artifact
-    | ApiToken
-    | Rejected
-    | None
-)
-
-# --- validation shared by the API (before logging) and apply (authority) ----
-
-# \Z, not $: "$" also matches before a final newline, which would let "acme\n" in.
-NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
-TASK_TYPE_RE: Final = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}\Z")
-MAX_SLOT_CHARS: Final = 256
-MAX_RESOURCES: Final = 32
-MAX_ATTEMPTS_LIMIT: Final = 1000
-MAX_TREE_TIMEOUT_MS: Final = 7 * 24 * 3600 * 1000
-IDEMPOTENCY_KEY_RE: Final = re.compile(r"[\x20-\x7e]{1,128}")
-#: Roles a token created through the API may have (the peer secret and the shared worker
-#: token come from the configuration: broker/security/auth.py).
-TOKEN_ROLES: Final = frozenset({"admin", "tenant", "worker"})
-MAX_TOKEN_TENANTS: Final = 1000
-MAX_TOKEN_NAME_CHARS: Final = 200
-#: Idempotency keys are kept at least this long, longer when finished tasks are.
-IDEMPOTENCY_MIN_RETENTION_MS: Final = 24 * 3600 * 1000
-
-
-def validate_task_spec(spec: e.TaskSpec) -> str | None:
-    """Why this spec is invalid regardless of state, or None."""
-    if not TASK_TYPE_RE.match(spec.type):
-        return "type must be 1-128 characters of letters, digits and _ . : -"
-    if not NAME_RE.match(spec.tenant):
-        return "tenant must be 1-64 characters of letters, digits and _ . - (not first)"
-    if spec.slot is not None and not 0 < len(spec.slot) <= MAX_SLOT_CHARS:
-        return f"slot must be 1-{MAX_SLOT_CHARS} characters"
-    if not 1 <= spec.max_attempts <= MAX_ATTEMPTS_LIMIT:
-        return f"max_attempts must be between 1 and {MAX_ATTEMPTS_LIMIT}"
-    if len(spec.resources) > MAX_RESOURCES:
-        return f"at most {MAX_RESOURCES} resources per task"
-    for name, amount in spec.resources.items():
-        if not NAME_RE.match(name):
-            return f"resource name {name!r} is not valid"
-        if not (math.isfinite(amount) and amount >= 0):
-            return f"resource {name!r} must be a finite number >= 0"
-    if spec.code is not None and not SHA256_RE.fullmatch(spec.code):
-        return "code must be the sha256 (64 lowercase hex digits) of an uploaded artifact"
-    if spec.track_tree and not 0 < spec.tree_timeout_ms <= MAX_TREE_TIMEOUT_MS:
-        return f"tree_timeout_ms must be between 1 and {MAX_TREE_TIMEOUT_MS}"
-    return None
-
-
-def validate_token_fields(
-    name: str, role: str, tenant: str | None, tenants: Sequence[str] = ()
-) -> str | None:
-    """Why an API token with these fields is invalid, or None (the API before logging,
-    apply as the authority)."""
-    if role not in TOKEN_ROLES:
-        return "role must be 'tenant', 'admin' or 'worker'"
-    if (role == "tenant") != (tenant is not None):
-        return "a tenant token names its tenant; admin and worker tokens take none"
-    if tenant is not None and not NAME_RE.match(tenant):
-        return f"tenant name {tenant!r} is not valid"
-    if tenants and role != "worker":
-        return "only a worker token takes a tenants list"
-    if len(tenants) > MAX_TOKEN_TENANTS:
-        return f"a worker token names at most {MAX_TOKEN_TENANTS} tenants"
-    for served in tenants:
-        if not NAME_RE.match(served):
-            return f"tenant name {served!r} is not valid"
-    if len(set(tenants)) != len(tenants):
-        return "a worker token names each tenant once"
-    if not 0 < len(name) <= MAX_TOKEN_NAME_CHARS:
-        return f"a token name must hold 1 to {MAX_TOKEN_NAME_CHARS} characters"
-    return None
-
-
-def validate_idempotency_key(key: str) -> str | None:
-    """Why this idempotency key is invalid, or None."""
-    if not IDEMPOTENCY_KEY_RE.fullmatch(key):
-        return "idempotency key must be 1-128 printable ASCII characters"
-    return None
-
-
-def validate_limits(patch: e.TenantLimitsPatch) -> str | None:
-    if patch.max_waiting is not None and patch.max_waiting < 0:
-        return "max_waiting must be >= 0 (0: unlimited)"
-    if patch.max_running is not None and patch.max_running < 0:
-        return "max_running must be >= 0 (0: unlimited)"
-    if patch.weight is not None and not (math.isfinite(patch.weight) and patch.weight > 0):
-        return "weight must be a finite number > 0"
-    return None
+from broker.core.validation import IDEMPOTENCY_KEY_RE as IDEMPOTENCY_KEY_RE
+from broker.core.validation import IDEMPOTENCY_MIN_RETENTION_MS as IDEMPOTENCY_MIN_RETENTION_MS
+from broker.core.validation import MAX_ATTEMPTS_LIMIT as MAX_ATTEMPTS_LIMIT
+from broker.core.validation import MAX_RESOURCES as MAX_RESOURCES
+from broker.core.validation import MAX_SLOT_CHARS as MAX_SLOT_CHARS
+from broker.core.validation import MAX_TOKEN_NAME_CHARS as MAX_TOKEN_NAME_CHARS
+from broker.core.validation import MAX_TOKEN_TENANTS as MAX_TOKEN_TENANTS
+from broker.core.validation import MAX_TREE_TIMEOUT_MS as MAX_TREE_TIMEOUT_MS
+from broker.core.validation import NAME_RE as NAME_RE
+from broker.core.validation import TASK_TYPE_RE as TASK_TYPE_RE
+from broker.core.validation import TOKEN_ROLES as TOKEN_ROLES
+from broker.core.validation import validate_idempotency_key as validate_idempotency_key
+from broker.core.validation import validate_limits as validate_limits
+from broker.core.validation import validate_task_spec as validate_task_spec
+from broker.core.validation import validate_token_fields as validate_token_fields
 
 
 class _Timer(IntEnum):
@@ -362,63 +93,6 @@ class _Timer(IntEnum):
     DEADLINE = 2
     PURGE = 3
     TREE_DEADLINE = 4
-
-
-class RememberedResult(msgspec.Struct, array_like=True, gc=False, frozen=True):
-    """One item of a remembered submission result."""
-
-    task_id: int | None  # None: this item was rejected
-    state: str  # the task's state when created, or the rejection's ErrorCode
-    message: str | None = None  # the rejection's message
-
-
-class SubmissionRecord(msgspec.Struct, array_like=True, gc=False):
-    """What the first SubmitTasks with an idempotency key returned."""
-
-    key: str
-    created_ms: int
-    results: list[RememberedResult]
-    # The key's namespace: idempotency_scope() of the submission. None only in snapshots
-    # written before keys were scoped (from_snapshot fills it in).
-    scope: str | None = None
-
-
-def idempotency_scope(tenants: Iterable[str]) -> str:
-    """The namespace of a submission's idempotency key: its tenant; for an admin's batch
-    mixing tenants, their sorted names joined by "," (never a tenant name: NAME_RE)."""
-    return ",".join(sorted(set(tenants)))
-
-
-class SnapshotBody(msgspec.Struct):
-    """The whole replicated state, as stored in snapshots and hashed by digest()."""
-
-    format_version: int
-    now_ms: int
-    max_task_id: int
-    max_transaction_id: int
-    config: Config
-    tenants: list[Tenant]
-    tasks: list[Task]
-    transactions: list[Transaction]
-    workers: list[Worker]
-    artifacts: list[Artifact]
-    # Exact FIFO order of each tenant's waiting queue (scheduling depends on it).
-    waiting: dict[str, list[int]]
-    # Remembered idempotency keys, oldest first (the default reads older snapshots).
-    idempotency: list[SubmissionRecord] = []
-    # Tracked task trees, in creation order (the default reads older snapshots).
-    trees: list[TreeRecord] = []
-    # API tokens (hashes only), in creation order (the default reads older snapshots).
-    tokens: list[ApiToken] = []
-
-
-SNAPSHOT_BODY_VERSION: Final = 1
-_snapshot_encoder: Final = msgspec.msgpack.Encoder()
-_snapshot_decoder: Final = msgspec.msgpack.Decoder(SnapshotBody)
-
-
-class InvariantError(AssertionError):
-    pass
 
 
 class StateMachine:

@@ -1,0 +1,275 @@
+"""The state machine's data: task, tenant, worker, transaction, artifact and token
+records, the results ``apply`` returns, and the remembered idempotency submissions.
+
+Moved out of ``broker/core/state.py`` (which re-exports every name); pure like it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import StrEnum
+from typing import Final
+
+import msgspec
+
+from broker.core import entries as e
+from broker.core.transitions import TaskState
+
+LIVE_STATES: Final = frozenset(
+    {TaskState.PENDING, TaskState.DELAYED, TaskState.WAITING, TaskState.RUNNING}
+)
+FINAL_STATES: Final = frozenset({TaskState.FINISHED, TaskState.ERROR, TaskState.CANCELLED})
+# States that count against a tenant's max_waiting.
+QUEUED_STATES: Final = frozenset({TaskState.PENDING, TaskState.DELAYED, TaskState.WAITING})
+
+
+class WorkerState(StrEnum):
+    CONNECTED = "connected"
+    DEAD = "dead"
+
+
+class ErrorCode(StrEnum):
+    INVALID = "invalid"
+    NOT_FOUND = "not_found"
+    SLOT_BUSY = "slot_busy"
+    TENANT_QUEUE_FULL = "tenant_queue_full"
+    CONFLICT = "conflict"
+    STALE = "stale"
+
+
+class Task(msgspec.Struct, array_like=True, gc=False):
+    id: int
+    type: str
+    tenant: str
+    params: bytes
+    state: str
+    created_ms: int
+    updated_ms: int
+    slot: str | None = None
+    max_attempts: int = 1
+    attempt: int = 0
+    deadline_ms: int | None = None
+    start_after_ms: int | None = None
+    resources: dict[str, float] = {}
+    transaction: int | None = None
+    code: str | None = None
+    worker: str | None = None
+    result: bytes | None = None
+    error: str | None = None
+    finished_ms: int | None = None
+    # Task trees: the root of the tracked tree this task belongs to (its own id for a
+    # root) and the task whose finish spawned it. Last, so older snapshots still decode.
+    root: int | None = None
+    parent: int | None = None
+
+
+class TreeState(StrEnum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+class TreeRecord(msgspec.Struct, array_like=True, gc=False):
+    """Storm's acker entry for one tracked root: a fixed size whatever the tree's size."""
+
+    root: int
+    tenant: str
+    # XOR of tree_value(id) of every task created in the current run of the tree and,
+    # again, of every one finished successfully: 0 exactly when all are done.
+    ack_val: int
+    timeout_ms: int
+    # Set when the root starts running in this run (time in a queue is not processing;
+    # and so every replay uses up an attempt of the root): None before.
+    deadline_ms: int | None = None
+    attempt: int = 1  # run of the tree, + 1 at each replay
+    state: str = TreeState.PENDING.value
+    reason: str | None = None  # why the (last) run failed
+    # When it completed or failed for good: the root is kept as long after this as
+    # after its own finish, so that its tree's outcome can be read.
+    ended_ms: int | None = None
+
+
+_MASK64: Final = (1 << 64) - 1
+
+
+def tree_value(task_id: int) -> int:
+    """The 64-bit value a task contributes to its root's ack val: splitmix64 of its id.
+
+    Deterministic on every replica (never Python's hash), well spread so that a
+    partial XOR returns to 0 only by a 2**-64 accident; never 0 itself.
+    """
+    z = (task_id + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) or 1
+
+
+class Tenant(msgspec.Struct, array_like=True, gc=False):
+    name: str
+    max_waiting: int = 0  # 0: unlimited
+    max_running: int = 0  # 0: unlimited
+    weight: float = 1.0
+
+
+class Transaction(msgspec.Struct, array_like=True, gc=False):
+    id: int
+    tenant: str
+    created_ms: int
+    expires_ms: int
+    task_ids: list[int] = []
+
+
+class Worker(msgspec.Struct, array_like=True, gc=False):
+    id: str
+    address: str
+    process_id: str
+    state: str
+    connected_ms: int
+    updated_ms: int
+    resources: dict[str, float] = {}
+    task_types: dict[str, int] = {}
+    tenants: list[str] = []
+    reason: str | None = None
+    # The API worker credential (token id) it registered with; None: the shared worker
+    # token. Binds the worker id to that credential while connected (apply refuses
+    # another) and scopes the credential's artifact downloads (broker/api/http_api.py).
+    credential: str | None = None
+
+
+class ArtifactUpload(msgspec.Struct, array_like=True, gc=False):
+    """One tenant's first upload of an artifact: what that tenant is shown, so that the
+    answer to its upload does not depend on whether another tenant sent the same bytes."""
+
+    tenant: str
+    name: str
+    created_ms: int
+
+
+class Artifact(msgspec.Struct, array_like=True, gc=False):
+    sha256: str
+    name: str
+    size_bytes: int
+    created_ms: int
+    # False until CodeReady: tasks using it stay waiting, outside the scheduler's queues.
+    ready: bool = True
+    # Tenants that uploaded it (authentication on); empty: shared, usable by every tenant.
+    owners: list[str] = []
+    # Each uploading tenant's own name and time, in upload order (the default reads older
+    # snapshots); ``name`` and ``created_ms`` above are the first or the shared upload's.
+    uploads: list[ArtifactUpload] = []
+
+    def upload_of(self, tenant: str) -> ArtifactUpload | None:
+        for upload in self.uploads:
+            if upload.tenant == tenant:
+                return upload
+        return None
+
+
+class ApiToken(msgspec.Struct, array_like=True, gc=False):
+    """An API token issued through the API; only its SHA-256 is kept (broker/security/auth.py)."""
+
+    id: str
+    name: str
+    role: str  # "tenant" | "admin" | "worker"
+    tenant: str | None
+    sha256: str
+    created_ms: int
+    # A worker credential's tenants: its workers serve these only (empty: every tenant).
+    tenants: list[str] = []
+
+
+class Config(msgspec.Struct):
+    finished_task_retention_ms: int = 24 * 3600 * 1000
+    # Cluster-wide caps on named resources summed over running tasks (e.g. a
+    # licence count); resources not listed are bounded by workers only.
+    global_limits: dict[str, float] = {}
+
+
+# --- apply results ---------------------------------------------------------
+
+
+class Rejected(msgspec.Struct, frozen=True):
+    code: ErrorCode
+    message: str
+
+
+class TaskRef(msgspec.Struct, frozen=True):
+    id: int
+    state: str
+
+
+class TransactionRef(msgspec.Struct, frozen=True):
+    id: int
+    tenant: str
+    expires_ms: int
+
+
+class TransactionDone(msgspec.Struct, frozen=True):
+    id: int
+    outcome: str  # "committed" | "rolled_back"
+    task_ids: tuple[int, ...]
+
+
+class ReplayedResults(list[TaskRef | Rejected]):
+    """A SubmitTasks result replayed for an idempotency key already used: the
+    first submission's results (same ids); nothing was created this time."""
+
+    __slots__ = ()
+
+
+class WorkerReconciled(msgspec.Struct, frozen=True):
+    worker_id: str
+    keep: tuple[e.TaskAttempt, ...]  # reported tasks still running on it
+    lost: tuple[int, ...]  # tasks it no longer runs: re-queued or failed
+
+
+class StopRunning(msgspec.Struct, frozen=True):
+    """A running task was ended by the broker (cancel, deadline): tell its worker."""
+
+    worker_id: str
+    task_id: int
+    attempt: int
+    reason: str
+
+
+ApplyResult = (
+    list[TaskRef | Rejected]
+    | TaskRef
+    | TransactionRef
+    | TransactionDone
+    | Tenant
+    | WorkerReconciled
+    | Artifact
+    | ApiToken
+    | Rejected
+    | None
+)
+
+
+class RememberedResult(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One item of a remembered submission result."""
+
+    task_id: int | None  # None: this item was rejected
+    state: str  # the task's state when created, or the rejection's ErrorCode
+    message: str | None = None  # the rejection's message
+
+
+class SubmissionRecord(msgspec.Struct, array_like=True, gc=False):
+    """What the first SubmitTasks with an idempotency key returned."""
+
+    key: str
+    created_ms: int
+    results: list[RememberedResult]
+    # The key's namespace: idempotency_scope() of the submission. None only in snapshots
+    # written before keys were scoped (from_snapshot fills it in).
+    scope: str | None = None
+
+
+def idempotency_scope(tenants: Iterable[str]) -> str:
+    """The namespace of a submission's idempotency key: its tenant; for an admin's batch
+    mixing tenants, their sorted names joined by "," (never a tenant name: NAME_RE)."""
+    return ",".join(sorted(set(tenants)))
+
+
+class InvariantError(AssertionError):
+    pass

@@ -1,0 +1,96 @@
+"""Validation shared by the API (before logging) and ``apply`` (the authority).
+
+Moved out of ``broker/core/state.py`` (which re-exports every name); pure like it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from typing import Final
+
+from broker.core import entries as e
+from broker.core.entries import SHA256_RE
+
+# \Z, not $: "$" also matches before a final newline, which would let "acme\n" in.
+NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
+TASK_TYPE_RE: Final = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}\Z")
+MAX_SLOT_CHARS: Final = 256
+MAX_RESOURCES: Final = 32
+MAX_ATTEMPTS_LIMIT: Final = 1000
+MAX_TREE_TIMEOUT_MS: Final = 7 * 24 * 3600 * 1000
+IDEMPOTENCY_KEY_RE: Final = re.compile(r"[\x20-\x7e]{1,128}")
+#: Roles a token created through the API may have (the peer secret and the shared worker
+#: token come from the configuration: broker/security/auth.py).
+TOKEN_ROLES: Final = frozenset({"admin", "tenant", "worker"})
+MAX_TOKEN_TENANTS: Final = 1000
+MAX_TOKEN_NAME_CHARS: Final = 200
+#: Idempotency keys are kept at least this long, longer when finished tasks are.
+IDEMPOTENCY_MIN_RETENTION_MS: Final = 24 * 3600 * 1000
+
+
+def validate_task_spec(spec: e.TaskSpec) -> str | None:
+    """Why this spec is invalid regardless of state, or None."""
+    if not TASK_TYPE_RE.match(spec.type):
+        return "type must be 1-128 characters of letters, digits and _ . : -"
+    if not NAME_RE.match(spec.tenant):
+        return "tenant must be 1-64 characters of letters, digits and _ . - (not first)"
+    if spec.slot is not None and not 0 < len(spec.slot) <= MAX_SLOT_CHARS:
+        return f"slot must be 1-{MAX_SLOT_CHARS} characters"
+    if not 1 <= spec.max_attempts <= MAX_ATTEMPTS_LIMIT:
+        return f"max_attempts must be between 1 and {MAX_ATTEMPTS_LIMIT}"
+    if len(spec.resources) > MAX_RESOURCES:
+        return f"at most {MAX_RESOURCES} resources per task"
+    for name, amount in spec.resources.items():
+        if not NAME_RE.match(name):
+            return f"resource name {name!r} is not valid"
+        if not (math.isfinite(amount) and amount >= 0):
+            return f"resource {name!r} must be a finite number >= 0"
+    if spec.code is not None and not SHA256_RE.fullmatch(spec.code):
+        return "code must be the sha256 (64 lowercase hex digits) of an uploaded artifact"
+    if spec.track_tree and not 0 < spec.tree_timeout_ms <= MAX_TREE_TIMEOUT_MS:
+        return f"tree_timeout_ms must be between 1 and {MAX_TREE_TIMEOUT_MS}"
+    return None
+
+
+def validate_token_fields(
+    name: str, role: str, tenant: str | None, tenants: Sequence[str] = ()
+) -> str | None:
+    """Why an API token with these fields is invalid, or None (the API before logging,
+    apply as the authority)."""
+    if role not in TOKEN_ROLES:
+        return "role must be 'tenant', 'admin' or 'worker'"
+    if (role == "tenant") != (tenant is not None):
+        return "a tenant token names its tenant; admin and worker tokens take none"
+    if tenant is not None and not NAME_RE.match(tenant):
+        return f"tenant name {tenant!r} is not valid"
+    if tenants and role != "worker":
+        return "only a worker token takes a tenants list"
+    if len(tenants) > MAX_TOKEN_TENANTS:
+        return f"a worker token names at most {MAX_TOKEN_TENANTS} tenants"
+    for served in tenants:
+        if not NAME_RE.match(served):
+            return f"tenant name {served!r} is not valid"
+    if len(set(tenants)) != len(tenants):
+        return "a worker token names each tenant once"
+    if not 0 < len(name) <= MAX_TOKEN_NAME_CHARS:
+        return f"a token name must hold 1 to {MAX_TOKEN_NAME_CHARS} characters"
+    return None
+
+
+def validate_idempotency_key(key: str) -> str | None:
+    """Why this idempotency key is invalid, or None."""
+    if not IDEMPOTENCY_KEY_RE.fullmatch(key):
+        return "idempotency key must be 1-128 printable ASCII characters"
+    return None
+
+
+def validate_limits(patch: e.TenantLimitsPatch) -> str | None:
+    if patch.max_waiting is not None and patch.max_waiting < 0:
+        return "max_waiting must be >= 0 (0: unlimited)"
+    if patch.max_running is not None and patch.max_running < 0:
+        return "max_running must be >= 0 (0: unlimited)"
+    if patch.weight is not None and not (math.isfinite(patch.weight) and patch.weight > 0):
+        return "weight must be a finite number > 0"
+    return None
