@@ -137,7 +137,7 @@ class WorkArea:
     def attempt_dir_clean(path: str, identity: TaskIdentity) -> bool | None:
         """After an attempt: True when the directory is empty and still ``0700`` and the
         task user's (ready for the next attempt), False when it holds leftovers (see
-        :meth:`empty_attempt_dir`), None when it is unusable (make a new one).
+        :func:`empty_dir`), None when it is unusable (make a new one).
 
         A directory per attempt would cost a mkdir, chown and rmdir per task (0.07-0.17 ms
         here, docs/BENCHMARKS.md); most tasks leave nothing, and this check is two syscalls.
@@ -154,10 +154,6 @@ class WorkArea:
                 return next(entries, None) is None
         except OSError:
             return None
-
-    @staticmethod
-    def empty_attempt_dir(path: str) -> bool:
-        return empty_dir(path)
 
     @staticmethod
     def remove_attempt_dir(path: str) -> None:

@@ -265,19 +265,6 @@ class TaskProcess:
             logger.warning("task process %d could not be given tasks: %s", self.pid, exc)
             self.kill()
 
-    def run(self, run: task_wire.Run) -> Outcome:
-        """Send one task and block until its outcome (for callers with a thread to spare)."""
-        finished = threading.Event()
-        outcomes: list[Outcome] = []
-
-        def on_outcome(outcome: Outcome) -> None:
-            outcomes.append(outcome)
-            finished.set()
-
-        self.start_run(run, on_outcome)
-        finished.wait()
-        return outcomes[0]
-
     def cancel(self, key: TaskKey, reason: str, grace_s: float) -> None:
         """Cancel one task: a Cancel frame, then SIGTERM (the process reads the frame and
         stops that task if it is the one running). A task still queued is answered now

@@ -49,6 +49,7 @@ from clients.worker.task_env import (
     PROJECT_ROOT,
     TaskProcessError,
     WorkArea,
+    empty_dir,
     has_passwd_entry,
     nss_wrapper_library,
     scrubbed_env,
@@ -241,7 +242,7 @@ class TaskProcessPool:
                 del self._busy_by_key[process.key]
 
     def _clean_then_release(self, process: TaskProcess) -> None:
-        emptied = self.work.empty_attempt_dir(process.workdir)
+        emptied = empty_dir(process.workdir)
         process.unclaim()
         self.release(process, retire=not emptied, cleaned=True)
 
