@@ -51,11 +51,13 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_peers.harness import (
+    CELERY_WORKER_ARGV,
     INSTALL_HINT,
     CpuMeter,
     Procs,
     Profiler,
     RawHttp,
+    dramatiq_workers_argv,
     keys_present_from,
     median,
     missing_peers,
@@ -208,19 +210,7 @@ def bench_celery(args: argparse.Namespace, root: Path, durable: bool) -> Outcome
                 "BENCH_CELERY_ACKS_LATE": "1" if args.celery_acks_late else "0",
             }
         )
-        common = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "bench_peers.celery_app",
-            "worker",
-            "--loglevel",
-            "WARNING",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-        ]
+        common = CELERY_WORKER_ARGV
         if args.celery_pool == "prefork":
             procs.start(
                 "celery-worker",
@@ -277,16 +267,7 @@ def bench_dramatiq(args: argparse.Namespace, root: Path, durable: bool) -> Outco
         server = start_redis(procs, root / f"redis-dramatiq-{mode}", durable=durable)
         procs.start(
             "dramatiq-workers",
-            [
-                sys.executable,
-                "-m",
-                "dramatiq",
-                "bench_peers.dramatiq_app",
-                "--processes",
-                "2",
-                "--threads",
-                str(args.peer_threads),
-            ],
+            dramatiq_workers_argv(args.peer_threads),
             env=child_env({"BENCH_REDIS_URL": server.url, "dramatiq_restart_delay": "0"}),
         )
         app = make_app(server.url)

@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import sys
 import tempfile
-import time
 from typing import TYPE_CHECKING
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ledger_load import closed_loop_appends, rate_line
 
 from log.file import FileLedgerStore
 
@@ -33,7 +33,6 @@ async def run_case(directory: str, appenders: int, duration_s: float) -> None:
     store = FileLedgerStore(directory)
     writer = await store.create_ledger()
     payload = os.urandom(ENTRY_SIZE_BYTES)
-    latencies_s: list[float] = []
     fsyncs = 0
     real_fdatasync = os.fdatasync
 
@@ -43,25 +42,13 @@ async def run_case(directory: str, appenders: int, duration_s: float) -> None:
         real_fdatasync(fd)
 
     os.fdatasync = counting_fdatasync
-    stop_at = time.perf_counter() + duration_s
-
-    async def appender() -> None:
-        while time.perf_counter() < stop_at:
-            started = time.perf_counter()
-            await writer.append(payload)
-            latencies_s.append(time.perf_counter() - started)
-
-    started = time.perf_counter()
     try:
-        await asyncio.gather(*(appender() for _ in range(appenders)))
+        latencies_s, elapsed_s = await closed_loop_appends(writer, payload, appenders, duration_s)
     finally:
         os.fdatasync = real_fdatasync
-    elapsed_s = time.perf_counter() - started
     await store.close()
-    quantiles = statistics.quantiles(latencies_s, n=100)
     print(
-        f"{appenders:>5} appenders: {len(latencies_s) / elapsed_s:>9,.0f} appends/s  "
-        f"p50 {quantiles[49] * 1e3:6.2f} ms  p99 {quantiles[98] * 1e3:6.2f} ms  "
+        f"{rate_line(appenders, latencies_s, elapsed_s)}  "
         f"{len(latencies_s) / max(1, fsyncs):7.1f} appends/fsync"
     )
 

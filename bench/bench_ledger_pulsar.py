@@ -17,12 +17,13 @@ import argparse
 import asyncio
 import itertools
 import os
-import statistics
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ledger_load import closed_loop_appends, rate_line
 
 from clients.dev.pulsar_lite import PulsarLiteServer
 from log.pulsar import PulsarConfig, PulsarLedgerStore
@@ -45,24 +46,9 @@ def make_store(service_url: str, cluster: str) -> PulsarLedgerStore:
 async def run_case(store: PulsarLedgerStore, appenders: int, duration_s: float, size: int) -> None:
     writer = await store.create_ledger()
     payload = os.urandom(size)
-    latencies_s: list[float] = []
-    stop_at = time.perf_counter() + duration_s
-
-    async def appender() -> None:
-        while time.perf_counter() < stop_at:
-            started = time.perf_counter()
-            await writer.append(payload)
-            latencies_s.append(time.perf_counter() - started)
-
-    started = time.perf_counter()
-    await asyncio.gather(*(appender() for _ in range(appenders)))
-    elapsed_s = time.perf_counter() - started
+    latencies_s, elapsed_s = await closed_loop_appends(writer, payload, appenders, duration_s)
     await writer.close()
-    quantiles = statistics.quantiles(latencies_s, n=100)
-    print(
-        f"{appenders:>5} appenders: {len(latencies_s) / elapsed_s:>9,.0f} appends/s  "
-        f"p50 {quantiles[49] * 1e3:6.2f} ms  p99 {quantiles[98] * 1e3:6.2f} ms"
-    )
+    print(rate_line(appenders, latencies_s, elapsed_s))
 
 
 async def run_burst(store: PulsarLedgerStore, size: int) -> None:

@@ -36,12 +36,14 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_peers.harness import (
+    CELERY_WORKER_ARGV,
     INSTALL_HINT,
     CpuMeter,
     Procs,
     Profiler,
     RawHttp,
     child_env,
+    dramatiq_workers_argv,
     missing_peers,
     on_signals_exit,
     percentile,
@@ -150,17 +152,7 @@ def bench_celery(args: argparse.Namespace, root: Path) -> list[str]:
             procs.start(
                 f"celery-worker-{i}",
                 [
-                    sys.executable,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "bench_peers.celery_app",
-                    "worker",
-                    "--loglevel",
-                    "WARNING",
-                    "--without-gossip",
-                    "--without-mingle",
-                    "--without-heartbeat",
+                    *CELERY_WORKER_ARGV,
                     "-P",
                     "threads",
                     "-c",
@@ -194,16 +186,7 @@ def bench_dramatiq(args: argparse.Namespace, root: Path) -> list[str]:
         server = start_redis(procs, root / "redis-dramatiq", durable=False)
         procs.start(
             "dramatiq-workers",
-            [
-                sys.executable,
-                "-m",
-                "dramatiq",
-                "bench_peers.dramatiq_app",
-                "--processes",
-                "2",
-                "--threads",
-                str(args.peer_threads),
-            ],
+            dramatiq_workers_argv(args.peer_threads),
             env=child_env({"BENCH_REDIS_URL": server.url}),
         )
         app = make_app(server.url)

@@ -54,6 +54,10 @@ class LedgerEntry:
     data: bytes
 
 
+# A failed writer's error type and reason, raised by every later append.
+_Failure = tuple[type[LedgerError], str]
+
+
 class LedgerWriter(ABC):
     """The one writer of one ledger. Appends complete in call order."""
 
@@ -77,19 +81,36 @@ class LedgerWriter(ABC):
         owner = self._confirmed_by_owner
         return durable if owner is None else min(durable, owner)
 
-    @property
-    @abstractmethod
-    def ledger_id(self) -> int: ...
+    # Every backend keeps these three; set in its __init__.
+    _ledger_id: int
+    _last_add_confirmed: int = -1
+    _size_bytes: int = 0
+    _closed: bool = False
+
+    def _refuse_append(self, future: asyncio.Future[int], failure: _Failure | None) -> bool:
+        """Fail ``future`` if the writer failed (``failure``) or is closed; True if it did."""
+        if failure is not None:
+            error_type, reason = failure
+            future.set_exception(error_type(reason))
+            return True
+        if self._closed:
+            future.set_exception(LedgerClosedError(f"writer of ledger {self._ledger_id} is closed"))
+            return True
+        return False
 
     @property
-    @abstractmethod
+    def ledger_id(self) -> int:
+        return self._ledger_id
+
+    @property
     def last_add_confirmed(self) -> int:
         """Highest entry id known durable; -1 when none."""
+        return self._last_add_confirmed
 
     @property
-    @abstractmethod
     def size_bytes(self) -> int:
         """Bytes appended so far (for rolling ledgers by size)."""
+        return self._size_bytes
 
     @abstractmethod
     def append(self, data: bytes) -> asyncio.Future[int]:
@@ -109,14 +130,18 @@ class LedgerWriter(ABC):
 class LedgerReader(ABC):
     """Reads one ledger, possibly while its writer is still appending."""
 
-    @property
-    @abstractmethod
-    def ledger_id(self) -> int: ...
+    # Every backend keeps these two; set in its __init__.
+    _ledger_id: int
+    _last_entry_id: int | None = None
 
     @property
-    @abstractmethod
+    def ledger_id(self) -> int:
+        return self._ledger_id
+
+    @property
     def last_entry_id(self) -> int | None:
         """After ``recovery=True``: the final last entry id (-1 when empty). Else None."""
+        return self._last_entry_id
 
     @abstractmethod
     async def read(self, first_entry_id: int, max_entries: int) -> list[LedgerEntry]:

@@ -303,30 +303,12 @@ class FileLedgerWriter(LedgerWriter):
         self._failure: tuple[type[LedgerError], str] | None = None
         self._closed = False
 
-    @property
-    def ledger_id(self) -> int:
-        return self._ledger_id
-
-    @property
-    def last_add_confirmed(self) -> int:
-        return self._last_add_confirmed
-
-    @property
-    def size_bytes(self) -> int:
-        """Framed bytes appended so far (header included), i.e. the segment's size once durable."""
-        return self._size_bytes
-
     def append(self, data: bytes) -> asyncio.Future[int]:
         if len(data) > MAX_ENTRY_SIZE_BYTES:
             raise ValueError(f"entry of {len(data)} bytes exceeds {MAX_ENTRY_SIZE_BYTES}")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[int] = loop.create_future()
-        if self._failure is not None:
-            error_type, reason = self._failure
-            future.set_exception(error_type(reason))
-            return future
-        if self._closed:
-            future.set_exception(LedgerClosedError(f"writer of ledger {self._ledger_id} is closed"))
+        if self._refuse_append(future, self._failure):
             return future
         entry_id = self._next_entry_id
         self._next_entry_id += 1
@@ -442,14 +424,6 @@ class FileLedgerReader(LedgerReader):
         # Serialises the worker-thread IO on the fd and index (and close against it).
         self._io_lock = asyncio.Lock()
         self._closed = False
-
-    @property
-    def ledger_id(self) -> int:
-        return self._ledger_id
-
-    @property
-    def last_entry_id(self) -> int | None:
-        return self._last_entry_id
 
     def _check_open(self) -> None:
         if self._closed:

@@ -81,6 +81,7 @@ class MemoryLedgerWriter(LedgerWriter):
     def __init__(self, store: MemoryLedgerStore, ledger: _MemoryLedger) -> None:
         self._store = store
         self._ledger = ledger
+        self._ledger_id = ledger.ledger_id
         self._next_entry_id = 0
         self._last_add_confirmed = -1
         self._size_bytes = 0
@@ -91,18 +92,6 @@ class MemoryLedgerWriter(LedgerWriter):
         self._sync_handle: asyncio.TimerHandle | None = None
         self._closed = False
         self._fenced = False
-
-    @property
-    def ledger_id(self) -> int:
-        return self._ledger.ledger_id
-
-    @property
-    def last_add_confirmed(self) -> int:
-        return self._last_add_confirmed
-
-    @property
-    def size_bytes(self) -> int:
-        return self._size_bytes
 
     def append(self, data: bytes) -> asyncio.Future[int]:
         loop = asyncio.get_running_loop()
@@ -220,16 +209,9 @@ class MemoryLedgerReader(LedgerReader):
     ) -> None:
         self._store = store
         self._ledger = ledger
+        self._ledger_id = ledger.ledger_id
         self._last_entry_id = last_entry_id
         self._closed = False
-
-    @property
-    def ledger_id(self) -> int:
-        return self._ledger.ledger_id
-
-    @property
-    def last_entry_id(self) -> int | None:
-        return self._last_entry_id
 
     def _check_readable(self) -> None:
         if self._closed:

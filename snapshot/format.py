@@ -43,7 +43,7 @@ import struct
 import tempfile
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import IO, BinaryIO, cast
 
@@ -277,16 +277,10 @@ def write_snapshot(
             ) as writer:
                 for start in range(0, body_size_bytes, _CHUNK_BYTES):
                     writer.write(view[start : start + _CHUNK_BYTES])
-            header = SnapshotHeader(
-                format_version=FORMAT_VERSION,
-                cluster_id=cluster_id,
-                ledger_id=ledger_id,
-                entry_id=entry_id,
-                created_ms=created_ms,
-                body_size_bytes=body_size_bytes,
+            header = replace(
+                placeholder,
                 compressed_size_bytes=sink.size_bytes,
                 checksum=sink.sha256.hexdigest(),
-                digest=digest,
             )
             # Real values encode no wider than the placeholders; pad makes up the difference.
             crc32 = _header_crc32(header)

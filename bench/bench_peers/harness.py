@@ -637,3 +637,33 @@ def _short_frame(frame: str) -> str:
     parts = Path(file).parts
     short = "/".join(parts[-2:]) if len(parts) >= 2 else file
     return f"{name} ({short})" if where else name
+
+
+# The peers' worker command lines, the same in every benchmark.
+CELERY_WORKER_ARGV = [
+    sys.executable,
+    "-m",
+    "celery",
+    "-A",
+    "bench_peers.celery_app",
+    "worker",
+    "--loglevel",
+    "WARNING",
+    "--without-gossip",
+    "--without-mingle",
+    "--without-heartbeat",
+]
+
+
+def dramatiq_workers_argv(threads: int) -> list[str]:
+    """Two Dramatiq worker processes of ``threads`` threads each."""
+    return [
+        sys.executable,
+        "-m",
+        "dramatiq",
+        "bench_peers.dramatiq_app",
+        "--processes",
+        "2",
+        "--threads",
+        str(threads),
+    ]

@@ -4,39 +4,23 @@ killing, freezing and resuming one child process, and reading the end of its log
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Self
+
+from clients.worker.sandbox import set_parent_death_signal
 
 logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 DEFAULT_STOP_TIMEOUT_S = 10.0
 LOG_TAIL_BYTES = 4000
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
-def _load_prctl() -> Callable[..., int] | None:
-    if sys.platform != "linux":
-        return None
-    try:
-        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return prctl
-
-
-# Resolved in the parent: loading a library in a forked child of a threaded process can hang.
-_PRCTL = _load_prctl()
 
 
 def free_port(host: str = HOST) -> int:
@@ -57,8 +41,7 @@ def terminate_with_parent() -> None:
     Linux sends it when the *thread* that started the server ends, which is fine for tests
     (their servers are stopped anyway when the test ends); elsewhere it is a no-op.
     """
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    set_parent_death_signal(int(signal.SIGTERM))
 
 
 class LocalServerProcess:

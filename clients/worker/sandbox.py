@@ -62,6 +62,15 @@ def forbid_new_privileges() -> bool:
     return _call(_PR_SET_NO_NEW_PRIVS, 1)
 
 
+def set_parent_death_signal(signum: int) -> None:
+    """Ask Linux for ``signum`` when the parent thread goes away (no-op elsewhere).
+
+    Logs nothing, so it is safe in a forked child before exec.
+    """
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
+
+
 def die_with_parent(parent_pid: int) -> bool:
     """SIGKILL this process when its parent (the worker) dies; exit now if it already did.
 

@@ -83,14 +83,6 @@ class PulsarLedgerReader(LedgerReader):
         self.recreations = 0
 
     @property
-    def ledger_id(self) -> int:
-        return self._ledger_id
-
-    @property
-    def last_entry_id(self) -> int | None:
-        return self._last_entry_id
-
-    @property
     def sealed_last_entry_id(self) -> int | None:
         """The last entry id once this reader has seen the ledger's SEAL, else None."""
         return self._seal_last

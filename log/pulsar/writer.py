@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 import pulsar  # type: ignore[import-untyped]
 
 from log.api import (
-    LedgerClosedError,
     LedgerError,
     LedgerFencedError,
     LedgerWriter,
@@ -49,28 +48,11 @@ class PulsarLedgerWriter(LedgerWriter):
         self._close_result: int | None = None
         self._acks = _ThreadInbox(self._loop, self._on_acks)
 
-    @property
-    def ledger_id(self) -> int:
-        return self._ledger_id
-
-    @property
-    def last_add_confirmed(self) -> int:
-        return self._last_add_confirmed
-
-    @property
-    def size_bytes(self) -> int:
-        return self._size_bytes
-
     def append(self, data: bytes) -> asyncio.Future[int]:
         if len(data) > MAX_ENTRY_SIZE_BYTES:
             raise ValueError(f"entry of {len(data)} bytes exceeds {MAX_ENTRY_SIZE_BYTES}")
         future: asyncio.Future[int] = self._loop.create_future()
-        if self._failure is not None:
-            error_type, reason = self._failure
-            future.set_exception(error_type(reason))
-            return future
-        if self._closed:
-            future.set_exception(LedgerClosedError(f"writer of ledger {self._ledger_id} is closed"))
+        if self._refuse_append(future, self._failure):
             return future
         entry_id = self._next_entry_id
         self._next_entry_id += 1

@@ -131,7 +131,7 @@ RULES: tuple[Rule, ...] = (
          why="the Python client speaks HTTP; it shares only credentials and TLS"),
     Rule("clients.worker", (*_BROKER_SHARED_WITH_CLIENTS, "log.private_fs"),
          why="a worker shares the wire protocol and checks with the broker, nothing else"),
-    Rule("clients.dev", ("broker.security",),
+    Rule("clients.dev", ("broker.security", "clients.worker.sandbox"),
          why="development launchers start brokers as processes, never import them"),
     Rule("clients.cli",
          (*_BROKER_SHARED_WITH_CLIENTS, "clients.client", "clients.progress",
