@@ -93,6 +93,31 @@ async def kazoo_result(async_result: Any, timeout_s: float) -> Any:
         raise KazooTimeoutError(f"ZooKeeper did not answer within {timeout_s:g} s") from None
 
 
+async def call_connected(
+    client: Any,
+    start: Callable[[], Any],
+    timeout_s: float,
+    where: str,
+    passthrough: tuple[type[BaseException], ...],
+) -> Any:
+    """Issue one kazoo request (``start`` calls a ``*_async`` method) and await it.
+
+    Errors become :class:`LedgerError` naming ``where``, except ``passthrough`` ones. kazoo
+    queues requests while disconnected and sends them after a reconnect; a broker that is
+    not connected must not have a late write land, so this fails fast instead.
+    """
+    if client.state != KazooState.CONNECTED:
+        raise LedgerError(f"{where}: ZooKeeper client is {client.state}, not connected")
+    try:
+        return await kazoo_result(start(), timeout_s)
+    except KazooTimeoutError as exc:
+        raise LedgerError(f"{where}: {exc}; outcome unknown") from exc
+    except passthrough:
+        raise
+    except KazooException as exc:
+        raise LedgerError(f"{where}: ZooKeeper error {type(exc).__name__}: {exc}") from exc
+
+
 class ZooKeeperLedgerListStore(LedgerListStore):
     """:class:`~log.api.LedgerListStore` on one znode of a started ``KazooClient``.
 
@@ -194,20 +219,13 @@ class ZooKeeperLedgerListStore(LedgerListStore):
 
     async def _call(self, start: Callable[[], Any]) -> Any:
         """Issue one request (``start`` calls a kazoo ``*_async`` method) and await it."""
-        # kazoo queues requests while disconnected and sends them after a reconnect; a broker
-        # that is not connected must not have a late write land, so fail fast instead.
-        if self._client.state != KazooState.CONNECTED:
-            raise LedgerError(f"ZooKeeper client is {self._client.state}, not connected")
-        try:
-            return await kazoo_result(start(), self._timeout_s)
-        except KazooTimeoutError as exc:
-            raise LedgerError(f"ledger list {self._path}: {exc}; outcome unknown") from exc
-        except (NoNodeError, NodeExistsError, KazooBadVersionError):
-            raise
-        except KazooException as exc:
-            raise LedgerError(
-                f"ledger list {self._path}: ZooKeeper error {type(exc).__name__}: {exc}"
-            ) from exc
+        return await call_connected(
+            self._client,
+            start,
+            self._timeout_s,
+            f"ledger list {self._path}",
+            (NoNodeError, NodeExistsError, KazooBadVersionError),
+        )
 
 
 def ledger_ids_path(cluster: str) -> str:
@@ -306,17 +324,6 @@ class ZooKeeperLedgerIdAllocator:
             )
 
     async def _call(self, start: Callable[[], Any], what: str) -> Any:
-        # Fail fast while disconnected, like ZooKeeperLedgerListStore: kazoo would queue the
-        # request and send it after a reconnect, long after the caller gave up.
-        if self._client.state != KazooState.CONNECTED:
-            raise LedgerError(f"cannot {what}: ZooKeeper client is {self._client.state}")
-        try:
-            return await kazoo_result(start(), self._timeout_s)
-        except KazooTimeoutError as exc:
-            raise LedgerError(f"cannot {what} in {self._path}: {exc}; outcome unknown") from exc
-        except NoNodeError:
-            raise
-        except KazooException as exc:
-            raise LedgerError(
-                f"cannot {what} in {self._path}: ZooKeeper error {type(exc).__name__}: {exc}"
-            ) from exc
+        return await call_connected(
+            self._client, start, self._timeout_s, f"cannot {what} in {self._path}", (NoNodeError,)
+        )

@@ -11,7 +11,7 @@ machine never looks inside them, so they are stored and served verbatim.
 from __future__ import annotations
 
 import re
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 
@@ -251,22 +251,19 @@ def encode_entry(entry: Entry | Confirm) -> bytes:
 
 
 def decode_entry(data: bytes) -> Entry:
-    try:
-        entry: Entry = _decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise EntryDecodeError(f"undecodable log entry: {exc}") from exc
-    if entry.v > ENTRY_FORMAT_VERSION:
-        raise EntryDecodeError(
-            f"log entry format version {entry.v} is newer than this broker's "
-            f"{ENTRY_FORMAT_VERSION}: upgrade the broker"
-        )
+    entry: Entry = _decode(_decoder, data)
     return entry
 
 
 def decode_record(data: bytes) -> Record:
     """Decode a ledger entry that may also be a :class:`Confirm` marker."""
+    record: Record = _decode(_record_decoder, data)
+    return record
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[Any], data: bytes) -> Any:
     try:
-        record: Record = _record_decoder.decode(data)
+        record = decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise EntryDecodeError(f"undecodable log entry: {exc}") from exc
     if record.v > ENTRY_FORMAT_VERSION:
