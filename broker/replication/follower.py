@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 
 class Follower:
+    """A node that follows: from boot (or step-down) until it takes over. Takes no writes."""
+
     role = Role.FOLLOWER
     writable = False
     failure: BaseException | None = None

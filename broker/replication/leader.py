@@ -69,6 +69,10 @@ class _InFlight:
 
 
 class Leader:
+    """One leader term of a node: created at take-over (or standalone start), dropped at
+    step-down. Owns the open ledger, the writes in flight and the term's loops (timers;
+    in cluster mode the confirmation and the idle marker), and rolls the ledger."""
+
     def __init__(self, node: Node, role: Role) -> None:
         self._node = node
         # STANDALONE; or CANDIDATE (taking over) until open_for_writes in cluster mode.
@@ -196,7 +200,7 @@ class Leader:
         node = self._node
         while self.gate is not None and not node.closing:
             await self.gate.wait()
-        if not node.writable:
+        if not self.writable:  # (a term that stepped down stays unwritable)
             raise node.unavailable_error()
         # No await between stamping and append: ids and time reach the log in order.
         now_ms = max(node.clock.now_ms(), self._last_time_ms)
@@ -355,7 +359,7 @@ class Leader:
             if (
                 self.inflight
                 or self.gate is not None
-                or not node.writable
+                or not self.writable
                 or self.last_real_position == self.marked_position
                 or node.clock.monotonic_s() - self._last_append_time < idle_s
             ):
