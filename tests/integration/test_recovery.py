@@ -113,8 +113,8 @@ async def crash(node: Node) -> None:
 async def settle(node: Node) -> None:
     """Wait for a ledger roll in progress to finish."""
     async with asyncio.timeout(WAIT_S):
-        while node._gate is not None:
-            await node._gate.wait()
+        while node.leader is not None and node.leader.gate is not None:
+            await node.leader.gate.wait()
 
 
 def node_config(data_dir: Path, *, roll_bytes: int = 64 * 1024 * 1024) -> NodeConfig:

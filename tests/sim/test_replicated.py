@@ -473,11 +473,12 @@ class Simulation:
         replica.elector_says_leader = False
         if self.elected == replica.name:
             self.elected = None  # its ZooKeeper session expires
+        term = node.leader
         tasks = [
             *replica.tasks,
             *node._background,
-            *node._leader_tasks,
-            *([node._roll_task] if node._roll_task is not None else []),
+            *(term.tasks if term is not None else []),
+            *([term.roll_task] if term is not None and term.roll_task is not None else []),
         ]
         for _ in range(20):
             pending = [t for t in tasks if not t.done()]
@@ -896,12 +897,13 @@ class Simulation:
 
         def quiet() -> bool:
             # Idle: nothing in flight, and a Confirm marker after the last real entry.
-            if self._healthy_leader() is not leader or lnode._inflight:
+            term = lnode.leader
+            if self._healthy_leader() is not leader or term is None or term.inflight:
                 return False
             due_ms = lnode.state.next_timer_ms()
             if due_ms is not None and due_ms <= lnode.clock_ms():
                 return False  # the timer loop is about to propose a Tick
-            return lnode._last_real_position == lnode._marked_position
+            return term.last_real_position == term.marked_position
 
         await self._wait_for("the leader to go idle", quiet)
         await asyncio.sleep(0.02)  # the marker's own sync

@@ -98,8 +98,8 @@ async def shut(node: Node, *, snapshot: bool = False) -> None:
 async def settle(node: Node) -> None:
     """Wait for a ledger roll in progress to finish."""
     async with asyncio.timeout(WAIT_S):
-        while node._gate is not None:
-            await node._gate.wait()
+        while node.leader is not None and node.leader.gate is not None:
+            await node.leader.gate.wait()
 
 
 async def ledger_list(node: Node) -> LedgerList:
@@ -606,7 +606,7 @@ async def test_retention_deletes_only_a_prefix_of_the_ledger_list(tmp_path: Path
         assert len(closed) >= 3, before
         # The first ledger was created by a leader whose clock was a minute ahead.
         skewed = replace(closed[0], created_ms=clock.now_ms + 60_000)
-        await node._update_ledger_list(lambda ll: replace(ll, ledgers=(skewed, *ll.ledgers[1:])))
+        await node.history.update(lambda ll: replace(ll, ledgers=(skewed, *ll.ledgers[1:])))
         clock.advance(10_000)  # every other closed ledger is past the retention
         await node.take_snapshot()  # covers them all, then applies retention
         after = await ledger_list(node)

@@ -1,0 +1,82 @@
+"""Apply committed entries and report their effects: the one place both roles do it.
+
+The leader applies what it wrote once durable (and confirmed), replay and the follower what
+they read from the log (docs/DESIGN.md §2, §4); listeners, metrics and the task log hear of
+every applied entry from here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from broker.core import entries as e
+from broker.core.state import ApplyResult, StateMachine, StopRunning
+from broker.observability.task_log import log_applied
+from broker.replication.common import logger
+from log.api import LedgerEntry
+
+if TYPE_CHECKING:
+    from broker.replication.node import Node
+
+
+class Applier:
+    def __init__(self, node: Node) -> None:
+        self._node = node
+        self.last_logged_time_ms = 0  # leader's stamp of the last entry read from the log
+
+    def start_collecting(self) -> None:
+        """From boot on, apply collects its effects for the listeners."""
+        self._node.state.collect_effects = True
+
+    def adopt(self, state: StateMachine) -> None:
+        """Replace the node's state (a loaded snapshot), collecting effects as before."""
+        collect = self._node.state.collect_effects
+        self._node.state = state
+        self._node.state.collect_effects = collect
+
+    def discard_effects(self) -> None:
+        """A leader stepping down: nobody will hear of what was collected."""
+        self._node.state.drain_effects()
+        self._node.state.drain_tree_effects()
+
+    def apply_written(self, entry: e.Entry, position: tuple[int, int]) -> ApplyResult:
+        """Apply one entry this leader wrote, now durable (and confirmed)."""
+        node = self._node
+        result = node.state.apply(entry)
+        node.position = position
+        final, stops = node.state.drain_effects()
+        node.metrics.observe_applied(entry, result, final, node.state)
+        log_applied(entry, result, final, node.state.trees_ended, node.state)
+        self._notify(entry, result, final, stops)
+        return result
+
+    def apply_logged(self, ledger_entry: LedgerEntry) -> None:
+        """Apply one entry read from the log (replay, follower)."""
+        node = self._node
+        record = e.decode_record(ledger_entry.data)
+        position = (ledger_entry.ledger_id, ledger_entry.entry_id)
+        self.last_logged_time_ms = record.time_ms
+        if isinstance(record, e.Confirm):
+            node.position = position
+            return
+        result = node.state.apply(record)
+        node.position = position
+        final, stops = node.state.drain_effects()
+        self._notify(record, result, final, stops)
+
+    def _notify(
+        self, entry: e.Entry, result: ApplyResult, final: list[int], stops: list[StopRunning]
+    ) -> None:
+        node = self._node
+        for listener in node.listeners:
+            try:
+                listener(entry, result, final, stops)
+            except Exception:
+                logger.exception("apply listener failed")
+        ended = node.state.drain_tree_effects()
+        if ended:
+            for tree_listener in node.tree_listeners:
+                try:
+                    tree_listener(ended)
+                except Exception:
+                    logger.exception("tree listener failed")

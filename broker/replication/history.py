@@ -1,0 +1,201 @@
+"""The ledger list and the history in it: compare-and-set edits, the gap check, replay
+(docs/DESIGN.md §3). Shared by the leader (recovery, rolls, retention) and the follower."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from broker.replication.common import (
+    READ_CHUNK_ENTRIES,
+    BrokerStartupError,
+    HistoryGapError,
+    LeadershipLostError,
+    logger,
+    with_ledger_closed,
+    with_ledger_state,
+)
+from log.api import (
+    BadVersionError,
+    LedgerError,
+    LedgerInfo,
+    LedgerList,
+    LedgerReader,
+    LedgerState,
+    LedgerWriter,
+)
+
+if TYPE_CHECKING:
+    from broker.replication.node import Node
+
+
+class LedgerHistory:
+    def __init__(self, node: Node) -> None:
+        self._node = node
+        self.list_version = -1  # the ledger list version this node last read or wrote
+        # Ledger list updates are read-modify-CAS sequences: a roll and retention must
+        # not interleave theirs (the loser would fail the node).
+        self.lock = asyncio.Lock()
+
+    async def read_list(self) -> LedgerList:
+        """Read the list and remember its version (a take-over's starting point)."""
+        async with self.lock:
+            ledger_list, self.list_version = await self._node.ledger_list.get()
+        return ledger_list
+
+    async def update(self, change: Callable[[LedgerList], LedgerList]) -> None:
+        node = self._node
+        async with self.lock:
+            current, version = await node.ledger_list.get()
+            if version != self.list_version:
+                message = (
+                    f"the ledger list changed behind this broker (version {version}, "
+                    f"expected {self.list_version}): another broker is writing this history"
+                )
+                if node.leadership_check is not None:
+                    raise LeadershipLostError(message)
+                # Standalone: one broker owns the data dir (flock), so the list was
+                # changed behind our back: stop rather than overwrite it.
+                raise BrokerStartupError(message)
+            try:
+                self.list_version = await node.ledger_list.compare_and_set(change(current), version)
+            except BadVersionError as exc:
+                if node.leadership_check is not None:
+                    raise LeadershipLostError(str(exc)) from exc
+                raise
+
+    def check(self, ledger_list: LedgerList) -> None:
+        ids = [info.ledger_id for info in ledger_list.ledgers]
+        position_ledger = self._node.position[0]
+        if position_ledger >= 0 and position_ledger not in ids:
+            raise HistoryGapError(
+                f"this broker's state is at ledger {position_ledger}, which is no longer "
+                f"in the ledger list {ids}: the history after it is gone"
+            )
+        first = ledger_list.first_ledger_id
+        if position_ledger < 0 and ids and first is not None and ids[0] != first:
+            # Retention deleted the start of the history: replaying what is left would
+            # silently build a state that lacks everything before ledger ids[0].
+            raise HistoryGapError(
+                f"no usable snapshot, and the ledgers from {first} to before {ids[0]} were "
+                "deleted by retention: the history cannot be replayed from its start; "
+                "restore a snapshot into the snapshots directory"
+            )
+
+    async def replay_ledger(self, info: LedgerInfo) -> None:
+        ledgers = self._node.ledgers
+        if info.state == LedgerState.CLOSED:
+            reader = await ledgers.open_ledger(info.ledger_id, recovery=False)
+            last_entry_id = info.last_entry_id if info.last_entry_id is not None else -1
+        else:
+            # Left open by a writer that died (or is deposed): mark it closing, fence it
+            # and fix its end, then record that end.
+            if info.state == LedgerState.OPEN:
+                await self.update(
+                    lambda ll: with_ledger_state(ll, info.ledger_id, LedgerState.CLOSING)
+                )
+            reader = await ledgers.open_ledger(info.ledger_id, recovery=True)
+            last_entry_id = reader.last_entry_id if reader.last_entry_id is not None else -1
+            logger.info("recovered ledger %d: last entry %d", info.ledger_id, last_entry_id)
+            await self.update(lambda ll: with_ledger_closed(ll, info.ledger_id, last_entry_id))
+        try:
+            await self.read_to(reader, last_entry_id)
+        finally:
+            await reader.close()
+
+    async def read_to(
+        self,
+        reader: LedgerReader,
+        last_entry_id: int,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> None:
+        """Apply the entries after our position up to ``last_entry_id`` (all committed)."""
+        node = self._node
+        ledger_id = reader.ledger_id
+        next_id = node.position[1] + 1 if node.position[0] == ledger_id else 0
+        while next_id <= last_entry_id:
+            count = min(READ_CHUNK_ENTRIES, last_entry_id - next_id + 1)
+            batch = await reader.read(next_id, count)
+            if not batch:
+                raise BrokerStartupError(
+                    f"ledger {ledger_id} ends at entry {next_id - 1} but the ledger "
+                    f"list says it holds entries up to {last_entry_id}"
+                )
+            for ledger_entry in batch:
+                node.applier.apply_logged(ledger_entry)
+            next_id = batch[-1].entry_id + 1
+            if on_progress is not None:
+                on_progress(0)
+        if node.position[0] != ledger_id and last_entry_id < 0:
+            return
+        if node.position < (ledger_id, last_entry_id):
+            node.position = (ledger_id, last_entry_id)
+
+    async def open_ledger(self) -> tuple[LedgerWriter, int]:
+        """A leader's new ledger, CAS'd into the list as open: (its writer, created ms)."""
+        node = self._node
+        writer = await node.ledgers.create_ledger()
+        created_ms = node.clock.now_ms()
+
+        def add(ledger_list: LedgerList) -> LedgerList:
+            first = ledger_list.first_ledger_id
+            return replace(
+                ledger_list,
+                ledgers=(
+                    *ledger_list.ledgers,
+                    LedgerInfo(writer.ledger_id, created_ms, LedgerState.OPEN),
+                ),
+                first_ledger_id=writer.ledger_id if first is None else first,
+                writer=node.config.broker_id,
+            )
+
+        try:
+            await self.update(add)
+        except BaseException:
+            with contextlib.suppress(LedgerError):
+                await writer.close()
+            raise
+        if node.leadership_check is not None and not node.ledgers.can_fence:
+            # Entries carry as LAC only what this leader confirmed in ZooKeeper, so the
+            # late appends of a deposed leader never make followers apply anything beyond
+            # the history the next leader recovers. A fencing backend makes those appends
+            # fail instead, and keeps the plain durable LAC (followers see entries one
+            # ZooKeeper round trip sooner).
+            writer.confirm(-1)
+        return writer, created_ms
+
+    async def apply_retention(self) -> None:
+        """Delete the closed ledgers no kept snapshot needs, once past the retention."""
+        node = self._node
+        snapshots = await asyncio.to_thread(node.snapshots.list)
+        if not snapshots:
+            return
+        # Keep every ledger some kept snapshot may still need to replay from.
+        oldest_needed = min(info.header.ledger_id for info in snapshots)
+        horizon_ms = node.clock.now_ms() - node.config.ledger_retention_ms
+        ledger_list, _ = await node.ledger_list.get()
+        # A prefix of the list only: leaders' clocks differ, so a ledger may look younger
+        # than the next one; deleting around it would leave a hole in the history that a
+        # replica at a position in it would replay straight over (check passes).
+        expired: list[int] = []
+        for info in ledger_list.ledgers:
+            if not (
+                info.state == LedgerState.CLOSED
+                and info.ledger_id < oldest_needed
+                and info.created_ms < horizon_ms
+            ):
+                break
+            expired.append(info.ledger_id)
+        if not expired:
+            return
+        await self.update(
+            lambda ll: replace(
+                ll, ledgers=tuple(i for i in ll.ledgers if i.ledger_id not in expired)
+            )
+        )
+        for ledger_id in expired:
+            await node.ledgers.delete_ledger(ledger_id)
+        logger.info("retention deleted ledgers %s", expired)
