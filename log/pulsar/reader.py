@@ -18,7 +18,7 @@ from log.api import (
     NoSuchLedgerError,
 )
 from log.pulsar.client import _ThreadInbox, logger
-from log.pulsar.wire import HEADER, MAGIC, Kind, decode_entries
+from log.pulsar.entry_buffer import EntryBuffer
 
 if TYPE_CHECKING:
     from log.pulsar.store import PulsarLedgerStore
@@ -53,17 +53,8 @@ class PulsarLedgerReader(LedgerReader):
         self._reader: Any = None
         # Bumped on every re-creation: what an older reader thread posts is ignored.
         self._generation = 0
-        self._entries: list[LedgerEntry] = []
-        self._base_id = 0  # entry id of _entries[0]
-        self._buffered_bytes = 0
-        self._next_id = 0
-        self._created = False
-        self._seal_last: int | None = None  # the first SEAL: last entry id of the ledger
-        self._deleted = False
-        self._corrupt: str | None = None
+        self._buf = EntryBuffer(ledger_id)  # what was received, decoded
         self._last_entry_id: int | None = None
-        # Where a re-created reader starts (inclusive): the last message accepted.
-        self._last_message_id: Any = None
         self._last_received_id: Any = None  # of the current generation, for ordering checks
         self._retried_at: int | None = None  # next id for which a gap already caused a restart
         self._pump_error: BaseException | None = None
@@ -93,7 +84,7 @@ class PulsarLedgerReader(LedgerReader):
     @property
     def sealed_last_entry_id(self) -> int | None:
         """The last entry id once this reader has seen the ledger's SEAL, else None."""
-        return self._seal_last
+        return self._buf.seal_last
 
     # -- the reader thread --------------------------------------------------------------------
 
@@ -141,7 +132,7 @@ class PulsarLedgerReader(LedgerReader):
             else:
                 self._handled_count += 1
                 self._accept(first, second)
-        if self._buffered_bytes > READER_BUFFER_BYTES:
+        if self._buf.buffered_bytes > READER_BUFFER_BYTES:
             self._paused = True
         self._wake()
 
@@ -160,54 +151,17 @@ class PulsarLedgerReader(LedgerReader):
             and self._restart_at_anomaly("a MessageId that does not increase")
         ):
             return
-        if len(data) < HEADER.size:
-            self._corrupt = f"a message of {len(data)} bytes (shorter than the header)"
-            return
-        magic, kind, entry_id, lac = HEADER.unpack_from(data)
-        if magic != MAGIC:
-            self._corrupt = f"a message with magic {magic:#x}, not written by Steward"
-            return
-        if kind == Kind.ENTRIES:
-            if self._deleted or (self._seal_last is not None and entry_id > self._seal_last):
-                return  # past the end: a deposed writer's late append
-            payloads = decode_entries(data)
-            if payloads is None:
-                self._corrupt = f"a message of entries from {entry_id} with broken framing"
-                return
-            if entry_id > self._next_id:
-                self._restart_at_anomaly(f"entry {entry_id} while expecting {self._next_id}")
-                return
-            # Entries below the next id are duplicates (a producer resend, a redelivery).
-            for offset in range(self._next_id - entry_id, len(payloads)):
-                payload = payloads[offset]
-                self._entries.append(LedgerEntry(self._ledger_id, entry_id + offset, lac, payload))
-                self._buffered_bytes += len(payload)
-                self._next_id += 1
-                self._last_message_id = message_id
-        elif kind == Kind.CREATED:
-            if entry_id != self._ledger_id:
-                self._corrupt = f"the CREATED marker of ledger {entry_id}"
-            elif not self._created:
-                self._created = True
-                self._last_message_id = message_id
-        elif kind == Kind.SEAL:
-            if self._seal_last is None:
-                self._seal_last = self._next_id - 1
-                self._last_message_id = message_id
-        elif kind == Kind.DELETED:
-            self._deleted = True
-        else:
-            logger.warning(
-                "ledger %d: ignoring a message of unknown kind %d", self._ledger_id, kind
-            )
+        gap = self._buf.accept(data, message_id)
+        if gap is not None:
+            self._restart_at_anomaly(gap)
 
     def _restart_at_anomaly(self, what: str) -> bool:
         """A gap or a reordering: start over after the last accepted message, once per
         position (True); a second time at the same position it is what is stored (False)."""
-        if self._retried_at == self._next_id:
+        if self._retried_at == self._buf.next_id:
             logger.info("ledger %d: %s again: it is stored that way", self._ledger_id, what)
             return False
-        self._retried_at = self._next_id
+        self._retried_at = self._buf.next_id
         logger.warning("ledger %d reader: %s; re-creating the reader", self._ledger_id, what)
         # Ignore everything else this reader delivers; a new one is created by whoever
         # waits next (the pump error below makes them do it).
@@ -230,22 +184,18 @@ class PulsarLedgerReader(LedgerReader):
 
     def mark_deleted(self) -> None:
         """The ledger was deleted by this reader's store."""
-        self._deleted = True
+        self._buf.deleted = True
         self._wake()
 
     def _check_usable(self) -> None:
         if self._closed:
             raise LedgerClosedError(f"reader of ledger {self._ledger_id} is closed")
-        if self._deleted:
+        if self._buf.deleted:
             raise NoSuchLedgerError(f"ledger {self._ledger_id} was deleted")
-        if self._corrupt is not None:
-            raise LedgerError(f"topic {self._topic} of ledger {self._ledger_id}: {self._corrupt}")
-
-    def _end(self) -> int:
-        """One past the last entry a read may return now."""
-        if self._seal_last is not None:
-            return min(self._next_id, self._seal_last + 1)
-        return self._next_id
+        if self._buf.corrupt is not None:
+            raise LedgerError(
+                f"topic {self._topic} of ledger {self._ledger_id}: {self._buf.corrupt}"
+            )
 
     async def _wait_delivery(self, timeout_s: float) -> bool:
         """Wait until the reader thread delivers something (or fails); False on timeout."""
@@ -262,7 +212,7 @@ class PulsarLedgerReader(LedgerReader):
 
         Answered by the reader thread after it posted everything it received before.
         """
-        if not self._created:
+        if not self._buf.created:
             return None  # maybe an empty topic: has_message_available fails on pulsar-lite
         if self._pump_error is not None:
             return None  # no reader thread to ask until the reader is re-created
@@ -297,7 +247,7 @@ class PulsarLedgerReader(LedgerReader):
                 self.recreations += 1
                 logger.info("ledger %d: re-creating its reader (%s)", self._ledger_id, reason)
                 await self._store.close_quietly(old, f"reader of ledger {self._ledger_id}")
-            start = self._last_message_id
+            start = self._buf.last_message_id
             config = self._store.config
             reader = await self._store.blocking(
                 f"create a reader of ledger {self._ledger_id}",
@@ -331,7 +281,7 @@ class PulsarLedgerReader(LedgerReader):
         if error is None:
             return True
         if isinstance(error, pulsar.TopicNotFound):
-            self._deleted = True
+            self._buf.deleted = True
             self._check_usable()
         reason = str(error) if isinstance(error, _RestartReader) else f"it failed: {error!r}"
         try:
@@ -350,14 +300,14 @@ class PulsarLedgerReader(LedgerReader):
         although this reader has not received even the message it starts at."""
         if self._pump_error is not None or self._paused:
             return False
-        return more is True or (self._created and self._last_received_id is None)
+        return more is True or (self._buf.created and self._last_received_id is None)
 
     async def wait_for_first_message(self, timeout_s: float, *, exists: bool) -> bool:
         """Whether the ledger's CREATED marker arrives within ``timeout_s``; ``exists``: the
         ledger is known to exist (a reader receiving nothing then is stuck)."""
         deadline = self._loop.time() + timeout_s
         stall_s = self._store.config.reader_stall_s
-        while not self._created:
+        while not self._buf.created:
             self._check_usable()
             await self._keep_going()
             remaining_s = deadline - self._loop.time()
@@ -410,19 +360,19 @@ class PulsarLedgerReader(LedgerReader):
         self._check_usable()
         if max_entries == 0:
             return []
-        if first_entry_id < self._base_id:
+        if first_entry_id < self._buf.base_id:
             await self._rewind()
         self._trim(first_entry_id)
         wanted_end = first_entry_id + max_entries
         await self.settle(
-            lambda: self._end() >= wanted_end or self._seal_last is not None,
+            lambda: self._buf.end() >= wanted_end or self._buf.seal_last is not None,
             self._store.config.operation_timeout_s,
         )
         self._check_usable()
-        end = min(self._end(), wanted_end)
+        end = min(self._buf.end(), wanted_end)
         if first_entry_id >= end:
             return []
-        return self._entries[first_entry_id - self._base_id : end - self._base_id]
+        return self._buf.get(first_entry_id, end)
 
     async def wait_for_entries(self, after_entry_id: int, timeout_s: float) -> bool:
         deadline = self._loop.time() + max(0.0, timeout_s)
@@ -432,19 +382,19 @@ class PulsarLedgerReader(LedgerReader):
             self._check_usable()
             if not await self._keep_going() and self._loop.time() >= deadline:
                 return False  # cannot tell now (the broker is unreachable)
-            if self._end() > after_entry_id + 1:
+            if self._buf.end() > after_entry_id + 1:
                 return True
-            if self._seal_last is not None:
+            if self._buf.seal_last is not None:
                 return False
             remaining_s = deadline - self._loop.time()
             if remaining_s <= 0:
                 # "May be readable" must include what the broker held when we were called.
                 await self.settle(
-                    lambda: self._end() > after_entry_id + 1 or self._seal_last is not None,
+                    lambda: self._buf.end() > after_entry_id + 1 or self._buf.seal_last is not None,
                     self._store.config.operation_timeout_s,
                 )
                 self._check_usable()
-                return self._end() > after_entry_id + 1
+                return self._buf.end() > after_entry_id + 1
             delivered = await self._wait_delivery(min(remaining_s, stall_s))
             if not delivered and remaining_s > stall_s:
                 more = await self._probe()
@@ -454,22 +404,14 @@ class PulsarLedgerReader(LedgerReader):
 
     def _trim(self, keep_from_id: int) -> None:
         """Forget entries before ``keep_from_id`` once the buffer is over its budget."""
-        if self._buffered_bytes <= READER_BUFFER_BYTES:
-            return
-        drop = min(max(0, keep_from_id - self._base_id), len(self._entries))
-        self._buffered_bytes -= sum(len(entry.data) for entry in self._entries[:drop])
-        del self._entries[:drop]
-        self._base_id += drop
-        if self._buffered_bytes <= READER_BUFFER_BYTES and self._paused:
+        self._buf.trim(keep_from_id, READER_BUFFER_BYTES)
+        if self._buf.buffered_bytes <= READER_BUFFER_BYTES and self._paused:
             self._paused = False
             self._pump_wake.set()
 
     async def _rewind(self) -> None:
         """Read from the start again (a read before what the buffer still holds)."""
-        self._entries = []
-        self._base_id = self._next_id = 0
-        self._buffered_bytes = 0
-        self._last_message_id = None
+        self._buf.rewind()
         self._retried_at = None
         self._paused = False
         self._pump_wake.set()
