@@ -44,7 +44,6 @@ import contextlib
 import json
 import logging
 import re
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -164,13 +163,10 @@ class LeaderElector:
         self._nodes_session_id: int | None = None  # session that owns the nodes below
         self._dirs_session_id: int | None = None  # session that last made sure of the dirs
 
-        # Our queue node: the token is known before the create returns, the name only after.
-        self._want_queue = False
-        self._queue_token: str | None = None
-        self._queue_node: str | None = None
-        self._stale: set[tuple[str, str]] = set()  # (directory, token) of nodes to delete
-
-        self._queue = LeaderQueue(self._election_dir)  # what the last refresh read
+        # Our queue node, and the queue as the last refresh read it.
+        self._queue = LeaderQueue(
+            self._election_dir, broker_id, self._name_prefix, self._info_bytes
+        )
         self._last_status: LeadershipStatus | None = None
 
     # -- queries (synchronous, from the loop's cached view) ---------------------------------
@@ -186,7 +182,7 @@ class LeaderElector:
     @property
     def queue_node(self) -> str | None:
         """Name of this elector's node in the leader queue (None when not queued)."""
-        return self._queue_node
+        return self._queue.node
 
     @property
     def connected(self) -> bool:
@@ -264,11 +260,11 @@ class LeaderElector:
         :meth:`leave` is called).
         """
         self._require_running()
-        self._want_queue = True
-        if self._queue_node is not None:
+        self._queue.want = True
+        if self._queue.node is not None:
             return
         await self._refresh_now("join")
-        if self._queue_node is None:
+        if self._queue.node is None:
             raise ElectionError("not in the leader queue yet (no ZooKeeper connection)")
 
     async def leave(self) -> None:
@@ -281,13 +277,10 @@ class LeaderElector:
         queue.
         """
         self._require_running()
-        self._want_queue = False
-        if self._queue_token is not None:
-            self._stale.add((self._election_dir, self._queue_token))
-            self._queue_token = self._queue_node = None
-        self._queue.holds_lowest = False
+        self._queue.want = False
+        self._queue.give_up()
         self._notify()
-        if self._stale:
+        if self._queue.stale:
             await self._refresh_now("leave")
 
     async def stop(self) -> None:
@@ -297,7 +290,7 @@ class LeaderElector:
         self._stopping = True
         self._session.begin_stop()
         self._queue.holds_lowest = False
-        self._want_queue = False
+        self._queue.want = False
         self._notify()
         self._kick()  # wakes the worker, which sees _stopping and ends
         if self._worker is not None:
@@ -311,12 +304,12 @@ class LeaderElector:
         if self._session.client_connected():
             # Closing the session would remove them too; deleting first makes it explicit
             # and independent of how the close goes.
-            if self._queue_token is not None:
+            if self._queue.token is not None:
                 with contextlib.suppress(KazooException, KazooTimeoutError):
-                    await self._delete_token(self._election_dir, self._queue_token)
+                    await self._queue.delete(self._session, self._queue.token)
             with contextlib.suppress(KazooException, KazooTimeoutError):
                 await self._members.withdraw(self._session)
-        self._queue_token = self._queue_node = None
+        self._queue.token = self._queue.node = None
         self._members.forget()
         await self._session.close()
         logger.info("elector %s stopped", self._broker_id)
@@ -339,9 +332,7 @@ class LeaderElector:
     def _forget_nodes(self) -> None:
         """The session that owned our nodes ended: the server deleted them all."""
         self._members.forget()
-        self._queue_token = self._queue_node = None
-        self._stale.clear()
-        self._queue.holds_lowest = False
+        self._queue.forget()
         self._nodes_session_id = None
 
     # -- refresh -----------------------------------------------------------------------------
@@ -403,31 +394,20 @@ class LeaderElector:
                 await session.ensure_path(directory)
             self._dirs_session_id = session_id
         # Treat a session presumed lost as lost although it survived: re-queue with a new node.
-        if session.clear_presumed_lost() and self._queue_token is not None:
+        if session.clear_presumed_lost() and self._queue.token is not None:
             logger.info("elector %s: re-queueing after a long suspension", self._broker_id)
-            self._stale.add((self._election_dir, self._queue_token))
-            self._queue_token = self._queue_node = None
-
-        for directory, token in sorted(self._stale):
-            await self._delete_token(directory, token)
-            self._stale.discard((directory, token))
+            self._queue.give_up()
+        await self._queue.delete_stale(session)
 
         if not await self._members.advertise(session):
             return  # the session ended meanwhile: start over on the next refresh
 
         for _ in range(_MAX_REFRESH_ROUNDS):
-            if self._want_queue and self._queue_node is None:
-                token = self._queue_token = self._queue_token or uuid.uuid4().hex[:12]
-                name = await session.create_or_adopt(
-                    self._election_dir, token, self._name_prefix, self._info_bytes
-                )
-                if self._queue_token != token:
-                    # leave() or the end of the session came in between; leave() marked
-                    # the node stale, the next refresh deletes it.
-                    self._kick()
-                    return
-                self._queue_node = name
-                logger.info("elector %s: queued as %s", self._broker_id, name)
+            if not await self._queue.ensure_queued(session):
+                # leave() or the end of the session came in between; leave() marked the
+                # node stale, the next refresh deletes it.
+                self._kick()
+                return
             if await self._read_election(epoch):
                 break
         else:
@@ -446,20 +426,10 @@ class LeaderElector:
     async def _read_election(self, epoch: int) -> bool:
         """Read the queue, set the watches and leadership; False when it must be read again."""
         try:
-            read = await self._queue.read(
-                self._session, self._queue_node, want_queue=self._want_queue, epoch=epoch
-            )
+            return await self._queue.read(self._session, epoch=epoch)
         except NoNodeError:  # the directory is gone (an operator wiped the tree)
             self._dirs_session_id = None  # re-created by the next refresh
             raise
-        if read is None:
-            logger.warning("elector %s: queue node %s vanished", self._broker_id, self._queue_node)
-            self._queue_token = self._queue_node = None
-            return False
-        return read
-
-    async def _delete_token(self, directory: str, token: str) -> None:
-        await self._session.delete_matching(directory, f"_{token}_")
 
     # -- notification ------------------------------------------------------------------------
 
