@@ -44,30 +44,34 @@ import contextlib
 import json
 import logging
 import re
-import time
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kazoo.client import KazooClient  # type: ignore[import-untyped]
 from kazoo.exceptions import KazooException, NoNodeError  # type: ignore[import-untyped]
 from kazoo.protocol.states import KazooState  # type: ignore[import-untyped]
-from kazoo.retry import KazooRetry  # type: ignore[import-untyped]
 
-from log.zk_list import KazooTimeoutError, cluster_path, kazoo_result
+from broker.ha.leader_queue import LeaderQueue
+from broker.ha.membership import BrokerDirectory
+from broker.ha.zk_session import ZkSession, default_client_factory
+from log.zk_list import KazooTimeoutError, cluster_path
+
+__all__ = [
+    "DEFAULT_CONNECT_TIMEOUT_S",
+    "DEFAULT_SESSION_TIMEOUT_S",
+    "ElectionError",
+    "LeaderElector",
+    "LeadershipStatus",
+    "default_client_factory",
+]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SESSION_TIMEOUT_S = 4.0
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
-# Reconnect attempts back off up to this, so a restarted server is found again quickly
-# (kazoo's default backs off up to an hour).
-_MAX_RECONNECT_DELAY_S = 1.0
 _MAX_REFRESH_RETRY_DELAY_S = 2.0
 # A refresh that keeps seeing nodes vanish between two reads gives up and runs again later.
 _MAX_REFRESH_ROUNDS = 20
-_SEQUENCE_RE = re.compile(r"_(\d{10})$")
 _UNSAFE_NAME_CHARS_RE = re.compile(r"[^A-Za-z0-9.-]")
 
 
@@ -89,37 +93,6 @@ class LeadershipStatus:
     connected: bool
 
 
-def _sequence(name: str) -> int | None:
-    match = _SEQUENCE_RE.search(name)
-    return int(match.group(1)) if match else None
-
-
-def _sorted_queue(children: list[str]) -> list[str]:
-    """Queue nodes in sequence order (names that are not sequence nodes are ignored)."""
-    numbered = [(seq, name) for name in children if (seq := _sequence(name)) is not None]
-    return [name for _, name in sorted(numbered)]
-
-
-def default_client_factory(
-    hosts: str, session_timeout_s: float, **client_options: Any
-) -> Callable[[], Any]:
-    """Factory of unstarted kazoo clients that reconnect forever, at most 1 s apart
-    (``client_options``: more ``KazooClient`` arguments, e.g. authentication)."""
-
-    def make() -> Any:
-        retry = KazooRetry(
-            max_tries=-1,
-            delay=0.1,
-            backoff=2,
-            max_delay=min(_MAX_RECONNECT_DELAY_S, max(0.1, session_timeout_s / 4)),
-        )
-        return KazooClient(
-            hosts=hosts, timeout=session_timeout_s, connection_retry=retry, **client_options
-        )
-
-    return make
-
-
 class LeaderElector:
     """One broker's view of the election, with its own ZooKeeper session.
 
@@ -132,6 +105,10 @@ class LeaderElector:
 
     Use from one event loop: ``await start()``, ``await join()`` to compete for leadership,
     ``await leave()`` to give it back, ``await stop()`` at the end.
+
+    The session and its connection states are a :class:`~broker.ha.zk_session.ZkSession`;
+    the advertised brokers a :class:`~broker.ha.membership.BrokerDirectory`; this class is
+    the queue recipe on top of them.
     """
 
     def __init__(
@@ -158,49 +135,38 @@ class LeaderElector:
         # Fails now, not at the first create, when the info cannot be stored.
         self._info_bytes = json.dumps(self._info, sort_keys=True).encode()
         self._name_prefix = _UNSAFE_NAME_CHARS_RE.sub("_", broker_id)[:64]
-        self._client_factory = (
-            default_client_factory(zookeeper, session_timeout_s)
-            if isinstance(zookeeper, str)
-            else zookeeper
-        )
         self._session_timeout_s = session_timeout_s
-        self._operation_timeout_s = (
-            operation_timeout_s if operation_timeout_s is not None else session_timeout_s
-        )
         self._connect_timeout_s = connect_timeout_s
         self._on_change = on_change
+        self._session = ZkSession(
+            (
+                default_client_factory(zookeeper, session_timeout_s)
+                if isinstance(zookeeper, str)
+                else zookeeper
+            ),
+            broker_id,
+            session_timeout_s=session_timeout_s,
+            operation_timeout_s=(
+                operation_timeout_s if operation_timeout_s is not None else session_timeout_s
+            ),
+            on_state=self._on_state,
+            on_presumed_lost=self._notify,
+            on_watch=self._kick,
+        )
+        self._members = BrokerDirectory(self._brokers_dir, self._name_prefix, self._info_bytes)
 
-        self._client: Any = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = asyncio.Lock()  # one ZooKeeper state change at a time
         self._kick_event = asyncio.Event()  # "re-read the election state"
-        self._connected_event = asyncio.Event()
         self._worker: asyncio.Task[None] | None = None
         self._started = False
         self._stopping = False
-
-        # Connection, as seen from the loop.
-        self._connected = False
-        self._connection_epoch = 0  # +1 on every SUSPENDED/LOST: invalidates running reads
-        self._suspended_at: float | None = None
-        self._suspend_timer: asyncio.TimerHandle | None = None
-        self._presumed_lost = False
         self._nodes_session_id: int | None = None  # session that owns the nodes below
         self._dirs_session_id: int | None = None  # session that last made sure of the dirs
 
-        # Our nodes: the token is known before the create returns, the name only after.
-        self._ad_token: str | None = None
-        self._ad_node: str | None = None
-        self._want_queue = False
-        self._queue_token: str | None = None
-        self._queue_node: str | None = None
-        self._stale: set[tuple[str, str]] = set()  # (directory, token) of nodes to delete
-
-        # What the last refresh read.
-        self._holds_lowest = False
-        self._leader_node: str | None = None
-        self._node_info: dict[str, dict[str, Any]] = {}  # queue node -> info
-        self._brokers: dict[str, dict[str, Any]] = {}  # advertisement node -> info
+        # Our queue node, and the queue as the last refresh read it.
+        self._queue = LeaderQueue(
+            self._election_dir, broker_id, self._name_prefix, self._info_bytes
+        )
         self._last_status: LeadershipStatus | None = None
 
     # -- queries (synchronous, from the loop's cached view) ---------------------------------
@@ -216,16 +182,16 @@ class LeaderElector:
     @property
     def queue_node(self) -> str | None:
         """Name of this elector's node in the leader queue (None when not queued)."""
-        return self._queue_node
+        return self._queue.node
 
     @property
     def connected(self) -> bool:
-        return self._connected and self._client_connected()
+        return self._session.up and self._session.client_connected()
 
     @property
     def session_presumed_lost(self) -> bool:
         """SUSPENDED for longer than the session timeout and not reconnected yet."""
-        return self._presumed_lost
+        return self._session.presumed_lost
 
     def is_leader(self) -> bool:
         """True only while this elector holds the lowest queue node and is connected.
@@ -234,35 +200,27 @@ class LeaderElector:
         SUSPENDED, before the loop has processed the state change.
         """
         return (
-            self._holds_lowest
-            and self._connected
+            self._queue.holds_lowest
+            and self._session.up
             and not self._stopping
-            and self._client_connected()
+            and self._session.client_connected()
         )
 
     def leader_info(self) -> dict[str, Any] | None:
         """The current leader's ``broker_id`` and address info (None: no leader known)."""
-        if self._leader_node is None:
-            return None
-        info = self._node_info.get(self._leader_node)
-        return dict(info) if info is not None else None
+        return self._queue.leader_info()
 
     def brokers(self) -> list[dict[str, Any]]:
         """Every advertised broker's ``broker_id`` and address info, oldest first."""
-        ordered = _sorted_queue(list(self._brokers))
-        return [dict(self._brokers[name]) for name in ordered]
+        return self._members.brokers()
 
     def status(self) -> LeadershipStatus:
         return LeadershipStatus(
             is_leader=self.is_leader(),
             leader=self.leader_info(),
-            leader_node=self._leader_node,
+            leader_node=self._queue.leader_node,
             connected=self.connected,
         )
-
-    def _client_connected(self) -> bool:
-        client = self._client
-        return client is not None and client.state == KazooState.CONNECTED
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -275,15 +233,13 @@ class LeaderElector:
         if self._started:
             raise ElectionError("elector already started")
         self._started = True
-        self._loop = asyncio.get_running_loop()
-        self._client = self._client_factory()
-        self._client.add_listener(self._on_kazoo_state)
-        self._worker = self._loop.create_task(self._run(), name=f"elector-{self._broker_id}")
+        self._session.open()
+        self._worker = asyncio.get_running_loop().create_task(
+            self._run(), name=f"elector-{self._broker_id}"
+        )
         try:
             async with asyncio.timeout(self._connect_timeout_s):
-                # start_async() may wait for an earlier connection thread: keep it off the loop.
-                await asyncio.to_thread(self._client.start_async)
-                await self._connected_event.wait()
+                await self._session.connect()
             async with self._lock:
                 await self._refresh_locked()
         except (TimeoutError, KazooException) as exc:
@@ -294,7 +250,7 @@ class LeaderElector:
         except BaseException:
             await self.stop()
             raise
-        logger.info("elector %s started (advertised as %s)", self._broker_id, self._ad_node)
+        logger.info("elector %s started (advertised as %s)", self._broker_id, self._members.ad_node)
 
     async def join(self) -> None:
         """Enter the leader queue (no-op when already in it).
@@ -304,11 +260,11 @@ class LeaderElector:
         :meth:`leave` is called).
         """
         self._require_running()
-        self._want_queue = True
-        if self._queue_node is not None:
+        self._queue.want = True
+        if self._queue.node is not None:
             return
         await self._refresh_now("join")
-        if self._queue_node is None:
+        if self._queue.node is None:
             raise ElectionError("not in the leader queue yet (no ZooKeeper connection)")
 
     async def leave(self) -> None:
@@ -321,13 +277,10 @@ class LeaderElector:
         queue.
         """
         self._require_running()
-        self._want_queue = False
-        if self._queue_token is not None:
-            self._stale.add((self._election_dir, self._queue_token))
-            self._queue_token = self._queue_node = None
-        self._holds_lowest = False
+        self._queue.want = False
+        self._queue.give_up()
         self._notify()
-        if self._stale:
+        if self._queue.stale:
             await self._refresh_now("leave")
 
     async def stop(self) -> None:
@@ -335,8 +288,9 @@ class LeaderElector:
         if not self._started or self._stopping:
             return
         self._stopping = True
-        self._holds_lowest = False
-        self._want_queue = False
+        self._session.begin_stop()
+        self._queue.holds_lowest = False
+        self._queue.want = False
         self._notify()
         self._kick()  # wakes the worker, which sees _stopping and ends
         if self._worker is not None:
@@ -345,119 +299,40 @@ class LeaderElector:
                 # wait_for on Python 3.11), and the worker must end whatever it was awaiting.
                 self._worker.cancel()
                 await asyncio.wait({self._worker}, timeout=0.1)
-        self._cancel_suspend_timer()
-        client = self._client
-        if client is None:
+        if not self._session.stop_listening():
             return
-        client.remove_listener(self._on_kazoo_state)
-        if self._client_connected():
+        if self._session.client_connected():
             # Closing the session would remove them too; deleting first makes it explicit
             # and independent of how the close goes.
-            for directory, token in (
-                (self._election_dir, self._queue_token),
-                (self._brokers_dir, self._ad_token),
-            ):
-                if token is None:
-                    continue
+            if self._queue.token is not None:
                 with contextlib.suppress(KazooException, KazooTimeoutError):
-                    await self._delete_token(directory, token)
-        self._queue_token = self._queue_node = None
-        self._ad_token = self._ad_node = None
-        self._connected = False
-        # kazoo waits up to max(10 s, session timeout) for its connection thread.
-        close_timeout_s = max(10.0, self._session_timeout_s) + 2.0
-        try:
-            async with asyncio.timeout(close_timeout_s):
-                await asyncio.to_thread(_close_client, client)
-        except TimeoutError:
-            logger.warning("ZooKeeper client of %s did not close in time", self._broker_id)
+                    await self._queue.delete(self._session, self._queue.token)
+            with contextlib.suppress(KazooException, KazooTimeoutError):
+                await self._members.withdraw(self._session)
+        self._queue.token = self._queue.node = None
+        self._members.forget()
+        await self._session.close()
         logger.info("elector %s stopped", self._broker_id)
 
     def _require_running(self) -> None:
         if not self._started or self._stopping:
             raise ElectionError("elector is not running")
 
-    # -- kazoo thread -> loop ----------------------------------------------------------------
-
-    def _call_on_loop(self, func: Callable[..., None], *args: Any) -> None:
-        """Called on kazoo's threads: hand ``func`` to the loop, never block."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(func, *args)
-
-    def _on_kazoo_state(self, state: Any) -> None:
-        # A kazoo state listener: must not block and must not call ZooKeeper.
-        self._call_on_loop(self._on_state, state)
-
-    def _on_watch(self, event: Any) -> None:
-        # A kazoo watch callback (also fired with a NONE event when the connection drops).
-        self._call_on_loop(self._kick)
-
-    # -- connection state (loop) -------------------------------------------------------------
+    # -- connection state (loop; the session took it in first) -------------------------------
 
     def _on_state(self, state: Any) -> None:
-        if self._stopping:
-            return
         if state == KazooState.SUSPENDED:
-            self._connected = False
-            self._connected_event.clear()
-            self._connection_epoch += 1
-            self._holds_lowest = False
-            if self._suspended_at is None:
-                self._suspended_at = time.monotonic()
-                assert self._loop is not None
-                self._suspend_timer = self._loop.call_later(
-                    self._session_timeout_s, self._presume_session_lost
-                )
-            logger.warning("elector %s: ZooKeeper connection suspended", self._broker_id)
+            self._queue.holds_lowest = False
         elif state == KazooState.LOST:
-            self._connected = False
-            self._connected_event.clear()
-            self._connection_epoch += 1
-            self._cancel_suspend_timer()
-            self._presumed_lost = False
             self._forget_nodes()
-            logger.warning("elector %s: ZooKeeper session lost", self._broker_id)
         elif state == KazooState.CONNECTED:
-            if (
-                self._suspended_at is not None
-                and time.monotonic() - self._suspended_at > self._session_timeout_s
-            ):
-                self._presumed_lost = True  # the timer may not have run yet
-            self._cancel_suspend_timer()
-            self._connected = True
-            self._connected_event.set()
-            logger.info("elector %s: ZooKeeper connected", self._broker_id)
             self._kick()
         self._notify()
 
-    def _presume_session_lost(self) -> None:
-        self._suspend_timer = None
-        if self._connected or self._stopping:
-            return
-        self._presumed_lost = True
-        logger.warning(
-            "elector %s: suspended for over the session timeout (%g s), presuming the session"
-            " lost; will re-queue when reconnected",
-            self._broker_id,
-            self._session_timeout_s,
-        )
-        self._notify()
-
-    def _cancel_suspend_timer(self) -> None:
-        if self._suspend_timer is not None:
-            self._suspend_timer.cancel()
-            self._suspend_timer = None
-        self._suspended_at = None
-
     def _forget_nodes(self) -> None:
         """The session that owned our nodes ended: the server deleted them all."""
-        self._ad_token = self._ad_node = None
-        self._queue_token = self._queue_node = None
-        self._stale.clear()
-        self._holds_lowest = False
+        self._members.forget()
+        self._queue.forget()
         self._nodes_session_id = None
 
     # -- refresh -----------------------------------------------------------------------------
@@ -473,7 +348,7 @@ class LeaderElector:
             self._kick_event.clear()
             if self._stopping:
                 return
-            if not self._connected:
+            if not self._session.up:
                 continue  # the CONNECTED state change kicks again
             try:
                 async with self._lock:
@@ -504,12 +379,11 @@ class LeaderElector:
         Creates the advertisement and queue node when missing, deletes given-up nodes,
         re-registers the watches and recomputes leadership. Runs under ``self._lock``.
         """
-        client = self._client
-        client_id = client.client_id if client is not None else None
-        if self._stopping or not self._connected or client_id is None:
+        session = self._session
+        session_id = session.session_id()
+        if self._stopping or not session.up or session_id is None:
             return
-        epoch = self._connection_epoch
-        session_id: int = client_id[0]
+        epoch = session.epoch
         if self._nodes_session_id is not None and self._nodes_session_id != session_id:
             self._forget_nodes()  # a new session: the LOST event may not have been processed
         self._nodes_session_id = session_id
@@ -517,164 +391,45 @@ class LeaderElector:
             # Persistent parents, created by whoever comes first; re-checked per session since
             # an operator may have wiped the cluster's tree meanwhile.
             for directory in (self._brokers_dir, self._election_dir):
-                await self._zk(self._client.ensure_path_async, directory)
+                await session.ensure_path(directory)
             self._dirs_session_id = session_id
-        if self._presumed_lost:
-            # Treat the session as lost although it survived: re-queue with a new node.
-            self._presumed_lost = False
-            if self._queue_token is not None:
-                logger.info("elector %s: re-queueing after a long suspension", self._broker_id)
-                self._stale.add((self._election_dir, self._queue_token))
-                self._queue_token = self._queue_node = None
+        # Treat a session presumed lost as lost although it survived: re-queue with a new node.
+        if session.clear_presumed_lost() and self._queue.token is not None:
+            logger.info("elector %s: re-queueing after a long suspension", self._broker_id)
+            self._queue.give_up()
+        await self._queue.delete_stale(session)
 
-        for directory, token in sorted(self._stale):
-            await self._delete_token(directory, token)
-            self._stale.discard((directory, token))
-
-        if self._ad_node is None:
-            token = self._ad_token = self._ad_token or uuid.uuid4().hex[:12]
-            name = await self._create_or_adopt(self._brokers_dir, token)
-            if self._ad_token != token:
-                return  # the session ended meanwhile: start over on the next refresh
-            self._ad_node = name
+        if not await self._members.advertise(session):
+            return  # the session ended meanwhile: start over on the next refresh
 
         for _ in range(_MAX_REFRESH_ROUNDS):
-            if self._want_queue and self._queue_node is None:
-                token = self._queue_token = self._queue_token or uuid.uuid4().hex[:12]
-                name = await self._create_or_adopt(self._election_dir, token)
-                if self._queue_token != token:
-                    # leave() or the end of the session came in between; leave() marked
-                    # the node stale, the next refresh deletes it.
-                    self._kick()
-                    return
-                self._queue_node = name
-                logger.info("elector %s: queued as %s", self._broker_id, name)
+            if not await self._queue.ensure_queued(session):
+                # leave() or the end of the session came in between; leave() marked the
+                # node stale, the next refresh deletes it.
+                self._kick()
+                return
             if await self._read_election(epoch):
                 break
         else:
             self._kick()  # the queue kept changing under us: look again soon
 
-        await self._read_brokers()
-        if epoch != self._connection_epoch:
+        try:
+            await self._members.refresh(session)
+        except NoNodeError:
+            self._dirs_session_id = None  # re-created by the next refresh
+            raise
+        if epoch != session.epoch:
             # The connection dropped while reading: what was read may be stale.
-            self._holds_lowest = False
+            self._queue.holds_lowest = False
         self._notify()
 
     async def _read_election(self, epoch: int) -> bool:
         """Read the queue, set the watches and leadership; False when it must be read again."""
-        children = _sorted_queue(await self._dir_children(self._election_dir))
-        if self._queue_node is not None and self._queue_node not in children:
-            # Deleted behind our back (an operator, or the end of the session).
-            logger.warning("elector %s: queue node %s vanished", self._broker_id, self._queue_node)
-            self._queue_token = self._queue_node = None
-            self._holds_lowest = False
-            return False
-        if not children:
-            self._leader_node = None
-            self._holds_lowest = False
-            # Nobody to watch: watch the directory to learn of the first to join.
-            watched = await self._dir_children(self._election_dir, watched=True)
-            return not _sorted_queue(watched)
-        lowest = children[0]
-        # Watch the leader's node (everyone needs to know when it goes) ...
-        if not await self._exists_watched(f"{self._election_dir}/{lowest}"):
-            return False
-        if lowest not in self._node_info:
-            info = await self._read_info(f"{self._election_dir}/{lowest}")
-            if info is None:
-                return False
-            self._node_info[lowest] = info
-        # ... and, when queued behind it, the predecessor (so one node's exit wakes one
-        # follower's promotion check, not the whole queue's).
-        if self._queue_node is not None and self._queue_node != lowest:
-            predecessor = children[children.index(self._queue_node) - 1]
-            if predecessor != lowest and not await self._exists_watched(
-                f"{self._election_dir}/{predecessor}"
-            ):
-                return False
-        self._leader_node = lowest
-        # leave() or a connection drop may have come while this refresh waited for ZooKeeper.
-        self._holds_lowest = (
-            self._want_queue and self._queue_node == lowest and epoch == self._connection_epoch
-        )
-        for name in list(self._node_info):
-            if name not in children:
-                del self._node_info[name]
-        return True
-
-    async def _read_brokers(self) -> None:
-        children = await self._dir_children(self._brokers_dir, watched=True)
-        names = set(children)
-        for name in list(self._brokers):
-            if name not in names:
-                del self._brokers[name]
-        for name in _sorted_queue(children):
-            if name not in self._brokers:
-                info = await self._read_info(f"{self._brokers_dir}/{name}")
-                if info is not None:
-                    self._brokers[name] = info
-
-    async def _read_info(self, path: str) -> dict[str, Any] | None:
-        """A node's JSON info; None when the node is gone."""
         try:
-            data, _ = await self._zk(self._client.get_async, path)
-        except NoNodeError:
-            return None
-        try:
-            info = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
-            info = None
-        if not isinstance(info, dict):
-            logger.warning("elector %s: node %s holds no JSON object", self._broker_id, path)
-            return {}
-        return info
-
-    async def _exists_watched(self, path: str) -> bool:
-        return await self._zk(self._client.exists_async, path, self._on_watch) is not None
-
-    async def _create_or_adopt(self, directory: str, token: str) -> str:
-        """Create our ephemeral sequential node, or find the one an earlier try created."""
-        # A create whose reply was lost may still have happened in this session.
-        for name in await self._children(directory):
-            if f"_{token}_" in name:
-                return name
-        path: str = await self._zk(
-            self._client.create_async,
-            f"{directory}/{self._name_prefix}_{token}_",
-            self._info_bytes,
-            None,  # acl
-            True,  # ephemeral
-            True,  # sequence
-            True,  # makepath
-        )
-        return path.rsplit("/", 1)[1]
-
-    async def _delete_token(self, directory: str, token: str) -> None:
-        for name in await self._children(directory):
-            if f"_{token}_" in name:
-                with contextlib.suppress(NoNodeError):
-                    await self._zk(self._client.delete_async, f"{directory}/{name}")
-
-    async def _dir_children(self, directory: str, *, watched: bool = False) -> list[str]:
-        """Children of one of our directories, which must exist (else retry the refresh)."""
-        watch = self._on_watch if watched else None
-        try:
-            children: list[str] = await self._zk(self._client.get_children_async, directory, watch)
-        except NoNodeError:
+            return await self._queue.read(self._session, epoch=epoch)
+        except NoNodeError:  # the directory is gone (an operator wiped the tree)
             self._dirs_session_id = None  # re-created by the next refresh
             raise
-        return children
-
-    async def _children(self, directory: str) -> list[str]:
-        try:
-            children: list[str] = await self._zk(self._client.get_children_async, directory)
-        except NoNodeError:
-            return []
-        return children
-
-    async def _zk(self, method: Callable[..., Any], *args: Any) -> Any:
-        """One ZooKeeper request from the loop, bounded by the operation timeout."""
-        return await kazoo_result(method(*args), self._operation_timeout_s)
 
     # -- notification ------------------------------------------------------------------------
 
@@ -692,12 +447,3 @@ class LeaderElector:
                 self._on_change(status)
             except Exception:
                 logger.exception("elector %s: on_change callback failed", self._broker_id)
-
-
-def _close_client(client: Any) -> None:
-    """Stop and close a kazoo client (blocking: run in a thread)."""
-    try:
-        client.stop()
-    except KazooException as exc:
-        logger.warning("ZooKeeper client stop failed: %r", exc)
-    client.close()

@@ -1,5 +1,7 @@
 """A broker of a highly available cluster (docs/DESIGN.md §4): ZooKeeper election, follower
 tailing, take-over, step-down, and the HTTP and worker endpoints around one Node.
+Following (and the snapshot download a history gap needs) is
+:class:`~broker.server.following.LogFollower`.
 
 Roles are driven by one task (:meth:`ClusterBroker._manage`), woken whenever the
 elector's view changes or the node finds itself deposed:
@@ -60,6 +62,7 @@ from broker.replication.node import (
 )
 from broker.security.auth import kazoo_auth_options
 from broker.security.tls import TlsConfig, TlsConfigError
+from broker.server.following import RETRY_DELAY_S, LogFollower
 from broker.server.standalone import http_scheme, start_http_server, stop_http_server
 from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
 from log.api import LedgerError, LedgerStore
@@ -75,8 +78,6 @@ from log.zk_list import (
 from snapshot.store import SnapshotStore
 
 logger = logging.getLogger(__name__)
-
-_RETRY_DELAY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,14 @@ class ClusterBroker:
         self._changed = asyncio.Event()
         self._deposed: str | None = None
         self._stopping = False
-        self._follow_task: asyncio.Task[None] | None = None
+        self.follower = LogFollower(
+            self.node,
+            peer_urls=self._peer_urls,
+            peer_ssl=self._peer_ssl,
+            peer_timeout_s=config.peer_timeout_s,
+            cluster_token=config.cluster_token,
+            on_end=self._changed.set,
+        )
         self._manager: asyncio.Task[None] | None = None
 
     def _ledger_store(self) -> LedgerStore:
@@ -318,7 +326,7 @@ class ClusterBroker:
             self._manager.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._manager
-        await self._stop_following()
+        await self.follower.stop()
         await self._stop_leader_services()
         was_leader = self.node.role == Role.LEADER
         # Close the ledger before leaving the queue: the next leader then finds it
@@ -369,7 +377,7 @@ class ClusterBroker:
                 raise
             except Exception:
                 logger.exception("role change failed; retrying")
-                await asyncio.sleep(_RETRY_DELAY_S)
+                await asyncio.sleep(RETRY_DELAY_S)
                 self._changed.set()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(1.0):
@@ -390,10 +398,10 @@ class ClusterBroker:
         elif not self.elector.is_leader() and node.role in (Role.LEADER, Role.CANDIDATE):
             await self._stop_leading("lost the election or the ZooKeeper connection")
         if node.role in (Role.FOLLOWER, Role.IDLE):
-            await self._ensure_following()
+            await self.follower.ensure()
 
     async def _take_over(self) -> None:
-        await self._stop_following()
+        await self.follower.stop()
         node = self.node
         if self._deposed is not None:
             return
@@ -472,55 +480,6 @@ class ClusterBroker:
             await self.elector.leave()
         with contextlib.suppress(ElectionError):
             await self.elector.join()
-
-    # --- following --------------------------------------------------------------------------
-
-    async def _ensure_following(self) -> None:
-        task = self._follow_task
-        if task is not None and not task.done():
-            return
-        if task is not None:
-            self._follow_task = None
-            failure = None if task.cancelled() else task.exception()
-            if isinstance(failure, HistoryGapError):
-                await self._download_snapshot(str(failure))
-            elif failure is not None:
-                logger.warning("following the log failed (%s); retrying", failure)
-                await asyncio.sleep(_RETRY_DELAY_S)
-        self._follow_task = asyncio.create_task(self._follow(), name="steward-follow")
-
-    async def _follow(self) -> None:
-        try:
-            await self.node.follow()
-        finally:
-            self._changed.set()
-
-    async def _stop_following(self) -> None:
-        task, self._follow_task = self._follow_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-
-    async def _download_snapshot(self, why: str) -> None:
-        from snapshot.peer import download_latest_snapshot
-
-        peers = self._peer_urls()
-        logger.warning("%s; downloading a snapshot from %s", why, peers)
-        info = await download_latest_snapshot(
-            peers,
-            self.node.snapshots,
-            ssl_context=self._peer_ssl,
-            cluster_id=self.node.config.cluster_id,
-            timeout_s=self.config.peer_timeout_s,
-            min_position=self.node.position,
-            token=self.config.cluster_token,
-        )
-        if info is None:
-            logger.error("no peer had a usable snapshot; retrying")
-            await asyncio.sleep(_RETRY_DELAY_S * 4)
-            return
-        await self.node.load_snapshot()
 
     # --- code artifacts -------------------------------------------------------------------
 

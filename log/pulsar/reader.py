@@ -4,7 +4,6 @@ docstring)."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -17,8 +16,9 @@ from log.api import (
     LedgerReader,
     NoSuchLedgerError,
 )
-from log.pulsar.client import _ThreadInbox, logger
-from log.pulsar.wire import HEADER, MAGIC, Kind, decode_entries
+from log.pulsar.client import logger
+from log.pulsar.entry_buffer import EntryBuffer
+from log.pulsar.reader_thread import ReaderThread
 
 if TYPE_CHECKING:
     from log.pulsar.store import PulsarLedgerStore
@@ -26,23 +26,16 @@ if TYPE_CHECKING:
 
 #: A reader stops fetching while it holds more than this many bytes nobody read yet.
 READER_BUFFER_BYTES = 32 * 1024 * 1024
-#: How long the reader thread blocks in one ``read_next``: the latency of a "has the broker
-#: more?" check (done on that thread between reads, so it never races a delivery).
-_POLL_MS = 10
 #: Pause between attempts to re-create a reader while the broker is unreachable.
 _RETRY_PAUSE_S = 0.2
-
-
-_Probe = asyncio.Future[bool | None]
 
 
 class PulsarLedgerReader(LedgerReader):
     """Reads one ledger's topic through the Reader API; see the :mod:`log.pulsar` docstring.
 
-    One thread per reader blocks in ``read_next`` and posts what it receives to the loop
-    (the client's Reader has no callback API, and an abandoned async receive would lose its
-    message). The same thread answers "has the broker more?" checks between two reads, so an
-    answer of "no" comes after every message received before it was posted.
+    A :class:`~log.pulsar.reader_thread.ReaderThread` blocks in ``read_next`` and posts what
+    it receives (decoded into an :class:`~log.pulsar.entry_buffer.EntryBuffer`); this class
+    re-creates the client Reader after gaps and stalls and serves reads from the buffer.
     """
 
     def __init__(self, store: PulsarLedgerStore, ledger_id: int) -> None:
@@ -51,33 +44,20 @@ class PulsarLedgerReader(LedgerReader):
         self._topic = store.config.topic(ledger_id)
         self._loop = asyncio.get_running_loop()
         self._reader: Any = None
-        # Bumped on every re-creation: what an older reader thread posts is ignored.
-        self._generation = 0
-        self._entries: list[LedgerEntry] = []
-        self._base_id = 0  # entry id of _entries[0]
-        self._buffered_bytes = 0
-        self._next_id = 0
-        self._created = False
-        self._seal_last: int | None = None  # the first SEAL: last entry id of the ledger
-        self._deleted = False
-        self._corrupt: str | None = None
+        self._buf = EntryBuffer(ledger_id)  # what was received, decoded
         self._last_entry_id: int | None = None
-        # Where a re-created reader starts (inclusive): the last message accepted.
-        self._last_message_id: Any = None
         self._last_received_id: Any = None  # of the current generation, for ordering checks
         self._retried_at: int | None = None  # next id for which a gap already caused a restart
         self._pump_error: BaseException | None = None
-        # Messages of the current reader handled, and how many when the last probe answered:
-        # more since then means the broker's "more" already arrived (no stall).
-        self._handled_count = 0
-        self._handled_at_probe = 0
         self._waiters: set[asyncio.Future[None]] = set()
-        self._probes: list[_Probe] = []  # loop-side, guarded by _probe_lock
-        self._probe_lock = threading.Lock()
-        self._pump_wake = threading.Event()
-        self._paused = False
         self._recreate_lock = asyncio.Lock()
-        self._inbox = _ThreadInbox(self._loop, self._on_items)
+        self._thread = ReaderThread(
+            self._loop,
+            ledger_id,
+            on_message=self._accept,
+            on_error=self._on_error,
+            on_batch=self._on_batch,
+        )
         self._closed = False
         #: How often this reader was re-created (stalls, gaps), for diagnostics and tests.
         self.recreations = 0
@@ -85,56 +65,16 @@ class PulsarLedgerReader(LedgerReader):
     @property
     def sealed_last_entry_id(self) -> int | None:
         """The last entry id once this reader has seen the ledger's SEAL, else None."""
-        return self._seal_last
+        return self._buf.seal_last
 
-    # -- the reader thread --------------------------------------------------------------------
+    # -- on the loop, from the reader thread -----------------------------------------------
 
-    def _pump(self, reader: Any, generation: int) -> None:
-        post = self._inbox.post
-        while generation == self._generation:
-            with self._probe_lock:
-                probes, self._probes = self._probes, []
-            if probes:
-                answer: bool | None
-                try:
-                    answer = bool(reader.has_message_available())
-                except Exception as exc:
-                    logger.debug("ledger %d: has_message_available: %s", self._ledger_id, exc)
-                    answer = None
-                post(("probe", generation, probes, answer))
-            if self._paused:
-                self._pump_wake.wait(0.1)
-                self._pump_wake.clear()
-                continue
-            try:
-                message = reader.read_next(_POLL_MS)
-            except pulsar.Timeout:
-                continue
-            except Exception as exc:
-                post(("error", generation, exc, None))
-                return
-            post(("message", generation, message.data(), message.message_id()))
+    def _on_error(self, error: BaseException) -> None:
+        self._pump_error = error
 
-    # -- on the loop ---------------------------------------------------------------------------
-
-    def _on_items(self, items: list[tuple[str, int, Any, Any]]) -> None:
-        for kind, generation, first, second in items:
-            if kind == "probe":
-                current = generation == self._generation and not self._closed
-                self._handled_at_probe = self._handled_count
-                for probe in first:
-                    if not probe.done():
-                        probe.set_result(second if current else None)
-            elif generation != self._generation or self._closed:
-                continue
-            elif kind == "error":
-                self._pump_error = first
-                self._answer_probes(None)
-            else:
-                self._handled_count += 1
-                self._accept(first, second)
-        if self._buffered_bytes > READER_BUFFER_BYTES:
-            self._paused = True
+    def _on_batch(self) -> None:
+        if self._buf.buffered_bytes > READER_BUFFER_BYTES:
+            self._thread.paused = True
         self._wake()
 
     def _wake(self) -> None:
@@ -152,92 +92,43 @@ class PulsarLedgerReader(LedgerReader):
             and self._restart_at_anomaly("a MessageId that does not increase")
         ):
             return
-        if len(data) < HEADER.size:
-            self._corrupt = f"a message of {len(data)} bytes (shorter than the header)"
-            return
-        magic, kind, entry_id, lac = HEADER.unpack_from(data)
-        if magic != MAGIC:
-            self._corrupt = f"a message with magic {magic:#x}, not written by Steward"
-            return
-        if kind == Kind.ENTRIES:
-            if self._deleted or (self._seal_last is not None and entry_id > self._seal_last):
-                return  # past the end: a deposed writer's late append
-            payloads = decode_entries(data)
-            if payloads is None:
-                self._corrupt = f"a message of entries from {entry_id} with broken framing"
-                return
-            if entry_id > self._next_id:
-                self._restart_at_anomaly(f"entry {entry_id} while expecting {self._next_id}")
-                return
-            # Entries below the next id are duplicates (a producer resend, a redelivery).
-            for offset in range(self._next_id - entry_id, len(payloads)):
-                payload = payloads[offset]
-                self._entries.append(LedgerEntry(self._ledger_id, entry_id + offset, lac, payload))
-                self._buffered_bytes += len(payload)
-                self._next_id += 1
-                self._last_message_id = message_id
-        elif kind == Kind.CREATED:
-            if entry_id != self._ledger_id:
-                self._corrupt = f"the CREATED marker of ledger {entry_id}"
-            elif not self._created:
-                self._created = True
-                self._last_message_id = message_id
-        elif kind == Kind.SEAL:
-            if self._seal_last is None:
-                self._seal_last = self._next_id - 1
-                self._last_message_id = message_id
-        elif kind == Kind.DELETED:
-            self._deleted = True
-        else:
-            logger.warning(
-                "ledger %d: ignoring a message of unknown kind %d", self._ledger_id, kind
-            )
+        gap = self._buf.accept(data, message_id)
+        if gap is not None:
+            self._restart_at_anomaly(gap)
 
     def _restart_at_anomaly(self, what: str) -> bool:
         """A gap or a reordering: start over after the last accepted message, once per
         position (True); a second time at the same position it is what is stored (False)."""
-        if self._retried_at == self._next_id:
+        if self._retried_at == self._buf.next_id:
             logger.info("ledger %d: %s again: it is stored that way", self._ledger_id, what)
             return False
-        self._retried_at = self._next_id
+        self._retried_at = self._buf.next_id
         logger.warning("ledger %d reader: %s; re-creating the reader", self._ledger_id, what)
         # Ignore everything else this reader delivers; a new one is created by whoever
         # waits next (the pump error below makes them do it).
-        self._generation += 1
+        self._thread.new_generation()
         self._pump_error = _RestartReader(what)
-        self._answer_probes(None)
+        self._thread.answer_probes(None)
         self._wake()
         return True
-
-    def _answer_probes(self, answer: bool | None) -> None:
-        """Answer the waiting probes now (their reader thread is gone or going)."""
-        with self._probe_lock:
-            probes, self._probes = self._probes, []
-        for probe in probes:
-            if not probe.done():
-                probe.set_result(answer)
 
     def mark_recovered(self, last_entry_id: int) -> None:
         self._last_entry_id = last_entry_id
 
     def mark_deleted(self) -> None:
         """The ledger was deleted by this reader's store."""
-        self._deleted = True
+        self._buf.deleted = True
         self._wake()
 
     def _check_usable(self) -> None:
         if self._closed:
             raise LedgerClosedError(f"reader of ledger {self._ledger_id} is closed")
-        if self._deleted:
+        if self._buf.deleted:
             raise NoSuchLedgerError(f"ledger {self._ledger_id} was deleted")
-        if self._corrupt is not None:
-            raise LedgerError(f"topic {self._topic} of ledger {self._ledger_id}: {self._corrupt}")
-
-    def _end(self) -> int:
-        """One past the last entry a read may return now."""
-        if self._seal_last is not None:
-            return min(self._next_id, self._seal_last + 1)
-        return self._next_id
+        if self._buf.corrupt is not None:
+            raise LedgerError(
+                f"topic {self._topic} of ledger {self._ledger_id}: {self._buf.corrupt}"
+            )
 
     async def _wait_delivery(self, timeout_s: float) -> bool:
         """Wait until the reader thread delivers something (or fails); False on timeout."""
@@ -254,7 +145,7 @@ class PulsarLedgerReader(LedgerReader):
 
         Answered by the reader thread after it posted everything it received before.
         """
-        if not self._created:
+        if not self._buf.created:
             return None  # maybe an empty topic: has_message_available fails on pulsar-lite
         if self._pump_error is not None:
             return None  # no reader thread to ask until the reader is re-created
@@ -262,15 +153,7 @@ class PulsarLedgerReader(LedgerReader):
             # Before a reader started inclusive at a MessageId received anything, the client's
             # has_message_available seeks to that MessageId, and seek hangs on pulsar-lite.
             return None
-        probe: _Probe = self._loop.create_future()
-        with self._probe_lock:
-            self._probes.append(probe)
-        self._pump_wake.set()
-        try:
-            async with asyncio.timeout(self._store.config.operation_timeout_s):
-                return await probe
-        except TimeoutError:
-            return None
+        return await self._thread.ask(self._store.config.operation_timeout_s)
 
     async def start(self) -> None:
         await self._recreate("opened")
@@ -280,8 +163,7 @@ class PulsarLedgerReader(LedgerReader):
         async with self._recreate_lock:
             self._check_usable()
             old = self._reader
-            self._generation += 1
-            generation = self._generation
+            generation = self._thread.new_generation()
             self._reader = None
             self._last_received_id = None
             self._pump_error = None
@@ -289,7 +171,7 @@ class PulsarLedgerReader(LedgerReader):
                 self.recreations += 1
                 logger.info("ledger %d: re-creating its reader (%s)", self._ledger_id, reason)
                 await self._store.close_quietly(old, f"reader of ledger {self._ledger_id}")
-            start = self._last_message_id
+            start = self._buf.last_message_id
             config = self._store.config
             reader = await self._store.blocking(
                 f"create a reader of ledger {self._ledger_id}",
@@ -301,17 +183,11 @@ class PulsarLedgerReader(LedgerReader):
                 # of a MessageId. The message delivered again is dropped as a duplicate.
                 start_message_id_inclusive=True,
             )
-            if self._closed or generation != self._generation:
+            if self._closed or generation != self._thread.generation:
                 await self._store.close_quietly(reader, f"reader of ledger {self._ledger_id}")
                 return
             self._reader = reader
-            thread = threading.Thread(
-                target=self._pump,
-                args=(reader, generation),
-                name=f"ledger-{self._ledger_id}-reader",
-                daemon=True,
-            )
-            thread.start()
+            self._thread.start(reader, generation)
 
     async def _keep_going(self) -> bool:
         """Re-create the reader if its thread failed or an anomaly asked for it.
@@ -323,7 +199,7 @@ class PulsarLedgerReader(LedgerReader):
         if error is None:
             return True
         if isinstance(error, pulsar.TopicNotFound):
-            self._deleted = True
+            self._buf.deleted = True
             self._check_usable()
         reason = str(error) if isinstance(error, _RestartReader) else f"it failed: {error!r}"
         try:
@@ -340,16 +216,16 @@ class PulsarLedgerReader(LedgerReader):
     def _stalled(self, more: bool | None) -> bool:
         """Nothing arrived for a stall period although the broker has more (``more``), or
         although this reader has not received even the message it starts at."""
-        if self._pump_error is not None or self._paused:
+        if self._pump_error is not None or self._thread.paused:
             return False
-        return more is True or (self._created and self._last_received_id is None)
+        return more is True or (self._buf.created and self._last_received_id is None)
 
     async def wait_for_first_message(self, timeout_s: float, *, exists: bool) -> bool:
         """Whether the ledger's CREATED marker arrives within ``timeout_s``; ``exists``: the
         ledger is known to exist (a reader receiving nothing then is stuck)."""
         deadline = self._loop.time() + timeout_s
         stall_s = self._store.config.reader_stall_s
-        while not self._created:
+        while not self._buf.created:
             self._check_usable()
             await self._keep_going()
             remaining_s = deadline - self._loop.time()
@@ -379,13 +255,13 @@ class PulsarLedgerReader(LedgerReader):
                 continue
             if done():
                 return
-            if self._paused:
+            if self._thread.paused:
                 return  # the buffer is full: the caller has entries to consume first
             more = await self._probe()
             self._check_usable()
             if done() or more is False:
                 return
-            if more is True and self._handled_count > self._handled_at_probe:
+            if more is True and self._thread.progressed_since_probe():
                 continue  # what the broker had arrived with the answer: ask again
             if self._loop.time() >= deadline:
                 raise LedgerError(
@@ -402,19 +278,19 @@ class PulsarLedgerReader(LedgerReader):
         self._check_usable()
         if max_entries == 0:
             return []
-        if first_entry_id < self._base_id:
+        if first_entry_id < self._buf.base_id:
             await self._rewind()
         self._trim(first_entry_id)
         wanted_end = first_entry_id + max_entries
         await self.settle(
-            lambda: self._end() >= wanted_end or self._seal_last is not None,
+            lambda: self._buf.end() >= wanted_end or self._buf.seal_last is not None,
             self._store.config.operation_timeout_s,
         )
         self._check_usable()
-        end = min(self._end(), wanted_end)
+        end = min(self._buf.end(), wanted_end)
         if first_entry_id >= end:
             return []
-        return self._entries[first_entry_id - self._base_id : end - self._base_id]
+        return self._buf.get(first_entry_id, end)
 
     async def wait_for_entries(self, after_entry_id: int, timeout_s: float) -> bool:
         deadline = self._loop.time() + max(0.0, timeout_s)
@@ -424,56 +300,44 @@ class PulsarLedgerReader(LedgerReader):
             self._check_usable()
             if not await self._keep_going() and self._loop.time() >= deadline:
                 return False  # cannot tell now (the broker is unreachable)
-            if self._end() > after_entry_id + 1:
+            if self._buf.end() > after_entry_id + 1:
                 return True
-            if self._seal_last is not None:
+            if self._buf.seal_last is not None:
                 return False
             remaining_s = deadline - self._loop.time()
             if remaining_s <= 0:
                 # "May be readable" must include what the broker held when we were called.
                 await self.settle(
-                    lambda: self._end() > after_entry_id + 1 or self._seal_last is not None,
+                    lambda: self._buf.end() > after_entry_id + 1 or self._buf.seal_last is not None,
                     self._store.config.operation_timeout_s,
                 )
                 self._check_usable()
-                return self._end() > after_entry_id + 1
+                return self._buf.end() > after_entry_id + 1
             delivered = await self._wait_delivery(min(remaining_s, stall_s))
             if not delivered and remaining_s > stall_s:
                 more = await self._probe()
-                progressed = more is True and self._handled_count > self._handled_at_probe
+                progressed = more is True and self._thread.progressed_since_probe()
                 if not progressed and self._stalled(more):
                     self._pump_error = _RestartReader("stalled: nothing arrives")
 
     def _trim(self, keep_from_id: int) -> None:
         """Forget entries before ``keep_from_id`` once the buffer is over its budget."""
-        if self._buffered_bytes <= READER_BUFFER_BYTES:
-            return
-        drop = min(max(0, keep_from_id - self._base_id), len(self._entries))
-        self._buffered_bytes -= sum(len(entry.data) for entry in self._entries[:drop])
-        del self._entries[:drop]
-        self._base_id += drop
-        if self._buffered_bytes <= READER_BUFFER_BYTES and self._paused:
-            self._paused = False
-            self._pump_wake.set()
+        self._buf.trim(keep_from_id, READER_BUFFER_BYTES)
+        if self._buf.buffered_bytes <= READER_BUFFER_BYTES and self._thread.paused:
+            self._thread.resume()
 
     async def _rewind(self) -> None:
         """Read from the start again (a read before what the buffer still holds)."""
-        self._entries = []
-        self._base_id = self._next_id = 0
-        self._buffered_bytes = 0
-        self._last_message_id = None
+        self._buf.rewind()
         self._retried_at = None
-        self._paused = False
-        self._pump_wake.set()
+        self._thread.resume()
         await self._recreate("rewound for an entry no longer buffered")
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._generation += 1
-        self._pump_wake.set()
-        self._answer_probes(None)
+        self._thread.close()
         self._wake()
         reader, self._reader = self._reader, None
         if reader is not None:

@@ -1,5 +1,5 @@
-"""The ledger store: ledgers as topics, recovery, deletion, listing and the admin REST API
-(package docstring)."""
+"""The ledger store: ledgers as topics, recovery, deletion and listing (package docstring);
+the admin REST API is :class:`~log.pulsar.admin.PulsarAdmin`."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from log.api import (
     LedgerWriter,
     NoSuchLedgerError,
 )
+from log.pulsar.admin import PulsarAdmin
 from log.pulsar.client import (
-    PulsarPolicyError,
     _call_soon_threadsafe,
     _error_for,
     _error_for_result,
@@ -60,8 +60,7 @@ class PulsarLedgerStore(LedgerStore):
         if catalog is None and isinstance(ledger_ids, LedgerCatalog):
             catalog = ledger_ids
         self._catalog = catalog
-        self._admin_transport = admin_transport
-        self._admin: httpx.AsyncClient | None = None
+        self._admin = PulsarAdmin(config, admin_transport)
         self.client = _make_client(config)
         self._created: set[int] = set()  # created by this store and not deleted
         self._deleted: set[int] = set()
@@ -281,7 +280,7 @@ class PulsarLedgerStore(LedgerStore):
         for reader in list(self._ledger_readers.get(ledger_id, ())):
             reader.mark_deleted()
         if self.config.admin_url is not None:
-            await self._admin_delete_topic(ledger_id)
+            await self._admin.delete_topic(ledger_id)
 
     async def list_ledgers(self) -> list[int]:
         self._check_open()
@@ -289,7 +288,7 @@ class PulsarLedgerStore(LedgerStore):
             return await self._catalog.list_ids()
         ids = set(self._created)
         if self.config.admin_url is not None:
-            ids.update(await self._admin_list_ledgers())
+            ids.update(await self._admin.list_ledgers())
         return sorted(ids - self._deleted)
 
     async def close(self) -> None:
@@ -297,142 +296,9 @@ class PulsarLedgerStore(LedgerStore):
             return
         await super().close()
         await self.close_quietly(self.client, "Pulsar client")
-        if self._admin is not None:
-            await self._admin.aclose()
-
-    # -- admin REST API --------------------------------------------------------------------
-
-    def _admin_client(self) -> httpx.AsyncClient:
-        if self._admin is None:
-            config = self.config
-            assert config.admin_url is not None
-            headers = {}
-            if config.auth_token:
-                headers["Authorization"] = f"Bearer {config.auth_token}"
-            verify: bool | str = True
-            if config.tls_allow_insecure_connection:
-                verify = False
-            elif config.tls_trust_certs_file:
-                verify = config.tls_trust_certs_file
-            cert = None
-            if config.tls_certificate_file and config.tls_private_key_file:
-                cert = (config.tls_certificate_file, config.tls_private_key_file)
-            self._admin = httpx.AsyncClient(
-                base_url=config.admin_url.rstrip("/"),
-                headers=headers,
-                timeout=config.operation_timeout_s,
-                verify=verify,
-                cert=cert,
-                transport=self._admin_transport,
-            )
-        return self._admin
-
-    def _topic_path(self, ledger_id: int) -> str:
-        config = self.config
-        return (
-            f"/admin/v2/persistent/{config.tenant}/{config.namespace}/"
-            f"{config.topic_name(ledger_id)}"
-        )
-
-    async def _admin_delete_topic(self, ledger_id: int) -> None:
-        try:
-            # force: the topic may still have our readers or a fenced producer attached.
-            response = await self._admin_client().delete(
-                self._topic_path(ledger_id), params={"force": "true"}
-            )
-        except httpx.HTTPError as exc:
-            logger.warning("ledger %d: admin API delete failed: %s", ledger_id, exc)
-            return
-        if response.status_code not in (200, 204, 404):
-            logger.warning(
-                "ledger %d: admin API delete answered %d: %s",
-                ledger_id,
-                response.status_code,
-                response.text[:200],
-            )
-
-    async def _admin_list_ledgers(self) -> list[int]:
-        config = self.config
-        try:
-            response = await self._admin_client().get(
-                f"/admin/v2/persistent/{config.tenant}/{config.namespace}"
-            )
-            response.raise_for_status()
-            topics = response.json()
-        except (httpx.HTTPError, ValueError) as exc:
-            logger.warning("cannot list topics through the admin API: %s", exc)
-            return []
-        ids = [config.ledger_id_of(topic) for topic in topics if isinstance(topic, str)]
-        return [ledger_id for ledger_id in ids if ledger_id is not None]
+        await self._admin.close()
 
     async def ensure_namespace_retention(self) -> None:
-        """Check the namespace's policies and apply what the backend needs (package doc).
-
-        Without an admin URL this only logs that it cannot check. Raises
-        :class:`PulsarPolicyError` when the admin API refuses or the namespace is missing.
-        """
-        config = self.config
-        namespace = f"{config.tenant}/{config.namespace}"
-        if config.admin_url is None:
-            logger.info(
-                "no Pulsar admin URL: not checking namespace %s; it must have infinite "
-                "retention and no inactive-topic deletion (see log/pulsar/__init__.py)",
-                namespace,
-            )
-            return
-        base = f"/admin/v2/namespaces/{namespace}"
-        policies = await self._admin_json("GET", base, None, f"read the policies of {namespace}")
-        if not isinstance(policies, dict):
-            raise PulsarPolicyError(f"unexpected policies of namespace {namespace}: {policies!r}")
-        retention = policies.get("retention_policies") or {}
-        if (
-            retention.get("retentionTimeInMinutes") != -1
-            or retention.get("retentionSizeInMB") != -1
-        ):
-            await self._admin_json(
-                "POST",
-                f"{base}/retention",
-                {"retentionTimeInMinutes": -1, "retentionSizeInMB": -1},
-                f"set infinite retention on {namespace}",
-            )
-            logger.info("namespace %s: retention set to infinite (was %s)", namespace, retention)
-        inactive = policies.get("inactive_topic_policies")
-        if not isinstance(inactive, dict) or inactive.get("deleteWhileInactive", True):
-            await self._admin_json(
-                "POST",
-                f"{base}/inactiveTopicPolicies",
-                {
-                    "inactiveTopicDeleteMode": "delete_when_no_subscriptions",
-                    "maxInactiveDurationSeconds": 3600,
-                    "deleteWhileInactive": False,
-                },
-                f"disable inactive-topic deletion on {namespace}",
-            )
-            logger.info("namespace %s: inactive-topic deletion disabled", namespace)
-
-    async def _admin_json(self, method: str, path: str, body: Any, what: str) -> Any:
-        try:
-            response = await self._admin_client().request(method, path, json=body)
-        except httpx.HTTPError as exc:
-            raise PulsarPolicyError(f"cannot {what}: admin API unreachable: {exc}") from exc
-        if response.status_code in (401, 403):
-            raise PulsarPolicyError(
-                f"cannot {what}: the admin API refused ({response.status_code}); the token "
-                "needs admin rights on the tenant, or apply the policy by hand "
-                "(log/pulsar/__init__.py)"
-            )
-        if response.status_code == 404:
-            raise PulsarPolicyError(
-                f"cannot {what}: not found (404); create the tenant and namespace first "
-                f"(pulsar-admin namespaces create {self.config.tenant}/{self.config.namespace})"
-            )
-        if response.status_code >= 300:
-            raise PulsarPolicyError(
-                f"cannot {what}: admin API answered {response.status_code}: {response.text[:200]}"
-            )
-        if not response.content:
-            return None
-        try:
-            return response.json()
-        except ValueError as exc:
-            raise PulsarPolicyError(f"cannot {what}: the answer is not JSON") from exc
+        """Check the namespace's policies and apply what the backend needs (package doc);
+        see :meth:`PulsarAdmin.ensure_namespace_retention`."""
+        await self._admin.ensure_namespace_retention()
