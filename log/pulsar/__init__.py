@@ -67,8 +67,8 @@ modes, so with it ``fencing`` must be False and ``can_fence`` is False: a depose
 another process keeps getting acknowledgements, for entries no reader will ever return.
 The replicated log does not rely on that: the leader confirms in ZooKeeper that it still
 leads before it answers (docs/DESIGN.md §4), and entries carry as LAC only what it confirmed
-(``LedgerWriter.confirm``, see broker/replication/history.py and leader.py). A writer of the same store is fenced
-locally by recovery in any case.
+(``LedgerWriter.confirm``, see broker/replication/history.py and leader.py). A writer of
+the same store is fenced locally by recovery in any case.
 
 Deletion and listing
 --------------------
