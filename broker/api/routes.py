@@ -259,7 +259,7 @@ ROUTES: Final[tuple[Route, ...]] = (
     Route("GET", "/dashboard/{name}", PUBLIC, handlers_dashboard.dashboard_asset,
           "The dashboard's script, style sheet and icon",
           {200: _raw("The file", "text/javascript", "text/css", "image/svg+xml"),
-           "4XX": _json(m.ErrorBody, "Error")},
+           "4XX": _json(m.ErrorBody, "Error"), 503: _json(m.ErrorBody, "Retry later")},
           params=(_ASSET,)),
     Route("GET", "/api/v1/cluster/brokers", ADMIN, handlers_dashboard.broker_statuses,
           "Every live broker's own role and log position, and its lag",
