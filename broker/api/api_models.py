@@ -180,6 +180,14 @@ class ArtifactView(msgspec.Struct):
     ready: bool = True
 
 
+class TenantList(msgspec.Struct):
+    tenants: list[TenantView]
+
+
+class ArtifactList(msgspec.Struct):
+    artifacts: list[ArtifactView]
+
+
 class Position(msgspec.Struct):
     ledger_id: int
     entry_id: int

@@ -16,7 +16,8 @@ writes off the ledger's disk.
 
 ``GET /api/v1/tasks/{id}/logs`` is answered by :func:`logs_answer` on the leader and by
 :func:`logs_from_leader` on a follower (it asks the leader, so the dashboard of any broker
-shows output); ``broker/api/http_api.py`` only registers the route.
+shows output); ``broker/api/routes.py`` declares the route, ``broker/api/handlers_tasks.py``
+calls them.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ never show anything of another tenant: its tasks answer exactly like missing one
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +21,13 @@ import httpx
 import pytest
 
 from broker.api.http_api import ApiApp, ApiConfig
+from broker.api.routes import ROUTES, Route
 from broker.artifacts.code_store import CodeStore
 from broker.core import entries as e
 from broker.core.state import StateMachine
 from broker.replication.node import Node
 from broker.security.auth import AuthConfig, hash_token
+from broker.security.auth import Role as CallerRole
 from tests.memory_node import memory_node
 
 ADMIN_SECRET = "bootstrap-admin-secret"
@@ -560,3 +563,32 @@ def test_apply_refuses_invalid_token_entries(entry: e.Entry) -> None:
     result = machine.apply(entry)  # time 0: the clock does not move either
     assert getattr(result, "code", None) is not None
     assert machine.digest() == before
+
+
+# --- the route table's permissions, enforced for every route ---------------------------------
+
+_ROLE_OF = {"alice": CallerRole.TENANT, "worker": CallerRole.WORKER, "peer": CallerRole.PEER}
+_PATH_VALUES = {"id": "1", "name": "alice", "sha256": "0" * 64, "token_id": "ab"}
+
+
+def _concrete(route: Route) -> str:
+    if route.path == "/dashboard/{name}":
+        return "/dashboard/app.js"
+    return re.sub(r"\{(\w+)\}", lambda found: _PATH_VALUES[found.group(1)], route.path)
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: f"{r.method} {r.path}")
+async def test_every_route_enforces_its_permission(env: Env, route: Route) -> None:
+    """Whatever the request holds (no body here), a caller the table does not allow gets
+    403 and one without credentials 401; public routes answer everyone."""
+    path = _concrete(route)
+    permission = route.permission
+    nobody = await env.call("nobody", route.method, path)
+    if permission.public:
+        assert nobody.status_code < 400, (path, nobody.text)
+        return
+    refused_without_credentials(nobody)
+    for who, role in _ROLE_OF.items():
+        if permission.any_caller or role in permission.roles:
+            continue
+        forbidden(await env.call(who, route.method, path))

@@ -1,0 +1,292 @@
+"""THE route table of the HTTP API: each route declared once, with its method, path,
+permission, handler, request and response models and summary.
+
+Everything else is derived from it: dispatch and the permission check
+(broker/api/http_api.py), the public paths (served without credentials), the OpenAPI
+document (broker/api/openapi.py) and the check of docs/API.md (tests/unit/test_routes.py).
+No other module of broker/api holds a path string (a test checks).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from broker.api import api_models as m
+from broker.api import (
+    handlers_cluster,
+    handlers_code,
+    handlers_dashboard,
+    handlers_tasks,
+    handlers_tenants,
+    handlers_tokens,
+    handlers_transactions,
+)
+from broker.api.common import ARTIFACT_NAME_PATTERN, TASK_STATES, ApiConfig, Request
+from broker.api.context import ApiContext
+from broker.api.output_store import TaskLogs
+from broker.security.auth import Role as CallerRole
+from snapshot.peer import LATEST_SNAPSHOT_PATH, POSITION_HEADER
+
+Handler = Callable[[ApiContext, Request], Awaitable[tuple[int, bytes]]]
+# A JSON schema, or one that depends on the broker's configuration (its bounds).
+Schema = dict[str, Any] | Callable[[ApiConfig], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Permission:
+    """Who may call a route. Admin always may; with authentication off everyone is admin."""
+
+    name: str
+    roles: tuple[CallerRole, ...] = ()  # the roles besides admin that may
+    public: bool = False  # served without credentials even when authentication is on
+    any_caller: bool = False  # every authenticated caller may (no role check)
+    message: str | None = None  # the 403's message, when not "this needs the ... role"
+
+
+PUBLIC: Final = Permission("public", public=True)
+ANY: Final = Permission("any", any_caller=True)
+ADMIN: Final = Permission("admin")
+TENANT: Final = Permission("tenant", (CallerRole.TENANT,))
+# A write that acts for a tenant (submit, begin a transaction): same roles, its own message.
+TENANT_WRITE: Final = Permission(
+    "tenant", (CallerRole.TENANT,), message="this needs a tenant or admin token"
+)
+PEER: Final = Permission("peer", (CallerRole.PEER,))
+WORKER: Final = Permission("worker", (CallerRole.WORKER, CallerRole.PEER))
+CODE_READER: Final = Permission(
+    "tenant, worker or peer", (CallerRole.TENANT, CallerRole.WORKER, CallerRole.PEER)
+)
+
+
+@dataclass(frozen=True)
+class Param:
+    """A path, query or header parameter."""
+
+    name: str
+    where: str  # "path", "query" or "header"
+    schema: Schema
+    regex: str = ""  # a path parameter's: what dispatch matches
+    required: bool = False
+
+
+@dataclass(frozen=True)
+class Content:
+    """A request or response body: a JSON model, or raw bytes of the given media types."""
+
+    model: type | None = None
+    description: str = "OK"
+    media: tuple[str, ...] = ("application/json",)
+    headers: tuple[tuple[str, str, str], ...] = ()  # (name, description, value pattern)
+    schema: dict[str, Any] | None = None  # raw bytes': default {"type": "string"}
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str  # OpenAPI style: "/api/v1/tasks/{id}"
+    permission: Permission
+    handler: Handler
+    summary: str
+    responses: dict[int | str, Content]
+    params: tuple[Param, ...] = ()
+    body: Content | None = None
+    body_required: bool = True
+    description: str | None = None
+    # The largest request body taken (None: ApiConfig.max_request_bytes).
+    max_body: Callable[[ApiConfig], int] | None = None
+
+    @property
+    def regex(self) -> str:
+        """The path as dispatch matches it: each {param} its parameter's regex."""
+        regexes = {p.name: p.regex for p in self.params if p.where == "path"}
+        return re.sub(r"\{(\w+)\}", lambda found: f"({regexes[found.group(1)]})", self.path)
+
+
+def _json(model: type, description: str = "OK") -> Content:
+    return Content(model, description)
+
+
+def _raw(description: str, *media: str) -> Content:
+    return Content(None, description, media or ("application/octet-stream",))
+
+
+def _query(name: str, schema: Schema, required: bool = False) -> Param:
+    return Param(name, "query", schema, required=required)
+
+
+def _ids(low: int) -> dict[str, Any]:
+    return {"type": "integer", "minimum": low, "maximum": 2**62}
+
+
+_ID = Param("id", "path", {"type": "integer"}, r"\d{1,18}")
+_TENANT_NAME = Param("name", "path", {"type": "string", "pattern": m.NAME_PATTERN}, "[^/]+")
+_SHA256 = Param("sha256", "path", {"type": "string"}, "[0-9a-f]{64}")
+_TOKEN_ID = Param(
+    "token_id", "path", {"type": "string", "pattern": "^[0-9a-f]{1,64}$"}, "[0-9a-f]{1,64}"
+)
+_ASSET = Param("name", "path", {"type": "string"}, "[A-Za-z0-9_.-]{1,64}")
+# The filters GET /api/v1/tasks and GET /api/v1/tasks/recent share.
+_TASK_FILTERS = (
+    _query("state", {"type": "string", "enum": sorted(TASK_STATES)}),
+    _query("tenant", {"type": "string"}),
+    _query("type", {"type": "string"}),
+    _query(
+        "limit",
+        lambda config: {"type": "integer", "minimum": 1, "maximum": config.max_list_limit},
+    ),
+)
+_IDEMPOTENCY_KEY = Param(
+    "Idempotency-Key",
+    "header",
+    {"type": "string", "minLength": 1, "maxLength": 128, "pattern": "^[\\x20-\\x7e]+$"},
+)
+_OPENAPI_PATH: Final = "/api/v1/openapi.json"
+
+ROUTES: Final[tuple[Route, ...]] = (
+    Route("GET", "/healthz", PUBLIC, handlers_cluster.health, "Liveness",
+          {200: _json(m.Health), 503: _json(m.Health, "Not serving")}),
+    Route("GET", _OPENAPI_PATH, PUBLIC, handlers_cluster.openapi, "This OpenAPI document",
+          {200: Content(None, "The document", schema={"type": "object"})}),
+    # --- tasks -------------------------------------------------------------------------
+    Route("POST", "/api/v1/tasks", TENANT_WRITE, handlers_tasks.submit,
+          "Submit one task or a batch ({'tasks': [...]})",
+          {200: _json(m.SubmitBatchResponse, "Batch results"),
+           201: _json(m.TaskRefBody, "Single task accepted")},
+          params=(_IDEMPOTENCY_KEY,), body=Content(m.SubmitBody),
+          description=(
+              "Send an idempotency key (the Idempotency-Key header or the "
+              "idempotency_key field, 1-128 printable ASCII characters) to retry "
+              "safely: a submission repeating a key that created tasks in the last "
+              "24 hours (or the finished-task retention, if longer) creates nothing "
+              "and gets the same status and ids again, with replayed: true. A key "
+              "reused for a different number of tasks is refused (409). Keys, like "
+              "slot names, are the tenant's own: another tenant's equal key is "
+              "another key."
+          )),
+    Route("GET", "/api/v1/tasks", TENANT, handlers_tasks.list_tasks,
+          "List tasks (ascending id, paginate with after)", {200: _json(m.TaskList)},
+          params=(*_TASK_FILTERS, _query("after", _ids(0)))),
+    Route("GET", "/api/v1/tasks/{id}", TENANT, handlers_tasks.get_task,
+          "One task (with its tree's status when it roots a tracked tree)",
+          {200: _json(m.TaskView)},
+          params=(
+              _ID,
+              _query("wait_s", lambda config: {
+                  "type": "number", "minimum": 0, "maximum": config.max_wait_s}),
+              _query("wait_tree", {"type": "boolean"}),
+          )),
+    Route("POST", "/api/v1/tasks/{id}/cancel", TENANT, handlers_tasks.cancel_task,
+          "Cancel a live task", {200: _json(m.TaskRefBody)}, params=(_ID,)),
+    Route("GET", "/api/v1/tasks/{id}/logs", TENANT, handlers_tasks.task_logs,
+          "An attempt's captured stdout, stderr and ctx.logger output", {200: _json(TaskLogs)},
+          params=(_ID, _query("attempt", _ids(1)), _query("offset", _ids(0))),
+          description=(
+              "The last 1 MiB of each attempt run in a task process, as the worker "
+              "ships it (about once a second while it runs). Tenant-scoped like "
+              "GET /api/v1/tasks/{id}. Pass next_offset back as offset to get only "
+              "newer output; complete: the attempt writes no more. Kept by the "
+              "leader (a follower asks it)."
+          )),
+    Route("GET", "/api/v1/tasks/recent", TENANT, handlers_tasks.recent_tasks,
+          "Search tasks, newest first (paginate with before)", {200: _json(m.RecentTaskList)},
+          params=(*_TASK_FILTERS, _query("before", _ids(1)))),
+    # --- transactions ------------------------------------------------------------------
+    Route("POST", "/api/v1/transactions", TENANT_WRITE,
+          handlers_transactions.begin_transaction, "Begin a transaction",
+          {201: _json(m.TransactionView)}, body=Content(m.TransactionBegin), body_required=False),
+    Route("POST", "/api/v1/transactions/{id}/commit", TENANT,
+          handlers_transactions.commit_transaction,
+          "Commit: all its tasks become waiting at once", {200: _json(m.TransactionOutcome)},
+          params=(_ID,)),
+    Route("POST", "/api/v1/transactions/{id}/rollback", TENANT,
+          handlers_transactions.rollback_transaction,
+          "Roll back: its tasks are dropped", {200: _json(m.TransactionOutcome)},
+          params=(_ID,)),
+    # --- tenants -----------------------------------------------------------------------
+    Route("GET", "/api/v1/tenants", TENANT, handlers_tenants.list_tenants,
+          "Every tenant's service level and task counts", {200: _json(m.TenantList)}),
+    Route("GET", "/api/v1/tenants/{name}", TENANT, handlers_tenants.get_tenant,
+          "A tenant's service level and task counts", {200: _json(m.TenantView)},
+          params=(_TENANT_NAME,)),
+    Route("PUT", "/api/v1/tenants/{name}", ADMIN, handlers_tenants.put_tenant,
+          "Change a tenant's service level (effective at once)", {200: _json(m.TenantView)},
+          params=(_TENANT_NAME,), body=Content(m.TenantLimits)),
+    # --- code artifacts ----------------------------------------------------------------
+    Route("POST", "/api/v1/code", TENANT, handlers_code.upload_code,
+          "Upload a code artifact (.py, .zip or wheel; the raw bytes as body)",
+          {201: _json(m.ArtifactView)},
+          params=(_query("name", {"type": "string", "pattern": ARTIFACT_NAME_PATTERN}, True),),
+          body=_raw("The artifact's bytes"),
+          max_body=lambda config: config.max_code_bytes,
+          description=(
+              "Checked in a separate, memory- and time-limited process: a .py must"
+              " compile (nothing runs); a zip is inflated in chunks and counted. 413"
+              " past a bound (.py size, zip entries, inflated size, compression ratio),"
+              " 400 invalid_artifact otherwise."
+          )),
+    Route("GET", "/api/v1/code", CODE_READER, handlers_code.list_code,
+          "Every code artifact", {200: _json(m.ArtifactList)}),
+    Route("GET", "/api/v1/code/{sha256}", CODE_READER, handlers_code.download_code,
+          "Download a code artifact by its sha256", {200: _raw("The artifact's bytes")},
+          params=(_SHA256,)),
+    # --- cluster and this broker -------------------------------------------------------
+    Route("GET", "/api/v1/cluster", WORKER, handlers_cluster.cluster, "Cluster summary",
+          {200: _json(m.ClusterSummary)}),
+    Route("GET", "/api/v1/config", ADMIN, handlers_cluster.get_config,
+          "Replicated cluster settings", {200: _json(m.ClusterConfigView)}),
+    Route("PUT", "/api/v1/config", ADMIN, handlers_cluster.put_config,
+          "Change global resource limits or the finished-task retention",
+          {200: _json(m.ClusterConfigView)}, body=Content(m.ClusterConfigPatch)),
+    Route("GET", "/api/v1/state/digest", PEER, handlers_cluster.digest,
+          "Digest of the replicated state at the applied position", {200: _json(m.DigestBody)}),
+    Route("GET", "/metrics", PEER, handlers_cluster.metrics,
+          "Prometheus metrics of this broker (text exposition format 0.0.4)",
+          {200: _raw("Metric families (see docs/API.md, Metrics)", "text/plain")}),
+    # GET only: a body is never read, and the answer may be tens of MB (one response).
+    Route("GET", LATEST_SNAPSHOT_PATH, PEER, handlers_cluster.latest_snapshot,
+          "This broker's newest snapshot file (for a peer that has none)",
+          {200: Content(None, "The snapshot file's bytes, verified by the reader",
+                        ("application/octet-stream",),
+                        ((POSITION_HEADER, "Log position it reflects: ledger_id:entry_id",
+                          r"^\d+:\d+$"),))}),
+    # --- the web dashboard: its page and files (public: they hold no data; the page reads
+    # the API with the user's token) and read-only views for it ------------------------
+    Route("GET", "/", PUBLIC, handlers_dashboard.dashboard_page,
+          "The web dashboard (an HTML page)", {200: _raw("The page", "text/html")}),
+    Route("GET", "/dashboard/{name}", PUBLIC, handlers_dashboard.dashboard_asset,
+          "The dashboard's script, style sheet and icon",
+          {200: _raw("The file", "text/javascript", "text/css", "image/svg+xml"),
+           "4XX": _json(m.ErrorBody, "Error"), 503: _json(m.ErrorBody, "Retry later")},
+          params=(_ASSET,)),
+    Route("GET", "/api/v1/cluster/brokers", ADMIN, handlers_dashboard.broker_statuses,
+          "Every live broker's own role and log position, and its lag",
+          {200: _json(m.BrokerStatusList)},
+          description=(
+              "The answering broker asks each peer's /healthz (1 s timeout); a peer that "
+              "does not answer is listed as unreachable. lag_entries: entries behind "
+              "the leader's position when both are in the same ledger (an idle "
+              "leader's last entry is a Confirm marker that followers apply only "
+              "with the next entry, so 1 means in sync)."
+          )),
+    Route("GET", "/api/v1/workers", ADMIN, handlers_dashboard.list_workers,
+          "Every worker with its capacities and the tasks running on it",
+          {200: _json(m.WorkerList)}),
+    Route("GET", "/api/v1/stats/throughput", ADMIN, handlers_dashboard.throughput_stats,
+          "Tasks submitted, finished, failed, cancelled per recent time bucket",
+          {200: _json(m.ThroughputView)}),
+    # --- API tokens (admin) and the caller -----------------------------------------------
+    Route("POST", "/api/v1/tokens", ADMIN, handlers_tokens.create_token,
+          "Issue an API token (admin); the secret is in this answer only",
+          {201: _json(m.TokenCreated)}, body=Content(m.TokenCreate)),
+    Route("GET", "/api/v1/tokens", ADMIN, handlers_tokens.list_tokens,
+          "Every API token, without secrets (admin)", {200: _json(m.TokenList)}),
+    Route("DELETE", "/api/v1/tokens/{token_id}", ADMIN, handlers_tokens.revoke_token,
+          "Revoke an API token (admin)", {200: _json(m.TokenView)}, params=(_TOKEN_ID,)),
+    Route("GET", "/api/v1/whoami", ANY, handlers_tokens.whoami,
+          "The caller's role and tenant", {200: _json(m.WhoAmI)}),
+)  # fmt: skip
+
+PUBLIC_PATHS: Final = frozenset(r.path for r in ROUTES if r.permission.public)
