@@ -132,7 +132,7 @@ class Worker(msgspec.Struct, array_like=True, gc=False):
     reason: str | None = None
     # The API worker credential (token id) it registered with; None: the shared worker
     # token. Binds the worker id to that credential while connected (apply refuses
-    # another) and scopes the credential's artifact downloads (broker/api/http_api.py).
+    # another) and scopes the credential's artifact downloads (broker/api/handlers_code.py).
     credential: str | None = None
 
 
