@@ -47,6 +47,7 @@ from broker.core.state import (
     MAX_TREE_TIMEOUT_MS,
     NAME_RE,
     ApiToken,
+    Applied,
     Artifact,
     ErrorCode,
     Rejected,
@@ -713,12 +714,10 @@ class ApiApp:
                 if not mine:
                     del waiters[task_id]
 
-    def _on_applied(
-        self, entry: e.Entry, result: object, became_final: list[int], stops: object
-    ) -> None:
+    def _on_applied(self, entry: e.Entry, applied: Applied) -> None:
         if not self._waiters:
             return
-        for task_id in became_final:
+        for task_id in applied.final_ids:
             for waiter in self._waiters.pop(task_id, ()):
                 if not waiter.done():
                     waiter.set_result(None)

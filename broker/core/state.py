@@ -1,4 +1,4 @@
-"""The replicated state machine: ``StateMachine.apply(entry) -> result``.
+"""The replicated state machine: ``StateMachine.apply(entry) -> Applied``.
 
 Pure and deterministic: no IO, no clock, no randomness, no threads. The
 leader, every follower, snapshot loading and the simulation tests run this
@@ -34,6 +34,10 @@ from enum import IntEnum
 from typing import Any
 
 from broker.core import entries as e
+from broker.core.effects import Applied as Applied
+from broker.core.effects import Effect as Effect
+from broker.core.effects import TaskFinal as TaskFinal
+from broker.core.effects import TreeEnded as TreeEnded
 from broker.core.entries import SHA256_RE
 from broker.core.records import _MASK64
 from broker.core.records import FINAL_STATES as FINAL_STATES
@@ -129,13 +133,9 @@ class StateMachine:
         self.tree_live: dict[int, set[int]] = {}
         self._timers: list[tuple[int, int, int]] = []  # (due_ms, kind, id)
         self.entries_applied = 0
-        # Effects for the node's listeners, drained after each apply; not state.
-        # Collected only when someone drains them (the node sets this).
-        self.collect_effects = False
-        self.became_final: list[int] = []
-        self.stop_running: list[StopRunning] = []
-        # Roots whose tree completed or failed for good (no replay left).
-        self.trees_ended: list[int] = []
+        # The effects of the entry being applied, returned by apply (broker.core.effects);
+        # not state.
+        self._effects: list[Effect] = []
         self._handlers: dict[type[Any], Callable[[Any], ApplyResult]] = {
             e.SubmitTasks: self._submit,
             e.CancelTask: self._cancel,
@@ -157,10 +157,15 @@ class StateMachine:
 
     # --- entry point ---------------------------------------------------------
 
-    def apply(self, entry: e.Entry) -> ApplyResult:
+    def apply(self, entry: e.Entry) -> Applied:
+        """Apply one entry: its result and, as values, its effects (in order)."""
+        effects: list[Effect] = []
+        self._effects = effects
         self._advance_clock(entry.time_ms)
         self.entries_applied += 1
-        return self._handlers[type(entry)](entry)
+        result = self._handlers[type(entry)](entry)
+        self._effects = []
+        return Applied(result, tuple(effects))
 
     # --- time ----------------------------------------------------------------
 
@@ -326,8 +331,7 @@ class StateMachine:
         if new in FINAL_STATES:
             if task.slot is not None and self.slots.get((task.tenant, task.slot)) == task.id:
                 del self.slots[(task.tenant, task.slot)]
-            if self.collect_effects:
-                self.became_final.append(task.id)
+            self._effects.append(TaskFinal(task.id, new))
             task.finished_ms = self.now_ms
             self._push_timer(
                 self.now_ms + self.config.finished_task_retention_ms, _Timer.PURGE, task.id
@@ -490,8 +494,8 @@ class StateMachine:
         return TaskRef(task.id, task.state)
 
     def _stop_if_running(self, task: Task, reason: str) -> None:
-        if self.collect_effects and task.state == TaskState.RUNNING and task.worker is not None:
-            self.stop_running.append(StopRunning(task.worker, task.id, task.attempt, reason))
+        if task.state == TaskState.RUNNING and task.worker is not None:
+            self._effects.append(StopRunning(task.worker, task.id, task.attempt, reason))
 
     def _begin(self, entry: e.BeginTransaction) -> TransactionRef | Rejected:
         if entry.transaction_id <= self.max_transaction_id:
@@ -864,8 +868,7 @@ class StateMachine:
         tree.ended_ms = self.now_ms
         if state == TreeState.COMPLETED:
             tree.reason = None
-        if self.collect_effects:
-            self.trees_ended.append(tree.root)
+        self._effects.append(TreeEnded(tree.root))
         root = self.tasks[tree.root]
         if root.finished_ms is not None and root.state in FINAL_STATES:
             # Its purge was held back while the tree was pending.
@@ -954,23 +957,9 @@ class StateMachine:
                 task = tasks[task_id]
                 self.waiting.setdefault(task.tenant, {})[task_id] = None
 
-    def drain_tree_effects(self) -> list[int]:
-        """Roots whose tree completed or failed for good since the last drain."""
-        ended = self.trees_ended
-        if ended:
-            self.trees_ended = []
-        return ended
-
     def tree(self, task_id: int) -> TreeRecord | None:
         """The tree record of a tracked root (None for other tasks)."""
         return self.trees.get(task_id)
-
-    def drain_effects(self) -> tuple[list[int], list[StopRunning]]:
-        """Tasks that became final and running tasks to stop since the last drain."""
-        final, stops = self.became_final, self.stop_running
-        if final or stops:
-            self.became_final, self.stop_running = [], []
-        return final, stops
 
     # --- queries (read-only) ---------------------------------------------------------
 

@@ -43,7 +43,8 @@ from typing import Final
 import msgspec
 
 from broker.core import entries as e
-from broker.core.state import ApplyResult, StateMachine, StopRunning
+from broker.core.effects import Applied
+from broker.core.state import ApplyResult, StateMachine
 from broker.observability.metrics import BrokerMetrics
 from broker.observability.task_log import log_applied
 from log.api import (
@@ -132,9 +133,9 @@ class Stamp:
         return ident
 
 
-ApplyListener = Callable[[e.Entry, ApplyResult, list[int], list[StopRunning]], None]
-"""Called after each entry the leader applies: (entry, result, tasks that became
-final, running tasks to stop). Must not block; runs on the event loop."""
+ApplyListener = Callable[[e.Entry, Applied], None]
+"""Called after each entry the leader applies: (entry, its result and effects as values,
+broker.core.effects). Must not block; runs on the event loop."""
 
 
 @dataclass(slots=True)
@@ -226,7 +227,6 @@ class Node:
     async def boot(self) -> None:
         """Load the newest usable local snapshot and start the periodic snapshots."""
         await self.load_snapshot()
-        self.state.collect_effects = True
         self._entries_at_snapshot = self.state.entries_applied
         self._background = [
             asyncio.create_task(self._snapshot_loop(), name="steward-snapshots"),
@@ -326,8 +326,6 @@ class Node:
             with contextlib.suppress(LedgerError, TimeoutError):
                 async with asyncio.timeout(5):
                     await writer.close()
-        self.state.drain_effects()
-        self.state.drain_tree_effects()
         gate, self._gate = self._gate, None
         if gate is not None:
             gate.set()
@@ -366,9 +364,7 @@ class Node:
         header, state = loaded
         if (header.ledger_id, header.entry_id) <= self.position:
             return False  # not newer than what we have
-        collect = self.state.collect_effects
         self.state = state
-        self.state.collect_effects = collect
         self.position = (header.ledger_id, header.entry_id)
         self._snapshot_position = self.position
         self._entries_at_snapshot = self.state.entries_applied
@@ -444,20 +440,17 @@ class Node:
         if isinstance(record, e.Confirm):
             self.position = position
             return
-        result = self.state.apply(record)
+        applied = self.state.apply(record)
         self.position = position
-        final, stops = self.state.drain_effects()
-        self._notify(record, result, final, stops)
+        self._notify(record, applied)
 
-    def _notify(
-        self, entry: e.Entry, result: ApplyResult, final: list[int], stops: list[StopRunning]
-    ) -> None:
+    def _notify(self, entry: e.Entry, applied: Applied) -> None:
         for listener in self.listeners:
             try:
-                listener(entry, result, final, stops)
+                listener(entry, applied)
             except Exception:
                 logger.exception("apply listener failed")
-        ended = self.state.drain_tree_effects()
+        ended = applied.trees_ended
         if ended:
             for tree_listener in self.tree_listeners:
                 try:
@@ -690,14 +683,13 @@ class Node:
                 if not item.answer.done():
                     item.answer.set_result(None)
                 continue
-            result = self.state.apply(entry)
+            applied = self.state.apply(entry)
             self.position = self._last_real_position = position
-            final, stops = self.state.drain_effects()
-            self.metrics.observe_applied(entry, result, final, self.state)
-            log_applied(entry, result, final, self.state.trees_ended, self.state)
-            self._notify(entry, result, final, stops)
+            self.metrics.observe_applied(entry, applied, self.state)
+            log_applied(entry, applied, self.state)
+            self._notify(entry, applied)
             if not item.answer.done():
-                item.answer.set_result(_detached(result))
+                item.answer.set_result(_detached(applied.result))
         self._maybe_roll()
 
     async def _confirm_loop(self) -> None:
