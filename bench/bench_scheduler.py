@@ -65,7 +65,7 @@ class Driver:
 
     def apply(self, entry: e.Entry) -> object:
         self.now += 1
-        return self.m.apply(entry)
+        return self.m.apply(entry).result
 
     def setup_cluster(self, workers: int, slots: int) -> None:
         for i in range(workers):

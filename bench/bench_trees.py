@@ -124,7 +124,7 @@ class Driver:
 
     def apply(self, entry: e.Entry) -> Any:
         # As a node applies it: decoded from the log (strings are not shared with others).
-        return self.m.apply(e.decode_entry(e.encode_entry(entry)))
+        return self.m.apply(e.decode_entry(e.encode_entry(entry))).result
 
     def next_id(self) -> int:
         self.last_id = max(self.last_id, self.m.max_task_id) + 1

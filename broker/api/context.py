@@ -13,6 +13,7 @@ from broker.api.common import ApiConfig, ClusterView, HttpError, Request
 from broker.api.output_store import OutputStore
 from broker.artifacts.code_store import CodeStore, UploadChecker
 from broker.core import entries as e
+from broker.core.effects import Applied
 from broker.observability import dashboard
 from broker.replication.node import Node
 from broker.security.auth import Role as CallerRole
@@ -45,12 +46,10 @@ class TaskWaiters:
                 if not mine:
                     del waiters[task_id]
 
-    def _on_applied(
-        self, entry: e.Entry, result: object, became_final: list[int], stops: object
-    ) -> None:
+    def _on_applied(self, entry: e.Entry, applied: Applied) -> None:
         if not self.tasks:
             return
-        for task_id in became_final:
+        for task_id in applied.final_ids:
             for waiter in self.tasks.pop(task_id, ()):
                 if not waiter.done():
                     waiter.set_result(None)

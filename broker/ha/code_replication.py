@@ -65,7 +65,7 @@ from kazoo.protocol.states import KazooState  # type: ignore[import-untyped]
 
 from broker.artifacts.code_store import SHA256_RE, CodeStore
 from broker.core import entries as e
-from broker.core.state import ApplyResult, Artifact, Rejected
+from broker.core.state import Applied, Artifact, Rejected
 from broker.replication.node import BrokerUnavailableError, Node
 from broker.security.auth import bearer_headers
 from log.zk_list import KazooTimeoutError, cluster_path, kazoo_result
@@ -483,7 +483,8 @@ class ReplicationMonitor:
 
     # -- events (all on the loop) -----------------------------------------------------------
 
-    def _on_applied(self, entry: e.Entry, result: ApplyResult, *_: object) -> None:
+    def _on_applied(self, entry: e.Entry, applied: Applied) -> None:
+        result = applied.result
         if isinstance(entry, e.AddCode) and isinstance(result, Artifact) and not result.ready:
             self._track(result)
         elif isinstance(entry, e.CodeReady | e.AddCode) and isinstance(result, Artifact):

@@ -47,7 +47,7 @@ from prometheus_client.registry import Collector
 from broker.core import entries as e
 from broker.core.state import (
     QUEUED_STATES,
-    ApplyResult,
+    Applied,
     Rejected,
     TaskRef,
     TaskState,
@@ -238,10 +238,9 @@ class BrokerMetrics:
 
     # --- leader write path -----------------------------------------------------------
 
-    def observe_applied(
-        self, entry: e.Entry, result: ApplyResult, final: list[int], state: StateMachine
-    ) -> None:
+    def observe_applied(self, entry: e.Entry, applied: Applied, state: StateMachine) -> None:
         """Count what a durable entry did; called by the leader right after apply."""
+        result = applied.result
         if isinstance(entry, e.SubmitTasks):
             # type() is: a ReplayedResults (an idempotent retry) created nothing.
             if type(result) is list:
@@ -268,6 +267,7 @@ class BrokerMetrics:
                     task = tasks.get(report.task_id)
                     if task is not None:
                         self.attempt_failures.inc(task.tenant, task.type)
+        final = applied.final_ids
         if final:
             self._count_final(final, state)
 

@@ -15,7 +15,7 @@ import logging
 from typing import Final
 
 from broker.core import entries as e
-from broker.core.state import ApplyResult, Rejected, StateMachine, TaskRef, TaskState
+from broker.core.state import Applied, Rejected, StateMachine, TaskRef, TaskState
 from broker.observability.logs import task_fields
 
 logger: Final = logging.getLogger("steward.tasks")
@@ -30,14 +30,13 @@ def _first_line(text: str | None) -> str:
 
 def log_applied(
     entry: e.Entry,
-    result: ApplyResult,
-    final: list[int],
-    ended_trees: list[int],
+    applied: Applied,
     state: StateMachine,
 ) -> None:
     """Log the task events of one applied entry (leader only)."""
     if not logger.isEnabledFor(logging.INFO):
         return
+    result = applied.result
     debug = logger.isEnabledFor(logging.DEBUG)
     tasks = state.tasks
     kind = type(entry)
@@ -109,7 +108,7 @@ def log_applied(
             result.message,
             extra=task_fields(entry.task_id, task.tenant if task is not None else ""),
         )
-    for task_id in final:
+    for task_id in applied.final_ids:
         task = tasks.get(task_id)
         # Finished tasks were logged (at DEBUG) with their report above.
         if task is None or task.state == TaskState.FINISHED:
@@ -125,7 +124,7 @@ def log_applied(
             )
         elif task.state == TaskState.CANCELLED:
             logger.info("task %d cancelled: %s", task_id, _first_line(task.error), extra=fields)
-    for root in ended_trees:
+    for root in applied.trees_ended:
         tree = state.trees.get(root)
         if tree is None:
             continue

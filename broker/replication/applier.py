@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from broker.core import entries as e
-from broker.core.state import ApplyResult, StateMachine, StopRunning
+from broker.core.effects import Applied
+from broker.core.state import ApplyResult
 from broker.observability.task_log import log_applied
 from broker.replication.common import logger
 from log.api import LedgerEntry
@@ -24,31 +25,15 @@ class Applier:
         self._node = node
         self.last_logged_time_ms = 0  # leader's stamp of the last entry read from the log
 
-    def start_collecting(self) -> None:
-        """From boot on, apply collects its effects for the listeners."""
-        self._node.state.collect_effects = True
-
-    def adopt(self, state: StateMachine) -> None:
-        """Replace the node's state (a loaded snapshot), collecting effects as before."""
-        collect = self._node.state.collect_effects
-        self._node.state = state
-        self._node.state.collect_effects = collect
-
-    def discard_effects(self) -> None:
-        """A leader stepping down: nobody will hear of what was collected."""
-        self._node.state.drain_effects()
-        self._node.state.drain_tree_effects()
-
     def apply_written(self, entry: e.Entry, position: tuple[int, int]) -> ApplyResult:
         """Apply one entry this leader wrote, now durable (and confirmed)."""
         node = self._node
-        result = node.state.apply(entry)
+        applied = node.state.apply(entry)
         node.position = position
-        final, stops = node.state.drain_effects()
-        node.metrics.observe_applied(entry, result, final, node.state)
-        log_applied(entry, result, final, node.state.trees_ended, node.state)
-        self._notify(entry, result, final, stops)
-        return result
+        node.metrics.observe_applied(entry, applied, node.state)
+        log_applied(entry, applied, node.state)
+        self._notify(entry, applied)
+        return applied.result
 
     def apply_logged(self, ledger_entry: LedgerEntry) -> None:
         """Apply one entry read from the log (replay, follower)."""
@@ -59,21 +44,18 @@ class Applier:
         if isinstance(record, e.Confirm):
             node.position = position
             return
-        result = node.state.apply(record)
+        applied = node.state.apply(record)
         node.position = position
-        final, stops = node.state.drain_effects()
-        self._notify(record, result, final, stops)
+        self._notify(record, applied)
 
-    def _notify(
-        self, entry: e.Entry, result: ApplyResult, final: list[int], stops: list[StopRunning]
-    ) -> None:
+    def _notify(self, entry: e.Entry, applied: Applied) -> None:
         node = self._node
         for listener in node.listeners:
             try:
-                listener(entry, result, final, stops)
+                listener(entry, applied)
             except Exception:
                 logger.exception("apply listener failed")
-        ended = node.state.drain_tree_effects()
+        ended = applied.trees_ended
         if ended:
             for tree_listener in node.tree_listeners:
                 try:

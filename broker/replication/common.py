@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Final
 
 from broker.core import entries as e
-from broker.core.state import ApplyResult, StopRunning
+from broker.core.effects import Applied
 from log.api import LedgerList, LedgerState
 
 # One logger for all of the node's parts (operators and tests filter on this name).
@@ -77,9 +77,9 @@ class NodeStats:
     last_snapshot_ms: int | None = None
 
 
-ApplyListener = Callable[[e.Entry, ApplyResult, list[int], list[StopRunning]], None]
-"""Called after each entry the leader applies: (entry, result, tasks that became
-final, running tasks to stop). Must not block; runs on the event loop."""
+ApplyListener = Callable[[e.Entry, Applied], None]
+"""Called after each entry the leader applies: (entry, its result and effects as values,
+broker.core.effects). Must not block; runs on the event loop."""
 
 
 async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:

@@ -177,7 +177,6 @@ class Leader:
             with contextlib.suppress(LedgerError, TimeoutError):
                 async with asyncio.timeout(5):
                     await writer.close()
-        self._node.applier.discard_effects()
         gate, self.gate = self.gate, None
         if gate is not None:
             gate.set()

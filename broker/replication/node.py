@@ -151,7 +151,6 @@ class Node:
     async def boot(self) -> None:
         """Load the newest usable local snapshot and start the periodic snapshots."""
         await self.load_snapshot()
-        self.applier.start_collecting()
         self.local_snapshots.entries_at_snapshot = self.state.entries_applied
         self._background = [
             asyncio.create_task(self.local_snapshots.loop(), name="steward-snapshots"),

@@ -33,7 +33,7 @@ class Snapshots:
         header, state = loaded
         if (header.ledger_id, header.entry_id) <= node.position:
             return False  # not newer than what we have
-        node.applier.adopt(state)
+        node.state = state
         node.position = (header.ledger_id, header.entry_id)
         self.position = node.position
         self.entries_at_snapshot = node.state.entries_applied

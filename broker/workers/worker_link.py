@@ -29,10 +29,9 @@ from broker.core import entries as e
 from broker.core.scheduler import schedule
 from broker.core.state import (
     NAME_RE,
-    ApplyResult,
+    Applied,
     ErrorCode,
     Rejected,
-    StopRunning,
     TaskRef,
     TaskState,
     WorkerReconciled,
@@ -213,20 +212,15 @@ class WorkerLink:
 
     # --- after each applied entry -------------------------------------------------------
 
-    def _on_applied(
-        self,
-        entry: e.Entry,
-        result: ApplyResult,
-        became_final: list[int],
-        stops: list[StopRunning],
-    ) -> None:
+    def _on_applied(self, entry: e.Entry, applied: Applied) -> None:
+        result = applied.result
         if not isinstance(entry, e.AssignTasks):
             # Anything else may have freed capacity or queued work.
             self._dirty.set()
         # One Cancel per (worker, reason): an entry may stop tasks for different reasons
         # (a cancel whose clock advance also fires deadlines).
         by_worker: dict[tuple[str, str], list[p.TaskAttempt]] = defaultdict(list)
-        for stop in stops:
+        for stop in applied.stops:
             by_worker[stop.worker_id, stop.reason].append(p.TaskAttempt(stop.task_id, stop.attempt))
         for (worker_id, reason), attempts in by_worker.items():
             session = self.sessions.get(worker_id)

@@ -24,7 +24,7 @@ from kazoo.client import KazooClient  # type: ignore[import-untyped]
 from broker.api.http_api import ApiApp, ApiConfig
 from broker.artifacts.code_store import CodeStore
 from broker.core import entries as e
-from broker.core.state import ApplyResult, Artifact, TaskRef
+from broker.core.state import Applied, Artifact, TaskRef
 from broker.ha.code_replication import CodeReplicator, ReplicationMonitor, replica_path
 from broker.replication.node import Node, NodeConfig
 from clients.dev.zk import ZooKeeperServer
@@ -142,7 +142,7 @@ async def cluster(zookeeper: ZooKeeperServer, tmp_path: Path) -> AsyncIterator[C
     await node.start()
     made = Cluster(f"code-{uuid.uuid4().hex[:8]}", node, zookeeper.connect_string)
 
-    def timing(entry: e.Entry, result: ApplyResult, *_: object) -> None:
+    def timing(entry: e.Entry, applied: Applied) -> None:
         if isinstance(entry, e.AddCode) and not entry.ready:
             made.applied_at.setdefault(f"add:{entry.sha256}", time.monotonic())
         elif isinstance(entry, e.CodeReady):

@@ -60,7 +60,7 @@ import pytest
 from test_simulation import EntryGenerator
 
 from broker.core import entries as e
-from broker.core.state import ApplyResult, Rejected, StateMachine, Task, TaskRef, Tenant
+from broker.core.state import Applied, ApplyResult, Rejected, StateMachine, Task, TaskRef, Tenant
 from broker.replication.node import (
     BrokerUnavailableError,
     HistoryGapError,
@@ -371,7 +371,7 @@ class Simulation:
             fail("; ".join(self.violations[:5]))
 
     def _on_apply(
-        self, replica: Replica, node: Node, entry: e.Entry, _result: ApplyResult, *_: object
+        self, replica: Replica, node: Node, entry: e.Entry, _applied: Applied, *_: object
     ) -> None:
         if replica.node is not node:
             self.violation(f"a killed incarnation of {replica.name} applied {entry!r}"[:300])
@@ -983,7 +983,7 @@ class Simulation:
             self.ref_log.append((position, data))
             if isinstance(record, e.Confirm):
                 continue
-            result = self.reference.apply(record)
+            result = self.reference.apply(record).result
             self.ref_results[position] = (type(result).__name__, _encode_result(result))
             self.positions_by_data.setdefault(data, []).append(position)
 

@@ -1582,7 +1582,7 @@ class Checker:
     # --- effects for the node's listeners ----------------------------------------------------
 
     def check_effects(self, entry: e.Entry, final: list[int], stops: list[StopRunning]) -> None:
-        """A replica's drained effects against this entry's transitions."""
+        """A replica's effects (returned by apply) against this entry's transitions."""
         now = self.m.now_ms
         expected_final: list[int] = []
         expected_stops: list[StopRunning] = []
@@ -1746,7 +1746,6 @@ def run_simulation(seed: int, entries: int = DEFAULT_ENTRIES) -> Counter[str]:
     """Run one seed; raise SimulationFailure (naming the entry) on any discrepancy."""
     primary = TracedMachine()
     follower = StateMachine()
-    follower.collect_effects = True
     leader = StateMachine()
     checker = Checker(primary)
     generator = EntryGenerator(seed, primary)
@@ -1778,14 +1777,17 @@ def run_simulation(seed: int, entries: int = DEFAULT_ENTRIES) -> Counter[str]:
             entry, expect = generator.next()
             data = e.encode_entry(entry)
             pre = checker.before(entry)
-            result = primary.apply(e.decode_entry(data))
+            result = primary.apply(e.decode_entry(data)).result
             encoded_result = _encode_result(result)
             checker.after(entry, result, expect, pre)
             if primary.now_ms != generator.now_ms:
                 fail(f"clock is {primary.now_ms}, the generator expected {generator.now_ms}")
             for replica in replicas:
                 source = entry if replica.machine is leader else e.decode_entry(data)
-                replica_result = replica.machine.apply(source)
+                replica_applied = replica.machine.apply(source)
+                if replica.machine is follower:
+                    follower_applied = replica_applied
+                replica_result = replica_applied.result
                 other = _encode_result(replica_result)
                 # A replay must be one on every replica (snapshot-loaded ones too).
                 same_kind = isinstance(replica_result, ReplayedResults) == isinstance(
@@ -1796,7 +1798,7 @@ def run_simulation(seed: int, entries: int = DEFAULT_ENTRIES) -> Counter[str]:
                         f"replica {replica.name} returned {msgspec.msgpack.decode(other)!r}, "
                         f"primary {result!r}"
                     )
-            checker.check_effects(entry, *follower.drain_effects())
+            checker.check_effects(entry, follower_applied.final_ids, follower_applied.stops)
             config = isinstance(entry, e.SetConfig)
             if index % INVARIANTS_EVERY == 0 or config:
                 primary.check_invariants()

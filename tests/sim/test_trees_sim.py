@@ -56,6 +56,7 @@ from test_simulation import EntryGenerator, Expect
 from broker.core import entries as e
 from broker.core.state import (
     MAX_TREE_TIMEOUT_MS,
+    Applied,
     ApplyResult,
     Rejected,
     StateMachine,
@@ -618,11 +619,6 @@ def _encode_result(result: ApplyResult) -> bytes:
     return msgspec.msgpack.encode(result)
 
 
-def _drained(machine: StateMachine) -> list[int]:
-    machine.drain_effects()
-    return machine.drain_tree_effects()
-
-
 def run_standalone(
     seed: int,
     workload: Workload,
@@ -636,7 +632,6 @@ def run_standalone(
     every root was submitted and its tree ended); on any discrepancy raise naming the seed."""
     side = random.Random(seed ^ 0x7EE5)  # the harness's choices, not the stream's
     machine = StateMachine()
-    machine.collect_effects = True
     twin: StateMachine | None = None
     oracle = TreeOracle()
     # Digests encode the whole state: rarer for big states.
@@ -646,14 +641,15 @@ def run_standalone(
     try:
         for index in range(entries):
             entry = e.decode_entry(e.encode_entry(workload.next_entry(machine, machine.now_ms)))
-            result = machine.apply(entry)
-            ended = _drained(machine)
+            applied = machine.apply(entry)
+            result, ended = applied.result, applied.trees_ended
             oracle.observe(machine, entry, result, ended)
             if twin is not None:
-                twin_result = twin.apply(entry)
+                twin_applied = twin.apply(entry)
+                twin_result = twin_applied.result
                 if _encode_result(twin_result) != _encode_result(result):
                     fail(f"the pre-snapshot machine answered {twin_result!r}, not {result!r}")
-                if _drained(twin) != ended:
+                if twin_applied.trees_ended != ended:
                     fail("the pre-snapshot machine ended other trees")
                 if index % digest_every == 0:
                     if twin.digest() != machine.digest():
@@ -669,7 +665,6 @@ def run_standalone(
                     fail("the restored machine's digest differs from the original's")
                 data = machine.encode_snapshot()
                 restored = StateMachine.from_snapshot(data)
-                restored.collect_effects = True
                 restored.check_invariants()
                 if restored.digest() != machine.digest():
                     fail("a restored snapshot's digest differs from the state it was taken of")
@@ -858,14 +853,12 @@ class OracleReference(ReferenceMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.collect_effects = True
         self.oracle = TreeOracle()
 
-    def apply(self, entry: e.Entry) -> ApplyResult:
-        result = super().apply(entry)
-        self.drain_effects()
-        self.oracle.observe(self, entry, result, self.drain_tree_effects())
-        return result
+    def apply(self, entry: e.Entry) -> Applied:
+        applied = super().apply(entry)
+        self.oracle.observe(self, entry, applied.result, applied.trees_ended)
+        return applied
 
 
 class TreeSimulation(Simulation):

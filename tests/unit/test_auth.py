@@ -524,7 +524,7 @@ def test_tokens_are_replicated_state_in_the_snapshot_and_digest() -> None:
         e.CreateToken(
             time_ms=1000, token_id="ab12", name="n", tenant="alice", sha256=hash_token("s")
         )
-    )
+    ).result
     assert not hasattr(created, "code")  # not Rejected
     assert machine.digest() != empty_digest
     restored = StateMachine.from_snapshot(machine.encode_snapshot())
@@ -536,7 +536,7 @@ def test_tokens_are_replicated_state_in_the_snapshot_and_digest() -> None:
         e.CreateToken(time_ms=1001, token_id="ab12", name="n", tenant="a", sha256="1" * 64),
         e.CreateToken(time_ms=1001, token_id="cd34", name="n", tenant="a", sha256=hash_token("s")),
     ):
-        refused = machine.apply(duplicate)
+        refused = machine.apply(duplicate).result
         assert getattr(refused, "code", None) is not None
     machine.apply(e.RevokeToken(time_ms=1002, token_id="ab12"))
     machine.check_invariants()
@@ -560,7 +560,7 @@ def test_tokens_are_replicated_state_in_the_snapshot_and_digest() -> None:
 def test_apply_refuses_invalid_token_entries(entry: e.Entry) -> None:
     machine = StateMachine()
     before = machine.digest()
-    result = machine.apply(entry)  # time 0: the clock does not move either
+    result = machine.apply(entry).result  # time 0: the clock does not move either
     assert getattr(result, "code", None) is not None
     assert machine.digest() == before
 

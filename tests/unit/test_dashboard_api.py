@@ -20,7 +20,7 @@ import pytest
 from broker.api import api_models as m
 from broker.api.http_api import ApiApp, ApiConfig, ClusterView
 from broker.core import entries as e
-from broker.core.state import TaskRef
+from broker.core.state import Applied, TaskRef
 from broker.observability.dashboard import ThroughputRecorder
 from broker.replication.node import Node, Stamp
 from clients.dev.local_server import free_port
@@ -245,10 +245,10 @@ async def test_throughput_ignores_entries_older_than_its_window(
     ref = [TaskRef(id=1, state="waiting")]
     spec = e.TaskSpec(id=1, type="noop", tenant="default")
     # As at boot, replaying an hour-old entry: outside the 5 minutes shown.
-    recorder.on_applied(e.SubmitTasks(time_ms=now_ms - 3_600_000, tasks=(spec,)), ref, [], [])
+    recorder.on_applied(e.SubmitTasks(time_ms=now_ms - 3_600_000, tasks=(spec,)), Applied(ref))
     assert sum(recorder.series()[1]["submitted"]) == 0
-    recorder.on_applied(e.SubmitTasks(time_ms=now_ms - 60_000, tasks=(spec,)), ref, [], [])
-    recorder.on_applied(e.SubmitTasks(time_ms=now_ms, tasks=(spec,)), ref, [], [])
+    recorder.on_applied(e.SubmitTasks(time_ms=now_ms - 60_000, tasks=(spec,)), Applied(ref))
+    recorder.on_applied(e.SubmitTasks(time_ms=now_ms, tasks=(spec,)), Applied(ref))
     end_ms, series = recorder.series()
     assert sum(series["submitted"]) == 2
     # A minute ago is 12 buckets of 5 s before the newest one.

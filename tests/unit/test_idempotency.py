@@ -39,7 +39,7 @@ class Machine:
         entry = e.SubmitTasks(time_ms=self.now, tasks=specs, idempotency_key=key)
         # Followers apply the decoded entry: the key must survive the log.
         assert e.decode_entry(e.encode_entry(entry)) == entry
-        result = self.m.apply(entry)
+        result = self.m.apply(entry).result
         self.m.check_invariants()
         assert isinstance(result, list)
         return result

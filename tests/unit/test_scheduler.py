@@ -31,7 +31,7 @@ class Cluster:
 
     def apply(self, entry: e.Entry) -> Any:
         self.now += 1
-        result = self.m.apply(entry)
+        result = self.m.apply(entry).result
         if self.check_invariants:
             self.m.check_invariants()
         return result

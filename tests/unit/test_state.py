@@ -17,6 +17,7 @@ from broker.core import entries as e
 from broker.core.state import (
     ApplyResult,
     Artifact,
+    Effect,
     ErrorCode,
     Rejected,
     StateMachine,
@@ -41,11 +42,13 @@ class Machine:
         self.now = max(T0, self.m.now_ms)
         self.next_id = self.m.max_task_id
         self.next_txn = self.m.max_transaction_id
+        self.effects: list[Effect] = []  # every effect apply returned, in order
 
     def apply(self, entry: e.Entry) -> ApplyResult:
-        result = self.m.apply(entry)
+        applied = self.m.apply(entry)
+        self.effects.extend(applied.effects)
         self.m.check_invariants()
-        return result
+        return applied.result
 
     def at(self, advance_ms: int = 0) -> int:
         self.now += advance_ms
@@ -882,6 +885,6 @@ def test_names_with_a_final_newline_are_refused(tenant: str, task_type: str) -> 
     spec = e.TaskSpec(id=1, type=task_type, tenant=tenant)
     assert validate_task_spec(spec) is not None
     machine = StateMachine()
-    results = machine.apply(e.SubmitTasks(time_ms=1, tasks=(spec,)))
+    results = machine.apply(e.SubmitTasks(time_ms=1, tasks=(spec,))).result
     assert isinstance(results, list) and isinstance(results[0], Rejected)
     assert machine.tasks == {}

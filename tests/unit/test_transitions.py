@@ -17,7 +17,7 @@ from typing import Final
 import pytest
 
 from broker.core import entries as e
-from broker.core.state import ApplyResult, StateMachine, Task, TaskState
+from broker.core.state import Applied, StateMachine, Task, TaskState
 from broker.core.transitions import EDGES, TRANSITIONS, check_move
 from tests.unit.test_trees import Trees
 
@@ -34,7 +34,7 @@ class Recorder(StateMachine):
         self.entry: type[e.Entry] | None = None
         self.moves: list[tuple[Move, type[e.Entry] | None]] = []
 
-    def apply(self, entry: e.Entry) -> ApplyResult:
+    def apply(self, entry: e.Entry) -> Applied:
         self.entry = type(entry)
         try:
             return super().apply(entry)

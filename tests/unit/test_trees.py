@@ -14,8 +14,10 @@ from broker.core import entries as e
 from broker.core.state import (
     StateMachine,
     StopRunning,
+    TaskFinal,
     TaskRef,
     TaskState,
+    TreeEnded,
     TreeRecord,
     TreeState,
     tree_value,
@@ -33,8 +35,20 @@ FAILED = TreeState.FAILED.value
 class Trees(Machine):
     def __init__(self, machine: StateMachine | None = None) -> None:
         super().__init__(machine)
-        self.m.collect_effects = True
         self.register("w1")
+
+    def drain_effects(self) -> tuple[list[int], list[StopRunning]]:
+        """Tasks that became final and running tasks stopped, since the last drain."""
+        final = [x.task_id for x in self.effects if isinstance(x, TaskFinal)]
+        stops = [x for x in self.effects if isinstance(x, StopRunning)]
+        self.effects = [x for x in self.effects if isinstance(x, TreeEnded)]
+        return final, stops
+
+    def drain_tree_effects(self) -> list[int]:
+        """Roots whose tree ended for good, since the last drain."""
+        ended = [x.root_id for x in self.effects if isinstance(x, TreeEnded)]
+        self.effects = [x for x in self.effects if not isinstance(x, TreeEnded)]
+        return ended
 
     def root(self, **fields: Any) -> int:
         return self.add(track_tree=True, **fields)
@@ -94,7 +108,7 @@ def test_completes_exactly_when_the_last_task_finishes() -> None:
     assert m.tree(root).state == PENDING  # c still outstanding
     m.done(c)
     assert m.tree(root).state == COMPLETED and m.tree(root).ack_val == 0
-    assert m.m.drain_tree_effects() == [root]
+    assert m.drain_tree_effects() == [root]
     assert m.m.tasks[c].root == root and m.m.tasks[c].parent == a
 
 
@@ -150,19 +164,19 @@ def test_failure_fails_at_once_and_replays() -> None:
     m.fail(a)  # a has max_attempts 1: in error for good
     assert m.state(a) == TaskState.ERROR.value
     assert m.state(b) == CANCELLED  # outstanding tasks cancelled, the running one stopped
-    _, stops = m.m.drain_effects()
+    _, stops = m.drain_effects()
     assert [s.task_id for s in stops] == [b] and isinstance(stops[0], StopRunning)
     tree = m.tree(root)
     assert tree.state == PENDING and tree.attempt == 2 and tree.reason == f"task {a} ended in error"
     assert tree.ack_val == tree_value(root)
     assert m.state(root) == WAITING and m.m.tasks[root].result is None
-    assert m.m.drain_tree_effects() == []  # not over: replayed
+    assert m.drain_tree_effects() == []  # not over: replayed
     # The replayed run completes on its own.
     (c,) = m.done(root, m.child(root))
     assert m.m.tasks[root].attempt == 2
     m.done(c)
     assert m.tree(root).state == COMPLETED and m.tree(root).reason is None
-    assert m.m.drain_tree_effects() == [root]
+    assert m.drain_tree_effects() == [root]
 
 
 def test_failure_without_attempts_left_fails_for_good() -> None:
@@ -175,7 +189,7 @@ def test_failure_without_attempts_left_fails_for_good() -> None:
     tree = m.tree(root)
     assert tree.state == FAILED and tree.reason == f"task {a} was cancelled"
     assert m.state(root) == FINISHED
-    assert m.m.drain_tree_effects() == [root]
+    assert m.drain_tree_effects() == [root]
 
 
 def test_timeout_fails_and_replays() -> None:
@@ -196,7 +210,7 @@ def test_timeout_fails_and_replays() -> None:
     assert tree.deadline_ms == m.now + 1_000
     m.tick(1_000)  # the second run times out too, with the root running: no attempt left
     assert m.tree(root).state == FAILED and m.state(root) == CANCELLED
-    _, stops = m.m.drain_effects()
+    _, stops = m.drain_effects()
     assert [(s.task_id, s.attempt) for s in stops] == [(a, 1), (root, 2)]
 
 

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import pytest
 
 from broker.core import entries as e
-from broker.core.state import ApplyResult, StopRunning, Task, TaskRef, TaskState, WorkerState
+from broker.core.state import Applied, ApplyResult, Task, TaskRef, TaskState, WorkerState
 from broker.replication.node import Node, NodeConfig, Stamp, wall_clock_ms
 from broker.workers import protocol as p
 from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
@@ -155,10 +155,8 @@ async def make_broker(tmp_path: Path) -> AsyncIterator[BrokerFactory]:
         link = WorkerLink(node, WorkerLinkConfig(**settings))
         broker = Broker(node, link, clock)
 
-        def record(
-            entry: e.Entry, result: ApplyResult, final: list[int], stops: list[StopRunning]
-        ) -> None:
-            broker.applied.append((entry, result))
+        def record(entry: e.Entry, applied: Applied) -> None:
+            broker.applied.append((entry, applied.result))
 
         node.listeners.append(record)
         await link.start()

@@ -19,7 +19,7 @@ import msgspec
 
 from broker.api import api_models as m
 from broker.core import entries as e
-from broker.core.state import ApplyResult, StopRunning, TaskRef, TaskState
+from broker.core.state import Applied, TaskRef, TaskState
 from broker.replication.node import Node
 from broker.security.tls import peer_ssl_context
 
@@ -73,13 +73,9 @@ class ThroughputRecorder:
     def _window_start_ms(self, now_ms: int) -> int:
         return (now_ms // self.bucket_ms - self.buckets + 1) * self.bucket_ms
 
-    def on_applied(
-        self,
-        entry: e.Entry,
-        result: ApplyResult,
-        became_final: list[int],
-        stops: list[StopRunning],
-    ) -> None:
+    def on_applied(self, entry: e.Entry, applied: Applied) -> None:
+        result = applied.result
+        became_final = applied.final_ids
         submitted = 0
         # A replayed submission (a ReplayedResults: same idempotency key) created nothing.
         if isinstance(entry, e.SubmitTasks) and type(result) is list:

@@ -1,0 +1,59 @@
+"""What an applied entry did, as values: ``StateMachine.apply`` returns an ``Applied``.
+
+``Applied.result`` answers the proposer; ``Applied.effects`` lists, in the order they
+happened, the events other parts of the broker react to (docs/DESIGN.md §1): a task
+reaching a final state, a running task the broker ended (its worker must be told), a task
+tree ending for good. They are computed the same way on the leader, every follower and
+replay; each consumer decides whether to use them. They are not state: snapshots and
+``digest()`` never see them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from broker.core.records import ApplyResult, StopRunning
+from broker.core.transitions import TaskState
+
+
+@dataclass(frozen=True, slots=True)
+class TaskFinal:
+    """A task reached a final state (finished, error or cancelled)."""
+
+    task_id: int
+    state: TaskState
+
+
+@dataclass(frozen=True, slots=True)
+class TreeEnded:
+    """A tracked task tree completed or failed for good (no replay left)."""
+
+    root_id: int
+
+
+# StopRunning (a running task was ended by the broker: tell its worker) lives in
+# broker.core.records, where it always was; it is one of the effects.
+Effect = TaskFinal | StopRunning | TreeEnded
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """The outcome of one ``StateMachine.apply``: its result and its effects."""
+
+    result: ApplyResult
+    effects: tuple[Effect, ...] = ()
+
+    @property
+    def final_ids(self) -> list[int]:
+        """Ids of the tasks that became final, in order."""
+        return [effect.task_id for effect in self.effects if type(effect) is TaskFinal]
+
+    @property
+    def stops(self) -> list[StopRunning]:
+        """The running tasks the broker ended, in order."""
+        return [effect for effect in self.effects if type(effect) is StopRunning]
+
+    @property
+    def trees_ended(self) -> list[int]:
+        """Roots of the trees that ended for good, in order."""
+        return [effect.root_id for effect in self.effects if type(effect) is TreeEnded]

@@ -1,0 +1,241 @@
+"""The state machine's shared state and task bookkeeping, under the subject mixins.
+
+``MachineBase`` declares every attribute the subject mixins (tasks, transactions, trees,
+workers, tenants, code artifacts) share, and keeps the derived indexes in step with each
+task: adding, moving (through the transition table only) and deleting a task, its
+queues, slots and timers. ``StateMachine`` (broker/core/state.py) combines the mixins;
+see docs/DESIGN.md §2.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from enum import IntEnum
+
+from broker.core.effects import Effect, TaskFinal
+from broker.core.records import (
+    FINAL_STATES,
+    LIVE_STATES,
+    QUEUED_STATES,
+    ApiToken,
+    Artifact,
+    Config,
+    StopRunning,
+    SubmissionRecord,
+    Task,
+    Tenant,
+    Transaction,
+    TreeRecord,
+    TreeState,
+    Worker,
+)
+from broker.core.transitions import TaskState, check_move
+
+
+class _Timer(IntEnum):
+    # Order in which timers due at the same millisecond fire.
+    TXN_EXPIRE = 0
+    START = 1
+    DEADLINE = 2
+    PURGE = 3
+    TREE_DEADLINE = 4
+
+
+class MachineBase:
+    """Shared state of the state machine and the bookkeeping every subject uses."""
+
+    def __init__(self) -> None:
+        self.now_ms = 0
+        self.max_task_id = 0
+        self.max_transaction_id = 0
+        self.config = Config()
+        self.tasks: dict[int, Task] = {}
+        self.tenants: dict[str, Tenant] = {}
+        self.transactions: dict[int, Transaction] = {}
+        self.workers: dict[str, Worker] = {}
+        self.artifacts: dict[str, Artifact] = {}
+        # Per-tenant FIFO of waiting task ids (a dict used as an ordered set).
+        self.waiting: dict[str, dict[int, None]] = {}
+        # Waiting tasks whose code artifact is not ready, by artifact: kept out of the
+        # queues above so the scheduler never even looks at them (derived, like below).
+        self.parked: dict[str, dict[int, None]] = {}
+        # (scope, idempotency key) -> the first submission's result, oldest first (so
+        # expiry only looks at the front); the scope is the tenant (idempotency_scope).
+        self.idempotency: OrderedDict[tuple[str, str], SubmissionRecord] = OrderedDict()
+        # Tracked trees by root id; a record lives as long as its root task.
+        self.trees: dict[int, TreeRecord] = {}
+        # API tokens by id, and their ids by secret hash (derived).
+        self.tokens: dict[str, ApiToken] = {}
+        self.token_ids_by_hash: dict[str, str] = {}
+        # Derived indexes, rebuilt on snapshot load. Slots by (tenant, slot name).
+        self.slots: dict[tuple[str, str], int] = {}
+        self.by_state: dict[str, set[int]] = {s.value: set() for s in TaskState}
+        self.tenant_counts: dict[str, dict[str, int]] = {}
+        self.running_by_worker: dict[str, set[int]] = {}
+        # Live tasks of each tracked tree (root id -> ids): a failed tree's outstanding
+        # tasks are cancelled without scanning every task.
+        self.tree_live: dict[int, set[int]] = {}
+        self._timers: list[tuple[int, int, int]] = []  # (due_ms, kind, id)
+        self.entries_applied = 0
+        # The effects of the entry being applied, returned by apply (broker.core.effects);
+        # not state.
+        self._effects: list[Effect] = []
+
+    def _push_timer(self, due_ms: int, kind: _Timer, ident: int) -> None:
+        heapq.heappush(self._timers, (due_ms, int(kind), ident))
+
+    def _push_task_timers(self, task: Task) -> None:
+        if task.state == TaskState.DELAYED and task.start_after_ms is not None:
+            self._push_timer(task.start_after_ms, _Timer.START, task.id)
+        if task.state in LIVE_STATES and task.deadline_ms is not None:
+            self._push_timer(task.deadline_ms, _Timer.DEADLINE, task.id)
+        if task.state in FINAL_STATES and task.finished_ms is not None:
+            self._push_timer(self._purge_ms(task), _Timer.PURGE, task.id)
+
+    def _push_tree_timers(self) -> None:
+        for tree in self.trees.values():
+            if tree.state == TreeState.PENDING and tree.deadline_ms is not None:
+                self._push_timer(tree.deadline_ms, _Timer.TREE_DEADLINE, tree.root)
+
+    def _rebuild_timers(self) -> None:
+        self._timers = []
+        for task in self.tasks.values():
+            self._push_task_timers(task)
+        for txn in self.transactions.values():
+            self._push_timer(txn.expires_ms, _Timer.TXN_EXPIRE, txn.id)
+        self._push_tree_timers()
+
+    def _counts(self, tenant: str) -> dict[str, int]:
+        counts = self.tenant_counts.get(tenant)
+        if counts is None:
+            counts = self.tenant_counts[tenant] = {s.value: 0 for s in TaskState}
+        return counts
+
+    def _add_task(self, task: Task) -> None:
+        self.tasks[task.id] = task
+        self.by_state[task.state].add(task.id)
+        self._counts(task.tenant)[task.state] += 1
+        if task.slot is not None and task.state in LIVE_STATES:
+            self.slots[(task.tenant, task.slot)] = task.id
+        if task.state == TaskState.WAITING:
+            self._enqueue(task)
+        elif task.state == TaskState.RUNNING and task.worker is not None:
+            self.running_by_worker.setdefault(task.worker, set()).add(task.id)
+        if task.root is not None and task.state in LIVE_STATES:
+            self.tree_live.setdefault(task.root, set()).add(task.id)
+        self._push_task_timers(task)
+
+    def _code_blocked(self, task: Task) -> bool:
+        """Whether the task's code artifact is not ready (then it may not be scheduled)."""
+        code = task.code
+        if code is None:
+            return False
+        artifact = self.artifacts.get(code)
+        return artifact is not None and not artifact.ready
+
+    def _enqueue(self, task: Task) -> None:
+        """File a task that became waiting: in its tenant's queue, or parked on its code."""
+        if task.code is not None and self._code_blocked(task):
+            self.parked.setdefault(task.code, {})[task.id] = None
+        else:
+            self.waiting.setdefault(task.tenant, {})[task.id] = None
+
+    def _dequeue(self, task: Task) -> None:
+        # Readiness only goes from False to True, and readying releases every parked
+        # task at once: a waiting task is parked exactly while its code is blocked.
+        if task.code is not None and self._code_blocked(task):
+            parked = self.parked[task.code]
+            del parked[task.id]
+            if not parked:
+                del self.parked[task.code]
+        else:
+            del self.waiting[task.tenant][task.id]
+
+    def _purge_ms(self, task: Task) -> int:
+        """When a final task is deleted; a root not before its tree's end + retention."""
+        assert task.finished_ms is not None
+        done_ms = task.finished_ms
+        if task.root == task.id:
+            tree = self.trees.get(task.id)
+            if tree is not None and tree.ended_ms is not None:
+                done_ms = max(done_ms, tree.ended_ms)
+        return done_ms + self.config.finished_task_retention_ms
+
+    def _move(self, task: Task, new: TaskState) -> None:
+        old = task.state
+        if old == new:
+            return
+        check_move(old, new)  # an illegal move is a bug: apply is deterministic
+        self.by_state[old].discard(task.id)
+        self.by_state[new].add(task.id)
+        counts = self._counts(task.tenant)
+        counts[old] -= 1
+        counts[new] += 1
+        if old == TaskState.WAITING:
+            self._dequeue(task)
+        elif old == TaskState.RUNNING and task.worker is not None:
+            self.running_by_worker[task.worker].discard(task.id)
+        elif old == TaskState.PENDING and task.transaction is not None:
+            # Leaving a transaction other than by its commit (which pops it first).
+            txn = self.transactions.get(task.transaction)
+            if txn is not None:
+                txn.task_ids.remove(task.id)
+        if new == TaskState.WAITING:
+            self._enqueue(task)
+            task.worker = None
+        elif new == TaskState.RUNNING and task.worker is not None:
+            self.running_by_worker.setdefault(task.worker, set()).add(task.id)
+        if task.root is not None and (old in FINAL_STATES) != (new in FINAL_STATES):
+            if new in FINAL_STATES:
+                self._untrack_live(task)
+            else:  # a root replayed
+                self.tree_live.setdefault(task.root, set()).add(task.id)
+        task.state = new
+        task.updated_ms = self.now_ms
+        if new in FINAL_STATES:
+            if task.slot is not None and self.slots.get((task.tenant, task.slot)) == task.id:
+                del self.slots[(task.tenant, task.slot)]
+            self._effects.append(TaskFinal(task.id, new))
+            task.finished_ms = self.now_ms
+            self._push_timer(
+                self.now_ms + self.config.finished_task_retention_ms, _Timer.PURGE, task.id
+            )
+
+    def _delete_task(self, task: Task) -> None:
+        check_move(task.state, None)
+        del self.tasks[task.id]
+        self.by_state[task.state].discard(task.id)
+        self._counts(task.tenant)[task.state] -= 1
+        if task.state == TaskState.WAITING:
+            self._dequeue(task)
+        elif task.state == TaskState.RUNNING and task.worker is not None:
+            self.running_by_worker[task.worker].discard(task.id)
+        if task.slot is not None and self.slots.get((task.tenant, task.slot)) == task.id:
+            del self.slots[(task.tenant, task.slot)]
+        if task.root is not None and task.state in LIVE_STATES:
+            self._untrack_live(task)
+        if task.root == task.id:
+            self.trees.pop(task.id, None)
+
+    def _untrack_live(self, task: Task) -> None:
+        assert task.root is not None
+        live = self.tree_live[task.root]
+        live.discard(task.id)
+        if not live:
+            del self.tree_live[task.root]
+
+    def _tenant(self, name: str) -> Tenant:
+        tenant = self.tenants.get(name)
+        if tenant is None:
+            tenant = self.tenants[name] = Tenant(name=name)
+            self._counts(name)
+        return tenant
+
+    def _queued(self, tenant: str) -> int:
+        counts = self._counts(tenant)
+        return sum(counts[s] for s in QUEUED_STATES)
+
+    def _stop_if_running(self, task: Task, reason: str) -> None:
+        if task.state == TaskState.RUNNING and task.worker is not None:
+            self._effects.append(StopRunning(task.worker, task.id, task.attempt, reason))

@@ -1,0 +1,189 @@
+"""The state machine's task creation and cancellation: submissions (with idempotency keys),
+children spawned by a finishing task, cancels (docs/DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+from broker.core import entries as e
+from broker.core.records import (
+    FINAL_STATES,
+    ErrorCode,
+    Rejected,
+    RememberedResult,
+    ReplayedResults,
+    SubmissionRecord,
+    Task,
+    TaskRef,
+    Transaction,
+    TreeRecord,
+    TreeState,
+    idempotency_scope,
+    tree_value,
+)
+from broker.core.transactions import TransactionsMixin
+from broker.core.transitions import TaskState, check_move
+from broker.core.trees import TreesMixin
+from broker.core.validation import (
+    validate_idempotency_key,
+    validate_task_spec,
+)
+
+
+class TasksMixin(TransactionsMixin, TreesMixin):
+    """SubmitTasks and CancelTask, and the children a finished task spawns."""
+
+    def _submit(self, entry: e.SubmitTasks) -> list[TaskRef | Rejected]:
+        key = entry.idempotency_key
+        if key is None:
+            return [self._submit_one(spec) for spec in entry.tasks]
+        problem = validate_idempotency_key(key)
+        scoped = (idempotency_scope(spec.tenant for spec in entry.tasks), key)
+        record = self.idempotency.get(scoped) if problem is None else None
+        if problem is not None or record is not None:
+            # The ids the leader stamped are used up, as a rejected spec's are.
+            self.max_task_id = max([self.max_task_id, *(spec.id for spec in entry.tasks)])
+            if record is None:
+                return [Rejected(ErrorCode.INVALID, problem or "") for _ in entry.tasks]
+            return ReplayedResults(
+                TaskRef(r.task_id, r.state)
+                if r.task_id is not None
+                else Rejected(ErrorCode(r.state), r.message or "")
+                for r in record.results
+            )
+        results = [self._submit_one(spec) for spec in entry.tasks]
+        # A submission that created nothing is not remembered: a retry may try again
+        # (e.g. once the tenant's queue has room) and still cannot duplicate anything.
+        if any(isinstance(r, TaskRef) for r in results):
+            self.idempotency[scoped] = SubmissionRecord(
+                key,
+                self.now_ms,
+                [
+                    RememberedResult(r.id, r.state)
+                    if isinstance(r, TaskRef)
+                    else RememberedResult(None, r.code.value, r.message)
+                    for r in results
+                ],
+                scoped[0],
+            )
+        return results
+
+    def _submit_one(
+        self, spec: e.TaskSpec, *, root: int | None = None, parent: int | None = None
+    ) -> TaskRef | Rejected:
+        """Create one task: submitted (parent None) or spawned by ``parent``'s finish,
+        in the tree of ``root`` when anchored there."""
+        if spec.id <= self.max_task_id:
+            return Rejected(ErrorCode.INVALID, f"task id {spec.id} was already used")
+        self.max_task_id = spec.id
+        problem = validate_task_spec(spec)
+        if problem is not None:
+            return Rejected(ErrorCode.INVALID, problem)
+        now_ms = self.now_ms
+        if spec.deadline_ms is not None and spec.deadline_ms <= now_ms:
+            return Rejected(ErrorCode.INVALID, "deadline has already passed")
+        txn: Transaction | None = None
+        if spec.transaction is not None and parent is not None:
+            return Rejected(ErrorCode.INVALID, "a spawned task cannot join a transaction")
+        if spec.transaction is not None:
+            txn = self._open_transaction(spec.transaction, spec.tenant)
+            if txn is None:
+                return Rejected(ErrorCode.NOT_FOUND, f"transaction {spec.transaction} is not open")
+        if spec.code is not None and spec.code not in self.artifacts:
+            return Rejected(ErrorCode.NOT_FOUND, f"code artifact {spec.code} was never uploaded")
+        holder = self.slots.get((spec.tenant, spec.slot)) if spec.slot is not None else None
+        if holder is not None:
+            return Rejected(ErrorCode.SLOT_BUSY, f"slot {spec.slot!r} is held by task {holder}")
+        tenant = self._tenant(spec.tenant)
+        # Spawned children count too; _finish checks a finish's children together first,
+        # so a spawn over the limit fails its parent's attempt instead of losing some.
+        if tenant.max_waiting and self._queued(spec.tenant) >= tenant.max_waiting:
+            return Rejected(
+                ErrorCode.TENANT_QUEUE_FULL,
+                f"tenant {spec.tenant!r} already has {tenant.max_waiting} queued tasks "
+                "(its max_waiting)",
+            )
+        if txn is not None:
+            state = TaskState.PENDING
+        elif spec.start_after_ms is not None and spec.start_after_ms > now_ms:
+            state = TaskState.DELAYED
+        else:
+            state = TaskState.WAITING
+        task = Task(
+            id=spec.id,
+            type=spec.type,
+            tenant=spec.tenant,
+            params=spec.params,
+            state=state.value,
+            created_ms=now_ms,
+            updated_ms=now_ms,
+            slot=spec.slot,
+            max_attempts=spec.max_attempts,
+            deadline_ms=spec.deadline_ms,
+            start_after_ms=spec.start_after_ms,
+            # float(): an int from an entry object (the leader's) must store as a follower's float.
+            resources={name: float(amount) for name, amount in spec.resources.items()},
+            transaction=spec.transaction,
+            code=spec.code,
+            root=root if root is not None else spec.id if spec.track_tree else None,
+            parent=parent,
+        )
+        check_move(None, task.state)  # created (not in _add_task: snapshot load uses it)
+        self._add_task(task)
+        if txn is not None:
+            txn.task_ids.append(task.id)
+        if root is None and spec.track_tree:
+            self.trees[task.id] = TreeRecord(
+                root=task.id,
+                tenant=task.tenant,
+                ack_val=tree_value(task.id),
+                timeout_ms=spec.tree_timeout_ms,
+            )
+        return TaskRef(task.id, task.state)
+
+    def _cancel(self, entry: e.CancelTask) -> TaskRef | Rejected:
+        task = self.tasks.get(entry.task_id)
+        if task is None:
+            return Rejected(ErrorCode.NOT_FOUND, f"task {entry.task_id} does not exist")
+        if task.state in FINAL_STATES:
+            return Rejected(ErrorCode.CONFLICT, f"task {task.id} is already {task.state}")
+        task.error = entry.reason
+        self._stop_if_running(task, entry.reason)
+        self._move(task, TaskState.CANCELLED)
+        self._task_ended(task)
+        return TaskRef(task.id, task.state)
+
+    def _finished_ok(self, task: Task, spawn: tuple[e.Spawn, ...]) -> None:
+        """Create the children of a task that finished, then ack it in its tree."""
+        tree = self.trees.get(task.root) if task.root is not None else None
+        if tree is not None and tree.state != TreeState.PENDING:
+            tree = None  # cannot happen: a failed or completed tree has no live task
+        ack = tree_value(task.id) if tree is not None else 0
+        failure: str | None = None
+        for child in spawn:
+            spec = child.task
+            anchored = tree is not None and bool(child.anchors)
+            if not anchored:
+                # Unanchored, or anchored to an untracked task (a no-op, as in Storm).
+                self._submit_one(spec, parent=task.id)
+                continue
+            assert tree is not None
+            if failure is not None:
+                self._use_ids((child,))  # the tree failed: its later children are moot
+                continue
+            outside = [a for a in child.anchors if not self._in_tree(a, tree.root)]
+            if outside:
+                self._use_ids((child,))
+                failure = f"task {task.id} anchored child {spec.id} outside the tree"
+                continue
+            created = self._submit_one(spec, root=tree.root, parent=task.id)
+            if isinstance(created, Rejected):
+                failure = f"child {spec.id} of task {task.id} refused: {created.code.value}"
+            else:
+                ack ^= tree_value(spec.id)
+        if tree is None:
+            return
+        tree.ack_val ^= ack  # children created and parent acked in one step, as Storm
+        if failure is not None:
+            self._fail_tree(tree, failure)
+        elif tree.ack_val == 0:
+            self._end_tree(tree, TreeState.COMPLETED)

@@ -1,0 +1,167 @@
+"""The state machine's workers and assignment: registration (reconciling the tasks a
+worker reports), death, assignments and finish reports, retries (docs/DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+import math
+
+from broker.core import entries as e
+from broker.core.records import (
+    ErrorCode,
+    Rejected,
+    Task,
+    TaskRef,
+    Worker,
+    WorkerReconciled,
+    WorkerState,
+)
+from broker.core.tasks import TasksMixin
+from broker.core.transitions import TaskState
+
+
+class WorkersMixin(TasksMixin):
+    """RegisterWorker, WorkerDead, AssignTasks and FinishTasks."""
+
+    def _register_worker(self, entry: e.RegisterWorker) -> WorkerReconciled | Rejected:
+        if not entry.worker_id:
+            return Rejected(ErrorCode.INVALID, "worker_id must not be empty")
+        if any(not (math.isfinite(a) and a >= 0) for a in entry.resources.values()) or any(
+            n < 0 for n in entry.task_types.values()
+        ):
+            return Rejected(ErrorCode.INVALID, "worker capacities must be finite and >= 0")
+        known = self.workers.get(entry.worker_id)
+        if (
+            known is not None
+            and known.state == WorkerState.CONNECTED
+            and known.credential != entry.credential
+        ):
+            # A worker id belongs to the credential it connected with until it is declared
+            # dead: another credential must not take over its running tasks.
+            return Rejected(
+                ErrorCode.CONFLICT,
+                f"worker id {entry.worker_id!r} is connected with another credential",
+            )
+        reported = {(r.task_id, r.attempt) for r in entry.running}
+        keep: list[e.TaskAttempt] = []
+        lost: list[int] = []
+        for task_id in sorted(self.running_by_worker.get(entry.worker_id, ())):
+            task = self.tasks[task_id]
+            if (task.id, task.attempt) in reported:
+                keep.append(e.TaskAttempt(task.id, task.attempt))
+            else:
+                lost.append(task.id)
+        for task_id in lost:
+            task = self.tasks[task_id]
+            # A lost task whose tree failed because of an earlier one is already over.
+            if task.state == TaskState.RUNNING and task.worker == entry.worker_id:
+                self._retry_or_fail(
+                    task, f"worker {entry.worker_id} came back without task {task.id}"
+                )
+        if len(lost):
+            running = self.running_by_worker.get(entry.worker_id, set())
+            keep = [k for k in keep if k.task_id in running]
+        worker = self.workers.get(entry.worker_id)
+        if worker is None:
+            worker = self.workers[entry.worker_id] = Worker(
+                id=entry.worker_id,
+                address=entry.address,
+                process_id=entry.process_id,
+                state=WorkerState.CONNECTED.value,
+                connected_ms=self.now_ms,
+                updated_ms=self.now_ms,
+            )
+        worker.address = entry.address
+        worker.process_id = entry.process_id
+        worker.state = WorkerState.CONNECTED.value
+        worker.connected_ms = self.now_ms
+        worker.updated_ms = self.now_ms
+        worker.resources = {name: float(amount) for name, amount in entry.resources.items()}
+        worker.task_types = dict(entry.task_types)
+        worker.tenants = list(entry.tenants)
+        worker.reason = None
+        worker.credential = entry.credential
+        return WorkerReconciled(entry.worker_id, tuple(keep), tuple(lost))
+
+    def _worker_dead(self, entry: e.WorkerDead) -> Rejected | None:
+        worker = self.workers.get(entry.worker_id)
+        if worker is None:
+            return Rejected(ErrorCode.NOT_FOUND, f"worker {entry.worker_id!r} is unknown")
+        if entry.connected_ms is not None and entry.connected_ms != worker.connected_ms:
+            return Rejected(ErrorCode.STALE, f"worker {worker.id} registered again since")
+        worker.state = WorkerState.DEAD.value
+        worker.updated_ms = self.now_ms
+        worker.reason = entry.reason
+        for task_id in sorted(self.running_by_worker.get(worker.id, ())):
+            task = self.tasks[task_id]
+            if task.state != TaskState.RUNNING or task.worker != worker.id:
+                continue  # cancelled or replayed meanwhile: a failed tree of an earlier one
+            self._retry_or_fail(task, f"worker {worker.id} died: {entry.reason}")
+        return None
+
+    def _retry_or_fail(self, task: Task, error: str) -> None:
+        task.error = error
+        if task.attempt >= task.max_attempts:
+            task.error = f"{error} (attempt {task.attempt} of {task.max_attempts})"
+            self._move(task, TaskState.ERROR)
+            self._task_ended(task)
+        else:
+            self._move(task, TaskState.WAITING)
+
+    def _assign(self, entry: e.AssignTasks) -> list[TaskRef | Rejected]:
+        results: list[TaskRef | Rejected] = []
+        for assignment in entry.assignments:
+            task = self.tasks.get(assignment.task_id)
+            worker = self.workers.get(assignment.worker_id)
+            if task is None or task.state != TaskState.WAITING:
+                results.append(Rejected(ErrorCode.STALE, f"task {assignment.task_id} not waiting"))
+            elif worker is None or worker.state != WorkerState.CONNECTED:
+                results.append(
+                    Rejected(ErrorCode.STALE, f"worker {assignment.worker_id} not connected")
+                )
+            elif self._code_blocked(task):
+                results.append(
+                    Rejected(
+                        ErrorCode.STALE,
+                        f"task {task.id} waits for code artifact {task.code} to be ready",
+                    )
+                )
+            else:
+                task.attempt += 1
+                task.worker = worker.id
+                self._move(task, TaskState.RUNNING)
+                if task.root == task.id:
+                    self._start_tree(task.id)
+                results.append(TaskRef(task.id, task.state))
+        return results
+
+    def _finish(self, entry: e.FinishTasks) -> list[TaskRef | Rejected]:
+        results: list[TaskRef | Rejected] = []
+        for outcome in entry.outcomes:
+            task = self.tasks.get(outcome.task_id)
+            if (
+                task is None
+                or task.state != TaskState.RUNNING
+                or task.worker != outcome.worker_id
+                or task.attempt != outcome.attempt
+            ):
+                # A duplicate or late report of an attempt that is over: spawns nothing.
+                self._use_ids(outcome.spawn)
+                results.append(Rejected(ErrorCode.STALE, f"task {outcome.task_id} not running"))
+                continue
+            refusal = self._spawn_refusal(outcome.spawn) if outcome.ok else None
+            if refusal is not None:
+                # Nothing spawned: the attempt fails (and retries if it may), as any
+                # error of the task would; the limit is read from the state being applied.
+                self._use_ids(outcome.spawn)
+                self._retry_or_fail(task, refusal)
+            elif outcome.ok:
+                task.result = outcome.result
+                task.error = None
+                self._move(task, TaskState.FINISHED)
+                self._finished_ok(task, outcome.spawn)
+            else:
+                self._use_ids(outcome.spawn)
+                self._retry_or_fail(task, outcome.error or "task failed")
+            results.append(TaskRef(task.id, task.state))
+        return results
