@@ -27,6 +27,11 @@ from what the runtime still holds.
 
 All protocol state lives on the event loop's thread; task threads only hand reports
 over with ``call_soon_threadsafe``.
+
+:class:`Worker` here owns the reconnect loop, the handshake, the frames read and the
+heartbeats; its collaborators own the rest: where to connect (``link_discovery.py``),
+assigned tasks, deadlines and reports' hand-over (``link_tasks.py``), reports until
+acknowledged (``link_reports.py``) and task output (``link_output.py``).
 """
 
 from __future__ import annotations
@@ -36,105 +41,54 @@ import contextlib
 import logging
 import random
 import signal
-import ssl
-import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
-import httpx
-import msgspec
-
-from broker.api.api_models import ClusterSummary
-from broker.observability.logs import task_fields
-from broker.security.auth import bearer_headers
 from broker.workers.protocol import (
-    MAX_OUTPUT_BYTES,
     Assign,
-    AssignedTask,
     Cancel,
     Error,
     FetchOutput,
-    Finish,
     FinishAck,
     FrameDecoder,
     Heartbeat,
     Hello,
     Message,
-    Output,
     ProtocolError,
-    TaskAttempt,
     TaskReport,
     Welcome,
     encode_message,
 )
-from clients.worker.config import WorkerConfig, parse_host_port
-from clients.worker.runtime import TaskKey, TaskRuntime, split_dropped_note
+from clients.worker.config import WorkerConfig
+from clients.worker.link_discovery import (
+    BrokerLocator,
+    Leader,
+    LeaderUnknownError,
+    find_leader,
+)
+from clients.worker.link_output import TaskOutputs
+from clients.worker.link_reports import ReportOutbox
+from clients.worker.link_tasks import Assignments
+from clients.worker.runtime import TaskKey, TaskRuntime
 from clients.worker.spark_connect import SparkConnectServer
+
+__all__ = [
+    "BrokerError",
+    "Leader",
+    "LeaderUnknownError",
+    "Worker",
+    "find_leader",
+    "run_worker",
+]
 
 logger = logging.getLogger(__name__)
 
 _READ_BYTES = 256 * 1024
-_REPORT_OVERHEAD_BYTES = 64  # msgpack framing of one report besides its payload
-_OUTPUT_INTERVAL_S = 1.0  # running attempts' new output goes out at most this often
 
 
 class BrokerError(Exception):
     """The broker sent an Error frame (it closes the connection after it)."""
-
-
-class LeaderUnknownError(Exception):
-    """No broker asked named a leader with a worker endpoint (none elected yet, or all
-    unreachable)."""
-
-
-_summary_decoder: msgspec.json.Decoder[ClusterSummary] = msgspec.json.Decoder(ClusterSummary)
-
-
-class Leader(NamedTuple):
-    """Where the leader is, as a broker named it."""
-
-    worker_address: str  # "host:port" of its worker endpoint
-    url: str | None  # its HTTP base URL
-    answered_by: int  # the index of the URL that answered
-    worker_tls: bool = False  # the worker endpoint speaks TLS
-
-
-async def find_leader(
-    urls: Sequence[str],
-    *,
-    timeout_s: float,
-    token: str | None = None,
-    start: int = 0,
-    ssl_context: ssl.SSLContext | None = None,
-) -> Leader:
-    """Ask the brokers in turn (from ``start``) who leads. https:// brokers are verified
-    with ``ssl_context`` (default: httpx's). Raises LeaderUnknownError."""
-    headers = bearer_headers(token)
-    problems: list[str] = []
-    verify: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
-    async with httpx.AsyncClient(timeout=timeout_s, headers=headers, verify=verify) as http:
-        for i in range(len(urls)):
-            index = (start + i) % len(urls)
-            url = urls[index]
-            try:
-                response = await http.get(f"{url}/api/v1/cluster")
-                response.raise_for_status()
-                summary = _summary_decoder.decode(response.content)
-            except (httpx.HTTPError, msgspec.DecodeError) as exc:
-                problems.append(f"{url}: {str(exc) or type(exc).__name__}")
-                continue
-            address = summary.leader_worker_address
-            if not address:
-                problems.append(f"{url}: no leader known")
-                continue
-            try:
-                parse_host_port(address)
-            except ValueError:
-                problems.append(f"{url}: bad leader_worker_address {address!r}")
-                continue
-            return Leader(address, summary.leader_url, index, summary.leader_worker_tls)
-    raise LeaderUnknownError("; ".join(problems))
 
 
 class _Connection:
@@ -191,32 +145,35 @@ class Worker:
             self._owns_spark = True
         self.spark_server = spark_server
         # Register extra task types with worker.runtime.register(name, fn).
-        self.runtime = TaskRuntime(config, self._report_from_thread, spark_server=spark_server)
+        self.runtime = TaskRuntime(
+            config, lambda report: self._tasks.report_from_thread(report), spark_server=spark_server
+        )
         self.sessions = 0  # Welcomes received, for tests and metrics
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: _Connection | None = None
         self._writer: asyncio.StreamWriter | None = None  # of the current connection
-        self._unacked: dict[TaskKey, TaskReport] = {}
-        self._sent_at: dict[TaskKey, float] = {}  # loop time each unacked report went out
-        self._outbox: list[TaskKey] = []
-        self._flush_handle: asyncio.TimerHandle | asyncio.Handle | None = None
-        self._deadlines: dict[TaskKey, asyncio.TimerHandle] = {}
+        # Its collaborators: task output, reports until acknowledged, assigned tasks.
+        self._outputs = TaskOutputs(self.runtime)
+        self._reports = ReportOutbox(config, self._outputs, lambda: self._conn)
+        self._tasks = Assignments(self.runtime, self._reports)
         self._stopping = False  # no new tasks; still delivering reports
         self._final = asyncio.Event()  # set: close and leave run()
         self._done = asyncio.Event()
         self._stop_task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
         self._welcomed = False  # the current/last connection got its Welcome
-        self._changed = asyncio.Event()  # a report arrived or an ack: for stop()'s waits
-        # Where the current/last connection goes (found anew each time with brokers).
-        self.broker_address = config.broker if not config.brokers else ",".join(config.brokers)
-        self._discovery_start = 0  # the broker that last named the leader is asked first
+        self._locator = BrokerLocator(config, self.runtime.artifacts)
 
     # -- observation --
 
     @property
     def unacked(self) -> dict[TaskKey, TaskReport]:
-        return dict(self._unacked)
+        return dict(self._reports.unacked)
+
+    @property
+    def broker_address(self) -> str:
+        """Where the current/last connection goes (found anew each time with brokers)."""
+        return self._locator.broker_address
 
     @property
     def connected(self) -> bool:
@@ -231,7 +188,7 @@ class Worker:
         """Connect and serve until :meth:`stop`; reconnects forever on any failure."""
         if self._loop is not None:
             raise RuntimeError("Worker.run() can only be called once")
-        self._loop = asyncio.get_running_loop()
+        self._loop = self._reports.loop = self._tasks.loop = asyncio.get_running_loop()
         if self._owns_spark and self.spark_server is not None:
             self.spark_server.start()  # in the background: the connect below does not wait
         backoff_s = self.config.reconnect_backoff_min_s
@@ -247,11 +204,8 @@ class Worker:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._final.wait(), delay_s)
         finally:
-            for handle in self._deadlines.values():
-                handle.cancel()
-            self._deadlines.clear()
-            if self._flush_handle is not None:
-                self._flush_handle.cancel()
+            self._tasks.close()
+            self._reports.close()
             self._done.set()
 
     async def stop(self, *, wait: bool = True, timeout_s: float = 30.0) -> None:
@@ -277,11 +231,12 @@ class Worker:
                 # Cancelled cooperative tasks stop within moments; don't wait for the rest.
                 grace_s = min(2.0, self.config.cancel_grace_s)
                 await self._wait_until(lambda: not self.runtime.running(), loop.time() + grace_s)
-            self._flush()
+            self._reports.flush()
             # Also while disconnected: the next connection before the deadline delivers.
-            await self._wait_until(lambda: not self._unacked, deadline)
-            if self._unacked:
-                logger.warning("stopping with %d unacknowledged task reports", len(self._unacked))
+            await self._wait_until(lambda: not self._reports.unacked, deadline)
+            if self._reports.unacked:
+                n = len(self._reports.unacked)
+                logger.warning("stopping with %d unacknowledged task reports", n)
         self._final.set()
         if self._loop is not None:
             with contextlib.suppress(TimeoutError):
@@ -297,10 +252,10 @@ class Worker:
             left = deadline - loop.time()
             if left <= 0:
                 return False
-            self._changed.clear()
+            self._reports.changed.clear()
             # Also poll: a task dropped without a report changes nothing on this loop.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), min(left, 0.1))
+                await asyncio.wait_for(self._reports.changed.wait(), min(left, 0.1))
         return True
 
     # -- one connection --
@@ -345,7 +300,7 @@ class Worker:
 
     async def _session(self) -> None:
         self._welcomed = False
-        host, port, tls = await self._find_broker()
+        host, port, tls = await self._locator.find()
         # TLS verifies the certificate against the host we were told to connect to.
         ssl_options: dict[str, Any] = (
             {"ssl": self.config.ssl_context(), "server_hostname": host} if tls else {}
@@ -361,7 +316,7 @@ class Worker:
             self._welcomed = True
             self._on_welcome(conn, welcome)
             heartbeats = asyncio.ensure_future(self._heartbeat_loop(conn))
-            outputs = asyncio.ensure_future(self._output_loop(conn))
+            outputs = asyncio.ensure_future(self._outputs.loop(conn))
             try:
                 await self._serve(conn, reader, decoder, rest)
             finally:
@@ -378,28 +333,6 @@ class Worker:
                 async with asyncio.timeout(1.0):
                     await writer.wait_closed()
 
-    async def _find_broker(self) -> tuple[str, int, bool]:
-        """Where to connect (host, port, with TLS): ``broker``, or the leader the brokers
-        name right now."""
-        c = self.config
-        if not c.brokers:
-            return *c.broker_address(), c.tls
-        address, leader_url, self._discovery_start, worker_tls = await find_leader(
-            c.brokers,
-            timeout_s=c.discovery_timeout_s,
-            token=c.token,
-            start=self._discovery_start,
-            ssl_context=c.ssl_context(),
-        )
-        if address != self.broker_address:
-            logger.info("the leader's worker endpoint is %s (%s)", address, leader_url or "?")
-        self.broker_address = address
-        if c.download_from_leader and leader_url:
-            # The leader holds every artifact a live task references (docs/DESIGN.md §4).
-            self.runtime.artifacts.http_url = leader_url.rstrip("/")
-        # Never downgrade: --tls forces TLS even if a broker announced none.
-        return *parse_host_port(address), c.tls or worker_tls
-
     def _hello(self) -> Hello:
         c = self.config
         return Hello(
@@ -410,20 +343,10 @@ class Worker:
             task_types={"*": 0} if self._stopping else dict(c.task_types),
             resources=dict(c.resources),
             tenants=tuple(c.tenants),
-            running=self._held_attempts(),
+            running=self._tasks.held(),
             token=c.token,
             output=True,
         )
-
-    def _held_attempts(self) -> tuple[TaskAttempt, ...]:
-        """What to reconcile: attempts still running, and attempts that finished while
-        disconnected whose report the broker has not acknowledged. The broker must keep
-        the latter as running on this worker so the resent report finishes them; left
-        out, a new leader would re-queue them and run them twice."""
-        held = {(ta.task_id, ta.attempt): ta for ta in self.runtime.running()}
-        for task_id, attempt in self._unacked:
-            held.setdefault((task_id, attempt), TaskAttempt(task_id, attempt))
-        return tuple(held[key] for key in sorted(held))
 
     async def _read_welcome(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, decoder: FrameDecoder
@@ -454,16 +377,7 @@ class Worker:
                 raise ProtocolError("unexpected_message", f"expected Welcome, got {first!r}")
 
     def _on_welcome(self, conn: _Connection, welcome: Welcome) -> None:
-        for ta in welcome.drop:
-            # Already re-queued or over at the broker: a report would only be stale.
-            if self.runtime.cancel((ta.task_id, ta.attempt), "dropped by broker", report=False):
-                logger.info(
-                    "dropping task %d attempt %d (broker's Welcome)", ta.task_id, ta.attempt
-                )
-        listed = {(ta.task_id, ta.attempt) for ta in (*welcome.keep, *welcome.drop)}
-        unlisted = [ta for ta in self.runtime.running() if (ta.task_id, ta.attempt) not in listed]
-        if unlisted:
-            logger.warning("Welcome neither keeps nor drops %s; keeping them", unlisted)
+        self._tasks.reconcile(welcome)
         self._conn = conn
         self.sessions += 1
         self._connected.set()
@@ -473,9 +387,9 @@ class Worker:
             welcome.broker_id or "?",
             len(welcome.keep),
             len(welcome.drop),
-            len(self._unacked),
+            len(self._reports.unacked),
         )
-        self._send_reports(list(self._unacked))
+        self._reports.send(list(self._reports.unacked))
 
     async def _serve(
         self,
@@ -514,7 +428,7 @@ class Worker:
             try:
                 conn.seq += 1
                 conn.send(Heartbeat(seq=conn.seq))
-                self._resend_due(loop.time())
+                self._reports.resend_due(loop.time())
                 # A peer that stopped reading fills our buffers: that is a dead link too.
                 async with asyncio.timeout(conn.heartbeat_timeout_s):
                     await conn.writer.drain()
@@ -529,64 +443,6 @@ class Worker:
                 return
             await asyncio.sleep(conn.heartbeat_interval_s)
 
-    # -- task output (shipped to the broker: GET /api/v1/tasks/{id}/logs) --
-
-    async def _output_loop(self, conn: _Connection) -> None:
-        """Send running attempts' new output, at most once per interval each."""
-        if not conn.takes_output:
-            return
-        while not conn.closed:
-            await asyncio.sleep(_OUTPUT_INTERVAL_S)
-            running = {(ta.task_id, ta.attempt) for ta in self.runtime.running()}
-            for key in [k for k in conn.output_sent if k not in running]:
-                del conn.output_sent[key]
-            for key in running:
-                if key not in conn.final_output_sent:
-                    self._send_live_output(conn, key)
-
-    def _send_live_output(self, conn: _Connection, key: TaskKey) -> bool:
-        """Send what is new of a running attempt's output; False: it has none here."""
-        sent = conn.output_sent.get(key)
-        live = self.runtime.live_output(key, since=sent or 0)
-        if live is None:
-            return False
-        start, data = live
-        end = start + len(data)
-        if sent is not None and end <= sent:
-            return True  # nothing new (or the attempt's output was just taken: it ended)
-        if len(data) > MAX_OUTPUT_BYTES:
-            start, data = end - MAX_OUTPUT_BYTES, data[-MAX_OUTPUT_BYTES:]
-        conn.send(Output(task_id=key[0], attempt=key[1], offset=start, data=data))
-        conn.output_sent[key] = end
-        return True
-
-    def _send_final_output(
-        self, conn: _Connection, key: TaskKey, *, before_report: bool = True
-    ) -> bool:
-        """Send an ended attempt's whole kept output; False: the worker holds none.
-        ``before_report``: remembered until the report's FinishAck (not resent)."""
-        output = self.runtime.output(key)
-        if output is None:
-            return False
-        start, data = split_dropped_note(output)
-        if len(data) > MAX_OUTPUT_BYTES:
-            start += len(data) - MAX_OUTPUT_BYTES
-            data = data[-MAX_OUTPUT_BYTES:]
-        conn.send(Output(task_id=key[0], attempt=key[1], offset=start, data=data, complete=True))
-        if before_report:
-            conn.final_output_sent.add(key)
-        conn.output_sent.pop(key, None)
-        return True
-
-    def _on_fetch_output(self, conn: _Connection, message: FetchOutput) -> None:
-        for ta in message.tasks:
-            key = (ta.task_id, ta.attempt)
-            if self._send_final_output(conn, key, before_report=False):
-                continue
-            conn.output_sent.pop(key, None)  # the broker lacks it: send all that is kept
-            if not self._send_live_output(conn, key):
-                conn.send(Output(task_id=ta.task_id, attempt=ta.attempt, missing=True))
-
     # -- messages from the broker --
 
     def _handle(self, conn: _Connection, message: Message) -> bool:
@@ -594,21 +450,16 @@ class Worker:
         if isinstance(message, Heartbeat):
             pass  # any frame proves the broker alive: the read timeout restarts
         elif isinstance(message, Assign):
-            self._on_assign(message.tasks)
+            self._tasks.on_assign(message.tasks, stopping=self._stopping)
         elif isinstance(message, Cancel):
             reason = message.reason or "cancelled by the broker"
             for ta in message.tasks:
                 self.runtime.cancel((ta.task_id, ta.attempt), reason)
         elif isinstance(message, FinishAck):
-            for ta in message.tasks:
-                key = (ta.task_id, ta.attempt)
-                self._unacked.pop(key, None)
-                self._sent_at.pop(key, None)
-                conn.final_output_sent.discard(key)
-            self._changed.set()
+            self._reports.acked(conn, message.tasks)
         elif isinstance(message, FetchOutput):
             if conn.takes_output:
-                self._on_fetch_output(conn, message)
+                self._outputs.on_fetch(conn, message)
         elif isinstance(message, Error):
             logger.warning("broker error %s: %s; reconnecting", message.code, message.message)
             return False
@@ -619,137 +470,7 @@ class Worker:
             return False
         return True
 
-    def _on_assign(self, tasks: Iterable[AssignedTask]) -> None:
-        # Runs for one task process leave in one write when a frame assigns several.
-        with self.runtime.batched():
-            self._start_assigned(tasks)
-
-    def _start_assigned(self, tasks: Iterable[AssignedTask]) -> None:
-        for task in tasks:
-            key = (task.task_id, task.attempt)
-            if self.runtime.is_known(key) or key in self._unacked:
-                # A repeat (e.g. the broker resent it): the running attempt or its
-                # pending report stands.
-                logger.debug(
-                    "ignoring repeated assignment of task %d attempt %d",
-                    *key,
-                    extra=task_fields(task.task_id, task.tenant, attempt=task.attempt),
-                )
-                if key in self._unacked:
-                    self._send_reports([key])
-                continue
-            if self._stopping:
-                self._on_report(
-                    TaskReport(
-                        task.task_id, task.attempt, ok=False, error="cancelled: worker stopping"
-                    )
-                )
-                continue
-            for older in self.runtime.older_attempts(task.task_id, task.attempt):
-                self.runtime.cancel(older, f"superseded by attempt {task.attempt}")
-            if not self.runtime.start(task):
-                continue
-            if task.deadline_ms is not None:
-                self._arm_deadline(key, task.deadline_ms)
-
-    def _arm_deadline(self, key: TaskKey, deadline_ms: int) -> None:
-        # deadline_ms is Unix time: this assumes broker and worker clocks roughly agree
-        # (NTP); the broker enforces deadlines too.
-        assert self._loop is not None
-        delay_s = max(0.0, deadline_ms / 1000 - time.time())
-        self._deadlines[key] = self._loop.call_later(delay_s, self._deadline_passed, key)
-
-    def _task_fields(self, key: TaskKey) -> dict[str, object]:
-        ctx = self.runtime.context(key)
-        return task_fields(key[0], ctx.tenant if ctx is not None else "", attempt=key[1])
-
-    def _deadline_passed(self, key: TaskKey) -> None:
-        self._deadlines.pop(key, None)
-        fields = self._task_fields(key)
-        if self.runtime.cancel(key, "deadline exceeded"):
-            logger.info("task %d attempt %d passed its deadline", *key, extra=fields)
-
     # -- reports --
-
-    def _report_from_thread(self, report: TaskReport) -> None:
-        loop = self._loop
-        if loop is None:
-            logger.error(
-                "task report before the worker ran: %s",
-                report,
-                extra=self._task_fields((report.task_id, report.attempt)),
-            )
-            return
-        try:
-            loop.call_soon_threadsafe(self._on_report, report)
-        except RuntimeError:  # the loop is closed: the process is going away
-            logger.warning(
-                "dropping the report of task %d: event loop closed",
-                report.task_id,
-                extra=self._task_fields((report.task_id, report.attempt)),
-            )
-
-    def _on_report(self, report: TaskReport) -> None:
-        key = (report.task_id, report.attempt)
-        self.runtime.forget(key)
-        handle = self._deadlines.pop(key, None)
-        if handle is not None:
-            handle.cancel()
-        self._unacked[key] = report
-        self._outbox.append(key)
-        self._changed.set()
-        if self._flush_handle is None and self._loop is not None:
-            # 0 (the default): flush on the next loop turn, so reports that arrive
-            # together share a frame without holding a lone report back.
-            delay_s = self.config.finish_batch_ms / 1000
-            self._flush_handle = (
-                self._loop.call_later(delay_s, self._flush)
-                if delay_s > 0
-                else self._loop.call_soon(self._flush)
-            )
-
-    def _flush(self) -> None:
-        self._flush_handle = None
-        keys, self._outbox = self._outbox, []
-        # Disconnected: the reports stay unacknowledged and go out after the next Welcome.
-        self._send_reports(keys)
-
-    def _resend_due(self, now: float) -> None:
-        due = [
-            k
-            for k in self._unacked
-            if now - self._sent_at.get(k, 0.0) >= self.config.finish_resend_s
-        ]
-        if due:
-            logger.debug("resending %d unacknowledged reports", len(due))
-            self._send_reports(due)
-
-    def _send_reports(self, keys: Iterable[TaskKey]) -> None:
-        conn = self._conn
-        if conn is None or self._loop is None:
-            return
-        now = self._loop.time()
-        budget = conn.max_frame_bytes // 2
-        batch: list[TaskReport] = []
-        size = 0
-        for key in dict.fromkeys(keys):
-            report = self._unacked.get(key)
-            if report is None:
-                continue
-            n = _REPORT_OVERHEAD_BYTES + len(report.result or b"") + len(report.error or "") * 4
-            n += sum(_REPORT_OVERHEAD_BYTES + len(s.params) for s in report.spawn)
-            if batch and size + n > budget:
-                conn.send(Finish(reports=tuple(batch)))
-                batch, size = [], 0
-            if conn.takes_output and key not in conn.final_output_sent:
-                # Before its report: once the broker logs the attempt over, it holds all
-                # of its output (a follower of the logs stops at the end, missing nothing).
-                self._send_final_output(conn, key)
-            batch.append(report)
-            size += n
-            self._sent_at[key] = now
-        if batch:
-            conn.send(Finish(reports=tuple(batch)))
 
     @staticmethod
     def _send_error(writer: asyncio.StreamWriter, code: str, message: str) -> None:

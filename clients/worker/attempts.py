@@ -1,0 +1,45 @@
+"""An attempt the task runtime holds, and the report of a cancelled one.
+
+Shared by the runtime (``clients/worker/runtime.py``) and its two runners: tasks on
+threads (``clients/worker/thread_runs.py``) and tasks in task processes
+(``clients/worker/process_runs.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker.observability.logs import task_fields
+from broker.workers.protocol import AssignedTask, TaskReport
+from clients.worker.task_api import TaskContext
+from clients.worker.task_process import TaskProcess
+
+TaskKey = tuple[int, int]  # (task_id, attempt)
+
+
+@dataclass
+class Running:
+    task: AssignedTask
+    ctx: TaskContext
+    future: Future[None] | None = None
+    thread_done: threading.Event = field(default_factory=threading.Event)
+    reported: bool = False
+    suppress_report: bool = False
+    process: TaskProcess | None = None  # the task process running it, if any
+    in_process: bool = False  # run in a task process (holds a process slot once begun)
+
+
+def attempt_fields(entry: Running) -> dict[str, Any]:
+    """The structured-log fields of an attempt."""
+    task = entry.task
+    return task_fields(task.task_id, task.tenant, attempt=task.attempt)
+
+
+def cancelled_report(entry: Running, note: str = "") -> TaskReport:
+    reason = entry.ctx.cancel_reason or "cancelled"
+    return TaskReport(
+        entry.task.task_id, entry.task.attempt, ok=False, error=f"cancelled: {reason}{note}"
+    )
