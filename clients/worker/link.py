@@ -36,18 +36,13 @@ import contextlib
 import logging
 import random
 import signal
-import ssl
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any
 
-import httpx
-import msgspec
-
-from broker.api.api_models import ClusterSummary
 from broker.observability.logs import task_fields
-from broker.security.auth import bearer_headers
+from broker.workers.conversation import Conversation, Role
 from broker.workers.protocol import (
     MAX_OUTPUT_BYTES,
     Assign,
@@ -69,6 +64,8 @@ from broker.workers.protocol import (
     encode_message,
 )
 from clients.worker.config import WorkerConfig, parse_host_port
+from clients.worker.discovery import Leader as Leader  # re-exported: the old home
+from clients.worker.discovery import LeaderUnknownError, find_leader
 from clients.worker.runtime import TaskKey, TaskRuntime, split_dropped_note
 from clients.worker.spark_connect import SparkConnectServer
 
@@ -83,67 +80,18 @@ class BrokerError(Exception):
     """The broker sent an Error frame (it closes the connection after it)."""
 
 
-class LeaderUnknownError(Exception):
-    """No broker asked named a leader with a worker endpoint (none elected yet, or all
-    unreachable)."""
-
-
-_summary_decoder: msgspec.json.Decoder[ClusterSummary] = msgspec.json.Decoder(ClusterSummary)
-
-
-class Leader(NamedTuple):
-    """Where the leader is, as a broker named it."""
-
-    worker_address: str  # "host:port" of its worker endpoint
-    url: str | None  # its HTTP base URL
-    answered_by: int  # the index of the URL that answered
-    worker_tls: bool = False  # the worker endpoint speaks TLS
-
-
-async def find_leader(
-    urls: Sequence[str],
-    *,
-    timeout_s: float,
-    token: str | None = None,
-    start: int = 0,
-    ssl_context: ssl.SSLContext | None = None,
-) -> Leader:
-    """Ask the brokers in turn (from ``start``) who leads. https:// brokers are verified
-    with ``ssl_context`` (default: httpx's). Raises LeaderUnknownError."""
-    headers = bearer_headers(token)
-    problems: list[str] = []
-    verify: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
-    async with httpx.AsyncClient(timeout=timeout_s, headers=headers, verify=verify) as http:
-        for i in range(len(urls)):
-            index = (start + i) % len(urls)
-            url = urls[index]
-            try:
-                response = await http.get(f"{url}/api/v1/cluster")
-                response.raise_for_status()
-                summary = _summary_decoder.decode(response.content)
-            except (httpx.HTTPError, msgspec.DecodeError) as exc:
-                problems.append(f"{url}: {str(exc) or type(exc).__name__}")
-                continue
-            address = summary.leader_worker_address
-            if not address:
-                problems.append(f"{url}: no leader known")
-                continue
-            try:
-                parse_host_port(address)
-            except ValueError:
-                problems.append(f"{url}: bad leader_worker_address {address!r}")
-                continue
-            return Leader(address, summary.leader_url, index, summary.leader_worker_tls)
-    raise LeaderUnknownError("; ".join(problems))
-
-
 class _Connection:
     """One welcomed connection: a writer plus the timing the broker asked for."""
 
     def __init__(
-        self, writer: asyncio.StreamWriter, welcome: Welcome, max_frame_bytes: int
+        self,
+        writer: asyncio.StreamWriter,
+        welcome: Welcome,
+        max_frame_bytes: int,
+        conversation: Conversation,
     ) -> None:
         self.writer = writer
+        self.conversation = conversation  # docs/DESIGN.md §9: which frame may come when
         self.max_frame_bytes = max_frame_bytes
         self.heartbeat_interval_s = max(0.01, welcome.heartbeat_interval_ms / 1000)
         self.heartbeat_timeout_s = max(
@@ -161,8 +109,9 @@ class _Connection:
 
     def send(self, message: Message) -> bool:
         """Queue a frame on the transport (flow control: see the heartbeat loop's drain)."""
-        if self.writer.is_closing():
+        if self.writer.is_closing() or self.conversation.closed:
             return False
+        self.conversation.send(message)
         self.writer.write(encode_message(message, self.max_frame_bytes))
         return True
 
@@ -355,9 +304,11 @@ class Worker:
         self._writer = writer
         try:
             decoder = FrameDecoder(self.config.max_frame_bytes)
-            writer.write(encode_message(self._hello(), self.config.max_frame_bytes))
-            welcome, rest = await self._read_welcome(reader, writer, decoder)
-            conn = _Connection(writer, welcome, self.config.max_frame_bytes)
+            conversation, hello = Conversation(Role.WORKER), self._hello()
+            conversation.send(hello)
+            writer.write(encode_message(hello, self.config.max_frame_bytes))
+            welcome, rest = await self._read_welcome(reader, writer, decoder, conversation)
+            conn = _Connection(writer, welcome, self.config.max_frame_bytes, conversation)
             self._welcomed = True
             self._on_welcome(conn, welcome)
             heartbeats = asyncio.ensure_future(self._heartbeat_loop(conn))
@@ -426,7 +377,11 @@ class Worker:
         return tuple(held[key] for key in sorted(held))
 
     async def _read_welcome(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, decoder: FrameDecoder
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        decoder: FrameDecoder,
+        conversation: Conversation,
     ) -> tuple[Welcome, list[Message]]:
         deadline = asyncio.get_running_loop().time() + self.config.handshake_timeout_s
         while True:
@@ -446,12 +401,15 @@ class Worker:
                 raise
             if messages:
                 first, rest = messages[0], messages[1:]
-                if isinstance(first, Welcome):
-                    return first, rest
+                try:
+                    conversation.receive(first)  # Welcome or Error
+                except ProtocolError:
+                    self._send_error(writer, "unexpected_message", f"expected welcome, got {first}")
+                    raise
                 if isinstance(first, Error):
                     raise BrokerError(f"{first.code}: {first.message}")
-                self._send_error(writer, "unexpected_message", f"expected welcome, got {first}")
-                raise ProtocolError("unexpected_message", f"expected Welcome, got {first!r}")
+                assert isinstance(first, Welcome)
+                return first, rest
 
     def _on_welcome(self, conn: _Connection, welcome: Welcome) -> None:
         for ta in welcome.drop:
@@ -591,6 +549,12 @@ class Worker:
 
     def _handle(self, conn: _Connection, message: Message) -> bool:
         """Act on one message; False ends the connection."""
+        try:
+            conn.conversation.receive(message)
+        except ProtocolError as exc:  # a frame the broker may not send now
+            logger.warning("%s; reconnecting", exc.message)
+            self._send_error(conn.writer, exc.code, exc.message)
+            return False
         if isinstance(message, Heartbeat):
             pass  # any frame proves the broker alive: the read timeout restarts
         elif isinstance(message, Assign):
@@ -611,11 +575,6 @@ class Worker:
                 self._on_fetch_output(conn, message)
         elif isinstance(message, Error):
             logger.warning("broker error %s: %s; reconnecting", message.code, message.message)
-            return False
-        else:
-            text = f"unexpected {type(message).__name__} from the broker"
-            logger.warning("%s; reconnecting", text)
-            self._send_error(conn.writer, "unexpected_message", text)
             return False
         return True
 
