@@ -4,7 +4,7 @@ Sans-IO like :mod:`broker.workers.protocol`: both sides keep one :class:`Convers
 connection and feed it every frame they send (:meth:`Conversation.send`) and receive
 (:meth:`Conversation.receive`). A frame the table does not allow in the current state is
 a :class:`~broker.workers.protocol.ProtocolError` (the receiving side answers it with an
-Error frame and closes, as for an undecodable frame). docs/DESIGN.md §9 (worker protocol)::
+Error frame and closes, as for an undecodable frame). docs/DESIGN.md §8 (worker protocol)::
 
     state           worker may send                  broker may send
     AWAIT_HELLO     Hello                            Error

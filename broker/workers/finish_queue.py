@@ -2,7 +2,7 @@
 
 Reports from every connection queue up; one loop logs them as FinishTasks entries of at
 most ``max_reports_per_entry`` and acknowledges each batch (FinishAck) once it is applied.
-What a report turns into is :mod:`broker.workers.finish_reports` (docs/DESIGN.md §9).
+What a report turns into is :mod:`broker.workers.finish_reports` (docs/DESIGN.md §8).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The Hello is read under a size cap and a timeout, its token checked (the shared worker
 token, or a worker credential issued through the API and its tenant scope), and the
 (re)connection with the reconciliation of the tasks the worker still runs is logged as a
-RegisterWorker entry; only then does the worker get its Welcome (docs/DESIGN.md §9).
+RegisterWorker entry; only then does the worker get its Welcome (docs/DESIGN.md §8).
 """
 
 from __future__ import annotations

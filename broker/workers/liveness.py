@@ -1,4 +1,4 @@
-"""Heartbeat supervision of the workers (docs/DESIGN.md §9).
+"""Heartbeat supervision of the workers (docs/DESIGN.md §8).
 
 Every interval the leader sends each connection a Heartbeat and closes the ones silent past
 the timeout; a worker the state counts as connected that has had no connection for that

@@ -1,4 +1,4 @@
-"""One connected worker, as the leader's worker link holds it (docs/DESIGN.md §9)."""
+"""One connected worker, as the leader's worker link holds it (docs/DESIGN.md §8)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ after the entry is applied.
 
 The protocol itself (frames, messages) lives in :mod:`broker.workers.protocol` and which
 frame may come when in :mod:`broker.workers.conversation`; this module is the asyncio
-wrapper around them. Its collaborators (docs/DESIGN.md §9): :mod:`~broker.workers.handshake`
+wrapper around them. Its collaborators (docs/DESIGN.md §8, §9): :mod:`~broker.workers.handshake`
 (Hello to Welcome), :mod:`~broker.workers.liveness` (heartbeats, dead workers) and
 :mod:`~broker.workers.finish_queue` (finish reports); scheduling rounds and task output
 stay here. Every reading of the clock goes through the one injected ``clock``.

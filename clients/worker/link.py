@@ -91,7 +91,7 @@ class _Connection:
         conversation: Conversation,
     ) -> None:
         self.writer = writer
-        self.conversation = conversation  # docs/DESIGN.md §9: which frame may come when
+        self.conversation = conversation  # docs/DESIGN.md §8: which frame may come when
         self.max_frame_bytes = max_frame_bytes
         self.heartbeat_interval_s = max(0.01, welcome.heartbeat_interval_ms / 1000)
         self.heartbeat_timeout_s = max(
