@@ -45,6 +45,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from broker.workers.conversation import Conversation, Role
 from broker.workers.protocol import (
     Assign,
     Cancel,
@@ -95,9 +96,14 @@ class _Connection:
     """One welcomed connection: a writer plus the timing the broker asked for."""
 
     def __init__(
-        self, writer: asyncio.StreamWriter, welcome: Welcome, max_frame_bytes: int
+        self,
+        writer: asyncio.StreamWriter,
+        welcome: Welcome,
+        max_frame_bytes: int,
+        conversation: Conversation,
     ) -> None:
         self.writer = writer
+        self.conversation = conversation  # docs/DESIGN.md §8: which frame may come when
         self.max_frame_bytes = max_frame_bytes
         self.heartbeat_interval_s = max(0.01, welcome.heartbeat_interval_ms / 1000)
         self.heartbeat_timeout_s = max(
@@ -115,8 +121,9 @@ class _Connection:
 
     def send(self, message: Message) -> bool:
         """Queue a frame on the transport (flow control: see the heartbeat loop's drain)."""
-        if self.writer.is_closing():
+        if self.writer.is_closing() or self.conversation.closed:
             return False
+        self.conversation.send(message)
         self.writer.write(encode_message(message, self.max_frame_bytes))
         return True
 
@@ -310,9 +317,11 @@ class Worker:
         self._writer = writer
         try:
             decoder = FrameDecoder(self.config.max_frame_bytes)
-            writer.write(encode_message(self._hello(), self.config.max_frame_bytes))
-            welcome, rest = await self._read_welcome(reader, writer, decoder)
-            conn = _Connection(writer, welcome, self.config.max_frame_bytes)
+            conversation, hello = Conversation(Role.WORKER), self._hello()
+            conversation.send(hello)
+            writer.write(encode_message(hello, self.config.max_frame_bytes))
+            welcome, rest = await self._read_welcome(reader, writer, decoder, conversation)
+            conn = _Connection(writer, welcome, self.config.max_frame_bytes, conversation)
             self._welcomed = True
             self._on_welcome(conn, welcome)
             heartbeats = asyncio.ensure_future(self._heartbeat_loop(conn))
@@ -349,7 +358,11 @@ class Worker:
         )
 
     async def _read_welcome(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, decoder: FrameDecoder
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        decoder: FrameDecoder,
+        conversation: Conversation,
     ) -> tuple[Welcome, list[Message]]:
         deadline = asyncio.get_running_loop().time() + self.config.handshake_timeout_s
         while True:
@@ -369,12 +382,15 @@ class Worker:
                 raise
             if messages:
                 first, rest = messages[0], messages[1:]
-                if isinstance(first, Welcome):
-                    return first, rest
+                try:
+                    conversation.receive(first)  # Welcome or Error
+                except ProtocolError:
+                    self._send_error(writer, "unexpected_message", f"expected welcome, got {first}")
+                    raise
                 if isinstance(first, Error):
                     raise BrokerError(f"{first.code}: {first.message}")
-                self._send_error(writer, "unexpected_message", f"expected welcome, got {first}")
-                raise ProtocolError("unexpected_message", f"expected Welcome, got {first!r}")
+                assert isinstance(first, Welcome)
+                return first, rest
 
     def _on_welcome(self, conn: _Connection, welcome: Welcome) -> None:
         self._tasks.reconcile(welcome)
@@ -447,6 +463,12 @@ class Worker:
 
     def _handle(self, conn: _Connection, message: Message) -> bool:
         """Act on one message; False ends the connection."""
+        try:
+            conn.conversation.receive(message)
+        except ProtocolError as exc:  # a frame the broker may not send now
+            logger.warning("%s; reconnecting", exc.message)
+            self._send_error(conn.writer, exc.code, exc.message)
+            return False
         if isinstance(message, Heartbeat):
             pass  # any frame proves the broker alive: the read timeout restarts
         elif isinstance(message, Assign):
@@ -462,11 +484,6 @@ class Worker:
                 self._outputs.on_fetch(conn, message)
         elif isinstance(message, Error):
             logger.warning("broker error %s: %s; reconnecting", message.code, message.message)
-            return False
-        else:
-            text = f"unexpected {type(message).__name__} from the broker"
-            logger.warning("%s; reconnecting", text)
-            self._send_error(conn.writer, "unexpected_message", text)
             return False
         return True
 

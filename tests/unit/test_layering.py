@@ -18,14 +18,17 @@ Boundaries the table keeps, in words:
   subprocess, threading, os, time, random, uuid, kazoo, uvicorn, httpx, pulsar,
   prometheus_client (so no metrics).
 - broker.workers.protocol (the wire protocol both sides speak) and broker.security (tokens,
-  TLS: used by brokers and every client) import nothing from the project.
+  TLS: used by brokers and every client) import nothing from the project;
+  broker.workers.conversation (the protocol's conversation table, also shared) only the
+  protocol.
 - log/ and snapshot/ import nothing from broker/ (so none of broker.api, ha, workers,
   observability) and nothing from clients/.
 - Nothing in broker/ imports clients/ (the development launchers in clients/dev are called
   from clients/cli/servers.py, tests and bench only).
-- clients/ imports from broker/ only: the wire protocol, the API models the worker reads
-  (ClusterSummary), broker.security, the structured-log setup, the artifact checks and the
-  artifact-name pattern (broker.core.entries.SHA256_RE) the worker shares with the broker;
+- clients/ imports from broker/ only: the wire protocol and its conversation table, the API
+  models the worker reads (ClusterSummary), broker.security, the structured-log setup, the
+  artifact checks and the artifact-name pattern (broker.core.entries.SHA256_RE) the worker
+  shares with the broker;
   clients/cli/servers.py additionally the broker launch entry points it runs for `steward
   broker` / `steward standalone` (listed in its rule).
 """
@@ -64,6 +67,7 @@ _IMPURE = (
 _NETWORK = ("asyncio", "socket", "subprocess", "kazoo", "uvicorn", "httpx", "prometheus_client")
 _BROKER_SHARED_WITH_CLIENTS = (
     "broker.workers.protocol",
+    "broker.workers.conversation",
     "broker.api.api_models",
     "broker.security",
     "broker.observability.logs",
@@ -92,6 +96,8 @@ RULES: tuple[Rule, ...] = (
     Rule("broker.security", (), why="tokens and TLS, shared by brokers and every client"),
     Rule("broker.workers.protocol", (), _NETWORK,
          "the worker wire protocol: both sides import it, so it imports neither"),
+    Rule("broker.workers.conversation", ("broker.workers.protocol",), _NETWORK,
+         "the worker protocol's conversation table: both sides import it, it only the protocol"),
     Rule("broker.artifacts", ("broker.core.entries", "log.private_fs"),
          why="the artifact store and checks: used by the API, HA and the worker"),
     # The node feeds metrics and the task log from apply's results; this edge goes when

@@ -152,7 +152,8 @@ async def make_broker(tmp_path: Path) -> AsyncIterator[BrokerFactory]:
             "hello_timeout_s": 2.0,
             **link_options,
         }
-        link = WorkerLink(node, WorkerLinkConfig(**settings))
+        link_clock = settings.pop("link_clock", time.monotonic)  # the link's monotonic clock
+        link = WorkerLink(node, WorkerLinkConfig(**settings), clock=link_clock)
         broker = Broker(node, link, clock)
 
         def record(entry: e.Entry, applied: Applied) -> None:

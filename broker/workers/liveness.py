@@ -1,0 +1,112 @@
+"""Heartbeat supervision of the workers (docs/DESIGN.md §8).
+
+Every interval the leader sends each connection a Heartbeat and closes the ones silent past
+the timeout; a worker the state counts as connected that has had no connection for that
+long is declared dead through the log (its tasks are re-queued when the entry applies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from broker.core import entries as e
+from broker.core.state import WorkerState
+from broker.replication.node import BrokerUnavailableError, Node, Stamp
+from broker.workers import protocol as p
+from broker.workers.session import Clock, Session
+
+if TYPE_CHECKING:
+    from broker.workers.worker_link import WorkerLinkConfig
+
+# The worker link's logger: these warnings were always logged under its name.
+logger = logging.getLogger("broker.workers.worker_link")
+
+
+class Liveness:
+    """Owns when each worker was last heard of, and the heartbeat loop."""
+
+    def __init__(
+        self, node: Node, config: WorkerLinkConfig, sessions: dict[str, Session], clock: Clock
+    ) -> None:
+        self.node = node
+        self.config = config
+        self.sessions = sessions  # the link's: worker id -> its current connection
+        self.clock = clock
+        # When a worker the state counts as connected was last seen (monotonic).
+        self.last_contact: dict[str, float] = {}
+        self._declaring_dead: set[str] = set()
+        self._started = clock()
+
+    def restart(self) -> None:
+        """The link (re)starts: workers without contact are judged from now."""
+        self._started = self.clock()
+
+    def contact(self, worker_id: str) -> None:
+        self.last_contact[worker_id] = self.clock()
+
+    def live_session(self, worker_id: str) -> Session | None:
+        """The open connection of this worker id that still heartbeats, if any.
+
+        A connection silent for three heartbeat intervals (a working worker beats every
+        interval) is presumed half-open: a reconnect of its worker may replace it."""
+        session = self.sessions.get(worker_id)
+        if session is None or session.closed:
+            return None
+        silent_s = self.clock() - session.last_seen
+        return session if silent_s <= 3 * self.config.heartbeat_interval_ms / 1000 else None
+
+    async def run(self) -> None:
+        interval_s = self.config.heartbeat_interval_ms / 1000
+        seq = 0
+        while True:
+            await asyncio.sleep(interval_s)
+            seq += 1
+            await self.beat(seq)
+
+    async def beat(self, seq: int) -> None:
+        """One heartbeat round: close silent connections, beat the others, declare dead."""
+        timeout_s = self.config.heartbeat_timeout_ms / 1000
+        now = self.clock()
+        for session in list(self.sessions.values()):
+            if now - session.last_seen > timeout_s:
+                logger.warning("worker %s missed its heartbeat deadline", session.worker_id)
+                session.close()
+                continue
+            session.send(p.Heartbeat(seq=seq))
+        if self.node.writable:
+            try:
+                await self._declare_dead_workers(now, timeout_s)
+            except Exception:
+                logger.exception("declaring dead workers failed; retrying next beat")
+
+    async def _declare_dead_workers(self, now: float, timeout_s: float) -> None:
+        for worker in list(self.node.state.workers.values()):
+            if worker.state != WorkerState.CONNECTED or worker.id in self.sessions:
+                continue
+            if worker.id in self._declaring_dead:
+                continue
+            last = self.last_contact.get(worker.id, self._started)
+            if now - last <= timeout_s:
+                continue
+            self._declaring_dead.add(worker.id)
+            dead = e.WorkerDead(
+                time_ms=0,
+                worker_id=worker.id,
+                reason=f"no heartbeat for {self.config.heartbeat_timeout_ms} ms",
+                connected_ms=worker.connected_ms,
+            )
+
+            def build(stamp: Stamp, dead: e.WorkerDead = dead) -> e.Entry:
+                return msgspec.structs.replace(dead, time_ms=stamp.now_ms)
+
+            try:
+                await self.node.propose(build)
+                logger.warning("worker %s declared dead", worker.id)
+            except BrokerUnavailableError:
+                return
+            finally:
+                self._declaring_dead.discard(worker.id)

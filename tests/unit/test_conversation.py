@@ -1,0 +1,157 @@
+"""The worker protocol's conversation table (broker/workers/conversation.py)."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+
+from broker.workers import protocol as p
+from broker.workers.conversation import (
+    ALLOWED,
+    REFUSALS,
+    Conversation,
+    Role,
+    State,
+    may_send,
+)
+
+ALL_TYPES = frozenset(typing.get_args(p.Message))
+HELLO = p.Hello(worker_id="w1")
+WELCOME = p.Welcome(broker_id="b")
+ERROR = p.Error(code="x", message="y")
+
+
+def active(role: Role) -> Conversation:
+    conversation = Conversation(role)
+    if role is Role.WORKER:
+        conversation.send(HELLO)
+        conversation.receive(WELCOME)
+    else:
+        conversation.receive(HELLO)
+        conversation.send(WELCOME)
+    assert conversation.state is State.ACTIVE
+    return conversation
+
+
+def test_every_frame_type_of_the_protocol_is_in_the_table() -> None:
+    in_table = frozenset().union(*ALLOWED.values())
+    assert in_table == ALL_TYPES
+    # ... and the table names every (sender, state) pair, with a refusal for each.
+    pairs = {(role, state) for role in Role for state in State}
+    assert set(ALLOWED) == pairs
+    assert set(REFUSALS) == pairs
+
+
+def test_each_frame_type_has_one_sender_except_heartbeat_and_error() -> None:
+    def senders(kind: type[p.Message]) -> set[Role]:
+        return {role for (role, _), kinds in ALLOWED.items() if kind in kinds}
+
+    for kind in ALL_TYPES:
+        expected = 2 if kind in (p.Heartbeat, p.Error) else 1
+        assert len(senders(kind)) == expected, kind
+
+
+def test_the_handshake_moves_hello_then_welcome_to_active() -> None:
+    worker, broker = Conversation(Role.WORKER), Conversation(Role.BROKER)
+    worker.send(HELLO)
+    broker.receive(HELLO)
+    assert worker.state is broker.state is State.AWAIT_WELCOME
+    broker.send(WELCOME)
+    worker.receive(WELCOME)
+    assert worker.state is broker.state is State.ACTIVE
+
+
+@pytest.mark.parametrize(
+    ("first", "code", "text"),
+    [
+        (p.Heartbeat(), "bad_handshake", "the first message must be hello"),
+        (p.Finish(), "bad_handshake", "the first message must be hello"),
+        (ERROR, "bad_handshake", "the first message must be hello"),
+    ],
+)
+def test_the_broker_refuses_anything_but_hello_first(
+    first: p.Message, code: str, text: str
+) -> None:
+    with pytest.raises(p.ProtocolError) as caught:
+        Conversation(Role.BROKER).receive(first)
+    assert (caught.value.code, caught.value.message) == (code, text)
+
+
+def test_the_broker_refuses_frames_between_hello_and_welcome() -> None:
+    broker = Conversation(Role.BROKER)
+    broker.receive(HELLO)
+    for frame in (HELLO, p.Heartbeat(), ERROR):
+        with pytest.raises(p.ProtocolError) as caught:
+            broker.receive(frame)
+        assert caught.value.code == "bad_handshake"
+        assert caught.value.message == "wait for welcome before sending more"
+
+
+@pytest.mark.parametrize("kind", sorted(ALL_TYPES, key=lambda k: k.__name__))
+def test_active_frames_from_a_worker(kind: type[p.Message]) -> None:
+    broker = active(Role.BROKER)
+    legal = kind in (p.Heartbeat, p.Finish, p.Output, p.Error)
+    assert may_send(Role.WORKER, State.ACTIVE, kind()) is legal
+    if legal:
+        broker.receive(kind())
+        assert broker.state is (State.CLOSED if kind is p.Error else State.ACTIVE)
+    else:
+        with pytest.raises(p.ProtocolError) as caught:
+            broker.receive(kind())
+        assert caught.value.code == "unexpected_message"
+        assert caught.value.message == f"a worker may not send {kind.__name__}"
+
+
+@pytest.mark.parametrize("kind", sorted(ALL_TYPES, key=lambda k: k.__name__))
+def test_active_frames_from_the_broker(kind: type[p.Message]) -> None:
+    worker = active(Role.WORKER)
+    legal = kind in (p.Heartbeat, p.Assign, p.FinishAck, p.Cancel, p.FetchOutput, p.Error)
+    if legal:
+        worker.receive(kind())
+        assert worker.state is (State.CLOSED if kind is p.Error else State.ACTIVE)
+    else:
+        with pytest.raises(p.ProtocolError) as caught:
+            worker.receive(kind())
+        assert caught.value.code == "unexpected_message"
+        assert caught.value.message == f"unexpected {kind.__name__} from the broker"
+
+
+def test_the_worker_expects_welcome_or_error_after_hello() -> None:
+    worker = Conversation(Role.WORKER)
+    worker.send(HELLO)
+    with pytest.raises(p.ProtocolError) as caught:
+        worker.receive(p.Assign())
+    assert caught.value.code == "unexpected_message"
+    assert caught.value.message == f"expected Welcome, got {p.Assign()!r}"
+    refused = Conversation(Role.WORKER)
+    refused.send(HELLO)
+    refused.receive(ERROR)  # e.g. unauthorized: the broker refused the Hello
+    assert refused.closed
+
+
+def test_sending_checks_the_table_but_error_always_goes() -> None:
+    worker = Conversation(Role.WORKER)
+    with pytest.raises(p.ProtocolError) as caught:
+        worker.send(p.Heartbeat())  # before Hello: a bug on this side
+    assert caught.value.code == "local_protocol_error"
+    worker.send(ERROR)  # answering a breach is allowed in any state
+    assert worker.closed
+    broker = active(Role.BROKER)
+    with pytest.raises(p.ProtocolError):
+        broker.send(p.Finish())
+    broker.send(p.Assign())
+    assert broker.state is State.ACTIVE
+
+
+def test_nothing_is_legal_after_the_conversation_closed() -> None:
+    for role in Role:
+        conversation = active(role)
+        conversation.receive(ERROR)
+        assert conversation.closed
+        for kind in ALL_TYPES:
+            with pytest.raises(p.ProtocolError):
+                conversation.receive(kind())
+            if kind is not p.Error:
+                with pytest.raises(p.ProtocolError):
+                    conversation.send(kind())
