@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from clients.client import StewardClient
-from tests.procs import steward_command
+from tests.support.procs import steward_command
 
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 90.0

@@ -24,6 +24,7 @@ import pytest
 from broker.workers.protocol import Cancel, TaskAttempt
 from clients.worker import Worker, WorkerConfig
 from clients.worker.spark_connect import SparkConnectServer, new_session_id
+from tests.support.worker_procs import task_writable_dir, wait_until
 from tests.unit.test_worker import (
     WAIT_S,
     ArtifactServer,
@@ -33,7 +34,6 @@ from tests.unit.test_worker import (
     task,
     zip_bytes,
 )
-from tests.worker_procs import task_writable_dir, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -34,10 +34,10 @@ import pytest
 from broker.workers import protocol as p
 from clients.client import CertificateVerifyError, StewardClient
 from clients.dev.zk import ZooKeeperServer
-from tests.cluster_procs import BrokerNode, ClusterProcesses, fetch_tasks
-from tests.procs import HOST, BrokerProcess, free_port, steward_command
-from tests.tls_certs import TlsFiles, make_tls_files
-from tests.worker_procs import WorkerProcess, wait_until
+from tests.support.cluster_procs import BrokerNode, ClusterProcesses, fetch_tasks
+from tests.support.procs import HOST, BrokerProcess, free_port, steward_command
+from tests.support.tls_certs import TlsFiles, make_tls_files
+from tests.support.worker_procs import WorkerProcess, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

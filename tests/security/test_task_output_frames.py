@@ -5,7 +5,7 @@ worker must not write into another tenant's task output); an oversized frame is 
 protocol error; the leader that lacks an attempt's output asks the worker that ran it;
 and the logs route answers the task's tenant only (another tenant gets the 404 of a
 missing task). A Node on in-memory ledgers with a WorkerLink and the HTTP API in process,
-driven by :class:`tests.fake_worker.FakeWorker`; every wait is bounded.
+driven by :class:`tests.support.fake_worker.FakeWorker`; every wait is bounded.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from broker.api.output_store import OutputStore
 from broker.security.auth import AuthConfig
 from broker.workers import protocol as p
 from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
-from tests.fake_worker import FakeWorker
-from tests.memory_node import memory_node
+from tests.support.fake_worker import FakeWorker
+from tests.support.memory_node import memory_node
 
 ADMIN = "admin-secret-for-the-output-test"
 SHARED = "shared-worker-token-for-the-output-test"

@@ -12,7 +12,7 @@
   workers; reports are accepted only from the connection the attempt is assigned to.
 
 The protocol-level tests run a Node on in-memory ledgers with a WorkerLink and the HTTP
-API in process, driven by :class:`tests.fake_worker.FakeWorker`; every wait is bounded.
+API in process, driven by :class:`tests.support.fake_worker.FakeWorker`; every wait is bounded.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from broker.workers import protocol as p
 from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
 from clients import cli
 from clients.worker.__main__ import build_parser, worker_token
-from tests.fake_worker import FakeWorker
-from tests.memory_node import memory_node
-from tests.procs import HOST, authenticated_broker
-from tests.worker_procs import WorkerProcess
+from tests.support.fake_worker import FakeWorker
+from tests.support.memory_node import memory_node
+from tests.support.procs import HOST, authenticated_broker
+from tests.support.worker_procs import WorkerProcess
 
 ADMIN = "admin-secret-for-the-credentials-test"
 SHARED = "shared-worker-token-for-the-test"

@@ -25,7 +25,7 @@ from broker.core import entries as e
 from broker.core.state import StateMachine
 from broker.replication.node import Node
 from broker.security.auth import AuthConfig, hash_token
-from tests.memory_node import memory_node
+from tests.support.memory_node import memory_node
 
 ADMIN_SECRET = "bootstrap-admin-secret"
 WORKER_SECRET = "worker-secret"

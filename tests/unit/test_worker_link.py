@@ -2,7 +2,7 @@
 
 Each test runs a Node on in-memory ledgers with a WorkerLink on an ephemeral
 port, heartbeats every 100 ms and a 600 ms heartbeat timeout, and drives it
-with :class:`tests.fake_worker.FakeWorker`. Every wait is bounded.
+with :class:`tests.support.fake_worker.FakeWorker`. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from broker.workers import protocol as p
 from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
 from log.memory import MemoryLedgerListStore, MemoryLedgerStore
 from snapshot.store import SnapshotStore
-from tests.fake_worker import FakeWorker
+from tests.support.fake_worker import FakeWorker
 
 INTERVAL_MS = 100
 TIMEOUT_MS = 600

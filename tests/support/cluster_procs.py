@@ -37,11 +37,11 @@ from typing import IO, TYPE_CHECKING, Any
 
 import httpx
 
-from tests.procs import HOST, free_port, steward_command
-from tests.worker_procs import wait_until
+from tests.support.procs import HOST, free_port, steward_command
+from tests.support.worker_procs import wait_until
 
 if TYPE_CHECKING:
-    from tests.tls_certs import TlsFiles
+    from tests.support.tls_certs import TlsFiles
 
 DEFAULT_SESSION_TIMEOUT_MS = 4_000
 START_TIMEOUT_S = 30.0

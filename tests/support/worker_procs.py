@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import httpx
 
-from tests.procs import HOST, steward_command
+from tests.support.procs import HOST, steward_command
 
 
 def wait_until(check: Callable[[], Any], timeout_s: float, what: str, pause_s: float = 0.05) -> Any:

@@ -26,7 +26,7 @@ from typing import IO, TYPE_CHECKING, Any
 import httpx
 
 if TYPE_CHECKING:
-    from tests.tls_certs import TlsFiles
+    from tests.support.tls_certs import TlsFiles
 
 HOST = "127.0.0.1"
 DEFAULT_START_TIMEOUT_S = 30.0
