@@ -173,10 +173,44 @@ class FakeBroker:
             await asyncio.wait_for(self._server.wait_closed(), WAIT_S)
 
 
-# -- artifact HTTP server --
+# -- HTTP servers --
 
 
-class ArtifactServer:
+class QuietHandler(BaseHTTPRequestHandler):
+    """A request handler that logs nothing and answers with :meth:`reply`."""
+
+    def reply(self, status: int, body: bytes = b"", content_type: str | None = None) -> None:
+        self.send_response(status)
+        if content_type is not None:
+            self.send_header("content-type", content_type)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        if body:
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class HttpServer:
+    """A threaded HTTP server on 127.0.0.1:0 with ``handler``; ``start()`` serves it."""
+
+    def __init__(self, handler: type[QuietHandler]) -> None:
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class ArtifactServer(HttpServer):
     """Serves ``GET /api/v1/code/<sha>`` from ``files``; counts requests per sha."""
 
     def __init__(self) -> None:
@@ -185,43 +219,23 @@ class ArtifactServer:
         self.delay_s = 0.0
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 sha = self.path.rsplit("/", 1)[-1]
                 server.requests[sha] = server.requests.get(sha, 0) + 1
                 time.sleep(server.delay_s)
                 body = server.files.get(sha)
                 if not self.path.startswith("/api/v1/code/") or body is None:
-                    self.send_response(404)
-                    self.send_header("content-length", "0")
-                    self.end_headers()
+                    self.reply(404)
                     return
-                self.send_response(200)
-                self.send_header("content-type", "application/octet-stream")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.reply(200, body, "application/octet-stream")
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
+        super().__init__(Handler)
 
     def add(self, data: bytes) -> str:
         sha = hashlib.sha256(data).hexdigest()
         self.files[sha] = data
         return sha
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def zip_bytes(files: dict[str, str]) -> bytes:

@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,8 @@ from tests.support.worker_harness import (
     WAIT_S,
     Env,
     FakeBroker,
+    HttpServer,
+    QuietHandler,
     result_of,
     task,
     until,
@@ -583,7 +584,7 @@ def test_config_validation_and_addresses() -> None:
 # -- finding the leader (--brokers) --
 
 
-class ClusterServer:
+class ClusterServer(HttpServer):
     """Serves ``GET /api/v1/cluster``: a ClusterSummary naming ``leader`` ("host:port")."""
 
     def __init__(self) -> None:
@@ -591,7 +592,7 @@ class ClusterServer:
         self.requests = 0
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 server.requests += 1
                 address = server.leader
@@ -606,24 +607,11 @@ class ClusterServer:
                     leader_worker_address=address,
                 )
                 body = msgspec.json.encode(summary)
-                self.send_response(200 if self.path == "/api/v1/cluster" else 404)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                status = 200 if self.path == "/api/v1/cluster" else 404
+                self.reply(status, body, "application/json")
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        ).start()
-
-    def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(Handler)
+        self.start()
 
 
 async def test_worker_connects_to_the_leader_the_brokers_name(env: Env) -> None:
