@@ -1,11 +1,18 @@
-"""Fixtures every test layer can use without importing them.
+"""Fixtures every test layer can use without importing them (docs/TESTING.md).
 
-- ``zookeeper``, ``zookeeper_factory``, ``elector_process``: tests/zk_fixture.py
-- ``pulsar_lite``, ``pulsar_lite_factory``: tests/pulsar_fixture.py
+- ``zookeeper``, ``zookeeper_factory``, ``elector_process``: tests/support/zk_fixture.py
+- ``pulsar_lite``, ``pulsar_lite_factory``: tests/support/pulsar_fixture.py
+- ``make_broker``, ``broker`` (a Node with a WorkerLink on in-memory ledgers):
+  tests/support/link_broker.py
+- ``env`` (the authenticated HTTP API with a token per caller): tests/support/auth_env.py
 
-Each starts its server only when a test asks for it. Fixtures still imported by hand from
-test modules (``broker``/``make_broker`` from tests/unit/test_worker_link.py, ``env`` from
-tests/unit/test_auth.py) move here with their helper classes in a later step.
+Each starts its server only when a test asks for it. A test module that defines a fixture
+of the same name uses its own.
 """
 
-pytest_plugins = ["tests.zk_fixture", "tests.pulsar_fixture"]
+pytest_plugins = [
+    "tests.support.zk_fixture",
+    "tests.support.pulsar_fixture",
+    "tests.support.link_broker",
+    "tests.support.auth_env",
+]

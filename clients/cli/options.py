@@ -71,47 +71,62 @@ def _resource(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"expected NAME=AMOUNT, got {text!r}") from None
 
 
+def _add_path_option(p: argparse.ArgumentParser, flag: str, env: str, help: str) -> None:
+    """An option naming a file, by default the one environment variable ``env`` names."""
+    p.add_argument(flag, type=Path, default=os.environ.get(env), metavar="PATH", help=help)
+
+
+def _add_deprecated_secret_option(p: argparse.ArgumentParser, flag: str, env: str) -> None:
+    """A secret given on the command line (``flag``), superseded by ``flag``-file and ``env``."""
+    p.add_argument(
+        flag,
+        default=None,
+        help=f"deprecated (readable by every local user): use {flag}-file or {env}",
+    )
+
+
+def _add_listen_options(
+    p: argparse.ArgumentParser, worker_default: tuple[str, int], worker_help: str
+) -> None:
+    """--http and --worker-listen: where a broker serves the API and its workers."""
+    p.add_argument("--http", type=_host_port, default=("127.0.0.1", 8080), metavar="HOST:PORT")
+    p.add_argument(
+        "--worker-listen",
+        type=_host_port,
+        default=worker_default,
+        metavar="HOST:PORT",
+        help=worker_help,
+    )
+
+
 def _add_broker_options(p: argparse.ArgumentParser) -> None:
     """Options every kind of broker takes (standalone and cluster)."""
-    p.add_argument(
+    _add_path_option(
+        p,
         "--worker-token-file",
-        type=Path,
-        default=os.environ.get("STEWARD_WORKER_TOKEN_FILE"),
-        metavar="PATH",
-        help="the workers' shared token (legacy, unscoped; prefer worker credentials: "
+        "STEWARD_WORKER_TOKEN_FILE",
+        "the workers' shared token (legacy, unscoped; prefer worker credentials: "
         "steward token create NAME --worker), first line of this file (env "
         "STEWARD_WORKER_TOKEN_FILE, or the token itself in STEWARD_WORKER_TOKEN)",
     )
-    p.add_argument(
-        "--worker-token",
-        default=None,
-        help="deprecated (readable by every local user): use --worker-token-file or "
-        "STEWARD_WORKER_TOKEN",
-    )
-    p.add_argument(
+    _add_deprecated_secret_option(p, "--worker-token", "STEWARD_WORKER_TOKEN")
+    _add_path_option(
+        p,
         "--admin-token-file",
-        type=Path,
-        default=os.environ.get("STEWARD_ADMIN_TOKEN_FILE"),
-        metavar="PATH",
-        help="turn authentication on: every API call needs a token, and the token in this "
+        "STEWARD_ADMIN_TOKEN_FILE",
+        "turn authentication on: every API call needs a token, and the token in this "
         "file is an admin one (env STEWARD_ADMIN_TOKEN_FILE, or the token itself in "
         "STEWARD_ADMIN_TOKEN)",
     )
-    p.add_argument(
+    _add_path_option(
+        p,
         "--cluster-token-file",
-        type=Path,
-        default=os.environ.get("STEWARD_CLUSTER_TOKEN_FILE"),
-        metavar="PATH",
-        help="the brokers' shared secret for snapshot and code downloads between them, "
+        "STEWARD_CLUSTER_TOKEN_FILE",
+        "the brokers' shared secret for snapshot and code downloads between them, "
         "first line of this file (env STEWARD_CLUSTER_TOKEN_FILE, or the secret itself in "
         "STEWARD_CLUSTER_TOKEN)",
     )
-    p.add_argument(
-        "--cluster-token",
-        default=None,
-        help="deprecated (readable by every local user): use --cluster-token-file or "
-        "STEWARD_CLUSTER_TOKEN",
-    )
+    _add_deprecated_secret_option(p, "--cluster-token", "STEWARD_CLUSTER_TOKEN")
     p.add_argument("--heartbeat-interval-ms", type=int, default=1000)
     p.add_argument(
         "--heartbeat-timeout-ms",
@@ -189,12 +204,11 @@ def _add_tls_options(p: argparse.ArgumentParser, scope: str, ca_use: str) -> Non
     p.add_argument(
         "--tls-key", type=Path, metavar="PATH", help=f"{scope}PEM private key of --tls-cert"
     )
-    p.add_argument(
+    _add_path_option(
+        p,
         "--tls-ca",
-        type=Path,
-        default=os.environ.get(CA_ENV),
-        metavar="PATH",
-        help=f"{scope}CA bundle {ca_use} (env {CA_ENV}; default: the system trust store)",
+        CA_ENV,
+        f"{scope}CA bundle {ca_use} (env {CA_ENV}; default: the system trust store)",
     )
 
 

@@ -11,10 +11,11 @@ from clients.cli.options import (
     DEFAULT_FAILOVER_TIMEOUT_S,
     DEFAULT_URL,
     _add_broker_options,
+    _add_listen_options,
     _add_log_format_option,
+    _add_path_option,
     _add_tls_options,
     _broker_urls,
-    _host_port,
     _json_value,
     _positive_seconds,
     _resource,
@@ -47,25 +48,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long a write keeps trying other brokers or waits for a leader "
         "(env STEWARD_FAILOVER_TIMEOUT_S; default %(default)s)",
     )
-    parser.add_argument(
+    _add_path_option(
+        parser,
         "--ca-file",
-        type=Path,
-        default=os.environ.get(CA_ENV),
-        metavar="PATH",
-        help=f"CA bundle to verify https:// brokers with (env {CA_ENV}; default: the "
+        CA_ENV,
+        f"CA bundle to verify https:// brokers with (env {CA_ENV}; default: the "
         "system trust store)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("standalone", help="run one standalone broker (no ZooKeeper)")
     p.add_argument("--data-dir", type=Path, default=Path("data"), help="default: ./data")
-    p.add_argument("--http", type=_host_port, default=("127.0.0.1", 8080), metavar="HOST:PORT")
-    p.add_argument(
-        "--worker-listen",
-        type=_host_port,
-        default=("127.0.0.1", 7070),
-        metavar="HOST:PORT",
-        help="where workers connect (default %(default)s; port 0 picks a free one)",
+    _add_listen_options(
+        p,
+        ("127.0.0.1", 7070),
+        "where workers connect (default %(default)s; port 0 picks a free one)",
     )
     p.add_argument(
         "--workers",
@@ -119,13 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="pulsar",
         help="pulsar: Apache Pulsar >= 2.11 (fencing, batching); pulsar-lite: its safe settings",
     )
-    p.add_argument("--http", type=_host_port, default=("127.0.0.1", 8080), metavar="HOST:PORT")
-    p.add_argument(
-        "--worker-listen",
-        type=_host_port,
-        default=("127.0.0.1", 0),
-        metavar="HOST:PORT",
-        help="where workers connect while this broker leads (port 0: a free one, advertised)",
+    _add_listen_options(
+        p,
+        ("127.0.0.1", 0),
+        "where workers connect while this broker leads (port 0: a free one, advertised)",
     )
     p.add_argument(
         "--advertise",

@@ -13,7 +13,9 @@ from clients.cli.options import UsageError, _tls_config
 
 if TYPE_CHECKING:
     from broker.api.edges import HttpEdgeConfig
+    from broker.api.http_api import ApiConfig
     from broker.security.auth import AuthConfig
+    from broker.workers.worker_link import WorkerLinkConfig
     from log.pulsar import PulsarConfig
 
 
@@ -47,22 +49,17 @@ def _auth_config(args: argparse.Namespace) -> AuthConfig:
         print(f"steward: warning: {message}", file=sys.stderr, flush=True)
 
     try:
-        args.worker_token = secret_from_options(
-            argv_value=args.worker_token,
-            argv_flag="--worker-token",
-            file=args.worker_token_file,
-            file_flag="--worker-token-file",
-            env="STEWARD_WORKER_TOKEN",
-            warn=warn,
-        )
-        args.cluster_token = secret_from_options(
-            argv_value=args.cluster_token,
-            argv_flag="--cluster-token",
-            file=args.cluster_token_file,
-            file_flag="--cluster-token-file",
-            env="STEWARD_CLUSTER_TOKEN",
-            warn=warn,
-        )
+        for name in ("worker_token", "cluster_token"):  # --worker-token, --cluster-token
+            flag = "--" + name.replace("_", "-")
+            secret = secret_from_options(
+                argv_value=getattr(args, name),
+                argv_flag=flag,
+                file=getattr(args, f"{name}_file"),
+                file_flag=f"{flag}-file",
+                env=f"STEWARD_{name.upper()}",
+                warn=warn,
+            )
+            setattr(args, name, secret)
     except SecretOptionError as exc:
         raise UsageError(str(exc)) from None
     admin_tokens: list[str] = []
@@ -77,20 +74,43 @@ def _auth_config(args: argparse.Namespace) -> AuthConfig:
     return AuthConfig.from_secrets(admin_tokens, args.worker_token, args.cluster_token)
 
 
+def _api_config(args: argparse.Namespace, auth: AuthConfig) -> ApiConfig:
+    """The HTTP API settings of a broker (standalone or of a cluster) from its options."""
+    from broker.api.http_api import ApiConfig
+
+    host, port = args.http
+    return ApiConfig(host=host, port=port, auth=auth, edges=_http_edges(args))
+
+
+def _worker_link_config(args: argparse.Namespace, auth: AuthConfig) -> WorkerLinkConfig:
+    """The worker endpoint's settings of a broker (standalone or of a cluster)."""
+    from broker.workers.worker_link import WorkerLinkConfig
+
+    return WorkerLinkConfig(
+        host=args.worker_listen[0],
+        port=args.worker_listen[1],
+        heartbeat_interval_ms=args.heartbeat_interval_ms,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        hello_timeout_s=args.worker_hello_timeout_s,
+        max_unauthenticated=args.worker_max_unauthenticated,
+        token=args.worker_token,
+        tenant_isolation=auth.enabled,
+        worker_credentials=auth.enabled,
+        max_output_total_bytes=int(args.max_task_output_mb * 1024 * 1024),
+    )
+
+
 def run_standalone(args: argparse.Namespace) -> int:
 
     import uvloop
 
-    from broker.api.http_api import ApiConfig
     from broker.observability.logs import LOG_FORMAT_ENV, setup_logging
     from broker.replication.node import BrokerStartupError, NodeConfig
     from broker.server.standalone import StandaloneConfig, serve_standalone
-    from broker.workers.worker_link import WorkerLinkConfig
 
     setup_logging(args.log_level, args.log_format)
     # Worker processes started beside the broker (--workers) log the same way.
     os.environ[LOG_FORMAT_ENV] = args.log_format
-    host, port = args.http
     auth = _auth_config(args)
     if auth.enabled and args.worker_token is None and args.workers > 0:
         # Other workers may use worker credentials; the ones started here share a token.
@@ -104,19 +124,8 @@ def run_standalone(args: argparse.Namespace) -> int:
             snapshot_interval_s=args.snapshot_interval_s,
             ledger_roll_bytes=int(args.ledger_roll_mb * 1024 * 1024),
         ),
-        api=ApiConfig(host=host, port=port, auth=auth, edges=_http_edges(args)),
-        workers=WorkerLinkConfig(
-            host=args.worker_listen[0],
-            port=args.worker_listen[1],
-            heartbeat_interval_ms=args.heartbeat_interval_ms,
-            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-            hello_timeout_s=args.worker_hello_timeout_s,
-            max_unauthenticated=args.worker_max_unauthenticated,
-            token=args.worker_token,
-            tenant_isolation=auth.enabled,
-            worker_credentials=auth.enabled,
-            max_output_total_bytes=int(args.max_task_output_mb * 1024 * 1024),
-        ),
+        api=_api_config(args, auth),
+        workers=_worker_link_config(args, auth),
         child_workers=args.workers,
         tls=_tls_config(args),
     )
@@ -155,11 +164,9 @@ def _pulsar_config(args: argparse.Namespace) -> PulsarConfig | None:
 def run_broker(args: argparse.Namespace) -> int:
     import uvloop
 
-    from broker.api.http_api import ApiConfig
     from broker.observability.logs import setup_logging
     from broker.replication.node import BrokerStartupError, NodeConfig
     from broker.server.cluster import BrokerConfig, serve_broker
-    from broker.workers.worker_link import WorkerLinkConfig
 
     setup_logging(args.log_level, args.log_format, static_fields={"broker": args.broker_id})
     if not args.zookeeper:
@@ -174,7 +181,6 @@ def run_broker(args: argparse.Namespace) -> int:
         raise UsageError("--ledgers pulsar needs --pulsar-url")
     if not 0 < args.heartbeat_interval_ms < args.heartbeat_timeout_ms:
         raise UsageError("need 0 < --heartbeat-interval-ms < --heartbeat-timeout-ms")
-    host, port = args.http
     auth = _auth_config(args)
     if auth.enabled and args.cluster_token is None:
         # Workers need no shared token: they may use worker credentials (token create --worker).
@@ -198,19 +204,8 @@ def run_broker(args: argparse.Namespace) -> int:
         ledgers=args.ledgers,
         pulsar=_pulsar_config(args),
         advertise_host=args.advertise,
-        api=ApiConfig(host=host, port=port, auth=auth, edges=_http_edges(args)),
-        workers=WorkerLinkConfig(
-            host=args.worker_listen[0],
-            port=args.worker_listen[1],
-            heartbeat_interval_ms=args.heartbeat_interval_ms,
-            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-            hello_timeout_s=args.worker_hello_timeout_s,
-            max_unauthenticated=args.worker_max_unauthenticated,
-            token=args.worker_token,
-            tenant_isolation=auth.enabled,
-            worker_credentials=auth.enabled,
-            max_output_total_bytes=int(args.max_task_output_mb * 1024 * 1024),
-        ),
+        api=_api_config(args, auth),
+        workers=_worker_link_config(args, auth),
         cluster_token=args.cluster_token,
         zookeeper_auth=args.zookeeper_auth,
         session_timeout_ms=args.session_timeout_ms,

@@ -10,10 +10,11 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import httpx
 
+from broker.security.auth import bearer_headers
 from broker.security.tls import certificate_error, client_context, describe_certificate_error
 from clients.client.errors import (
     CertificateVerifyError,
@@ -55,6 +56,36 @@ def _verify(ca_file: str | Path | ssl.SSLContext | None) -> ssl.SSLContext:
     if isinstance(ca_file, ssl.SSLContext):
         return ca_file
     return client_context(ca_file)
+
+
+def _http_options(
+    timeout_s: float, ca_file: str | Path | ssl.SSLContext | None, token: str | None
+) -> dict[str, Any]:
+    """The settings of both clients' httpx client. Redirects are followed by hand: only
+    not_leader ones, and the leader is remembered."""
+    return {
+        "timeout": _timeout(timeout_s),
+        "follow_redirects": False,
+        "headers": bearer_headers(token),
+        "verify": _verify(ca_file),
+    }
+
+
+class _ClientBase:
+    """What both clients hold: the brokers' URLs, the router, the default timeout."""
+
+    def __init__(
+        self, url: str | Sequence[str], timeout_s: float, failover_timeout_s: float
+    ) -> None:
+        self.urls = parse_urls(url)
+        self.url = self.urls[0]
+        self._timeout_s = timeout_s
+        self._router = _Router(self.urls, failover_timeout_s)
+
+    @property
+    def leader_url(self) -> str | None:
+        """The leader's base URL, once a follower named it."""
+        return self._router.leader
 
 
 class _Router:

@@ -55,14 +55,14 @@ from broker.core.state import StateMachine
 from clients.client import ConnectionFailedError, StewardClient, StewardError, UnavailableError
 from clients.dev.zk import ZooKeeperServer
 from snapshot.format import read_snapshot
-from tests.cluster_procs import (
+from tests.support.cluster_procs import (
     BrokerNode,
     ClusterError,
     ClusterProcesses,
     ClusterWorker,
     fetch_tasks,
 )
-from tests.worker_procs import wait_until
+from tests.support.worker_procs import wait_until
 
 TASK_MODULE = Path(__file__).with_name("chaos_tasks.py")
 TASK_TYPE = "chaos_tasks:record"

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import HOST, BrokerProcess, free_port, get_digest, steward_command
+from tests.support.procs import HOST, BrokerProcess, free_port, get_digest, steward_command
 
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 15.0

@@ -23,8 +23,8 @@ from clients.client import (
     TaskTimeoutError,
     TenantQueueFullError,
 )
-from tests.procs import HOST, BrokerProcess, free_port, steward_command
-from tests.worker_procs import WorkerProcess
+from tests.support.procs import HOST, BrokerProcess, free_port, steward_command
+from tests.support.worker_procs import WorkerProcess
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,9 @@ from kazoo.exceptions import NoAuthError  # type: ignore[import-untyped]
 
 from clients.client import AuthenticationError, NotFoundError, StewardClient
 from clients.dev.zk import ZooKeeperServer
-from tests.cluster_procs import ClusterProcesses
-from tests.procs import steward_command
-from tests.worker_procs import wait_until
+from tests.support.cluster_procs import ClusterProcesses
+from tests.support.procs import steward_command
+from tests.support.worker_procs import wait_until
 
 ADMIN = "admin-secret-for-the-test"
 WORKER = "worker-secret-for-the-test"

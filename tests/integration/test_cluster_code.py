@@ -18,7 +18,7 @@ import httpx
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
 from clients.dev.zk import ZooKeeperServer
-from tests.cluster_procs import BrokerNode, ClusterProcesses
+from tests.support.cluster_procs import BrokerNode, ClusterProcesses
 
 JOB = b"def run(params, ctx):\n    return params\n"
 FAR_FUTURE_S = 4_000_000_000  # start_after: keeps the task live (delayed) for the test

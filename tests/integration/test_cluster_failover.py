@@ -23,7 +23,7 @@ import pytest
 
 from clients.dev.pulsar_lite import PulsarLiteServer
 from clients.dev.zk import ZooKeeperServer
-from tests.cluster_procs import (
+from tests.support.cluster_procs import (
     BrokerNode,
     ClusterProcesses,
     ClusterWorker,
@@ -33,7 +33,7 @@ from tests.cluster_procs import (
     flocks_held,
     probe_idempotency,
 )
-from tests.worker_procs import wait_until
+from tests.support.worker_procs import wait_until
 
 
 @pytest.fixture(params=["file", "pulsar"])

@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -15,7 +14,8 @@ import httpx
 import pytest
 
 from clients.client import StewardClient
-from tests.procs import steward_command
+from tests.support.cluster_up import ClusterUpOutput, descendants
+from tests.support.procs import steward_command
 
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 90.0
@@ -31,22 +31,6 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except FileNotFoundError:
         return False
-
-
-def _descendants(pid: int) -> set[int]:
-    found: set[int] = set()
-    frontier = [pid]
-    while frontier:
-        parent = frontier.pop()
-        try:
-            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-        except FileNotFoundError:
-            continue
-        for child in map(int, children):
-            if child not in found:
-                found.add(child)
-                frontier.append(child)
-    return found
 
 
 @pytest.mark.parametrize(("ledgers", "auth"), [("file", False), ("pulsar", False), ("file", True)])
@@ -75,26 +59,14 @@ def test_cluster_up_runs_a_task_and_stops_cleanly(tmp_path: Path, ledgers: str, 
         stderr=subprocess.STDOUT,
         text=True,
     )
-    lines: list[str] = []
-    up = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("cluster up"):
-                up.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    watch = ClusterUpOutput(proc)
     children: set[int] = set()
     try:
-        assert up.wait(START_TIMEOUT_S), "cluster up did not come up:\n" + "".join(lines)
-        output = "".join(lines)
+        output = watch.wait_up(START_TIMEOUT_S)
         urls = re.findall(r"^broker-\d+\s+(http://127\.0\.0\.1:\d+)$", output, re.MULTILINE)
         assert len(urls) == 3, output
         assert re.search(r"^zookeeper\s+127\.0\.0\.1:\d+$", output, re.MULTILINE), output
-        children = _descendants(proc.pid)
+        children = descendants(proc.pid)
         # ZooKeeper, 3 brokers, 1 worker (and pulsar-lite)
         assert len(children) >= (6 if ledgers == "pulsar" else 5), children
         if ledgers == "pulsar":
@@ -121,9 +93,9 @@ def test_cluster_up_runs_a_task_and_stops_cleanly(tmp_path: Path, ledgers: str, 
                 if _alive(pid):
                     os.kill(pid, signal.SIGKILL)
             raise
-        reader.join(timeout=5)
-    print("".join(lines[-6:]))
-    assert code == 0, "".join(lines)
+        watch.reader.join(timeout=5)
+    print("".join(watch.lines[-6:]))
+    assert code == 0, watch.text()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(pid) for pid in children):
         time.sleep(0.1)

@@ -30,7 +30,7 @@ from broker.replication.node import Node, NodeConfig
 from clients.dev.zk import ZooKeeperServer
 from log.memory import MemoryLedgerListStore, MemoryLedgerStore
 from snapshot.store import SnapshotStore
-from tests.asgi_server import Receive, Scope, Send, Served, serve, unserve
+from tests.support.asgi_server import Receive, Scope, Send, Served, serve, unserve
 
 SESSION_TIMEOUT_S = 3.0
 WAIT_S = 15.0

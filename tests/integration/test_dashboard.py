@@ -30,9 +30,9 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from clients.dev.zk import ZooKeeperServer
-from tests.cluster_procs import BrokerNode, ClusterProcesses
-from tests.procs import BrokerProcess
-from tests.worker_procs import wait_until
+from tests.support.cluster_procs import BrokerNode, ClusterProcesses
+from tests.support.procs import BrokerProcess
+from tests.support.worker_procs import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from tests.procs import steward_command
+from tests.support.procs import steward_command
 
 
 def test_steward_demo_runs_the_pyspark_word_count() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import BrokerProcess, fetch_all_tasks
+from tests.support.procs import BrokerProcess, fetch_all_tasks
 
 CYCLES = 10
 CLIENTS = 32

@@ -19,8 +19,8 @@ import pytest
 from clients.client import StewardClient
 from examples.spark_fanout import fanout_job
 from examples.spark_fanout.run import direct_answer, run_fanout
-from tests.procs import HOST, BrokerProcess, fetch_all_tasks, free_port
-from tests.worker_procs import WorkerProcess, task_writable_dir
+from tests.support.procs import HOST, BrokerProcess, fetch_all_tasks, free_port
+from tests.support.worker_procs import WorkerProcess, task_writable_dir
 
 pytestmark = pytest.mark.slow
 

@@ -32,7 +32,7 @@ from schemathesis.config import SchemathesisConfig
 from schemathesis.core.result import Ok
 from schemathesis.engine import Status, events, from_schema
 
-from tests.procs import BrokerProcess
+from tests.support.procs import BrokerProcess
 
 MIN_REQUESTS = 10_000
 # Examples per operation and phase in the default run: enough for MIN_REQUESTS.

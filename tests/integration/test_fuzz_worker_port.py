@@ -28,8 +28,8 @@ import msgspec
 import pytest
 
 from broker.workers import protocol as p
-from tests.fake_worker import FakeWorker
-from tests.procs import HOST, BrokerProcess, free_port
+from tests.support.fake_worker import FakeWorker
+from tests.support.procs import HOST, BrokerProcess, free_port
 
 MIN_INPUTS = 10_000
 CONNECTIONS = int(os.environ.get("STEWARD_FUZZ_CONNECTIONS", 800))

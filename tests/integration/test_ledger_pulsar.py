@@ -491,7 +491,7 @@ def test_broker_refuses_the_fencing_setting_on_pulsar_lite(
     # ledgers are fenced; it says so and exits 2.
     import subprocess
 
-    from tests.procs import free_port, steward_command
+    from tests.support.procs import free_port, steward_command
 
     result = subprocess.run(
         [

@@ -12,9 +12,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from clients.dev.zk import ZooKeeperServer
-from tests.cluster_procs import ClusterProcesses
-from tests.procs import HOST, BrokerProcess, free_port
-from tests.worker_procs import WorkerProcess, wait_until
+from tests.support.cluster_procs import ClusterProcesses
+from tests.support.procs import HOST, BrokerProcess, free_port
+from tests.support.worker_procs import WorkerProcess, wait_until
 
 WAIT_S = 60.0
 

@@ -29,7 +29,7 @@ from broker.replication.node import Node, NodeConfig, Stamp
 from broker.server.standalone import build_node
 from log.api import LedgerState
 from log.file import FRAME_HEADER, encode_frame
-from tests.procs import BrokerProcess, fetch_all_tasks, get_digest
+from tests.support.procs import BrokerProcess, fetch_all_tasks, get_digest
 
 WAIT_S = 30.0
 LEDGER_LOGGER = "log.file"

@@ -3,7 +3,7 @@
 One Spark Connect server for the module (it takes seconds to start), given to each test's
 worker (``Worker(config, spark_server=...)``); the worker runs every task in task
 processes, under a uid per tenant (CI runs as root), and the server under a uid of its own.
-The fake broker and the artifact server come from tests/unit/test_worker.py.
+The fake broker and the artifact server come from tests/support/worker_harness.py.
 """
 
 from __future__ import annotations
@@ -24,16 +24,15 @@ import pytest
 from broker.workers.protocol import Cancel, TaskAttempt
 from clients.worker import Worker, WorkerConfig
 from clients.worker.spark_connect import SparkConnectServer, new_session_id
-from tests.unit.test_worker import (
+from tests.support.worker_harness import (
     WAIT_S,
-    ArtifactServer,
     Env,
-    FakeBroker,
     result_of,
     task,
+    worker_env,
     zip_bytes,
 )
-from tests.worker_procs import task_writable_dir, wait_until
+from tests.support.worker_procs import task_writable_dir, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -111,23 +110,15 @@ def work_root() -> Iterator[Path]:
 
 
 def worker_config(env: Env, work_dir: Path, **overrides: Any) -> WorkerConfig:
-    settings: dict[str, Any] = {
-        "broker": f"127.0.0.1:{env.broker.port}",
-        "http_url": env.http.url,
+    settings = {
         "worker_id": "sc1",
         "task_types": {"*": 2},
         "resources": {"cpu": 2.0, "memory_mb": 1024.0},
-        "cache_dir": env.tmp / "cache",
-        "finish_batch_ms": 2.0,
-        "reconnect_backoff_min_s": 0.02,
-        "reconnect_backoff_max_s": 0.2,
-        "cancel_grace_s": 2.0,
         "spark_master": "local[2]",
         "work_dir": work_dir,
         "token": WORKER_TOKEN,
     }
-    settings.update(overrides)
-    return WorkerConfig(**settings)
+    return WorkerConfig(**env.worker_settings(**{**settings, **overrides}))
 
 
 @pytest.fixture(scope="module")
@@ -152,19 +143,8 @@ def server(work_root: Path) -> Iterator[SparkConnectServer]:
 
 @pytest.fixture
 async def env(tmp_path: Path) -> AsyncIterator[Env]:
-    broker = FakeBroker()
-    await broker.start()
-    http = ArtifactServer()
-    http.start()
-    environment = Env(broker, http, tmp_path)
-    try:
+    async with worker_env(tmp_path, stop_timeout_s=1.0, stop_wait_s=30) as environment:
         yield environment
-    finally:
-        for worker, run in environment.workers:
-            await asyncio.wait_for(worker.stop(wait=False, timeout_s=1.0), 30)
-            await asyncio.wait_for(run, WAIT_S)
-        await broker.close()
-        http.stop()
 
 
 async def start_worker(

@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import HOST, BrokerProcess, authenticated_broker, steward_command
-from tests.worker_procs import WorkerProcess, task_writable_dir, wait_until
+from tests.support.procs import HOST, BrokerProcess, authenticated_broker, steward_command
+from tests.support.worker_procs import WorkerProcess, task_writable_dir, wait_until
 
 ADMIN = "admin-secret-for-the-task-output-test"
 WORKER_TOKEN = "worker-token-for-the-task-output-test-0123"

@@ -23,7 +23,6 @@ import re
 import signal
 import socket
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,10 +33,11 @@ import pytest
 from broker.workers import protocol as p
 from clients.client import CertificateVerifyError, StewardClient
 from clients.dev.zk import ZooKeeperServer
-from tests.cluster_procs import BrokerNode, ClusterProcesses, fetch_tasks
-from tests.procs import HOST, BrokerProcess, free_port, steward_command
-from tests.tls_certs import TlsFiles, make_tls_files
-from tests.worker_procs import WorkerProcess, wait_until
+from tests.support.cluster_procs import BrokerNode, ClusterProcesses, fetch_tasks
+from tests.support.cluster_up import ClusterUpOutput, descendants
+from tests.support.procs import HOST, BrokerProcess, free_port, steward_command
+from tests.support.tls_certs import TlsFiles, make_tls_files
+from tests.support.worker_procs import WorkerProcess, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -287,21 +287,6 @@ def test_cluster_over_tls_survives_kill9_of_the_leader(
 # -- steward cluster up ----------------------------------------------------------------------
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (its children start their own sessions)."""
-    found: list[int] = []
-    frontier = [pid]
-    while frontier:
-        parent = frontier.pop()
-        try:
-            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-        except FileNotFoundError:
-            continue
-        found += map(int, children)
-        frontier += map(int, children)
-    return found
-
-
 def test_cluster_up_passes_tls_on(tls: TlsFiles, tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [
@@ -316,21 +301,9 @@ def test_cluster_up_passes_tls_on(tls: TlsFiles, tmp_path: Path) -> None:
         text=True,
         start_new_session=True,
     )  # fmt: skip
-    lines: list[str] = []
-    up = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("cluster up"):
-                up.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    watch = ClusterUpOutput(proc)
     try:
-        assert up.wait(CLUSTER_UP_TIMEOUT_S), "cluster up did not come up:\n" + "".join(lines)
-        output = "".join(lines)
+        output = watch.wait_up(CLUSTER_UP_TIMEOUT_S)
         urls = re.findall(r"^broker-\d+\s+(https://127\.0\.0\.1:\d+)$", output, re.MULTILINE)
         assert len(urls) == 2, output
         assert f"--ca-file {tls.ca_path} status" in output, output
@@ -343,9 +316,9 @@ def test_cluster_up_passes_tls_on(tls: TlsFiles, tmp_path: Path) -> None:
         try:
             code = proc.wait(timeout=CLUSTER_UP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            for pid in [*_descendants(proc.pid), proc.pid]:
+            for pid in [*descendants(proc.pid), proc.pid]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             raise
-        reader.join(timeout=5)
-    assert code == 0, "".join(lines)
+        watch.reader.join(timeout=5)
+    assert code == 0, watch.text()

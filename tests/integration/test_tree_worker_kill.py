@@ -21,8 +21,8 @@ import pytest
 from clients.client import StewardClient, TaskHandle
 from examples.spark_fanout import fanout_job
 from examples.spark_fanout.run import direct_answer, submit_fanout, upload_job, wait_fanout
-from tests.procs import HOST, BrokerProcess, fetch_all_tasks, free_port
-from tests.worker_procs import WorkerProcess, task_writable_dir, wait_until
+from tests.support.procs import HOST, BrokerProcess, fetch_all_tasks, free_port
+from tests.support.worker_procs import WorkerProcess, task_writable_dir, wait_until
 
 pytestmark = pytest.mark.slow
 

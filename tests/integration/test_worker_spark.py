@@ -2,12 +2,11 @@
 
 One SparkSession for the module (starting one takes seconds): the module fixture
 creates it through the worker's own ``shared_spark``, so every worker here uses it.
-The fake broker and the artifact server come from tests/unit/test_worker.py.
+The fake broker and the artifact server come from tests/support/worker_harness.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 from collections import Counter
@@ -21,14 +20,12 @@ from broker.workers.protocol import Cancel, TaskAttempt
 from clients.worker import TaskContext
 from clients.worker import runtime as worker_runtime
 from clients.worker.runtime import shared_spark
-from tests.unit.test_worker import (
-    WAIT_S,
-    ArtifactServer,
+from tests.support.worker_harness import (
     Env,
-    FakeBroker,
     result_of,
     task,
     until,
+    worker_env,
     zip_bytes,
 )
 
@@ -48,19 +45,8 @@ def spark() -> Iterator[Any]:
 
 @pytest.fixture
 async def env(tmp_path: Path, spark: Any) -> AsyncIterator[Env]:
-    broker = FakeBroker()
-    await broker.start()
-    http = ArtifactServer()
-    http.start()
-    environment = Env(broker, http, tmp_path)
-    try:
+    async with worker_env(tmp_path, stop_timeout_s=1.0, stop_wait_s=30) as environment:
         yield environment
-    finally:
-        for worker, run in environment.workers:
-            await asyncio.wait_for(worker.stop(wait=False, timeout_s=1.0), 30)
-            await asyncio.wait_for(run, WAIT_S)
-        await broker.close()
-        http.stop()
 
 
 def group_jobs(spark: Any, group: str) -> list[tuple[int, str]]:

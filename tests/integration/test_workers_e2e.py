@@ -16,8 +16,8 @@ import pytest
 
 from clients.client import StewardClient
 from clients.demo.run import corpus_lines, plain_python_count, run_wordcount
-from tests.procs import HOST, BrokerProcess, free_port
-from tests.worker_procs import TcpProxy, WorkerProcess, wait_until
+from tests.support.procs import HOST, BrokerProcess, free_port
+from tests.support.worker_procs import TcpProxy, WorkerProcess, wait_until
 
 HEARTBEAT_TIMEOUT_MS = 1500
 

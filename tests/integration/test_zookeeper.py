@@ -29,7 +29,7 @@ from log.zk_list import ZooKeeperLedgerListStore, ledger_list_path
 if TYPE_CHECKING:
     # Only for annotations: importing the plugin module here would keep pytest from
     # rewriting its asserts.
-    from tests.zk_fixture import ElectorProcessFactory
+    from tests.support.zk_fixture import ElectorProcessFactory
 
 
 SESSION_TIMEOUT_S = 3.0

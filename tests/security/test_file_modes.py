@@ -25,7 +25,7 @@ from clients.worker.artifacts import ArtifactCache
 from log.api import LedgerInfo, LedgerList, LedgerState
 from log.file import FileLedgerListStore, FileLedgerStore
 from snapshot.store import SnapshotStore
-from tests.procs import BrokerProcess
+from tests.support.procs import BrokerProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

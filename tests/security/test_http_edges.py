@@ -4,7 +4,7 @@ Oversized request headers get 431 with a JSON error before the broker holds them
 clients that send their headers or body slowly are cut off after the timeout (408);
 connections beyond ``--http-max-connections`` get 503 at once. During each attack
 the broker's resident memory grows by less than 64 MB and ``GET /healthz`` answers
-within 1 s (tests/edge_probes.py).
+within 1 s (tests/support/edge_probes.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.edge_probes import AttackWatch, connect, read_until_closed, send_ignoring_close
-from tests.procs import BrokerProcess
+from tests.support.edge_probes import AttackWatch, connect, read_until_closed, send_ignoring_close
+from tests.support.procs import BrokerProcess
 
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 1.0

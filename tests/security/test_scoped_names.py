@@ -23,10 +23,8 @@ from broker.core.state import (
     TaskRef,
     TransactionDone,
 )
-from tests.unit.test_auth import Env, env, error_code
+from tests.support.auth_env import Env, error_code
 from tests.unit.test_state import Machine
-
-__all__ = ["env"]  # the pytest fixture used below
 
 TASKS = "/api/v1/tasks"
 TXNS = "/api/v1/transactions"

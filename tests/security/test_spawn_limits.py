@@ -14,10 +14,8 @@ import msgspec
 from broker.core import entries as e
 from broker.core.state import StateMachine, TaskRef, TaskState, TreeState
 from broker.workers import protocol as p
+from tests.support.link_broker import Broker
 from tests.unit.test_state import Machine
-from tests.unit.test_worker_link import Broker, broker, make_broker
-
-__all__ = ["broker", "make_broker"]  # pytest fixtures used below
 
 WAITING = TaskState.WAITING.value
 

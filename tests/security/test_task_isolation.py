@@ -30,8 +30,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import HOST, BrokerProcess, authenticated_broker
-from tests.worker_procs import WorkerProcess, wait_until
+from tests.support.procs import HOST, BrokerProcess, authenticated_broker
+from tests.support.worker_procs import WorkerProcess, wait_until
 
 ADMIN = "admin-secret-for-the-isolation-test"
 # Made per run: a copy of this file anywhere a task can read must not count as a find.

@@ -5,7 +5,7 @@ worker must not write into another tenant's task output); an oversized frame is 
 protocol error; the leader that lacks an attempt's output asks the worker that ran it;
 and the logs route answers the task's tenant only (another tenant gets the 404 of a
 missing task). A Node on in-memory ledgers with a WorkerLink and the HTTP API in process,
-driven by :class:`tests.fake_worker.FakeWorker`; every wait is bounded.
+driven by :class:`tests.support.fake_worker.FakeWorker`; every wait is bounded.
 """
 
 from __future__ import annotations
@@ -13,97 +13,34 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
-from broker.api.http_api import ApiApp, ApiConfig
 from broker.api.output_store import OutputStore
-from broker.security.auth import AuthConfig
 from broker.workers import protocol as p
-from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
-from tests.fake_worker import FakeWorker
-from tests.memory_node import memory_node
+from tests.support.secured_link import SecuredBroker, secured_broker
 
 ADMIN = "admin-secret-for-the-output-test"
 SHARED = "shared-worker-token-for-the-output-test"
 PEER = "peer-secret-for-the-output-test"
 
 
-@dataclass
-class Broker:
-    link: WorkerLink
-    outputs: OutputStore
-    http: httpx.AsyncClient
-    workers: list[FakeWorker] = field(default_factory=list)
-
-    def worker(self, worker_id: str, **options: Any) -> FakeWorker:
-        worker = FakeWorker(self.link.port, worker_id, token=SHARED, **options)
-        self.workers.append(worker)
-        return worker
-
-    async def call(self, token: str, path: str, **params: Any) -> httpx.Response:
-        headers = {"authorization": f"Bearer {token}"}
-        return await self.http.get(path, headers=headers, params=params)
-
-    async def tenant_token(self, tenant: str) -> str:
-        created = await self.http.post(
-            "/api/v1/tokens",
-            json={"name": f"{tenant}-key", "tenant": tenant},
-            headers={"authorization": f"Bearer {ADMIN}"},
-        )
-        assert created.status_code == 201, created.text
-        token: str = created.json()["token"]
-        return token
-
-    async def submit(self, tenant: str) -> int:
-        response = await self.http.post(
-            "/api/v1/tasks",
-            json={"type": "noop", "tenant": tenant},
-            headers={"authorization": f"Bearer {ADMIN}"},
-        )
-        assert response.status_code == 201, response.text
-        return int(response.json()["id"])
-
-
 @pytest.fixture
-async def broker(tmp_path: Path) -> AsyncIterator[Broker]:
-    node = memory_node(tmp_path)
-    await node.start()
-    outputs = OutputStore()
-    link = WorkerLink(
-        node,
-        WorkerLinkConfig(
-            port=0,
-            heartbeat_interval_ms=100,
-            heartbeat_timeout_ms=5000,
-            token=SHARED,
-            tenant_isolation=True,
-            worker_credentials=True,
-        ),
-        outputs,
-    )
-    await link.start()
-    app = ApiApp(
-        node, ApiConfig(auth=AuthConfig.from_secrets([ADMIN], SHARED, PEER)), outputs=outputs
-    )
-    transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-        harness = Broker(link, outputs, http)
-        try:
-            yield harness
-        finally:
-            for worker in harness.workers:
-                await worker.close()
-            await link.stop()
-            await node.stop(snapshot=False)
+async def broker(tmp_path: Path) -> AsyncIterator[SecuredBroker]:
+    async with secured_broker(
+        tmp_path,
+        admin=ADMIN,
+        worker_token=SHARED,
+        peer=PEER,
+        outputs=OutputStore(),
+        workers_send_token=True,
+    ) as harness:
+        yield harness
 
 
 async def test_output_is_kept_only_from_the_attempts_connection_and_read_by_its_tenant(
-    broker: Broker, caplog: pytest.LogCaptureFixture
+    broker: SecuredBroker, caplog: pytest.LogCaptureFixture
 ) -> None:
     alice, bob = await broker.tenant_token("alice"), await broker.tenant_token("bob")
     owner = broker.worker("w1", task_types={"*": 1})
@@ -131,7 +68,7 @@ async def test_output_is_kept_only_from_the_attempts_connection_and_read_by_its_
     )
     owner.finish_ok(task_id, 1)
     await owner.expect(p.FinishAck)
-    answer = await broker.call(alice, path)
+    answer = await broker.get(alice, path)
     assert answer.status_code == 200, answer.text
     assert answer.json()["output"] == "alice's first line\nand last\n"
     assert answer.json()["complete"] is True
@@ -139,17 +76,17 @@ async def test_output_is_kept_only_from_the_attempts_connection_and_read_by_its_
     owner.send(p.Output(task_id=task_id, attempt=1, offset=100, data=b"late\n"))
     owner.finish_ok(999, 1)
     await owner.expect(p.FinishAck)
-    assert "late" not in (await broker.call(alice, path)).json()["output"]
+    assert "late" not in (await broker.get(alice, path)).json()["output"]
 
     # Bob: the same answer as for a task that does not exist.
-    refused = await broker.call(bob, path)
-    missing = await broker.call(bob, "/api/v1/tasks/999999/logs")
+    refused = await broker.get(bob, path)
+    missing = await broker.get(bob, "/api/v1/tasks/999999/logs")
     assert refused.status_code == missing.status_code == 404
     assert refused.json()["error"]["code"] == "not_found"
     assert "alice" not in refused.text
 
 
-async def test_an_oversized_output_frame_is_a_protocol_error(broker: Broker) -> None:
+async def test_an_oversized_output_frame_is_a_protocol_error(broker: SecuredBroker) -> None:
     worker = broker.worker("w1")
     await worker.hello()
     task_id = await broker.submit("alice")
@@ -162,7 +99,9 @@ async def test_an_oversized_output_frame_is_a_protocol_error(broker: Broker) -> 
     assert (task_id, 1) not in broker.outputs
 
 
-async def test_a_leader_without_the_output_asks_the_worker_that_ran_it(broker: Broker) -> None:
+async def test_a_leader_without_the_output_asks_the_worker_that_ran_it(
+    broker: SecuredBroker,
+) -> None:
     alice = await broker.tenant_token("alice")
     worker = broker.worker("w1")
     await worker.connect()
@@ -181,13 +120,13 @@ async def test_a_leader_without_the_output_asks_the_worker_that_ran_it(broker: B
         worker.send(p.Output(task_id=task_id, attempt=1, data=b"kept by w1\n", complete=True))
 
     answering = asyncio.create_task(answer_fetch())
-    answer = await broker.call(alice, f"/api/v1/tasks/{task_id}/logs")
+    answer = await broker.get(alice, f"/api/v1/tasks/{task_id}/logs")
     await asyncio.wait_for(answering, 5)
     assert answer.status_code == 200, answer.text
     assert answer.json()["output"] == "kept by w1\n" and answer.json()["available"] is True
 
 
-async def test_an_older_worker_is_never_asked_for_output(broker: Broker) -> None:
+async def test_an_older_worker_is_never_asked_for_output(broker: SecuredBroker) -> None:
     """A worker whose Hello does not offer output would drop the connection on a
     FetchOutput frame it cannot decode: the leader answers without asking it."""
     alice = await broker.tenant_token("alice")
@@ -198,7 +137,7 @@ async def test_an_older_worker_is_never_asked_for_output(broker: Broker) -> None
     await worker.expect(p.Assign)
     worker.finish_ok(task_id, 1)
     await worker.expect(p.FinishAck)
-    answer = await broker.call(alice, f"/api/v1/tasks/{task_id}/logs")
+    answer = await broker.get(alice, f"/api/v1/tasks/{task_id}/logs")
     assert answer.status_code == 200, answer.text
     assert answer.json()["available"] is False and answer.json()["complete"] is True
     await worker.expect_none(p.FetchOutput)

@@ -26,8 +26,8 @@ import pytest
 
 from broker.artifacts.artifact_check import ArtifactLimits
 from clients.worker.artifacts import ArtifactCache, ArtifactError
-from tests.edge_probes import AttackWatch
-from tests.procs import BrokerProcess
+from tests.support.edge_probes import AttackWatch
+from tests.support.procs import BrokerProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MIB = 1024 * 1024

@@ -12,132 +12,42 @@
   workers; reports are accepted only from the connection the attempt is assigned to.
 
 The protocol-level tests run a Node on in-memory ledgers with a WorkerLink and the HTTP
-API in process, driven by :class:`tests.fake_worker.FakeWorker`; every wait is bounded.
+API in process, driven by :class:`tests.support.fake_worker.FakeWorker`; every wait is bounded.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import os
-import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
-from broker.api.http_api import ApiApp, ApiConfig
-from broker.artifacts.code_store import CodeStore
 from broker.core.state import TaskState, WorkerState
-from broker.replication.node import Node
-from broker.security.auth import AuthConfig
 from broker.workers import protocol as p
-from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
 from clients import cli
 from clients.worker.__main__ import build_parser, worker_token
-from tests.fake_worker import FakeWorker
-from tests.memory_node import memory_node
-from tests.procs import HOST, authenticated_broker
-from tests.worker_procs import WorkerProcess
+from tests.support.fake_worker import FakeWorker
+from tests.support.procs import HOST, authenticated_broker
+from tests.support.secured_link import (
+    SecuredBroker,
+    secured_broker,
+)
+from tests.support.worker_procs import WorkerProcess
 
 ADMIN = "admin-secret-for-the-credentials-test"
 SHARED = "shared-worker-token-for-the-test"
 PEER = "peer-secret-for-the-test"
-INTERVAL_MS = 100
-# Long enough that a worker whose connection dropped is not declared dead mid-test.
-TIMEOUT_MS = 5000
-WAIT_S = 5.0
-
-
-@dataclass
-class Broker:
-    node: Node
-    link: WorkerLink
-    http: httpx.AsyncClient
-    workers: list[FakeWorker] = field(default_factory=list)
-
-    def worker(self, worker_id: str, **options: Any) -> FakeWorker:
-        worker = FakeWorker(self.link.port, worker_id, **options)
-        self.workers.append(worker)
-        return worker
-
-    async def call(
-        self, token: str | None, method: str, path: str, **kwargs: Any
-    ) -> httpx.Response:
-        headers = {"authorization": f"Bearer {token}"} if token is not None else {}
-        return await self.http.request(method, path, headers=headers, **kwargs)
-
-    async def worker_credential(self, name: str, tenants: list[str] | None = None) -> str:
-        body: dict[str, Any] = {"name": name, "role": "worker"}
-        if tenants is not None:
-            body["tenants"] = tenants
-        created = await self.call(ADMIN, "POST", "/api/v1/tokens", json=body)
-        assert created.status_code == 201, created.text
-        assert created.json()["role"] == "worker"
-        assert created.json()["tenants"] == (tenants or [])
-        secret: str = created.json()["token"]
-        return secret
-
-    async def submit(self, tenant: str, code: str | None = None) -> int:
-        task: dict[str, Any] = {"type": "job:run" if code else "noop", "tenant": tenant}
-        if code is not None:
-            task["code"] = code
-        response = await self.call(ADMIN, "POST", "/api/v1/tasks", json=task)
-        assert response.status_code == 201, response.text
-        return int(response.json()["id"])
-
-    async def upload(self, script: bytes) -> str:
-        response = await self.call(ADMIN, "POST", "/api/v1/code?name=job.py", content=script)
-        assert response.status_code == 201, response.text
-        sha: str = response.json()["sha256"]
-        return sha
-
-    def state_of(self, task_id: int) -> tuple[str, str | None]:
-        task = self.node.state.tasks[task_id]
-        return task.state, task.worker
-
-    async def until(self, condition: Callable[[], bool], wait_s: float = WAIT_S) -> None:
-        deadline = time.monotonic() + wait_s
-        while not condition():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"condition still false after {wait_s} s")
-            await asyncio.sleep(0.01)
 
 
 @pytest.fixture
-async def broker(tmp_path: Path) -> AsyncIterator[Broker]:
-    node = memory_node(tmp_path)
-    await node.start()
-    link = WorkerLink(
-        node,
-        WorkerLinkConfig(
-            port=0,
-            heartbeat_interval_ms=INTERVAL_MS,
-            heartbeat_timeout_ms=TIMEOUT_MS,
-            hello_timeout_s=2.0,
-            token=SHARED,
-            tenant_isolation=True,
-            worker_credentials=True,
-        ),
-    )
-    await link.start()
-    auth = AuthConfig.from_secrets([ADMIN], SHARED, PEER)
-    app = ApiApp(node, ApiConfig(auth=auth), code_store=CodeStore(tmp_path / "code"))
-    transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-        harness = Broker(node, link, http)
-        try:
-            yield harness
-        finally:
-            for worker in harness.workers:
-                await worker.close()
-            await link.stop()
-            await node.stop(snapshot=False)
-            node.state.check_invariants()
+async def broker(tmp_path: Path) -> AsyncIterator[SecuredBroker]:
+    async with secured_broker(
+        tmp_path, admin=ADMIN, worker_token=SHARED, peer=PEER, code_store=True, hello_timeout_s=2.0
+    ) as harness:
+        yield harness
 
 
 async def refused(worker: FakeWorker, code: str) -> p.Error:
@@ -302,7 +212,7 @@ def test_the_token_file_option_reads_the_first_line(tmp_path: Path) -> None:
 # --- scoped credentials ------------------------------------------------------------------------
 
 
-async def test_a_scoped_credential_serves_its_tenants_only(broker: Broker) -> None:
+async def test_a_scoped_credential_serves_its_tenants_only(broker: SecuredBroker) -> None:
     secret = await broker.worker_credential("for-a", ["a"])
     whoami = await broker.call(secret, "GET", "/api/v1/whoami")
     assert whoami.json()["role"] == "worker"
@@ -345,7 +255,7 @@ async def test_a_scoped_credential_serves_its_tenants_only(broker: Broker) -> No
         await refused(intruder, "unauthorized")
 
 
-async def test_token_api_validates_worker_credentials(broker: Broker) -> None:
+async def test_token_api_validates_worker_credentials(broker: SecuredBroker) -> None:
     for body in (
         {"name": "x", "role": "tenant", "tenant": "a", "tenants": ["a"]},
         {"name": "x", "role": "worker", "tenant": "a"},
@@ -370,7 +280,7 @@ async def test_token_api_validates_worker_credentials(broker: Broker) -> None:
     assert reloaded.digest() == state.digest()
 
 
-async def test_a_second_live_connection_for_a_worker_id_is_refused(broker: Broker) -> None:
+async def test_a_second_live_connection_for_a_worker_id_is_refused(broker: SecuredBroker) -> None:
     secret = await broker.worker_credential("w")
     first = broker.worker("w1", token=secret, process_id="proc-1")
     await first.hello()
@@ -407,7 +317,7 @@ async def test_a_second_live_connection_for_a_worker_id_is_refused(broker: Broke
     assert broker.state_of(task_id) == (TaskState.RUNNING, "w1")
 
 
-async def test_a_revoked_worker_credential_loses_its_connection(broker: Broker) -> None:
+async def test_a_revoked_worker_credential_loses_its_connection(broker: SecuredBroker) -> None:
     secret = await broker.worker_credential("short-lived")
     worker = broker.worker("w1", token=secret)
     await worker.hello()
@@ -425,7 +335,7 @@ async def test_a_revoked_worker_credential_loses_its_connection(broker: Broker) 
 
 
 async def test_a_worker_credential_downloads_only_code_assigned_to_its_workers(
-    broker: Broker,
+    broker: SecuredBroker,
 ) -> None:
     code_a = await broker.upload(b"def run(params, ctx):\n    return 'a'\n")
     code_b = await broker.upload(b"def run(params, ctx):\n    return 'b'\n")
@@ -481,7 +391,7 @@ async def test_a_worker_credential_downloads_only_code_assigned_to_its_workers(
 
 
 async def test_reports_are_accepted_only_from_the_attempts_connection(
-    broker: Broker, caplog: pytest.LogCaptureFixture
+    broker: SecuredBroker, caplog: pytest.LogCaptureFixture
 ) -> None:
     secret = await broker.worker_credential("w")
     owner = broker.worker("w1", token=secret, task_types={"*": 1})
@@ -518,7 +428,7 @@ async def test_reports_are_accepted_only_from_the_attempts_connection(
     assert (task.state, task.result) == (TaskState.FINISHED, b'"mine"')
 
 
-async def test_snapshots_from_before_worker_credentials_still_load(broker: Broker) -> None:
+async def test_snapshots_from_before_worker_credentials_still_load(broker: SecuredBroker) -> None:
     """Tokens and workers of older snapshots lack the trailing ``tenants`` / ``credential``
     fields: they load as unscoped tokens and shared-token workers."""
     import msgspec

@@ -20,9 +20,9 @@ import httpx
 import pytest
 
 from broker.workers import protocol as p
-from tests.edge_probes import AttackWatch, connect, read_until_closed, send_ignoring_close
-from tests.fake_worker import FakeWorker
-from tests.procs import HOST, BrokerProcess, free_port
+from tests.support.edge_probes import AttackWatch, connect, read_until_closed, send_ignoring_close
+from tests.support.fake_worker import FakeWorker
+from tests.support.procs import HOST, BrokerProcess, free_port
 
 TOKEN = "worker-port-edges-token"
 HELLO_TIMEOUT_S = 1.0

@@ -27,7 +27,7 @@ from clients.client import (
     UnavailableError,
     parse_urls,
 )
-from tests.procs import HOST, free_port
+from tests.support.procs import HOST, free_port
 
 
 @dataclass(frozen=True)

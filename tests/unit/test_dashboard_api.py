@@ -24,8 +24,8 @@ from broker.core.state import Applied, TaskRef
 from broker.observability.dashboard import ThroughputRecorder
 from broker.replication.node import Node, Stamp
 from clients.dev.local_server import free_port
-from tests.asgi_server import Receive, Scope, Send, serve, unserve
-from tests.memory_node import memory_node
+from tests.support.asgi_server import Receive, Scope, Send, serve, unserve
+from tests.support.memory_node import memory_node
 
 CONFIG = ApiConfig(max_list_limit=50)
 

@@ -22,7 +22,7 @@ import pytest
 from broker.api.http_api import ApiApp, ApiConfig
 from broker.core import entries as e
 from broker.replication.node import Node, Stamp
-from tests.memory_node import memory_node
+from tests.support.memory_node import memory_node
 
 CONFIG = ApiConfig(
     max_request_bytes=64 * 1024,

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from broker.api.http_api import ApiApp, ApiConfig
 from broker.core import entries as e
 from broker.replication.node import Node, Stamp
-from tests.memory_node import memory_node
+from tests.support.memory_node import memory_node
 from tests.unit.ledger_helpers import MemoryBackend, cluster_node
 
 WAIT_S = 30.0

@@ -31,7 +31,7 @@ from snapshot.peer import (
     format_position,
 )
 from snapshot.store import SnapshotStore
-from tests.asgi_server import Asgi, Receive, Scope, Send, Served, serve, unserve
+from tests.support.asgi_server import Asgi, Receive, Scope, Send, Served, serve, unserve
 
 CLUSTER = "peer-test"
 WAIT_S = 30.0

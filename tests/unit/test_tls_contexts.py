@@ -34,7 +34,7 @@ from clients.worker.config import WorkerConfig
 from log.memory import MemoryLedgerListStore, MemoryLedgerStore
 from snapshot.peer import download_latest_snapshot
 from snapshot.store import SnapshotStore
-from tests.tls_certs import TlsFiles, make_tls_files
+from tests.support.tls_certs import TlsFiles, make_tls_files
 
 HANDSHAKE_TIMEOUT_S = 10.0
 

@@ -9,9 +9,7 @@ from typing import Any
 
 from broker.core.state import TaskState, TreeState
 from clients.worker import TaskContext, Worker, WorkerConfig
-from tests.unit.test_worker_link import Broker, BrokerFactory, broker, make_broker
-
-__all__ = ["broker", "make_broker"]  # pytest fixtures used below
+from tests.support.link_broker import Broker, BrokerFactory
 
 
 def fanout(params: Any, ctx: TaskContext) -> int:

@@ -4,11 +4,19 @@ the broker may not send now ends the connection with an Error frame, then a reco
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
 
 from broker.workers.protocol import Assign, Error, Hello
-from tests.unit.test_worker import WAIT_S, Env, env
+from tests.support.worker_harness import WAIT_S, Env, worker_env
 
-__all__ = ["env"]  # the fixture
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    async with worker_env(tmp_path, stop_timeout_s=0.5, stop_wait_s=WAIT_S + 5) as environment:
+        yield environment
 
 
 async def test_a_frame_the_broker_may_not_send_ends_the_connection(env: Env) -> None:

@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from broker.core.state import WorkerState
-from tests.unit.test_worker_link import WAIT_S, BrokerFactory, make_broker
-
-__all__ = ["make_broker"]  # the fixture
+from tests.support.link_broker import WAIT_S, BrokerFactory
 
 
 class Monotonic:

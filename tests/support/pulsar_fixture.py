@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from clients.dev.pulsar_lite import PulsarLiteServer
-from tests.server_fixtures import in_temp_dir, one_server, server_factory
+from tests.support.server_fixtures import in_temp_dir, one_server, server_factory
 
 
 @pytest.fixture(scope="session")

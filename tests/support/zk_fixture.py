@@ -8,7 +8,7 @@ tests/conftest.py loads these fixtures for every test.
 
 There is no skip: without Java or the ZooKeeper jars the fixtures fail with the reason.
 
-``python -m tests.zk_fixture CONNECT CLUSTER BROKER_ID SESSION_TIMEOUT_S`` runs one
+``python -m tests.support.zk_fixture CONNECT CLUSTER BROKER_ID SESSION_TIMEOUT_S`` runs one
 :class:`~broker.ha.election.LeaderElector` that joins the queue and waits to be killed (a broker
 that tests can ``kill -9``); it prints ``JOINED`` once queued.
 The ``elector_process`` fixture starts one.
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from clients.dev.zk import ZooKeeperServer
-from tests.server_fixtures import in_temp_dir, one_server, server_factory
+from tests.support.server_fixtures import in_temp_dir, one_server, server_factory
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def zookeeper_factory(
     yield from server_factory(in_temp_dir(ZooKeeperServer, tmp_path_factory, "zookeeper"))
 
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 ElectorProcessFactory = Callable[[str, str, str, float], "subprocess.Popen[bytes]"]
 
 
@@ -60,7 +60,7 @@ def elector_process(tmp_path: Path) -> Iterator[ElectorProcessFactory]:
         command = [
             sys.executable,
             "-m",
-            "tests.zk_fixture",
+            "tests.support.zk_fixture",
             connect_string,
             cluster,
             broker_id,

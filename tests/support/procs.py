@@ -25,8 +25,17 @@ from typing import IO, TYPE_CHECKING, Any
 
 import httpx
 
+from tests.support.logged_process import (
+    kill9,
+    log_tail,
+    log_text,
+    open_log,
+    spawn_logged,
+    wait_healthy,
+)
+
 if TYPE_CHECKING:
-    from tests.tls_certs import TlsFiles
+    from tests.support.tls_certs import TlsFiles
 
 HOST = "127.0.0.1"
 DEFAULT_START_TIMEOUT_S = 30.0
@@ -190,56 +199,33 @@ class BrokerProcess:
         self.port = port
         self.starts += 1
         self._close_log()
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in _close_log
+        self._log_file = open_log(self.log_path)
         self._start_offset = self._log_file.tell()
         header = f"\n===== start #{self.starts} on port {port} at {time.time():.3f} =====\n"
         self._log_file.write(header.encode())
         self._log_file.flush()
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONUNBUFFERED"] = "1"
-        self.proc = subprocess.Popen(
-            self._command(port),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # a ^C of the test run does not hit the broker first
-        )
+        self.proc = spawn_logged(self._command(port), self._log_file, env)
 
     def wait_healthy(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> dict[str, Any]:
         """Poll ``/healthz`` until it answers 200; raise if the process dies or time runs out."""
-        deadline = time.monotonic() + timeout_s
-        last: str = "no answer yet"
-        with httpx.Client(base_url=self.url, timeout=2.0, verify=self.verify) as client:
-            while True:
-                if not self.running():
-                    code = self.proc.returncode if self.proc is not None else None
-                    raise BrokerStartError(
-                        f"broker exited with code {code} before it was healthy\n{self.log_tail()}"
-                    )
-                try:
-                    response = client.get("/healthz")
-                    if response.status_code == 200:
-                        body: dict[str, Any] = response.json()
-                        return body
-                    last = f"HTTP {response.status_code}: {response.text}"
-                except httpx.TransportError as exc:
-                    last = repr(exc)
-                if time.monotonic() >= deadline:
-                    raise BrokerStartError(
-                        f"broker not healthy within {timeout_s} s ({last})\n{self.log_tail()}"
-                    )
-                time.sleep(0.05)
+        return wait_healthy(
+            self.url,
+            lambda: self.proc,
+            name="broker",
+            verify=self.verify,
+            timeout_s=timeout_s,
+            probe_timeout_s=2.0,
+            tail=self.log_tail,
+            error=BrokerStartError,
+        )
 
     def kill9(self, timeout_s: float = 10.0) -> None:
         """SIGKILL the broker and reap it (bounded)."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=timeout_s)
+        kill9(self.proc, timeout_s)
         self._close_log()
 
     kill = kill9
@@ -266,20 +252,10 @@ class BrokerProcess:
             self._log_file = None
 
     def log_tail(self, max_bytes: int = 8000) -> str:
-        try:
-            with open(self.log_path, "rb") as log_file:
-                log_file.seek(0, os.SEEK_END)
-                size = log_file.tell()
-                log_file.seek(max(0, size - max_bytes))
-                return log_file.read().decode(errors="replace")
-        except FileNotFoundError:
-            return "(no log)"
+        return log_tail(self.log_path, max_bytes)
 
     def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
+        return log_text(self.log_path)
 
     def __enter__(self) -> BrokerProcess:
         return self

@@ -17,7 +17,6 @@ connections) or stay pinned to one broker, and record every answer with its time
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import itertools
 import json
@@ -37,11 +36,19 @@ from typing import IO, TYPE_CHECKING, Any
 
 import httpx
 
-from tests.procs import HOST, free_port, steward_command
-from tests.worker_procs import wait_until
+from tests.support.logged_process import (
+    kill9,
+    log_tail,
+    log_text,
+    open_log,
+    spawn_logged,
+    wait_healthy,
+)
+from tests.support.procs import HOST, free_port, steward_command
+from tests.support.worker_procs import wait_until
 
 if TYPE_CHECKING:
-    from tests.tls_certs import TlsFiles
+    from tests.support.tls_certs import TlsFiles
 
 DEFAULT_SESSION_TIMEOUT_MS = 4_000
 START_TIMEOUT_S = 30.0
@@ -67,24 +74,6 @@ def worker_supports_brokers_flag() -> bool:
     except subprocess.TimeoutExpired:
         return False
     return "--brokers" in result.stdout
-
-
-def _tail(path: Path, max_bytes: int) -> str:
-    try:
-        with open(path, "rb") as log_file:
-            log_file.seek(0, os.SEEK_END)
-            size = log_file.tell()
-            log_file.seek(max(0, size - max_bytes))
-            return log_file.read().decode(errors="replace")
-    except FileNotFoundError:
-        return "(no log)"
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except FileNotFoundError:
-        return ""
 
 
 class BrokerNode:
@@ -167,53 +156,28 @@ class BrokerNode:
     def spawn(self) -> None:
         assert not self.running(), f"{self.broker_id} is already running"
         self.close_log()
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in close_log
         self.starts += 1
         header = (
             f"\n===== start #{self.starts} http {self.http_port} workers {self.worker_port} "
             f"at {time.time():.3f} =====\n"
         )
-        self._log.write(header.encode())
-        self._log.flush()
+        self._log = open_log(self.log_path, header)
         self.stopped = False
-        self.proc = subprocess.Popen(
-            self.command(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", **self.cluster.extra_env),
-            start_new_session=True,  # a ^C of the test run does not hit the broker first
-        )
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.cluster.extra_env)
+        self.proc = spawn_logged(self.command(), self._log, env)
 
     def wait_serving(self, timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
         """Poll ``/healthz`` until 200 (a follower answers 200 too); fail if it exits."""
-        deadline = time.monotonic() + timeout_s
-        last = "no answer yet"
-        with httpx.Client(
-            base_url=self.url, timeout=PROBE_TIMEOUT_S, verify=self.cluster.verify
-        ) as http:
-            while True:
-                if not self.running():
-                    code = self.proc.returncode if self.proc is not None else None
-                    raise ClusterError(
-                        f"broker {self.broker_id} exited with code {code} before serving\n"
-                        f"{self.log_tail()}"
-                    )
-                try:
-                    response = http.get("/healthz")
-                    if response.status_code == 200:
-                        body: dict[str, Any] = response.json()
-                        return body
-                    last = f"HTTP {response.status_code}: {response.text}"
-                except httpx.TransportError as exc:
-                    last = repr(exc)
-                if time.monotonic() >= deadline:
-                    raise ClusterError(
-                        f"broker {self.broker_id} not serving within {timeout_s} s ({last})\n"
-                        f"{self.log_tail()}"
-                    )
-                time.sleep(0.05)
+        return wait_healthy(
+            self.url,
+            lambda: self.proc,
+            name=f"broker {self.broker_id}",
+            verify=self.cluster.verify,
+            timeout_s=timeout_s,
+            probe_timeout_s=PROBE_TIMEOUT_S,
+            tail=self.log_tail,
+            error=ClusterError,
+        )
 
     def signal(self, signum: signal.Signals) -> float:
         """Send ``signum`` to the broker; returns when it was sent (monotonic)."""
@@ -226,10 +190,7 @@ class BrokerNode:
         """SIGKILL and reap (bounded); returns when the signal was sent."""
         sent = time.monotonic()
         if self.proc is not None:
-            if self.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+            kill9(self.proc)
         self.stopped = False
         self.close_log()
         return sent
@@ -277,10 +238,10 @@ class BrokerNode:
             self._log = None
 
     def log_tail(self, max_bytes: int = 6000) -> str:
-        return _tail(self.log_path, max_bytes)
+        return log_tail(self.log_path, max_bytes)
 
     def log_text(self) -> str:
-        return _read_text(self.log_path)
+        return log_text(self.log_path)
 
     # -- HTTP ---------------------------------------------------------------------------
 
@@ -622,10 +583,9 @@ class ClusterWorker:
         self._log: IO[bytes] | None = None
 
     def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.stopped = False
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in kill9
-        self.proc = subprocess.Popen(
+        self._log = open_log(self.log_path)
+        self.proc = spawn_logged(
             [
                 *steward_command(),
                 "worker",
@@ -638,11 +598,8 @@ class ClusterWorker:
                 "off",
                 *self.extra_args,
             ],
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env),
-            start_new_session=True,
+            self._log,
+            dict(os.environ, PYTHONUNBUFFERED="1", **self.env),
         )
 
     def running(self) -> bool:
@@ -667,17 +624,16 @@ class ClusterWorker:
     def kill9(self) -> None:
         self.stopped = False
         if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+            kill9(self.proc)
         if self._log is not None:
             self._log.close()
             self._log = None
 
     def log_tail(self, max_bytes: int = 3000) -> str:
-        return _tail(self.log_path, max_bytes)
+        return log_tail(self.log_path, max_bytes)
 
     def log_text(self) -> str:
-        return _read_text(self.log_path)
+        return log_text(self.log_path)
 
 
 # -- client load ----------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from typing import IO, Any
 
 import httpx
 
-from tests.procs import HOST, steward_command
+from tests.support.logged_process import kill9, open_log, spawn_logged
+from tests.support.procs import HOST, steward_command
 
 
 def wait_until(check: Callable[[], Any], timeout_s: float, what: str, pause_s: float = 0.05) -> Any:
@@ -78,10 +79,9 @@ class WorkerProcess:
         self._log: IO[bytes] | None = None
 
     def start(self) -> WorkerProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._log = open_log(self.log_path)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
-        self.proc = subprocess.Popen(
+        self.proc = spawn_logged(
             [
                 *steward_command(),
                 "worker",
@@ -95,11 +95,8 @@ class WorkerProcess:
                 str(self.cache_dir),
                 *self.extra_args,
             ],
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
+            self._log,
+            env,
         )
         return self
 
@@ -113,8 +110,7 @@ class WorkerProcess:
 
     def kill9(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+            kill9(self.proc)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

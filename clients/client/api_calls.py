@@ -1,0 +1,188 @@
+"""The API calls both clients make, as values: :class:`Request` says what to send and which
+part of the answer to return; the functions below build one per endpoint. The sync and the
+async client differ only in how they send it (no IO here)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from clients.client.encoding import _list_query, _logs_query, _task_body, _task_query
+from clients.client.errors import StewardError, _error_for
+from clients.client.routing import _idempotency_headers
+
+H = TypeVar("H")
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str
+    json: Any = None
+    params: dict[str, Any] | None = None
+    content: bytes | None = None
+    headers: dict[str, str] | None = None
+    timeout_s: float | None = None  # None: the client's own timeout
+    leader: bool = False  # a read only the leader can answer (a follower redirects it)
+    field: str | None = None  # return this field of the answer instead of all of it
+
+    @property
+    def write(self) -> bool:
+        """Whether it follows the leader and retries like a write."""
+        return self.method != "GET" or self.leader
+
+    def send_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``httpx.Client.request`` (and the async one's)."""
+        return {
+            "json": self.json,
+            "params": self.params,
+            "content": self.content,
+            "headers": self.headers,
+        }
+
+    def decode(self, answer: Any) -> Any:
+        return answer if self.field is None else answer[self.field]
+
+
+def handles_or_errors(
+    answers: list[dict[str, Any]], handle: Callable[[int, str], H]
+) -> list[H | StewardError]:
+    """A batch submission's answer: a handle or the refusal for each task."""
+    return [
+        handle(int(a["id"]), str(a["state"]))
+        if "error" not in a
+        else _error_for(409, a["error"]["code"], a["error"]["message"])
+        for a in answers
+    ]
+
+
+def submit(
+    type: str,
+    params: Any,
+    tenant: str | None,
+    idempotency_key: str | None,
+    options: dict[str, Any],
+) -> Request:
+    return Request(
+        "POST",
+        "/api/v1/tasks",
+        json=_task_body(type, params, tenant, options),
+        headers=_idempotency_headers(idempotency_key),
+    )
+
+
+def submit_many(tasks: list[dict[str, Any]], idempotency_key: str | None) -> Request:
+    return Request(
+        "POST",
+        "/api/v1/tasks",
+        json={"tasks": tasks},
+        headers=_idempotency_headers(idempotency_key),
+        field="tasks",
+    )
+
+
+def task(task_id: int, wait_s: float, wait_tree: bool, client_timeout_s: float) -> Request:
+    # A long poll may take wait_s longer than any other request.
+    return Request(
+        "GET",
+        f"/api/v1/tasks/{task_id}",
+        params=_task_query(wait_s, wait_tree),
+        timeout_s=wait_s + client_timeout_s,
+    )
+
+
+def tasks(
+    state: str | None, tenant: str | None, type: str | None, limit: int, after: int
+) -> Request:
+    return Request("GET", "/api/v1/tasks", params=_list_query(state, tenant, type, limit, after))
+
+
+def cancel(task_id: int) -> Request:
+    return Request("POST", f"/api/v1/tasks/{task_id}/cancel")
+
+
+def logs(task_id: int, attempt: int | None, offset: int) -> Request:
+    return Request(
+        "GET", f"/api/v1/tasks/{task_id}/logs", params=_logs_query(attempt, offset), leader=True
+    )
+
+
+def begin(tenant: str | None, ttl_s: float) -> Request:
+    body: dict[str, Any] = {"ttl_s": ttl_s}
+    if tenant is not None:
+        body["tenant"] = tenant
+    return Request("POST", "/api/v1/transactions", json=body, field="id")
+
+
+def commit(transaction_id: int) -> Request:
+    return Request("POST", f"/api/v1/transactions/{transaction_id}/commit")
+
+
+def rollback(transaction_id: int) -> Request:
+    return Request("POST", f"/api/v1/transactions/{transaction_id}/rollback")
+
+
+def upload_code(name: str, content: bytes, client_timeout_s: float) -> Request:
+    return Request(
+        "POST",
+        "/api/v1/code",
+        params={"name": name},
+        content=content,
+        timeout_s=max(client_timeout_s, 300.0),
+        field="sha256",
+    )
+
+
+def code() -> Request:
+    return Request("GET", "/api/v1/code", field="artifacts")
+
+
+def tenant(name: str) -> Request:
+    return Request("GET", f"/api/v1/tenants/{name}")
+
+
+def tenants() -> Request:
+    return Request("GET", "/api/v1/tenants", field="tenants")
+
+
+def set_tenant(name: str, limits: dict[str, Any]) -> Request:
+    return Request("PUT", f"/api/v1/tenants/{name}", json=limits)
+
+
+def cluster() -> Request:
+    return Request("GET", "/api/v1/cluster")
+
+
+def digest() -> Request:
+    return Request("GET", "/api/v1/state/digest")
+
+
+def create_token(
+    name: str, tenant: str | None, admin: bool, worker: bool, tenants: list[str] | None
+) -> Request:
+    if (tenant is not None) + admin + worker != 1:
+        raise ValueError("give one of a tenant, admin=True or worker=True")
+    if tenants is not None and not worker:
+        raise ValueError("tenants= goes with worker=True only")
+    role = "admin" if admin else "worker" if worker else "tenant"
+    body: dict[str, Any] = {"name": name, "role": role, "tenant": tenant}
+    if tenants:
+        body["tenants"] = tenants
+    return Request("POST", "/api/v1/tokens", json=body)
+
+
+def tokens() -> Request:
+    return Request("GET", "/api/v1/tokens", field="tokens")
+
+
+def revoke_token(token_id: str) -> Request:
+    return Request("DELETE", f"/api/v1/tokens/{token_id}")
+
+
+def whoami() -> Request:
+    return Request("GET", "/api/v1/whoami")
+
+
+def health() -> Request:
+    return Request("GET", "/healthz")
