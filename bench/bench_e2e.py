@@ -57,11 +57,12 @@ from bench_peers.harness import (
     Procs,
     Profiler,
     RawHttp,
+    add_run_dir_options,
     dramatiq_workers_argv,
     keys_present_from,
     median,
     missing_peers,
-    on_signals_exit,
+    parse_run_args,
     redis_version,
     source_revision,
     start_redis,
@@ -196,7 +197,6 @@ def celery_run(app: Any, client: Any, tasks: int, poll_s: float, timeout_s: floa
 
 
 def bench_celery(args: argparse.Namespace, root: Path, durable: bool) -> Outcome:
-    import redis
     from bench_peers.celery_app import make_app
     from bench_peers.harness import child_env
 
@@ -223,16 +223,7 @@ def bench_celery(args: argparse.Namespace, root: Path, durable: bool) -> Outcome
             for i in (1, 2):
                 procs.start(f"celery-worker-{i}", [*common, *pool, "-n", f"bench{i}@%h"], env=env)
         app = make_app(server.url, with_results=False)
-        client = redis.Redis.from_url(server.url)
-        try:
-
-            def once(n: int, timeout_s: float) -> Run:
-                return celery_run(app, client, n, args.poll_ms / 1000, timeout_s)
-
-            timed_runs(outcome, once, args, procs)
-        finally:
-            client.close()
-            app.close()
+        timed_peer_runs(outcome, celery_run, app, server.url, args, procs, app.close)
     return outcome
 
 
@@ -257,7 +248,6 @@ def dramatiq_run(app: Any, client: Any, tasks: int, poll_s: float, timeout_s: fl
 
 
 def bench_dramatiq(args: argparse.Namespace, root: Path, durable: bool) -> Outcome:
-    import redis
     from bench_peers.dramatiq_app import make_app
     from bench_peers.harness import child_env
 
@@ -271,16 +261,7 @@ def bench_dramatiq(args: argparse.Namespace, root: Path, durable: bool) -> Outco
             env=child_env({"BENCH_REDIS_URL": server.url, "dramatiq_restart_delay": "0"}),
         )
         app = make_app(server.url)
-        client = redis.Redis.from_url(server.url)
-        try:
-
-            def once(n: int, timeout_s: float) -> Run:
-                return dramatiq_run(app, client, n, args.poll_ms / 1000, timeout_s)
-
-            timed_runs(outcome, once, args, procs)
-        finally:
-            client.close()
-            app.broker.close()
+        timed_peer_runs(outcome, dramatiq_run, app, server.url, args, procs, app.broker.close)
     return outcome
 
 
@@ -289,6 +270,30 @@ def bench_dramatiq(args: argparse.Namespace, root: Path, durable: bool) -> Outco
 
 def persistence_label(durable: bool) -> str:
     return "redis AOF fsync always" if durable else "redis no persistence"
+
+
+def timed_peer_runs(
+    outcome: Outcome,
+    run: Callable[[Any, Any, int, float, float], Run],
+    app: Any,
+    redis_url: str,
+    args: argparse.Namespace,
+    procs: Procs,
+    close_app: Callable[[], None],
+) -> None:
+    """Timed runs of a peer: ``run(app, redis client, tasks, poll_s, timeout_s)``."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+
+        def once(n: int, timeout_s: float) -> Run:
+            return run(app, client, n, args.poll_ms / 1000, timeout_s)
+
+        timed_runs(outcome, once, args, procs)
+    finally:
+        client.close()
+        close_app()
 
 
 def timed_runs(
@@ -378,18 +383,11 @@ def main() -> None:
         f">= {DISTURBED_CORES} cores (shared machines)",
     )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="bound on each run")
-    parser.add_argument("--data-root", type=Path, default=None, help="default: a temp dir")
-    parser.add_argument(
-        "--profile",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="after the timed runs, one more Steward run under py-spy (broker, worker 1)",
+    add_run_dir_options(
+        parser,
+        profile_help="after the timed runs, one more Steward run under py-spy (broker, worker 1)",
     )
-    args = parser.parse_args()
-    if args.profile is not None:
-        args.profile.mkdir(parents=True, exist_ok=True)  # fail early, before any run
-    on_signals_exit()
+    args = parse_run_args(parser)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     missing = missing_peers() if {"celery", "dramatiq"} & set(systems) else []
     if missing:

@@ -42,10 +42,11 @@ from bench_peers.harness import (
     Procs,
     Profiler,
     RawHttp,
+    add_run_dir_options,
     child_env,
     dramatiq_workers_argv,
     missing_peers,
-    on_signals_exit,
+    parse_run_args,
     percentile,
     source_revision,
     start_redis,
@@ -219,18 +220,11 @@ def main() -> None:
         help="Steward workers run tasks in task processes (default) or in the worker",
     )
     parser.add_argument("--max-s", type=float, default=300.0, help="bound per system")
-    parser.add_argument("--data-root", type=Path, default=None, help="default: a temp dir")
-    parser.add_argument(
-        "--profile",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="then n more Steward round trips under py-spy (broker, worker 1), summarised",
+    add_run_dir_options(
+        parser,
+        profile_help="then n more Steward round trips under py-spy (broker, worker 1), summarised",
     )
-    args = parser.parse_args()
-    if args.profile is not None:
-        args.profile.mkdir(parents=True, exist_ok=True)
-    on_signals_exit()
+    args = parse_run_args(parser)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     missing = missing_peers() if {"celery", "dramatiq"} & set(systems) else []
     if missing:

@@ -18,7 +18,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,13 +28,9 @@ from pathlib import Path
 
 import uvloop
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
+from bench_peers.harness import free_port, standalone_argv
 
 # --auth: the broker requires tokens; requests carry a tenant's (set by main).
 EXTRA_HEADERS = ""
@@ -48,18 +43,7 @@ def start_broker(data_dir: Path, port: int, auth: bool = False) -> subprocess.Po
         env["STEWARD_ADMIN_TOKEN"] = BENCH_ADMIN_TOKEN
         env["STEWARD_WORKER_TOKEN"] = "bench-worker-token"  # secrets never on argv
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "clients.cli",
-            "standalone",
-            "--data-dir",
-            str(data_dir),
-            "--http",
-            f"127.0.0.1:{port}",
-            "--log-level",
-            "WARNING",
-        ],
+        [*standalone_argv(data_dir, port), "--log-level", "WARNING"],
         stdout=subprocess.DEVNULL,
         env=env,
     )

@@ -7,6 +7,7 @@ the children it forked, even when the benchmark fails or is interrupted.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import json
@@ -113,6 +114,21 @@ def on_signals_exit() -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGHUP, handler)
+
+
+def add_run_dir_options(parser: argparse.ArgumentParser, *, profile_help: str) -> None:
+    """--data-root and --profile, the same in every benchmark that starts servers."""
+    parser.add_argument("--data-root", type=Path, default=None, help="default: a temp dir")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR", help=profile_help)
+
+
+def parse_run_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse, create the profile directory (fail early, before any run), handle signals."""
+    args = parser.parse_args()
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    on_signals_exit()
+    return args
 
 
 # --- CPU accounting: is something else loading the machine? ----------------------------------
@@ -375,6 +391,20 @@ class StewardCluster:
         return counts
 
 
+def standalone_argv(data_dir: Path, port: int) -> list[str]:
+    """`steward standalone` with its data in ``data_dir`` and its API on 127.0.0.1:``port``."""
+    return [
+        sys.executable,
+        "-m",
+        "clients.cli",
+        "standalone",
+        "--data-dir",
+        str(data_dir),
+        "--http",
+        f"127.0.0.1:{port}",
+    ]
+
+
 def start_steward(
     procs: Procs,
     data_dir: Path,
@@ -393,14 +423,7 @@ def start_steward(
     broker = procs.start(
         "steward-broker",
         [
-            sys.executable,
-            "-m",
-            "clients.cli",
-            "standalone",
-            "--data-dir",
-            str(data_dir),
-            "--http",
-            f"127.0.0.1:{port}",
+            *standalone_argv(data_dir, port),
             "--worker-listen",
             f"127.0.0.1:{worker_port}",
             "--log-level",
