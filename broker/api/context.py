@@ -27,7 +27,6 @@ class TaskWaiters:
         self.tasks: dict[int, list[asyncio.Future[None]]] = {}
         self.trees: dict[int, list[asyncio.Future[None]]] = {}
         node.listeners.append(self._on_applied)
-        node.tree_listeners.append(self._on_trees_ended)
 
     @staticmethod
     async def wait(
@@ -47,16 +46,15 @@ class TaskWaiters:
                     del waiters[task_id]
 
     def _on_applied(self, entry: e.Entry, applied: Applied) -> None:
-        if not self.tasks:
-            return
-        for task_id in applied.final_ids:
-            for waiter in self.tasks.pop(task_id, ()):
-                if not waiter.done():
-                    waiter.set_result(None)
+        if self.tasks:
+            for task_id in applied.final_ids:
+                for waiter in self.tasks.pop(task_id, ()):
+                    if not waiter.done():
+                        waiter.set_result(None)
+        if self.trees:
+            self._on_trees_ended(applied.trees_ended)
 
     def _on_trees_ended(self, roots: list[int]) -> None:
-        if not self.trees:
-            return
         for root in roots:
             for waiter in self.trees.pop(root, ()):
                 if not waiter.done():

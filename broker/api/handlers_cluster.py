@@ -27,6 +27,7 @@ from broker.core.state import (
     Rejected,
 )
 from broker.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from broker.observability.metrics import BrokerMetrics
 from broker.replication.node import VERSION, Role
 from snapshot.peer import POSITION_HEADER, format_position, read_latest_snapshot
 
@@ -162,7 +163,9 @@ async def metrics(api: ApiContext, request: Request) -> tuple[int, bytes]:
     """Prometheus text exposition of this broker's metrics
     (broker/observability/metrics.py): tenants' names and counts, so admins (and peer
     brokers) only when authentication is on."""
-    body = Binary(api.node.metrics.render())
+    metrics = api.node.metrics  # given by observe_node (broker.observability.node_observer)
+    assert isinstance(metrics, BrokerMetrics), "the node has no metrics: call observe_node"
+    body = Binary(metrics.render())
     body.content_type = METRICS_CONTENT_TYPE
     return 200, body
 

@@ -7,7 +7,8 @@ Where things are counted, and why:
 
 - Task counters (submitted, assigned, finished, failed, cancelled, failed attempts) are
   counted **at the acting leader only**, in its write path right after ``apply`` of a
-  durable entry (:meth:`BrokerMetrics.observe_applied`, called by ``Node``): each
+  durable entry (:meth:`BrokerMetrics.observe_applied`, a leader listener of the node
+  registered by ``observe_node`` in broker/observability/node_observer.py): each
   acknowledged write is counted once, by the process that made it. Counting on every
   broker would make followers count the same history again (summing brokers would
   multiply it) and would count a restart's log replay as new work. ``apply`` stays pure:
@@ -17,9 +18,10 @@ Where things are counted, and why:
 - Queue lengths, tasks by state and connected workers are read from the state machine
   at scrape time (:class:`_Collector`): nothing is stored twice.
 - Log append latency and group-commit batch sizes are observed by the leader's write
-  path in ``Node``; follower lag by a follower while it tails the leader's ledger;
+  path (replication reports to its ``ReplicationMetrics`` Protocol, which this class
+  satisfies); follower lag by a follower while it tails the leader's ledger;
   leadership terms by the cluster broker; snapshot durations and sizes where the
-  snapshot is written (``Node.take_snapshot``), on every broker.
+  snapshot is written (the node's snapshots), on every broker.
 
 The hot path costs a dict update per counted task and a bisect and two additions per
 appended entry: those series are plain Python (:class:`_TaskCounter`,

@@ -1,8 +1,8 @@
 """Apply committed entries and report their effects: the one place both roles do it.
 
 The leader applies what it wrote once durable (and confirmed), replay and the follower what
-they read from the log (docs/DESIGN.md §2, §4); listeners, metrics and the task log hear of
-every applied entry from here.
+they read from the log (docs/DESIGN.md §2, §4); the node's listeners hear of every applied
+entry from here, its leader listeners (metrics, the task log) of the entries the leader wrote.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 from broker.core import entries as e
 from broker.core.effects import Applied
 from broker.core.state import ApplyResult
-from broker.observability.task_log import log_applied
 from broker.replication.common import logger
 from log.api import LedgerEntry
 
@@ -30,8 +29,8 @@ class Applier:
         node = self._node
         applied = node.state.apply(entry)
         node.position = position
-        node.metrics.observe_applied(entry, applied, node.state)
-        log_applied(entry, applied, node.state)
+        for leader_listener in node.leader_listeners:
+            leader_listener(entry, applied)  # as the counters were: a failure is not hidden
         self._notify(entry, applied)
         return applied.result
 
@@ -55,10 +54,3 @@ class Applier:
                 listener(entry, applied)
             except Exception:
                 logger.exception("apply listener failed")
-        ended = applied.trees_ended
-        if ended:
-            for tree_listener in node.tree_listeners:
-                try:
-                    tree_listener(ended)
-                except Exception:
-                    logger.exception("tree listener failed")

@@ -78,8 +78,9 @@ class NodeStats:
 
 
 ApplyListener = Callable[[e.Entry, Applied], None]
-"""Called after each entry the leader applies: (entry, its result and effects as values,
-broker.core.effects). Must not block; runs on the event loop."""
+"""Called after an applied entry: (entry, its result and effects as values,
+broker.core.effects). ``Node.listeners`` hear of every applied entry, ``Node.leader_listeners``
+of those the leader wrote. Must not block; runs on the event loop."""
 
 
 async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:

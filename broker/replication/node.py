@@ -1,9 +1,9 @@
 r"""The broker's replication node: one state machine on the write-ahead log, in one role.
 
 A :class:`Node` holds what every role shares (the state and its position, the stores, the
-one clock, listeners, metrics, local snapshots) and delegates the rest to the object of its
-current role (docs/DESIGN.md §4): a :class:`~broker.replication.leader.Leader` (take-over,
-the write path with group commit, ledger rolls, retention) or a
+one clock, listeners, injected instruments, local snapshots) and delegates the rest to the
+object of its current role (docs/DESIGN.md §4): a :class:`~broker.replication.leader.Leader`
+(take-over, the write path with group commit, ledger rolls, retention) or a
 :class:`~broker.replication.follower.Follower` (tail the ledgers, apply what the leader
 confirmed). A role change swaps that object.
 
@@ -27,7 +27,6 @@ from pathlib import Path
 
 from broker.core import entries as e
 from broker.core.state import ApplyResult, StateMachine
-from broker.observability.metrics import BrokerMetrics
 from broker.replication.applier import Applier
 from broker.replication.clock import NodeClock, wall_clock_ms
 from broker.replication.common import (
@@ -46,6 +45,7 @@ from broker.replication.common import (
 )
 from broker.replication.follower import Follower
 from broker.replication.history import LedgerHistory
+from broker.replication.instruments import NoReplicationMetrics, ReplicationMetrics
 from broker.replication.leader import Leader, Stamp
 from broker.replication.snapshots import Snapshots
 from log.api import LedgerListStore, LedgerStore
@@ -94,12 +94,16 @@ class Node:
         # Called (on the loop) when this leader finds it was deposed; the owner steps down.
         self.on_deposed: Callable[[str], None] | None = None
         self.closing = False  # stop() began: no more writes
+        # Called after every applied entry (leader, follower, replay) with its effects;
+        # a listener reads what it needs from them (e.g. ``applied.trees_ended``).
         self.listeners: list[ApplyListener] = []
-        # Called with the roots whose task tree ended (completed, or failed for good)
-        # after each applied entry that ended some; must not block either.
-        self.tree_listeners: list[Callable[[list[int]], None]] = []
-        self.metrics = BrokerMetrics()
-        self.metrics.bind(lambda: self.state, lambda: str(self.role), lambda: self.position)
+        # Called, before ``listeners``, only for the entries this leader wrote and applied
+        # (once per acknowledged write; never for a follower or a replay): the task
+        # counters and the task log (broker.observability's ``observe_node`` adds them).
+        self.leader_listeners: list[ApplyListener] = []
+        # Replication's instruments (injected by ``observe_node``; by default they drop
+        # everything): docs/DESIGN.md §9, replication imports no metrics.
+        self.metrics: ReplicationMetrics = NoReplicationMetrics()
         self.applier = Applier(self)
         self.history = LedgerHistory(self)
         self.local_snapshots = Snapshots(self)

@@ -50,6 +50,7 @@ from broker.ha.election import (
     LeadershipStatus,
     default_client_factory,
 )
+from broker.observability.node_observer import observe_node
 from broker.replication.node import (
     VERSION,
     BrokerStartupError,
@@ -171,6 +172,7 @@ class ClusterBroker:
                 node_config.data_dir / "snapshots", keep=node_config.snapshot_keep
             ),
         )
+        self.metrics = observe_node(self.node)
         self.code_store = CodeStore(node_config.data_dir / "code")
         # Task output while this broker leads (every leadership's link feeds the same one).
         self.outputs = OutputStore(max_total_bytes=config.workers.max_output_total_bytes)
@@ -353,7 +355,7 @@ class ClusterBroker:
     def _on_status_change(self, status: LeadershipStatus) -> None:
         if status.leader_node is not None and status.leader_node != self._leader_node:
             self._leader_node = status.leader_node
-            self.node.metrics.leader_changes.inc()
+            self.metrics.leader_changes.inc()
         if not status.is_leader and self.node.role in (Role.LEADER, Role.CANDIDATE):
             # Stop acknowledging at once, before the manager task gets to run.
             self.node._depose("lost the election or the ZooKeeper connection")
@@ -459,7 +461,7 @@ class ClusterBroker:
             )
             await self.monitor.start()
         self.leader_changes += 1
-        node.metrics.leaderships.inc()
+        self.metrics.leaderships.inc()
         logger.info("broker %s is the acting leader at %s", node.config.broker_id, node.position)
 
     async def _stop_leading(self, reason: str) -> None:

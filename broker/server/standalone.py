@@ -21,6 +21,7 @@ import uvicorn
 from broker.api.edges import bounded_http_protocol
 from broker.api.http_api import ApiApp, ApiConfig
 from broker.artifacts.code_store import CodeStore
+from broker.observability.node_observer import observe_node
 from broker.replication.node import BrokerStartupError, DataDirLock, Node, NodeConfig
 from broker.security.tls import TlsConfig, TlsConfigError, server_context
 from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
@@ -41,13 +42,16 @@ class StandaloneConfig:
 
 
 def build_node(config: NodeConfig) -> Node:
+    """A node on the data dir's file ledgers and snapshots, with its metrics and task log."""
     data_dir = config.data_dir
-    return Node(
+    node = Node(
         config,
         ledgers=FileLedgerStore(data_dir / "ledgers"),
         ledger_list=FileLedgerListStore(data_dir / "ledgers.list"),
         snapshots=SnapshotStore(data_dir / "snapshots", keep=config.snapshot_keep),
     )
+    observe_node(node)
+    return node
 
 
 async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | None = None) -> None:

@@ -26,6 +26,7 @@ from broker.artifacts.code_store import CodeStore
 from broker.core import entries as e
 from broker.core.state import Applied, Artifact, TaskRef
 from broker.ha.code_replication import CodeReplicator, ReplicationMonitor, replica_path
+from broker.observability.node_observer import observe_node
 from broker.replication.node import Node, NodeConfig
 from clients.dev.zk import ZooKeeperServer
 from log.memory import MemoryLedgerListStore, MemoryLedgerStore
@@ -139,6 +140,7 @@ async def cluster(zookeeper: ZooKeeperServer, tmp_path: Path) -> AsyncIterator[C
         ledger_list=MemoryLedgerListStore(),
         snapshots=SnapshotStore(tmp_path / "node" / "snapshots"),
     )
+    observe_node(node)
     await node.start()
     made = Cluster(f"code-{uuid.uuid4().hex[:8]}", node, zookeeper.connect_string)
 

@@ -18,6 +18,7 @@ import pytest
 
 from broker.core import entries as e
 from broker.core.state import Applied, ApplyResult, Task, TaskRef
+from broker.observability.node_observer import observe_node
 from broker.replication.node import Node, NodeConfig, Stamp, wall_clock_ms
 from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
 from log.memory import MemoryLedgerListStore, MemoryLedgerStore
@@ -142,6 +143,7 @@ async def make_broker(tmp_path: Path) -> AsyncIterator[BrokerFactory]:
             snapshots=SnapshotStore(data_dir / "snapshots"),
             clock_ms=clock,
         )
+        observe_node(node)
         await node.start()
         settings: dict[str, Any] = {
             "port": 0,

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
+from broker.observability.node_observer import observe_node
 from broker.replication.node import Node, NodeConfig
 from clients.dev.pulsar_lite import PulsarLiteServer
 from clients.dev.zk import ZooKeeperServer
@@ -139,5 +140,6 @@ def cluster_node(backend: LedgerBackend, tmp_path: Path, name: str, cluster_id: 
         ledger_list=backend.new_list_store(),
         snapshots=SnapshotStore(tmp_path / name / "snapshots"),
     )
+    observe_node(node)
     node.leadership_check = lambda: True
     return node

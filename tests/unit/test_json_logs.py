@@ -17,6 +17,7 @@ import pytest
 
 from broker.core import entries as e
 from broker.observability.logs import JsonFormatter, TextFormatter, setup_logging, task_fields
+from broker.observability.node_observer import observe_node
 from broker.replication.node import Node, NodeConfig, Stamp
 from clients import cli
 from clients.worker import __main__ as worker_main
@@ -133,6 +134,7 @@ async def node(tmp_path: Path) -> AsyncIterator[Node]:
         ledger_list=MemoryLedgerListStore(),
         snapshots=SnapshotStore(tmp_path / "snapshots"),
     )
+    observe_node(node)
     await node.start()
     try:
         yield node

@@ -21,6 +21,9 @@ Boundaries the table keeps, in words:
   TLS: used by brokers and every client) import nothing from the project;
   broker.workers.conversation (the protocol's conversation table, also shared) only the
   protocol.
+- broker.replication (the node) imports only core, log/ and snapshot/: nothing from
+  broker.observability (no metrics, no task log) and no prometheus_client; it reports to
+  an injected ReplicationMetrics and to listeners that broker.observability attaches.
 - log/ and snapshot/ import nothing from broker/ (so none of broker.api, ha, workers,
   observability) and nothing from clients/.
 - Nothing in broker/ imports clients/ (the development launchers in clients/dev are called
@@ -100,12 +103,11 @@ RULES: tuple[Rule, ...] = (
          "the worker protocol's conversation table: both sides import it, it only the protocol"),
     Rule("broker.artifacts", ("broker.core.entries", "log.private_fs"),
          why="the artifact store and checks: used by the API, HA and the worker"),
-    # The node feeds metrics and the task log from apply's results; this edge goes when
-    # apply returns its effects as values (issue 15, a later step).
-    Rule("broker.replication",
-         ("broker.core", "broker.observability.metrics", "broker.observability.task_log",
-          "log", "snapshot"),
-         why="the replicated node: the state machine on the write-ahead log and snapshots"),
+    # No metrics, task log or logs setup: the node reports to the instruments it is given (a
+    # Protocol of its own) and calls registered listeners; broker.observability attaches both.
+    Rule("broker.replication", ("broker.core", "log", "snapshot"), ("prometheus_client",),
+         "the replicated node: the state machine on the write-ahead log and snapshots; it"
+         " imports nothing from broker.observability (observe_node attaches metrics, task log)"),
     Rule("broker.observability.logs", (), why="log setup, also used by workers and the CLI"),
     Rule("broker.observability",
          ("broker.core", "broker.replication", "broker.security.tls", "broker.api.api_models"),
@@ -253,6 +255,9 @@ def test_the_table_keeps_the_stated_boundaries() -> None:
             assert not [m for m in rule.may_import if _within(m, "broker")], rule
         if _within(rule.package, "broker.core"):
             assert rule.may_import == () and set(_NETWORK) <= set(rule.forbidden), rule
+        if _within(rule.package, "broker.replication"):
+            assert not [m for m in rule.may_import if _within(m, "broker.observability")], rule
+            assert "prometheus_client" in rule.forbidden, rule
         if _within(rule.package, "clients") and rule.package != "clients.cli.servers":
             broker_imports = [m for m in rule.may_import if _within(m, "broker")]
             assert set(broker_imports) <= set(_BROKER_SHARED_WITH_CLIENTS), rule
@@ -320,6 +325,18 @@ def test_checker_passes_a_clean_tree(tmp_path: Path) -> None:
             "imports broker.observability.metrics",
         ),
         ("broker/core/state.py", "from ..api import http_api\n", "imports broker.api"),
+        # replication reaching into observability (metrics, the task log)
+        (
+            "broker/replication/node.py",
+            "from broker.observability.metrics import BrokerMetrics\n",
+            "broker.replication.node:1 imports broker.observability.metrics",
+        ),
+        (
+            "broker/replication/applier.py",
+            "def f():\n    from broker.observability import task_log\n",
+            "imports broker.observability",
+        ),
+        ("broker/replication/leader.py", "import prometheus_client\n", "imports prometheus_client"),
         # log/ reaching into the broker
         ("log/file.py", "from broker.workers import worker_link\n", "log.file:1 imports"),
         # broker reaching into clients

@@ -27,6 +27,7 @@ import pytest
 
 from broker.core import entries as e
 from broker.core.state import Rejected, TaskState
+from broker.observability.node_observer import observe_node
 from broker.replication.node import BrokerStartupError, Node, NodeConfig, Stamp
 from log.api import LedgerList, LedgerListStore, LedgerState
 from log.file import FileLedgerListStore, FileLedgerStore
@@ -75,13 +76,15 @@ def make_node(
 ) -> Node:
     # The wiring of broker.server.standalone.build_node, with a fake clock.
     data_dir = config.data_dir
-    return Node(
+    node = Node(
         config,
         ledgers=FileLedgerStore(data_dir / "ledgers"),
         ledger_list=ledger_list or FileLedgerListStore(data_dir / "ledgers.list"),
         snapshots=SnapshotStore(data_dir / "snapshots", keep=config.snapshot_keep),
         clock_ms=clock,
     )
+    observe_node(node)
+    return node
 
 
 async def boot(config: NodeConfig, clock: FakeClock) -> Node:

@@ -20,6 +20,7 @@ import pytest
 from broker.api.http_api import ApiApp, ApiConfig
 from broker.core import entries as e
 from broker.core.state import StateMachine
+from broker.observability.node_observer import observe_node
 from broker.replication.node import Node, NodeConfig
 from clients.dev.local_server import free_port
 from log.memory import MemoryLedgerListStore, MemoryLedgerStore
@@ -84,6 +85,7 @@ async def peers(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Peer]]]
             ledger_list=MemoryLedgerListStore(),
             snapshots=SnapshotStore(tmp_path / name / "snapshots", cluster_id=cluster_id),
         )
+        observe_node(node)
         await node.start()
         if snapshot:
             await workload(node)

@@ -16,6 +16,7 @@ import trustme
 
 from broker.api.http_api import ApiApp, ApiConfig
 from broker.core.state import StateMachine
+from broker.observability.node_observer import observe_node
 from broker.replication.node import BrokerStartupError, Node, NodeConfig
 from broker.security.tls import (
     TlsConfig,
@@ -146,12 +147,14 @@ def test_certificate_error_finds_the_cause_in_a_chain() -> None:
 
 
 def _node(data_dir: Path) -> Node:
-    return Node(
+    node = Node(
         NodeConfig(data_dir=data_dir, timer_poll_interval_s=0.01),
         ledgers=MemoryLedgerStore(),
         ledger_list=MemoryLedgerListStore(),
         snapshots=SnapshotStore(data_dir / "snapshots"),
     )
+    observe_node(node)
+    return node
 
 
 @pytest.fixture
