@@ -2,7 +2,8 @@
 each other (docs/TESTING.md).
 
 Every module under tests/ is parsed with ``ast`` (nothing is imported); an import of a test
-module (``tests.<layer>.test_*``) anywhere, at module level or inside a function, is an error.
+module (``tests.<layer>.test_*`` or a bare ``test_*``) anywhere, at module level or inside
+a function, is an error.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ def imported_names(tree: ast.Module, package: str) -> list[str]:
 
 
 def is_test_module(name: str) -> bool:
+    """``tests.<layer>.test_*``, or a bare ``test_*`` (a sibling in a folder without
+    ``__init__.py``, such as tests/sim)."""
     parts = name.split(".")
+    if parts[0].startswith("test_"):
+        return True
     return len(parts) >= 3 and parts[0] == "tests" and parts[2].startswith("test_")
 
 
