@@ -26,16 +26,12 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from tests.support.logged_process import (
-    kill9,
-    log_tail,
-    log_text,
-    open_log,
-    spawn_logged,
+    LoggedProcess,
     wait_healthy,
 )
 from tests.support.procs import HOST, free_port, steward_command
@@ -70,8 +66,10 @@ def worker_supports_brokers_flag() -> bool:
     return "--brokers" in result.stdout
 
 
-class BrokerNode:
+class BrokerNode(LoggedProcess):
     """One ``steward broker`` subprocess with fixed ports (kept across restarts)."""
+
+    tail_bytes = 6000
 
     def __init__(
         self,
@@ -81,17 +79,15 @@ class BrokerNode:
         log_path: Path,
         extra_args: tuple[str, ...],
     ) -> None:
+        super().__init__(f"broker {broker_id}", log_path)
         self.cluster = cluster
         self.broker_id = broker_id
         self.data_dir = data_dir
-        self.log_path = log_path
         self.extra_args = extra_args
         self.http_port = free_port()
         self.worker_port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
         self.stopped = False  # SIGSTOPped: never ask it anything (it would not answer)
         self.starts = 0
-        self._log: IO[bytes] | None = None
 
     def __repr__(self) -> str:
         return f"BrokerNode({self.broker_id}, {self.url})"
@@ -103,14 +99,6 @@ class BrokerNode:
     @property
     def worker_address(self) -> str:
         return f"{HOST}:{self.worker_port}"
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None, f"{self.broker_id} was never started"
-        return self.proc.pid
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def live(self) -> bool:
         """Running and not frozen: it can answer requests."""
@@ -149,16 +137,14 @@ class BrokerNode:
 
     def spawn(self) -> None:
         assert not self.running(), f"{self.broker_id} is already running"
-        self.close_log()
         self.starts += 1
         header = (
             f"\n===== start #{self.starts} http {self.http_port} workers {self.worker_port} "
             f"at {time.time():.3f} =====\n"
         )
-        self._log = open_log(self.log_path, header)
         self.stopped = False
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.cluster.extra_env)
-        self.proc = spawn_logged(self.command(), self._log, env)
+        self.spawn_logged(self.command(), env, header)
 
     def wait_serving(self, timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
         """Poll ``/healthz`` until 200 (a follower answers 200 too); fail if it exits."""
@@ -180,13 +166,11 @@ class BrokerNode:
         os.kill(self.pid, signum)
         return sent
 
-    def kill9(self) -> float:
+    def kill9(self, timeout_s: float = 10.0) -> float:  # type: ignore[override]
         """SIGKILL and reap (bounded); returns when the signal was sent."""
         sent = time.monotonic()
-        if self.proc is not None:
-            kill9(self.proc)
         self.stopped = False
-        self.close_log()
+        super().kill9(timeout_s)
         return sent
 
     def sigstop(self) -> float:
@@ -215,27 +199,7 @@ class BrokerNode:
         return self.signal(signal.SIGTERM)
 
     def wait_exit(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
-        assert self.proc is not None
-        try:
-            code = self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill9()
-            raise ClusterError(
-                f"broker {self.broker_id} did not exit within {timeout_s} s\n{self.log_tail()}"
-            ) from None
-        self.close_log()
-        return code
-
-    def close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def log_tail(self, max_bytes: int = 6000) -> str:
-        return log_tail(self.log_path, max_bytes)
-
-    def log_text(self) -> str:
-        return log_text(self.log_path)
+        return self.wait_for_exit(timeout_s, ClusterError)
 
     # -- HTTP ---------------------------------------------------------------------------
 
@@ -553,8 +517,10 @@ class ClusterProcesses:
         return leader
 
 
-class ClusterWorker:
+class ClusterWorker(LoggedProcess):
     """One ``steward worker`` subprocess (killed by pid at the end of the cluster block)."""
+
+    tail_bytes = 3000
 
     def __init__(
         self,
@@ -566,20 +532,17 @@ class ClusterWorker:
         extra_args: tuple[str, ...],
         env: dict[str, str] | None = None,
     ) -> None:
+        super().__init__(f"worker {worker_id}", log_path)
         self.worker_id = worker_id
         self.target = target
         self.env = env or {}
-        self.log_path = log_path
         self.cache_dir = cache_dir
         self.extra_args = extra_args
-        self.proc: subprocess.Popen[bytes] | None = None
         self.stopped = False  # SIGSTOPped
-        self._log: IO[bytes] | None = None
 
     def start(self) -> None:
         self.stopped = False
-        self._log = open_log(self.log_path)
-        self.proc = spawn_logged(
+        self.spawn_logged(
             [
                 *steward_command(),
                 "worker",
@@ -592,17 +555,8 @@ class ClusterWorker:
                 "off",
                 *self.extra_args,
             ],
-            self._log,
             dict(os.environ, PYTHONUNBUFFERED="1", **self.env),
         )
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None, f"worker {self.worker_id} was never started"
-        return self.proc.pid
 
     def sigstop(self) -> None:
         """Freeze the worker (its TCP connection stays open, it answers nothing)."""
@@ -615,19 +569,9 @@ class ClusterWorker:
         os.kill(self.pid, signal.SIGCONT)
         self.stopped = False
 
-    def kill9(self) -> None:
+    def kill9(self, timeout_s: float = 10.0) -> None:
         self.stopped = False
-        if self.proc is not None and self.proc.poll() is None:
-            kill9(self.proc)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def log_tail(self, max_bytes: int = 3000) -> str:
-        return log_tail(self.log_path, max_bytes)
-
-    def log_text(self) -> str:
-        return log_text(self.log_path)
+        super().kill9(timeout_s)
 
 
 # -- client load ----------------------------------------------------------------------------------
