@@ -44,8 +44,6 @@ list, replicas), sim_cluster.py (replicas, managers, proposals) and sim_replicat
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import traceback
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -63,8 +61,8 @@ from broker.replication.node import (
 from log.memory import MemoryLedgerListStore, MemoryLedgerStore
 from snapshot.store import SnapshotStore
 from tests.support.sim_common import SimulationFailure, seeds, steps
-from tests.support.sim_replicated import Simulation
-from tests.support.sim_virtual import VirtualTimeLoop, cancel_leftovers, quiet_logs
+from tests.support.sim_replicated import Simulation, run_seed
+from tests.support.sim_virtual import VirtualTimeLoop, cancel_leftovers
 
 DEFAULT_SEEDS: Final = 20
 DEFAULT_STEPS: Final = 300
@@ -72,26 +70,13 @@ DEFAULT_STEPS: Final = 300
 
 def run_simulation(seed: int, root: Path, steps: int = DEFAULT_STEPS) -> Counter[str]:
     """Run one seed; raise SimulationFailure naming the seed, step and how to reproduce."""
-    loop = VirtualTimeLoop()
-    sim = Simulation(seed, steps, root)
-    try:
-        with quiet_logs():
-            return loop.run_until_complete(sim.run())
-    except Exception as exc:
-        where = f"at step {sim.step}" if sim.step < steps else "in the final check"
-        crash = ""
-        if not isinstance(exc, SimulationFailure):
-            crash = "\n" + "".join(traceback.format_exception(exc, limit=-8))
-        raise SimulationFailure(
-            f"replicated simulation seed {seed} failed {where} (virtual time "
-            f"{loop.time():.3f} s): {type(exc).__name__}: {exc}\n"
-            f"reproduce with STEWARD_SIM_SEED={seed} .venv/bin/pytest "
-            f"tests/sim/test_replicated.py{crash}"
-        ) from exc
-    finally:
-        with contextlib.suppress(Exception):
-            cancel_leftovers(loop)
-        loop.close()
+    return run_seed(
+        lambda: Simulation(seed, steps, root),
+        seed,
+        steps,
+        name="replicated simulation",
+        reproduce="tests/sim/test_replicated.py",
+    )
 
 
 def _run_or_fail(seed: int, root: Path, steps: int) -> Counter[str]:

@@ -60,7 +60,7 @@ from tests.support.sim_common import (
 )
 from tests.support.sim_generator import EntryGenerator
 from tests.support.sim_model import Expect
-from tests.support.sim_replicated import Simulation
+from tests.support.sim_replicated import Simulation, run_seed
 from tests.support.sim_trees import (
     COMPLETED,
     DIGEST_EVERY,
@@ -73,12 +73,7 @@ from tests.support.sim_trees import (
     TreeOracle,
     Workload,
 )
-from tests.support.sim_virtual import (
-    ReferenceMachine,
-    VirtualTimeLoop,
-    cancel_leftovers,
-    quiet_logs,
-)
+from tests.support.sim_virtual import ReferenceMachine
 
 DEFAULT_SEEDS: Final = 12
 DEFAULT_ENTRIES: Final = 1_500
@@ -408,26 +403,15 @@ class TreeSimulation(Simulation):
 def run_replicated(
     seed: int, root: Path, steps: int, workload: Workload | None = None
 ) -> Counter[str]:
-    loop = VirtualTimeLoop()
-    sim = TreeSimulation(seed, steps, root, workload)
-    try:
-        with quiet_logs():
-            return loop.run_until_complete(sim.run())
-    except Exception as exc:
-        where = f"at step {sim.step}" if sim.step < steps else "in the final check or drain"
-        crash = ""
-        if not isinstance(exc, AssertionError):
-            crash = "\n" + "".join(traceback.format_exception(exc, limit=-8))
-        raise SimulationFailure(
-            f"replicated tree simulation seed {seed} failed {where}: {type(exc).__name__}: "
-            f"{exc}\nreproduce with STEWARD_SIM_SEED={seed} .venv/bin/pytest "
-            f"tests/sim/test_trees_sim.py -k leader{crash}"
-        ) from exc
-    finally:
-        try:
-            cancel_leftovers(loop)
-        finally:
-            loop.close()
+    return run_seed(
+        lambda: TreeSimulation(seed, steps, root, workload),
+        seed,
+        steps,
+        name="replicated tree simulation",
+        reproduce="tests/sim/test_trees_sim.py -k leader",
+        final="in the final check or drain",
+        expected=AssertionError,
+    )
 
 
 @pytest.mark.parametrize("seed", seeds(DEFAULT_REPLICATED_SEEDS), ids=lambda s: f"seed={s}")

@@ -15,12 +15,10 @@ tests/support/write_load.py.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
 import ssl
-import subprocess
 import time
 import uuid
 from collections.abc import Iterable
@@ -34,7 +32,7 @@ from tests.support.logged_process import (
     LoggedProcess,
     wait_healthy,
 )
-from tests.support.procs import HOST, free_port, steward_command
+from tests.support.procs import HOST, free_port, steward_command, steward_help
 from tests.support.worker_procs import wait_until
 
 if TYPE_CHECKING:
@@ -50,20 +48,9 @@ class ClusterError(AssertionError):
     """A broker did not start, stop or converge in time (log tails are included)."""
 
 
-@functools.cache
 def worker_supports_brokers_flag() -> bool:
     """Whether ``steward worker`` has ``--brokers URL,URL`` (leader discovery) yet."""
-    try:
-        result = subprocess.run(
-            [*steward_command(), "worker", "--help"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return False
-    return "--brokers" in result.stdout
+    return "--brokers" in steward_help("worker")
 
 
 class BrokerNode(LoggedProcess):

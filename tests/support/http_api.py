@@ -2,8 +2,9 @@
 
 The ``api`` fixture (registered in tests/conftest.py) yields an ``Api``: the node, the ASGI
 app and a client whose answers are recorded; at the end no answer may be a 5xx unless the
-test allowed 503. The helpers submit, read and wait on tasks and check error answers;
-``run_and_finish`` logs a worker running a task and finishing it with spawned children.
+test allowed 503 (a client's mistake must never be a 500). The helpers submit, read and
+wait on tasks and check error answers; ``run_and_finish`` logs a worker running a task and
+finishing it with spawned children.
 """
 
 from __future__ import annotations

@@ -58,23 +58,29 @@ def steward_command() -> list[str]:
 
 
 @functools.cache
+def steward_help(command: str) -> str:
+    """What ``steward <command> --help`` prints ("" when it does not answer within 60 s)."""
+    try:
+        result = subprocess.run(
+            [*steward_command(), command, "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return ""
+    return result.stdout
+
+
+@functools.cache
 def standalone_listen_options() -> tuple[str, ...]:
     """Options of ``steward standalone`` besides ``--http`` that take a HOST:PORT to listen on.
 
     Each broker a test starts gets a free port for every one of them, so brokers of
     concurrent test runs never fight over a fixed default port.
     """
-    try:
-        result = subprocess.run(
-            [*steward_command(), "standalone", "--help"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return ()
-    found = re.findall(r"(--[a-z][a-z0-9-]*)[ =]HOST:PORT", result.stdout)
+    found = re.findall(r"(--[a-z][a-z0-9-]*)[ =]HOST:PORT", steward_help("standalone"))
     return tuple(sorted(set(found) - {"--http"}))
 
 

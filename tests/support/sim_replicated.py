@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -15,13 +16,18 @@ from typing import Any
 import msgspec
 
 from broker.core import entries as e
-from broker.replication.node import (
-    Role,
-)
+from broker.replication.node import Role
 from log.api import LedgerState
 from tests.support.sim_cluster import ReplicaCluster
-from tests.support.sim_common import encode_result, fail
-from tests.support.sim_virtual import POLL_S, SETTLE_TIMEOUT_S, Replica
+from tests.support.sim_common import SimulationFailure, encode_result, fail
+from tests.support.sim_virtual import (
+    POLL_S,
+    SETTLE_TIMEOUT_S,
+    Replica,
+    VirtualTimeLoop,
+    cancel_leftovers,
+    quiet_logs,
+)
 
 
 class Simulation(ReplicaCluster):
@@ -389,3 +395,38 @@ class Simulation(ReplicaCluster):
                     f"ledger {ledger_id} closed at entry {last} stores {stored} entries: "
                     "a writer kept appending after it was recovered (not fenced)"
                 )
+
+
+def run_seed(
+    make: Callable[[], Simulation],
+    seed: int,
+    steps: int,
+    *,
+    name: str,
+    reproduce: str,
+    final: str = "in the final check",
+    expected: type[BaseException] = SimulationFailure,
+) -> Counter[str]:
+    """Run ``make()``'s simulation on a fresh virtual-time loop; on any error raise a
+    SimulationFailure naming the seed, the step (or ``final``), the virtual time and the
+    command that reproduces it (``reproduce``: the pytest arguments), with a traceback
+    unless the error is ``expected``."""
+    loop = VirtualTimeLoop()
+    sim = make()
+    try:
+        with quiet_logs():
+            return loop.run_until_complete(sim.run())
+    except Exception as exc:
+        where = f"at step {sim.step}" if sim.step < steps else final
+        crash = ""
+        if not isinstance(exc, expected):
+            crash = "\n" + "".join(traceback.format_exception(exc, limit=-8))
+        raise SimulationFailure(
+            f"{name} seed {seed} failed {where} (virtual time {loop.time():.3f} s): "
+            f"{type(exc).__name__}: {exc}\n"
+            f"reproduce with STEWARD_SIM_SEED={seed} .venv/bin/pytest {reproduce}{crash}"
+        ) from exc
+    finally:
+        with contextlib.suppress(Exception):
+            cancel_leftovers(loop)
+        loop.close()

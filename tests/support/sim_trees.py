@@ -18,12 +18,12 @@ from broker.core.state import (
     Rejected,
     StateMachine,
     TaskRef,
-    TaskState,
     TreeState,
     WorkerState,
     tree_value,
 )
 from tests.support.sim_common import fail
+from tests.support.sim_model import CANCELLED, ERROR, FINISHED, RUNNING, WAITING
 
 TENANT: Final = "t"
 WORKER: Final = "tree-worker"
@@ -34,11 +34,6 @@ MAX_DRAIN_ROUNDS: Final = 400
 DRAIN_PROPOSALS_PER_ROUND: Final = 8
 REPORT_MEMORY_ENTRIES: Final = 32  # entries after which a report may have been lost
 
-WAITING: Final = TaskState.WAITING.value
-RUNNING: Final = TaskState.RUNNING.value
-FINISHED: Final = TaskState.FINISHED.value
-ERROR: Final = TaskState.ERROR.value
-CANCELLED: Final = TaskState.CANCELLED.value
 PENDING: Final = TreeState.PENDING.value
 COMPLETED: Final = TreeState.COMPLETED.value
 FAILED: Final = TreeState.FAILED.value

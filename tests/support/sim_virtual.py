@@ -16,9 +16,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from broker.core.state import StateMachine, Task
-from broker.replication.node import (
-    Node,
-)
+from broker.replication.node import Node
 from log.api import LedgerError, LedgerList, LedgerListStore, LedgerReader, LedgerState
 from log.memory import MemoryLedgerCluster, MemoryLedgerListStore, MemoryLedgerStore
 from tests.support.sim_common import SimulationFailure

@@ -22,9 +22,7 @@ import httpx
 
 if TYPE_CHECKING:
     pass
-from tests.support.cluster_procs import (
-    BrokerNode,
-)
+from tests.support.cluster_procs import BrokerNode
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,6 @@
 """The HTTP API (broker/api/http_api.py) in process: submitting tasks, accepted and refused.
 
-Each test gets a fresh Node on memory ledgers behind ``httpx.ASGITransport`` (the ``api``
-fixture, tests/support/http_api.py). The fixture records every response and fails the test
-if any had a status >= 500, except the 503s a test declares on purpose: a client's mistake
-must never be a 500.
+The ``api`` fixture (tests/support/http_api.py) fails a test on any unexpected 5xx.
 """
 
 from __future__ import annotations
