@@ -15,4 +15,5 @@ pytest_plugins = [
     "tests.support.pulsar_fixture",
     "tests.support.link_broker",
     "tests.support.auth_env",
+    "tests.support.http_api",
 ]

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.chaos.soak import TASK_TYPE, TENANT, Acked, ChaosLoad, ChaosSoak, SoakConfig
+from tests.chaos.soak import ChaosSoak
+from tests.chaos.soak_parts import TASK_TYPE, TENANT, Acked, ChaosLoad, SoakConfig
 
 
 def _load(tmp_path: Path, keys: dict[str, int]) -> ChaosLoad:

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from clients.dev.zk import ZooKeeperServer
-from tests.chaos.soak import ChaosSoak, SoakConfig
+from tests.chaos.soak import ChaosSoak
+from tests.chaos.soak_parts import SoakConfig
 
 DEFAULT_SEED = 20261122
 CI_FAULTS = 60

@@ -23,17 +23,15 @@ import pytest
 
 from clients.dev.pulsar_lite import PulsarLiteServer
 from clients.dev.zk import ZooKeeperServer
-from tests.support.cluster_procs import (
-    BrokerNode,
-    ClusterProcesses,
-    ClusterWorker,
+from tests.support.cluster_procs import BrokerNode, ClusterProcesses, ClusterWorker
+from tests.support.worker_procs import wait_until
+from tests.support.write_load import (
     WriteLoad,
     check_acknowledged,
     fetch_tasks,
     flocks_held,
     probe_idempotency,
 )
-from tests.support.worker_procs import wait_until
 
 
 @pytest.fixture(params=["file", "pulsar"])

@@ -33,11 +33,12 @@ import pytest
 from broker.workers import protocol as p
 from clients.client import CertificateVerifyError, StewardClient
 from clients.dev.zk import ZooKeeperServer
-from tests.support.cluster_procs import BrokerNode, ClusterProcesses, fetch_tasks
+from tests.support.cluster_procs import BrokerNode, ClusterProcesses
 from tests.support.cluster_up import ClusterUpOutput, descendants
 from tests.support.procs import HOST, BrokerProcess, free_port, steward_command
 from tests.support.tls_certs import TlsFiles, make_tls_files
 from tests.support.worker_procs import WorkerProcess, wait_until
+from tests.support.write_load import fetch_tasks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -24,7 +24,7 @@ from broker.core.state import (
     TransactionDone,
 )
 from tests.support.auth_env import Env, error_code
-from tests.unit.test_state import Machine
+from tests.support.machine import Machine
 
 TASKS = "/api/v1/tasks"
 TXNS = "/api/v1/transactions"

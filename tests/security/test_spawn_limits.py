@@ -15,7 +15,7 @@ from broker.core import entries as e
 from broker.core.state import StateMachine, TaskRef, TaskState, TreeState
 from broker.workers import protocol as p
 from tests.support.link_broker import Broker
-from tests.unit.test_state import Machine
+from tests.support.machine import Machine
 
 WAITING = TaskState.WAITING.value
 

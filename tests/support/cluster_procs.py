@@ -9,42 +9,30 @@ the ``with`` block ends, and on an error the block prints the tails of all logs.
 Workers get every broker's URL (``steward worker --brokers``): they find the leader
 themselves and reconnect to the next one after a fail-over, keeping their running tasks.
 
-:class:`WriteLoad` is the client side: concurrent HTTP clients that submit tasks with
-idempotency keys, follow the leader (307 redirects, retries on 503 and broken
-connections) or stay pinned to one broker, and record every answer with its time.
+The client side (a write load and the checks on what it recorded) is in
+tests/support/write_load.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import itertools
 import json
 import os
 import signal
 import ssl
-import subprocess
-import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from tests.support.logged_process import (
-    kill9,
-    log_tail,
-    log_text,
-    open_log,
-    spawn_logged,
+    LoggedProcess,
     wait_healthy,
 )
-from tests.support.procs import HOST, free_port, steward_command
+from tests.support.procs import HOST, free_port, steward_command, steward_help
 from tests.support.worker_procs import wait_until
 
 if TYPE_CHECKING:
@@ -60,24 +48,15 @@ class ClusterError(AssertionError):
     """A broker did not start, stop or converge in time (log tails are included)."""
 
 
-@functools.cache
 def worker_supports_brokers_flag() -> bool:
     """Whether ``steward worker`` has ``--brokers URL,URL`` (leader discovery) yet."""
-    try:
-        result = subprocess.run(
-            [*steward_command(), "worker", "--help"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return False
-    return "--brokers" in result.stdout
+    return "--brokers" in steward_help("worker")
 
 
-class BrokerNode:
+class BrokerNode(LoggedProcess):
     """One ``steward broker`` subprocess with fixed ports (kept across restarts)."""
+
+    tail_bytes = 6000
 
     def __init__(
         self,
@@ -87,17 +66,15 @@ class BrokerNode:
         log_path: Path,
         extra_args: tuple[str, ...],
     ) -> None:
+        super().__init__(f"broker {broker_id}", log_path)
         self.cluster = cluster
         self.broker_id = broker_id
         self.data_dir = data_dir
-        self.log_path = log_path
         self.extra_args = extra_args
         self.http_port = free_port()
         self.worker_port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
         self.stopped = False  # SIGSTOPped: never ask it anything (it would not answer)
         self.starts = 0
-        self._log: IO[bytes] | None = None
 
     def __repr__(self) -> str:
         return f"BrokerNode({self.broker_id}, {self.url})"
@@ -109,14 +86,6 @@ class BrokerNode:
     @property
     def worker_address(self) -> str:
         return f"{HOST}:{self.worker_port}"
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None, f"{self.broker_id} was never started"
-        return self.proc.pid
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def live(self) -> bool:
         """Running and not frozen: it can answer requests."""
@@ -155,16 +124,14 @@ class BrokerNode:
 
     def spawn(self) -> None:
         assert not self.running(), f"{self.broker_id} is already running"
-        self.close_log()
         self.starts += 1
         header = (
             f"\n===== start #{self.starts} http {self.http_port} workers {self.worker_port} "
             f"at {time.time():.3f} =====\n"
         )
-        self._log = open_log(self.log_path, header)
         self.stopped = False
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.cluster.extra_env)
-        self.proc = spawn_logged(self.command(), self._log, env)
+        self.spawn_logged(self.command(), env, header)
 
     def wait_serving(self, timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
         """Poll ``/healthz`` until 200 (a follower answers 200 too); fail if it exits."""
@@ -186,13 +153,11 @@ class BrokerNode:
         os.kill(self.pid, signum)
         return sent
 
-    def kill9(self) -> float:
+    def kill9(self, timeout_s: float = 10.0) -> float:  # type: ignore[override]
         """SIGKILL and reap (bounded); returns when the signal was sent."""
         sent = time.monotonic()
-        if self.proc is not None:
-            kill9(self.proc)
         self.stopped = False
-        self.close_log()
+        super().kill9(timeout_s)
         return sent
 
     def sigstop(self) -> float:
@@ -221,27 +186,7 @@ class BrokerNode:
         return self.signal(signal.SIGTERM)
 
     def wait_exit(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
-        assert self.proc is not None
-        try:
-            code = self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill9()
-            raise ClusterError(
-                f"broker {self.broker_id} did not exit within {timeout_s} s\n{self.log_tail()}"
-            ) from None
-        self.close_log()
-        return code
-
-    def close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def log_tail(self, max_bytes: int = 6000) -> str:
-        return log_tail(self.log_path, max_bytes)
-
-    def log_text(self) -> str:
-        return log_text(self.log_path)
+        return self.wait_for_exit(timeout_s, ClusterError)
 
     # -- HTTP ---------------------------------------------------------------------------
 
@@ -559,8 +504,10 @@ class ClusterProcesses:
         return leader
 
 
-class ClusterWorker:
+class ClusterWorker(LoggedProcess):
     """One ``steward worker`` subprocess (killed by pid at the end of the cluster block)."""
+
+    tail_bytes = 3000
 
     def __init__(
         self,
@@ -572,20 +519,17 @@ class ClusterWorker:
         extra_args: tuple[str, ...],
         env: dict[str, str] | None = None,
     ) -> None:
+        super().__init__(f"worker {worker_id}", log_path)
         self.worker_id = worker_id
         self.target = target
         self.env = env or {}
-        self.log_path = log_path
         self.cache_dir = cache_dir
         self.extra_args = extra_args
-        self.proc: subprocess.Popen[bytes] | None = None
         self.stopped = False  # SIGSTOPped
-        self._log: IO[bytes] | None = None
 
     def start(self) -> None:
         self.stopped = False
-        self._log = open_log(self.log_path)
-        self.proc = spawn_logged(
+        self.spawn_logged(
             [
                 *steward_command(),
                 "worker",
@@ -598,17 +542,8 @@ class ClusterWorker:
                 "off",
                 *self.extra_args,
             ],
-            self._log,
             dict(os.environ, PYTHONUNBUFFERED="1", **self.env),
         )
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None, f"worker {self.worker_id} was never started"
-        return self.proc.pid
 
     def sigstop(self) -> None:
         """Freeze the worker (its TCP connection stays open, it answers nothing)."""
@@ -621,336 +556,9 @@ class ClusterWorker:
         os.kill(self.pid, signal.SIGCONT)
         self.stopped = False
 
-    def kill9(self) -> None:
+    def kill9(self, timeout_s: float = 10.0) -> None:
         self.stopped = False
-        if self.proc is not None and self.proc.poll() is None:
-            kill9(self.proc)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def log_tail(self, max_bytes: int = 3000) -> str:
-        return log_tail(self.log_path, max_bytes)
-
-    def log_text(self) -> str:
-        return log_text(self.log_path)
+        super().kill9(timeout_s)
 
 
 # -- client load ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Ack:
-    """A 2xx answer to a submission."""
-
-    key: str
-    task_id: int
-    params: dict[str, Any]
-    broker_url: str  # who answered
-    sent_at: float  # monotonic, when the answered request was sent
-    at: float  # monotonic, when the answer arrived
-    replayed: bool
-
-
-@dataclass(frozen=True)
-class Answer:
-    """Any answer (or a transport error: status 0) to one request."""
-
-    broker_url: str
-    status: int
-    sent_at: float
-    at: float
-    retryable: bool | None  # from the error body; None for 2xx and transport errors
-
-
-@dataclass
-class LoadRecord:
-    attempted: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> params
-    acked: dict[str, Ack] = field(default_factory=dict)
-    answers: list[Answer] = field(default_factory=list)
-    statuses: Counter[int] = field(default_factory=Counter)
-    unexpected: list[str] = field(default_factory=list)  # 4xx other than 307 and the like
-
-
-class WriteLoad:
-    """``clients`` concurrent submitters on an asyncio loop in a background thread.
-
-    ``follow=True``: start at ``targets[0]``, follow 307 redirects to ``leader_url``,
-    move to the next broker on 503 or a broken connection, and retry the same
-    submission with the same ``Idempotency-Key`` until it is acknowledged (when
-    ``idempotent``; otherwise a submission whose fate is unknown is abandoned, so a
-    retry can never create a second task). ``follow=False``: every request goes to
-    ``targets[0]`` and each submission is tried once.
-    """
-
-    def __init__(
-        self,
-        targets: list[str],
-        *,
-        clients: int = 32,
-        tag: str | None = None,
-        task_type: str = "load.job",
-        tenant: str = "load",
-        follow: bool = True,
-        idempotent: bool = True,
-        request_timeout_s: float = 5.0,
-        pause_s: float = 0.0,
-    ) -> None:
-        assert targets
-        self.targets = list(targets)
-        self.clients = clients
-        self.tag = tag or uuid.uuid4().hex[:6]
-        self.task_type = task_type
-        self.tenant = tenant
-        self.follow = follow
-        self.idempotent = idempotent
-        self.request_timeout_s = request_timeout_s
-        self.pause_s = pause_s
-        self.record = LoadRecord()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    # -- control ----------------------------------------------------------------------------
-
-    def start(self) -> WriteLoad:
-        self._thread = threading.Thread(target=self._run, name=f"load-{self.tag}", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self, timeout_s: float = 20.0) -> LoadRecord:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            assert not self._thread.is_alive(), f"load {self.tag} did not stop in {timeout_s} s"
-        if self._error is not None:
-            raise AssertionError(f"load {self.tag} failed: {self._error!r}") from self._error
-        return self.record
-
-    def acked_count(self) -> int:
-        with self._lock:
-            return len(self.record.acked)
-
-    def first_ack(self, after: float, excluding_url: str | None = None) -> Ack | None:
-        """The earliest acknowledgement sent by a broker other than ``excluding_url``
-        that arrived after ``after`` (monotonic)."""
-        with self._lock:
-            acks = [
-                a
-                for a in self.record.acked.values()
-                if a.at > after and a.broker_url != excluding_url
-            ]
-        return min(acks, key=lambda a: a.at) if acks else None
-
-    def answers(self) -> list[Answer]:
-        with self._lock:
-            return list(self.record.answers)
-
-    def acks(self) -> list[Ack]:
-        with self._lock:
-            return list(self.record.acked.values())
-
-    # -- the clients ----------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._main())
-        except BaseException as exc:  # surfaced by stop()
-            self._error = exc
-
-    async def _main(self) -> None:
-        limits = httpx.Limits(max_connections=self.clients * 2, max_keepalive_connections=0)
-        async with httpx.AsyncClient(timeout=self.request_timeout_s, limits=limits) as http:
-            await asyncio.gather(*(self._client(http, c) for c in range(self.clients)))
-
-    async def _client(self, http: httpx.AsyncClient, client_no: int) -> None:
-        rotation = itertools.cycle(range(len(self.targets)))
-        target = self.targets[client_no % len(self.targets)] if self.follow else self.targets[0]
-        for seq in itertools.count():
-            if self._stop.is_set():
-                return
-            key = f"{self.tag}-{client_no}-{seq}"
-            params = {"load": self.tag, "client": client_no, "seq": seq}
-            with self._lock:
-                self.record.attempted[key] = params
-            target = await self._submit(http, target, key, params, rotation)
-            if self.pause_s:
-                await asyncio.sleep(self.pause_s)
-
-    async def _submit(
-        self,
-        http: httpx.AsyncClient,
-        target: str,
-        key: str,
-        params: dict[str, Any],
-        rotation: itertools.cycle[int],
-    ) -> str:
-        """Send one submission until acknowledged (or given up); returns the next target."""
-        body = {"type": self.task_type, "tenant": self.tenant, "params": params}
-        headers = {"Idempotency-Key": key} if self.idempotent else {}
-        while not self._stop.is_set():
-            sent_at = time.monotonic()
-            try:
-                response = await http.post(target + "/api/v1/tasks", json=body, headers=headers)
-            except httpx.TransportError:
-                self._answer(Answer(target, 0, sent_at, time.monotonic(), None))
-                if not self.follow or not self.idempotent:
-                    # The fate of this submission is unknown: never retry it blind.
-                    await asyncio.sleep(0.02)
-                    return target if not self.follow else self._next(rotation, target)
-                target = self._next(rotation, target)
-                await asyncio.sleep(0.02)
-                continue
-            at = time.monotonic()
-            status = response.status_code
-            if 200 <= status < 300:
-                answer = response.json()
-                ack = Ack(
-                    key,
-                    int(answer["id"]),
-                    params,
-                    target,
-                    sent_at,
-                    at,
-                    bool(answer.get("replayed", False)),
-                )
-                with self._lock:
-                    self.record.acked[key] = ack
-                    self.record.answers.append(Answer(target, status, sent_at, at, None))
-                    self.record.statuses[status] += 1
-                return target
-            error = _error_of(response)
-            retryable = error.get("retryable") if error is not None else None
-            self._answer(Answer(target, status, sent_at, at, retryable))
-            if status not in (307, 503):
-                with self._lock:
-                    self.record.unexpected.append(f"{status} from {target}: {response.text[:300]}")
-                return target
-            if not self.follow:
-                await asyncio.sleep(0.02)
-                return target
-            leader_url = error.get("leader_url") if error is not None else None
-            if status == 307 and isinstance(leader_url, str) and leader_url != target:
-                target = leader_url
-            else:
-                target = self._next(rotation, target)
-                await asyncio.sleep(0.02)
-        return target
-
-    def _next(self, rotation: itertools.cycle[int], current: str | None = None) -> str:
-        """The next broker in this client's rotation, never the one that just failed."""
-        for _ in range(len(self.targets)):
-            candidate = self.targets[next(rotation)]
-            if candidate != current:
-                return candidate
-        return self.targets[0]
-
-    def _answer(self, answer: Answer) -> None:
-        with self._lock:
-            self.record.answers.append(answer)
-            self.record.statuses[answer.status] += 1
-
-
-def _error_of(response: httpx.Response) -> dict[str, Any] | None:
-    try:
-        body = response.json()
-    except ValueError:
-        return None
-    error = body.get("error") if isinstance(body, dict) else None
-    return error if isinstance(error, dict) else None
-
-
-# -- checks ---------------------------------------------------------------------------------------
-
-
-def fetch_tasks(node: BrokerNode, *, tenant: str | None = None) -> dict[int, dict[str, Any]]:
-    """Every task on ``node`` (paged), by id; asserts no id is listed twice."""
-    tasks: dict[int, dict[str, Any]] = {}
-    after = 0
-    with httpx.Client(base_url=node.url, timeout=30, verify=node.cluster.verify) as http:
-        for _ in range(10_000):
-            query: dict[str, Any] = {"limit": 1000, "after": after}
-            if tenant is not None:
-                query["tenant"] = tenant
-            response = http.get("/api/v1/tasks", params=query)
-            response.raise_for_status()
-            body = response.json()
-            for task in body["tasks"]:
-                assert task["id"] not in tasks, f"task {task['id']} listed twice"
-                tasks[task["id"]] = task
-            if body.get("next_after") is None:
-                return tasks
-            after = body["next_after"]
-    raise AssertionError("too many pages of tasks")
-
-
-def check_acknowledged(
-    node: BrokerNode, load: WriteLoad, *, where: str, expect_unique: bool = True
-) -> dict[int, dict[str, Any]]:
-    """Every acknowledged submission of ``load`` is on ``node`` with its data; no task
-    appears that nobody sent; with idempotency keys no submission appears twice."""
-    tasks = fetch_tasks(node, tenant=load.tenant)
-    record = load.record
-    mine = {
-        tid: t
-        for tid, t in tasks.items()
-        if isinstance(t["params"], dict) and t["params"].get("load") == load.tag
-    }
-    problems: list[str] = []
-    for key, ack in record.acked.items():
-        task = mine.get(ack.task_id)
-        if task is None:
-            problems.append(f"acknowledged task {ack.task_id} ({key}) is lost")
-        elif (task["type"], task["tenant"], task["params"]) != (
-            load.task_type,
-            load.tenant,
-            ack.params,
-        ):
-            problems.append(f"task {ack.task_id} is {task}, was submitted as {ack.params}")
-    by_params = Counter(_params_key(t["params"]) for t in mine.values())
-    attempted = {_params_key(p) for p in record.attempted.values()}
-    for tid, task in mine.items():
-        if _params_key(task["params"]) not in attempted:
-            problems.append(f"task {tid} {task['params']} was never submitted")
-    if expect_unique:
-        twice = [k for k, n in by_params.items() if n > 1]
-        problems += [f"submission {k} appears {by_params[k]} times" for k in twice[:10]]
-    assert not problems, (
-        f"{len(problems)} problems {where} ({len(record.acked)} acknowledged):\n"
-        + "\n".join(problems[:20])
-    )
-    return mine
-
-
-def _params_key(params: Any) -> str:
-    return json.dumps(params, sort_keys=True, separators=(",", ":"))
-
-
-def probe_idempotency(node: BrokerNode, tenant: str) -> bool:
-    """Whether the leader honours ``Idempotency-Key`` (the same key twice: one task)."""
-    key = f"probe-{uuid.uuid4().hex}"
-    body = {"type": "probe.noop", "tenant": tenant, "params": {"probe": key}}
-    with httpx.Client(base_url=node.url, timeout=10) as http:
-        ids: list[int] = []
-        for _ in range(2):
-            response = http.post("/api/v1/tasks", json=body, headers={"Idempotency-Key": key})
-            assert response.status_code == 201, response.text
-            ids.append(int(response.json()["id"]))
-    return ids[0] == ids[1]
-
-
-def flocks_held(pid: int, directory: Path) -> list[str]:
-    """Names of the files in ``directory`` on which process ``pid`` holds a flock."""
-    inodes = {path.stat().st_ino: path.name for path in directory.iterdir() if path.is_file()}
-    held = []
-    for line in Path("/proc/locks").read_text().splitlines():
-        # "1: FLOCK  ADVISORY  WRITE <pid> <major>:<minor>:<inode> 0 EOF"; waiters
-        # ("1: -> FLOCK ...") hold nothing.
-        fields = line.split()
-        if len(fields) < 6 or fields[1] != "FLOCK" or int(fields[4]) != pid:
-            continue
-        name = inodes.get(int(fields[5].rsplit(":", 1)[1]))
-        if name is not None:
-            held.append(name)
-    return held

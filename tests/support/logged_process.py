@@ -98,3 +98,68 @@ def wait_healthy(
             if time.monotonic() >= deadline:
                 raise error(f"{name} not healthy within {timeout_s} s ({last})\n{tail()}")
             time.sleep(0.05)
+
+
+class LoggedProcess:
+    """A subprocess with its output in a log file: its pid, whether it runs, the log (open
+    while the process may write to it, its tail and its text), a kill by pid and a bounded
+    wait for its exit. The broker and worker launchers of the tests build on it."""
+
+    tail_bytes = 8000  # what log_tail() shows by default
+
+    def __init__(self, name: str, log_path: Path) -> None:
+        self.name = name  # as messages name it: "broker", "broker b1", "worker w1"
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_file: IO[bytes] | None = None
+        self.log_offset = 0  # where the latest start's output begins in the log
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, f"{self.name} was never started"
+        return self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def spawn_logged(self, command: list[str], env: dict[str, str], header: str = "") -> None:
+        """Start ``command`` with its output appended to the log, after ``header``."""
+        self.close_log()
+        self.log_file = open_log(self.log_path)
+        self.log_offset = self.log_file.tell()
+        if header:
+            self.log_file.write(header.encode())
+            self.log_file.flush()
+        self.proc = spawn_logged(command, self.log_file, env)
+
+    def kill9(self, timeout_s: float = 10.0) -> None:
+        """SIGKILL the process (by pid) if it runs, reap it (bounded), close the log."""
+        if self.proc is not None:
+            kill9(self.proc, timeout_s)
+        self.close_log()
+
+    def wait_for_exit(
+        self, timeout_s: float, error: Callable[[str], Exception] = AssertionError, why: str = ""
+    ) -> int:
+        """The exit code; after ``timeout_s`` a SIGKILL and ``error`` with the log's tail."""
+        assert self.proc is not None, f"{self.name} was never started"
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill9()
+            raise error(
+                f"{self.name} did not exit within {timeout_s} s{why}\n{self.log_tail()}"
+            ) from None
+        self.close_log()
+        return code
+
+    def close_log(self) -> None:
+        if self.log_file is not None:
+            self.log_file.close()
+            self.log_file = None
+
+    def log_tail(self, max_bytes: int | None = None) -> str:
+        return log_tail(self.log_path, self.tail_bytes if max_bytes is None else max_bytes)
+
+    def log_text(self) -> str:
+        return log_text(self.log_path)

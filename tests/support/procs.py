@@ -21,16 +21,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from tests.support.logged_process import (
-    kill9,
-    log_tail,
-    log_text,
-    open_log,
-    spawn_logged,
+    LoggedProcess,
     wait_healthy,
 )
 
@@ -62,23 +58,29 @@ def steward_command() -> list[str]:
 
 
 @functools.cache
+def steward_help(command: str) -> str:
+    """What ``steward <command> --help`` prints ("" when it does not answer within 60 s)."""
+    try:
+        result = subprocess.run(
+            [*steward_command(), command, "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return ""
+    return result.stdout
+
+
+@functools.cache
 def standalone_listen_options() -> tuple[str, ...]:
     """Options of ``steward standalone`` besides ``--http`` that take a HOST:PORT to listen on.
 
     Each broker a test starts gets a free port for every one of them, so brokers of
     concurrent test runs never fight over a fixed default port.
     """
-    try:
-        result = subprocess.run(
-            [*steward_command(), "standalone", "--help"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return ()
-    found = re.findall(r"(--[a-z][a-z0-9-]*)[ =]HOST:PORT", result.stdout)
+    found = re.findall(r"(--[a-z][a-z0-9-]*)[ =]HOST:PORT", steward_help("standalone"))
     return tuple(sorted(set(found) - {"--http"}))
 
 
@@ -86,7 +88,7 @@ class BrokerStartError(RuntimeError):
     """The broker subprocess did not become healthy in time (its log tail is included)."""
 
 
-class BrokerProcess:
+class BrokerProcess(LoggedProcess):
     """One ``steward standalone`` subprocess on ``data_dir``; output goes to ``log_path``.
 
     ``start()`` picks a fresh port each time (so a restart never waits for the old
@@ -104,19 +106,16 @@ class BrokerProcess:
         env: dict[str, str] | None = None,
         tls: TlsFiles | None = None,
     ) -> None:
+        super().__init__("broker", log_path)
         self.data_dir = data_dir
         # Serve HTTPS and a TLS worker endpoint with this certificate (url is https://).
         self.tls = tls
-        self.log_path = log_path
         self.snapshot_interval_s = snapshot_interval_s
         self.ledger_roll_mb = ledger_roll_mb
         self.extra_args = extra_args
         self.env = env
         self.port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
-        self._log_file: IO[bytes] | None = None
-        self._start_offset = 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -128,14 +127,6 @@ class BrokerProcess:
     def verify(self) -> ssl.SSLContext | bool:
         """httpx's ``verify=`` for this broker (its CA when it serves TLS)."""
         return self.tls.client_context() if self.tls is not None else True
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None, "broker not started"
-        return self.proc.pid
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def _command(self, port: int) -> list[str]:
         cmd = [
@@ -190,7 +181,7 @@ class BrokerProcess:
         """What the broker printed since its latest start."""
         try:
             with open(self.log_path, "rb") as log_file:
-                log_file.seek(self._start_offset)
+                log_file.seek(self.log_offset)
                 return log_file.read().decode(errors="replace")
         except FileNotFoundError:
             return ""
@@ -198,15 +189,10 @@ class BrokerProcess:
     def _spawn(self, port: int) -> None:
         self.port = port
         self.starts += 1
-        self._close_log()
-        self._log_file = open_log(self.log_path)
-        self._start_offset = self._log_file.tell()
         header = f"\n===== start #{self.starts} on port {port} at {time.time():.3f} =====\n"
-        self._log_file.write(header.encode())
-        self._log_file.flush()
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONUNBUFFERED"] = "1"
-        self.proc = spawn_logged(self._command(port), self._log_file, env)
+        self.spawn_logged(self._command(port), env, header)
 
     def wait_healthy(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> dict[str, Any]:
         """Poll ``/healthz`` until it answers 200; raise if the process dies or time runs out."""
@@ -221,14 +207,7 @@ class BrokerProcess:
             error=BrokerStartError,
         )
 
-    def kill9(self, timeout_s: float = 10.0) -> None:
-        """SIGKILL the broker and reap it (bounded)."""
-        if self.proc is None:
-            return
-        kill9(self.proc, timeout_s)
-        self._close_log()
-
-    kill = kill9
+    kill = LoggedProcess.kill9
 
     def terminate(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> int:
         """SIGTERM (clean shutdown) and wait for the exit code; SIGKILL if it hangs."""
@@ -236,26 +215,7 @@ class BrokerProcess:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill9()
-            raise AssertionError(
-                f"broker did not exit within {timeout_s} s of SIGTERM\n{self.log_tail()}"
-            ) from None
-        self._close_log()
-        return code
-
-    def _close_log(self) -> None:
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-
-    def log_tail(self, max_bytes: int = 8000) -> str:
-        return log_tail(self.log_path, max_bytes)
-
-    def log_text(self) -> str:
-        return log_text(self.log_path)
+        return self.wait_for_exit(timeout_s, AssertionError, " of SIGTERM")
 
     def __enter__(self) -> BrokerProcess:
         return self

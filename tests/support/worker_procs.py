@@ -16,11 +16,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import httpx
 
-from tests.support.logged_process import kill9, open_log, spawn_logged
+from tests.support.logged_process import LoggedProcess
 from tests.support.procs import HOST, steward_command
 
 
@@ -50,8 +50,10 @@ def task_writable_dir(prefix: str = "steward-test-shared-") -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-class WorkerProcess:
+class WorkerProcess(LoggedProcess):
     """One ``steward worker`` subprocess."""
+
+    tail_bytes = 4000
 
     def __init__(
         self,
@@ -65,23 +67,20 @@ class WorkerProcess:
         env: dict[str, str] | None = None,
         spark: bool = False,
     ) -> None:
+        super().__init__(f"worker {worker_id}", log_dir / f"{worker_id}.log")
         self.broker = broker
         self.http_url = http_url
         self.worker_id = worker_id
-        self.log_path = log_dir / f"{worker_id}.log"
         self.cache_dir = cache_dir
         # A worker whose tasks may reach Spark starts a Spark Connect server (a JVM): only
         # the tests that use Spark ask for one.
         self.extra_args = extra_args if spark else ("--spark", "off", *extra_args)
         # Added to the environment: secrets (STEWARD_WORKER_TOKEN), never on argv.
         self.env = env or {}
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
 
     def start(self) -> WorkerProcess:
-        self._log = open_log(self.log_path)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
-        self.proc = spawn_logged(
+        self.spawn_logged(
             [
                 *steward_command(),
                 "worker",
@@ -95,7 +94,6 @@ class WorkerProcess:
                 str(self.cache_dir),
                 *self.extra_args,
             ],
-            self._log,
             env,
         )
         return self
@@ -108,10 +106,6 @@ class WorkerProcess:
 
         wait_until(connected, timeout_s, f"worker {self.worker_id} to connect")
 
-    def kill9(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            kill9(self.proc)
-
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -119,15 +113,7 @@ class WorkerProcess:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.kill9()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def log_tail(self, max_bytes: int = 4000) -> str:
-        try:
-            return self.log_path.read_bytes()[-max_bytes:].decode(errors="replace")
-        except FileNotFoundError:
-            return ""
+        self.close_log()
 
 
 class TcpProxy:

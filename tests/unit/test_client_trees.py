@@ -15,8 +15,8 @@ from broker.replication.node import Node
 from clients import cli
 from clients.client import InvalidRequestError, StewardClient, TaskTimeoutError, TreeFailedError
 from tests.support.asgi_server import Served, serve, unserve
+from tests.support.http_api import run_and_finish
 from tests.support.memory_node import memory_node
-from tests.unit.test_http_api import run_and_finish
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import msgspec
 from broker.core import entries as e
 from broker.core.scheduler import schedule
 from broker.core.state import Artifact, ErrorCode, Rejected, StateMachine, TaskRef, TaskState
-from tests.unit.test_state import Machine, code
+from tests.support.machine import Machine, code
 
 SHA: Final = "ab" * 32
 OTHER: Final = "cd" * 32

@@ -17,8 +17,8 @@ from broker.workers import protocol as p
 from clients.client import NotFoundError, StewardClient
 from clients.worker.runtime import split_dropped_note
 from tests.support.asgi_server import serve, unserve
+from tests.support.http_api import run_and_finish
 from tests.support.memory_node import memory_node
-from tests.unit.test_http_api import run_and_finish
 
 MIB = 1024 * 1024
 

@@ -19,7 +19,7 @@ import pytest
 from broker.core import entries as e
 from broker.core.state import Applied, StateMachine, Task, TaskState
 from broker.core.transitions import EDGES, TRANSITIONS, check_move
-from tests.unit.test_trees import Trees
+from tests.support.machine import Trees
 
 DESIGN: Final = Path(__file__).resolve().parents[2] / "docs" / "DESIGN.md"
 

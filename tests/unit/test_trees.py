@@ -1,6 +1,6 @@
 """Task trees (Storm's acker) in the state machine: ack vals, failure, timeout, replay.
 
-Scenarios drive ``tests.unit.test_state.Machine`` (invariants checked after each entry,
+Scenarios drive ``tests.support.machine.Trees`` (invariants checked after each entry,
 including that a pending tree's ack val is the XOR over its live tasks).
 """
 
@@ -8,21 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
 from broker.core import entries as e
 from broker.core.state import (
     StateMachine,
     StopRunning,
-    TaskFinal,
     TaskRef,
     TaskState,
-    TreeEnded,
-    TreeRecord,
     TreeState,
     tree_value,
 )
-from tests.unit.test_state import Machine
+from tests.support.machine import Trees
 
 FINISHED = TaskState.FINISHED.value
 WAITING = TaskState.WAITING.value
@@ -30,53 +25,6 @@ CANCELLED = TaskState.CANCELLED.value
 PENDING = TreeState.PENDING.value
 COMPLETED = TreeState.COMPLETED.value
 FAILED = TreeState.FAILED.value
-
-
-class Trees(Machine):
-    def __init__(self, machine: StateMachine | None = None) -> None:
-        super().__init__(machine)
-        self.register("w1")
-
-    def drain_effects(self) -> tuple[list[int], list[StopRunning]]:
-        """Tasks that became final and running tasks stopped, since the last drain."""
-        final = [x.task_id for x in self.effects if isinstance(x, TaskFinal)]
-        stops = [x for x in self.effects if isinstance(x, StopRunning)]
-        self.effects = [x for x in self.effects if isinstance(x, TreeEnded)]
-        return final, stops
-
-    def drain_tree_effects(self) -> list[int]:
-        """Roots whose tree ended for good, since the last drain."""
-        ended = [x.root_id for x in self.effects if isinstance(x, TreeEnded)]
-        self.effects = [x for x in self.effects if not isinstance(x, TreeEnded)]
-        return ended
-
-    def root(self, **fields: Any) -> int:
-        return self.add(track_tree=True, **fields)
-
-    def tree(self, root: int) -> TreeRecord:
-        tree = self.m.tree(root)
-        assert tree is not None
-        return tree
-
-    def run(self, task_id: int) -> None:
-        assert isinstance(self.assign(task_id), TaskRef)
-
-    def child(self, *anchors: int, **fields: Any) -> e.Spawn:
-        return e.Spawn(self.spec(**fields), anchors)
-
-    def done(self, task_id: int, *spawn: e.Spawn) -> list[int]:
-        """Run task_id (if waiting) and finish it ok with ``spawn``; the children's ids."""
-        if self.state(task_id) == WAITING:
-            self.run(task_id)
-        outcome = msgspec.structs.replace(self.outcome(task_id), spawn=spawn)
-        (result,) = self.finish(outcome)
-        assert result == TaskRef(task_id, FINISHED)
-        return [s.task.id for s in spawn]
-
-    def fail(self, task_id: int) -> None:
-        if self.state(task_id) == WAITING:
-            self.run(task_id)
-        self.finish(self.outcome(task_id, ok=False))
 
 
 def test_tree_value_is_deterministic_and_spread() -> None:

@@ -1,0 +1,249 @@
+"""The chaos soak's parts (tests/chaos/soak.py): its configuration and constants, the fault
+weights and the seeded fault draw, the printed fault log, the client threads' load that
+records every acknowledged submission, and the result a run returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clients.client import ConnectionFailedError, StewardClient, StewardError, UnavailableError
+
+TASK_MODULE = Path(__file__).with_name("chaos_tasks.py")
+TASK_TYPE = "chaos_tasks:record"
+TENANT = "chaos"
+FINAL_STATES = frozenset({"finished", "error", "cancelled"})
+LIVE_STATES = frozenset({"waiting", "running", "delayed", "pending"})
+# A broker restart that fails because ZooKeeper is unreachable is tried again this often.
+MAX_START_FAILURES = 5
+
+# Fault kinds and how often each is drawn.
+FAULT_WEIGHTS: dict[str, float] = {
+    "kill_broker": 3.0,
+    "stop_broker": 3.0,
+    "kill_worker": 2.0,
+    "stop_worker": 2.0,
+    "restart_zookeeper": 1.0,
+}
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    seed: int
+    faults: int = 50
+    ledgers: str = "file"  # or "pulsar" (pulsar-lite)
+    brokers: int = 3
+    workers: int = 2
+    clients: int = 4
+    submit_pause_s: float = 0.15  # per client thread, between acknowledged submissions
+    gap_s: tuple[float, float] = (0.3, 2.5)  # between two faults
+    session_timeout_ms: int = 4_000
+    # Shorter than ClusterProcesses' default so that frozen workers are declared dead
+    # (their tasks re-run with a higher attempt) within the soak.
+    heartbeat_timeout_ms: int = 8_000
+    worker_slots: int = 4
+    max_attempts: int = 10
+    task_seconds_max: float = 0.5
+    snapshot_interval_s: float = 3.0
+    drain_timeout_s: float = 180.0
+    settle_timeout_s: float = 90.0
+
+
+@dataclass
+class FaultLog:
+    seed: int
+    started: float = field(default_factory=time.monotonic)
+    lines: list[str] = field(default_factory=list)
+    faults: Counter[str] = field(default_factory=Counter)
+
+    def note(self, action: str, target: str, pid: int | None, detail: str = "") -> None:
+        elapsed_s = time.monotonic() - self.started
+        line = (
+            f"[chaos {time.strftime('%H:%M:%S')} +{elapsed_s:7.2f}s] {action:<18} "
+            f"{target:<10} pid={pid if pid is not None else '-':<8} {detail}"
+        ).rstrip()
+        self.lines.append(line)
+        print(line, flush=True)
+
+    def fault(self, kind: str, target: str, pid: int | None, detail: str = "") -> None:
+        self.faults[kind] += 1
+        self.note(kind, target, pid, detail)
+
+    def dump(self) -> str:
+        return "\n".join(
+            [f"fault log (seed {self.seed}, {sum(self.faults.values())} faults):", *self.lines]
+        )
+
+
+@dataclass(frozen=True)
+class Acked:
+    key: str
+    task_id: int
+    params: dict[str, Any]
+    at: float  # monotonic
+
+
+class ChaosLoad:
+    """Client threads that submit ``chaos_tasks:record`` tasks through the multi-URL client,
+    each with its own idempotency key retried until acknowledged (or the load stops)."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        seed: int,
+        code_sha: str,
+        effects_path: Path,
+        config: SoakConfig,
+    ) -> None:
+        self.urls = urls
+        self.seed = seed
+        self.code_sha = code_sha
+        self.effects_path = effects_path
+        self.config = config
+        self.attempted: dict[str, dict[str, Any]] = {}
+        self.acked: dict[str, Acked] = {}
+        self.retries: Counter[str] = Counter()  # error class -> retried submissions
+        self.unexpected: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> ChaosLoad:
+        for client_no in range(self.config.clients):
+            thread = threading.Thread(
+                target=self._client, args=(client_no,), name=f"chaos-load-{client_no}", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self._stop.set()
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            assert not thread.is_alive(), f"{thread.name} did not stop within {timeout_s} s"
+
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def dead_threads(self) -> list[str]:
+        return [t.name for t in self._threads if not t.is_alive()]
+
+    def acked_count(self) -> int:
+        with self._lock:
+            return len(self.acked)
+
+    def _client(self, client_no: int) -> None:
+        rng = random.Random(f"{self.seed}-load-{client_no}")
+        # A frozen broker never answers: a short request timeout moves on to the next one.
+        with StewardClient(self.urls, timeout_s=3.0, failover_timeout_s=30.0) as client:
+            for seq in itertools.count():
+                if self._stop.is_set():
+                    return
+                key = f"chaos-{self.seed}-{client_no}-{seq}"
+                params = {
+                    "key": key,
+                    "seconds": round(rng.uniform(0.0, self.config.task_seconds_max), 3),
+                    "effects": str(self.effects_path),
+                }
+                with self._lock:
+                    self.attempted[key] = params
+                self._submit(client, key, params)
+                self._stop.wait(self.config.submit_pause_s)
+
+    def _submit(self, client: StewardClient, key: str, params: dict[str, Any]) -> None:
+        while not self._stop.is_set():
+            try:
+                handle = client.submit(
+                    TASK_TYPE,
+                    params,
+                    tenant=TENANT,
+                    idempotency_key=key,
+                    code=self.code_sha,
+                    max_attempts=self.config.max_attempts,
+                )
+            except (UnavailableError, ConnectionFailedError) as exc:
+                # Retryable: the same key again (the broker answers a replay if it was
+                # applied the first time).
+                with self._lock:
+                    self.retries[type(exc).__name__] += 1
+                continue
+            except StewardError as exc:
+                with self._lock:
+                    self.unexpected.append(f"{key}: {exc!r}")
+                return
+            except Exception as exc:  # the client must not leak transport errors
+                with self._lock:
+                    self.unexpected.append(f"{key}: {exc!r}")
+                self._stop.wait(0.5)
+                continue
+            with self._lock:
+                self.acked[key] = Acked(key, handle.id, params, time.monotonic())
+            return
+
+
+@dataclass(frozen=True)
+class FaultDraw:
+    """One step of the schedule. Every step draws the same values in the same order,
+    whatever the cluster's state, so a seed always gives the same sequence of draws;
+    whether and where a drawn fault lands depends on the state at that moment."""
+
+    kind: str
+    gap_s: float  # wait before it
+    leader: bool  # brokers: prefer the leader
+    index: int  # which candidate target
+    allow: float  # compared with thresholds: may a second (third) one go down
+    duration: float  # in [0, 1), scaled per kind
+    variant: float  # long or short pause, crash or clean stop, same or new worker id
+
+    @classmethod
+    def draw(cls, rng: random.Random, config: SoakConfig) -> FaultDraw:
+        kinds = list(FAULT_WEIGHTS)
+        return cls(
+            kind=rng.choices(kinds, weights=[FAULT_WEIGHTS[k] for k in kinds])[0],
+            gap_s=rng.uniform(*config.gap_s),
+            leader=rng.random() < 0.5,
+            index=rng.randrange(1_000_000),
+            allow=rng.random(),
+            duration=rng.random(),
+            variant=rng.random(),
+        )
+
+
+@dataclass(order=True)
+class _Recovery:
+    due: float
+    seq: int
+    kind: str = field(compare=False)
+    target: str = field(compare=False)
+
+
+@dataclass
+class SoakResult:
+    seed: int
+    faults: Counter[str]
+    acked: int
+    tasks: int
+    states: Counter[str]
+    reruns: int  # tasks that ran more than one attempt
+    digest: str
+    duration_s: float
+    fault_log: str
+
+    def summary(self) -> str:
+        return (
+            f"chaos soak seed {self.seed}: {sum(self.faults.values())} faults "
+            f"{dict(sorted(self.faults.items()))}; {self.acked} acknowledged tasks, "
+            f"{self.tasks} on the leader, final states {dict(sorted(self.states.items()))}, "
+            f"{self.reruns} re-run with a higher attempt; digest {self.digest[:16]}; "
+            f"{self.duration_s:.1f} s"
+        )
