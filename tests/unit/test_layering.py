@@ -28,6 +28,8 @@ Boundaries the table keeps, in words:
   observability) and nothing from clients/.
 - Nothing in broker/ imports clients/ (the development launchers in clients/dev are called
   from clients/cli/servers.py, tests and bench only).
+- clients.dev (development launchers) imports only broker.security and the prctl helpers of
+  clients.worker.sandbox.
 - clients/ imports from broker/ only: the wire protocol and its conversation table, the API
   models the worker reads (ClusterSummary), broker.security, the structured-log setup, the
   artifact checks and the artifact-name pattern (broker.core.entries.SHA256_RE) the worker
