@@ -11,7 +11,6 @@ import pytest
 from ledger_helpers import BACKENDS, LedgerBackend
 
 from log.api import (
-    BadVersionError,
     LedgerClosedError,
     LedgerEntry,
     LedgerError,
@@ -24,6 +23,7 @@ from log.api import (
     LedgerWriter,
     NoSuchLedgerError,
 )
+from tests.support.ledger_lists import check_compare_and_set, one_winner
 
 pytestmark = pytest.mark.timeout(60)
 # The pulsar backend runs against a real pulsar-lite, with ids and the list in ZooKeeper.
@@ -379,17 +379,7 @@ async def test_ledger_list_starts_empty(backend: LedgerBackend) -> None:
 
 async def test_ledger_list_compare_and_set(backend: LedgerBackend) -> None:
     list_store = backend.new_list_store()
-    with pytest.raises(BadVersionError):
-        await list_store.compare_and_set(SAMPLE_LIST, 0)  # does not exist yet
-    version = await list_store.compare_and_set(SAMPLE_LIST, -1)
-    assert await list_store.get() == (SAMPLE_LIST, version)
-    with pytest.raises(BadVersionError):
-        await list_store.compare_and_set(LedgerList(), -1)  # exists already
-    with pytest.raises(BadVersionError):
-        await list_store.compare_and_set(LedgerList(), version + 1)
-    updated = LedgerList(ledgers=SAMPLE_LIST.ledgers[1:], first_ledger_id=1, writer="broker-3")
-    new_version = await list_store.compare_and_set(updated, version)
-    assert new_version > version
+    _, updated, new_version = await check_compare_and_set(list_store, SAMPLE_LIST, "broker-3")
     assert await list_store.get() == (updated, new_version)
     # Another handle on the same storage (a restarted process) sees the same.
     assert await backend.new_list_store().get() == (updated, new_version)
@@ -401,15 +391,7 @@ async def test_ledger_list_concurrent_compare_and_set_has_one_winner(
     stores = [backend.new_list_store() for _ in range(4)]
     version = await stores[0].compare_and_set(SAMPLE_LIST, -1)
     for round_number in range(5):
-        attempts = [
-            s.compare_and_set(LedgerList(writer=f"{round_number}-{i}"), version)
-            for i, s in enumerate(stores)
-        ]
-        results = await asyncio.gather(*attempts, return_exceptions=True)
-        winners = [r for r in results if isinstance(r, int)]
-        assert len(winners) == 1
-        assert all(isinstance(r, BadVersionError) for r in results if not isinstance(r, int))
-        version = winners[0]
+        version = await one_winner(stores, round_number, version)
         current, current_version = await stores[0].get()
         assert current_version == version
         assert current.writer.startswith(f"{round_number}-")
