@@ -403,6 +403,19 @@ async def write_history(tmp_path: Path, seed: int) -> History:
     )
 
 
+def assert_recovered(node: Node, log_text: str, final: Mark, snapshot: Mark | None) -> None:
+    """The node loaded ``snapshot`` (None: no snapshot), then replayed exactly the entries
+    after it (none twice, none skipped) up to ``final``."""
+    if snapshot is None:
+        assert "loaded snapshot" not in log_text
+    else:
+        assert f"loaded snapshot at position {snapshot.position}" in log_text
+    assert node.position == final.position
+    base = 0 if snapshot is None else snapshot.entries_applied
+    assert node.state.entries_applied == final.entries_applied - base
+    assert node.state.digest() == final.digest
+
+
 # -- 3: snapshot + replay == full replay ---------------------------------------------------------
 
 
@@ -416,11 +429,7 @@ async def test_snapshot_plus_replay_equals_full_replay_and_the_live_state(
     # (a) The newest snapshot, then the entries after it.
     node = await boot(history.config, history.clock)
     try:
-        assert f"loaded snapshot at position {second.position}" in caplog.text
-        assert node.position == final.position
-        # Exactly the entries after the snapshot were replayed: none twice, none skipped.
-        assert node.state.entries_applied == final.entries_applied - second.entries_applied
-        assert node.state.digest() == final.digest
+        assert_recovered(node, caplog.text, final, second)
     finally:
         await shut(node, snapshot=False)
 
@@ -430,10 +439,7 @@ async def test_snapshot_plus_replay_equals_full_replay_and_the_live_state(
     caplog.clear()
     node = await boot(history.config, history.clock)
     try:
-        assert "loaded snapshot" not in caplog.text
-        assert node.position == final.position
-        assert node.state.entries_applied == final.entries_applied
-        assert node.state.digest() == final.digest
+        assert_recovered(node, caplog.text, final, None)
         # And the node still works on top of the replayed state.
         result = await node.propose(lambda s: e.Tick(time_ms=s.now_ms))
         assert result is None and node.failure is None
@@ -450,10 +456,7 @@ async def test_snapshot_at_a_ledger_boundary_replays_the_next_ledgers(
     caplog.set_level(logging.INFO, logger=NODE_LOGGER)
     node = await boot(history.config, history.clock)
     try:
-        assert f"loaded snapshot at position {first.position}" in caplog.text
-        assert node.state.entries_applied == final.entries_applied - first.entries_applied
-        assert node.state.digest() == final.digest
-        assert node.position == final.position
+        assert_recovered(node, caplog.text, final, first)
     finally:
         await shut(node, snapshot=False)
 
@@ -477,10 +480,7 @@ async def test_corrupt_newest_snapshot_is_skipped_and_the_older_one_replayed(
             if r.name == SNAPSHOT_LOGGER and r.levelno == logging.WARNING
         ]
         assert any(newest.name in w and "corrupt" in w for w in warnings), warnings
-        assert f"loaded snapshot at position {first.position}" in caplog.text
-        assert node.state.entries_applied == final.entries_applied - first.entries_applied
-        assert node.state.digest() == final.digest
-        assert node.position == final.position
+        assert_recovered(node, caplog.text, final, first)
     finally:
         await shut(node, snapshot=False)
     # Set aside for operators, never tried again.
