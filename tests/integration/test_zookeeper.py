@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
 from broker.ha.election import ElectionError, LeaderElector, LeadershipStatus
 from clients.dev.local_server import free_port
@@ -26,6 +25,7 @@ from clients.dev.zk import ZooKeeperServer, four_letter_word
 from log.api import BadVersionError, LedgerError, LedgerInfo, LedgerList, LedgerState
 from log.zk_list import ZooKeeperLedgerListStore, ledger_list_path
 from tests.support.ledger_lists import check_compare_and_set, one_winner
+from tests.support.zk_clients import SESSION_TIMEOUT_S, close_client, start_client
 
 if TYPE_CHECKING:
     # Only for annotations: importing the plugin module here would keep pytest from
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from tests.support.zk_fixture import ElectorProcessFactory
 
 
-SESSION_TIMEOUT_S = 3.0
 # kazoo declares the connection dropped after 2/3 of the session timeout without an answer.
 SUSPEND_DETECTION_S = SESSION_TIMEOUT_S * 2 / 3
 
@@ -68,17 +67,6 @@ async def wait_for(
             raise AssertionError(f"not within {timeout_s:g} s: {what}")
         await asyncio.sleep(interval_s)
     return time.monotonic() - started
-
-
-async def start_client(connect_string: str) -> KazooClient:
-    client = KazooClient(hosts=connect_string, timeout=SESSION_TIMEOUT_S)
-    await asyncio.to_thread(client.start, 15)
-    return client
-
-
-async def close_client(client: KazooClient) -> None:
-    await asyncio.to_thread(client.stop)
-    await asyncio.to_thread(client.close)
 
 
 def leaders(electors: list[LeaderElector]) -> list[LeaderElector]:
