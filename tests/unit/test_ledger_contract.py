@@ -54,6 +54,19 @@ async def append_sequentially(writer: LedgerWriter, count: int) -> list[int]:
     return [await writer.append(payload(i)) for i in range(count)]
 
 
+async def writing(backend: LedgerBackend, count: int) -> tuple[LedgerStore, LedgerWriter]:
+    """A new store and a ledger written through it with ``count`` entries, in order."""
+    store = backend.new_store()
+    writer = await store.create_ledger()
+    await append_sequentially(writer, count)
+    return store, writer
+
+
+async def recover(backend: LedgerBackend, writer: LedgerWriter) -> LedgerReader:
+    """``writer``'s ledger opened for recovery through another store (a new leader)."""
+    return await backend.new_store().open_ledger(writer.ledger_id, recovery=True)
+
+
 async def read_all(reader: LedgerReader, count: int) -> list[bytes]:
     entries = await reader.read(0, count + 10)
     assert [e.entry_id for e in entries] == list(range(len(entries)))
@@ -179,7 +192,7 @@ async def test_store_close_drains_pending_appends(backend: LedgerBackend) -> Non
     futures = [writer.append(payload(i)) for i in range(50)]
     await store.close()
     assert [f.result() for f in futures] == list(range(50))
-    reader = await backend.new_store().open_ledger(writer.ledger_id, recovery=True)
+    reader = await recover(backend, writer)
     assert reader.last_entry_id == 49
 
 
@@ -187,13 +200,11 @@ async def test_store_close_drains_pending_appends(backend: LedgerBackend) -> Non
 
 
 async def test_recovery_reports_length_and_is_repeatable(backend: LedgerBackend) -> None:
-    store = backend.new_store()
-    writer = await store.create_ledger()
-    await append_sequentially(writer, 7)
-    reader = await backend.new_store().open_ledger(writer.ledger_id, recovery=True)
+    _store, writer = await writing(backend, 7)  # the store stays open
+    reader = await recover(backend, writer)
     assert reader.last_entry_id == 6
     assert await read_all(reader, 7) == [payload(i) for i in range(7)]
-    again = await backend.new_store().open_ledger(writer.ledger_id, recovery=True)
+    again = await recover(backend, writer)
     assert again.last_entry_id == 6
 
 
@@ -215,10 +226,8 @@ async def test_recovery_of_closed_ledger_keeps_everything(store: LedgerStore) ->
 
 
 async def test_recovery_fences_writer(backend: LedgerBackend) -> None:
-    store = backend.new_store()
-    writer = await store.create_ledger()
-    await append_sequentially(writer, 3)
-    reader = await backend.new_store().open_ledger(writer.ledger_id, recovery=True)
+    store, writer = await writing(backend, 3)
+    reader = await recover(backend, writer)
     assert reader.last_entry_id == 2
     if not store.can_fence:
         # No fencing (pulsar-lite): the writer goes on, but the recovered end is final.
@@ -233,11 +242,9 @@ async def test_recovery_fences_writer(backend: LedgerBackend) -> None:
 
 
 async def test_pending_appends_never_succeed_past_recovered_length(backend: LedgerBackend) -> None:
-    store = backend.new_store()
-    writer = await store.create_ledger()
-    await append_sequentially(writer, 5)
+    store, writer = await writing(backend, 5)
     futures = [writer.append(payload(5 + i)) for i in range(300)]
-    reader = await backend.new_store().open_ledger(writer.ledger_id, recovery=True)
+    reader = await recover(backend, writer)
     last = reader.last_entry_id
     assert last is not None and last >= 4
     if not store.can_fence:
@@ -265,16 +272,14 @@ async def assert_recovered_end_is_final(
     late = await backend.new_store().open_ledger(writer.ledger_id, recovery=False)
     assert await read_all(late, last + 1) == [payload(i) for i in range(last + 1)]
     assert await late.read(last + 1, 1000) == []
-    again = await backend.new_store().open_ledger(writer.ledger_id, recovery=True)
+    again = await recover(backend, writer)
     assert again.last_entry_id == last
 
 
 async def test_readers_never_see_past_recovered_length(backend: LedgerBackend) -> None:
-    store = backend.new_store()
-    writer = await store.create_ledger()
-    await append_sequentially(writer, 4)
+    store, writer = await writing(backend, 4)
     tailing = await backend.new_store().open_ledger(writer.ledger_id, recovery=False)
-    recovered = await backend.new_store().open_ledger(writer.ledger_id, recovery=True)
+    recovered = await recover(backend, writer)
     assert recovered.last_entry_id == 3
     if store.can_fence:
         with pytest.raises(LedgerError):
@@ -286,7 +291,7 @@ async def test_readers_never_see_past_recovered_length(backend: LedgerBackend) -
         assert not await tailing.wait_for_entries(3, 0.05)
         late_reader = await backend.new_store().open_ledger(writer.ledger_id, recovery=False)
         assert [e.entry_id for e in await late_reader.read(0, 100)] == [0, 1, 2, 3]
-        again = await backend.new_store().open_ledger(writer.ledger_id, recovery=True)
+        again = await recover(backend, writer)
         assert again.last_entry_id == 3
     for reader in (tailing, recovered):
         assert not await reader.wait_for_entries(3, 0.05)
@@ -309,9 +314,7 @@ async def test_ledger_ids_increase_and_are_listed(store: LedgerStore) -> None:
 
 
 async def test_delete_ledger(backend: LedgerBackend) -> None:
-    store = backend.new_store()
-    writer = await store.create_ledger()
-    await append_sequentially(writer, 3)
+    store, writer = await writing(backend, 3)
     reader = await store.open_ledger(writer.ledger_id, recovery=False)
     other_reader = await backend.new_store().open_ledger(writer.ledger_id, recovery=False)
     await store.delete_ledger(writer.ledger_id)
