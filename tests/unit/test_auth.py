@@ -43,6 +43,16 @@ async def submit(env: Env, who: str, **fields: Any) -> int:
     return int(response.json()["id"])
 
 
+async def call_logging_nothing(
+    env: Env, who: str, method: str, path: str, kwargs: dict[str, Any]
+) -> httpx.Response:
+    """``who``'s call, which must leave the state as it was (nothing was logged)."""
+    before = env.node.state.digest()
+    response = await env.call(who, method, path, **kwargs)
+    assert env.node.state.digest() == before
+    return response
+
+
 # --- who may call at all -------------------------------------------------------------------
 
 NO_CREDENTIALS = ("nobody", "forged")
@@ -87,9 +97,7 @@ EVERY_ENDPOINT = [
 async def test_every_endpoint_needs_a_valid_token(
     env: Env, who: str, method: str, path: str, kwargs: dict[str, Any]
 ) -> None:
-    before = env.node.state.digest()
-    refused_without_credentials(await env.call(who, method, path, **kwargs))
-    assert env.node.state.digest() == before  # nothing was logged
+    refused_without_credentials(await call_logging_nothing(env, who, method, path, kwargs))
 
 
 @pytest.mark.parametrize("header", ["Basic YWxpY2U6cHc=", "Bearer", "Bearer  ", "token abc"])
@@ -124,9 +132,7 @@ async def test_health_and_the_schema_are_public(env: Env, who: str) -> None:
 async def test_admin_endpoints_refuse_everybody_else(
     env: Env, who: str, method: str, path: str, kwargs: dict[str, Any]
 ) -> None:
-    before = env.node.state.digest()
-    forbidden(await env.call(who, method, path, **kwargs))
-    assert env.node.state.digest() == before
+    forbidden(await call_logging_nothing(env, who, method, path, kwargs))
 
 
 async def test_admin_sets_service_levels_and_config(env: Env) -> None:
