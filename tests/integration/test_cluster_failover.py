@@ -26,6 +26,7 @@ from clients.dev.zk import ZooKeeperServer
 from tests.support.cluster_procs import BrokerNode, ClusterProcesses, ClusterWorker
 from tests.support.worker_procs import wait_until
 from tests.support.write_load import (
+    Ack,
     WriteLoad,
     check_acknowledged,
     fetch_tasks,
@@ -65,6 +66,22 @@ def _submit(node: BrokerNode, **task: Any) -> int:
     response = httpx.post(node.url + "/api/v1/tasks", json=task, timeout=10)
     assert response.status_code == 201, response.text
     return int(response.json()["id"])
+
+
+def _take_over(
+    cluster: ClusterProcesses, load: WriteLoad, old: BrokerNode, since: float
+) -> tuple[BrokerNode, Ack]:
+    """A leader other than ``old`` is elected, and the first write it acknowledged after
+    ``since`` (monotonic), each within 3 x FAILOVER_LIMIT_S."""
+    new = cluster.wait_for_leader(3 * FAILOVER_LIMIT_S, excluding=[old.broker_id])
+    first = load.wait_first_ack(
+        since,
+        3 * FAILOVER_LIMIT_S,
+        "the first acknowledged write on the new leader",
+        excluding_url=old.url,
+        pause_s=0.01,
+    )
+    return new, first
 
 
 def _task(node: BrokerNode, task_id: int) -> dict[str, Any]:
@@ -160,14 +177,7 @@ def test_kill9_leader_under_load(
         running = wait_until(running_now, 10, "sleep tasks running")
         acked_before = load.acked_count()
         killed_at = cluster.kill9(old.broker_id)
-        new = cluster.wait_for_leader(3 * FAILOVER_LIMIT_S, excluding=[old.broker_id])
-        first = load.wait_first_ack(
-            killed_at,
-            3 * FAILOVER_LIMIT_S,
-            "the first acknowledged write on the new leader",
-            excluding_url=old.url,
-            pause_s=0.01,
-        )
+        new, first = _take_over(cluster, load, old, killed_at)
         failover_s = first.at - killed_at
         load.wait_for_more_acks(200, 15, "load on new leader")
         record = load.stop()
@@ -268,14 +278,7 @@ def test_sigstop_leader(zookeeper: ZooKeeperServer, tmp_path: Path, pulsar_url: 
         # batch holding its segment's flock (recovery fences with a marker instead).
         holding = flocks_held(old.pid, cluster.ledger_dir)
         frozen_s = SESSION_TIMEOUT_S + rng.uniform(1.0, 2.0)
-        new = cluster.wait_for_leader(3 * FAILOVER_LIMIT_S, excluding=[old.broker_id])
-        first = through.wait_first_ack(
-            stopped_at,
-            3 * FAILOVER_LIMIT_S,
-            "a write acknowledged by the new leader",
-            excluding_url=old.url,
-            pause_s=0.01,
-        )
+        new, first = _take_over(cluster, through, old, stopped_at)
         took_over = (
             f"took writes {first.at - stopped_at:.3f} s after the SIGSTOP "
             f"(frozen {'holding the flock of ' + str(holding) if holding else 'outside a batch'})"
