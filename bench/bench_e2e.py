@@ -52,16 +52,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_peers.harness import (
     CELERY_WORKER_ARGV,
-    INSTALL_HINT,
     CpuMeter,
     Procs,
     Profiler,
     RawHttp,
     add_run_dir_options,
+    available_systems,
     dramatiq_workers_argv,
     keys_present_from,
     median,
-    missing_peers,
     parse_run_args,
     redis_version,
     source_revision,
@@ -175,6 +174,18 @@ def bench_steward(args: argparse.Namespace, root: Path) -> Outcome:
 # --- Celery --------------------------------------------------------------------------------------
 
 
+def wait_for_keys(
+    client: Any, keys: list[str], started: float, timeout_s: float, poll_s: float
+) -> None:
+    """Poll Redis until every result key exists; RunTimeout ``timeout_s`` after ``started``."""
+    deadline = started + timeout_s
+    index = 0
+    while (index := keys_present_from(client, keys, index)) < len(keys):
+        if time.perf_counter() > deadline:
+            raise RunTimeout(f"{index}+/{len(keys)} results stored after {timeout_s:.0f} s")
+        time.sleep(poll_s)
+
+
 def celery_run(app: Any, client: Any, tasks: int, poll_s: float, timeout_s: float) -> Run:
     from bench_peers.celery_app import TASK_NAME
 
@@ -185,12 +196,7 @@ def celery_run(app: Any, client: Any, tasks: int, poll_s: float, timeout_s: floa
         for task_id in ids:
             app.send_task(TASK_NAME, task_id=task_id, producer=producer)
     submit_s = time.perf_counter() - started
-    deadline = started + timeout_s
-    index = 0
-    while (index := keys_present_from(client, keys, index)) < tasks:
-        if time.perf_counter() > deadline:
-            raise RunTimeout(f"{index}+/{tasks} results stored after {timeout_s:.0f} s")
-        time.sleep(poll_s)
+    wait_for_keys(client, keys, started, timeout_s, poll_s)
     total_s = time.perf_counter() - started
     sample = [v for v in client.mget(keys[-200:]) if v is None or b'"SUCCESS"' not in v]
     return Run(tasks, submit_s, total_s, failed=len(sample))
@@ -238,12 +244,7 @@ def dramatiq_run(app: Any, client: Any, tasks: int, poll_s: float, timeout_s: fl
     for message in messages:
         enqueue(message)
     submit_s = time.perf_counter() - started
-    deadline = started + timeout_s
-    index = 0
-    while (index := keys_present_from(client, keys, index)) < tasks:
-        if time.perf_counter() > deadline:
-            raise RunTimeout(f"{index}+/{tasks} results stored after {timeout_s:.0f} s")
-        time.sleep(poll_s)
+    wait_for_keys(client, keys, started, timeout_s, poll_s)
     return Run(tasks, submit_s, time.perf_counter() - started)
 
 
@@ -388,11 +389,7 @@ def main() -> None:
         profile_help="after the timed runs, one more Steward run under py-spy (broker, worker 1)",
     )
     args = parse_run_args(parser)
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    missing = missing_peers() if {"celery", "dramatiq"} & set(systems) else []
-    if missing:
-        print(f"peers skipped, missing: {', '.join(missing)}\n{INSTALL_HINT}\n")
-        systems = [s for s in systems if s == "steward"]
+    systems = available_systems(args.systems)
     modes = {"volatile": [False], "durable": [True], "both": [False, True]}[args.redis]
 
     print(

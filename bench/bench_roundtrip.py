@@ -37,15 +37,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_peers.harness import (
     CELERY_WORKER_ARGV,
-    INSTALL_HINT,
     CpuMeter,
     Procs,
     Profiler,
     RawHttp,
     add_run_dir_options,
+    available_systems,
     child_env,
     dramatiq_workers_argv,
-    missing_peers,
     parse_run_args,
     percentile,
     source_revision,
@@ -225,11 +224,7 @@ def main() -> None:
         profile_help="then n more Steward round trips under py-spy (broker, worker 1), summarised",
     )
     args = parse_run_args(parser)
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    missing = missing_peers() if {"celery", "dramatiq"} & set(systems) else []
-    if missing:
-        print(f"peers skipped, missing: {', '.join(missing)}\n{INSTALL_HINT}\n")
-        systems = [s for s in systems if s == "steward"]
+    systems = available_systems(args.systems)
     print(
         f"machine: {os.cpu_count()} cores, python {sys.version.split()[0]}, steward "
         f"{source_revision()}; one client, "

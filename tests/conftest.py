@@ -10,6 +10,11 @@ Each starts its server only when a test asks for it. A test module that defines 
 of the same name uses its own.
 """
 
+import pytest
+
+# Checks shared by test modules (not fixtures): their asserts explain failures too.
+pytest.register_assert_rewrite("tests.support.ledger_lists")
+
 pytest_plugins = [
     "tests.support.zk_fixture",
     "tests.support.pulsar_fixture",

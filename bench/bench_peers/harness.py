@@ -106,6 +106,20 @@ def missing_peers() -> list[str]:
     return missing
 
 
+def available_systems(systems_arg: str) -> list[str]:
+    """The systems named in ``--systems`` (comma-separated) that can run here.
+
+    Celery and Dramatiq are dropped, with what is missing and how to install it printed,
+    when a peer's server or package is not installed; Steward always stays.
+    """
+    systems = [s.strip() for s in systems_arg.split(",") if s.strip()]
+    missing = missing_peers() if {"celery", "dramatiq"} & set(systems) else []
+    if missing:
+        print(f"peers skipped, missing: {', '.join(missing)}\n{INSTALL_HINT}\n")
+        systems = [s for s in systems if s == "steward"]
+    return systems
+
+
 def on_signals_exit() -> None:
     """SIGTERM/SIGHUP raise SystemExit so that every ``finally`` (process cleanup) runs."""
 

@@ -26,6 +26,7 @@ from clients.dev.zk import ZooKeeperServer
 from tests.support.cluster_procs import BrokerNode, ClusterProcesses, ClusterWorker
 from tests.support.worker_procs import wait_until
 from tests.support.write_load import (
+    Ack,
     WriteLoad,
     check_acknowledged,
     fetch_tasks,
@@ -65,6 +66,22 @@ def _submit(node: BrokerNode, **task: Any) -> int:
     response = httpx.post(node.url + "/api/v1/tasks", json=task, timeout=10)
     assert response.status_code == 201, response.text
     return int(response.json()["id"])
+
+
+def _take_over(
+    cluster: ClusterProcesses, load: WriteLoad, old: BrokerNode, since: float
+) -> tuple[BrokerNode, Ack]:
+    """A leader other than ``old`` is elected, and the first write it acknowledged after
+    ``since`` (monotonic), each within 3 x FAILOVER_LIMIT_S."""
+    new = cluster.wait_for_leader(3 * FAILOVER_LIMIT_S, excluding=[old.broker_id])
+    first = load.wait_first_ack(
+        since,
+        3 * FAILOVER_LIMIT_S,
+        "the first acknowledged write on the new leader",
+        excluding_url=old.url,
+        pause_s=0.01,
+    )
+    return new, first
 
 
 def _task(node: BrokerNode, task_id: int) -> dict[str, Any]:
@@ -160,16 +177,9 @@ def test_kill9_leader_under_load(
         running = wait_until(running_now, 10, "sleep tasks running")
         acked_before = load.acked_count()
         killed_at = cluster.kill9(old.broker_id)
-        new = cluster.wait_for_leader(3 * FAILOVER_LIMIT_S, excluding=[old.broker_id])
-        first = wait_until(
-            lambda: load.first_ack(killed_at, excluding_url=old.url),
-            3 * FAILOVER_LIMIT_S,
-            "the first acknowledged write on the new leader",
-            pause_s=0.01,
-        )
+        new, first = _take_over(cluster, load, old, killed_at)
         failover_s = first.at - killed_at
-        acked_at_failover = load.acked_count()
-        wait_until(lambda: load.acked_count() > acked_at_failover + 200, 15, "load on new leader")
+        load.wait_for_more_acks(200, 15, "load on new leader")
         record = load.stop()
         print(
             f"kill -9 of {old.broker_id} with {len(running)} sleep tasks running; "
@@ -268,13 +278,7 @@ def test_sigstop_leader(zookeeper: ZooKeeperServer, tmp_path: Path, pulsar_url: 
         # batch holding its segment's flock (recovery fences with a marker instead).
         holding = flocks_held(old.pid, cluster.ledger_dir)
         frozen_s = SESSION_TIMEOUT_S + rng.uniform(1.0, 2.0)
-        new = cluster.wait_for_leader(3 * FAILOVER_LIMIT_S, excluding=[old.broker_id])
-        first = wait_until(
-            lambda: through.first_ack(stopped_at, excluding_url=old.url),
-            3 * FAILOVER_LIMIT_S,
-            "a write acknowledged by the new leader",
-            pause_s=0.01,
-        )
+        new, first = _take_over(cluster, through, old, stopped_at)
         took_over = (
             f"took writes {first.at - stopped_at:.3f} s after the SIGSTOP "
             f"(frozen {'holding the flock of ' + str(holding) if holding else 'outside a batch'})"
@@ -413,16 +417,12 @@ def test_zookeeper_restart(
         zookeeper.start()
         started_s = time.monotonic() - restarted_at
         new = cluster.wait_for_leader(30)
-        first = wait_until(
-            lambda: load.first_ack(restarted_at),
-            30,
-            "a write acknowledged after the restart",
-            pause_s=0.01,
+        first = load.wait_first_ack(
+            restarted_at, 30, "a write acknowledged after the restart", pause_s=0.01
         )
-        acked_then = load.acked_count()
-        wait_until(lambda: load.acked_count() > acked_then + 100, 15, "more writes")
+        load.wait_for_more_acks(100, 15)
         record = load.stop()
-        outage = [a for a in load.answers() if killed_at <= a.sent_at and a.at < restarted_at]
+        outage = load.answers_during(killed_at, restarted_at)
         succeeded = [a for a in outage if 200 <= a.status < 300]
         refused = [a for a in outage if a.status != 0]
         print(
@@ -464,17 +464,16 @@ def test_pulsar_lite_restart(
         time.sleep(rng.uniform(1.0, 3.0))
         restarted_at = time.monotonic()
         pulsar.start()
-        first = wait_until(
-            lambda: load.first_ack(restarted_at + 0.001),
+        first = load.wait_first_ack(
+            restarted_at + 0.001,
             60,
             "a write acknowledged after pulsar-lite came back",
             pause_s=0.02,
         )
-        acked_then = load.acked_count()
-        wait_until(lambda: load.acked_count() > acked_then + 100, 30, "more writes")
+        load.wait_for_more_acks(100, 30)
         record = load.stop()
         new = cluster.wait_for_leader(30)
-        outage = [a for a in load.answers() if killed_at <= a.sent_at and a.at < restarted_at]
+        outage = load.answers_during(killed_at, restarted_at)
         print(
             f"pulsar-lite down {restarted_at - killed_at:.2f} s; during the outage "
             f"{dict(sorted(Counter(a.status for a in outage).items()))}; first write "
@@ -512,16 +511,12 @@ def test_graceful_handover(
         wait_until(lambda: load.acked_count() > 200, 15, "load")
         signalled_wall = time.time()
         signalled_at = cluster.sigterm(old.broker_id)
-        first = wait_until(
-            lambda: load.first_ack(signalled_at, excluding_url=old.url),
-            10,
-            "a write on the next leader",
-            pause_s=0.005,
+        first = load.wait_first_ack(
+            signalled_at, 10, "a write on the next leader", excluding_url=old.url, pause_s=0.005
         )
         handover_s = first.at - signalled_at
         code = old.wait_exit(20)
-        acked_then = load.acked_count()
-        wait_until(lambda: load.acked_count() > acked_then + 100, 15, "more writes")
+        load.wait_for_more_acks(100, 15)
         record = load.stop()
         new = cluster.wait_for_leader(10)
         reported = re.findall(r"leadership handed over after ([0-9.]+) s", old.log_text())

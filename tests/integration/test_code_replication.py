@@ -32,8 +32,8 @@ from clients.dev.zk import ZooKeeperServer
 from log.memory import MemoryLedgerListStore, MemoryLedgerStore
 from snapshot.store import SnapshotStore
 from tests.support.asgi_server import Receive, Scope, Send, Served, serve, unserve
+from tests.support.zk_clients import SESSION_TIMEOUT_S, close_client, start_client
 
-SESSION_TIMEOUT_S = 3.0
 WAIT_S = 15.0
 JOB = b"def run(params):\n    return {'ok': True}\n"
 JOB_SHA = hashlib.sha256(JOB).hexdigest()
@@ -56,17 +56,6 @@ async def wait_for_async(
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s:g} s: {what}")
         await asyncio.sleep(0.02)
-
-
-async def start_client(connect_string: str) -> KazooClient:
-    client = KazooClient(hosts=connect_string, timeout=SESSION_TIMEOUT_S)
-    await asyncio.to_thread(client.start, 15)
-    return client
-
-
-async def close_client(client: KazooClient) -> None:
-    await asyncio.to_thread(client.stop)
-    await asyncio.to_thread(client.close)
 
 
 @dataclass

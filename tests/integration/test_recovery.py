@@ -14,7 +14,7 @@ import os
 import random
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -317,85 +317,106 @@ def _ledger_list(data_dir: Path) -> list[dict[str, Any]]:
     return ledgers
 
 
-@pytest.mark.timeout(120)
-def test_killed_broker_with_torn_tail_restarts_without_the_torn_entry(tmp_path: Path) -> None:
-    data_dir = tmp_path / "data"
-    with BrokerProcess(data_dir, log_path=tmp_path / "broker.log") as broker:
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
+    """A ``steward standalone`` started on tmp_path / "data", killed at the end."""
+    with BrokerProcess(tmp_path / "data", log_path=tmp_path / "broker.log") as broker:
         broker.start()
-        with httpx.Client(base_url=broker.url, timeout=10.0) as http:
-            ids = {_submit(http, {"n": n}): {"n": n} for n in range(50)}
-            before_last = get_digest(http)
-            last_id = _submit(http, {"n": "last"})
-        broker.kill9()
+        yield broker
 
-        open_ledger = _ledger_list(data_dir)[-1]
-        assert open_ledger["state"] == "open"
-        path = ledger_path(data_dir, open_ledger["ledger_id"])
-        last = read_frames(path)[-1]
-        os.truncate(path, last.offset + last.size // 2)
 
-        broker.start()
-        with httpx.Client(base_url=broker.url, timeout=10.0) as http:
-            tasks = {t["id"]: t["params"] for t in fetch_all_tasks(http)}
-            assert tasks == ids, "every task but the torn one must be there"
-            assert last_id not in tasks
-            assert get_digest(http) == before_last
-            new_ids = {_submit(http, {"after": n}): {"after": n} for n in range(5)}
-            final = get_digest(http)
-        assert "torn or corrupt tail" in broker.log_text()
-        assert broker.terminate() == 0
+def _client(broker: BrokerProcess) -> httpx.Client:
+    return httpx.Client(base_url=broker.url, timeout=10.0)
 
-        broker.start()
-        with httpx.Client(base_url=broker.url, timeout=10.0) as http:
-            tasks = {t["id"]: t["params"] for t in fetch_all_tasks(http)}
-            assert tasks == ids | new_ids
-            assert get_digest(http) == final
+
+def _submit_numbered(http: httpx.Client, count: int) -> dict[int, dict[str, Any]]:
+    """``count`` tasks with params {"n": 0}, {"n": 1}, ...: their params by id."""
+    return {_submit(http, {"n": n}): {"n": n} for n in range(count)}
+
+
+def _params_by_id(http: httpx.Client) -> dict[int, Any]:
+    return {t["id"]: t["params"] for t in fetch_all_tasks(http)}
 
 
 @pytest.mark.timeout(120)
-def test_restart_after_sigterm_keeps_everything_and_closes_the_ledger(tmp_path: Path) -> None:
-    data_dir = tmp_path / "data"
-    with BrokerProcess(data_dir, log_path=tmp_path / "broker.log") as broker:
-        broker.start()
-        with httpx.Client(base_url=broker.url, timeout=10.0) as http:
-            ids = {_submit(http, {"n": n}): {"n": n} for n in range(120)}
-            digest = get_digest(http)
-        open_before = _ledger_list(data_dir)[-1]
-        assert open_before["state"] == "open"
+def test_killed_broker_with_torn_tail_restarts_without_the_torn_entry(
+    broker: BrokerProcess,
+) -> None:
+    data_dir = broker.data_dir
+    with _client(broker) as http:
+        ids = _submit_numbered(http, 50)
+        before_last = get_digest(http)
+        last_id = _submit(http, {"n": "last"})
+    broker.kill9()
 
-        started = time.monotonic()
-        assert broker.terminate() == 0
-        print(f"clean shutdown took {time.monotonic() - started:.2f} s")
-        ledgers = _ledger_list(data_dir)
-        assert [i["state"] for i in ledgers] == ["closed"] * len(ledgers)
-        (closed,) = [i for i in ledgers if i["ledger_id"] == open_before["ledger_id"]]
-        assert closed["last_entry_id"] == digest["position"]["entry_id"]
-        # The shutdown snapshot is at the final position.
-        position = digest["position"]
-        assert (
-            data_dir / "snapshots" / f"snapshot-{position['ledger_id']:012d}-"
-            f"{position['entry_id']:012d}.snap"
-        ).exists()
+    open_ledger = _ledger_list(data_dir)[-1]
+    assert open_ledger["state"] == "open"
+    path = ledger_path(data_dir, open_ledger["ledger_id"])
+    last = read_frames(path)[-1]
+    os.truncate(path, last.offset + last.size // 2)
 
-        log_before = len(broker.log_text())
-        broker.start()
-        boot_log = broker.log_text()[log_before:]
-        # A clean shutdown leaves nothing to recover.
-        assert f"recovered ledger {open_before['ledger_id']}:" not in boot_log
-        assert f"loaded snapshot at position ({position['ledger_id']}" in boot_log
-        with httpx.Client(base_url=broker.url, timeout=10.0) as http:
-            tasks = {t["id"]: t["params"] for t in fetch_all_tasks(http)}
-            assert tasks == ids
-            assert get_digest(http) == digest
-            extra = _submit(http, {"n": "after restart"})
-        ledgers = _ledger_list(data_dir)
-        assert [i["state"] for i in ledgers] == ["closed"] * (len(ledgers) - 1) + ["open"]
-        assert broker.terminate() == 0
+    broker.start()
+    with _client(broker) as http:
+        tasks = _params_by_id(http)
+        assert tasks == ids, "every task but the torn one must be there"
+        assert last_id not in tasks
+        assert get_digest(http) == before_last
+        new_ids = {_submit(http, {"after": n}): {"after": n} for n in range(5)}
+        final = get_digest(http)
+    assert "torn or corrupt tail" in broker.log_text()
+    assert broker.terminate() == 0
 
-        broker.start()
-        with httpx.Client(base_url=broker.url, timeout=10.0) as http:
-            tasks = {t["id"]: t["params"] for t in fetch_all_tasks(http)}
-            assert tasks == ids | {extra: {"n": "after restart"}}
-        assert broker.terminate() == 0
-        ledgers = _ledger_list(data_dir)
-        assert [i["state"] for i in ledgers] == ["closed"] * len(ledgers)
+    broker.start()
+    with _client(broker) as http:
+        tasks = _params_by_id(http)
+        assert tasks == ids | new_ids
+        assert get_digest(http) == final
+
+
+@pytest.mark.timeout(120)
+def test_restart_after_sigterm_keeps_everything_and_closes_the_ledger(
+    broker: BrokerProcess,
+) -> None:
+    data_dir = broker.data_dir
+    with _client(broker) as http:
+        ids = _submit_numbered(http, 120)
+        digest = get_digest(http)
+    open_before = _ledger_list(data_dir)[-1]
+    assert open_before["state"] == "open"
+
+    started = time.monotonic()
+    assert broker.terminate() == 0
+    print(f"clean shutdown took {time.monotonic() - started:.2f} s")
+    ledgers = _ledger_list(data_dir)
+    assert [i["state"] for i in ledgers] == ["closed"] * len(ledgers)
+    (closed,) = [i for i in ledgers if i["ledger_id"] == open_before["ledger_id"]]
+    assert closed["last_entry_id"] == digest["position"]["entry_id"]
+    # The shutdown snapshot is at the final position.
+    position = digest["position"]
+    assert (
+        data_dir / "snapshots" / f"snapshot-{position['ledger_id']:012d}-"
+        f"{position['entry_id']:012d}.snap"
+    ).exists()
+
+    log_before = len(broker.log_text())
+    broker.start()
+    boot_log = broker.log_text()[log_before:]
+    # A clean shutdown leaves nothing to recover.
+    assert f"recovered ledger {open_before['ledger_id']}:" not in boot_log
+    assert f"loaded snapshot at position ({position['ledger_id']}" in boot_log
+    with _client(broker) as http:
+        tasks = _params_by_id(http)
+        assert tasks == ids
+        assert get_digest(http) == digest
+        extra = _submit(http, {"n": "after restart"})
+    ledgers = _ledger_list(data_dir)
+    assert [i["state"] for i in ledgers] == ["closed"] * (len(ledgers) - 1) + ["open"]
+    assert broker.terminate() == 0
+
+    broker.start()
+    with _client(broker) as http:
+        tasks = _params_by_id(http)
+        assert tasks == ids | {extra: {"n": "after restart"}}
+    assert broker.terminate() == 0
+    ledgers = _ledger_list(data_dir)
+    assert [i["state"] for i in ledgers] == ["closed"] * len(ledgers)

@@ -9,6 +9,7 @@ The fake broker and the artifact server come from tests/support/worker_harness.p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -198,6 +199,16 @@ async def _udf_running(marker_dir: Path) -> int:
     return int((marker_dir / "task-pid").read_text())
 
 
+@contextlib.asynccontextmanager
+async def _slow_udf_query(conn: Any, sha: str, task_id: int) -> AsyncIterator[int]:
+    """Task ``task_id`` (tenant a) runs a query whose UDFs sleep on the server; yields the
+    task process's pid once they run."""
+    with task_writable_dir() as marker_dir:
+        params = {"marker_dir": str(marker_dir)}
+        conn.assign(task(task_id, "scjob.job:slow_udf_query", params, tenant="a", code=sha))
+        yield await _udf_running(marker_dir)
+
+
 async def _server_is_free(server: SparkConnectServer) -> None:
     # local[2]: the two sleeping UDF tasks hold both of the server's cores, so this query
     # only runs once they were interrupted (left alone they would sleep for 600 s). Asked
@@ -217,10 +228,7 @@ async def test_cancel_interrupts_the_query_on_the_server(
     env: Env, server: SparkConnectServer, work_root: Path
 ) -> None:
     _, conn, sha = await start_worker(env, server, work_root)
-    with task_writable_dir() as marker_dir:
-        params = {"marker_dir": str(marker_dir)}
-        conn.assign(task(21, "scjob.job:slow_udf_query", params, tenant="a", code=sha))
-        await _udf_running(marker_dir)
+    async with _slow_udf_query(conn, sha, 21):
         conn.send(Cancel(tasks=(TaskAttempt(21, 1),), reason="cancelled by user"))
         report = await conn.report(SPARK_WAIT_S)
         assert report.error is not None and report.error.startswith("cancelled: cancelled by user")
@@ -232,10 +240,7 @@ async def test_a_killed_task_process_has_its_query_interrupted_by_the_worker(
 ) -> None:
     # SIGKILL: the task process cannot interrupt anything itself; only the worker can.
     _, conn, sha = await start_worker(env, server, work_root)
-    with task_writable_dir() as marker_dir:
-        params = {"marker_dir": str(marker_dir)}
-        conn.assign(task(31, "scjob.job:slow_udf_query", params, tenant="a", code=sha))
-        pid = await _udf_running(marker_dir)
+    async with _slow_udf_query(conn, sha, 31) as pid:
         os.kill(pid, signal.SIGKILL)
         report = await conn.report(SPARK_WAIT_S)
         assert "signal 9" in (report.error or ""), report.error

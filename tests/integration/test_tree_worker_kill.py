@@ -20,7 +20,13 @@ import pytest
 
 from clients.client import StewardClient, TaskHandle
 from examples.spark_fanout import fanout_job
-from examples.spark_fanout.run import direct_answer, submit_fanout, upload_job, wait_fanout
+from examples.spark_fanout.run import (
+    FanoutOutcome,
+    direct_answer,
+    submit_fanout,
+    upload_job,
+    wait_fanout,
+)
 from tests.support.procs import HOST, BrokerProcess, fetch_all_tasks, free_port
 from tests.support.worker_procs import WorkerProcess, task_writable_dir, wait_until
 
@@ -168,20 +174,34 @@ def _first_run_dir(out_dir: Path, root_id: int) -> Path:
     return out_dir / f"root-{root_id}" / "attempt-1"
 
 
+def _kill9_mid_tree(
+    setup: Setup, out_dir: Path, *, child_max_attempts: int
+) -> tuple[TaskHandle, list[dict[str, Any]], str, FanoutOutcome]:
+    """Start the tree (children sleep 3 s, the tree may take 120 s), kill -9 the worker
+    running its first child, then wait for the tree to end. Returns the root's handle,
+    the first run's children, the killed worker's id and the outcome."""
+    with StewardClient(setup.broker.url) as client:
+        handle, first = _start_tree(
+            setup,
+            client,
+            out_dir,
+            tree_timeout_s=120,
+            child_sleep_s=3.0,
+            child_max_attempts=child_max_attempts,
+        )
+        victim = first[0]["worker"]
+        setup.worker(victim).kill9()
+        outcome = wait_fanout(handle, timeout_s=90)
+    return handle, first, victim, outcome
+
+
 def test_kill9_of_a_worker_mid_tree_fails_the_tree_and_the_replay_is_correct(
     make_setup: Any,
 ) -> None:
     # A dead worker is declared within 1.5 s; the tree itself would wait 120 s.
     setup: Setup = make_setup(heartbeat_timeout_ms=1500)
     out_dir = setup.shared / "out"
-    with StewardClient(setup.broker.url) as client:
-        handle, first = _start_tree(
-            setup, client, out_dir, tree_timeout_s=120, child_sleep_s=3.0, child_max_attempts=1
-        )
-        victim = first[0]["worker"]
-        setup.worker(victim).kill9()
-
-        outcome = wait_fanout(handle, timeout_s=90)
+    handle, first, victim, outcome = _kill9_mid_tree(setup, out_dir, child_max_attempts=1)
 
     _check_replayed_tree(setup, outcome.root)
     assert outcome.answer == direct_answer(ROWS)
@@ -252,13 +272,7 @@ def test_kill9_with_child_retries_left_keeps_the_tree_on_its_first_run(make_setu
     # ids) on the other worker, so the tree neither fails nor replays its root.
     setup: Setup = make_setup(heartbeat_timeout_ms=1500)
     out_dir = setup.shared / "out"
-    with StewardClient(setup.broker.url) as client:
-        handle, first = _start_tree(
-            setup, client, out_dir, tree_timeout_s=120, child_sleep_s=3.0, child_max_attempts=2
-        )
-        victim = first[0]["worker"]
-        setup.worker(victim).kill9()
-        outcome = wait_fanout(handle, timeout_s=90)
+    handle, first, victim, outcome = _kill9_mid_tree(setup, out_dir, child_max_attempts=2)
 
     tree = outcome.root["tree"]
     assert tree["state"] == "completed" and tree["attempt"] == 1, (tree, setup.logs())

@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
 from broker.ha.election import ElectionError, LeaderElector, LeadershipStatus
 from clients.dev.local_server import free_port
 from clients.dev.zk import ZooKeeperServer, four_letter_word
 from log.api import BadVersionError, LedgerError, LedgerInfo, LedgerList, LedgerState
 from log.zk_list import ZooKeeperLedgerListStore, ledger_list_path
+from tests.support.ledger_lists import check_compare_and_set, one_winner
+from tests.support.zk_clients import SESSION_TIMEOUT_S, close_client, start_client
 
 if TYPE_CHECKING:
     # Only for annotations: importing the plugin module here would keep pytest from
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     from tests.support.zk_fixture import ElectorProcessFactory
 
 
-SESSION_TIMEOUT_S = 3.0
 # kazoo declares the connection dropped after 2/3 of the session timeout without an answer.
 SUSPEND_DETECTION_S = SESSION_TIMEOUT_S * 2 / 3
 
@@ -67,17 +67,6 @@ async def wait_for(
             raise AssertionError(f"not within {timeout_s:g} s: {what}")
         await asyncio.sleep(interval_s)
     return time.monotonic() - started
-
-
-async def start_client(connect_string: str) -> KazooClient:
-    client = KazooClient(hosts=connect_string, timeout=SESSION_TIMEOUT_S)
-    await asyncio.to_thread(client.start, 15)
-    return client
-
-
-async def close_client(client: KazooClient) -> None:
-    await asyncio.to_thread(client.stop)
-    await asyncio.to_thread(client.close)
 
 
 def leaders(electors: list[LeaderElector]) -> list[LeaderElector]:
@@ -171,16 +160,7 @@ async def test_ledger_list_compare_and_set(zookeeper: ZooKeeperServer) -> None:
         store = ZooKeeperLedgerListStore(client, path)
         assert await store.get() == (LedgerList(), -1)
         assert await store.confirmed_version() == -1
-        with pytest.raises(BadVersionError):
-            await store.compare_and_set(SAMPLE_LIST, 0)  # does not exist yet
-        version = await store.compare_and_set(SAMPLE_LIST, -1)
-        assert await store.get() == (SAMPLE_LIST, version)
-        with pytest.raises(BadVersionError):
-            await store.compare_and_set(LedgerList(), -1)  # exists already
-        with pytest.raises(BadVersionError):
-            await store.compare_and_set(LedgerList(), version + 1)
-        updated = LedgerList(ledgers=SAMPLE_LIST.ledgers[1:], first_ledger_id=1, writer="b3")
-        new_version = await store.compare_and_set(updated, version)
+        version, updated, new_version = await check_compare_and_set(store, SAMPLE_LIST, "b3")
         assert new_version == version + 1
         # Another session (another broker) writes; sync then get sees it at once.
         other_store = ZooKeeperLedgerListStore(other, path)
@@ -206,15 +186,7 @@ async def test_ledger_list_concurrent_compare_and_set_has_one_winner(
         stores = [ZooKeeperLedgerListStore(c, path) for c in clients]
         version = -1
         for round_number in range(5):
-            attempts = [
-                s.compare_and_set(LedgerList(writer=f"{round_number}-{i}"), version)
-                for i, s in enumerate(stores)
-            ]
-            results = await asyncio.gather(*attempts, return_exceptions=True)
-            winners = [r for r in results if isinstance(r, int)]
-            assert len(winners) == 1, results
-            assert all(isinstance(r, BadVersionError) for r in results if not isinstance(r, int))
-            version = winners[0]
+            version = await one_winner(stores, round_number, version)
             await stores[1].sync()
             current, current_version = await stores[1].get()
             assert current_version == version

@@ -14,6 +14,7 @@ import msgspec
 from broker.core import entries as e
 from broker.core.state import StateMachine, TaskRef, TaskState, TreeState
 from broker.workers import protocol as p
+from tests.support.fake_worker import FakeWorker
 from tests.support.link_broker import Broker
 from tests.support.machine import Machine
 
@@ -121,6 +122,21 @@ def test_the_limit_is_read_at_apply_time_alike_on_every_replica() -> None:
     assert leader.m.digest() == follower.m.digest()
 
 
+async def _finish_spawning(worker: FakeWorker, task_id: int, *, children: int) -> None:
+    """The worker finishes attempt 1 of ``task_id``, spawning ``children`` untracked
+    children, and the broker acknowledges the report."""
+    worker.finish(
+        p.TaskReport(
+            task_id=task_id,
+            attempt=1,
+            ok=True,
+            result=b"1",
+            spawn=tuple(p.SpawnRequest(type="child", tracked=False) for _ in range(children)),
+        )
+    )
+    await worker.expect(p.FinishAck)
+
+
 async def test_a_worker_report_spawning_over_the_limit_fails_the_task(broker: Broker) -> None:
     worker = broker.worker()
     await worker.hello()
@@ -131,16 +147,7 @@ async def test_a_worker_report_spawning_over_the_limit_fails_the_task(broker: Br
             time_ms=stamp.now_ms, tenant="t", limits=e.TenantLimitsPatch(max_waiting=2)
         )
     )
-    worker.finish(
-        p.TaskReport(
-            task_id=parent,
-            attempt=1,
-            ok=True,
-            result=b"1",
-            spawn=tuple(p.SpawnRequest(type="child", tracked=False) for _ in range(3)),
-        )
-    )
-    await worker.expect(p.FinishAck)
+    await _finish_spawning(worker, parent, children=3)
     task = broker.task(parent)
     assert task.state == TaskState.ERROR
     assert task.error is not None
@@ -149,15 +156,6 @@ async def test_a_worker_report_spawning_over_the_limit_fails_the_task(broker: Br
     # Within the limit the same report spawns its children.
     [second] = await broker.submit()
     await worker.expect(p.Assign)
-    worker.finish(
-        p.TaskReport(
-            task_id=second,
-            attempt=1,
-            ok=True,
-            result=b"1",
-            spawn=tuple(p.SpawnRequest(type="child", tracked=False) for _ in range(2)),
-        )
-    )
-    await worker.expect(p.FinishAck)
+    await _finish_spawning(worker, second, children=2)
     assert broker.task(second).state == TaskState.FINISHED
     assert len([t for t in broker.node.state.tasks.values() if t.parent == second]) == 2

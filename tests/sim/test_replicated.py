@@ -60,7 +60,12 @@ from broker.replication.node import (
 )
 from log.memory import MemoryLedgerListStore, MemoryLedgerStore
 from snapshot.store import SnapshotStore
-from tests.support.sim_common import SimulationFailure, seeds, steps
+from tests.support.sim_common import (
+    assert_exercised,
+    seeds,
+    stats_or_fail,
+    steps,
+)
 from tests.support.sim_replicated import Simulation, run_seed
 from tests.support.sim_virtual import VirtualTimeLoop, cancel_leftovers
 
@@ -80,11 +85,7 @@ def run_simulation(seed: int, root: Path, steps: int = DEFAULT_STEPS) -> Counter
 
 
 def _run_or_fail(seed: int, root: Path, steps: int) -> Counter[str]:
-    try:
-        return run_simulation(seed, root, steps)
-    except SimulationFailure as exc:
-        message = str(exc)
-    pytest.fail(message, pytrace=False)
+    return stats_or_fail(lambda: run_simulation(seed, root, steps))
 
 
 @pytest.mark.parametrize("seed", seeds(DEFAULT_SEEDS), ids=lambda s: f"seed={s}")
@@ -124,8 +125,7 @@ def test_replicated_simulation_covers_the_faults(tmp_path: Path) -> None:
         "snapshots",
         "settles",
     ]
-    missing = [name for name in wanted if stats[name] == 0]
-    assert not missing, f"never exercised: {missing}; stats: {dict(stats)}"
+    assert_exercised(stats, wanted)
 
 
 def test_answers_are_not_changed_by_later_entries_of_the_batch(tmp_path: Path) -> None:

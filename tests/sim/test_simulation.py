@@ -50,7 +50,14 @@ from broker.core.state import (
 )
 from broker.core.transitions import EDGES
 from tests.support.sim_checker import Checker
-from tests.support.sim_common import SimulationFailure, encode_result, fail, seeds
+from tests.support.sim_common import (
+    SimulationFailure,
+    assert_exercised,
+    encode_result,
+    fail,
+    seeds,
+    stats_or_fail,
+)
 from tests.support.sim_generator import EntryGenerator
 from tests.support.sim_model import (
     DEFAULT_ENTRIES,
@@ -194,12 +201,7 @@ def test_simulation(seed: int) -> None:
 
 
 def _run_or_fail(seed: int, entries: int) -> Counter[str]:
-    """run_simulation, failing the test with just the (self-contained) message."""
-    try:
-        return run_simulation(seed, entries)
-    except SimulationFailure as exc:
-        message = str(exc)
-    pytest.fail(message, pytrace=False)
+    return stats_or_fail(lambda: run_simulation(seed, entries))
 
 
 def test_generator_is_deterministic() -> None:
@@ -279,5 +281,4 @@ def test_generator_covers_the_rules() -> None:
         "tree task cancelled",
         "reconcile kept task ended by its tree",
     ]
-    missing = [name for name in wanted if stats[name] == 0]
-    assert not missing, f"never exercised: {missing}; stats: {dict(stats)}"
+    assert_exercised(stats, wanted)

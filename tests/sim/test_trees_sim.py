@@ -52,10 +52,12 @@ from broker.core.state import (
 )
 from tests.support.sim_common import (
     SimulationFailure,
+    assert_exercised,
     encode_result,
     entry_count,
     fail,
     seeds,
+    stats_or_fail,
     steps,
 )
 from tests.support.sim_generator import EntryGenerator
@@ -179,12 +181,11 @@ def _seeded_workload(seed: int) -> Workload:
 
 @pytest.mark.parametrize("seed", seeds(DEFAULT_SEEDS), ids=lambda s: f"seed={s}")
 def test_tree_simulation(seed: int) -> None:
-    try:
-        stats = run_standalone(
+    stats = stats_or_fail(
+        lambda: run_standalone(
             seed, _seeded_workload(seed), entry_count(DEFAULT_ENTRIES), snapshot_probability=0.004
         )
-    except SimulationFailure as exc:
-        pytest.fail(str(exc), pytrace=False)
+    )
     assert stats["roots"] > 0
 
 
@@ -212,8 +213,7 @@ def test_tree_simulation_covers_the_cases() -> None:
         "snapshot restores",
         "trees pending at a restore",
     ]
-    missing = [name for name in wanted if stats[name] == 0]
-    assert not missing, f"never exercised: {missing}; stats: {dict(stats)}"
+    assert_exercised(stats, wanted)
     assert stats["max completed tree size"] >= 100, dict(stats)
 
 
@@ -270,8 +270,8 @@ def test_ten_thousand_task_tree(shape: Shape) -> None:
         timeouts_ms=(MAX_TREE_TIMEOUT_MS,),
         max_batch=1_000,
     )
-    try:
-        stats = run_standalone(
+    stats = stats_or_fail(
+        lambda: run_standalone(
             seed,
             workload,
             60_000,
@@ -279,8 +279,7 @@ def test_ten_thousand_task_tree(shape: Shape) -> None:
             stop_when_done=True,
             restore_at_size=5_000,
         )
-    except SimulationFailure as exc:
-        pytest.fail(str(exc), pytrace=False)
+    )
     assert stats["tree completed"] == 1, dict(stats)
     assert stats["max tree size"] == 10_000, dict(stats)
     assert stats["completed at the finish of the last task"] == 1
@@ -416,10 +415,7 @@ def run_replicated(
 
 @pytest.mark.parametrize("seed", seeds(DEFAULT_REPLICATED_SEEDS), ids=lambda s: f"seed={s}")
 def test_trees_across_leader_changes(seed: int, tmp_path: Path) -> None:
-    try:
-        stats = run_replicated(seed, tmp_path, steps(DEFAULT_STEPS))
-    except SimulationFailure as exc:
-        pytest.fail(str(exc), pytrace=False)
+    stats = stats_or_fail(lambda: run_replicated(seed, tmp_path, steps(DEFAULT_STEPS)))
     assert stats["roots"] > 0 and stats["tree completed"] > 0, dict(stats)
 
 
@@ -437,8 +433,7 @@ def test_trees_across_leader_changes_cover_the_faults(tmp_path: Path) -> None:
         "tree replayed",
         "completed at the finish of the last task",
     ]
-    missing = [name for name in wanted if stats[name] == 0]
-    assert not missing, f"never exercised: {missing}; stats: {dict(stats)}"
+    assert_exercised(stats, wanted)
 
 
 def test_ten_thousand_task_trees_across_leader_changes(tmp_path: Path) -> None:
@@ -459,10 +454,7 @@ def test_ten_thousand_task_trees_across_leader_changes(tmp_path: Path) -> None:
         timeouts_ms=(MAX_TREE_TIMEOUT_MS,),
         max_batch=400,
     )
-    try:
-        stats = run_replicated(seed, tmp_path, DEFAULT_STEPS, workload)
-    except SimulationFailure as exc:
-        pytest.fail(str(exc), pytrace=False)
+    stats = stats_or_fail(lambda: run_replicated(seed, tmp_path, DEFAULT_STEPS, workload))
     # A submission a killed leader never made durable is lost (the client would retry).
     roots = stats["roots"]
     assert 1 <= roots <= 2 and stats["tree completed"] == roots, dict(stats)

@@ -1,5 +1,6 @@
 """What the seeded simulations (tests/sim) share: seeds from the environment, the failure
-they raise, the encoding by which apply results are compared.
+they raise, the check that their runs exercised what they should, the encoding by which
+apply results are compared.
 
 Seeds: ``STEWARD_SIM_SEEDS=N`` runs seeds 0..N-1 (``A:B`` runs A..B-1),
 ``STEWARD_SIM_SEED=n`` runs only seed n; without either, a simulation's default count.
@@ -8,9 +9,12 @@ Seeds: ``STEWARD_SIM_SEEDS=N`` runs seeds 0..N-1 (``A:B`` runs A..B-1),
 from __future__ import annotations
 
 import os
+from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import NoReturn
 
 import msgspec
+import pytest
 
 from broker.core.state import ApplyResult
 
@@ -34,6 +38,23 @@ class SimulationFailure(AssertionError):
 
 def fail(message: str) -> NoReturn:
     raise SimulationFailure(message)
+
+
+def stats_or_fail(run: Callable[[], Counter[str]]) -> Counter[str]:
+    """``run()``'s stats; a SimulationFailure fails the test with just its (self-contained)
+    message: seed, step and how to reproduce, no traceback."""
+    try:
+        return run()
+    except SimulationFailure as exc:
+        message = str(exc)
+    pytest.fail(message, pytrace=False)
+
+
+def assert_exercised(stats: Counter[str], wanted: Iterable[str]) -> None:
+    """Every counter in ``wanted`` is above zero: the runs really produced what their checks
+    are about (guards the driver, not the system)."""
+    missing = [name for name in wanted if stats[name] == 0]
+    assert not missing, f"never exercised: {missing}; stats: {dict(stats)}"
 
 
 def encode_result(result: ApplyResult) -> bytes:

@@ -46,6 +46,35 @@ from tests.support.sim_model import (
     Expect,
 )
 
+# How far the clock moves: (below this draw of rng.random(), a step from lo to hi ms).
+Steps = tuple[tuple[float, int, int], ...]
+TWO_DAYS_MS = 2 * 86_400_000
+# Between entries: mostly the same millisecond or a few; now and then an idle hour or more.
+ENTRY_STEPS: Steps = (
+    (0.45, 0, 0),
+    (0.85, 1, 200),
+    (0.97, 200, 5_000),
+    (0.995, 5_000, 120_000),
+    (1.0, 3_600_000, TWO_DAYS_MS),
+)
+# A Tick's step: longer, to reach timers (delays, deadlines, retention).
+TICK_STEPS: Steps = (
+    (0.1, 0, 0),
+    (0.55, 1, 2_000),
+    (0.85, 2_000, 60_000),
+    (0.97, 60_000, 1_800_000),
+    (1.0, 3_600_000, TWO_DAYS_MS),
+)
+
+
+def random_step(rng: random.Random, steps: Steps) -> int:
+    """One step drawn from ``steps`` (a zero step draws nothing more from ``rng``)."""
+    r = rng.random()
+    for below, lo, hi in steps:
+        if r < below:
+            return rng.randint(lo, hi) if hi else 0
+    raise AssertionError(f"rng.random() gave {r}")
+
 
 class EntryGenerator:
     """Produces entries from ``random.Random(seed)`` and a read-only look at ``view``."""
@@ -103,18 +132,7 @@ class EntryGenerator:
         if rng.random() < 0.01 and self.view.now_ms == self.now_ms:
             # A (new) leader whose clock is a little behind: apply must not go back.
             return self.now_ms - rng.randint(1, 2_000)
-        r = rng.random()
-        if r < 0.45:
-            step = 0
-        elif r < 0.85:
-            step = rng.randint(1, 200)
-        elif r < 0.97:
-            step = rng.randint(200, 5_000)
-        elif r < 0.995:
-            step = rng.randint(5_000, 120_000)
-        else:
-            step = rng.randint(3_600_000, 2 * 86_400_000)
-        self.now_ms += step
+        self.now_ms += random_step(rng, ENTRY_STEPS)
         return self.now_ms
 
     def _tenant(self) -> str:
@@ -539,18 +557,7 @@ class EntryGenerator:
                 # Exactly at a timer's due time, or just before it.
                 self.now_ms = rng.choice(due[:4]) - rng.choice((0, 0, 0, 1))
                 return e.Tick(time_ms=self.now_ms), Expect(scan=True)
-        r = rng.random()
-        if r < 0.1:
-            step = 0
-        elif r < 0.55:
-            step = rng.randint(1, 2_000)
-        elif r < 0.85:
-            step = rng.randint(2_000, 60_000)
-        elif r < 0.97:
-            step = rng.randint(60_000, 1_800_000)
-        else:
-            step = rng.randint(3_600_000, 2 * 86_400_000)
-        self.now_ms += step
+        self.now_ms += random_step(rng, TICK_STEPS)
         return e.Tick(time_ms=self.now_ms), Expect()
 
     def _register(self, worker_id: str) -> tuple[e.Entry, Expect]:

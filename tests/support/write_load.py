@@ -23,6 +23,7 @@ import httpx
 if TYPE_CHECKING:
     pass
 from tests.support.cluster_procs import BrokerNode
+from tests.support.worker_procs import wait_until
 
 
 @dataclass(frozen=True)
@@ -129,9 +130,34 @@ class WriteLoad:
             ]
         return min(acks, key=lambda a: a.at) if acks else None
 
+    def wait_first_ack(
+        self,
+        after: float,
+        timeout_s: float,
+        what: str,
+        *,
+        excluding_url: str | None = None,
+        pause_s: float,
+    ) -> Ack:
+        """Wait for :meth:`first_ack` (``after``, ``excluding_url``) and return it."""
+        ack: Ack = wait_until(
+            lambda: self.first_ack(after, excluding_url), timeout_s, what, pause_s=pause_s
+        )
+        return ack
+
+    def wait_for_more_acks(self, count: int, timeout_s: float, what: str = "more writes") -> None:
+        """Wait until more than ``count`` further writes are acknowledged."""
+        acked = self.acked_count()
+        wait_until(lambda: self.acked_count() > acked + count, timeout_s, what)
+
     def answers(self) -> list[Answer]:
         with self._lock:
             return list(self.record.answers)
+
+    def answers_during(self, start: float, end: float) -> list[Answer]:
+        """The answers to requests sent at or after ``start`` that came before ``end``
+        (monotonic): what clients saw during an outage."""
+        return [a for a in self.answers() if start <= a.sent_at and a.at < end]
 
     def acks(self) -> list[Ack]:
         with self._lock:

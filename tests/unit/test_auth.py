@@ -43,9 +43,32 @@ async def submit(env: Env, who: str, **fields: Any) -> int:
     return int(response.json()["id"])
 
 
+async def call_logging_nothing(
+    env: Env, who: str, method: str, path: str, kwargs: dict[str, Any]
+) -> httpx.Response:
+    """``who``'s call, which must leave the state as it was (nothing was logged)."""
+    before = env.node.state.digest()
+    response = await env.call(who, method, path, **kwargs)
+    assert env.node.state.digest() == before
+    return response
+
+
 # --- who may call at all -------------------------------------------------------------------
 
 NO_CREDENTIALS = ("nobody", "forged")
+# Only an admin may call these (test_admin_endpoints_refuse_everybody_else).
+ADMIN_ONLY = [
+    ("PUT", "/api/v1/tenants/alice", {"json": {"weight": 2}}),
+    ("GET", "/api/v1/config", {}),
+    ("PUT", "/api/v1/config", {"json": {"finished_task_retention_s": 60}}),
+    ("POST", "/api/v1/tokens", {"json": {"name": "x", "tenant": "alice"}}),
+    ("GET", "/api/v1/tokens", {}),
+    ("DELETE", "/api/v1/tokens/abcd", {}),
+    ("GET", "/api/v1/cluster/brokers", {}),
+    ("GET", "/api/v1/workers", {}),
+    ("GET", "/api/v1/stats/throughput", {}),
+]
+# Every endpoint but the public ones (/healthz, the schema).
 EVERY_ENDPOINT = [
     ("POST", TASKS, {"json": {"type": "noop"}}),
     ("GET", TASKS, {}),
@@ -56,24 +79,16 @@ EVERY_ENDPOINT = [
     ("POST", "/api/v1/transactions/1/rollback", {}),
     ("GET", "/api/v1/tenants", {}),
     ("GET", "/api/v1/tenants/alice", {}),
-    ("PUT", "/api/v1/tenants/alice", {"json": {"weight": 2}}),
     ("POST", "/api/v1/code?name=a.py", {"content": SCRIPT}),
     ("GET", "/api/v1/code", {}),
     ("GET", "/api/v1/code/" + "0" * 64, {}),
     ("GET", "/api/v1/cluster", {}),
-    ("GET", "/api/v1/config", {}),
-    ("PUT", "/api/v1/config", {"json": {"finished_task_retention_s": 60}}),
     ("GET", "/api/v1/state/digest", {}),
     ("GET", "/api/v1/snapshot/latest", {}),
-    ("POST", "/api/v1/tokens", {"json": {"name": "x", "tenant": "alice"}}),
-    ("GET", "/api/v1/tokens", {}),
-    ("DELETE", "/api/v1/tokens/abcd", {}),
     ("GET", "/api/v1/whoami", {}),
-    ("GET", "/api/v1/cluster/brokers", {}),
-    ("GET", "/api/v1/workers", {}),
-    ("GET", "/api/v1/stats/throughput", {}),
     ("GET", f"{TASKS}/recent", {}),
     ("GET", "/metrics", {}),
+    *ADMIN_ONLY,
 ]
 
 
@@ -82,9 +97,7 @@ EVERY_ENDPOINT = [
 async def test_every_endpoint_needs_a_valid_token(
     env: Env, who: str, method: str, path: str, kwargs: dict[str, Any]
 ) -> None:
-    before = env.node.state.digest()
-    refused_without_credentials(await env.call(who, method, path, **kwargs))
-    assert env.node.state.digest() == before  # nothing was logged
+    refused_without_credentials(await call_logging_nothing(env, who, method, path, kwargs))
 
 
 @pytest.mark.parametrize("header", ["Basic YWxpY2U6cHc=", "Bearer", "Bearer  ", "token abc"])
@@ -113,27 +126,13 @@ async def test_health_and_the_schema_are_public(env: Env, who: str) -> None:
 
 # --- admin-only endpoints ------------------------------------------------------------------
 
-ADMIN_ONLY = [
-    ("PUT", "/api/v1/tenants/alice", {"json": {"weight": 2}}),
-    ("GET", "/api/v1/config", {}),
-    ("PUT", "/api/v1/config", {"json": {"finished_task_retention_s": 60}}),
-    ("POST", "/api/v1/tokens", {"json": {"name": "x", "tenant": "alice"}}),
-    ("GET", "/api/v1/tokens", {}),
-    ("DELETE", "/api/v1/tokens/abcd", {}),
-    ("GET", "/api/v1/cluster/brokers", {}),
-    ("GET", "/api/v1/workers", {}),
-    ("GET", "/api/v1/stats/throughput", {}),
-]
-
 
 @pytest.mark.parametrize("who", ["alice", "bob", "worker", "peer"])
 @pytest.mark.parametrize(("method", "path", "kwargs"), ADMIN_ONLY)
 async def test_admin_endpoints_refuse_everybody_else(
     env: Env, who: str, method: str, path: str, kwargs: dict[str, Any]
 ) -> None:
-    before = env.node.state.digest()
-    forbidden(await env.call(who, method, path, **kwargs))
-    assert env.node.state.digest() == before
+    forbidden(await call_logging_nothing(env, who, method, path, kwargs))
 
 
 async def test_admin_sets_service_levels_and_config(env: Env) -> None:

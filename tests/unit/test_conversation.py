@@ -34,6 +34,24 @@ def active(role: Role) -> Conversation:
     return conversation
 
 
+def refusal(conversation: Conversation, frame: p.Message) -> tuple[str, str]:
+    """The (code, message) of the ProtocolError with which ``conversation`` refuses ``frame``."""
+    with pytest.raises(p.ProtocolError) as caught:
+        conversation.receive(frame)
+    return caught.value.code, caught.value.message
+
+
+def check_active_receive(role: Role, kind: type[p.Message], legal: bool, refused: str) -> None:
+    """An active ``role`` side takes a ``kind`` frame (an Error closes the conversation), or,
+    when it is not ``legal``, refuses it as an unexpected message saying ``refused``."""
+    conversation = active(role)
+    if legal:
+        conversation.receive(kind())
+        assert conversation.state is (State.CLOSED if kind is p.Error else State.ACTIVE)
+    else:
+        assert refusal(conversation, kind()) == ("unexpected_message", refused)
+
+
 def test_every_frame_type_of_the_protocol_is_in_the_table() -> None:
     in_table = frozenset().union(*ALLOWED.values())
     assert in_table == ALL_TYPES
@@ -73,57 +91,36 @@ def test_the_handshake_moves_hello_then_welcome_to_active() -> None:
 def test_the_broker_refuses_anything_but_hello_first(
     first: p.Message, code: str, text: str
 ) -> None:
-    with pytest.raises(p.ProtocolError) as caught:
-        Conversation(Role.BROKER).receive(first)
-    assert (caught.value.code, caught.value.message) == (code, text)
+    assert refusal(Conversation(Role.BROKER), first) == (code, text)
 
 
 def test_the_broker_refuses_frames_between_hello_and_welcome() -> None:
     broker = Conversation(Role.BROKER)
     broker.receive(HELLO)
     for frame in (HELLO, p.Heartbeat(), ERROR):
-        with pytest.raises(p.ProtocolError) as caught:
-            broker.receive(frame)
-        assert caught.value.code == "bad_handshake"
-        assert caught.value.message == "wait for welcome before sending more"
+        assert refusal(broker, frame) == ("bad_handshake", "wait for welcome before sending more")
 
 
 @pytest.mark.parametrize("kind", sorted(ALL_TYPES, key=lambda k: k.__name__))
 def test_active_frames_from_a_worker(kind: type[p.Message]) -> None:
-    broker = active(Role.BROKER)
     legal = kind in (p.Heartbeat, p.Finish, p.Output, p.Error)
     assert may_send(Role.WORKER, State.ACTIVE, kind()) is legal
-    if legal:
-        broker.receive(kind())
-        assert broker.state is (State.CLOSED if kind is p.Error else State.ACTIVE)
-    else:
-        with pytest.raises(p.ProtocolError) as caught:
-            broker.receive(kind())
-        assert caught.value.code == "unexpected_message"
-        assert caught.value.message == f"a worker may not send {kind.__name__}"
+    check_active_receive(Role.BROKER, kind, legal, f"a worker may not send {kind.__name__}")
 
 
 @pytest.mark.parametrize("kind", sorted(ALL_TYPES, key=lambda k: k.__name__))
 def test_active_frames_from_the_broker(kind: type[p.Message]) -> None:
-    worker = active(Role.WORKER)
     legal = kind in (p.Heartbeat, p.Assign, p.FinishAck, p.Cancel, p.FetchOutput, p.Error)
-    if legal:
-        worker.receive(kind())
-        assert worker.state is (State.CLOSED if kind is p.Error else State.ACTIVE)
-    else:
-        with pytest.raises(p.ProtocolError) as caught:
-            worker.receive(kind())
-        assert caught.value.code == "unexpected_message"
-        assert caught.value.message == f"unexpected {kind.__name__} from the broker"
+    check_active_receive(Role.WORKER, kind, legal, f"unexpected {kind.__name__} from the broker")
 
 
 def test_the_worker_expects_welcome_or_error_after_hello() -> None:
     worker = Conversation(Role.WORKER)
     worker.send(HELLO)
-    with pytest.raises(p.ProtocolError) as caught:
-        worker.receive(p.Assign())
-    assert caught.value.code == "unexpected_message"
-    assert caught.value.message == f"expected Welcome, got {p.Assign()!r}"
+    assert refusal(worker, p.Assign()) == (
+        "unexpected_message",
+        f"expected Welcome, got {p.Assign()!r}",
+    )
     refused = Conversation(Role.WORKER)
     refused.send(HELLO)
     refused.receive(ERROR)  # e.g. unauthorized: the broker refused the Hello

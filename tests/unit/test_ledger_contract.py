@@ -11,7 +11,6 @@ import pytest
 from ledger_helpers import BACKENDS, LedgerBackend
 
 from log.api import (
-    BadVersionError,
     LedgerClosedError,
     LedgerEntry,
     LedgerError,
@@ -24,6 +23,7 @@ from log.api import (
     LedgerWriter,
     NoSuchLedgerError,
 )
+from tests.support.ledger_lists import check_compare_and_set, one_winner
 
 pytestmark = pytest.mark.timeout(60)
 # The pulsar backend runs against a real pulsar-lite, with ids and the list in ZooKeeper.
@@ -52,6 +52,19 @@ def payload(entry_id: int) -> bytes:
 
 async def append_sequentially(writer: LedgerWriter, count: int) -> list[int]:
     return [await writer.append(payload(i)) for i in range(count)]
+
+
+async def writing(backend: LedgerBackend, count: int) -> tuple[LedgerStore, LedgerWriter]:
+    """A new store and a ledger written through it with ``count`` entries, in order."""
+    store = backend.new_store()
+    writer = await store.create_ledger()
+    await append_sequentially(writer, count)
+    return store, writer
+
+
+async def recover(backend: LedgerBackend, writer: LedgerWriter) -> LedgerReader:
+    """``writer``'s ledger opened for recovery through another store (a new leader)."""
+    return await backend.new_store().open_ledger(writer.ledger_id, recovery=True)
 
 
 async def read_all(reader: LedgerReader, count: int) -> list[bytes]:
@@ -179,7 +192,7 @@ async def test_store_close_drains_pending_appends(backend: LedgerBackend) -> Non
     futures = [writer.append(payload(i)) for i in range(50)]
     await store.close()
     assert [f.result() for f in futures] == list(range(50))
-    reader = await backend.new_store().open_ledger(writer.ledger_id, recovery=True)
+    reader = await recover(backend, writer)
     assert reader.last_entry_id == 49
 
 
@@ -187,13 +200,11 @@ async def test_store_close_drains_pending_appends(backend: LedgerBackend) -> Non
 
 
 async def test_recovery_reports_length_and_is_repeatable(backend: LedgerBackend) -> None:
-    store = backend.new_store()
-    writer = await store.create_ledger()
-    await append_sequentially(writer, 7)
-    reader = await backend.new_store().open_ledger(writer.ledger_id, recovery=True)
+    _store, writer = await writing(backend, 7)  # the store stays open
+    reader = await recover(backend, writer)
     assert reader.last_entry_id == 6
     assert await read_all(reader, 7) == [payload(i) for i in range(7)]
-    again = await backend.new_store().open_ledger(writer.ledger_id, recovery=True)
+    again = await recover(backend, writer)
     assert again.last_entry_id == 6
 
 
@@ -215,10 +226,8 @@ async def test_recovery_of_closed_ledger_keeps_everything(store: LedgerStore) ->
 
 
 async def test_recovery_fences_writer(backend: LedgerBackend) -> None:
-    store = backend.new_store()
-    writer = await store.create_ledger()
-    await append_sequentially(writer, 3)
-    reader = await backend.new_store().open_ledger(writer.ledger_id, recovery=True)
+    store, writer = await writing(backend, 3)
+    reader = await recover(backend, writer)
     assert reader.last_entry_id == 2
     if not store.can_fence:
         # No fencing (pulsar-lite): the writer goes on, but the recovered end is final.
@@ -233,11 +242,9 @@ async def test_recovery_fences_writer(backend: LedgerBackend) -> None:
 
 
 async def test_pending_appends_never_succeed_past_recovered_length(backend: LedgerBackend) -> None:
-    store = backend.new_store()
-    writer = await store.create_ledger()
-    await append_sequentially(writer, 5)
+    store, writer = await writing(backend, 5)
     futures = [writer.append(payload(5 + i)) for i in range(300)]
-    reader = await backend.new_store().open_ledger(writer.ledger_id, recovery=True)
+    reader = await recover(backend, writer)
     last = reader.last_entry_id
     assert last is not None and last >= 4
     if not store.can_fence:
@@ -265,16 +272,14 @@ async def assert_recovered_end_is_final(
     late = await backend.new_store().open_ledger(writer.ledger_id, recovery=False)
     assert await read_all(late, last + 1) == [payload(i) for i in range(last + 1)]
     assert await late.read(last + 1, 1000) == []
-    again = await backend.new_store().open_ledger(writer.ledger_id, recovery=True)
+    again = await recover(backend, writer)
     assert again.last_entry_id == last
 
 
 async def test_readers_never_see_past_recovered_length(backend: LedgerBackend) -> None:
-    store = backend.new_store()
-    writer = await store.create_ledger()
-    await append_sequentially(writer, 4)
+    store, writer = await writing(backend, 4)
     tailing = await backend.new_store().open_ledger(writer.ledger_id, recovery=False)
-    recovered = await backend.new_store().open_ledger(writer.ledger_id, recovery=True)
+    recovered = await recover(backend, writer)
     assert recovered.last_entry_id == 3
     if store.can_fence:
         with pytest.raises(LedgerError):
@@ -286,7 +291,7 @@ async def test_readers_never_see_past_recovered_length(backend: LedgerBackend) -
         assert not await tailing.wait_for_entries(3, 0.05)
         late_reader = await backend.new_store().open_ledger(writer.ledger_id, recovery=False)
         assert [e.entry_id for e in await late_reader.read(0, 100)] == [0, 1, 2, 3]
-        again = await backend.new_store().open_ledger(writer.ledger_id, recovery=True)
+        again = await recover(backend, writer)
         assert again.last_entry_id == 3
     for reader in (tailing, recovered):
         assert not await reader.wait_for_entries(3, 0.05)
@@ -309,9 +314,7 @@ async def test_ledger_ids_increase_and_are_listed(store: LedgerStore) -> None:
 
 
 async def test_delete_ledger(backend: LedgerBackend) -> None:
-    store = backend.new_store()
-    writer = await store.create_ledger()
-    await append_sequentially(writer, 3)
+    store, writer = await writing(backend, 3)
     reader = await store.open_ledger(writer.ledger_id, recovery=False)
     other_reader = await backend.new_store().open_ledger(writer.ledger_id, recovery=False)
     await store.delete_ledger(writer.ledger_id)
@@ -379,17 +382,7 @@ async def test_ledger_list_starts_empty(backend: LedgerBackend) -> None:
 
 async def test_ledger_list_compare_and_set(backend: LedgerBackend) -> None:
     list_store = backend.new_list_store()
-    with pytest.raises(BadVersionError):
-        await list_store.compare_and_set(SAMPLE_LIST, 0)  # does not exist yet
-    version = await list_store.compare_and_set(SAMPLE_LIST, -1)
-    assert await list_store.get() == (SAMPLE_LIST, version)
-    with pytest.raises(BadVersionError):
-        await list_store.compare_and_set(LedgerList(), -1)  # exists already
-    with pytest.raises(BadVersionError):
-        await list_store.compare_and_set(LedgerList(), version + 1)
-    updated = LedgerList(ledgers=SAMPLE_LIST.ledgers[1:], first_ledger_id=1, writer="broker-3")
-    new_version = await list_store.compare_and_set(updated, version)
-    assert new_version > version
+    _, updated, new_version = await check_compare_and_set(list_store, SAMPLE_LIST, "broker-3")
     assert await list_store.get() == (updated, new_version)
     # Another handle on the same storage (a restarted process) sees the same.
     assert await backend.new_list_store().get() == (updated, new_version)
@@ -401,15 +394,7 @@ async def test_ledger_list_concurrent_compare_and_set_has_one_winner(
     stores = [backend.new_list_store() for _ in range(4)]
     version = await stores[0].compare_and_set(SAMPLE_LIST, -1)
     for round_number in range(5):
-        attempts = [
-            s.compare_and_set(LedgerList(writer=f"{round_number}-{i}"), version)
-            for i, s in enumerate(stores)
-        ]
-        results = await asyncio.gather(*attempts, return_exceptions=True)
-        winners = [r for r in results if isinstance(r, int)]
-        assert len(winners) == 1
-        assert all(isinstance(r, BadVersionError) for r in results if not isinstance(r, int))
-        version = winners[0]
+        version = await one_winner(stores, round_number, version)
         current, current_version = await stores[0].get()
         assert current_version == version
         assert current.writer.startswith(f"{round_number}-")

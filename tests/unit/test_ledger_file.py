@@ -327,18 +327,28 @@ async def test_corrupt_ledger_list_is_an_error(tmp_path: Path) -> None:
 
 # -- other processes ---------------------------------------------------------------------------
 
-# Runs in a child process: appends from several tasks until fenced, printing each
-# acknowledged entry id. argv: repo root, ledger directory, time limit in seconds.
-FENCED_WRITER_SCRIPT = r"""
+# The start of every child-process script: argv[1] is the repo root, argv[2] the ledger
+# directory; new_writer() creates a ledger there and prints "LEDGER <id>".
+CHILD_PROLOGUE = r"""
 import asyncio, sys
 sys.path.insert(0, sys.argv[1])
 from log.api import LedgerFencedError
 from log.file import FileLedgerStore
 
-async def main():
+async def new_writer():
     store = FileLedgerStore(sys.argv[2])
     writer = await store.create_ledger()
     print("LEDGER", writer.ledger_id, flush=True)
+    return store, writer
+"""
+
+# Runs in a child process: appends from several tasks until fenced, printing each
+# acknowledged entry id. argv[3]: time limit in seconds.
+FENCED_WRITER_SCRIPT = (
+    CHILD_PROLOGUE
+    + r"""
+async def main():
+    store, writer = await new_writer()
     fenced = asyncio.Event()
 
     async def appender(task_number):
@@ -361,17 +371,14 @@ async def main():
 
 asyncio.run(main())
 """
+)
 
 # Runs in a child process: appends 300 entries in small bursts, then prints DONE.
-TAILED_WRITER_SCRIPT = r"""
-import asyncio, sys
-sys.path.insert(0, sys.argv[1])
-from log.file import FileLedgerStore
-
+TAILED_WRITER_SCRIPT = (
+    CHILD_PROLOGUE
+    + r"""
 async def main():
-    store = FileLedgerStore(sys.argv[2])
-    writer = await store.create_ledger()
-    print("LEDGER", writer.ledger_id, flush=True)
+    store, writer = await new_writer()
     await asyncio.sleep(0.05)  # let the parent start tailing an empty ledger
     for burst in range(30):
         await asyncio.gather(*(writer.append(b"burst-%d-%d" % (burst, i)) for i in range(10)))
@@ -381,6 +388,7 @@ async def main():
 
 asyncio.run(main())
 """
+)
 
 
 async def start_child(script: str, *args: str) -> asyncio.subprocess.Process:

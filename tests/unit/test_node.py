@@ -13,12 +13,13 @@ Each workload is a seeded random mix of entries (printed seed; rerun one with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
 import shutil
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -96,6 +97,16 @@ async def boot(config: NodeConfig, clock: FakeClock) -> Node:
 async def shut(node: Node, *, snapshot: bool = False) -> None:
     await asyncio.wait_for(node.stop(snapshot=snapshot), WAIT_S)
     await node.ledgers.close()
+
+
+@contextlib.asynccontextmanager
+async def booted(config: NodeConfig, clock: FakeClock) -> AsyncIterator[Node]:
+    """A started node, stopped without a snapshot at the end of the block."""
+    node = await boot(config, clock)
+    try:
+        yield node
+    finally:
+        await shut(node, snapshot=False)
 
 
 async def settle(node: Node) -> None:
@@ -403,6 +414,19 @@ async def write_history(tmp_path: Path, seed: int) -> History:
     )
 
 
+def assert_recovered(node: Node, log_text: str, final: Mark, snapshot: Mark | None) -> None:
+    """The node loaded ``snapshot`` (None: no snapshot), then replayed exactly the entries
+    after it (none twice, none skipped) up to ``final``."""
+    if snapshot is None:
+        assert "loaded snapshot" not in log_text
+    else:
+        assert f"loaded snapshot at position {snapshot.position}" in log_text
+    assert node.position == final.position
+    base = 0 if snapshot is None else snapshot.entries_applied
+    assert node.state.entries_applied == final.entries_applied - base
+    assert node.state.digest() == final.digest
+
+
 # -- 3: snapshot + replay == full replay ---------------------------------------------------------
 
 
@@ -414,31 +438,18 @@ async def test_snapshot_plus_replay_equals_full_replay_and_the_live_state(
     caplog.set_level(logging.INFO, logger=NODE_LOGGER)
 
     # (a) The newest snapshot, then the entries after it.
-    node = await boot(history.config, history.clock)
-    try:
-        assert f"loaded snapshot at position {second.position}" in caplog.text
-        assert node.position == final.position
-        # Exactly the entries after the snapshot were replayed: none twice, none skipped.
-        assert node.state.entries_applied == final.entries_applied - second.entries_applied
-        assert node.state.digest() == final.digest
-    finally:
-        await shut(node, snapshot=False)
+    async with booted(history.config, history.clock) as node:
+        assert_recovered(node, caplog.text, final, second)
 
     # (b) No snapshot at all: a full replay from the very first entry.
     for path in snapshot_files(history.config.data_dir):
         path.unlink()
     caplog.clear()
-    node = await boot(history.config, history.clock)
-    try:
-        assert "loaded snapshot" not in caplog.text
-        assert node.position == final.position
-        assert node.state.entries_applied == final.entries_applied
-        assert node.state.digest() == final.digest
+    async with booted(history.config, history.clock) as node:
+        assert_recovered(node, caplog.text, final, None)
         # And the node still works on top of the replayed state.
         result = await node.propose(lambda s: e.Tick(time_ms=s.now_ms))
         assert result is None and node.failure is None
-    finally:
-        await shut(node, snapshot=False)
 
 
 async def test_snapshot_at_a_ledger_boundary_replays_the_next_ledgers(
@@ -448,14 +459,8 @@ async def test_snapshot_at_a_ledger_boundary_replays_the_next_ledgers(
     history.second_snapshot.unlink()
     first, final = history.first, history.final
     caplog.set_level(logging.INFO, logger=NODE_LOGGER)
-    node = await boot(history.config, history.clock)
-    try:
-        assert f"loaded snapshot at position {first.position}" in caplog.text
-        assert node.state.entries_applied == final.entries_applied - first.entries_applied
-        assert node.state.digest() == final.digest
-        assert node.position == final.position
-    finally:
-        await shut(node, snapshot=False)
+    async with booted(history.config, history.clock) as node:
+        assert_recovered(node, caplog.text, final, first)
 
 
 async def test_corrupt_newest_snapshot_is_skipped_and_the_older_one_replayed(
@@ -469,20 +474,14 @@ async def test_corrupt_newest_snapshot_is_skipped_and_the_older_one_replayed(
     newest.write_bytes(bytes(raw))
 
     caplog.set_level(logging.INFO)
-    node = await boot(history.config, history.clock)
-    try:
+    async with booted(history.config, history.clock) as node:
         warnings = [
             r.getMessage()
             for r in caplog.records
             if r.name == SNAPSHOT_LOGGER and r.levelno == logging.WARNING
         ]
         assert any(newest.name in w and "corrupt" in w for w in warnings), warnings
-        assert f"loaded snapshot at position {first.position}" in caplog.text
-        assert node.state.entries_applied == final.entries_applied - first.entries_applied
-        assert node.state.digest() == final.digest
-        assert node.position == final.position
-    finally:
-        await shut(node, snapshot=False)
+        assert_recovered(node, caplog.text, final, first)
     # Set aside for operators, never tried again.
     assert not newest.exists()
     assert newest.with_name(newest.name + ".corrupt").exists()
@@ -511,15 +510,12 @@ async def test_clean_stop_closes_the_ledger_and_restart_has_nothing_to_recover(
         f"snapshot-{live.position[0]:012d}-{live.position[1]:012d}.snap"
     ]
     caplog.set_level(logging.INFO)
-    node = await boot(config, clock)
-    try:
+    async with booted(config, clock) as node:
         assert "recovered ledger" not in caplog.text
         assert "torn or corrupt tail" not in caplog.text
         assert node.state.entries_applied == 0  # all from the shutdown snapshot
         assert node.state.digest() == live.digest
         assert node.position == live.position
-    finally:
-        await shut(node, snapshot=False)
     assert [i.state for i in (await ledger_list(node)).ledgers] == [LedgerState.CLOSED] * 2
 
 
@@ -556,13 +552,10 @@ async def test_retention_deletes_ledgers_the_oldest_kept_snapshot_covers(
 
     caplog.set_level(logging.INFO)
     # Restart: the newest snapshot and the ledgers after it give the same state.
-    node = await boot(config, clock)
-    try:
+    async with booted(config, clock) as node:
         assert f"loaded snapshot at position {newest}" in caplog.text
         assert node.state.digest() == live.digest
         assert node.position == live.position
-    finally:
-        await shut(node, snapshot=False)
 
     # The newest snapshot is corrupt: the older kept one still has all its ledgers.
     newest_path = snapshot_files(data_dir)[-1]
@@ -570,13 +563,10 @@ async def test_retention_deletes_ledgers_the_oldest_kept_snapshot_covers(
     raw[len(raw) - 10] ^= 0x5A
     newest_path.write_bytes(bytes(raw))
     caplog.clear()
-    node = await boot(config, clock)
-    try:
+    async with booted(config, clock) as node:
         assert f"loaded snapshot at position {older}" in caplog.text
         assert node.state.digest() == live.digest
         assert node.position == live.position
-    finally:
-        await shut(node, snapshot=False)
 
     # Without any snapshot the deleted history cannot be replayed: refuse to start
     # rather than come up with the state of a partial log.
@@ -599,8 +589,7 @@ async def test_retention_deletes_only_a_prefix_of_the_ledger_list(tmp_path: Path
     rng = random.Random(seed_for("retention prefix"))
     clock = FakeClock()
     config = node_config(tmp_path / "data", ledger_retention_ms=1_000, snapshot_keep=1)
-    node = await boot(config, clock)
-    try:
+    async with booted(config, clock) as node:
         workload = Workload(node, clock, rng)
         for _ in range(3):
             await run_until_just_rolled(workload)
@@ -620,8 +609,6 @@ async def test_retention_deletes_only_a_prefix_of_the_ledger_list(tmp_path: Path
         await node.take_snapshot()
         ids = [i.ledger_id for i in (await ledger_list(node)).ledgers]
         assert ids[0] > closed[-1].ledger_id and ids == ledger_files(config.data_dir)
-    finally:
-        await shut(node, snapshot=False)
 
 
 class SlowLedgerList(LedgerListStore):
@@ -696,8 +683,5 @@ async def test_retention_running_during_a_roll_does_not_break_the_node(tmp_path:
         live = mark(node)
     finally:
         await shut(node, snapshot=False)
-    node = await boot(config, clock)
-    try:
+    async with booted(config, clock) as node:
         assert node.state.digest() == live.digest
-    finally:
-        await shut(node, snapshot=False)

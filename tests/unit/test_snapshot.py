@@ -300,6 +300,13 @@ def _store_write(store: SnapshotStore, ledger_id: int, entry_id: int, body: byte
     ).path
 
 
+def _newest(store: SnapshotStore) -> tuple[tuple[int, int], bytes]:
+    """Position and body of the snapshot ``load_newest`` loads (there must be one)."""
+    loaded = store.load_newest()
+    assert loaded is not None
+    return loaded[0].position, loaded[1]
+
+
 def test_store_write_list_load(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path / "snaps", keep=3, cluster_id=CLUSTER)
     assert store.list() == []
@@ -367,10 +374,7 @@ def test_load_newest_skips_corrupt(
     corrupt(newest)
 
     with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
-        loaded = store.load_newest()
-    assert loaded is not None
-    assert loaded[0].position == (1, 1)
-    assert loaded[1] == b"previous"
+        assert _newest(store) == ((1, 1), b"previous")
 
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
@@ -404,10 +408,7 @@ def test_newest_corrupt_falls_back_to_previous(
     _flip_body_byte(newest)
 
     with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
-        loaded = store.load_newest()
-    assert loaded is not None
-    assert loaded[0].position == (3, 8)
-    assert loaded[1] == b"old"
+        assert _newest(store) == ((3, 8), b"old")
     assert any(
         r.levelno == logging.WARNING
         and r.getMessage().startswith(f"snapshot {newest} is corrupt: checksum mismatch")
@@ -446,9 +447,7 @@ def test_file_name_must_match_header(tmp_path: Path, caplog: pytest.LogCaptureFi
     shutil.copy(tmp_path / snapshot_file_name(1, 1), renamed)
     with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
         assert [info.position for info in store.list()] == [(1, 1)]
-        loaded = store.load_newest()
-    assert loaded is not None
-    assert loaded[0].position == (1, 1)
+        assert _newest(store) == ((1, 1), b"real")
     assert any("file name says position (9, 9)" in r.getMessage() for r in caplog.records)
 
 
@@ -457,15 +456,11 @@ def test_other_cluster_skipped_but_kept(tmp_path: Path, caplog: pytest.LogCaptur
     theirs = _write(tmp_path, 1, 2, b"theirs", cluster_id="cluster-b")
     store = SnapshotStore(tmp_path, cluster_id=CLUSTER)
     with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
-        loaded = store.load_newest()
-    assert loaded is not None
-    assert loaded[1] == b"ours"
+        assert _newest(store) == ((1, 1), b"ours")
     assert theirs.exists()
     assert any("belongs to cluster 'cluster-b'" in r.getMessage() for r in caplog.records)
     # Without a configured cluster id every cluster is accepted.
-    loaded = SnapshotStore(tmp_path).load_newest()
-    assert loaded is not None
-    assert loaded[1] == b"theirs"
+    assert _newest(SnapshotStore(tmp_path)) == ((1, 2), b"theirs")
 
 
 def test_temp_files_ignored_and_cleaned(tmp_path: Path) -> None:

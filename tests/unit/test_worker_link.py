@@ -546,24 +546,36 @@ async def test_worker_is_not_declared_dead_while_its_registration_completes(
 # --- task trees: spawn requests in finish reports --------------------------------------------
 
 
+async def finish_spawning(broker: Broker, worker: FakeWorker, *spawn: p.SpawnRequest) -> int:
+    """Submit a tracked root, take its assignment and finish it, spawning ``spawn``."""
+    [root] = await broker.submit(track_tree=True)
+    await worker.expect(p.Assign)
+    worker.finish(p.TaskReport(task_id=root, attempt=1, ok=True, spawn=spawn))
+    await worker.expect(p.FinishAck)
+    return root
+
+
+async def spawn_is_refused(
+    broker: Broker, worker: FakeWorker, request_: p.SpawnRequest, message: str
+) -> int:
+    """Spawning ``request_`` fails the spawning task with an error that says ``message``."""
+    root = await finish_spawning(broker, worker, request_)
+    task = broker.task(root)
+    assert task.state == TaskState.ERROR
+    assert task.error is not None and message in task.error, task.error
+    return root
+
+
 async def test_spawned_children_get_leader_ids_and_complete_the_tree(broker: Broker) -> None:
     worker = broker.worker()
     await worker.hello()
-    [root] = await broker.submit(track_tree=True)
-    await worker.expect(p.Assign)
-    worker.finish(
-        p.TaskReport(
-            task_id=root,
-            attempt=1,
-            ok=True,
-            spawn=(
-                p.SpawnRequest(type="child", params=b'{"i":0}'),
-                p.SpawnRequest(type="child", params=b'{"i":1}', tenant="t2"),
-                p.SpawnRequest(type="side", tracked=False),
-            ),
-        )
+    root = await finish_spawning(
+        broker,
+        worker,
+        p.SpawnRequest(type="child", params=b'{"i":0}'),
+        p.SpawnRequest(type="child", params=b'{"i":1}', tenant="t2"),
+        p.SpawnRequest(type="side", tracked=False),
     )
-    await worker.expect(p.FinishAck)
     [finish] = broker.entries(e.FinishTasks)
     children = [s.task.id for s in finish.outcomes[0].spawn]
     assert children == [root + 1, root + 2, root + 3]
@@ -604,13 +616,7 @@ async def test_invalid_spawn_fails_the_task_with_a_clear_error(
 ) -> None:
     worker = broker.worker()
     await worker.hello()
-    [root] = await broker.submit(track_tree=True)
-    await worker.expect(p.Assign)
-    worker.finish(p.TaskReport(task_id=root, attempt=1, ok=True, spawn=(request_,)))
-    await worker.expect(p.FinishAck)
-    task = broker.task(root)
-    assert task.state == TaskState.ERROR
-    assert task.error is not None and message in task.error, task.error
+    root = await spawn_is_refused(broker, worker, request_, message)
     assert len(broker.node.state.tasks) == 1
     tree = broker.node.state.tree(root)
     assert tree is not None and tree.state == "failed"
@@ -651,23 +657,10 @@ async def test_with_tenant_isolation_a_task_spawns_only_in_its_own_tenant(
         (p.SpawnRequest(type="x", tenant="other"), "spawns children in its own tenant only"),
         (p.SpawnRequest(type="x", code="a" * 64), "code artifact " + "a" * 64),
     ]:
-        [root] = await broker.submit(track_tree=True)
-        await worker.expect(p.Assign)
-        worker.finish(p.TaskReport(task_id=root, attempt=1, ok=True, spawn=(request_,)))
-        await worker.expect(p.FinishAck)
-        task = broker.task(root)
-        assert task.state == TaskState.ERROR
-        assert task.error is not None and message in task.error, task.error
+        await spawn_is_refused(broker, worker, request_, message)
     assert {t.tenant for t in broker.node.state.tasks.values()} == {"t"}
     # Its own tenant, stated or not, is fine.
-    [root] = await broker.submit(track_tree=True)
-    await worker.expect(p.Assign)
-    worker.finish(
-        p.TaskReport(
-            task_id=root, attempt=1, ok=True, spawn=(p.SpawnRequest(type="x", tenant="t"),)
-        )
-    )
-    await worker.expect(p.FinishAck)
+    root = await finish_spawning(broker, worker, p.SpawnRequest(type="x", tenant="t"))
     assert broker.task(root).state == TaskState.FINISHED
 
 
