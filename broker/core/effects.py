@@ -10,22 +10,24 @@ replay; each consumer decides whether to use them. They are not state: snapshots
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from broker.core.records import ApplyResult, StopRunning
 from broker.core.transitions import TaskState
 
+# Structs the cyclic garbage collector does not track (gc=False: nothing in them can form a
+# cycle). One is made per final task; tracked, they made the collector run more often in
+# the scheduling hot path (docs/BENCHMARKS.md, issue 15).
 
-@dataclass(frozen=True, slots=True)
-class TaskFinal:
+
+class TaskFinal(msgspec.Struct, frozen=True, gc=False):
     """A task reached a final state (finished, error or cancelled)."""
 
     task_id: int
     state: TaskState
 
 
-@dataclass(frozen=True, slots=True)
-class TreeEnded:
+class TreeEnded(msgspec.Struct, frozen=True, gc=False):
     """A tracked task tree completed or failed for good (no replay left)."""
 
     root_id: int
@@ -36,8 +38,7 @@ class TreeEnded:
 Effect = TaskFinal | StopRunning | TreeEnded
 
 
-@dataclass(frozen=True, slots=True)
-class Applied:
+class Applied(msgspec.Struct, frozen=True, gc=False):
     """The outcome of one ``StateMachine.apply``: its result and its effects."""
 
     result: ApplyResult

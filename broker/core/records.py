@@ -223,7 +223,7 @@ class WorkerReconciled(msgspec.Struct, frozen=True):
     lost: tuple[int, ...]  # tasks it no longer runs: re-queued or failed
 
 
-class StopRunning(msgspec.Struct, frozen=True):
+class StopRunning(msgspec.Struct, frozen=True, gc=False):
     """A running task was ended by the broker (cancel, deadline): tell its worker."""
 
     worker_id: str
