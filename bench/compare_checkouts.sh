@@ -9,7 +9,8 @@ shift
 mkdir -p "$out"
 python=${PYTHON:-python}
 for round in 1 2; do
-  for tree in "$@"; do
+  for given in "$@"; do
+    tree=$(cd "$given" && pwd)
     name=$(basename "$tree")
     echo "== $name round $round $(date +%T)" >>"$out/log"
     (
