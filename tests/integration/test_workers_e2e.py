@@ -206,6 +206,12 @@ def test_dropped_connection_keeps_the_running_task(cluster: Cluster) -> None:
         )
         task_id = cluster.submit(type="sleep", tenant="dropped", params={"seconds": 3})
         cluster.wait_state(task_id, {"running"}, 20)
+        # "running" is the broker's state once it assigned the task; the Assign frame may
+        # still be in the proxy. Cut only once the broker's next bytes (the Assign, or a
+        # heartbeat behind it) reached the worker, and the worker had a moment to read them.
+        forwarded = proxy.bytes_to_client
+        wait_until(lambda: proxy.bytes_to_client > forwarded, 10, "the Assign to pass")
+        time.sleep(0.3)
         proxy.cut()
         wait_until(lambda: proxy.connections >= 2, 10, "the worker to reconnect")
         task = cluster.wait_final(task_id, timeout_s=30)

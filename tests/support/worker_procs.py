@@ -127,6 +127,7 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._closed = False
         self.connections = 0
+        self.bytes_to_client = 0  # forwarded from the target (the broker) to the client
         threading.Thread(target=self._accept_loop, daemon=True).start()
 
     @property
@@ -149,13 +150,17 @@ class TcpProxy:
                 self._sockets += [client, upstream]
                 self.connections += 1
             for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+                threading.Thread(
+                    target=self._pump, args=(source, sink, sink is client), daemon=True
+                ).start()
 
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, to_client: bool) -> None:
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
                 sink.sendall(data)
+                if to_client:
+                    with self._lock:
+                        self.bytes_to_client += len(data)
         for s in (source, sink):
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
