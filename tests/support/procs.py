@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -25,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from clients.dev.local_server import HOST as HOST
+from clients.dev.local_server import free_port as free_port
 from tests.support.logged_process import (
     LoggedProcess,
     wait_healthy,
@@ -33,17 +34,8 @@ from tests.support.logged_process import (
 if TYPE_CHECKING:
     from tests.support.tls_certs import TlsFiles
 
-HOST = "127.0.0.1"
 DEFAULT_START_TIMEOUT_S = 30.0
 DEFAULT_STOP_TIMEOUT_S = 30.0
-
-
-def free_port(host: str = HOST) -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def steward_command() -> list[str]:
