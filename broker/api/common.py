@@ -178,7 +178,15 @@ class Request:
     params: tuple[str, ...]
     headers: Sequence[tuple[bytes, bytes]] = ()  # ASGI: names lowercase
     principal: Principal = ANONYMOUS_ADMIN  # who is calling (authentication off: anyone)
-    peer: str = "?"  # the client's "host:port", for logs
+    client: Sequence[Any] | None = None  # ASGI's (host, port) of the client
+
+    @property
+    def peer(self) -> str:
+        """The client's "host:port", for logs (formatted only when logged)."""
+        if not self.client:
+            return "?"
+        host, port = self.client[0], self.client[1]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
 
     def header(self, name: bytes) -> bytes | None:
         """The value of a header sent once (``name`` lowercase); 400 when repeated."""
@@ -248,14 +256,6 @@ def task_view(task: Any, tree: TreeRecord | None = None) -> m.TaskView:
         root=task.root,
         parent=task.parent,
     )
-
-
-def peer_of(scope: Scope) -> str:
-    client = scope.get("client")
-    if not client:
-        return "?"
-    host, port = client[0], client[1]
-    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
 
 
 def decode(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:

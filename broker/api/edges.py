@@ -26,12 +26,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
+import httptools
 import msgspec
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.flow_control import service_unavailable
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 from uvicorn.server import ServerState
 
 logger = logging.getLogger(__name__)
@@ -129,11 +138,102 @@ def error_response(status: int, code: str, message: str, *, retryable: bool = Fa
     )
 
 
+class OneWriteCycle(RequestResponseCycle):
+    """uvicorn's request/response cycle, but a response with a Content-Length goes out in
+    one write: its head is held until the body's first chunk and written with it. Two
+    writes cost a second send() system call and a second TCP segment per response, a
+    large part of a small request's cost. A response without a Content-Length (chunked:
+    a stream such as server-sent events) has its head written at once."""
+
+    _held_head: bytes = b""
+
+    async def send(self, message: Any) -> None:
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected:
+            return
+        kind = message["type"]
+        if not self.response_started:
+            if kind != "http.response.start":
+                raise RuntimeError(f"Expected ASGI message 'http.response.start', got {kind!r}.")
+            self.response_started = True
+            self.waiting_for_100_continue = False
+            head = self._head(message["status"], message.get("headers", ()))
+            if self.chunked_encoding is False:
+                self._held_head = head
+            else:
+                self.transport.write(head)
+            return
+        if self.response_complete or kind != "http.response.body":
+            raise RuntimeError(f"Unexpected ASGI message {kind!r}.")
+        body: bytes = message.get("body", b"")
+        more_body: bool = message.get("more_body", False)
+        out = self._held_head
+        self._held_head = b""
+        if self.scope["method"] == "HEAD":
+            self.expected_content_length = 0
+        elif self.chunked_encoding:
+            if body:
+                out += b"%x\r\n%b\r\n" % (len(body), body)
+            if not more_body:
+                out += b"0\r\n\r\n"
+        else:
+            if len(body) > self.expected_content_length:
+                raise RuntimeError("Response content longer than Content-Length")
+            self.expected_content_length -= len(body)
+            out = out + body if out else body
+        if out:
+            self.transport.write(out)
+        if not more_body:
+            if self.expected_content_length != 0:
+                raise RuntimeError("Response content shorter than Content-Length")
+            self.response_complete = True
+            self.message_event.set()
+            if not self.keep_alive:
+                self.transport.close()
+            self.on_response()
+
+    def _head(self, status: int, headers: Any) -> bytes:
+        """The status line and headers (as uvicorn writes them; no access log here)."""
+        content = [STATUS_LINE[status]]
+        has_connection_close = False
+        for name, value in (*self.default_headers, *headers):
+            if HEADER_RE.search(name):
+                raise RuntimeError("Invalid HTTP header name.")
+            if HEADER_VALUE_RE.search(value):
+                raise RuntimeError("Invalid HTTP header value.")
+            name = name.lower()
+            if name == b"content-length" and self.chunked_encoding is None:
+                self.expected_content_length = int(value.decode())
+                self.chunked_encoding = False
+            elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                self.expected_content_length = 0
+                self.chunked_encoding = True
+            elif name == b"connection" and b"close" in [
+                token.lower().strip() for token in value.split(b",")
+            ]:
+                self.keep_alive = False
+                has_connection_close = True
+            content.append(b"%b: %b\r\n" % (name, value))
+        if not self.keep_alive and not has_connection_close:
+            content.append(b"connection: close\r\n")
+        if (
+            self.chunked_encoding is None
+            and self.scope["method"] != "HEAD"
+            and status not in (204, 304)
+        ):
+            self.chunked_encoding = True
+            content.append(b"transfer-encoding: chunked\r\n")
+        content.append(b"\r\n")
+        return b"".join(content)
+
+
 _ACTIVE: Final = "active"
 _LINGERING: Final = "lingering"
 _CLOSED: Final = "closed"
 _HEAD: Final = "head"
 _BODY: Final = "body"
+_IDLE: Final = "idle"  # kept alive between requests (uvicorn's timeout_keep_alive)
 
 
 class BoundedHttpProtocol(HttpToolsProtocol):
@@ -155,9 +255,15 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._in_head = True  # the next bytes belong to a request line or headers
         self._head_bytes = 0  # fed to the parser for the current head (an upper bound)
         self._request_begun = False  # a byte of a request not yet complete was received
-        self._deadline: asyncio.TimerHandle | None = None
-        self._deadline_kind = _HEAD
-        self._body_deadline = 0.0
+        # The deadline being enforced (_HEAD, _BODY or _IDLE, and when; None: none while
+        # the app answers) and the one
+        # timer that checks it. The timer is not moved when the deadline moves later:
+        # it fires, sees the deadline ahead, and sleeps again (so requests on a
+        # kept-alive connection arm and disarm deadlines without timer calls).
+        self._deadline_kind: str | None = None
+        self._due = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     # --- connection ---------------------------------------------------------------------
 
@@ -178,7 +284,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._arm(_HEAD, self.edge.header_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+        self._stop_timer()
         self._state_to(_CLOSED)
         super().connection_lost(exc)
 
@@ -211,17 +317,73 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._in_head = True
         self._head_bytes = 0
         self._request_begun = True
-        if self._deadline is None:  # a later request on a kept-alive connection
+        if self._deadline_kind in (None, _IDLE):  # a later request on a kept-alive connection
             self._arm(_HEAD, self.edge.header_timeout_s)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._arm(_BODY, self.edge.body_timeout_s)
-        super().on_headers_complete()
+        # uvicorn's on_headers_complete (no WebSockets here: ws="none"), with the
+        # one-write response cycle.
+        parser = self.parser
+        http_version = parser.get_http_version()
+        scope = self.scope
+        scope["method"] = parser.get_method().decode("ascii")
+        if http_version != "1.1":
+            scope["http_version"] = http_version
+        parsed_url = httptools.parse_url(self.url)
+        raw_path = parsed_url.path
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        scope["path"] = self.root_path + path
+        scope["raw_path"] = self.root_path.encode("ascii") + raw_path
+        scope["query_string"] = parsed_url.query or b""
+        app = self.app
+        if self.limit_concurrency is not None and (
+            len(self.connections) >= self.limit_concurrency
+            or len(self.tasks) >= self.limit_concurrency
+        ):
+            app = service_unavailable
+            self.logger.warning("Exceeded concurrency limit.")
+        existing_cycle = self.cycle
+        self.cycle = OneWriteCycle(
+            scope=scope,
+            transport=self.transport,
+            flow=self.flow,
+            logger=self.logger,
+            access_logger=self.access_logger,
+            access_log=False,
+            default_headers=self.server_state.default_headers,
+            message_event=asyncio.Event(),
+            expect_100_continue=self.expect_100_continue,
+            keep_alive=http_version != "1.0" and parser.should_keep_alive(),
+            on_response=self.on_response_complete,
+        )
+        if existing_cycle is None or existing_cycle.response_complete:
+            self._start_asgi_task(self.cycle, app)
+        else:
+            # Pipelined: queued until the earlier response is complete.
+            self.flow.pause_reading()
+            self.pipeline.appendleft((self.cycle, app))
 
     def on_body(self, body: bytes) -> None:
-        self._body_deadline += len(body) / self.edge.body_min_rate_bytes_s
+        if self._deadline_kind == _BODY:
+            self._due += len(body) / self.edge.body_min_rate_bytes_s
         super().on_body(body)
+
+    def on_response_complete(self) -> None:
+        # uvicorn's, with the keep-alive timeout as one of this protocol's deadlines
+        # (uvicorn sets and cancels a timer per request for it).
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        elif self._deadline_kind is None and self._state == _ACTIVE:
+            self._arm(_IDLE, self.timeout_keep_alive)
 
     def on_message_complete(self) -> None:
         self._in_head = True
@@ -237,31 +399,40 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     # --- deadlines ----------------------------------------------------------------------
 
     def _arm(self, kind: str, timeout_s: float) -> None:
-        self._disarm()
         self._deadline_kind = kind
-        deadline = self.loop.time() + timeout_s
-        if kind == _BODY:
-            self._body_deadline = deadline
-        self._deadline = self.loop.call_at(deadline, self._on_deadline)
+        self._due = due = self.loop.time() + timeout_s
+        if self._timer is None or self._timer_at > due:
+            self._stop_timer()
+            self._timer_at = due
+            self._timer = self.loop.call_at(due, self._on_deadline)
 
     def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        self._deadline_kind = None  # the timer, if any, finds nothing to enforce
+
+    def _stop_timer(self) -> None:
+        self._deadline_kind = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _on_deadline(self) -> None:
-        self._deadline = None
-        if self._state != _ACTIVE:
-            return
+        self._timer = None
         kind = self._deadline_kind
+        if self._state != _ACTIVE or kind is None:
+            return
+        if self.loop.time() < self._due:  # moved on since the timer was set
+            self._timer_at = self._due
+            self._timer = self.loop.call_at(self._due, self._on_deadline)
+            return
+        if kind == _IDLE:  # kept alive, unused for timeout_keep_alive: close quietly
+            self._state_to(_CLOSED)
+            self.transport.close()
+            return
         if self.flow.read_paused:
             # The server stopped reading (a pipelined request waits, or the app has not
             # taken the body yet): not the client's delay. Count again from now.
             timeout_s = self.edge.header_timeout_s if kind == _HEAD else self.edge.body_timeout_s
             self._arm(kind, timeout_s)
-            return
-        if kind == _BODY and self.loop.time() < self._body_deadline:
-            self._deadline = self.loop.call_at(self._body_deadline, self._on_deadline)
             return
         if kind == _HEAD and not self._request_begun:
             # Opened and never used: nothing to answer.
@@ -302,7 +473,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def _refuse(self, status: int, code: str, message: str, *, retryable: bool = False) -> None:
         """Answer ``status`` with a JSON error (when the connection owes no other answer
         first), log it with the peer, and close after lingering."""
-        self._disarm()
+        self._stop_timer()
         self._unset_keepalive_if_required()
         self.connections_shared.refusals.warning(
             "refused HTTP connection from %s: %d %s", self._peer(), status, message
@@ -332,7 +503,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._state_to(_LINGERING)
         transport.write_eof()
         self.flow.resume_reading()
-        self._deadline = self.loop.call_later(self.edge.linger_s, transport.close)
+        self._timer = self.loop.call_later(self.edge.linger_s, transport.close)
 
 
 def bounded_http_protocol(edge: HttpEdgeConfig) -> type[BoundedHttpProtocol]:

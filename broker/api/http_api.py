@@ -17,6 +17,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Sequence
+from typing import Final
 
 from broker.api.common import (
     CHALLENGE,
@@ -34,7 +35,6 @@ from broker.api.common import (
     iso_ms,
     json_encoder,
     parse_query,
-    peer_of,
     task_view,
     token_view,
     tree_view,
@@ -70,9 +70,10 @@ logger = logging.getLogger(__name__)
 class PathRoutes:
     """The routes of one path: dispatch matches the path, then picks by method."""
 
-    __slots__ = ("handlers", "pattern")
+    __slots__ = ("handlers", "path", "pattern")
 
-    def __init__(self, regex: str) -> None:
+    def __init__(self, path: str, regex: str) -> None:
+        self.path = path
         self.pattern = re.compile("^" + regex + "$")
         self.handlers: dict[str, Route] = {}
 
@@ -81,10 +82,26 @@ def compile_routes(routes: Sequence[Route]) -> list[PathRoutes]:
     """The route table grouped by path, in table order (first route of each path)."""
     by_regex: dict[str, PathRoutes] = {}
     for route in routes:
-        group = by_regex.setdefault(route.regex, PathRoutes(route.regex))
+        group = by_regex.setdefault(route.regex, PathRoutes(route.path, route.regex))
         assert route.method not in group.handlers, f"{route.method} {route.path} twice"
         group.handlers[route.method] = route
     return list(by_regex.values())
+
+
+_NO_GROUPS: Final[tuple[str, ...]] = ()
+
+
+def exact_routes(groups: Sequence[PathRoutes]) -> dict[str, PathRoutes]:
+    """The paths without parameters, looked up before any regex is tried: the groups
+    whose regex matches their own path and no earlier group's does (so the lookup
+    finds what the ordered regex scan would)."""
+    exact: dict[str, PathRoutes] = {}
+    for index, group in enumerate(groups):
+        if group.pattern.groups or group.pattern.match(group.path) is None:
+            continue
+        if not any(earlier.pattern.match(group.path) for earlier in groups[:index]):
+            exact[group.path] = group
+    return exact
 
 
 class ApiApp:
@@ -103,6 +120,7 @@ class ApiApp:
         self.context = ApiContext(node, config, code_store, cluster, outputs)
         self.context.describe = lambda: json_encoder.encode(openapi_document(config))
         self._routes = compile_routes(ROUTES)
+        self._exact_routes = exact_routes(self._routes)
 
     @property
     def cluster_view(self) -> ClusterView | None:
@@ -119,10 +137,9 @@ class ApiApp:
     # --- ASGI ---------------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-            return
         if scope["type"] != "http":
+            if scope["type"] == "lifespan":
+                await self._lifespan(receive, send)
             return
         extra_headers: tuple[tuple[bytes, bytes], ...] = ()
         try:
@@ -136,20 +153,15 @@ class ApiApp:
         except Exception:
             logger.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
             status, body = 500, error_bytes("internal", "internal error; see the broker log")
-        content_type = body.content_type if isinstance(body, Binary) else JSON_TYPE
-        if isinstance(body, Binary) and body.headers:
-            extra_headers = body.headers
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", content_type),
-                    (b"content-length", str(len(body)).encode()),
-                    *extra_headers,
-                ],
-            }
-        )
+        content_type = JSON_TYPE
+        if isinstance(body, Binary):
+            content_type = body.content_type
+            if body.headers:
+                extra_headers = body.headers
+        headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(body))]
+        if extra_headers:
+            headers.extend(extra_headers)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -161,43 +173,50 @@ class ApiApp:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
+    def _route(self, path: str) -> tuple[PathRoutes, tuple[str, ...]]:
+        """The routes of ``path`` and its parameters (404 when no route matches)."""
+        group = self._exact_routes.get(path)
+        if group is not None:
+            return group, _NO_GROUPS
+        for group in self._routes:
+            match = group.pattern.match(path)
+            if match is not None:
+                return group, match.groups()
+        raise HttpError(404, "not_found", f"no such endpoint: {path}")
+
     async def _dispatch(self, scope: Scope, receive: Receive) -> tuple[int, bytes]:
         path: str = scope["path"]
         method: str = scope["method"]
-        for group in self._routes:
-            match = group.pattern.match(path)
-            if match is None:
-                continue
-            route = group.handlers.get(method)
-            if route is None:
-                allowed = ", ".join(sorted(group.handlers))
-                raise HttpError(
-                    405,
-                    "method_not_allowed",
-                    f"{method} {path}: use {allowed}",
-                    ((b"allow", allowed.encode()),),
-                )
-            headers = scope.get("headers", ())
-            principal = ANONYMOUS_ADMIN
-            permission = route.permission
-            if self.config.auth.enabled and not permission.public:
-                principal = self._authenticate(headers)
-            if method != "GET" and self.cluster_view is not None and not self.node.writable:
-                self._redirect_to_leader(scope)
+        group, params = self._route(path)
+        route = group.handlers.get(method)
+        if route is None:
+            allowed = ", ".join(sorted(group.handlers))
+            raise HttpError(
+                405,
+                "method_not_allowed",
+                f"{method} {path}: use {allowed}",
+                ((b"allow", allowed.encode()),),
+            )
+        headers = scope.get("headers", ())
+        principal = ANONYMOUS_ADMIN
+        permission = route.permission
+        if self.config.auth.enabled and not permission.public:
+            principal = self._authenticate(headers)
+        if method != "GET" and self.cluster_view is not None and not self.node.writable:
+            self._redirect_to_leader(scope)
+        if method == "POST" or method == "PUT":
             limit = route.max_body(self.config) if route.max_body else None
-            body = (
-                await self._read_body(scope, receive, limit or self.config.max_request_bytes)
-                if method in ("POST", "PUT")
-                else b""
-            )
-            query = parse_query(scope.get("query_string", b""))
-            request = Request(
-                method, path, query, body, match.groups(), headers, principal, peer_of(scope)
-            )
-            if not (permission.public or permission.any_caller):
-                ApiContext.require(request, *permission.roles, message=permission.message)
-            return await route.handler(self.context, request)
-        raise HttpError(404, "not_found", f"no such endpoint: {path}")
+            body = await self._read_body(headers, receive, limit or self.config.max_request_bytes)
+        else:
+            body = b""
+        query_string: bytes = scope.get("query_string", b"")
+        query = parse_query(query_string) if query_string else {}
+        request = Request(
+            method, path, query, body, params, headers, principal, scope.get("client")
+        )
+        if not (permission.public or permission.any_caller):
+            ApiContext.require(request, *permission.roles, message=permission.message)
+        return await route.handler(self.context, request)
 
     def _authenticate(self, headers: Sequence[tuple[bytes, bytes]]) -> Principal:
         """The caller a request's bearer token names: 401 for none or an unknown one."""
@@ -242,8 +261,10 @@ class ApiApp:
             )
         raise BrokerUnavailableError(self.node._unavailable_reason())
 
-    async def _read_body(self, scope: Scope, receive: Receive, limit: int) -> bytes:
-        for name, value in scope.get("headers", ()):
+    async def _read_body(
+        self, headers: Sequence[tuple[bytes, bytes]], receive: Receive, limit: int
+    ) -> bytes:
+        for name, value in headers:
             if name == b"content-length":
                 try:
                     declared = int(value)

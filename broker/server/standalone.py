@@ -126,6 +126,10 @@ async def start_http_server(
             # uvicorn's own lines go through the root logger's handler (text or JSON).
             log_config=None,
             access_log=False,
+            # No proxy sits in front of the broker that it would trust: X-Forwarded-* are
+            # not read (uvicorn's middleware for them cost every request a wrapper call).
+            proxy_headers=False,
+            server_header=False,  # nothing for clients to learn from "server: uvicorn"
             lifespan="off",
             # httptools with the header bound, deadlines and connection cap it lacks.
             http=bounded_http_protocol(config.edges),
