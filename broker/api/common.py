@@ -141,12 +141,24 @@ def rejected_error(rejected: Rejected) -> HttpError:
     )
 
 
+# "YYYY-MM-DDTHH:MM:SS" of recent whole seconds: a task view shows several times, mostly
+# within the same few seconds, and formatting a datetime is most of a view's cost.
+_SECONDS_SHOWN: dict[int, str] = {}
+_SECONDS_KEPT: Final = 4096
+
+
 def iso_ms(epoch_ms: int | None) -> str | None:
     if epoch_ms is None:
         return None
     # Integer arithmetic: fromtimestamp(ms / 1000) can show .999 as .998 (float seconds).
-    moment = _EPOCH + timedelta(milliseconds=epoch_ms)
-    return moment.isoformat(timespec="milliseconds")[:-6] + "Z"
+    seconds, ms = divmod(epoch_ms, 1000)
+    shown = _SECONDS_SHOWN.get(seconds)
+    if shown is None:
+        if len(_SECONDS_SHOWN) >= _SECONDS_KEPT:
+            _SECONDS_SHOWN.clear()
+        moment = _EPOCH + timedelta(seconds=seconds)
+        shown = _SECONDS_SHOWN[seconds] = moment.isoformat(timespec="seconds")[:-6]
+    return f"{shown}.{ms:03d}Z"
 
 
 def to_epoch_ms(value: datetime | float | None, field_name: str) -> int | None:

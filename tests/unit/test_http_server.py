@@ -11,12 +11,14 @@ import contextlib
 import socket
 import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
 
+from broker.api.common import iso_ms
 from broker.api.edges import HttpEdgeConfig, OneWriteCycle, bounded_http_protocol
 from broker.api.http_api import PathRoutes, compile_routes, exact_routes
 from broker.api.routes import ROUTES
@@ -254,3 +256,19 @@ def test_a_literal_path_an_earlier_pattern_takes_is_not_looked_up_exactly() -> N
     listed = PathRoutes("/t", "/t")
     assert exact_routes([by_id, recent, listed]) == {"/t": listed}
     assert exact_routes([recent, by_id, listed]) == {"/t/recent": recent, "/t": listed}
+
+
+# --- views --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "epoch_ms",
+    [0, 1, 999, 1000, 1001, -1, -999, -1000, -1001, 1_700_000_000_999, 99_999_999_999_999],
+)
+def test_iso_ms_shows_what_datetime_shows(epoch_ms: int) -> None:
+    """iso_ms formats whole seconds once (cached): the same text as datetime's, every time."""
+    moment = datetime(1970, 1, 1, tzinfo=UTC) + timedelta(milliseconds=epoch_ms)
+    expected = moment.isoformat(timespec="milliseconds")[:-6] + "Z"
+    assert iso_ms(epoch_ms) == expected
+    assert iso_ms(epoch_ms) == expected  # from the cache
+    assert iso_ms(None) is None
