@@ -29,12 +29,14 @@ from broker.api.common import (
     Request,
     Scope,
     Send,
+    Stream,
     artifact_view,
     error_bytes,
     iso_ms,
     json_encoder,
     parse_query,
     peer_of,
+    send_stream,
     task_view,
     token_view,
     tree_view,
@@ -136,6 +138,9 @@ class ApiApp:
         except Exception:
             logger.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
             status, body = 500, error_bytes("internal", "internal error; see the broker log")
+        if isinstance(body, Stream):
+            await send_stream(status, body, receive, send)
+            return
         content_type = body.content_type if isinstance(body, Binary) else JSON_TYPE
         if isinstance(body, Binary) and body.headers:
             extra_headers = body.headers

@@ -8,6 +8,18 @@
 
 Every error the API answers raises a :class:`StewardError` subclass.
 
+Waiting for many tasks. ``wait_many(tasks, timeout=None)`` (handles or ids) returns their
+records by id once all are final, and ``iter_finished(tasks, timeout=None)`` yields each
+record as its task becomes final; both listen on one server-sent event stream
+(``GET /api/v1/events``, docs/API.md) instead of a long poll per task. A stream that ends
+or breaks is opened again, on the next broker if need be, for the tasks not seen yet. At
+the timeout they raise :class:`WaitTimeoutError` (a ``TaskTimeoutError``; ``task_ids``:
+those not final, ``finished``: the records so far)::
+
+    handles = [steward.submit("render", {"page": n}) for n in range(100)]
+    for record in steward.iter_finished(handles, timeout=600):
+        print(record["id"], record["state"], record.get("result"))
+
 TLS. ``https://`` URLs are always verified, host name included: against
 ``ca_file`` (a PEM CA bundle, or an ``ssl.SSLContext``) or else the system trust
 store; a certificate that does not verify raises :class:`CertificateVerifyError`
@@ -38,6 +50,7 @@ A write retried after a lost answer may have been applied the first time:
 
 Layout: :mod:`.errors` (the exceptions), :mod:`.routing` (leader-following and retries,
 shared by both clients), :mod:`.encoding` (request bodies, queries, task answers),
+:mod:`.events` (the event-stream parser and the state of a wait for many tasks),
 :mod:`.sync_client` and :mod:`.async_client`. Import the names from ``clients.client``.
 """
 
@@ -59,6 +72,7 @@ from clients.client.errors import (
     TreeFailedError,
     UnavailableError,
 )
+from clients.client.events import EventStreamError, WaitTimeoutError
 from clients.client.routing import DEFAULT_FAILOVER_TIMEOUT_S, parse_urls
 from clients.client.sync_client import StewardClient, TaskHandle, Transaction
 
@@ -72,6 +86,7 @@ __all__ = [
     "CertificateVerifyError",
     "ConflictError",
     "ConnectionFailedError",
+    "EventStreamError",
     "FailoverTimeoutError",
     "InvalidRequestError",
     "NotFoundError",
@@ -85,5 +100,6 @@ __all__ = [
     "Transaction",
     "TreeFailedError",
     "UnavailableError",
+    "WaitTimeoutError",
     "parse_urls",
 ]

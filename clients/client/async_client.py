@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,14 @@ from clients.client import api_calls as calls
 from clients.client.api_calls import Request
 from clients.client.encoding import _Handle, _result_of, _Transaction, _tree_result_of, _Waiting
 from clients.client.errors import StewardError, _raise_for
+from clients.client.events import (
+    BROKEN_PAUSE_S,
+    EVENTS_PATH,
+    EventWait,
+    SseParser,
+    StreamBrokenError,
+    task_ids_of,
+)
 from clients.client.routing import (
     DEFAULT_FAILOVER_TIMEOUT_S,
     _Call,
@@ -100,6 +108,68 @@ class AsyncStewardClient(_ClientBase):
                 pause_s = answer_pause_s
             if pause_s > 0:
                 await asyncio.sleep(pause_s)
+
+    async def _stream_lines(
+        self, path: str, params: dict[str, str], timeout_s: float
+    ) -> AsyncIterator[bytes]:
+        """As :meth:`StewardClient._stream_lines`."""
+        call = _Call(self._router, write=True)
+        while True:
+            base = call.target()
+            started = False
+            try:
+                async with self._http.stream(
+                    "GET", base + path, params=params, timeout=_timeout(timeout_s)
+                ) as response:
+                    if response.status_code == 200:
+                        started = True
+                        async for piece in response.aiter_bytes():
+                            yield piece
+                        return
+                    await response.aread()
+                    pause_s = call.answered(base, response)
+                    if pause_s is None:
+                        _raise_for(response)
+                        raise StreamBrokenError(base, f"HTTP {response.status_code}")
+            except (httpx.HTTPError, httpx.InvalidURL) as exc:
+                if started:
+                    raise StreamBrokenError(base, str(exc) or type(exc).__name__) from exc
+                pause_s = call.failed(base, exc)
+            if pause_s > 0:
+                await asyncio.sleep(pause_s)
+
+    async def iter_finished(
+        self,
+        tasks: Iterable[Any],
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> AsyncIterator[dict[str, Any]]:
+        """As :meth:`StewardClient.iter_finished`."""
+        wait = EventWait(task_ids_of(tasks), timeout, asyncio.get_running_loop().time)
+        while not wait.done:
+            query, read_timeout_s = wait.next_stream()
+            parser = SseParser()
+            seen = len(wait.finished)
+            try:
+                async for piece in self._stream_lines(EVENTS_PATH, query, read_timeout_s):
+                    for event in parser.feed(piece):
+                        record = wait.on_event(event)
+                        if record is not None:
+                            yield record
+            except StreamBrokenError:
+                await asyncio.sleep(BROKEN_PAUSE_S)
+            else:
+                if len(wait.finished) == seen:  # an empty stream: no busy loop of them
+                    await asyncio.sleep(BROKEN_PAUSE_S)
+
+    async def wait_many(
+        self,
+        tasks: Iterable[Any],
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> dict[int, dict[str, Any]]:
+        """As :meth:`StewardClient.wait_many`."""
+        ids = task_ids_of(tasks)
+        found = {int(record["id"]): record async for record in self.iter_finished(ids, timeout)}
+        return {task_id: found[task_id] for task_id in ids}
 
     async def submit(
         self,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ssl
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,14 @@ from clients.client import api_calls as calls
 from clients.client.api_calls import Request
 from clients.client.encoding import _Handle, _result_of, _Transaction, _tree_result_of, _Waiting
 from clients.client.errors import StewardError, _raise_for
+from clients.client.events import (
+    BROKEN_PAUSE_S,
+    EVENTS_PATH,
+    EventWait,
+    SseParser,
+    StreamBrokenError,
+    task_ids_of,
+)
 from clients.client.routing import (
     DEFAULT_FAILOVER_TIMEOUT_S,
     _Call,
@@ -119,7 +127,71 @@ class StewardClient(_ClientBase):
             if pause_s > 0:
                 time.sleep(pause_s)
 
+    def _stream_lines(self, path: str, params: dict[str, str], timeout_s: float) -> Iterator[bytes]:
+        """The event streams' IO: open ``path`` on a broker, tried like a write (the next
+        URL, backoff, for at most ``failover_timeout_s``); raise an error answer's error;
+        yield the body's bytes as they arrive. A stream that breaks raises
+        StreamBrokenError."""
+        call = _Call(self._router, write=True)
+        while True:
+            base = call.target()
+            started = False
+            try:
+                with self._http.stream(
+                    "GET", base + path, params=params, timeout=_timeout(timeout_s)
+                ) as response:
+                    if response.status_code == 200:
+                        started = True
+                        yield from response.iter_bytes()
+                        return
+                    response.read()
+                    pause_s = call.answered(base, response)
+                    if pause_s is None:
+                        _raise_for(response)
+                        raise StreamBrokenError(base, f"HTTP {response.status_code}")
+            except (httpx.HTTPError, httpx.InvalidURL) as exc:
+                if started:
+                    raise StreamBrokenError(base, str(exc) or type(exc).__name__) from exc
+                pause_s = call.failed(base, exc)
+            if pause_s > 0:
+                time.sleep(pause_s)
+
     # tasks
+
+    def iter_finished(
+        self, tasks: Iterable[Any], timeout: float | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """Each task's record (``tasks``: handles or ids) as it becomes final, in that
+        order, from the broker's event stream (``GET /api/v1/events``; reopened, on
+        another broker if need be, for the tasks not seen yet when it ends or breaks).
+        Raises WaitTimeoutError when ``timeout`` is over first."""
+        wait = EventWait(task_ids_of(tasks), timeout, time.monotonic)
+        while not wait.done:
+            query, read_timeout_s = wait.next_stream()
+            parser = SseParser()
+            seen = len(wait.finished)
+            try:
+                for piece in self._stream_lines(EVENTS_PATH, query, read_timeout_s):
+                    for event in parser.feed(piece):
+                        record = wait.on_event(event)
+                        if record is not None:
+                            yield record
+            except StreamBrokenError:
+                time.sleep(BROKEN_PAUSE_S)
+            else:
+                if len(wait.finished) == seen:  # an empty stream: no busy loop of them
+                    time.sleep(BROKEN_PAUSE_S)
+
+    def wait_many(
+        self, tasks: Iterable[Any], timeout: float | None = None
+    ) -> dict[int, dict[str, Any]]:
+        """Wait until every task (handles or ids) is final, on one event stream instead
+        of a long poll each; their records by id, in the order given. Raises
+        WaitTimeoutError (a TaskTimeoutError naming those not final, with the records of
+        the others) when ``timeout`` is over first."""
+        ids = task_ids_of(tasks)
+        found = {int(record["id"]): record for record in self.iter_finished(ids, timeout)}
+        return {task_id: found[task_id] for task_id in ids}
 
     def submit(
         self,
