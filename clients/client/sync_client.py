@@ -28,6 +28,7 @@ from clients.client.routing import (
     _ClientBase,
     _http_options,
     _timeout,
+    _verify,
 )
 
 
@@ -96,13 +97,15 @@ class StewardClient(_ClientBase):
         token: str | None = None,
     ) -> None:
         super().__init__(url, timeout_s, failover_timeout_s)
+        # Built once (loading the trust store takes ~30 ms): clones share it.
+        verify = _verify(ca_file)
         self._options: dict[str, Any] = {
             "timeout_s": timeout_s,
-            "ca_file": ca_file,
+            "ca_file": verify,
             "failover_timeout_s": failover_timeout_s,
             "token": token,
         }
-        self._http = httpx.Client(**_http_options(timeout_s, ca_file, token))
+        self._http = httpx.Client(**_http_options(timeout_s, verify, token))
 
     def _clone(self) -> StewardClient:
         """A new client (its own connections) to the same brokers, with the same settings."""
