@@ -77,7 +77,7 @@ def test_every_future_resolves_to_a_durable_task_in_submit_order(broker_url: str
 
 
 def test_linger_batches_a_slow_trickle(broker_url: str) -> None:
-    with StewardClient(broker_url) as client, client.producer(linger_ms=300, max_batch=1000) as p:
+    with StewardClient(broker_url) as client, client.producer(linger_ms=2000, max_batch=1000) as p:
         sizes = _count_requests(p)
         futures = []
         for n in range(10):  # all within the first one's linger
