@@ -126,7 +126,7 @@ class AsyncProducer:
                         await self._wake.wait()
                 except TimeoutError:
                     pass
-            batch = buffer.take(lambda future: future.cancelled())
+            batch = buffer.take(lambda future: future.done())  # cancelled: not sent
             self._step()  # room for blocked submitters
             if batch is not None:
                 upto = batch.upto

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 from clients.client.producing import (
@@ -26,7 +27,20 @@ if TYPE_CHECKING:
 
 def _cancelled(future: Future[TaskHandle]) -> bool:
     # After this a future can no longer be cancelled: its task is being sent.
-    return not future.set_running_or_notify_cancel()
+    try:
+        return not future.set_running_or_notify_cancel()
+    except RuntimeError:  # the caller resolved it themselves: not ours to send
+        return True
+
+
+def _set_result(future: Future[TaskHandle], handle: TaskHandle) -> None:
+    with suppress(InvalidStateError):  # resolved by the caller meanwhile
+        future.set_result(handle)
+
+
+def _set_exception(future: Future[TaskHandle], error: BaseException) -> None:
+    with suppress(InvalidStateError):
+        future.set_exception(error)
 
 
 class Producer:
@@ -138,4 +152,4 @@ class Producer:
             except Exception as exc:  # every future resolves, whatever went wrong
                 answer = exc
             outcomes, batch = batch.settle(answer, handle)
-            resolve_all(outcomes, Future.set_result, Future.set_exception)
+            resolve_all(outcomes, _set_result, _set_exception)

@@ -260,10 +260,12 @@ def test_a_future_cancelled_before_sending_creates_nothing(
 ) -> None:
     fake = FakeSend()
     with producer_with(client, fake, monkeypatch, linger_ms=10_000, max_batch=100) as p:
-        futures = [p.submit("noop", {"n": n}) for n in range(3)]
+        futures = [p.submit("noop", {"n": n}) for n in range(4)]
         assert futures[1].cancel()
-    assert [t["params"]["n"] for b in fake.batches for t in b] == [0, 2]
-    assert [futures[0].result(0).id, futures[2].result(0).id] == [1, 2]
+        futures[3].set_exception(KeyError("resolved by the caller"))  # not sent either
+        after = p.submit("noop", {"n": 4})
+    assert [t["params"]["n"] for b in fake.batches for t in b] == [0, 2, 4]
+    assert [f.result(0).id for f in (futures[0], futures[2], after)] == [1, 2, 3]
 
 
 def test_batches_stay_under_the_request_size_limit(
