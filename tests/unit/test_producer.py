@@ -198,6 +198,7 @@ def test_one_task_refused_by_the_broker_does_not_poison_its_batch(
         (("noop",), {"colour": "red"}, "unknown field `colour`"),
         (("noop",), {"max_attempts": "three"}, "Expected `int`"),
         (("",), {}, "type must be a non-empty string"),
+        (("noop",), {"tenant": 7}, "Expected `str`"),
     ],
 )
 def test_invalid_tasks_raise_at_submit(
