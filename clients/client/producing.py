@@ -122,20 +122,23 @@ class Batch(Generic[F]):
     ) -> list[tuple[F, H | BaseException]]:
         """What each future resolves to: its task's handle, or that task's refusal (e.g.
         TenantQueueFullError when the tenant's max_waiting is reached)."""
+        bad = _error_for(
+            502, "bad_answer", f"the broker answered a batch of {len(self.items)} wrongly"
+        )
         if not isinstance(answers, list) or len(answers) != len(self.items):
-            error = _error_for(
-                502, "bad_answer", f"the broker answered a batch of {len(self.items)} wrongly"
-            )
-            return self.failed(error)
+            return self.failed(bad)
         out: list[tuple[F, H | BaseException]] = []
-        for item, answer in zip(self.items, answers, strict=True):
-            detail = answer.get("error")
-            if detail is None:
-                out.append((item.future, handle(int(answer["id"]), str(answer["state"]))))
-            else:
-                code = str(detail.get("code"))
-                status = _STATUS_BY_CODE.get(code, 400)
-                out.append((item.future, _error_for(status, code, str(detail.get("message")))))
+        try:
+            for item, answer in zip(self.items, answers, strict=True):
+                detail = answer.get("error")
+                if detail is None:
+                    out.append((item.future, handle(int(answer["id"]), str(answer["state"]))))
+                else:
+                    code = str(detail.get("code"))
+                    status = _STATUS_BY_CODE.get(code, 400)
+                    out.append((item.future, _error_for(status, code, str(detail.get("message")))))
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return self.failed(bad)  # a future must not wait on an answer we cannot read
         return out
 
     def failed(self, error: BaseException) -> list[tuple[F, H | BaseException]]:

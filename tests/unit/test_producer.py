@@ -165,6 +165,19 @@ def test_an_unexpected_error_still_resolves_every_future(
     assert all(isinstance(f.exception(0), RuntimeError) for f in futures)
 
 
+def test_an_unreadable_answer_fails_its_batch(
+    client: StewardClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    answers: list[Any] = [[{"id": 1}], ["nonsense"], [], [{"id": 4, "state": "waiting"}]]
+    with producer_with(client, FakeSend(), monkeypatch, linger_ms=10_000, max_batch=1) as p:
+        monkeypatch.setattr(p._sender, "_send", lambda request: answers.pop(0))
+        futures = [p.submit("noop") for _ in range(4)]
+    for future in futures[:3]:
+        error = future.exception(0)
+        assert isinstance(error, UnavailableError) and error.code == "bad_answer", error
+    assert futures[3].result(0).id == 4
+
+
 def test_one_task_refused_by_the_broker_does_not_poison_its_batch(
     client: StewardClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
