@@ -48,13 +48,21 @@ A write retried after a lost answer may have been applied the first time:
 - ``commit`` / ``rollback``: a retry after the first one was applied answers 404
   ``NotFoundError`` (the transaction is no longer open); check its tasks' states.
 
+Pipelining. ``client.producer(linger_ms=, max_batch=)`` batches submissions in the
+background: ``p.submit(...)`` returns a future of the task's handle at once (asyncio:
+``await p.submit(...)`` returns an asyncio future); each batch is one idempotent request,
+retried like ``submit_many``; exiting the ``with`` block flushes. See docs/API.md.
+
 Layout: :mod:`.errors` (the exceptions), :mod:`.routing` (leader-following and retries,
 shared by both clients), :mod:`.encoding` (request bodies, queries, task answers),
 :mod:`.events` (the event-stream parser and the state of a wait for many tasks),
-:mod:`.sync_client` and :mod:`.async_client`. Import the names from ``clients.client``.
+:mod:`.sync_client` and :mod:`.async_client`; the producers in :mod:`.producing` (the
+shared core), :mod:`.producer` and :mod:`.async_producer`. Import the names from
+``clients.client``.
 """
 
 from clients.client.async_client import AsyncStewardClient, AsyncTaskHandle, AsyncTransaction
+from clients.client.async_producer import AsyncProducer
 from clients.client.encoding import FINAL_STATES
 from clients.client.errors import (
     AuthenticationError,
@@ -73,12 +81,15 @@ from clients.client.errors import (
     UnavailableError,
 )
 from clients.client.events import EventStreamError, WaitTimeoutError
+from clients.client.producer import Producer
+from clients.client.producing import ProducerClosedError, ProducerFullError
 from clients.client.routing import DEFAULT_FAILOVER_TIMEOUT_S, parse_urls
 from clients.client.sync_client import StewardClient, TaskHandle, Transaction
 
 __all__ = [
     "DEFAULT_FAILOVER_TIMEOUT_S",
     "FINAL_STATES",
+    "AsyncProducer",
     "AsyncStewardClient",
     "AsyncTaskHandle",
     "AsyncTransaction",
@@ -91,6 +102,9 @@ __all__ = [
     "InvalidRequestError",
     "NotFoundError",
     "PermissionDeniedError",
+    "Producer",
+    "ProducerClosedError",
+    "ProducerFullError",
     "StewardClient",
     "StewardError",
     "TaskFailedError",

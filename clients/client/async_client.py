@@ -13,6 +13,7 @@ import httpx
 
 from clients.client import api_calls as calls
 from clients.client.api_calls import Request
+from clients.client.async_producer import AsyncProducer
 from clients.client.encoding import _Handle, _result_of, _Transaction, _tree_result_of, _Waiting
 from clients.client.errors import StewardError, _raise_for
 from clients.client.events import (
@@ -23,12 +24,19 @@ from clients.client.events import (
     StreamBrokenError,
     task_ids_of,
 )
+from clients.client.producing import (
+    DEFAULT_LINGER_MS,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_BLOCK_S,
+    DEFAULT_MAX_BUFFERED,
+)
 from clients.client.routing import (
     DEFAULT_FAILOVER_TIMEOUT_S,
     _Call,
     _ClientBase,
     _http_options,
     _timeout,
+    _verify,
 )
 
 
@@ -79,7 +87,21 @@ class AsyncStewardClient(_ClientBase):
         token: str | None = None,
     ) -> None:
         super().__init__(url, timeout_s, failover_timeout_s)
-        self._http = httpx.AsyncClient(**_http_options(timeout_s, ca_file, token))
+        # Built once (loading the trust store takes ~30 ms): clones share it.
+        verify = _verify(ca_file)
+        self._options: dict[str, Any] = {
+            "timeout_s": timeout_s,
+            "ca_file": verify,
+            "failover_timeout_s": failover_timeout_s,
+            "token": token,
+        }
+        self._http = httpx.AsyncClient(**_http_options(timeout_s, verify, token))
+
+    def _clone(self) -> AsyncStewardClient:
+        """A new client (its own connections) to the same brokers, with the same settings."""
+        clone = AsyncStewardClient(self.urls, **self._options)
+        clone._router.leader = self._router.leader
+        return clone
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -189,6 +211,24 @@ class AsyncStewardClient(_ClientBase):
         answers = await self._send(calls.submit_many(tasks, idempotency_key))
         return calls.handles_or_errors(
             answers, lambda task_id, state: AsyncTaskHandle(self, task_id, state)
+        )
+
+    def producer(
+        self,
+        *,
+        linger_ms: float = DEFAULT_LINGER_MS,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_buffered: int = DEFAULT_MAX_BUFFERED,
+        max_block_s: float = DEFAULT_MAX_BLOCK_S,
+    ) -> AsyncProducer:
+        """As :meth:`StewardClient.producer`: ``async with client.producer() as p``, then
+        ``future = await p.submit(...)`` and ``handle = await future``."""
+        return AsyncProducer(
+            self,
+            linger_ms=linger_ms,
+            max_batch=max_batch,
+            max_buffered=max_buffered,
+            max_block_s=max_block_s,
         )
 
     async def task(

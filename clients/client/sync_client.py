@@ -23,12 +23,20 @@ from clients.client.events import (
     StreamBrokenError,
     task_ids_of,
 )
+from clients.client.producer import Producer
+from clients.client.producing import (
+    DEFAULT_LINGER_MS,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_BLOCK_S,
+    DEFAULT_MAX_BUFFERED,
+)
 from clients.client.routing import (
     DEFAULT_FAILOVER_TIMEOUT_S,
     _Call,
     _ClientBase,
     _http_options,
     _timeout,
+    _verify,
 )
 
 
@@ -97,7 +105,21 @@ class StewardClient(_ClientBase):
         token: str | None = None,
     ) -> None:
         super().__init__(url, timeout_s, failover_timeout_s)
-        self._http = httpx.Client(**_http_options(timeout_s, ca_file, token))
+        # Built once (loading the trust store takes ~30 ms): clones share it.
+        verify = _verify(ca_file)
+        self._options: dict[str, Any] = {
+            "timeout_s": timeout_s,
+            "ca_file": verify,
+            "failover_timeout_s": failover_timeout_s,
+            "token": token,
+        }
+        self._http = httpx.Client(**_http_options(timeout_s, verify, token))
+
+    def _clone(self) -> StewardClient:
+        """A new client (its own connections) to the same brokers, with the same settings."""
+        clone = StewardClient(self.urls, **self._options)
+        clone._router.leader = self._router.leader
+        return clone
 
     def close(self) -> None:
         self._http.close()
@@ -215,6 +237,25 @@ class StewardClient(_ClientBase):
         answers = self._send(calls.submit_many(tasks, idempotency_key))
         return calls.handles_or_errors(
             answers, lambda task_id, state: TaskHandle(self, task_id, state)
+        )
+
+    def producer(
+        self,
+        *,
+        linger_ms: float = DEFAULT_LINGER_MS,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_buffered: int = DEFAULT_MAX_BUFFERED,
+        max_block_s: float = DEFAULT_MAX_BLOCK_S,
+    ) -> Producer:
+        """A pipelining producer: ``p.submit(...)`` returns a future at once; batches of up
+        to ``max_batch`` go ``linger_ms`` after the first one waiting (docs/API.md,
+        "Pipelining producer"). Use it in a ``with`` block (exit flushes)."""
+        return Producer(
+            self,
+            linger_ms=linger_ms,
+            max_batch=max_batch,
+            max_buffered=max_buffered,
+            max_block_s=max_block_s,
         )
 
     def task(self, task_id: int, *, wait_s: float = 0.0, wait_tree: bool = False) -> dict[str, Any]:
