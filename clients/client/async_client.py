@@ -9,19 +9,19 @@ from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from clients.client import api_calls as calls
 from clients.client.api_calls import Request
+from clients.client.async_transport import AsyncTransport
 from clients.client.encoding import _Handle, _result_of, _Transaction, _tree_result_of, _Waiting
-from clients.client.errors import StewardError, _raise_for
+from clients.client.errors import ConnectionFailedError, StewardError, _raise_for
 from clients.client.routing import (
     DEFAULT_FAILOVER_TIMEOUT_S,
     _Call,
+    _client_headers,
     _ClientBase,
-    _http_options,
-    _timeout,
+    _verify,
 )
+from clients.client.transport import TransportError, describe, request_target
 
 
 class AsyncTaskHandle(_Handle["AsyncStewardClient"]):
@@ -59,7 +59,9 @@ class AsyncTransaction(_Transaction["AsyncStewardClient", AsyncTaskHandle]):
 
 
 class AsyncStewardClient(_ClientBase):
-    """The asyncio twin of :class:`StewardClient` (same failover and retries)."""
+    """The asyncio twin of :class:`StewardClient` (same failover and retries). Coroutines
+    may share one client: each request takes an idle kept-alive connection to its broker
+    or opens one."""
 
     def __init__(
         self,
@@ -71,10 +73,11 @@ class AsyncStewardClient(_ClientBase):
         token: str | None = None,
     ) -> None:
         super().__init__(url, timeout_s, failover_timeout_s)
-        self._http = httpx.AsyncClient(**_http_options(timeout_s, ca_file, token))
+        self._headers = _client_headers(token)
+        self._transport = AsyncTransport(_verify(ca_file))
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        self._transport.close()
 
     async def __aenter__(self) -> AsyncStewardClient:
         return self
@@ -84,14 +87,16 @@ class AsyncStewardClient(_ClientBase):
 
     async def _send(self, request: Request) -> Any:
         call = _Call(self._router, write=request.write)
-        timeout = _timeout(request.timeout_s or self._timeout_s)
+        timeout_s = request.timeout_s or self._timeout_s
+        method = request.method
+        target, body, headers = request.wire(self._headers)
         while True:
             base = call.target()
             try:
-                response = await self._http.request(
-                    request.method, base + request.path, **request.send_options(), timeout=timeout
+                response = await self._transport.request(
+                    base, method, target, body, headers, timeout_s
                 )
-            except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            except TransportError as exc:
                 pause_s = call.failed(base, exc)
             else:
                 answer_pause_s = call.answered(base, response)
@@ -100,6 +105,30 @@ class AsyncStewardClient(_ClientBase):
                 pause_s = answer_pause_s
             if pause_s > 0:
                 await asyncio.sleep(pause_s)
+
+    async def _stream_lines(
+        self, path: str, params: dict[str, Any] | None = None, timeout_s: float | None = None
+    ) -> AsyncIterator[bytes]:
+        """As :meth:`StewardClient._stream_lines`."""
+        call = _Call(self._router, write=False)
+        target = request_target(path, params)
+        while True:
+            base = call.target()
+            try:
+                stream = await self._transport.stream(
+                    base, target, self._headers, timeout_s or self._timeout_s
+                )
+            except TransportError as exc:
+                call.failed(base, exc)  # raises once every broker was tried
+                continue
+            break
+        try:
+            if stream.parser.status >= 300:
+                _raise_for(await stream.rest())
+            async for line in stream.lines():
+                yield line
+        except TransportError as exc:
+            raise ConnectionFailedError(base, describe(exc)) from exc
 
     async def submit(
         self,

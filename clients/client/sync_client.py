@@ -9,18 +9,23 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from clients.client import api_calls as calls
 from clients.client.api_calls import Request
 from clients.client.encoding import _Handle, _result_of, _Transaction, _tree_result_of, _Waiting
-from clients.client.errors import StewardError, _raise_for
+from clients.client.errors import ConnectionFailedError, StewardError, _raise_for
 from clients.client.routing import (
     DEFAULT_FAILOVER_TIMEOUT_S,
     _Call,
+    _client_headers,
     _ClientBase,
-    _http_options,
-    _timeout,
+    _verify,
+)
+from clients.client.transport import (
+    LineStream,
+    SyncTransport,
+    TransportError,
+    describe,
+    request_target,
 )
 
 
@@ -77,6 +82,9 @@ class StewardClient(_ClientBase):
     trying other brokers (or waiting for a leader) before FailoverTimeoutError.
     ``token``: the API token sent as ``Authorization: Bearer`` (brokers with
     authentication on answer 401 without one).
+
+    It keeps one connection alive per broker and is not thread-safe: give each thread
+    its own client.
     """
 
     def __init__(
@@ -89,10 +97,11 @@ class StewardClient(_ClientBase):
         token: str | None = None,
     ) -> None:
         super().__init__(url, timeout_s, failover_timeout_s)
-        self._http = httpx.Client(**_http_options(timeout_s, ca_file, token))
+        self._headers = _client_headers(token)
+        self._transport = SyncTransport(_verify(ca_file))
 
     def close(self) -> None:
-        self._http.close()
+        self._transport.close()
 
     def __enter__(self) -> StewardClient:
         return self
@@ -102,14 +111,14 @@ class StewardClient(_ClientBase):
 
     def _send(self, request: Request) -> Any:
         call = _Call(self._router, write=request.write)
-        timeout = _timeout(request.timeout_s or self._timeout_s)
+        timeout_s = request.timeout_s or self._timeout_s
+        method = request.method
+        target, body, headers = request.wire(self._headers)
         while True:
             base = call.target()
             try:
-                response = self._http.request(
-                    request.method, base + request.path, **request.send_options(), timeout=timeout
-                )
-            except (httpx.HTTPError, httpx.InvalidURL) as exc:
+                response = self._transport.request(base, method, target, body, headers, timeout_s)
+            except TransportError as exc:
                 pause_s = call.failed(base, exc)
             else:
                 answer_pause_s = call.answered(base, response)
@@ -118,6 +127,34 @@ class StewardClient(_ClientBase):
                 pause_s = answer_pause_s
             if pause_s > 0:
                 time.sleep(pause_s)
+
+    def _stream_lines(
+        self, path: str, params: dict[str, Any] | None = None, timeout_s: float | None = None
+    ) -> Iterator[bytes]:
+        """GET ``path`` and yield its body line by line (without line ends, blank lines
+        included) as it arrives, on a connection of its own; for streams such as server-sent
+        events. ``timeout_s`` (default: the client's) bounds each wait for more bytes. Goes
+        to the known leader, else the URLs in turn, each tried once; an error answer raises
+        as any call's does."""
+        call = _Call(self._router, write=False)
+        target = request_target(path, params)
+        while True:
+            base = call.target()
+            try:
+                stream: LineStream = self._transport.stream(
+                    base, target, self._headers, timeout_s or self._timeout_s
+                )
+                head = stream.open()
+            except TransportError as exc:
+                call.failed(base, exc)  # raises once every broker was tried
+                continue
+            break
+        try:
+            if head.status >= 300:
+                _raise_for(stream.rest())
+            yield from stream.lines()
+        except TransportError as exc:
+            raise ConnectionFailedError(base, describe(exc)) from exc
 
     # tasks
 
@@ -132,7 +169,7 @@ class StewardClient(_ClientBase):
     ) -> TaskHandle:
         """Submit one task. Options: slot, max_attempts, deadline, start_after,
         resources, transaction, code, track_tree, tree_timeout_s. Retried safely under
-        ``idempotency_key`` (default: a new uuid4 per call)."""
+        ``idempotency_key`` (default: 128 new random bits per call)."""
         answer = self._send(calls.submit(type, params, tenant, idempotency_key, options))
         return TaskHandle(self, int(answer["id"]), str(answer["state"]))
 

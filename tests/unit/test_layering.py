@@ -136,7 +136,8 @@ RULES: tuple[Rule, ...] = (
     # --- clients/ --------------------------------------------------------------------------
     Rule("clients", (), why="the root package holds no code", exact=True),
     Rule("clients.progress", ()),
-    # The package: errors, routing (leader-following, retries), encoding, sync and async.
+    # The package: errors, routing (leader-following, retries), encoding, transport (its own
+    # HTTP/1.1 client, sync and asyncio), sync and async.
     Rule("clients.client", ("broker.security",),
          why="the Python client speaks HTTP; it shares only credentials and TLS"),
     Rule("clients.worker", (*_BROKER_SHARED_WITH_CLIENTS, "log.private_fs"),
