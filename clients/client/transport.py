@@ -423,6 +423,11 @@ class Connection:
             if isinstance(exc, TimeoutError):
                 raise TransportError(f"timed out after {timeout_s:g} s") from exc
             raise TransportError(describe(exc)) from exc
+        except BaseException:
+            # Interrupted (KeyboardInterrupt) mid-answer: the rest of it must not be read
+            # as the next request's answer.
+            self.close()
+            raise
         if not parser.keep_alive:
             self.close()
         return parser.response(), reused

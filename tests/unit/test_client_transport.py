@@ -274,6 +274,35 @@ def test_a_request_lost_on_a_stale_connection_is_resent_once(
     assert server.connections == 3
 
 
+def test_an_interrupted_call_leaves_no_answer_behind_for_the_next(
+    servers: Callable[[Handler], RawServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def handle(_: int, sock: socket.socket) -> None:
+        while server.read_request(sock) is not None:
+            data = answer()
+            sock.sendall(data[:-5])
+            time.sleep(0.1)
+            sock.sendall(data[-5:])
+
+    class Interrupt(BaseException):
+        pass
+
+    feed = ResponseParser.feed
+
+    def interrupted(self: ResponseParser, data: bytes) -> None:
+        monkeypatch.setattr(ResponseParser, "feed", feed)
+        raise Interrupt  # as a KeyboardInterrupt would, with the answer half read
+
+    server = servers(handle)
+    with StewardClient(server.url) as client:
+        client.health()
+        monkeypatch.setattr(ResponseParser, "feed", interrupted)
+        with pytest.raises(Interrupt):
+            client.health()
+        assert client.health() == {"id": 1, "state": "waiting"}
+    assert server.connections == 2
+
+
 def test_a_new_connection_closed_unanswered_is_a_connection_error(
     servers: Callable[[Handler], RawServer],
 ) -> None:
