@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -315,6 +316,19 @@ def test_a_new_connection_closed_unanswered_is_a_connection_error(
     assert server.connections == 1  # a read tries each broker once
 
 
+def test_a_reset_connection_is_a_connection_error(
+    servers: Callable[[Handler], RawServer],
+) -> None:
+    def handle(_: int, sock: socket.socket) -> None:
+        server.read_request(sock)
+        # Linger 0: close() sends a reset instead of a FIN.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    server = servers(handle)
+    with StewardClient(server.url) as client, pytest.raises(ConnectionFailedError):
+        client.health()
+
+
 def test_connection_close_answers_and_non_json_errors(
     servers: Callable[[Handler], RawServer],
 ) -> None:
@@ -353,6 +367,22 @@ def test_a_request_timeout_is_a_connection_error(servers: Callable[[Handler], Ra
     ):
         client.health()
     assert time.monotonic() - started < 1.5
+
+
+def test_a_long_poll_may_take_its_wait_longer_than_the_timeout(
+    servers: Callable[[Handler], RawServer],
+) -> None:
+    def handle(_: int, sock: socket.socket) -> None:
+        while server.read_request(sock) is not None:
+            time.sleep(0.6)  # the broker holds a long poll until the task ends or wait_s
+            sock.sendall(answer({"id": 1, "state": "finished"}))
+
+    server = servers(handle)
+    with StewardClient(server.url, timeout_s=0.4) as client:
+        assert client.task(1, wait_s=0.5)["state"] == "finished"
+        with pytest.raises(ConnectionFailedError, match="timed out"):
+            client.task(1)
+    assert server.requests[0][0].startswith(b"GET /api/v1/tasks/1?wait_s=0.500 ")
 
 
 def test_a_bad_url_is_refused_at_once() -> None:
