@@ -37,8 +37,8 @@ errors. Other errors (4xx) are raised at once.
 
 A write retried after a lost answer may have been applied the first time:
 
-- ``submit`` / ``submit_many``: safe. Each call sends one idempotency key (a
-  uuid4, or the caller's ``idempotency_key``) on every try; the broker answers a
+- ``submit`` / ``submit_many``: safe. Each call sends one idempotency key (128
+  random bits, or the caller's ``idempotency_key``) on every try; the broker answers a
   repeated key with the first result (same ids) instead of creating tasks again.
 - ``cancel``: safe, cancelling is idempotent (a retry after the cancel was
   applied may answer 409 ``ConflictError``: the task is already cancelled).
@@ -53,12 +53,19 @@ background: ``p.submit(...)`` returns a future of the task's handle at once (asy
 ``await p.submit(...)`` returns an asyncio future); each batch is one idempotent request,
 retried like ``submit_many``; exiting the ``with`` block flushes. See docs/API.md.
 
+Connections. The clients speak HTTP/1.1 themselves (:mod:`.transport`): a
+``StewardClient`` keeps one connection alive per broker and is not thread-safe (give
+each thread its own client); an ``AsyncStewardClient`` may be shared by coroutines
+(a small pool per broker). A request that finds its kept-alive connection closed by
+the broker (before any answer) is sent once more on a new connection.
+
 Layout: :mod:`.errors` (the exceptions), :mod:`.routing` (leader-following and retries,
 shared by both clients), :mod:`.encoding` (request bodies, queries, task answers),
-:mod:`.events` (the event-stream parser and the state of a wait for many tasks),
-:mod:`.sync_client` and :mod:`.async_client`; the producers in :mod:`.producing` (the
-shared core), :mod:`.producer` and :mod:`.async_producer`. Import the names from
-``clients.client``.
+:mod:`.api_calls` (each endpoint's request), :mod:`.transport` and
+:mod:`.async_transport` (HTTP/1.1), :mod:`.events` (the event-stream parser and the state
+of a wait for many tasks), :mod:`.sync_client` and :mod:`.async_client`; the producers in
+:mod:`.producing` (the shared core), :mod:`.producer` and :mod:`.async_producer`. Import
+the names from ``clients.client``.
 """
 
 from clients.client.async_client import AsyncStewardClient, AsyncTaskHandle, AsyncTransaction

@@ -9,11 +9,10 @@ from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from clients.client import api_calls as calls
 from clients.client.api_calls import Request
 from clients.client.async_producer import AsyncProducer
+from clients.client.async_transport import AsyncTransport
 from clients.client.encoding import _Handle, _result_of, _Transaction, _tree_result_of, _Waiting
 from clients.client.errors import StewardError, _raise_for
 from clients.client.events import (
@@ -33,11 +32,11 @@ from clients.client.producing import (
 from clients.client.routing import (
     DEFAULT_FAILOVER_TIMEOUT_S,
     _Call,
+    _client_headers,
     _ClientBase,
-    _http_options,
-    _timeout,
     _verify,
 )
+from clients.client.transport import TransportError, describe, request_target
 
 
 class AsyncTaskHandle(_Handle["AsyncStewardClient"]):
@@ -75,7 +74,9 @@ class AsyncTransaction(_Transaction["AsyncStewardClient", AsyncTaskHandle]):
 
 
 class AsyncStewardClient(_ClientBase):
-    """The asyncio twin of :class:`StewardClient` (same failover and retries)."""
+    """The asyncio twin of :class:`StewardClient` (same failover and retries). Coroutines
+    may share one client: each request takes an idle kept-alive connection to its broker
+    or opens one."""
 
     def __init__(
         self,
@@ -95,7 +96,8 @@ class AsyncStewardClient(_ClientBase):
             "failover_timeout_s": failover_timeout_s,
             "token": token,
         }
-        self._http = httpx.AsyncClient(**_http_options(timeout_s, verify, token))
+        self._headers = _client_headers(token)
+        self._transport = AsyncTransport(verify)
 
     def _clone(self) -> AsyncStewardClient:
         """A new client (its own connections) to the same brokers, with the same settings."""
@@ -104,7 +106,7 @@ class AsyncStewardClient(_ClientBase):
         return clone
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        self._transport.close()
 
     async def __aenter__(self) -> AsyncStewardClient:
         return self
@@ -114,14 +116,16 @@ class AsyncStewardClient(_ClientBase):
 
     async def _send(self, request: Request) -> Any:
         call = _Call(self._router, write=request.write)
-        timeout = _timeout(request.timeout_s or self._timeout_s)
+        timeout_s = request.timeout_s or self._timeout_s
+        method = request.method
+        target, body, headers = request.wire(self._headers)
         while True:
             base = call.target()
             try:
-                response = await self._http.request(
-                    request.method, base + request.path, **request.send_options(), timeout=timeout
+                response = await self._transport.request(
+                    base, method, target, body, headers, timeout_s
                 )
-            except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            except TransportError as exc:
                 pause_s = call.failed(base, exc)
             else:
                 answer_pause_s = call.answered(base, response)
@@ -132,31 +136,34 @@ class AsyncStewardClient(_ClientBase):
                 await asyncio.sleep(pause_s)
 
     async def _stream_lines(
-        self, path: str, params: dict[str, str], timeout_s: float
+        self, path: str, params: dict[str, Any], timeout_s: float
     ) -> AsyncIterator[bytes]:
         """As :meth:`StewardClient._stream_lines`."""
         call = _Call(self._router, write=True)
+        target = request_target(path, params)
         while True:
             base = call.target()
-            started = False
             try:
-                async with self._http.stream(
-                    "GET", base + path, params=params, timeout=_timeout(timeout_s)
-                ) as response:
-                    if response.status_code == 200:
-                        started = True
-                        async for piece in response.aiter_bytes():
-                            yield piece
-                        return
-                    await response.aread()
-                    pause_s = call.answered(base, response)
-                    if pause_s is None:
-                        _raise_for(response)
-                        raise StreamBrokenError(base, f"HTTP {response.status_code}")
-            except (httpx.HTTPError, httpx.InvalidURL) as exc:
-                if started:
-                    raise StreamBrokenError(base, str(exc) or type(exc).__name__) from exc
+                stream = await self._transport.stream(base, target, self._headers, timeout_s)
+            except TransportError as exc:
                 pause_s = call.failed(base, exc)
+            else:
+                if stream.parser.status == 200:
+                    try:
+                        async for line in stream.lines():
+                            yield line + b"\n"
+                    except TransportError as exc:
+                        raise StreamBrokenError(base, describe(exc)) from exc
+                    return
+                try:
+                    response = await stream.rest()
+                except TransportError as exc:
+                    raise StreamBrokenError(base, describe(exc)) from exc
+                answer_pause_s = call.answered(base, response)
+                if answer_pause_s is None:
+                    _raise_for(response)
+                    raise StreamBrokenError(base, f"HTTP {response.status}")
+                pause_s = answer_pause_s
             if pause_s > 0:
                 await asyncio.sleep(pause_s)
 

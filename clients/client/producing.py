@@ -114,7 +114,7 @@ class Batch(Generic[F]):
 
     def request(self) -> Request:
         content = b'{"tasks":[' + b",".join(p.body for p in self.items) + b"]}"
-        headers = {"Idempotency-Key": self.key, "Content-Type": "application/json"}
+        headers = f"Idempotency-Key: {self.key}\r\nContent-Type: application/json\r\n"
         return Request("POST", "/api/v1/tasks", content=content, headers=headers, field="tasks")
 
     def outcomes(

@@ -9,8 +9,6 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from clients.client import api_calls as calls
 from clients.client.api_calls import Request
 from clients.client.encoding import _Handle, _result_of, _Transaction, _tree_result_of, _Waiting
@@ -33,10 +31,15 @@ from clients.client.producing import (
 from clients.client.routing import (
     DEFAULT_FAILOVER_TIMEOUT_S,
     _Call,
+    _client_headers,
     _ClientBase,
-    _http_options,
-    _timeout,
     _verify,
+)
+from clients.client.transport import (
+    SyncTransport,
+    TransportError,
+    describe,
+    request_target,
 )
 
 
@@ -93,6 +96,9 @@ class StewardClient(_ClientBase):
     trying other brokers (or waiting for a leader) before FailoverTimeoutError.
     ``token``: the API token sent as ``Authorization: Bearer`` (brokers with
     authentication on answer 401 without one).
+
+    It keeps one connection alive per broker and is not thread-safe: give each thread
+    its own client.
     """
 
     def __init__(
@@ -113,7 +119,8 @@ class StewardClient(_ClientBase):
             "failover_timeout_s": failover_timeout_s,
             "token": token,
         }
-        self._http = httpx.Client(**_http_options(timeout_s, verify, token))
+        self._headers = _client_headers(token)
+        self._transport = SyncTransport(verify)
 
     def _clone(self) -> StewardClient:
         """A new client (its own connections) to the same brokers, with the same settings."""
@@ -122,7 +129,7 @@ class StewardClient(_ClientBase):
         return clone
 
     def close(self) -> None:
-        self._http.close()
+        self._transport.close()
 
     def __enter__(self) -> StewardClient:
         return self
@@ -132,14 +139,14 @@ class StewardClient(_ClientBase):
 
     def _send(self, request: Request) -> Any:
         call = _Call(self._router, write=request.write)
-        timeout = _timeout(request.timeout_s or self._timeout_s)
+        timeout_s = request.timeout_s or self._timeout_s
+        method = request.method
+        target, body, headers = request.wire(self._headers)
         while True:
             base = call.target()
             try:
-                response = self._http.request(
-                    request.method, base + request.path, **request.send_options(), timeout=timeout
-                )
-            except (httpx.HTTPError, httpx.InvalidURL) as exc:
+                response = self._transport.request(base, method, target, body, headers, timeout_s)
+            except TransportError as exc:
                 pause_s = call.failed(base, exc)
             else:
                 answer_pause_s = call.answered(base, response)
@@ -149,32 +156,38 @@ class StewardClient(_ClientBase):
             if pause_s > 0:
                 time.sleep(pause_s)
 
-    def _stream_lines(self, path: str, params: dict[str, str], timeout_s: float) -> Iterator[bytes]:
-        """The event streams' IO: open ``path`` on a broker, tried like a write (the next
-        URL, backoff, for at most ``failover_timeout_s``); raise an error answer's error;
-        yield the body's bytes as they arrive. A stream that breaks raises
-        StreamBrokenError."""
+    def _stream_lines(self, path: str, params: dict[str, Any], timeout_s: float) -> Iterator[bytes]:
+        """The event streams' IO: GET ``path`` on a connection of its own, tried like a
+        write (the leader once known, the next URL, backoff, for at most
+        ``failover_timeout_s``); raise an error answer's error; yield the body line by
+        line as it arrives (each ending in a newline). ``timeout_s`` bounds each wait for
+        more bytes. A stream that breaks raises StreamBrokenError."""
         call = _Call(self._router, write=True)
+        target = request_target(path, params)
         while True:
             base = call.target()
-            started = False
             try:
-                with self._http.stream(
-                    "GET", base + path, params=params, timeout=_timeout(timeout_s)
-                ) as response:
-                    if response.status_code == 200:
-                        started = True
-                        yield from response.iter_bytes()
-                        return
-                    response.read()
-                    pause_s = call.answered(base, response)
-                    if pause_s is None:
-                        _raise_for(response)
-                        raise StreamBrokenError(base, f"HTTP {response.status_code}")
-            except (httpx.HTTPError, httpx.InvalidURL) as exc:
-                if started:
-                    raise StreamBrokenError(base, str(exc) or type(exc).__name__) from exc
+                stream = self._transport.stream(base, target, self._headers, timeout_s)
+                head = stream.open()
+            except TransportError as exc:
                 pause_s = call.failed(base, exc)
+            else:
+                if head.status == 200:
+                    try:
+                        for line in stream.lines():
+                            yield line + b"\n"
+                    except TransportError as exc:
+                        raise StreamBrokenError(base, describe(exc)) from exc
+                    return
+                try:
+                    response = stream.rest()
+                except TransportError as exc:
+                    raise StreamBrokenError(base, describe(exc)) from exc
+                answer_pause_s = call.answered(base, response)
+                if answer_pause_s is None:
+                    _raise_for(response)
+                    raise StreamBrokenError(base, f"HTTP {response.status}")
+                pause_s = answer_pause_s
             if pause_s > 0:
                 time.sleep(pause_s)
 
@@ -226,7 +239,7 @@ class StewardClient(_ClientBase):
     ) -> TaskHandle:
         """Submit one task. Options: slot, max_attempts, deadline, start_after,
         resources, transaction, code, track_tree, tree_timeout_s. Retried safely under
-        ``idempotency_key`` (default: a new uuid4 per call)."""
+        ``idempotency_key`` (default: 128 new random bits per call)."""
         answer = self._send(calls.submit(type, params, tenant, idempotency_key, options))
         return TaskHandle(self, int(answer["id"]), str(answer["state"]))
 

@@ -52,10 +52,11 @@ class FakeSend:
         self.gate.set()
 
     def answer(self, request: Request) -> list[dict[str, Any]]:
-        assert request.content is not None and request.headers is not None
+        assert request.content is not None and request.headers
         tasks: list[dict[str, Any]] = json.loads(request.content)["tasks"]
         self.batches.append(tasks)
-        self.keys.append(request.headers["Idempotency-Key"])
+        headers = dict(line.split(": ", 1) for line in request.headers.split("\r\n") if line)
+        self.keys.append(headers["Idempotency-Key"])
         if self.fail is not None:
             self.fail(tasks)
         answers: list[dict[str, Any]] = []
