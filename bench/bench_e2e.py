@@ -1,352 +1,254 @@
-"""End-to-end no-op task throughput: Steward vs Celery + Redis vs Dramatiq + Redis.
+"""Steward, Dramatiq, Celery and RQ side by side: every mode, one table, same work.
 
-Side by side in one run, each with 2 worker processes on this machine:
+One command runs every system in every submission mode it has, with the same task
+count, the same 2 worker processes x ``--slots`` slots (RQ: one job at a time per
+worker process, it has no concurrency setting) and one client, and prints one table:
 
-- Steward: ``steward standalone`` (every submission, assignment and finish is fsynced
-  to its write-ahead log before it is acknowledged) + 2 ``steward worker`` processes
-  (``--task-type noop=SLOTS``; tasks in task processes, or with ``--task-isolation thread``
-  on the worker's thread pool). Submitted over HTTP in batches (one log
-  entry per batch) on one keep-alive connection.
-- Celery 5 + Redis (broker and result backend): 2 worker processes
-  ``-P threads -c 8`` (or one prefork worker with 2 child processes:
-  ``--celery-pool prefork``), see bench_peers/celery_app.py for the configuration.
-  Submitted with ``send_task`` in a loop on one producer (Celery has no batch publish).
-- Dramatiq + Redis: ``dramatiq --processes 2 --threads 8``, Results middleware with the
-  Redis backend (bench_peers/dramatiq_app.py). Submitted with ``broker.enqueue`` in a
-  loop on pre-built messages.
+    system | mode | durable | submit tasks/s | end to end tasks/s | round trip p50 / p99 ms
 
-A run submits N tasks and waits until every one is finished *and recorded* (Steward:
-finished in the broker's state, i.e. its Finish entry is durable; Celery/Dramatiq: the
-task's result key exists in Redis), polling every ``--poll-ms``. Throughput = N / (time
-from the first submit to the observed last completion). Each system gets a warm-up run
-first, then ``--runs`` timed runs; medians and every run are printed. Redis runs without
-persistence (``--save '' --appendonly no``) and, to compare durable with durable, with
-``--appendonly yes --appendfsync always`` (a fresh redis-server per system and mode).
+- submit: tasks acknowledged per second (first submit -> last acknowledgement);
+- end to end: first submit -> every result recorded (Steward: the task is final in the
+  broker's state, i.e. its finish is durable; peers: the result is stored in Redis),
+  polled every ``--poll-ms``;
+- round trip: closed loop, one task at a time: submit it and wait for its result, the
+  way each system's docs show (``--round-trips`` of them after a warm-up); shown on the
+  per-call row.
 
-    python bench/bench_e2e.py                              # everything, 20,000 tasks x 3
-    python bench/bench_e2e.py --tasks 5000 --runs 1 --redis volatile
+A row compares only like with like: per-call rows submit one call per task, batched rows
+use the system's own batch call. No figure compares one system's batch with another's
+single calls.
+
+How each system is called (see bench/README.md for the configurations):
+
+- Steward (``steward standalone``, every submission, assignment and finish fsynced to its
+  write-ahead log under group commit, + 2 ``steward worker --task-type noop=SLOTS``, task
+  isolation ``process`` by default), through the public ``StewardClient``:
+  per-call ``client.submit("noop", tenant=...)``; producer
+  ``with client.producer(linger_ms=L, max_batch=B) as p: [p.submit(...)]`` then every
+  ``future.result()`` (skipped, saying so, in a checkout without ``producer``);
+  batched ``client.submit_many([...])`` in batches of ``--batch``; round trip
+  ``client.submit(...).result(timeout=...)``.
+- Dramatiq + Redis (``dramatiq --processes 2 --threads SLOTS``, Results middleware):
+  per-call ``actor.send()``; batched ``group(messages).run()`` (in dramatiq 2.2.1 a
+  group enqueues its messages one at a time: it has no batch publish); round trip
+  ``send().get_result(block=True)``.
+- Celery + Redis (2 workers ``-P threads -c SLOTS``; Celery's default pool is prefork,
+  ``--celery-pool prefork`` gives it, 2 workers x SLOTS child processes):
+  per-call ``task.delay()``; batched ``group(...).apply_async()``; round trip
+  ``delay().get()``.
+- RQ + Redis (2 ``rq worker``, RQ's default forking ``Worker``): per-call
+  ``queue.enqueue()``; batched ``queue.enqueue_many()`` (one pipeline); round trip
+  ``enqueue().latest_result(timeout=...)``. Without rq installed it says how to
+  install it and runs the rest.
+
+Durable: Steward yes (fsync per group commit); a peer on Redis without persistence no
+(``--redis volatile``, the default); ``--redis durable`` or ``both`` adds each peer on a
+Redis with AOF ``appendfsync always`` (fsync before every reply): yes.
+
+    python bench/bench_e2e.py --quick                 # small counts, ~2 minutes
+    python bench/bench_e2e.py                         # 5,000 tasks per mode, ~10 minutes
+    python bench/bench_e2e.py --redis both --runs 3   # + durable Redis, medians of 3
     python bench/bench_e2e.py --systems steward --profile /tmp/prof   # + py-spy hot spots
 
 Everything binds to 127.0.0.1; every wait is bounded (``--timeout-s`` per run); every
-process started is stopped by its pid on exit, also on failure or Ctrl-C. Without
-redis-server / celery / dramatiq it says how to install them and runs Steward alone.
+process started is stopped by its pid on exit, also on failure or Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_peers.harness import (
-    CELERY_WORKER_ARGV,
     CpuMeter,
     Procs,
     Profiler,
-    RawHttp,
     add_run_dir_options,
     available_systems,
-    dramatiq_workers_argv,
-    keys_present_from,
     median,
     parse_run_args,
+    percentile,
     redis_version,
     source_revision,
-    start_redis,
-    start_steward,
     summarise_profile,
 )
+from bench_peers.systems import Celery, Dramatiq, Rq, Steward, System
 
-FINAL = ("finished", "error", "cancelled")
-DISTURBED_CORES = 0.1  # other processes' load that makes a run not count
-
-
-@dataclass
-class Run:
-    tasks: int
-    submit_s: float  # first submit -> last submit acknowledged
-    total_s: float  # first submit -> last completion observed
-    failed: int = 0
-    cores_ours: float = 0.0  # CPU cores used by this benchmark's processes, on average
-    cores_other: float = 0.0  # by everything else on the machine (should be ~0)
-    cores_by_process: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def rate(self) -> float:
-        return self.tasks / self.total_s
-
-
-@dataclass
-class Outcome:
-    system: str
-    persistence: str
-    runs: list[Run]
-    error: str = ""
-    profiled: Run | None = None
-    disturbed: list[Run] = field(default_factory=list)  # discarded: other processes ran
+DISTURBED_CORES = 0.1  # other processes' load worth flagging next to a figure
+MODES = ("per-call", "producer", "batched")
 
 
 class RunTimeout(TimeoutError):
     pass
 
 
-# --- Steward -------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    system: str
+    mode: str
+    durable: bool
+    note: str
+    submit: list[float] = field(default_factory=list)  # tasks/s acknowledged, per run
+    e2e: list[float] = field(default_factory=list)  # tasks/s recorded, per run
+    round_trips: list[float] = field(default_factory=list)  # seconds each
+    other_cores: float = 0.0  # most other processes' load seen during a run
+    failed: int = 0
+    error: str = ""
 
 
-def _done_failed(counts: dict[str, int]) -> tuple[int, int]:
-    done = sum(counts.get(s, 0) for s in FINAL)
-    return done, done - counts.get("finished", 0)
-
-
-def steward_run(http: RawHttp, tasks: int, batch: int, poll_s: float, timeout_s: float) -> Run:
-    task = b'{"type":"noop","tenant":"bench","params":null}'
-
-    def request(k: int) -> bytes:
-        return http.build("POST", "/api/v1/tasks", b'{"tasks":[' + b",".join([task] * k) + b"]}")
-
-    full = request(batch)
-    counts_request = http.build("GET", "/api/v1/cluster")
-
-    def counts() -> dict[str, int]:
-        status, body = http.send_raw(counts_request)
-        if status != 200:
-            raise RuntimeError(f"GET /api/v1/cluster: HTTP {status}")
-        result: dict[str, int] = json.loads(body)["tasks"]
-        return result
-
-    base_done, base_failed = _done_failed(counts())
-    started = time.perf_counter()
-    submitted = 0
-    while submitted < tasks:
-        k = min(batch, tasks - submitted)
-        status, body = http.send_raw(full if k == batch else request(k))
-        if status != 200 or b'"error"' in body:
-            raise RuntimeError(f"submit: HTTP {status}: {body[:300]!r}")
-        submitted += k
-    submit_s = time.perf_counter() - started
-    deadline = started + timeout_s
-    while True:
-        done, failed = _done_failed(counts())
-        if done - base_done >= tasks:
-            break
-        if time.perf_counter() > deadline:
-            raise RunTimeout(f"{done - base_done}/{tasks} done after {timeout_s:.0f} s")
-        time.sleep(poll_s)
-    return Run(tasks, submit_s, time.perf_counter() - started, failed - base_failed)
-
-
-def bench_steward(args: argparse.Namespace, root: Path) -> Outcome:
-    outcome = Outcome("steward", "own WAL, fsync each entry", [])
-    with Procs(root / "logs" / "steward") as procs:
-        cluster = start_steward(
-            procs,
-            root / "steward-data",
-            workers=2,
-            slots=args.steward_slots,
-            task_isolation=args.task_isolation,
-        )
-        with RawHttp(cluster.port, timeout_s=60) as http:
-
-            def once(n: int, timeout_s: float) -> Run:
-                return steward_run(http, n, args.batch, args.poll_ms / 1000, timeout_s)
-
-            timed_runs(outcome, once, args, procs)
-            if args.profile and not outcome.error:
-                profiler = Profiler(args.profile)
-                targets = [("broker", cluster.broker.pid), ("worker1", cluster.workers[0].pid)]
-                with profiler.recording(targets, "steward"):
-                    outcome.profiled = once(args.tasks, args.timeout_s)
-    return outcome
-
-
-# --- Celery --------------------------------------------------------------------------------------
-
-
-def wait_for_keys(
-    client: Any, keys: list[str], started: float, timeout_s: float, poll_s: float
+def end_to_end(
+    system: System, mode: str, n: int, args: argparse.Namespace, procs: Procs, row: Row
 ) -> None:
-    """Poll Redis until every result key exists; RunTimeout ``timeout_s`` after ``started``."""
-    deadline = started + timeout_s
-    index = 0
-    while (index := keys_present_from(client, keys, index)) < len(keys):
-        if time.perf_counter() > deadline:
-            raise RunTimeout(f"{index}+/{len(keys)} results stored after {timeout_s:.0f} s")
-        time.sleep(poll_s)
-
-
-def celery_run(app: Any, client: Any, tasks: int, poll_s: float, timeout_s: float) -> Run:
-    from bench_peers.celery_app import TASK_NAME
-
-    ids = [uuid.uuid4().hex for _ in range(tasks)]
-    keys = [f"celery-task-meta-{task_id}" for task_id in ids]
+    """One timed run of ``n`` tasks in ``mode``; appends its figures to ``row``."""
+    meter = CpuMeter(procs)
     started = time.perf_counter()
-    with app.producer_or_acquire() as producer:
-        for task_id in ids:
-            app.send_task(TASK_NAME, task_id=task_id, producer=producer)
+    remaining = system.submit(mode, n, args.batch)
     submit_s = time.perf_counter() - started
-    wait_for_keys(client, keys, started, timeout_s, poll_s)
+    deadline = started + args.timeout_s
+    while (left := remaining()) > 0:
+        if time.perf_counter() > deadline:
+            raise RunTimeout(f"{left}/{n} not recorded {args.timeout_s:.0f} s after the start")
+        time.sleep(args.poll_ms / 1000)
     total_s = time.perf_counter() - started
-    sample = [v for v in client.mget(keys[-200:]) if v is None or b'"SUCCESS"' not in v]
-    return Run(tasks, submit_s, total_s, failed=len(sample))
-
-
-def bench_celery(args: argparse.Namespace, root: Path, durable: bool) -> Outcome:
-    from bench_peers.celery_app import make_app
-    from bench_peers.harness import child_env
-
-    mode = "durable" if durable else "volatile"
-    outcome = Outcome("celery", persistence_label(durable), [])
-    with Procs(root / "logs" / f"celery-{mode}") as procs:
-        server = start_redis(procs, root / f"redis-celery-{mode}", durable=durable)
-        env = child_env(
-            {
-                "BENCH_REDIS_URL": server.url,
-                "BENCH_CELERY_ACKS_LATE": "1" if args.celery_acks_late else "0",
-            }
-        )
-        common = CELERY_WORKER_ARGV
-        if args.celery_pool == "prefork":
-            procs.start(
-                "celery-worker",
-                [*common, "-P", "prefork", "-c", "2", "-n", "bench1@%h"],
-                env=env,
-            )
-        else:
-            pool = ["-P", "solo"] if args.celery_pool == "solo" else ["-P", "threads"]
-            pool += ["-c", "1" if args.celery_pool == "solo" else str(args.peer_threads)]
-            for i in (1, 2):
-                procs.start(f"celery-worker-{i}", [*common, *pool, "-n", f"bench{i}@%h"], env=env)
-        app = make_app(server.url, with_results=False)
-        timed_peer_runs(outcome, celery_run, app, server.url, args, procs, app.close)
-    return outcome
-
-
-# --- Dramatiq ------------------------------------------------------------------------------------
-
-
-def dramatiq_run(app: Any, client: Any, tasks: int, poll_s: float, timeout_s: float) -> Run:
-    messages = [app.noop.message() for _ in range(tasks)]
-    keys = [app.backend.build_message_key(m) for m in messages]
-    enqueue = app.broker.enqueue
-    started = time.perf_counter()
-    for message in messages:
-        enqueue(message)
-    submit_s = time.perf_counter() - started
-    wait_for_keys(client, keys, started, timeout_s, poll_s)
-    return Run(tasks, submit_s, time.perf_counter() - started)
-
-
-def bench_dramatiq(args: argparse.Namespace, root: Path, durable: bool) -> Outcome:
-    from bench_peers.dramatiq_app import make_app
-    from bench_peers.harness import child_env
-
-    mode = "durable" if durable else "volatile"
-    outcome = Outcome("dramatiq", persistence_label(durable), [])
-    with Procs(root / "logs" / f"dramatiq-{mode}") as procs:
-        server = start_redis(procs, root / f"redis-dramatiq-{mode}", durable=durable)
-        procs.start(
-            "dramatiq-workers",
-            dramatiq_workers_argv(args.peer_threads),
-            env=child_env({"BENCH_REDIS_URL": server.url, "dramatiq_restart_delay": "0"}),
-        )
-        app = make_app(server.url)
-        timed_peer_runs(outcome, dramatiq_run, app, server.url, args, procs, app.broker.close)
-    return outcome
-
-
-# --- common --------------------------------------------------------------------------------------
-
-
-def persistence_label(durable: bool) -> str:
-    return "redis AOF fsync always" if durable else "redis no persistence"
-
-
-def timed_peer_runs(
-    outcome: Outcome,
-    run: Callable[[Any, Any, int, float, float], Run],
-    app: Any,
-    redis_url: str,
-    args: argparse.Namespace,
-    procs: Procs,
-    close_app: Callable[[], None],
-) -> None:
-    """Timed runs of a peer: ``run(app, redis client, tasks, poll_s, timeout_s)``."""
-    import redis
-
-    client = redis.Redis.from_url(redis_url)
-    try:
-
-        def once(n: int, timeout_s: float) -> Run:
-            return run(app, client, n, args.poll_ms / 1000, timeout_s)
-
-        timed_runs(outcome, once, args, procs)
-    finally:
-        client.close()
-        close_app()
-
-
-def timed_runs(
-    outcome: Outcome, once: Callable[[int, float], Run], args: argparse.Namespace, procs: Procs
-) -> None:
-    """Warm-up (also waits out worker start-up), then ``args.runs`` timed runs."""
-    try:
-        once(args.warmup, max(args.timeout_s, 120.0))
-        reruns = args.rerun_disturbed
-        while len(outcome.runs) < args.runs:
-            procs.check_alive()
-            meter = CpuMeter(procs)
-            run = once(args.tasks, args.timeout_s)
-            run.cores_ours, run.cores_other, run.cores_by_process = meter.measure()
-            procs.check_alive()
-            if run.cores_other >= DISTURBED_CORES and reruns > 0:
-                outcome.disturbed.append(run)  # another process loaded the machine
-                reruns -= 1
-                continue
-            outcome.runs.append(run)
-    except (RunTimeout, RuntimeError, OSError) as exc:
-        outcome.error = f"{type(exc).__name__}: {exc}"
-        for proc in procs.procs:
-            print(f"  log of {proc.name} (pid {proc.pid}):\n{proc.tail(10)}", file=sys.stderr)
-
-
-def print_outcome(outcome: Outcome) -> None:
-    label = f"{outcome.system:<9} {outcome.persistence:<26}"
-    if outcome.error and not outcome.runs:
-        print(f"{label} FAILED: {outcome.error}")
-        return
-    rates = [r.rate for r in outcome.runs]
-    each = "  ".join(
-        f"{r.rate:>6,.0f} ({r.submit_s:.2f}/{r.total_s:.2f} s, {r.cores_ours:.1f}"
-        + (f"+{r.cores_other:.1f}" if r.cores_other >= 0.05 else "")
-        + " cores"
-        + (f", {r.failed} failed" if r.failed else "")
-        + ")"
-        for r in outcome.runs
+    _, other, _ = meter.measure()
+    procs.check_alive()
+    row.submit.append(n / submit_s)
+    row.e2e.append(n / total_s)
+    row.other_cores = max(row.other_cores, other)
+    row.failed += system.failed
+    print(
+        f"  {system.name} {mode}: {n:,} tasks, acknowledged in {submit_s:.2f} s, "
+        f"recorded in {total_s:.2f} s" + (f" (other processes +{other:.1f} cores)" * (other > 0)),
+        file=sys.stderr,
+        flush=True,
     )
-    print(f"{label} {median(rates):>9,.0f}   {each}", flush=True)
-    if outcome.error:
-        print(f"{'':<36} then FAILED: {outcome.error}", flush=True)
-    if outcome.runs:
-        cores = outcome.runs[-1].cores_by_process
-        split = ", ".join(f"{name} {value:.2f}" for name, value in sorted(cores.items()))
-        print(f"{'':<36} CPU cores by process (last run): {split}")
-    if outcome.disturbed:
-        runs = ", ".join(f"{r.rate:,.0f} (+{r.cores_other:.1f} cores)" for r in outcome.disturbed)
-        print(f"{'':<36} discarded and repeated, other processes ran: {runs}")
-    if any(r.cores_other >= DISTURBED_CORES for r in outcome.runs):
-        print(f"{'':<36} warning: other processes loaded the machine (+N cores): rerun")
+
+
+def round_trips(system: System, n: int, warmup: int, max_s: float) -> list[float]:
+    deadline = time.monotonic() + max_s
+    times: list[float] = []
+    for i in range(warmup + n):
+        if time.monotonic() > deadline:
+            raise RunTimeout(f"only {max(0, i - warmup)}/{n} round trips within {max_s:.0f} s")
+        started = time.perf_counter()
+        system.round_trip()
+        if i >= warmup:
+            times.append(time.perf_counter() - started)
+    return times
+
+
+def bench_system(
+    label: str,
+    start: Callable[[Procs], System],
+    args: argparse.Namespace,
+    root: Path,
+    after: list[str],
+) -> list[Row]:
+    """Start one system, warm it up, run every mode ``args.runs`` times, then round trips;
+    text to print after the table (a profile) goes to ``after``."""
+    rows: list[Row] = []
+    with Procs(root / "logs" / label) as procs:
+        try:
+            system = start(procs)
+        except (TimeoutError, RuntimeError, OSError) as exc:
+            return [Row(label, "-", False, "", error=f"start: {type(exc).__name__}: {exc}")]
+        try:
+            modes = [m for m in args.modes if m in system.modes]
+            for mode in modes:
+                rows.append(Row(system.name, mode, system.durable, system.modes[mode]))
+                why = system.unavailable(mode)
+                if why:
+                    rows[-1].error = f"skipped: {why}"
+                    print(f"  {system.name} {mode}: skipped: {why}", file=sys.stderr)
+            if not rows:
+                rows.append(Row(system.name, "round trip", system.durable, ""))
+            live = [r for r in rows if not r.error and r.mode in system.modes]
+            # At least one task: the warm-up also waits out the peers' worker start-up.
+            warmup = max(1, args.warmup)
+            end_to_end(system, "per-call", warmup, args, procs, Row("", "", False, ""))
+            for _ in range(args.runs):
+                for row in live:
+                    end_to_end(system, row.mode, args.tasks, args, procs, row)
+            if args.round_trips:
+                target = next((r for r in rows if r.mode == "per-call"), rows[0])
+                target.round_trips = round_trips(
+                    system, args.round_trips, args.round_trip_warmup, args.timeout_s
+                )
+            if args.profile is not None and isinstance(system, Steward):
+                after += profile_steward(system, args, procs)
+        except Exception as exc:  # one system failing must not lose the others' figures
+            error = f"{type(exc).__name__}: {exc}"
+            for row in rows:
+                row.error = row.error or error
+            if not rows:
+                rows.append(Row(label, "-", False, "", error=error))
+            for proc in procs.procs:
+                print(f"  log of {proc.name} (pid {proc.pid}):\n{proc.tail(10)}", file=sys.stderr)
+        finally:
+            system.close()
+    return rows
+
+
+def profile_steward(system: Steward, args: argparse.Namespace, procs: Procs) -> list[str]:
+    """Per-call submits and round trips again under py-spy (this client, the broker, worker
+    1): where a per-call submit's time goes. Summaries to print."""
+    assert args.profile is not None
+    profiler = Profiler(args.profile)
+    targets = [("client", os.getpid()), *system.pids]
+    with profiler.recording(targets, "steward"):
+        end_to_end(system, "per-call", args.tasks, args, procs, Row("", "", True, ""))
+        round_trips(system, args.round_trips, 0, args.timeout_s)
+    lines = [
+        f"\npy-spy --gil {profiler.rate} Hz, a per-call run and round trips (not in the table)"
+    ]
+    for name, _pid in targets:
+        path = args.profile / f"steward-{name}.txt"
+        lines.append(f"py-spy {name} ({path}):\n{summarise_profile(path)}")
+    return lines
+
+
+# --- the table -----------------------------------------------------------------------------------
+
+
+def rate(values: Sequence[float]) -> str:
+    return f"{median(values):,.0f}" if values else "-"
+
+
+def latency(values: Sequence[float]) -> str:
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    return f"{1000 * percentile(ordered, 0.5):.2f} / {1000 * percentile(ordered, 0.99):.2f}"
+
+
+def table(rows: list[Row]) -> str:
+    lines = [
+        "| system | mode | durable | submit tasks/s | end to end tasks/s "
+        "| round trip p50 / p99 ms | notes |",
+        "| --- | --- | --- | ---: | ---: | ---: | --- |",
+    ]
+    for row in rows:
+        notes = [row.error] if row.error else [row.note]
+        if row.failed:
+            notes.append(f"{row.failed} tasks failed")
+        if row.other_cores >= DISTURBED_CORES:
+            notes.append(f"other processes used up to {row.other_cores:.1f} cores")
+        durable = "yes" if row.durable else "no"
+        lines.append(
+            f"| {row.system} | {row.mode} | {durable} | {rate(row.submit)} | {rate(row.e2e)} "
+            f"| {latency(row.round_trips)} | {'; '.join(n for n in notes if n)} |"
+        )
+    return "\n".join(lines)
 
 
 def version(package: str) -> str:
@@ -356,114 +258,137 @@ def version(package: str) -> str:
         return "?"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", type=int, default=20_000, help="tasks per timed run")
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1_000, help="tasks in the warm-up run")
-    parser.add_argument("--batch", type=int, default=1_000, help="Steward tasks per HTTP request")
-    parser.add_argument("--steward-slots", type=int, default=64, help="noop slots per worker")
+def describe(args: argparse.Namespace, systems: list[str]) -> list[str]:
+    redis = f"redis-server {redis_version()}"
+    lines = [
+        f"machine: {os.cpu_count()} cores, python {sys.version.split()[0]}, steward "
+        f"{source_revision()}, {time.strftime('%Y-%m-%d %H:%M %Z')}",
+        f"{args.tasks:,} no-op tasks per mode and run, {args.runs} run(s) (medians), after a "
+        f"{args.warmup:,}-task warm-up; {args.round_trips:,} round trips after "
+        f"{args.round_trip_warmup}; 2 worker processes x {args.slots} slots; batches of "
+        f"{args.batch:,}; one client; results polled every {args.poll_ms:g} ms",
+    ]
+    if "steward" in systems:
+        lines.append(
+            f"steward  {version('steward')}: standalone broker (file ledger, fsync per group "
+            f"commit) + 2 workers, task isolation {args.task_isolation}; producer linger "
+            f"{args.linger_ms:g} ms, max_batch {args.batch:,}"
+        )
+    if "dramatiq" in systems:
+        lines.append(
+            f"dramatiq {version('dramatiq')} + {redis}: --processes 2 --threads {args.slots}, "
+            "default middleware + Results(RedisBackend), acks after the actor ran"
+        )
+    if "celery" in systems:
+        acks = "acks late" if args.celery_acks_late else "acks early (Celery's default)"
+        lines.append(
+            f"celery   {version('celery')} + {redis}: 2 workers -P {args.celery_pool} "
+            f"-c {args.slots}, prefetch x4, {acks}, results in Redis"
+        )
+    if "rq" in systems:
+        worker = {"fork": "default forking Worker", "simple": "SimpleWorker"}[args.rq_worker]
+        lines.append(
+            f"rq       {version('rq')} + {redis}: 2 `rq worker` ({worker}, one job at a time "
+            "each), results in Redis"
+        )
+    return lines
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small counts: the table in ~2 min")
+    parser.add_argument("--tasks", type=int, default=None, help="per mode and run (5,000)")
+    parser.add_argument("--runs", type=int, default=1, help="timed runs per mode (medians)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up tasks (1,000)")
+    parser.add_argument("--round-trips", "--n", type=int, default=None, help="timed (1,000)")
+    parser.add_argument("--round-trip-warmup", type=int, default=None, help="(100)")
     parser.add_argument(
-        "--task-isolation",
-        choices=["process", "thread"],
-        default="process",
-        help="Steward workers run tasks in task processes (default) or in the worker",
+        "--modes",
+        default=",".join(MODES),
+        help="comma-separated, of per-call,producer,batched ('none': round trips only)",
     )
-    parser.add_argument("--peer-threads", type=int, default=8, help="threads per peer worker")
-    parser.add_argument("--celery-pool", choices=["threads", "prefork", "solo"], default="threads")
+    parser.add_argument("--batch", type=int, default=100, help="tasks per batch / max_batch")
+    parser.add_argument("--linger-ms", type=float, default=5.0, help="Steward producer linger")
+    parser.add_argument("--slots", type=int, default=8, help="slots per worker process")
+    parser.add_argument("--task-isolation", choices=["process", "thread"], default="process")
+    parser.add_argument("--celery-pool", choices=["threads", "prefork"], default="threads")
     parser.add_argument("--celery-acks-late", action="store_true")
-    parser.add_argument("--redis", choices=["volatile", "durable", "both"], default="both")
-    parser.add_argument("--systems", default="steward,celery,dramatiq")
-    parser.add_argument("--poll-ms", type=float, default=10.0)
     parser.add_argument(
-        "--rerun-disturbed",
-        type=int,
-        default=3,
-        metavar="N",
-        help="repeat up to N runs per system during which other processes used "
-        f">= {DISTURBED_CORES} cores (shared machines)",
+        "--rq-worker",
+        choices=["fork", "simple"],
+        default="fork",
+        help="RQ's default forking Worker, or SimpleWorker (no fork per job)",
     )
+    parser.add_argument("--redis", choices=["volatile", "durable", "both"], default="volatile")
+    parser.add_argument("--systems", default="steward,dramatiq,celery,rq")
+    parser.add_argument("--poll-ms", type=float, default=10.0)
     parser.add_argument("--timeout-s", type=float, default=300.0, help="bound on each run")
     add_run_dir_options(
         parser,
-        profile_help="after the timed runs, one more Steward run under py-spy (broker, worker 1)",
+        profile_help="then a Steward per-call run and round trips under py-spy (broker, worker 1)",
     )
-    args = parse_run_args(parser)
+    args = parse_run_args(parser, argv)
+    small = {"tasks": 1_000, "warmup": 200, "round_trips": 200, "round_trip_warmup": 20}
+    full = {"tasks": 5_000, "warmup": 1_000, "round_trips": 1_000, "round_trip_warmup": 100}
+    for name, value in (small if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.modes = [m for m in args.modes.split(",") if m in MODES]
+    return args
+
+
+def starters(
+    args: argparse.Namespace, systems: list[str], root: Path
+) -> list[tuple[str, Callable[[Procs], System]]]:
+    """(label, start) for each system and Redis mode, in the order they run."""
+    found: list[tuple[str, Callable[[Procs], System]]] = []
+    if "steward" in systems:
+        steward = partial(
+            Steward,
+            root=root,
+            slots=args.slots,
+            isolation=args.task_isolation,
+            linger_ms=args.linger_ms,
+        )
+        found.append(("steward", steward))
+    redis_modes = {"volatile": [False], "durable": [True], "both": [False, True]}[args.redis]
+    for durable in redis_modes:
+        tag = "durable" if durable else "volatile"
+        peers: dict[str, Callable[[Procs], System]] = {
+            "dramatiq": partial(Dramatiq, root=root, durable=durable, slots=args.slots),
+            "celery": partial(
+                Celery,
+                root=root,
+                durable=durable,
+                slots=args.slots,
+                pool=args.celery_pool,
+                acks_late=args.celery_acks_late,
+            ),
+            "rq": partial(Rq, root=root, durable=durable, simple=args.rq_worker == "simple"),
+        }
+        found += [(f"{name}-{tag}", start) for name, start in peers.items() if name in systems]
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     systems = available_systems(args.systems)
-    modes = {"volatile": [False], "durable": [True], "both": [False, True]}[args.redis]
-
-    print(
-        f"machine: {os.cpu_count()} cores, python {sys.version.split()[0]}, steward "
-        f"{source_revision()}; "
-        f"{args.tasks:,} no-op tasks per run, {args.runs} runs after a {args.warmup:,}-task "
-        f"warm-up; completion polled every {args.poll_ms:g} ms"
-    )
-    print(
-        f"steward  {version('steward')}: standalone broker (fsync per log entry) + 2 workers "
-        f"x noop={args.steward_slots} slots, task isolation {args.task_isolation};"
-        f" HTTP batches of {args.batch:,}"
-    )
-    if "celery" in systems:
-        pool = {
-            "prefork": "1 worker -P prefork -c 2 (2 child processes)",
-            "solo": "2 workers -P solo",
-            "threads": f"2 workers -P threads -c {args.peer_threads}",
-        }[args.celery_pool]
-        acks = "acks late" if args.celery_acks_late else "acks early (default)"
-        print(
-            f"celery   {version('celery')} + redis-server {redis_version()}: {pool}, "
-            f"prefetch x4, {acks}, results in redis; send_task loop"
-        )
-    if "dramatiq" in systems:
-        print(
-            f"dramatiq {version('dramatiq')} + redis-server {redis_version()}: 2 processes x "
-            f"{args.peer_threads} threads, Results(RedisBackend); enqueue loop"
-        )
-    print()
-
-    print(
-        f"{'system':<9} {'durability':<26} {'median':>9}   "
-        "each run: tasks/s (submit s / total s, CPU cores used)"
-    )
-    print(f"{'':<36} {'tasks/s':>9}")
-    benches: list[Callable[[], Outcome]] = []
+    header = describe(args, systems)
+    print("\n".join(header), flush=True)
     with tempfile.TemporaryDirectory(prefix="steward-e2e-", dir=args.data_root) as tmp:
         root = Path(tmp)
-        if "steward" in systems:
-            benches.append(partial(bench_steward, args, root))
-        for durable in modes:
-            if "celery" in systems:
-                benches.append(partial(bench_celery, args, root, durable))
-            if "dramatiq" in systems:
-                benches.append(partial(bench_dramatiq, args, root, durable))
-        outcomes: list[Outcome] = []
-        for bench in benches:
-            outcomes.append(bench())
-            print_outcome(outcomes[-1])
-    steward = next((o for o in outcomes if o.system == "steward" and o.runs), None)
-    if steward is not None:
-        ours = median([r.rate for r in steward.runs])
-        for durable in modes:
-            peers = [
-                o
-                for o in outcomes
-                if o.system != "steward" and o.runs and o.persistence == persistence_label(durable)
-            ]
-            if peers:
-                best = max(peers, key=lambda o: median([r.rate for r in o.runs]))
-                theirs = median([r.rate for r in best.runs])
-                print(
-                    f"ratio steward / faster peer ({persistence_label(durable)}): "
-                    f"{ours / theirs:.2f}x ({best.system} {theirs:,.0f} tasks/s)"
-                )
-        if steward.profiled is not None and args.profile is not None:
-            print(
-                f"\nprofiled steward run (py-spy --gil {Profiler(args.profile).rate} Hz, "
-                f"not in the figures above): {steward.profiled.rate:,.0f} tasks/s"
-            )
-            for name in ("broker", "worker1"):
-                print(f"py-spy {name} ({args.profile / f'steward-{name}.txt'}):")
-                print(summarise_profile(args.profile / f"steward-{name}.txt"))
+        rows: list[Row] = []
+        after: list[str] = []
+        for label, start in starters(args, systems, root):
+            print(f"{label} ...", file=sys.stderr, flush=True)
+            rows += bench_system(label, start, args, root, after)
+    print()
+    print(table(rows))
+    print(
+        "\nper-call rows: one call per task; batched/producer rows: the system's own batch "
+        "call; round trip: one task submitted and its result awaited, closed loop"
+    )
+    print("\n".join(after))
 
 
 if __name__ == "__main__":

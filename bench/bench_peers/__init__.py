@@ -1,1 +1,1 @@
-"""Shared harness and peer apps (Celery, Dramatiq) for bench_e2e.py and bench_roundtrip.py."""
+"""Shared harness, system drivers and peer apps (Celery, Dramatiq, RQ) for bench_e2e.py."""

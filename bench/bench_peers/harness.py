@@ -30,10 +30,16 @@ BENCH_DIR = Path(__file__).resolve().parents[1]
 REPO_DIR = BENCH_DIR.parent
 
 INSTALL_HINT = (
-    "to run the Celery/Dramatiq comparison install the peers:\n"
+    "to run the Celery/Dramatiq/RQ comparison install the peers:\n"
     "    apt-get update && apt-get install -y redis-server\n"
-    "    .venv/bin/pip install 'celery[redis]>=5.4,<6' 'dramatiq[redis]>=1.17'"
+    "    .venv/bin/pip install 'celery[redis]>=5.4,<6' 'dramatiq[redis]>=1.17' 'rq>=2.12,<3'"
 )
+# The pip requirement of each peer (none is a project dependency).
+PEER_PACKAGES = {
+    "celery": "celery[redis]>=5.4,<6",
+    "dramatiq": "dramatiq[redis]>=1.17",
+    "rq": "rq>=2.12,<3",
+}
 
 
 # --- small helpers -----------------------------------------------------------------------------
@@ -95,29 +101,32 @@ def source_revision() -> str:
     return out.stdout.strip() or "?"
 
 
-def missing_peers() -> list[str]:
-    """What is missing for the Celery/Dramatiq comparison (empty: all there)."""
-    missing = []
-    if shutil.which("redis-server") is None:
-        missing.append("redis-server (apt-get install -y redis-server)")
-    for module, package in (("redis", "redis"), ("celery", "celery"), ("dramatiq", "dramatiq")):
-        if importlib.util.find_spec(module) is None:
-            missing.append(f"python package {package}")
-    return missing
-
-
 def available_systems(systems_arg: str) -> list[str]:
     """The systems named in ``--systems`` (comma-separated) that can run here.
 
-    Celery and Dramatiq are dropped, with what is missing and how to install it printed,
-    when a peer's server or package is not installed; Steward always stays.
+    A peer whose server (redis-server) or Python package is not installed is dropped,
+    with what is missing and how to install it printed; Steward always stays.
     """
     systems = [s.strip() for s in systems_arg.split(",") if s.strip()]
-    missing = missing_peers() if {"celery", "dramatiq"} & set(systems) else []
-    if missing:
-        print(f"peers skipped, missing: {', '.join(missing)}\n{INSTALL_HINT}\n")
-        systems = [s for s in systems if s == "steward"]
-    return systems
+    unknown = [s for s in systems if s != "steward" and s not in PEER_PACKAGES]
+    if unknown:
+        choices = ",".join(["steward", *PEER_PACKAGES])
+        raise SystemExit(f"unknown systems {unknown}: choose from {choices}")
+    peers = [s for s in systems if s != "steward"]
+    if peers and shutil.which("redis-server") is None:
+        print(f"peers skipped, missing: redis-server\n{INSTALL_HINT}\n")
+        return [s for s in systems if s == "steward"]
+    kept = []
+    for system in systems:
+        missing = [m for m in (system, "redis") if importlib.util.find_spec(m) is None]
+        if system != "steward" and missing:
+            print(
+                f"{system} skipped, python package {' and '.join(missing)} not installed: "
+                f".venv/bin/pip install '{PEER_PACKAGES[system]}'"
+            )
+            continue
+        kept.append(system)
+    return kept
 
 
 def on_signals_exit() -> None:
@@ -136,9 +145,11 @@ def add_run_dir_options(parser: argparse.ArgumentParser, *, profile_help: str) -
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR", help=profile_help)
 
 
-def parse_run_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+def parse_run_args(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
+) -> argparse.Namespace:
     """Parse, create the profile directory (fail early, before any run), handle signals."""
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
     on_signals_exit()
@@ -160,7 +171,12 @@ def _process_cpu_s(pid: int) -> float:
 
 
 def _user_processes_cpu_s(exclude: set[int]) -> dict[int, float]:
-    """CPU seconds of every user-space process (not kernel threads) outside ``exclude``."""
+    """CPU seconds of every user-space process (not kernel threads) outside ``exclude``.
+
+    Own time only (utime + stime): a parent's reaped-children time arrives all at once
+    when a child exits, whole lifetime included, and counted several cores' worth on a
+    2-core machine. A process that starts and ends between two samples is missed.
+    """
     found: dict[int, float] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) in exclude:
@@ -171,7 +187,7 @@ def _user_processes_cpu_s(exclude: set[int]) -> dict[int, float]:
             continue
         if stat[1] == "2" or entry.name == "2":  # kthreadd and its kernel threads
             continue
-        found[int(entry.name)] = sum(int(v) for v in stat[11:15]) / _TICKS
+        found[int(entry.name)] = sum(int(v) for v in stat[11:13]) / _TICKS
     return found
 
 
@@ -703,4 +719,27 @@ def dramatiq_workers_argv(threads: int) -> list[str]:
         "2",
         "--threads",
         str(threads),
+    ]
+
+
+def rq_worker_argv(url: str, name: str, queue: str, *, simple: bool = False) -> list[str]:
+    """One RQ worker on ``queue``: RQ's default forking ``Worker`` (a work horse process
+    per job), or ``SimpleWorker`` (jobs run in the worker process) when ``simple``."""
+    worker_class = ["--worker-class", "rq.worker.SimpleWorker"] if simple else []
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from rq.cli import main; sys.exit(main())",
+        "worker",
+        "--url",
+        url,
+        "--path",
+        str(BENCH_DIR),
+        "--logging_level",
+        "WARNING",
+        "--disable-job-desc-logging",
+        "--name",
+        name,
+        *worker_class,
+        queue,
     ]

@@ -3,10 +3,11 @@ their JSON bodies, query parsing, and the views the handlers answer with."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import ssl
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, Protocol, TypeVar
@@ -64,6 +65,10 @@ class ApiConfig:
     # A .py's size, a zip's entries, inflated size and ratio, the check process's limits.
     artifact_limits: ArtifactLimits = field(default_factory=ArtifactLimits)
     max_wait_s: float = 60.0
+    # GET /api/v1/events: task ids per stream, open streams per broker, keep-alive period.
+    max_event_tasks: int = 10_000
+    max_event_streams: int = 1_000
+    event_keepalive_s: float = 15.0
     max_tasks_per_request: int = 10_000
     max_params_bytes: int = 64 * 1024
     max_list_limit: int = 1_000
@@ -82,6 +87,60 @@ class Binary(bytes):
     # Extra response headers (lowercase names), set on an instance when needed.
     headers: tuple[tuple[bytes, bytes], ...] = ()
     content_type: bytes = b"application/octet-stream"
+
+
+class Stream(Binary):
+    """A response sent while it is produced (server-sent events): ``chunks`` are sent as
+    they come, each as its own body message, until they end or the client disconnects;
+    then ``close`` runs, whichever happened (see :func:`send_stream`)."""
+
+    content_type = b"text/event-stream"
+    chunks: AsyncIterator[bytes]
+    close: Callable[[], None]
+
+    @classmethod
+    def of(cls, chunks: AsyncIterator[bytes], close: Callable[[], None]) -> Stream:
+        stream = cls()
+        stream.chunks = chunks
+        stream.close = close
+        return stream
+
+
+async def send_stream(status: int, stream: Stream, receive: Receive, send: Send) -> None:
+    """Send ``stream`` as an ASGI response: chunked, one body message per chunk, ended
+    cleanly when its chunks end, abandoned when the client disconnects first."""
+
+    async def pump() -> None:
+        headers = [
+            (b"content-type", stream.content_type),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),  # a proxy in front must not hold events back
+            *stream.headers,
+        ]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        async for chunk in stream.chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    pumping = asyncio.ensure_future(pump())
+    watching = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((pumping, watching), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (pumping, watching):
+            task.cancel()
+        await asyncio.gather(pumping, watching, return_exceptions=True)
+        aclose = getattr(stream.chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        stream.close()
+    error = None if pumping.cancelled() else pumping.exception()
+    if error is not None:
+        raise error  # mid-response: uvicorn logs it and cuts the connection
 
 
 class HttpError(Exception):

@@ -1,19 +1,21 @@
-"""What the handlers share: the node, the configuration, the stores, the cluster view and
-the long-poll waiters. One ApiContext per ApiApp; every handler takes it first."""
+"""What the handlers share: the node, the configuration, the stores, the cluster view, the
+long-poll waiters and the task-event streams' subscriptions. One ApiContext per ApiApp;
+every handler takes it first."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from msgspec import UnsetType
 
 from broker.api import api_models as m
-from broker.api.common import ApiConfig, ClusterView, HttpError, Request
+from broker.api.common import ApiConfig, ClusterView, HttpError, Request, json_encoder, task_view
 from broker.api.output_store import OutputStore
 from broker.artifacts.code_store import CodeStore, UploadChecker
 from broker.core import entries as e
 from broker.core.effects import Applied
+from broker.core.state import FINAL_STATES
 from broker.observability import dashboard
 from broker.replication.node import Node
 from broker.security.auth import Role as CallerRole
@@ -61,6 +63,84 @@ class TaskWaiters:
                     waiter.set_result(None)
 
 
+def task_event(view: bytes, position: tuple[int, int] | None) -> bytes:
+    """One server-sent event: a task's view, with the log position of the entry that made it
+    final as its id when known (docs/API.md, Task events)."""
+    event_id = b"" if position is None else b"id: %d:%d\n" % position
+    return b"event: task\n" + event_id + b"data: " + view + b"\n\n"
+
+
+class EventSubscription:
+    """One event stream's tasks: the events ready to send, the tasks it still waits for,
+    and the event set when more are ready."""
+
+    __slots__ = ("closed", "pending", "ready", "wake")
+
+    def __init__(self) -> None:
+        self.ready: list[bytes] = []
+        self.pending: set[int] = set()
+        self.wake = asyncio.Event()
+        self.closed = False
+
+
+class TaskEvents:
+    """The task-event streams' subscriptions, fed by the effects of every applied entry
+    (one event source, on the leader and on followers alike: docs/DESIGN.md §1)."""
+
+    def __init__(self, node: Node) -> None:
+        self._node = node
+        self.watchers: dict[int, list[EventSubscription]] = {}
+        self.streams = 0  # open subscriptions
+        node.listeners.append(self._on_applied)
+
+    def subscribe(self, task_ids: Iterable[int]) -> EventSubscription:
+        """Watch ``task_ids`` (each must exist): an event is ready at once for each one
+        already final (its position unknown), the others are watched. Synchronous, so no
+        entry is applied between the look and the watch."""
+        state = self._node.state
+        subscription = EventSubscription()
+        for task_id in task_ids:
+            task = state.tasks[task_id]
+            if task.state in FINAL_STATES:
+                view = json_encoder.encode(task_view(task, state.tree(task_id)))
+                subscription.ready.append(task_event(view, None))
+            else:
+                self.watchers.setdefault(task_id, []).append(subscription)
+                subscription.pending.add(task_id)
+        self.streams += 1
+        return subscription
+
+    def unsubscribe(self, subscription: EventSubscription) -> None:
+        if subscription.closed:
+            return
+        subscription.closed = True
+        self.streams -= 1
+        for task_id in subscription.pending:
+            watching = self.watchers.get(task_id)
+            if watching is not None and subscription in watching:
+                watching.remove(subscription)
+                if not watching:
+                    del self.watchers[task_id]
+        subscription.pending.clear()
+
+    def _on_applied(self, entry: e.Entry, applied: Applied) -> None:
+        if not self.watchers:
+            return  # the apply path pays one test when nobody streams
+        state = self._node.state
+        # The applier sets the node's position to the entry's before it calls listeners.
+        position = self._node.position
+        for task_id in applied.final_ids:
+            watching = self.watchers.pop(task_id, None)
+            task = state.tasks.get(task_id) if watching else None
+            if watching is None or task is None:
+                continue
+            event = task_event(json_encoder.encode(task_view(task, state.tree(task_id))), position)
+            for subscription in watching:
+                subscription.ready.append(event)
+                subscription.pending.discard(task_id)
+                subscription.wake.set()
+
+
 class ApiContext:
     """The broker as the handlers see it."""
 
@@ -80,6 +160,7 @@ class ApiContext:
         self.upload_checker = UploadChecker(config.artifact_limits)
         self.cluster_view = cluster
         self.waiters = TaskWaiters(node)
+        self.events = TaskEvents(node)
         # The dashboard's throughput series, counted from the entries this broker applies.
         self.throughput = dashboard.ThroughputRecorder(node)
         # The OpenAPI document (ApiApp sets it: it is generated from the route table).

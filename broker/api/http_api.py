@@ -30,11 +30,13 @@ from broker.api.common import (
     Request,
     Scope,
     Send,
+    Stream,
     artifact_view,
     error_bytes,
     iso_ms,
     json_encoder,
     parse_query,
+    send_stream,
     task_view,
     token_view,
     tree_view,
@@ -155,6 +157,9 @@ class ApiApp:
             status, body = 500, error_bytes("internal", "internal error; see the broker log")
         content_type = JSON_TYPE
         if isinstance(body, Binary):
+            if isinstance(body, Stream):
+                await send_stream(status, body, receive, send)
+                return
             content_type = body.content_type
             if body.headers:
                 extra_headers = body.headers

@@ -19,6 +19,7 @@ from broker.api import (
     handlers_cluster,
     handlers_code,
     handlers_dashboard,
+    handlers_events,
     handlers_tasks,
     handlers_tenants,
     handlers_tokens,
@@ -193,6 +194,28 @@ ROUTES: Final[tuple[Route, ...]] = (
     Route("GET", "/api/v1/tasks/recent", TENANT, handlers_tasks.recent_tasks,
           "Search tasks, newest first (paginate with before)", {200: _json(m.RecentTaskList)},
           params=(*_TASK_FILTERS, _query("before", _ids(1)))),
+    Route("GET", "/api/v1/events", TENANT, handlers_events.task_events,
+          "Server-sent events: each named task once it is final (text/event-stream)",
+          {200: Content(None, "The event stream (docs/API.md, Task events)",
+                        ("text/event-stream",)),
+           503: _json(m.ErrorBody, "Too many event streams on this broker; retry later")},
+          params=(
+              _query("tasks", {"type": "string", "pattern": r"^\d{1,18}(,\d{1,18})*$"},
+                     True),
+              _query("wait_s", lambda config: {
+                  "type": "number", "minimum": 0, "maximum": config.max_wait_s}),
+          ),
+          description=(
+              "For each task named in tasks (comma-separated ids, at most "
+              "max_event_tasks, default 10,000; each must be one the caller may GET, "
+              "else 404 before the stream starts): one 'task' event whose data is the "
+              "task's view as GET /api/v1/tasks/{id} returns it, at once for a task "
+              "already final, else when it becomes final; its id is the log position "
+              "(ledger:entry) of the entry that made it final, absent for tasks "
+              "already final when the stream opened. A ': keep-alive' comment every "
+              "15 s; the stream ends once every task was reported, or after wait_s "
+              "(default 60). Served by followers too."
+          )),
     # --- transactions ------------------------------------------------------------------
     Route("POST", "/api/v1/transactions", TENANT_WRITE,
           handlers_transactions.begin_transaction, "Begin a transaction",

@@ -6,23 +6,28 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
+
+import msgspec
 
 from clients.client.encoding import _list_query, _logs_query, _task_body, _task_query
 from clients.client.errors import StewardError, _error_for
-from clients.client.routing import _idempotency_headers
+from clients.client.routing import _idempotency_header
+from clients.client.transport import request_target
 
 H = TypeVar("H")
+_JSON_HEADER: Final = "Content-Type: application/json\r\n"
+_encode_json = msgspec.json.Encoder().encode
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Request:
     method: str
     path: str
     json: Any = None
     params: dict[str, Any] | None = None
     content: bytes | None = None
-    headers: dict[str, str] | None = None
+    headers: str = ""  # header lines (each ending in CRLF) of this call only
     timeout_s: float | None = None  # None: the client's own timeout
     leader: bool = False  # a read only the leader can answer (a follower redirects it)
     field: str | None = None  # return this field of the answer instead of all of it
@@ -32,14 +37,12 @@ class Request:
         """Whether it follows the leader and retries like a write."""
         return self.method != "GET" or self.leader
 
-    def send_options(self) -> dict[str, Any]:
-        """The keyword arguments of ``httpx.Client.request`` (and the async one's)."""
-        return {
-            "json": self.json,
-            "params": self.params,
-            "content": self.content,
-            "headers": self.headers,
-        }
+    def wire(self, client_headers: str) -> tuple[str, bytes | None, str]:
+        """What every try sends: the request target, the body, the header lines."""
+        target = request_target(self.path, self.params)
+        if self.json is not None:
+            return target, _encode_json(self.json), client_headers + _JSON_HEADER + self.headers
+        return target, self.content, client_headers + self.headers
 
     def decode(self, answer: Any) -> Any:
         return answer if self.field is None else answer[self.field]
@@ -68,7 +71,7 @@ def submit(
         "POST",
         "/api/v1/tasks",
         json=_task_body(type, params, tenant, options),
-        headers=_idempotency_headers(idempotency_key),
+        headers=_idempotency_header(idempotency_key),
     )
 
 
@@ -77,7 +80,7 @@ def submit_many(tasks: list[dict[str, Any]], idempotency_key: str | None) -> Req
         "POST",
         "/api/v1/tasks",
         json={"tasks": tasks},
-        headers=_idempotency_headers(idempotency_key),
+        headers=_idempotency_header(idempotency_key),
         field="tasks",
     )
 

@@ -4,24 +4,39 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from clients.client import api_calls as calls
 from clients.client.api_calls import Request
+from clients.client.async_producer import AsyncProducer
+from clients.client.async_transport import AsyncTransport
 from clients.client.encoding import _Handle, _result_of, _Transaction, _tree_result_of, _Waiting
 from clients.client.errors import StewardError, _raise_for
+from clients.client.events import (
+    BROKEN_PAUSE_S,
+    EVENTS_PATH,
+    EventWait,
+    SseParser,
+    StreamBrokenError,
+    task_ids_of,
+)
+from clients.client.producing import (
+    DEFAULT_LINGER_MS,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_BLOCK_S,
+    DEFAULT_MAX_BUFFERED,
+)
 from clients.client.routing import (
     DEFAULT_FAILOVER_TIMEOUT_S,
     _Call,
+    _client_headers,
     _ClientBase,
-    _http_options,
-    _timeout,
+    _verify,
 )
+from clients.client.transport import TransportError, describe, request_target
 
 
 class AsyncTaskHandle(_Handle["AsyncStewardClient"]):
@@ -59,7 +74,9 @@ class AsyncTransaction(_Transaction["AsyncStewardClient", AsyncTaskHandle]):
 
 
 class AsyncStewardClient(_ClientBase):
-    """The asyncio twin of :class:`StewardClient` (same failover and retries)."""
+    """The asyncio twin of :class:`StewardClient` (same failover and retries). Coroutines
+    may share one client: each request takes an idle kept-alive connection to its broker
+    or opens one."""
 
     def __init__(
         self,
@@ -71,10 +88,25 @@ class AsyncStewardClient(_ClientBase):
         token: str | None = None,
     ) -> None:
         super().__init__(url, timeout_s, failover_timeout_s)
-        self._http = httpx.AsyncClient(**_http_options(timeout_s, ca_file, token))
+        # Built once (loading the trust store takes ~30 ms): clones share it.
+        verify = _verify(ca_file)
+        self._options: dict[str, Any] = {
+            "timeout_s": timeout_s,
+            "ca_file": verify,
+            "failover_timeout_s": failover_timeout_s,
+            "token": token,
+        }
+        self._headers = _client_headers(token)
+        self._transport = AsyncTransport(verify)
+
+    def _clone(self) -> AsyncStewardClient:
+        """A new client (its own connections) to the same brokers, with the same settings."""
+        clone = AsyncStewardClient(self.urls, **self._options)
+        clone._router.leader = self._router.leader
+        return clone
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        self._transport.close()
 
     async def __aenter__(self) -> AsyncStewardClient:
         return self
@@ -84,14 +116,16 @@ class AsyncStewardClient(_ClientBase):
 
     async def _send(self, request: Request) -> Any:
         call = _Call(self._router, write=request.write)
-        timeout = _timeout(request.timeout_s or self._timeout_s)
+        timeout_s = request.timeout_s or self._timeout_s
+        method = request.method
+        target, body, headers = request.wire(self._headers)
         while True:
             base = call.target()
             try:
-                response = await self._http.request(
-                    request.method, base + request.path, **request.send_options(), timeout=timeout
+                response = await self._transport.request(
+                    base, method, target, body, headers, timeout_s
                 )
-            except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            except TransportError as exc:
                 pause_s = call.failed(base, exc)
             else:
                 answer_pause_s = call.answered(base, response)
@@ -100,6 +134,71 @@ class AsyncStewardClient(_ClientBase):
                 pause_s = answer_pause_s
             if pause_s > 0:
                 await asyncio.sleep(pause_s)
+
+    async def _stream_lines(
+        self, path: str, params: dict[str, Any], timeout_s: float
+    ) -> AsyncIterator[bytes]:
+        """As :meth:`StewardClient._stream_lines`."""
+        call = _Call(self._router, write=True)
+        target = request_target(path, params)
+        while True:
+            base = call.target()
+            try:
+                stream = await self._transport.stream(base, target, self._headers, timeout_s)
+            except TransportError as exc:
+                pause_s = call.failed(base, exc)
+            else:
+                if stream.parser.status == 200:
+                    try:
+                        async for line in stream.lines():
+                            yield line + b"\n"
+                    except TransportError as exc:
+                        raise StreamBrokenError(base, describe(exc)) from exc
+                    return
+                try:
+                    response = await stream.rest()
+                except TransportError as exc:
+                    raise StreamBrokenError(base, describe(exc)) from exc
+                answer_pause_s = call.answered(base, response)
+                if answer_pause_s is None:
+                    _raise_for(response)
+                    raise StreamBrokenError(base, f"HTTP {response.status}")
+                pause_s = answer_pause_s
+            if pause_s > 0:
+                await asyncio.sleep(pause_s)
+
+    async def iter_finished(
+        self,
+        tasks: Iterable[Any],
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> AsyncIterator[dict[str, Any]]:
+        """As :meth:`StewardClient.iter_finished`."""
+        wait = EventWait(task_ids_of(tasks), timeout, asyncio.get_running_loop().time)
+        while not wait.done:
+            query, read_timeout_s = wait.next_stream()
+            parser = SseParser()
+            seen = len(wait.finished)
+            try:
+                async for piece in self._stream_lines(EVENTS_PATH, query, read_timeout_s):
+                    for event in parser.feed(piece):
+                        record = wait.on_event(event)
+                        if record is not None:
+                            yield record
+            except StreamBrokenError:
+                await asyncio.sleep(BROKEN_PAUSE_S)
+            else:
+                if len(wait.finished) == seen:  # an empty stream: no busy loop of them
+                    await asyncio.sleep(BROKEN_PAUSE_S)
+
+    async def wait_many(
+        self,
+        tasks: Iterable[Any],
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> dict[int, dict[str, Any]]:
+        """As :meth:`StewardClient.wait_many`."""
+        ids = task_ids_of(tasks)
+        found = {int(record["id"]): record async for record in self.iter_finished(ids, timeout)}
+        return {task_id: found[task_id] for task_id in ids}
 
     async def submit(
         self,
@@ -119,6 +218,24 @@ class AsyncStewardClient(_ClientBase):
         answers = await self._send(calls.submit_many(tasks, idempotency_key))
         return calls.handles_or_errors(
             answers, lambda task_id, state: AsyncTaskHandle(self, task_id, state)
+        )
+
+    def producer(
+        self,
+        *,
+        linger_ms: float = DEFAULT_LINGER_MS,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_buffered: int = DEFAULT_MAX_BUFFERED,
+        max_block_s: float = DEFAULT_MAX_BLOCK_S,
+    ) -> AsyncProducer:
+        """As :meth:`StewardClient.producer`: ``async with client.producer() as p``, then
+        ``future = await p.submit(...)`` and ``handle = await future``."""
+        return AsyncProducer(
+            self,
+            linger_ms=linger_ms,
+            max_batch=max_batch,
+            max_buffered=max_buffered,
+            max_block_s=max_block_s,
         )
 
     async def task(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
+from clients.client.transport import Response
 
 
 class StewardError(Exception):
@@ -114,23 +114,21 @@ def _error_for(status: int, code: str, message: str) -> StewardError:
     return InvalidRequestError(status, code, message)
 
 
-def _raise_for(response: httpx.Response) -> Any:
+def _raise_for(response: Response) -> Any:
     try:
         body = response.json()
     except ValueError:
         body = None
     # 3xx too: a redirect the client did not follow is no answer to use.
-    if response.status_code >= 300:
+    if response.status >= 300:
         detail = body.get("error") if isinstance(body, dict) else None
         if isinstance(detail, dict):
-            raise _error_for(
-                response.status_code, str(detail.get("code")), str(detail.get("message"))
-            )
-        raise _error_for(response.status_code, "http_error", response.text[:200])
+            raise _error_for(response.status, str(detail.get("code")), str(detail.get("message")))
+        raise _error_for(response.status, "http_error", response.text[:200])
     return body
 
 
-def _error_detail(response: httpx.Response) -> dict[str, Any]:
+def _error_detail(response: Response) -> dict[str, Any]:
     """The ``error`` object of an error answer ({} when there is none)."""
     try:
         body = response.json()

@@ -1,18 +1,16 @@
 """Leader-following and retries shared by the sync and async clients: which broker gets
 the next request, what to do after each answer or transport error (no IO here), and the
-httpx settings both clients use."""
+settings both clients' transports use."""
 
 from __future__ import annotations
 
+import os
 import random
 import ssl
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final
-
-import httpx
+from typing import Final
 
 from broker.security.auth import bearer_headers
 from broker.security.tls import certificate_error, client_context, describe_certificate_error
@@ -24,10 +22,9 @@ from clients.client.errors import (
     UnavailableError,
     _error_detail,
 )
+from clients.client.transport import InvalidURLError, Response, header_value
 
 DEFAULT_FAILOVER_TIMEOUT_S: Final = 30.0
-# A dead broker that drops packets must not use up the whole failover time.
-_CONNECT_TIMEOUT_S: Final = 5.0
 _BACKOFF_MIN_S: Final = 0.1
 _BACKOFF_MAX_S: Final = 2.0
 
@@ -41,13 +38,12 @@ def parse_urls(url: str | Sequence[str]) -> list[str]:
     return urls
 
 
-def _timeout(timeout_s: float) -> httpx.Timeout:
-    return httpx.Timeout(timeout_s, connect=min(timeout_s, _CONNECT_TIMEOUT_S))
-
-
-def _idempotency_headers(key: str | None) -> dict[str, str]:
-    # One key per call, sent on every try: the broker creates the tasks once.
-    return {"Idempotency-Key": key if key is not None else uuid.uuid4().hex}
+def _idempotency_header(key: str | None) -> str:
+    # One key per call, sent on every try: the broker creates the tasks once. 128 random
+    # bits (a uuid4 has 122), without building a UUID.
+    if key is None:
+        return f"Idempotency-Key: {os.urandom(16).hex()}\r\n"
+    return f"Idempotency-Key: {header_value(key, 'idempotency_key')}\r\n"
 
 
 def _verify(ca_file: str | Path | ssl.SSLContext | None) -> ssl.SSLContext:
@@ -58,17 +54,12 @@ def _verify(ca_file: str | Path | ssl.SSLContext | None) -> ssl.SSLContext:
     return client_context(ca_file)
 
 
-def _http_options(
-    timeout_s: float, ca_file: str | Path | ssl.SSLContext | None, token: str | None
-) -> dict[str, Any]:
-    """The settings of both clients' httpx client. Redirects are followed by hand: only
-    not_leader ones, and the leader is remembered."""
-    return {
-        "timeout": _timeout(timeout_s),
-        "follow_redirects": False,
-        "headers": bearer_headers(token),
-        "verify": _verify(ca_file),
-    }
+def _client_headers(token: str | None) -> str:
+    """The header lines every request of a client carries (the bearer token)."""
+    return "".join(
+        f"{name}: {header_value(value, 'token')}\r\n"
+        for name, value in bearer_headers(token).items()
+    )
 
 
 class _ClientBase:
@@ -136,7 +127,7 @@ class _Call:
 
     def failed(self, base: str, exc: Exception) -> float:
         error = ConnectionFailedError(base, str(exc) or type(exc).__name__)
-        if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL):
+        if isinstance(exc, InvalidURLError):
             raise error from exc  # a malformed URL does not get better
         cert_error = certificate_error(exc)
         if cert_error is not None:  # nor does a certificate we do not trust
@@ -148,9 +139,10 @@ class _Call:
             return 0.0
         return self._pause(error)
 
-    def answered(self, base: str, response: httpx.Response) -> float | None:
-        """None: this response is the answer (success or an error to raise)."""
-        status = response.status_code
+    def answered(self, base: str, response: Response) -> float | None:
+        """None: this response is the answer (success or an error to raise). Redirects
+        are followed here, by hand: only not_leader ones, and the leader is remembered."""
+        status = response.status
         if not self.write or (status < 300 and status != 503):
             return None
         detail = _error_detail(response)
@@ -166,7 +158,7 @@ class _Call:
                     return 0.0
         elif not (status == 503 or detail.get("retryable") is True or code == "not_leader"):
             return None
-        error = UnavailableError(status, code, str(detail.get("message", response.reason_phrase)))
+        error = UnavailableError(status, code, str(detail.get("message", response.reason)))
         self.router.failed(base)
         return self._pause(error)
 

@@ -4,23 +4,42 @@ from __future__ import annotations
 
 import ssl
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from clients.client import api_calls as calls
 from clients.client.api_calls import Request
 from clients.client.encoding import _Handle, _result_of, _Transaction, _tree_result_of, _Waiting
 from clients.client.errors import StewardError, _raise_for
+from clients.client.events import (
+    BROKEN_PAUSE_S,
+    EVENTS_PATH,
+    EventWait,
+    SseParser,
+    StreamBrokenError,
+    task_ids_of,
+)
+from clients.client.producer import Producer
+from clients.client.producing import (
+    DEFAULT_LINGER_MS,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_BLOCK_S,
+    DEFAULT_MAX_BUFFERED,
+)
 from clients.client.routing import (
     DEFAULT_FAILOVER_TIMEOUT_S,
     _Call,
+    _client_headers,
     _ClientBase,
-    _http_options,
-    _timeout,
+    _verify,
+)
+from clients.client.transport import (
+    SyncTransport,
+    TransportError,
+    describe,
+    request_target,
 )
 
 
@@ -77,6 +96,9 @@ class StewardClient(_ClientBase):
     trying other brokers (or waiting for a leader) before FailoverTimeoutError.
     ``token``: the API token sent as ``Authorization: Bearer`` (brokers with
     authentication on answer 401 without one).
+
+    It keeps one connection alive per broker and is not thread-safe: give each thread
+    its own client.
     """
 
     def __init__(
@@ -89,10 +111,25 @@ class StewardClient(_ClientBase):
         token: str | None = None,
     ) -> None:
         super().__init__(url, timeout_s, failover_timeout_s)
-        self._http = httpx.Client(**_http_options(timeout_s, ca_file, token))
+        # Built once (loading the trust store takes ~30 ms): clones share it.
+        verify = _verify(ca_file)
+        self._options: dict[str, Any] = {
+            "timeout_s": timeout_s,
+            "ca_file": verify,
+            "failover_timeout_s": failover_timeout_s,
+            "token": token,
+        }
+        self._headers = _client_headers(token)
+        self._transport = SyncTransport(verify)
+
+    def _clone(self) -> StewardClient:
+        """A new client (its own connections) to the same brokers, with the same settings."""
+        clone = StewardClient(self.urls, **self._options)
+        clone._router.leader = self._router.leader
+        return clone
 
     def close(self) -> None:
-        self._http.close()
+        self._transport.close()
 
     def __enter__(self) -> StewardClient:
         return self
@@ -102,14 +139,14 @@ class StewardClient(_ClientBase):
 
     def _send(self, request: Request) -> Any:
         call = _Call(self._router, write=request.write)
-        timeout = _timeout(request.timeout_s or self._timeout_s)
+        timeout_s = request.timeout_s or self._timeout_s
+        method = request.method
+        target, body, headers = request.wire(self._headers)
         while True:
             base = call.target()
             try:
-                response = self._http.request(
-                    request.method, base + request.path, **request.send_options(), timeout=timeout
-                )
-            except (httpx.HTTPError, httpx.InvalidURL) as exc:
+                response = self._transport.request(base, method, target, body, headers, timeout_s)
+            except TransportError as exc:
                 pause_s = call.failed(base, exc)
             else:
                 answer_pause_s = call.answered(base, response)
@@ -119,7 +156,77 @@ class StewardClient(_ClientBase):
             if pause_s > 0:
                 time.sleep(pause_s)
 
+    def _stream_lines(self, path: str, params: dict[str, Any], timeout_s: float) -> Iterator[bytes]:
+        """The event streams' IO: GET ``path`` on a connection of its own, tried like a
+        write (the leader once known, the next URL, backoff, for at most
+        ``failover_timeout_s``); raise an error answer's error; yield the body line by
+        line as it arrives (each ending in a newline). ``timeout_s`` bounds each wait for
+        more bytes. A stream that breaks raises StreamBrokenError."""
+        call = _Call(self._router, write=True)
+        target = request_target(path, params)
+        while True:
+            base = call.target()
+            try:
+                stream = self._transport.stream(base, target, self._headers, timeout_s)
+                head = stream.open()
+            except TransportError as exc:
+                pause_s = call.failed(base, exc)
+            else:
+                if head.status == 200:
+                    try:
+                        for line in stream.lines():
+                            yield line + b"\n"
+                    except TransportError as exc:
+                        raise StreamBrokenError(base, describe(exc)) from exc
+                    return
+                try:
+                    response = stream.rest()
+                except TransportError as exc:
+                    raise StreamBrokenError(base, describe(exc)) from exc
+                answer_pause_s = call.answered(base, response)
+                if answer_pause_s is None:
+                    _raise_for(response)
+                    raise StreamBrokenError(base, f"HTTP {response.status}")
+                pause_s = answer_pause_s
+            if pause_s > 0:
+                time.sleep(pause_s)
+
     # tasks
+
+    def iter_finished(
+        self, tasks: Iterable[Any], timeout: float | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """Each task's record (``tasks``: handles or ids) as it becomes final, in that
+        order, from the broker's event stream (``GET /api/v1/events``; reopened, on
+        another broker if need be, for the tasks not seen yet when it ends or breaks).
+        Raises WaitTimeoutError when ``timeout`` is over first."""
+        wait = EventWait(task_ids_of(tasks), timeout, time.monotonic)
+        while not wait.done:
+            query, read_timeout_s = wait.next_stream()
+            parser = SseParser()
+            seen = len(wait.finished)
+            try:
+                for piece in self._stream_lines(EVENTS_PATH, query, read_timeout_s):
+                    for event in parser.feed(piece):
+                        record = wait.on_event(event)
+                        if record is not None:
+                            yield record
+            except StreamBrokenError:
+                time.sleep(BROKEN_PAUSE_S)
+            else:
+                if len(wait.finished) == seen:  # an empty stream: no busy loop of them
+                    time.sleep(BROKEN_PAUSE_S)
+
+    def wait_many(
+        self, tasks: Iterable[Any], timeout: float | None = None
+    ) -> dict[int, dict[str, Any]]:
+        """Wait until every task (handles or ids) is final, on one event stream instead
+        of a long poll each; their records by id, in the order given. Raises
+        WaitTimeoutError (a TaskTimeoutError naming those not final, with the records of
+        the others) when ``timeout`` is over first."""
+        ids = task_ids_of(tasks)
+        found = {int(record["id"]): record for record in self.iter_finished(ids, timeout)}
+        return {task_id: found[task_id] for task_id in ids}
 
     def submit(
         self,
@@ -132,7 +239,7 @@ class StewardClient(_ClientBase):
     ) -> TaskHandle:
         """Submit one task. Options: slot, max_attempts, deadline, start_after,
         resources, transaction, code, track_tree, tree_timeout_s. Retried safely under
-        ``idempotency_key`` (default: a new uuid4 per call)."""
+        ``idempotency_key`` (default: 128 new random bits per call)."""
         answer = self._send(calls.submit(type, params, tenant, idempotency_key, options))
         return TaskHandle(self, int(answer["id"]), str(answer["state"]))
 
@@ -143,6 +250,25 @@ class StewardClient(_ClientBase):
         answers = self._send(calls.submit_many(tasks, idempotency_key))
         return calls.handles_or_errors(
             answers, lambda task_id, state: TaskHandle(self, task_id, state)
+        )
+
+    def producer(
+        self,
+        *,
+        linger_ms: float = DEFAULT_LINGER_MS,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_buffered: int = DEFAULT_MAX_BUFFERED,
+        max_block_s: float = DEFAULT_MAX_BLOCK_S,
+    ) -> Producer:
+        """A pipelining producer: ``p.submit(...)`` returns a future at once; batches of up
+        to ``max_batch`` go ``linger_ms`` after the first one waiting (docs/API.md,
+        "Pipelining producer"). Use it in a ``with`` block (exit flushes)."""
+        return Producer(
+            self,
+            linger_ms=linger_ms,
+            max_batch=max_batch,
+            max_buffered=max_buffered,
+            max_block_s=max_block_s,
         )
 
     def task(self, task_id: int, *, wait_s: float = 0.0, wait_tree: bool = False) -> dict[str, Any]:

@@ -296,6 +296,30 @@ class TaskProcessPool:
         return oldest
 
     def _start(self, key: tuple[str, int], identity: TaskIdentity) -> TaskProcess:
+        """A new task process, ready. One that dies before it is ready is replaced once:
+        a crash at start is seen rarely under load (a gRPC abort in the background import
+        of the Spark client), and it should not fail the task it was started for."""
+        for tries_left in (1, 0):
+            process = self._spawn(key, identity)
+            if process.wait_ready(_START_TIMEOUT_S):
+                break
+            crashed = not process.alive
+            process.retire()
+            tail = process._output.take_all().decode(errors="replace")[-2000:].strip()
+            if crashed and tries_left:
+                logger.warning("a task process died while starting; starting another: %s", tail)
+                continue
+            raise TaskProcessError(
+                f"a task process as uid {identity.uid} did not start: {tail}"
+                f" (the task user must be able to run {self.python} and read {PROJECT_ROOT};"
+                " see docs/SECURITY.md, 'Task processes')"
+            )
+        with self._lock:
+            self.started += 1
+        logger.debug("started task process %d for %s as uid %d", process.pid, key, identity.uid)
+        return process
+
+    def _spawn(self, key: tuple[str, int], identity: TaskIdentity) -> TaskProcess:
         home = self.work.home(identity)
         workdir = self.work.make_attempt_dir(identity)
         marker_token = f"steward-attempt-end-{secrets.token_hex(8)}"
@@ -357,17 +381,6 @@ class TaskProcessPool:
             max_output_bytes=self.limits.max_output_bytes,
         )
         self._dispatcher.add(process)
-        if not process.wait_ready(_START_TIMEOUT_S):
-            process.retire()
-            tail = process._output.take_all().decode(errors="replace")[-2000:]
-            raise TaskProcessError(
-                f"a task process as uid {identity.uid} did not start: {tail.strip()}"
-                f" (the task user must be able to run {self.python} and read {PROJECT_ROOT};"
-                " see docs/SECURITY.md, 'Task processes')"
-            )
-        with self._lock:
-            self.started += 1
-        logger.debug("started task process %d for %s as uid %d", process.pid, key, identity.uid)
         return process
 
     def _reap_loop(self) -> None:

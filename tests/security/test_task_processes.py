@@ -544,3 +544,33 @@ def test_tasks_queued_behind_a_crash_run_elsewhere(rt: Runtime) -> None:
     for task_id in (4, 5, 6):  # queued behind it in the same process: never started there
         rt.result(task_id)
         assert rt.runtime.output((task_id, 1)) == f"task {task_id}\n".encode()
+
+
+def _python_that_crashes_once(root: Path) -> tuple[Path, Path]:
+    """A task python whose first start dies before it is ready (as a gRPC abort in the
+    background Spark import once did), and every later one is the real python."""
+    root.mkdir(mode=0o755)
+    shared = root / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)  # task users (dynamic uids under root) leave the marker
+    marker = shared / "crashed"
+    python = root / "python3"
+    python.write_text(
+        f'#!/bin/sh\nif [ ! -e "{marker}" ]; then : > "{marker}"; echo "crash at start" >&2;'
+        f' exit 7; fi\nexec "{sys.executable}" "$@"\n'
+    )
+    python.chmod(0o755)
+    return python, marker
+
+
+def test_a_task_process_that_dies_while_starting_is_replaced_once(tmp_path: Path) -> None:
+    work_root = _work_root(tmp_path)
+    python, marker = _python_that_crashes_once(work_root.parent / "bin")
+    rt = Runtime(tmp_path, work_dir=work_root, task_python=str(python))
+    try:
+        rt.start(1, "job:whoami")
+        assert rt.result(1)["tenant"] == "alice"
+        assert marker.exists()  # the first process did die
+        assert rt.runtime.processes is not None and rt.runtime.processes.started == 1
+    finally:
+        rt.close()

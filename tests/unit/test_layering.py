@@ -136,9 +136,11 @@ RULES: tuple[Rule, ...] = (
     # --- clients/ --------------------------------------------------------------------------
     Rule("clients", (), why="the root package holds no code", exact=True),
     Rule("clients.progress", ()),
-    # The package: errors, routing (leader-following, retries), encoding, sync and async.
-    Rule("clients.client", ("broker.security",),
-         why="the Python client speaks HTTP; it shares only credentials and TLS"),
+    # The package: errors, routing (leader-following, retries), encoding, transport (its own
+    # HTTP/1.1 client, sync and asyncio), sync and async, the producers.
+    Rule("clients.client", ("broker.security", "broker.api.api_models"),
+         why="the Python client speaks HTTP; it shares credentials, TLS and the API's "
+             "request models (the producer checks a task as the broker decodes it)"),
     Rule("clients.worker", (*_BROKER_SHARED_WITH_CLIENTS, "log.private_fs"),
          why="a worker shares the wire protocol and checks with the broker, nothing else"),
     Rule("clients.dev", ("broker.security", "clients.worker.sandbox"),

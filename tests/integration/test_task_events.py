@@ -1,0 +1,101 @@
+"""Task events on a real broker with a real worker process: the clients' ``wait_many`` and
+``iter_finished`` get every task once, in the order they finish, also when the stream's
+connection is cut in the middle (the client reopens it for the rest)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from clients.client import AsyncStewardClient, NotFoundError, StewardClient, WaitTimeoutError
+from tests.support.procs import HOST, BrokerProcess, free_port
+from tests.support.worker_procs import TcpProxy, WorkerProcess
+
+
+@dataclass
+class Served:
+    url: str
+    proxy: TcpProxy  # to the broker's HTTP port
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("events")
+    worker_port = free_port()
+    broker = BrokerProcess(
+        root / "data",
+        log_path=root / "broker.log",
+        extra_args=("--worker-listen", f"{HOST}:{worker_port}"),
+    )
+    broker.start()
+    worker = WorkerProcess(
+        broker=f"{HOST}:{worker_port}",
+        http_url=broker.url,
+        worker_id="events-worker",
+        log_dir=root,
+        cache_dir=root / "cache",
+        extra_args=("--task-type", "*=8"),
+    ).start()
+    proxy = TcpProxy((HOST, broker.port))
+    try:
+        with httpx.Client(base_url=broker.url) as http:
+            worker.wait_connected(http)
+        yield Served(broker.url, proxy)
+    finally:
+        proxy.close()
+        worker.stop()
+        broker.kill9()
+
+
+def test_wait_many_and_iter_finished(served: Served) -> None:
+    with StewardClient(served.url) as client:
+        slow = [client.submit("sleep", {"seconds": s}, tenant="ev") for s in (0.6, 0.3, 0.0)]
+        failing = client.submit("fail", {"message": "kaput"}, tenant="ev")
+        order = [record["id"] for record in client.iter_finished([*slow, failing], timeout=30)]
+        assert order[-2:] == [slow[1].id, slow[0].id]  # the slow ones finish last, in order
+        assert sorted(order) == sorted([h.id for h in (*slow, failing)])
+        records = client.wait_many([failing, *slow], timeout=30)  # all final: at once
+        assert list(records) == [failing.id, *(h.id for h in slow)]
+        assert records[failing.id]["state"] == "error"
+        assert "kaput" in records[failing.id]["error"]
+        assert records[slow[0].id] == {**client.task(slow[0].id)}
+        assert records[slow[0].id]["result"] == {"slept": 0.6}
+        stuck = client.submit("sleep", {"seconds": 30}, tenant="ev")
+        started = time.monotonic()
+        with pytest.raises(WaitTimeoutError) as info:
+            client.wait_many([slow[0], stuck], timeout=0.5)
+        assert time.monotonic() - started < 10
+        assert info.value.task_ids == [stuck.id] and list(info.value.finished) == [slow[0].id]
+        stuck.cancel()
+        with pytest.raises(NotFoundError):
+            client.wait_many([stuck.id + 10_000], timeout=5)
+
+
+def test_a_cut_stream_is_reopened_for_the_rest(served: Served) -> None:
+    proxied = f"http://{served.proxy.address}"
+    with StewardClient(served.url) as client:
+        handles = [
+            client.submit("sleep", {"seconds": 0.2 + 0.4 * i}, tenant="ev") for i in range(4)
+        ]
+    connections = served.proxy.connections
+    seen: list[int] = []
+    with StewardClient(proxied) as client:
+        for record in client.iter_finished(handles, timeout=30):
+            seen.append(record["id"])
+            if len(seen) == 1:
+                served.proxy.cut()  # the stream breaks; the client opens another
+    assert seen == [h.id for h in handles]
+    assert served.proxy.connections >= connections + 2
+
+
+async def test_the_async_client(served: Served) -> None:
+    async with AsyncStewardClient(served.url) as client:
+        handles = [await client.submit("sleep", {"seconds": 0.1}, tenant="ev") for _ in range(5)]
+        records = await client.wait_many(handles, timeout=30)
+        assert [r["state"] for r in records.values()] == ["finished"] * 5
+        seen = [r["id"] async for r in client.iter_finished(handles, timeout=30)]
+        assert sorted(seen) == [h.id for h in handles]
