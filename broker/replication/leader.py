@@ -237,20 +237,21 @@ class Leader:
                 # A group commit resolves its futures together, so their callbacks are
                 # queued back to back: this one runs after the last of them.
                 loop.call_soon(self._flush_batch_size)
-        check = self._node.leadership_check
-        if check is None:
-            self._apply_durable_head(len(self.inflight))
-        elif self._node.ledgers.can_fence:
-            # The ledger fences a deposed writer: what is durable is in the history the
-            # next leader recovers, so no ZooKeeper round trip per batch (§4). The
-            # elector's own view (watches, connection state) still stops a leader that
-            # knows it lost.
-            if check():
-                self._apply_durable_head(len(self.inflight))
-            else:
-                self.depose("lost the election or the ZooKeeper connection")
-        else:
-            self._durable_ready.set()
+        node = self._node
+        check = node.leadership_check
+        if check is not None and not node.ledgers.can_fence:
+            self._durable_ready.set()  # the confirm loop asks ZooKeeper first (§4)
+            return
+        inflight = self.inflight
+        if not (inflight and inflight[0].durable.done()):
+            return  # an earlier callback of the same group commit applied this entry
+        # With a fencing ledger what is durable is in the history the next leader
+        # recovers: no ZooKeeper round trip per batch (§4). The elector's own view
+        # (watches, connection state) still stops a leader that knows it lost.
+        if check is not None and not check():
+            self.depose("lost the election or the ZooKeeper connection")
+            return
+        self._apply_durable_head(len(inflight))
 
     def _flush_batch_size(self) -> None:
         self._node.metrics.observe_batch(self._durable_in_batch)
