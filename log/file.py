@@ -26,7 +26,8 @@ keeps a live writer's batch whole instead of cut by the measurement.
 
 Group commit: ``append`` only queues; one flusher task per writer writes everything queued
 with one write and one fdatasync in a worker thread, and appends arriving meanwhile form the
-next batch.
+next batch. A batch of one entry is written on the event loop itself while fdatasync is fast
+(no thread hand-offs for a lone caller; see ``FileLedgerWriter._write_inline``).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ _CRC_PREFIX = struct.Struct(">Qq")
 MAX_ENTRY_SIZE_BYTES = 64 * 1024 * 1024
 _SCAN_CHUNK_BYTES = 1024 * 1024
 _LEDGER_FILE_RE = re.compile(r"^ledger-(\d+)\.(log|fenced|fencing)$")
+#: A lone append is written and synced on the event loop while a batch's write + fdatasync
+#: takes less than this on average; above it the loop would stall, so a worker thread does it.
+INLINE_SYNC_MAX_S = 0.002
 #: How long recovery waits for a writer's batch in progress before measuring without it.
 RECOVERY_LOCK_WAIT_S = 0.5
 _NEXT_ID_FILE = "next-id"
@@ -302,6 +306,9 @@ class FileLedgerWriter(LedgerWriter):
         # Once set, the writer is unusable: every later append fails with this.
         self._failure: tuple[type[LedgerError], str] | None = None
         self._closed = False
+        # Moving average of a batch's write + fdatasync: lone appends are written on the
+        # loop thread only while it is small (see _write_inline).
+        self._sync_ewma_s = 0.0
 
     def append(self, data: bytes) -> asyncio.Future[int]:
         if len(data) > MAX_ENTRY_SIZE_BYTES:
@@ -328,7 +335,8 @@ class FileLedgerWriter(LedgerWriter):
                 payloads = [payload for _, payload, _ in batch]
                 lac = self.lac_to_stamp(self._last_add_confirmed)
                 try:
-                    await _in_thread(self._write_batch_sync, payloads, batch[0][0], lac)
+                    if not (len(batch) == 1 and self._write_inline(payloads, batch[0][0], lac)):
+                        await _in_thread(self._write_batch_sync, payloads, batch[0][0], lac)
                 except Exception as exc:
                     # Never retried: after a failed fsync the page cache may have dropped
                     # the dirty data, so a later "successful" fsync would prove nothing.
@@ -351,11 +359,34 @@ class FileLedgerWriter(LedgerWriter):
         finally:
             self._flush_task = None
 
+    def _write_inline(self, payloads: list[bytes], first_entry_id: int, lac: int) -> bool:
+        """Write a lone entry on the loop thread; False: not done, use the worker thread.
+
+        A lone append means nobody else is waiting to join its batch, so the hand-offs to
+        a worker thread and back (two thread wake-ups, more than the fdatasync itself
+        here) are pure latency. Only while fdatasync is fast (a slow disk must not stall
+        the loop), and never waiting for the segment's lock (recovery may hold it).
+        """
+        if self._sync_ewma_s > INLINE_SYNC_MAX_S:
+            return False
+        return self._write_batch_sync(payloads, first_entry_id, lac, blocking=False)
+
     def _write_batch_sync(
-        self, payloads: list[bytes], first_entry_id: int, last_add_confirmed: int
-    ) -> None:
+        self,
+        payloads: list[bytes],
+        first_entry_id: int,
+        last_add_confirmed: int,
+        *,
+        blocking: bool = True,
+    ) -> bool:
+        """Write and fdatasync one batch; False only when not ``blocking`` and the
+        segment's lock is taken (nothing was written)."""
         data = _encode_batch(payloads, first_entry_id, last_add_confirmed)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        started = time.monotonic()
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
         try:
             if self._fenced():
                 raise LedgerFencedError("fenced by recovery")
@@ -370,6 +401,9 @@ class FileLedgerWriter(LedgerWriter):
                 raise LedgerFencedError("fenced by recovery during the write")
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
+        # Batches in the worker thread keep it current too (one writer at a time).
+        self._sync_ewma_s += (time.monotonic() - started - self._sync_ewma_s) / 8
+        return True
 
     def _fenced(self) -> bool:
         return os.path.exists(self._fencing_path) or os.path.exists(self._marker_path)

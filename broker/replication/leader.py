@@ -4,10 +4,13 @@ Write path: the caller's ``build(stamp)`` turns a request into an entry with lea
 ids and time; the entry is appended to the open ledger (group commit in the backend); when
 it is durable it is applied, in log order, and only then is the caller answered. Nothing is
 applied before it is durable and nothing is acknowledged before it is applied. In cluster
-mode (``leadership_check`` set) every durable group commit is confirmed against ZooKeeper
-(elector connected and lowest in the queue, ledger list version unchanged since this leader
-last wrote it) before it is applied and answered, so a deposed leader never acknowledges a
-write. A :class:`Leader` lives for one term: a role change swaps it for a follower.
+mode (``leadership_check`` set) a deposed leader never acknowledges a write the next leader
+lacks: on a fencing backend because its appends fail once the next leader recovered the
+ledger (so only the elector's own view is checked per batch); otherwise every durable group
+commit is confirmed against ZooKeeper (elector connected and lowest in the queue, ledger
+list version unchanged since this leader last wrote it) before it is applied and answered
+(docs/DESIGN.md §4). A :class:`Leader` lives for one term: a role change swaps it for a
+follower.
 """
 
 from __future__ import annotations
@@ -124,10 +127,9 @@ class Leader:
         node.metrics.follower_lag_seconds.set(0)
         node.metrics.follower_lag_entries.set(0)
         if node.leadership_check is not None:
-            self.tasks += [
-                asyncio.create_task(self._confirm_loop(), name="steward-confirm"),
-                asyncio.create_task(self._marker_loop(), name="steward-lac-marker"),
-            ]
+            self.tasks.append(asyncio.create_task(self._marker_loop(), name="steward-lac-marker"))
+            if not node.ledgers.can_fence:
+                self.tasks.append(asyncio.create_task(self._confirm_loop(), name="steward-confirm"))
             self.role = Role.LEADER
         logger.info(
             "broker %s leads at position %s with %d tasks",
@@ -235,10 +237,21 @@ class Leader:
                 # A group commit resolves its futures together, so their callbacks are
                 # queued back to back: this one runs after the last of them.
                 loop.call_soon(self._flush_batch_size)
-        if self._node.leadership_check is None:
-            self._apply_durable_head(len(self.inflight))
-        else:
-            self._durable_ready.set()
+        node = self._node
+        check = node.leadership_check
+        if check is not None and not node.ledgers.can_fence:
+            self._durable_ready.set()  # the confirm loop asks ZooKeeper first (§4)
+            return
+        inflight = self.inflight
+        if not (inflight and inflight[0].durable.done()):
+            return  # an earlier callback of the same group commit applied this entry
+        # With a fencing ledger what is durable is in the history the next leader
+        # recovers: no ZooKeeper round trip per batch (§4). The elector's own view
+        # (watches, connection state) still stops a leader that knows it lost.
+        if check is not None and not check():
+            self.depose("lost the election or the ZooKeeper connection")
+            return
+        self._apply_durable_head(len(inflight))
 
     def _flush_batch_size(self) -> None:
         self._node.metrics.observe_batch(self._durable_in_batch)
@@ -270,7 +283,8 @@ class Leader:
     # --- cluster mode: confirm each group commit, mark the idle log ----------------------
 
     async def _confirm_loop(self) -> None:
-        """Cluster mode: apply durable batches only after ZooKeeper confirms we lead."""
+        """Cluster mode on a backend that cannot fence: apply durable batches only after
+        ZooKeeper confirms we lead (docs/DESIGN.md §4)."""
         while True:
             await self._durable_ready.wait()
             self._durable_ready.clear()
@@ -291,12 +305,8 @@ class Leader:
             self._apply_durable_head(count)
             writer = self.writer
             position = self._node.position
-            if (
-                writer is not None
-                and not self._node.ledgers.can_fence
-                and position[0] == writer.ledger_id
-            ):
-                writer.confirm(position[1])
+            if writer is not None and position[0] == writer.ledger_id:
+                writer.confirm(position[1])  # the LAC followers may apply up to (§3)
             if self.inflight and self.inflight[0].durable.done():
                 self._durable_ready.set()
 

@@ -5,10 +5,11 @@ Two real :class:`~broker.replication.node.Node` objects share one backend and on
 first leads and writes; the second takes over (marks the first's ledger closing, recovers
 it, opens its own) while the first still believes it leads (its elector view is stale:
 ``leadership_check`` keeps answering True). Everything the first proposes afterwards must
-fail with a retryable error: the file and memory backends fence its ledger, pulsar-lite
-cannot (no ExclusiveWithFencing), and there the ZooKeeper check after the durable batch
-(ledger list version changed) refuses it. A third replica that follows the log ends with
-the new leader's digest: none of the deposed leader's late entries is part of the history.
+fail with a retryable error: the file and memory backends fence its ledger (so their
+leader asks ZooKeeper nothing per batch), pulsar-lite cannot (no ExclusiveWithFencing),
+and there the ZooKeeper check after the durable batch (ledger list version changed)
+refuses it. A third replica that follows the log ends with the new leader's digest: none
+of the deposed leader's late entries is part of the history.
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ async def test_a_confirmation_answered_before_a_take_over_acknowledges_only_what
     # whole take-over.
     old = make_node(backend, tmp_path, "old")
     new = make_node(backend, tmp_path, "new")
+    if old.ledgers.can_fence:
+        pytest.skip("a fencing backend's leader makes no per-batch confirmation (§4)")
     answered, release = asyncio.Event(), asyncio.Event()
     try:
         async with asyncio.timeout(WAIT_S):
@@ -137,4 +140,79 @@ async def test_a_confirmation_answered_before_a_take_over_acknowledges_only_what
         release.set()
         for node in (old, new):
             await node.step_down("test over")
+        await backend.close()
+
+
+async def test_writes_racing_a_take_over_are_acknowledged_only_if_the_new_leader_has_them(
+    backend: LedgerBackend, tmp_path: Path
+) -> None:
+    # Proposals keep flowing into the old leader while the new one fences and recovers its
+    # ledger: each is either acknowledged and in the new leader's history (durable before
+    # the fence, or confirmed before the take-over), or refused. On a fencing backend this
+    # rests on the fence alone: no ZooKeeper round trip confirms those batches.
+    old = make_node(backend, tmp_path, "old")
+    new = make_node(backend, tmp_path, "new")
+    try:
+        async with asyncio.timeout(WAIT_S):
+            await lead(old)
+            await old.propose(submit("first"))
+            stop = asyncio.Event()
+            outcomes: dict[str, bool] = {}
+
+            async def writer(lane: int) -> None:
+                for i in range(10_000):
+                    if stop.is_set():
+                        return
+                    tag = f"race-{lane}-{i}"
+                    try:
+                        await old.propose(submit(tag))
+                    except BrokerUnavailableError:
+                        outcomes[tag] = False
+                        return
+                    outcomes[tag] = True
+
+            writers = [asyncio.create_task(writer(lane)) for lane in range(8)]
+            await asyncio.sleep(0.05)
+            await lead(new)
+            stop.set()
+            await asyncio.gather(*writers)
+            await new.propose(submit("after"))
+            params = {bytes(t.params) for t in new.state.tasks.values()}
+            acknowledged = [tag for tag, ok in outcomes.items() if ok]
+            missing = [t for t in acknowledged if msgspec.json.encode(t) not in params]
+            assert acknowledged and not missing, missing
+            late = await asyncio.gather(old.propose(submit("late")), return_exceptions=True)
+            assert isinstance(late[0], BrokerUnavailableError), late
+    finally:
+        for node in (old, new):
+            await node.step_down("test over")
+        await backend.close()
+
+
+async def test_a_fencing_backend_leader_asks_zookeeper_nothing_per_batch(
+    backend: LedgerBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fence makes the per-batch check redundant there (docs/DESIGN.md §4); without a
+    # fence (pulsar-lite) every acknowledged batch waits for one.
+    node = make_node(backend, tmp_path, "leader")
+    checks = 0
+    confirmed_version = node.ledger_list.confirmed_version
+
+    async def counted() -> int:
+        nonlocal checks
+        checks += 1
+        return await confirmed_version()
+
+    monkeypatch.setattr(node.ledger_list, "confirmed_version", counted)
+    try:
+        async with asyncio.timeout(WAIT_S):
+            await lead(node)
+            for i in range(5):
+                await node.propose(submit(f"write-{i}"))
+        if node.ledgers.can_fence:
+            assert checks == 0
+        else:
+            assert checks >= 5
+    finally:
+        await node.step_down("test over")
         await backend.close()

@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -202,6 +203,42 @@ async def test_lone_append_is_flushed_without_waiting_for_company(
         await writer.append(payload(i))
     # 20 fsyncs take a few ms; any batching timer would show up here.
     assert loop.time() - started < 2.0
+
+
+async def test_lone_append_is_written_on_the_loop_unless_the_lock_is_taken_or_sync_slow(
+    store: FileLedgerStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A lone append skips the worker thread's two hand-offs (the latency of one submit);
+    # it must never wait for the segment's lock on the loop (recovery may hold it for a
+    # while) nor stall the loop behind a slow disk.
+    threaded: list[str] = []
+    real_in_thread = log_file._in_thread
+
+    async def counting_in_thread(func: Any, *args: Any) -> Any:
+        threaded.append(func.__name__)
+        return await real_in_thread(func, *args)
+
+    writer = await store.create_ledger()
+    monkeypatch.setattr(log_file, "_in_thread", counting_in_thread)
+    assert [await writer.append(payload(i)) for i in range(5)] == list(range(5))
+    assert threaded == []
+
+    lock_fd = os.open(store.log_path(writer.ledger_id), os.O_RDONLY)
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    appended = asyncio.ensure_future(writer.append(payload(5)))
+    await asyncio.sleep(0.05)  # the loop runs: the append waits in the worker thread
+    assert threaded == ["_write_batch_sync"] and not appended.done()
+    fcntl.flock(lock_fd, fcntl.LOCK_UN)
+    os.close(lock_fd)
+    assert await appended == 5
+
+    monkeypatch.setattr(log_file, "INLINE_SYNC_MAX_S", -1.0)  # "the disk is slow"
+    assert await writer.append(payload(6)) == 6
+    assert threaded == ["_write_batch_sync"] * 2
+    reader = await store.open_ledger(writer.ledger_id, recovery=False)
+    assert [e.data for e in await reader.read(0, 10)] == [payload(i) for i in range(7)]
+    await reader.close()
+    await writer.close()
 
 
 async def test_fsync_failure_fails_appends_and_is_never_retried(
