@@ -48,3 +48,15 @@ def test_no_test_module_imports_another() -> None:
             if is_test_module(name):
                 offences.append(f"{path.relative_to(TESTS.parent)} imports {name}")
     assert not offences, "move shared helpers to tests/support:\n" + "\n".join(offences)
+
+
+def test_no_two_test_modules_share_a_file_name() -> None:
+    """pytest imports test modules of folders without ``__init__.py`` by their file name
+    alone: two layers with one name fail the whole run at collection (each passes alone)."""
+    seen: dict[str, Path] = {}
+    clashes: list[str] = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(TESTS)} and {path.relative_to(TESTS)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, "test modules sharing a file name: " + "; ".join(clashes)
