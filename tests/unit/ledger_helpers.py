@@ -33,6 +33,8 @@ ZK_CONNECT_TIMEOUT_S = 15.0
 class LedgerBackend(ABC):
     #: Names of the pytest fixtures the constructor takes as keyword arguments.
     fixtures: ClassVar[tuple[str, ...]] = ()
+    #: Whether its stores fence a deposed writer (``LedgerStore.can_fence``).
+    fences: ClassVar[bool] = True
 
     def __init__(self, tmp_path: Path, **fixtures: Any) -> None:
         self.tmp_path = tmp_path
@@ -86,6 +88,7 @@ class PulsarBackend(LedgerBackend):
     # docs/DESIGN.md §4 protects acknowledged writes instead, and recovery's SEAL keeps a deposed
     # writer's late appends from every reader (assert_recovered_end_is_final).
     fixtures = ("pulsar_lite", "zookeeper")
+    fences = False
 
     def __init__(
         self, tmp_path: Path, *, pulsar_lite: PulsarLiteServer, zookeeper: ZooKeeperServer
