@@ -10,7 +10,7 @@ import ssl
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import Any, Final, TypeVar
 
 from broker.security.auth import bearer_headers
 from broker.security.tls import certificate_error, client_context, describe_certificate_error
@@ -62,16 +62,39 @@ def _client_headers(token: str | None) -> str:
     )
 
 
+C = TypeVar("C", bound="_ClientBase")
+
+
 class _ClientBase:
     """What both clients hold: the brokers' URLs, the router, the default timeout."""
 
     def __init__(
-        self, url: str | Sequence[str], timeout_s: float, failover_timeout_s: float
+        self,
+        url: str | Sequence[str],
+        timeout_s: float,
+        failover_timeout_s: float,
+        ca_file: str | Path | ssl.SSLContext | None,
+        token: str | None,
     ) -> None:
         self.urls = parse_urls(url)
         self.url = self.urls[0]
         self._timeout_s = timeout_s
         self._router = _Router(self.urls, failover_timeout_s)
+        # Built once (loading the trust store takes ~30 ms): clones share it.
+        self._tls = _verify(ca_file)
+        self._headers = _client_headers(token)
+        self._options: dict[str, Any] = {
+            "timeout_s": timeout_s,
+            "ca_file": self._tls,
+            "failover_timeout_s": failover_timeout_s,
+            "token": token,
+        }
+
+    def _clone(self: C) -> C:
+        """A new client (its own connections) to the same brokers, with the same settings."""
+        clone = type(self)(self.urls, **self._options)
+        clone._router.leader = self._router.leader
+        return clone
 
     @property
     def leader_url(self) -> str | None:

@@ -31,9 +31,7 @@ from clients.client.producing import (
 from clients.client.routing import (
     DEFAULT_FAILOVER_TIMEOUT_S,
     _Call,
-    _client_headers,
     _ClientBase,
-    _verify,
 )
 from clients.client.transport import (
     SyncTransport,
@@ -110,23 +108,8 @@ class StewardClient(_ClientBase):
         failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S,
         token: str | None = None,
     ) -> None:
-        super().__init__(url, timeout_s, failover_timeout_s)
-        # Built once (loading the trust store takes ~30 ms): clones share it.
-        verify = _verify(ca_file)
-        self._options: dict[str, Any] = {
-            "timeout_s": timeout_s,
-            "ca_file": verify,
-            "failover_timeout_s": failover_timeout_s,
-            "token": token,
-        }
-        self._headers = _client_headers(token)
-        self._transport = SyncTransport(verify)
-
-    def _clone(self) -> StewardClient:
-        """A new client (its own connections) to the same brokers, with the same settings."""
-        clone = StewardClient(self.urls, **self._options)
-        clone._router.leader = self._router.leader
-        return clone
+        super().__init__(url, timeout_s, failover_timeout_s, ca_file, token)
+        self._transport = SyncTransport(self._tls)
 
     def close(self) -> None:
         self._transport.close()

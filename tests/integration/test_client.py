@@ -23,35 +23,16 @@ from clients.client import (
     TaskTimeoutError,
     TenantQueueFullError,
 )
-from tests.support.procs import HOST, BrokerProcess, free_port, steward_command
-from tests.support.worker_procs import WorkerProcess
+from tests.support.procs import HOST, free_port, steward_command
+from tests.support.worker_procs import broker_with_worker
 
 
 @pytest.fixture(scope="module")
 def broker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("client")
-    worker_port = free_port()
-    broker = BrokerProcess(
-        root / "data",
-        log_path=root / "broker.log",
-        extra_args=("--worker-listen", f"{HOST}:{worker_port}"),
-    )
-    broker.start()
-    worker = WorkerProcess(
-        broker=f"{HOST}:{worker_port}",
-        http_url=broker.url,
-        worker_id="client-worker",
-        log_dir=root,
-        cache_dir=root / "cache",
-        extra_args=("--task-type", "*=4", "--resource", "cpu=4", "--resource", "licence=5"),
-    ).start()
-    try:
-        with httpx.Client(base_url=broker.url) as http:
-            worker.wait_connected(http)
+    task_args = ("--task-type", "*=4", "--resource", "cpu=4", "--resource", "licence=5")
+    with broker_with_worker(root, "client-worker", task_args) as (broker, _):
         yield broker.url
-    finally:
-        worker.stop()
-        broker.kill9()
 
 
 def test_sync_handles_results_and_errors(broker_url: str) -> None:

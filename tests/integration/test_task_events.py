@@ -8,12 +8,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import httpx
 import pytest
 
 from clients.client import AsyncStewardClient, NotFoundError, StewardClient, WaitTimeoutError
-from tests.support.procs import HOST, BrokerProcess, free_port
-from tests.support.worker_procs import TcpProxy, WorkerProcess
+from tests.support.procs import HOST
+from tests.support.worker_procs import TcpProxy, broker_with_worker
 
 
 @dataclass
@@ -25,30 +24,12 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("events")
-    worker_port = free_port()
-    broker = BrokerProcess(
-        root / "data",
-        log_path=root / "broker.log",
-        extra_args=("--worker-listen", f"{HOST}:{worker_port}"),
-    )
-    broker.start()
-    worker = WorkerProcess(
-        broker=f"{HOST}:{worker_port}",
-        http_url=broker.url,
-        worker_id="events-worker",
-        log_dir=root,
-        cache_dir=root / "cache",
-        extra_args=("--task-type", "*=8"),
-    ).start()
-    proxy = TcpProxy((HOST, broker.port))
-    try:
-        with httpx.Client(base_url=broker.url) as http:
-            worker.wait_connected(http)
-        yield Served(broker.url, proxy)
-    finally:
-        proxy.close()
-        worker.stop()
-        broker.kill9()
+    with broker_with_worker(root, "events-worker", ("--task-type", "*=8")) as (broker, _):
+        proxy = TcpProxy((HOST, broker.port))
+        try:
+            yield Served(broker.url, proxy)
+        finally:
+            proxy.close()
 
 
 def test_wait_many_and_iter_finished(served: Served) -> None:

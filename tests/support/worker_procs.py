@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from tests.support.logged_process import LoggedProcess
-from tests.support.procs import HOST, steward_command
+from tests.support.procs import HOST, BrokerProcess, free_port, steward_command
 
 
 def wait_until(check: Callable[[], Any], timeout_s: float, what: str, pause_s: float = 0.05) -> Any:
@@ -177,3 +177,33 @@ class TcpProxy:
         self._closed = True
         self._listener.close()
         self.cut()
+
+
+@contextlib.contextmanager
+def broker_with_worker(
+    root: Path, worker_id: str, worker_args: tuple[str, ...]
+) -> Iterator[tuple[BrokerProcess, WorkerProcess]]:
+    """A standalone broker with one worker connected to it (``worker_args``: its task
+    types and resources); the worker is stopped and the broker killed at the end."""
+    worker_port = free_port()
+    broker = BrokerProcess(
+        root / "data",
+        log_path=root / "broker.log",
+        extra_args=("--worker-listen", f"{HOST}:{worker_port}"),
+    )
+    broker.start()
+    worker = WorkerProcess(
+        broker=f"{HOST}:{worker_port}",
+        http_url=broker.url,
+        worker_id=worker_id,
+        log_dir=root,
+        cache_dir=root / "cache",
+        extra_args=worker_args,
+    ).start()
+    try:
+        with httpx.Client(base_url=broker.url) as http:
+            worker.wait_connected(http)
+        yield broker, worker
+    finally:
+        worker.stop()
+        broker.kill9()
