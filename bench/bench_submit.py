@@ -43,7 +43,14 @@ def start_broker(data_dir: Path, port: int, auth: bool = False) -> subprocess.Po
         env["STEWARD_ADMIN_TOKEN"] = BENCH_ADMIN_TOKEN
         env["STEWARD_WORKER_TOKEN"] = "bench-worker-token"  # secrets never on argv
     proc = subprocess.Popen(
-        [*standalone_argv(data_dir, port), "--log-level", "WARNING"],
+        # A free worker port too: the default (7070) may be another broker's on this machine.
+        [
+            *standalone_argv(data_dir, port),
+            "--worker-listen",
+            f"127.0.0.1:{free_port()}",
+            "--log-level",
+            "WARNING",
+        ],
         stdout=subprocess.DEVNULL,
         env=env,
     )
