@@ -56,6 +56,16 @@ class TaskWaiters:
         if self.trees:
             self._on_trees_ended(applied.trees_ended)
 
+    def end_all(self) -> None:
+        """Answer every waiting request now (the broker is shutting down): each gets the
+        task as it is, and its client asks again, elsewhere if it can."""
+        for waiters in (self.tasks, self.trees):
+            for futures in waiters.values():
+                for waiter in futures:
+                    if not waiter.done():
+                        waiter.set_result(None)
+            waiters.clear()
+
     def _on_trees_ended(self, roots: list[int]) -> None:
         for root in roots:
             for waiter in self.trees.pop(root, ()):
@@ -123,6 +133,16 @@ class TaskEvents:
                     del self.watchers[task_id]
         subscription.pending.clear()
 
+    def end_all(self) -> None:
+        """End every open stream cleanly now (the broker is shutting down): a client that
+        sees a stream end before every task was reported opens a new one for the rest,
+        elsewhere if it can (docs/API.md, Task events)."""
+        for watching in self.watchers.values():
+            for subscription in watching:
+                subscription.pending.clear()
+                subscription.wake.set()
+        self.watchers.clear()
+
     def _on_applied(self, entry: e.Entry, applied: Applied) -> None:
         if not self.watchers:
             return  # the apply path pays one test when nobody streams
@@ -167,6 +187,12 @@ class ApiContext:
         self.describe: Callable[[], bytes] = lambda: b"{}"
         self._openapi: bytes | None = None  # the served document, encoded once
         self._digest_cache: tuple[tuple[int, tuple[int, int]], str] | None = None
+
+    def end_waits(self) -> None:
+        """Shutting down: answer the long polls and end the event streams now, instead of
+        holding the stop for up to their wait (their clients ask again, elsewhere)."""
+        self.waiters.end_all()
+        self.events.end_all()
 
     @staticmethod
     def require(request: Request, *roles: CallerRole, message: str | None = None) -> None:

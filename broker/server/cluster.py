@@ -535,6 +535,6 @@ async def serve_broker(config: BrokerConfig, *, ready: asyncio.Event | None = No
         )
         logger.info("shutting down")
         await broker.stop()
-        await stop_http_server(server, server_task)
+        await stop_http_server(server, server_task, app)
     finally:
         lock.release()

@@ -92,7 +92,7 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
         logger.info("shutting down")
         # Stop accepting, let in-flight requests finish (the node still runs), then
         # drain and close the log.
-        await stop_http_server(server, server_task)
+        await stop_http_server(server, server_task, app)
         await _stop_children(children)
         await link.stop()
         await node.stop()
@@ -150,9 +150,14 @@ async def start_http_server(
     return server, server_task
 
 
-async def stop_http_server(server: HttpServer, server_task: asyncio.Task[None]) -> None:
-    """Stop accepting and let in-flight requests finish (bounded)."""
+async def stop_http_server(
+    server: HttpServer, server_task: asyncio.Task[None], app: ApiApp | None = None
+) -> None:
+    """Stop accepting and let in-flight requests finish (bounded); ``app``'s long polls
+    and event streams are answered and ended at once rather than waited for."""
     server.should_exit = True
+    if app is not None:
+        app.context.end_waits()
     try:
         await asyncio.wait_for(server_task, timeout=15)
     except TimeoutError:

@@ -4,14 +4,18 @@ connection is cut in the middle (the client reopens it for the rest)."""
 
 from __future__ import annotations
 
+import json
+import signal
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from clients.client import AsyncStewardClient, NotFoundError, StewardClient, WaitTimeoutError
-from tests.support.procs import HOST
+from tests.support.procs import HOST, BrokerProcess, free_port
 from tests.support.worker_procs import TcpProxy, broker_with_worker
 
 
@@ -80,3 +84,51 @@ async def test_the_async_client(served: Served) -> None:
         assert [r["state"] for r in records.values()] == ["finished"] * 5
         seen = [r["id"] async for r in client.iter_finished(handles, timeout=30)]
         assert sorted(seen) == [h.id for h in handles]
+
+
+def _send_get(port: int, target: str) -> socket.socket:
+    sock = socket.create_connection((HOST, port), timeout=WAIT_STOP_S)
+    sock.sendall(f"GET {target} HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+    return sock
+
+
+def _read_to_eof(sock: socket.socket) -> bytes:
+    chunks = []
+    with sock:
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+WAIT_STOP_S = 12.0  # the HTTP server's own stop bound is 15 s: answered well before it
+
+
+def test_a_stopping_broker_answers_long_polls_and_ends_streams_at_once(tmp_path: Path) -> None:
+    broker = BrokerProcess(
+        tmp_path / "data",
+        log_path=tmp_path / "broker.log",
+        extra_args=("--worker-listen", f"{HOST}:{free_port()}"),
+    )
+    broker.start()
+    try:
+        with StewardClient(broker.url) as client:
+            task = client.submit("noop", tenant="stop")  # no worker: it stays queued
+        poll = _send_get(broker.port, f"/api/v1/tasks/{task.id}?wait_s=50")
+        stream = _send_get(broker.port, f"/api/v1/events?tasks={task.id}&wait_s=50")
+        head = stream.recv(65536)  # the stream's head: the broker holds both requests now
+        assert head.startswith(b"HTTP/1.1 200"), head
+        time.sleep(0.2)
+        started = time.monotonic()
+        assert broker.proc is not None
+        broker.proc.send_signal(signal.SIGTERM)
+        polled, streamed = _read_to_eof(poll), head + _read_to_eof(stream)
+        assert broker.wait_for_exit(WAIT_STOP_S) == 0
+        took_s = time.monotonic() - started
+    finally:
+        broker.kill9()
+    assert polled.startswith(b"HTTP/1.1 200"), polled
+    answer = json.loads(polled.split(b"\r\n\r\n", 1)[1])
+    assert answer["state"] == task.submitted_state == "waiting"  # as it is: not held to wait_s
+    assert streamed.endswith(b"0\r\n\r\n"), streamed  # ended cleanly, no event
+    assert b"event: task" not in streamed
+    assert took_s < WAIT_STOP_S, f"the broker took {took_s:.1f} s to stop"
