@@ -120,7 +120,7 @@ def end_to_end(
             raise RunTimeout(f"{left}/{n} not recorded {args.timeout_s:.0f} s after the start")
         time.sleep(args.poll_ms / 1000)
     total_s = time.perf_counter() - started
-    _, other, _ = meter.measure()
+    _, other, cores_by_process = meter.measure()
     procs.check_alive()
     row.submit.append(n / submit_s)
     row.e2e.append(n / total_s)
@@ -128,7 +128,15 @@ def end_to_end(
     row.failed += system.failed
     print(
         f"  {system.name} {mode}: {n:,} tasks, acknowledged in {submit_s:.2f} s, "
-        f"recorded in {total_s:.2f} s" + (f" (other processes +{other:.1f} cores)" * (other > 0)),
+        f"recorded in {total_s:.2f} s"
+        + (f" (other processes +{other:.1f} cores)" * (other > 0))
+        # CPU per task of each process (with its live children: workers' task processes;
+        # "client" is this process, its polling included), where the time goes.
+        + "; CPU per task: "
+        + ", ".join(
+            f"{name} {cores * total_s / n * 1e6:,.0f} µs"
+            for name, cores in sorted(cores_by_process.items())
+        ),
         file=sys.stderr,
         flush=True,
     )
