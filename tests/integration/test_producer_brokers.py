@@ -28,6 +28,7 @@ from clients.client.api_calls import Request
 from clients.dev.zk import ZooKeeperServer
 from tests.support.cluster_procs import ClusterProcesses
 from tests.support.procs import BrokerProcess
+from tests.support.worker_procs import wait_until
 from tests.support.write_load import fetch_tasks
 
 pytestmark = pytest.mark.timeout(120)
@@ -130,6 +131,11 @@ def test_async_producer(broker_url: str) -> None:
 
 
 @pytest.mark.slow
+def _created(futures: list[Future[TaskHandle]]) -> int:
+    """How many of ``futures`` resolved to a handle."""
+    return sum(1 for f in futures if f.done() and not f.cancelled() and f.exception() is None)
+
+
 def test_kill9_leader_under_a_producer(zookeeper: ZooKeeperServer, tmp_path: Path) -> None:
     """Every future resolves (a handle or a clear error); each task whose future got a
     handle exists once on the new leader; no task exists twice (by its marker)."""
@@ -150,11 +156,17 @@ def test_kill9_leader_under_a_producer(zookeeper: ZooKeeperServer, tmp_path: Pat
 
             thread = threading.Thread(target=submit_continuously, daemon=True)
             thread.start()
-            time.sleep(2.0)
+            # Killed once the leader acknowledged some batches, while more are in flight.
+            wait_until(lambda: _created(futures[:200]) == 200, 30, "200 tasks created")
             before_kill = len(futures)
             cluster.kill9(leader.broker_id)
             new = cluster.wait_for_leader(30, excluding=[leader.broker_id])
-            time.sleep(3.0)  # keep submitting to the new leader
+            after_failover = len(futures)  # keep submitting until the new leader creates some
+            wait_until(
+                lambda: _created(futures[after_failover : after_failover + 200]) > 0,
+                60,
+                "a task created by the new leader",
+            )
             stop.set()
             thread.join(10)
             producer.close(timeout=90)
