@@ -259,3 +259,28 @@ def test_readme_names_every_service_and_published_port() -> None:
         "--spark-master",
     ):
         assert needed in section, f"docs/OPERATIONS.md does not give {needed!r}"
+
+
+def _shell_block_after(text: str, marker: str) -> list[str]:
+    """The command lines of the first ```sh block after ``marker``."""
+    start = text.index(marker)
+    block = re.search(r"```sh\n(.*?)```", text[start:], re.S)
+    assert block is not None, f"no ```sh block after {marker!r} in README.md"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_readme_test_command_is_what_ci_runs_and_works_outside_an_activated_venv() -> None:
+    # A newcomer runs the README's lines verbatim in a fresh shell (issue 17): a bare
+    # `pytest` found no pytest or the wrong one outside the virtualenv the README made.
+    readme = (ROOT / "README.md").read_text()
+    install = _shell_block_after(readme, "## The two commands")[0]
+    test_command = _shell_block_after(readme, "Run the tests")
+    assert test_command == [".venv/bin/pytest"], test_command
+    assert install.startswith("python3 -m venv .venv &&"), install
+    ci_lines = [
+        line
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    assert "python3 -m venv .venv" in ci_lines
+    assert ci_lines[-1] == test_command[0], "`.ci/run` must end with the README's test command"
