@@ -269,6 +269,9 @@ class Health(msgspec.Struct):
     role: str = "standalone"
     uptime_secs: float | None = None  # for peers' cluster views (docs/DESIGN.md §4)
     version: str | None = None
+    # The leader's last entry followers can apply (less a trailing Confirm marker): what
+    # lags are counted against. Null on the others.
+    catch_up_position: Position | None = None
 
 
 # --- dashboard (read-only views for the web page at /) ---------------------------------

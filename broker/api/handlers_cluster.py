@@ -29,7 +29,7 @@ from broker.core.state import (
 )
 from broker.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.observability.metrics import BrokerMetrics
-from broker.replication.node import VERSION, Role
+from broker.replication.node import VERSION, Node, Role
 from snapshot.peer import POSITION_HEADER, format_position, read_latest_snapshot
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,19 @@ async def cluster(api: ApiContext, request: Request) -> tuple[int, bytes]:
         leader_worker_tls=leader.worker_tls if leader is not None else False,
     )
     return 200, json_encoder.encode(summary)
+
+
+def catch_up_position(node: Node) -> m.Position | None:
+    """A leader's last entry that followers can apply: its position less a trailing
+    Confirm marker (an idle leader's marker is confirmed by no later entry, so followers
+    stop one short of it and are still in sync; docs/DESIGN.md §4). None when not leading."""
+    leader = node.leader
+    if leader is None:
+        return None
+    ledger_id, entry_id = node.position
+    if node.position != leader.last_real_position and entry_id >= 0:
+        entry_id -= 1  # the last entry is a marker: at most one trails (the marker loop)
+    return m.Position(ledger_id, entry_id)
 
 
 def uptime_secs(api: ApiContext) -> float:
@@ -180,6 +193,7 @@ async def health(api: ApiContext, request: Request) -> tuple[int, bytes]:
         role=str(node.role),
         uptime_secs=uptime_secs(api),
         version=VERSION,
+        catch_up_position=catch_up_position(node),
     )
     return (200 if serving else 503), json_encoder.encode(body)
 

@@ -39,6 +39,7 @@ from typing import Any
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
 from broker.api import api_models as m
+from broker.api.handlers_cluster import catch_up_position
 from broker.api.http_api import ApiApp, ApiConfig
 from broker.api.output_store import OutputStore
 from broker.artifacts.code_store import CodeStore
@@ -287,7 +288,7 @@ class ClusterBroker:
         ]
 
     def broker_summaries(self, own: m.BrokerSummary) -> list[m.BrokerSummary]:
-        return self.peers.summaries(own)
+        return self.peers.summaries(own, catch_up_position(self.node))
 
     def _own_position(self) -> m.Position:
         return m.Position(*self.node.position)

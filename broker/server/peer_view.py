@@ -160,6 +160,7 @@ class PeerTable:
     def _leader_position(
         self, leader_id: str | None, own_position: m.Position | None
     ) -> m.Position | None:
+        """What lags are counted against: the leader's last entry followers can apply."""
         if leader_id is None:
             return None
         if leader_id == self.own_id:
@@ -167,14 +168,19 @@ class PeerTable:
         peer = self._peers.get(leader_id)
         if peer is None or peer.health is None or not _reachable(peer):
             return None
-        return peer.health.position
+        return peer.health.catch_up_position or peer.health.position
 
     def summaries(
-        self, own: m.BrokerSummary, leader_id: str | None, now: float
+        self,
+        own: m.BrokerSummary,
+        leader_id: str | None,
+        now: float,
+        own_catch_up: m.Position | None = None,
     ) -> list[m.BrokerSummary]:
         """``own`` then every peer (members by id, then departed ones, latest first), each
-        with its lag behind the leader; what is unknown is null, and says why."""
-        leader_pos = self._leader_position(leader_id, own.position)
+        with its lag behind the leader (``own_catch_up``: the position followers catch up
+        to when ``own`` leads); what is unknown is null, and says why."""
+        leader_pos = self._leader_position(leader_id, own_catch_up or own.position)
         peers = sorted(
             self._peers.items(), key=lambda kv: (not kv[1].member, -(kv[1].left_at or 0), kv[0])
         )
@@ -272,10 +278,12 @@ class PeerView:
         self._ssl_context = ssl_context
         self._task: asyncio.Task[None] | None = None
 
-    def summaries(self, own: m.BrokerSummary) -> list[m.BrokerSummary]:
+    def summaries(
+        self, own: m.BrokerSummary, own_catch_up: m.Position | None = None
+    ) -> list[m.BrokerSummary]:
         now = time.monotonic()
         self.table.set_members(self._members(), now)
-        return self.table.summaries(own, self._leader_id(), now)
+        return self.table.summaries(own, self._leader_id(), now, own_catch_up)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="steward-peer-view")

@@ -201,11 +201,21 @@ def _print_brokers(brokers: list[dict[str, Any]]) -> None:
         )
     columns = ["id", "url", "role", "position", "lag", "uptime", "version", "state"]
     _print_table(rows, columns)
+    for b in brokers:
+        if b.get("unknown_reason"):
+            print(f"  {b['id']}: {b['unknown_reason']}")
+    if any(not b.get("reachable", True) for b in brokers):
+        print(
+            "  (an unreachable broker: check its process and its log; brokers that left"
+            " are listed for 10 minutes)"
+        )
 
 
 def _print_status(client: StewardClient) -> None:
     summary = client.cluster()
-    print(f"cluster {summary['cluster_id']}  leader {summary['leader']}\n")
+    seen_by = summary["brokers"][0]["id"] if summary["brokers"] else "?"
+    leader = summary["leader"] or "none known"
+    print(f"cluster {summary['cluster_id']}  leader {leader}  (as seen by {seen_by})\n")
     _print_brokers(summary["brokers"])
     print()
     if summary["workers"]:

@@ -52,8 +52,8 @@ def _rows(output: str) -> dict[str, dict[str, str]]:
     names = lines[header].split()
     rows: dict[str, dict[str, str]] = {}
     for line in lines[header + 1 :]:
-        if not line.strip():
-            break
+        if not line.strip() or line.startswith(" "):
+            break  # the end of the table, or its notes
         cells = re.split(r"\s{2,}", line.strip(), maxsplit=len(names) - 1)
         rows[cells[0]] = dict(zip([n.lower() for n in names], cells, strict=True))
     return rows
@@ -88,6 +88,13 @@ def test_status_marks_a_killed_follower_unreachable(
 
         # Peers are polled every second: wait for a poll after the writes.
         wait_until(all_reachable, 30, "the asked follower to have polled every peer")
+
+        def in_sync() -> bool:
+            # Idle, the leader ends its log with a Confirm marker followers stop short
+            # of: in sync is still a lag of 0.
+            return all(b["lag_entries"] == 0 for b in _cluster(asked)["brokers"])
+
+        wait_until(in_sync, 30, "every broker in sync, lag 0")
         # Before the kill: every broker with a real position, uptime and version.
         output, _ = _status(asked.url)
         rows = _rows(output)
@@ -109,9 +116,14 @@ def test_status_marks_a_killed_follower_unreachable(
         output, took = wait_until(marked, MARK_LIMIT_S, "status to mark the killed broker")
         marked_after = time.monotonic() - killed_at
         print(f"\nmarked unreachable {marked_after:.1f} s after the kill; status took {took:.2f} s")
+        print(output)
         rows = _rows(output)
         dead = rows[victim.broker_id]
         assert "last seen" in dead["state"], output
+        assert f"(as seen by {asked.broker_id})" in output.splitlines()[0], output
+        # The note under the table says why its values are unknown and what to do.
+        assert re.search(rf"^  {victim.broker_id}: unreachable: .*last seen", output, re.M), output
+        assert "check its process and its log" in output, output
         assert (dead["position"], dead["uptime"], dead["role"]) == (
             "unknown",
             "unknown",

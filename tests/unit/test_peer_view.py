@@ -101,6 +101,23 @@ def test_a_follower_measures_lag_against_the_leaders_report() -> None:
     assert b1.is_leader and not b2.is_leader
 
 
+def test_lags_count_against_what_followers_can_apply() -> None:
+    # The leader's log ends with a Confirm marker (2:21) no later entry confirms.
+    table = PeerTable("b0")
+    table.set_members([_info("b1")], now=0.0)
+    leader = _health(P(2, 21), role="leader")
+    leader.catch_up_position = P(2, 20)
+    table.record("b1", leader, now=0.0)
+    own, _ = table.summaries(_own(P(2, 20), leads=False), "b1", now=0.5)
+    assert own.lag_entries == 0
+    # Asked of the leader itself, with its own catch-up position.
+    table = PeerTable("b0")
+    table.set_members([_info("b1")], now=0.0)
+    table.record("b1", _health(P(2, 20)), now=0.0)
+    _, b1 = table.summaries(_own(P(2, 21), leads=True), "b0", now=0.5, own_catch_up=P(2, 20))
+    assert b1.lag_entries == 0
+
+
 def test_a_peer_that_stops_answering_is_unreachable_with_when_last_seen() -> None:
     table = PeerTable("b0")
     table.set_members([_info("b1"), _info("b2")], now=0.0)
