@@ -193,15 +193,26 @@ class Position(msgspec.Struct):
     entry_id: int
 
 
-class BrokerSummary(msgspec.Struct, omit_defaults=True):
+class BrokerSummary(msgspec.Struct):
+    """One broker as the broker answering sees it (docs/API.md). Every field is always
+    sent, nulls included: a null says "unknown", and ``unknown_reason`` says why. The
+    fields after ``position`` have defaults so that a client reading an older broker
+    (a worker looking for its leader) still decodes it."""
+
     id: str
     host: str
     port: int
-    uptime_secs: float
+    uptime_secs: float | None
     is_leader: bool
     version: str
-    position: Position
-    # "leader", "follower", "candidate" (taking over) or "standalone".
+    position: Position | None  # its applied log position
+    lag_entries: int | None = None  # entries the leader applied and it not yet (leader: 0)
+    reachable: bool = True  # it answered the broker asking at its last poll
+    last_seen_secs_ago: float | None = None  # since its last answer (the one asked: 0.0)
+    started_at: str | None = None  # when it started (by the clock of the broker asked)
+    member: bool = True  # advertised in ZooKeeper now; false: left, kept a while
+    unknown_reason: str | None = None
+    # "leader", "follower", "candidate" (taking over), "standalone", "idle" or "unreachable".
     role: str = "standalone"
     url: str | None = None
     worker_address: str | None = None  # "host:port" of its worker endpoint
@@ -256,6 +267,11 @@ class Health(msgspec.Struct):
     position: Position
     reason: str | None = None
     role: str = "standalone"
+    uptime_secs: float | None = None  # for peers' cluster views (docs/DESIGN.md §4)
+    version: str | None = None
+    # The leader's last entry followers can apply (less a trailing Confirm marker): what
+    # lags are counted against. Null on the others.
+    catch_up_position: Position | None = None
 
 
 # --- dashboard (read-only views for the web page at /) ---------------------------------

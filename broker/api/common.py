@@ -188,6 +188,10 @@ class ClusterView(Protocol):
     def brokers(self) -> list[m.BrokerSummary]:
         """Every live broker but this one, as advertised in ZooKeeper."""
 
+    def broker_summaries(self, own: m.BrokerSummary) -> list[m.BrokerSummary]:
+        """``own`` then every other broker known, unreachable ones too, with each one's
+        state as last polled (docs/DESIGN.md §4)."""
+
 
 def error_code(code: ErrorCode) -> str:
     # The API says "invalid_request" for every invalid input, wherever it is caught.

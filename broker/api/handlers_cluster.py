@@ -16,6 +16,7 @@ from broker.api.common import (
     HttpError,
     Request,
     decode,
+    iso_ms,
     json_encoder,
     no_query,
     rejected_error,
@@ -28,7 +29,7 @@ from broker.core.state import (
 )
 from broker.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.observability.metrics import BrokerMetrics
-from broker.replication.node import VERSION, Role
+from broker.replication.node import VERSION, Node, Role
 from snapshot.peer import POSITION_HEADER, format_position, read_latest_snapshot
 
 logger = logging.getLogger(__name__)
@@ -41,20 +42,8 @@ async def cluster(api: ApiContext, request: Request) -> tuple[int, bytes]:
     node = api.node
     state = node.state
     view = api.cluster_view
-    broker = m.BrokerSummary(
-        id=node.config.broker_id,
-        host=api.config.host,
-        port=api.config.port,
-        uptime_secs=round((node.clock_ms() - node.stats.started_ms) / 1000, 3),
-        is_leader=node.role in (Role.STANDALONE, Role.LEADER),
-        version=VERSION,
-        position=api.position(),
-        role=str(node.role),
-        url=view.url if view is not None else None,
-        worker_address=view.worker_address if view is not None else None,
-        worker_tls=view.worker_tls if view is not None else False,
-        digest=api.state_digest(),
-    )
+    broker = own_summary(api)
+    broker.digest = api.state_digest()
     leader = view.leader() if view is not None else broker
     if leader is not None and leader.id == broker.id:
         leader = broker
@@ -68,11 +57,12 @@ async def cluster(api: ApiContext, request: Request) -> tuple[int, bytes]:
         )
         for w in state.workers.values()
     ]
-    others = view.brokers() if view is not None else []
+    # Every broker known, the unreachable ones too, from this one's polls of its peers.
+    brokers = view.broker_summaries(broker) if view is not None else [broker]
     summary = m.ClusterSummary(
         cluster_id=node.config.cluster_id,
         leader=leader.id if leader is not None else None,
-        brokers=[broker, *(b for b in others if b.id != broker.id)],
+        brokers=brokers,
         workers=workers,
         tasks=state.count_by_state(),
         tenants=len(state.tenants),
@@ -81,6 +71,52 @@ async def cluster(api: ApiContext, request: Request) -> tuple[int, bytes]:
         leader_worker_tls=leader.worker_tls if leader is not None else False,
     )
     return 200, json_encoder.encode(summary)
+
+
+def catch_up_position(node: Node) -> m.Position | None:
+    """A leader's last entry that followers can apply: its position less a trailing
+    Confirm marker (an idle leader's marker is confirmed by no later entry, so followers
+    stop one short of it and are still in sync; docs/DESIGN.md §4). None when not leading."""
+    leader = node.leader
+    if leader is None:
+        return None
+    ledger_id, entry_id = node.position
+    if node.position != leader.last_real_position and entry_id >= 0:
+        entry_id -= 1  # the last entry is a marker: at most one trails (the marker loop)
+    return m.Position(ledger_id, entry_id)
+
+
+def uptime_secs(api: ApiContext) -> float:
+    node = api.node
+    return round((node.clock_ms() - node.stats.started_ms) / 1000, 3)
+
+
+def own_summary(api: ApiContext) -> m.BrokerSummary:
+    """The broker answering, as it knows itself (lag: 0 when it leads, else filled in
+    against the leader's position by the cluster view)."""
+    node = api.node
+    view = api.cluster_view
+    leads = node.role in (Role.STANDALONE, Role.LEADER)
+    uptime = uptime_secs(api)
+    return m.BrokerSummary(
+        id=node.config.broker_id,
+        host=api.config.host,
+        port=api.config.port,
+        uptime_secs=uptime,
+        is_leader=leads,
+        version=VERSION,
+        position=api.position(),
+        lag_entries=0 if leads else None,
+        reachable=True,
+        last_seen_secs_ago=0.0,
+        started_at=iso_ms(node.stats.started_ms),
+        member=True,
+        unknown_reason=None,
+        role=str(node.role),
+        url=view.url if view is not None else None,
+        worker_address=view.worker_address if view is not None else None,
+        worker_tls=view.worker_tls if view is not None else False,
+    )
 
 
 def _config_view(api: ApiContext) -> m.ClusterConfigView:
@@ -155,6 +191,9 @@ async def health(api: ApiContext, request: Request) -> tuple[int, bytes]:
         position=api.position(),
         reason=reason,
         role=str(node.role),
+        uptime_secs=uptime_secs(api),
+        version=VERSION,
+        catch_up_position=catch_up_position(node),
     )
     return (200 if serving else 503), json_encoder.encode(body)
 

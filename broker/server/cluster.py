@@ -39,6 +39,7 @@ from typing import Any
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
 from broker.api import api_models as m
+from broker.api.handlers_cluster import catch_up_position
 from broker.api.http_api import ApiApp, ApiConfig
 from broker.api.output_store import OutputStore
 from broker.artifacts.code_store import CodeStore
@@ -62,8 +63,9 @@ from broker.replication.node import (
     Role,
 )
 from broker.security.auth import kazoo_auth_options
-from broker.security.tls import TlsConfig, TlsConfigError
+from broker.security.tls import TlsConfig, TlsConfigError, peer_ssl_context
 from broker.server.following import RETRY_DELAY_S, LogFollower
+from broker.server.peer_view import PeerView
 from broker.server.standalone import http_scheme, start_http_server, stop_http_server
 from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
 from log.api import LedgerError, LedgerStore
@@ -131,11 +133,18 @@ def _summary_from_info(info: dict[str, Any], *, is_leader: bool) -> m.BrokerSumm
         id=str(info.get("broker_id", "")),
         host=host,
         port=int(port) if port.isdigit() else 0,
-        uptime_secs=0.0,
+        uptime_secs=None,
         worker_tls=bool(info.get("worker_tls", False)),
         is_leader=is_leader,
         version=str(info.get("version", "")),
-        position=m.Position(-1, -1),
+        position=None,
+        lag_entries=None,
+        reachable=False,
+        last_seen_secs_ago=None,
+        started_at=None,
+        member=True,
+        # Where it is, not how it is doing: that is the peer view's (broker_summaries).
+        unknown_reason="from its ZooKeeper advertisement only",
         role="leader" if is_leader else "broker",
         url=url or None,
         worker_address=info.get("worker_address"),
@@ -227,6 +236,14 @@ class ClusterBroker:
             on_end=self._changed.set,
         )
         self._manager: asyncio.Task[None] | None = None
+        self.peers = PeerView(
+            node_config.broker_id,
+            members=self.elector.brokers,
+            leader_id=self._leader_id,
+            own_position=self._own_position,
+            ledger_list=self.node.ledger_list.get,
+            ssl_context=self._peer_ssl or peer_ssl_context(),
+        )
 
     def _ledger_store(self) -> LedgerStore:
         config = self.config
@@ -270,6 +287,16 @@ class ClusterBroker:
             for info in self.elector.brokers()
         ]
 
+    def broker_summaries(self, own: m.BrokerSummary) -> list[m.BrokerSummary]:
+        return self.peers.summaries(own, catch_up_position(self.node))
+
+    def _own_position(self) -> m.Position:
+        return m.Position(*self.node.position)
+
+    def _leader_id(self) -> str | None:
+        leader = self.elector.leader_info()
+        return str(leader.get("broker_id")) if leader is not None else None
+
     # --- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -302,6 +329,7 @@ class ClusterBroker:
             raise BrokerStartupError(str(exc)) from None
         self._manager = asyncio.create_task(self._manage(), name="steward-roles")
         await self.elector.join()
+        self.peers.start()
 
     def _protect_znodes(self) -> None:
         """Create ``/steward`` open (other clusters, with other credentials, share it) and
@@ -328,6 +356,7 @@ class ClusterBroker:
             self._manager.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._manager
+        await self.peers.stop()
         await self.follower.stop()
         await self._stop_leader_services()
         was_leader = self.node.role == Role.LEADER

@@ -9,7 +9,14 @@ import sys
 from typing import Any
 
 from clients.cli.options import UsageError
-from clients.cli.output import _print_logs, _print_status, _print_table, _print_task, _wait_for
+from clients.cli.output import (
+    _print_brokers,
+    _print_logs,
+    _print_status,
+    _print_table,
+    _print_task,
+    _wait_for,
+)
 from clients.client import (
     StewardClient,
     StewardError,
@@ -127,14 +134,8 @@ def run_client_command(args: argparse.Namespace) -> int:
             _print_status(client)
         elif args.command == "cluster":
             summary = client.cluster()
-            brokers = [
-                {**b, "position": f"{b['position']['ledger_id']}:{b['position']['entry_id']}"}
-                for b in summary["brokers"]
-            ]
             print(f"cluster {summary['cluster_id']}  leader {summary['leader']}")
-            _print_table(
-                brokers, ["id", "host", "port", "is_leader", "position", "uptime_secs", "version"]
-            )
+            _print_brokers(summary["brokers"])
             print("tasks: " + ", ".join(f"{k}={v}" for k, v in summary["tasks"].items()))
             print(f"workers: {len(summary['workers'])}  tenants: {summary['tenants']}")
         elif args.command == "token":

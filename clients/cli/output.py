@@ -148,14 +148,75 @@ def _wait_for(
     return 1 if failed else 0
 
 
+def _duration(secs: float) -> str:
+    """12.3s, 4m05s, 3h07m, 2d04h: short enough for a table cell."""
+    if secs < 60:
+        return f"{secs:.1f}s"
+    minutes, seconds = divmod(int(secs), 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def _position(position: dict[str, int] | None) -> str:
+    if position is None:
+        return "unknown"
+    if position["ledger_id"] < 0:
+        return "empty"  # nothing logged yet: the API says -1:-1
+    return f"{position['ledger_id']}:{position['entry_id']}"
+
+
+def _broker_state(broker: dict[str, Any]) -> str:
+    if broker.get("reachable", True):
+        return "ok"
+    seen = broker.get("last_seen_secs_ago")
+    when = "never seen" if seen is None else f"last seen {_duration(seen)} ago"
+    left = "" if broker.get("member", True) else ", left the cluster"
+    return f"UNREACHABLE ({when}{left})"
+
+
+def _print_brokers(brokers: list[dict[str, Any]]) -> None:
+    """The brokers table of ``steward status`` and ``steward cluster``: what is unknown
+    (an unreachable broker's position, uptime, lag) shows as "unknown"."""
+    rows = []
+    for b in brokers:
+        position = b.get("position")
+        uptime = b.get("uptime_secs")
+        lag = b.get("lag_entries")
+        rows.append(
+            {
+                "id": b["id"],
+                "url": b.get("url") or f"{b['host']}:{b['port']}",
+                "role": b.get("role", "-"),
+                "position": _position(position),
+                "lag": "unknown" if lag is None else lag,
+                "uptime": "unknown" if uptime is None else _duration(uptime),
+                "version": b.get("version") or "unknown",
+                "state": _broker_state(b),
+            }
+        )
+    columns = ["id", "url", "role", "position", "lag", "uptime", "version", "state"]
+    _print_table(rows, columns)
+    for b in brokers:
+        if b.get("unknown_reason"):
+            print(f"  {b['id']}: {b['unknown_reason']}")
+    if any(not b.get("reachable", True) for b in brokers):
+        print(
+            "  (an unreachable broker: check its process and its log; brokers that left"
+            " are listed for 10 minutes)"
+        )
+
+
 def _print_status(client: StewardClient) -> None:
     summary = client.cluster()
-    print(f"cluster {summary['cluster_id']}  leader {summary['leader']}\n")
-    brokers = [
-        {**b, "position": f"{b['position']['ledger_id']}:{b['position']['entry_id']}"}
-        for b in summary["brokers"]
-    ]
-    _print_table(brokers, ["id", "host", "port", "is_leader", "position", "uptime_secs"])
+    seen_by = summary["brokers"][0]["id"] if summary["brokers"] else "?"
+    leader = summary["leader"] or "none known"
+    print(f"cluster {summary['cluster_id']}  leader {leader}  (as seen by {seen_by})\n")
+    _print_brokers(summary["brokers"])
     print()
     if summary["workers"]:
         _print_table(summary["workers"], ["id", "state", "address", "running_tasks", "resources"])

@@ -221,16 +221,17 @@ class TestCommands:
         assert lines[0] == "cluster standalone  leader standalone"
         assert lines[1].split() == [
             "ID",
-            "HOST",
-            "PORT",
-            "IS_LEADER",
+            "URL",
+            "ROLE",
             "POSITION",
-            "UPTIME_SECS",
+            "LAG",
+            "UPTIME",
             "VERSION",
+            "STATE",
         ]
         row = lines[2].split()
-        assert row[:4] == ["standalone", HOST, str(broker.port), "True"]
-        assert re.fullmatch(r"\d+:\d+", row[4])
+        assert row[:3] == ["standalone", f"{HOST}:{broker.port}", "standalone"]
+        assert re.fullmatch(r"\d+:\d+|empty", row[3]) and row[4] == "0" and row[7] == "ok"
         assert any(line.startswith("tasks: ") and "waiting=" in line for line in lines)
         assert any(line.startswith("workers: 0") for line in lines)
 

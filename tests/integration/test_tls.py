@@ -236,6 +236,12 @@ def test_cluster_over_tls_survives_kill9_of_the_leader(
         assert summary["leader_url"] == leader.url and leader.url.startswith("https://")
         assert summary["leader_worker_tls"] is True
         assert all(b["url"].startswith("https://") for b in summary["brokers"]), summary
+        # Brokers ask each other's /healthz over HTTPS, verified by the cluster's CA.
+        wait_until(
+            lambda: all(b["reachable"] for b in follower.get_json("/api/v1/cluster")["brokers"]),
+            30,
+            "the follower to reach every peer over HTTPS",
+        )
 
         cluster.start_worker("tls-cw1")
         cluster.wait_workers_connected(["tls-cw1"], 60)

@@ -334,16 +334,25 @@ class FakeView:
     def brokers(self) -> list[m.BrokerSummary]:
         return self.peers
 
+    def broker_summaries(self, own: m.BrokerSummary) -> list[m.BrokerSummary]:
+        return [own, *self.peers]
+
 
 def _peer(broker_id: str, url: str) -> m.BrokerSummary:
     return m.BrokerSummary(
         id=broker_id,
         host="127.0.0.1",
         port=0,
-        uptime_secs=0.0,
+        uptime_secs=None,
         is_leader=False,
         version="test",
-        position=m.Position(-1, -1),
+        position=None,
+        lag_entries=None,
+        reachable=False,
+        last_seen_secs_ago=None,
+        started_at=None,
+        member=True,
+        unknown_reason="from its ZooKeeper advertisement only",
         url=url,
     )
 

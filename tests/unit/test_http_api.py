@@ -99,8 +99,21 @@ async def test_cluster_shape(api: Api) -> None:
         "position",
         "digest",
         "role",
+        "lag_entries",
+        "reachable",
+        "last_seen_secs_ago",
+        "started_at",
+        "member",
+        "unknown_reason",
+        "url",
+        "worker_address",
+        "worker_tls",
     }
     assert broker["role"] == "standalone"
+    # The one answering: a leader of itself, seen now, nothing unknown.
+    assert (broker["lag_entries"], broker["reachable"], broker["member"]) == (0, True, True)
+    assert broker["last_seen_secs_ago"] == 0.0 and broker["unknown_reason"] is None
+    assert broker["started_at"].endswith("Z")
     assert broker["digest"] == api.node.state.digest()
     assert summary["leader_url"] is None  # the test app has no cluster view
     assert broker["id"] == "standalone"
