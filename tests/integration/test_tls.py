@@ -292,7 +292,7 @@ def test_cluster_up_passes_tls_on(tls: TlsFiles, tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [
             *steward_command(),
-            "cluster", "up", "--brokers", "2", "--workers", "1",
+            "cluster", "up", "--broker-count", "2", "--workers", "1",
             "--data-dir", str(tmp_path / "cluster"),
             "--tls-cert", str(tls.cert_path), "--tls-key", str(tls.key_path),
             "--tls-ca", str(tls.ca_path),
@@ -305,7 +305,11 @@ def test_cluster_up_passes_tls_on(tls: TlsFiles, tmp_path: Path) -> None:
     watch = ClusterUpOutput(proc)
     try:
         output = watch.wait_up(CLUSTER_UP_TIMEOUT_S)
-        urls = re.findall(r"^broker-\d+\s+(https://127\.0\.0\.1:\d+)$", output, re.MULTILINE)
+        urls = re.findall(
+            r"^broker-\d+\s+(?:leader|follower)\s+\d+\s+(https://127\.0\.0\.1:\d+)$",
+            output,
+            re.MULTILINE,
+        )
         assert len(urls) == 2, output
         assert f"--ca-file {tls.ca_path} status" in output, output
         with StewardClient(urls, ca_file=tls.ca_path) as client:
