@@ -319,7 +319,7 @@ def _add_task_commands(sub: argparse._SubParsersAction[StewardArgumentParser]) -
         type=int,
         default=50,
         metavar="N",
-        help="at most N tasks (1 to the broker's limit, 1000 by default)",
+        help="at most N tasks (1 to the broker's limit: 1000 unless configured)",
     )
     p.add_argument(
         "--after",
