@@ -139,8 +139,8 @@ def test_standalone_worker_client_and_cli_over_tls(standalone: Standalone, tls: 
             "--wait", "--timeout-s", str(TASK_TIMEOUT_S),
         )  # fmt: skip
         assert submitted.returncode == 0, submitted
-        task_id, state = submitted.stdout.split()[:2]
-        assert state == "finished", submitted.stdout
+        word, task_id, state = submitted.stdout.split()[:3]
+        assert (word, state) == ("task", "finished"), submitted.stdout
         shown = run_cli("--url", url, "task", task_id, "--json", ca_env=tls.ca_path)
         assert shown.returncode == 0, shown
         assert '"state": "finished"' in shown.stdout
