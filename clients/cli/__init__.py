@@ -76,7 +76,7 @@ def _unreachable(exc: ConnectionFailedError) -> str:
         return f"a TLS error: {reason}; is it https:// or http://?"
     if "closed the connection" in lowered or "reset" in lowered:
         # What the worker port (binary frames) does to an HTTP request.
-        return f"no HTTP answer: {reason}; is this the worker port?"
+        return f"no HTTP answer: {reason}; is this the worker port, or an https:// one?"
     return reason
 
 

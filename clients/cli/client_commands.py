@@ -50,7 +50,7 @@ def run_client_command(args: argparse.Namespace) -> int:
         except (KeyError, TypeError, AttributeError) as exc:
             # An answer without the API's fields: whatever listens there is no broker
             # (a web server answering 200 with a page, say).
-            raise NotStewardError(f"an answer without Steward's fields ({exc!r} missing)") from None
+            raise NotStewardError(f"an answer that is not Steward's JSON API: {exc}") from None
 
 
 def _dispatch(client: StewardClient, args: argparse.Namespace) -> int:

@@ -112,9 +112,11 @@ def test_help_names_the_environment_defaults_and_choices() -> None:
 
 
 class _NotSteward(http.server.BaseHTTPRequestHandler):
+    """A web server that is not Steward: 404 pages, and a 200 page under /ok/."""
+
     def do_GET(self) -> None:
         body = b"<html><body>Not Found</body></html>"
-        self.send_response(404)
+        self.send_response(200 if self.path.startswith("/ok/") else 404)
         self.send_header("Content-Type", "text/html")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -144,6 +146,7 @@ def test_a_wrong_url_says_no_steward_broker_and_what_it_got(setup: Setup, web_se
     cases = [
         (nobody, "connection refused"),
         (web_server, "HTTP 404"),
+        (f"{web_server}/ok", "not Steward's JSON API"),
         (f"http://{HOST}:{setup.worker_port}", "worker port"),
         (setup.url.replace("http://", "https://"), "TLS error"),
     ]
