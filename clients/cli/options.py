@@ -279,7 +279,7 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
         "--log-level",
         default="INFO",
         type=str.upper,
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
         help="least severe log records written to stderr: %(choices)s",
     )
     _add_tls_options(p, "", "to verify other brokers with, passed on to child workers")
