@@ -21,7 +21,7 @@ from clients.cli.options import (
     NotStewardError,
     UsageError,
 )
-from clients.cli.output import tree_status
+from clients.cli.output import tree_status, unreachable_reason
 from clients.cli.parser import CLUSTER_HINT, build_parser
 from clients.cli.servers import _auth_config, run_broker, run_cluster_up, run_standalone
 from clients.client import (
@@ -66,20 +66,6 @@ def _no_broker(urls: Sequence[str], got: str) -> str:
     )
 
 
-def _unreachable(exc: ConnectionFailedError) -> str:
-    """What a connection failure was, in words: refused, TLS, or the reason itself."""
-    reason = str(exc.message).partition(": ")[2] or exc.message
-    lowered = reason.lower()
-    if "refused" in lowered:
-        return "connection refused"
-    if "ssl" in lowered or "tls" in lowered or "certificate" in lowered:
-        return f"a TLS error: {reason}; is it https:// or http://?"
-    if "closed the connection" in lowered or "reset" in lowered:
-        # What the worker port (binary frames) does to an HTTP request.
-        return f"no HTTP answer: {reason}; is this the worker port, or an https:// one?"
-    return reason
-
-
 def _not_a_broker(urls: Sequence[str], exc: StewardError) -> str | None:
     """The one line for an error that means nothing Steward answered at ``urls``, or None
     (a write gives up after --failover-timeout-s: its last error says why)."""
@@ -88,7 +74,7 @@ def _not_a_broker(urls: Sequence[str], exc: StewardError) -> str | None:
     if isinstance(exc, CertificateVerifyError):
         return None
     if isinstance(exc, ConnectionFailedError):
-        return _no_broker(urls, _unreachable(exc))
+        return _no_broker(urls, unreachable_reason(exc))
     if exc.code == "http_error":  # an error answer that is not the API's JSON
         return _no_broker(urls, f"HTTP {exc.status}")
     return None

@@ -22,8 +22,11 @@ from clients.cli.output import (
     hint,
     print_fields,
     print_json,
+    unreachable_reason,
 )
 from clients.client import (
+    CertificateVerifyError,
+    ConnectionFailedError,
     StewardClient,
     StewardError,
 )
@@ -53,8 +56,36 @@ def run_client_command(args: argparse.Namespace) -> int:
             raise NotStewardError(f"an answer that is not Steward's JSON API: {exc}") from None
 
 
+def _is_write(args: argparse.Namespace) -> bool:
+    if args.command in ("submit", "cancel", "txn"):
+        return True
+    if args.command == "tenant":
+        return any(v is not None for v in (args.max_waiting, args.max_running, args.weight))
+    if args.command == "code":
+        return bool(args.code_command == "upload")
+    return bool(args.command == "token" and args.token_command != "list")
+
+
+def _say_if_nothing_answers(client: StewardClient, args: argparse.Namespace) -> None:
+    """A write keeps trying for --failover-timeout-s while a leader takes over; when no
+    URL answers at all (a wrong port, say), tell the person at once instead of after it."""
+    try:
+        client.health()
+    except CertificateVerifyError:
+        raise  # the write would fail the same way, at once
+    except ConnectionFailedError as exc:
+        hint(
+            f"steward: nothing answers at {','.join(args.url)} ({unreachable_reason(exc)}); "
+            f"trying for up to {args.failover_timeout_s:g} s (--failover-timeout-s)"
+        )
+    except StewardError:
+        pass  # a broker answered: the write goes on as usual
+
+
 def _dispatch(client: StewardClient, args: argparse.Namespace) -> int:
     command = args.command
+    if _is_write(args):
+        _say_if_nothing_answers(client, args)
     if command == "submit":
         return _submit(client, args)
     if command == "logs":

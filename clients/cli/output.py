@@ -16,6 +16,7 @@ import time
 from typing import Any, Final
 
 from clients.client import (
+    ConnectionFailedError,
     StewardClient,
     TaskHandle,
     TaskTimeoutError,
@@ -241,3 +242,17 @@ def _print_status(client: StewardClient, as_json: bool = False) -> None:
         _print_table(tenants, [*columns, "finished", "failed"])
         print()
     print("tasks: " + ", ".join(f"{k}={v}" for k, v in summary["tasks"].items()))
+
+
+def unreachable_reason(exc: ConnectionFailedError) -> str:
+    """What a connection failure was, in words: refused, TLS, or the reason itself."""
+    reason = str(exc.message).partition(": ")[2] or exc.message
+    lowered = reason.lower()
+    if "refused" in lowered:
+        return "connection refused"
+    if "ssl" in lowered or "tls" in lowered or "certificate" in lowered:
+        return f"a TLS error: {reason}; is it https:// or http://?"
+    if "closed the connection" in lowered or "reset" in lowered:
+        # What the worker port (binary frames) does to an HTTP request.
+        return f"no HTTP answer: {reason}; is this the worker port, or an https:// one?"
+    return reason

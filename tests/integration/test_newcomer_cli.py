@@ -159,6 +159,11 @@ def test_a_wrong_url_says_no_steward_broker_and_what_it_got(setup: Setup, web_se
             assert run.out == "", run
             assert run.elapsed_s < WRONG_URL_BOUND_S, (message, run.elapsed_s)
             assert "<html>" not in message
+            if command[0] == "submit" and got in ("connection refused", "worker port"):
+                # Said at once, before the write's retries: the first line.
+                first = run.err.splitlines()[0]
+                assert first.startswith(f"steward: nothing answers at {url}"), run
+                assert "--failover-timeout-s" in first, run
 
 
 # --- friction 5: a closed stdout ends quietly ----------------------------------------------
