@@ -230,8 +230,8 @@ def _print_status(client: StewardClient, as_json: bool = False) -> None:
         {
             "name": t["name"],
             "weight": t["weight"],
-            "max_running": t["max_running"] or "-",
-            "max_waiting": t["max_waiting"] or "-",
+            "max_running": t["max_running"] or "no limit",  # 0: no limit, as `tenant` says
+            "max_waiting": t["max_waiting"] or "no limit",
             **{k: v for k, v in t["counts"].items() if k in ("waiting", "running", "finished")},
             "failed": t["counts"].get("error", 0),
         }
