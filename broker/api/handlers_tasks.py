@@ -37,6 +37,7 @@ from broker.core.state import (
     TreeState,
     validate_task_spec,
 )
+from broker.core.validation import validate_builtin_params
 from broker.replication.node import Stamp
 from broker.security.auth import ANONYMOUS_ADMIN, Principal
 from broker.security.auth import Role as CallerRole
@@ -77,7 +78,7 @@ def _spec_fields(
         track_tree=item.track_tree,
         tree_timeout_ms=_tree_timeout_ms(item, where),
     )
-    problem = validate_task_spec(spec)
+    problem = validate_task_spec(spec) or validate_builtin_params(spec.type, spec.params)
     if problem is not None:
         raise HttpError(400, "invalid_request", where + problem)
     if spec.code is not None and not _may_use_code(api, request, spec.code, tenant):

@@ -5,9 +5,10 @@ Moved out of ``broker/core/state.py`` (which re-exports every name); pure like i
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Final
 
 from broker.core import entries as e
@@ -93,4 +94,52 @@ def validate_limits(patch: e.TenantLimitsPatch) -> str | None:
         return "max_running must be >= 0 (0: unlimited)"
     if patch.weight is not None and not (math.isfinite(patch.weight) and patch.weight > 0):
         return "weight must be a finite number > 0"
+    return None
+
+
+#: The parameters of the built-in task types the workers run (clients/worker/task_api.py):
+#: a key outside these is refused at submit, so a misspelt one (``secs``) is not silently
+#: ignored by the task. ``noop`` takes any params: callers carry payloads in them.
+BUILTIN_PARAMS: Final[Mapping[str, tuple[str, ...]]] = {
+    "sleep": ("seconds",),
+    "fail": ("message",),
+    "spark.sql": ("query", "max_rows"),
+}
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def validate_builtin_params(type_name: str, params: bytes) -> str | None:
+    """Why ``params`` (JSON text) do not fit the built-in task type ``type_name``, or None
+    (None too for any other type: only its code knows its params)."""
+    allowed = BUILTIN_PARAMS.get(type_name)
+    if allowed is None:
+        return None
+    try:
+        value = json.loads(params)
+    except ValueError:
+        return None  # not JSON: the request's decoding answers that
+    if value is None:
+        value = {}
+    keys = ", ".join(allowed)
+    if not isinstance(value, dict):
+        return f"{type_name} params must be a JSON object with keys {keys}"
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        return (
+            f"{type_name} params: unknown key {', '.join(map(repr, unknown))}; "
+            f"allowed keys: {keys} (docs/TASKS.md)"
+        )
+    seconds = value.get("seconds", 0)
+    if type_name == "sleep" and not (_is_number(seconds) and 0 <= seconds < math.inf):
+        return f"sleep params: seconds must be a number >= 0, got {seconds!r}"
+    if type_name == "spark.sql":
+        query = value.get("query")
+        if not isinstance(query, str) or not query.strip():
+            return "spark.sql params: query (a non-empty SQL string) is required"
+        max_rows = value.get("max_rows", 0)
+        if not (_is_number(max_rows) and isinstance(max_rows, int) and max_rows >= 0):
+            return f"spark.sql params: max_rows must be an integer >= 0, got {max_rows!r}"
     return None

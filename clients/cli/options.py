@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, NoReturn
 
 from broker.security.tls import CA_ENV, TlsConfig, TlsConfigError
 from clients.client import (
@@ -17,10 +18,121 @@ from clients.client import (
 DEFAULT_URL = "http://127.0.0.1:8080"
 # Shorter than the library's 30 s: someone is waiting at the terminal.
 DEFAULT_FAILOVER_TIMEOUT_S = 10.0
+#: The task states a listing filters by (the broker's TaskState values; the CLI may not
+#: import the state machine: tests/unit/test_cli_parser.py checks they agree).
+TASK_STATES: Final = ("pending", "delayed", "waiting", "running", "finished", "error", "cancelled")
 
 
 class UsageError(Exception):
     pass
+
+
+class NotStewardError(Exception):
+    """The URL answered, but not as a Steward broker does (``got``: what it answered)."""
+
+    def __init__(self, got: str) -> None:
+        super().__init__(got)
+        self.got = got
+
+
+def shown_default(value: object) -> str:
+    """A default as a user types it: (host, port) as host:port, (low, high) as low-high,
+    a list as A,B; never a Python repr."""
+    if isinstance(value, tuple) and len(value) == 2:
+        first, second = value
+        if isinstance(first, str) and isinstance(second, int):
+            return f"{first}:{second}"
+        if isinstance(first, int) and isinstance(second, int):
+            return f"{first}-{second}"
+    if isinstance(value, list | tuple):
+        return ",".join(shown_default(v) for v in value)
+    return str(value)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every help names its default (as a user types it) unless it says it already, and
+    a choice option lists its choices the same way (A, B: not a Python set); descriptions
+    and epilogs keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        has_default = not (default is None or default is False or default == [])
+        has_default = has_default and default is not argparse.SUPPRESS
+        if has_default and "default" not in text and action.option_strings:
+            text += " (default %(default)s)"
+        return text
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        params: dict[str, Any] = {**vars(action), "prog": self._prog}
+        params["default"] = shown_default(action.default)
+        if action.choices is not None:
+            params["choices"] = ", ".join(str(c) for c in action.choices)
+        return (self._get_help_string(action) or "") % params
+
+
+class StewardArgumentParser(argparse.ArgumentParser):
+    """No abbreviated options (``--work`` is an error, not ``--workers``) and the help
+    formatter above, for the parser and every subcommand's."""
+
+    #: What to do instead, added to every usage error of this (sub)command.
+    usage_hint: str | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        hint = self.usage_hint or f"see {self.prog} --help"
+        self.exit(2, f"{self.prog}: error: {message} ({hint})\n")
+
+
+def add_client_options(p: argparse.ArgumentParser, *, top: bool = False) -> None:
+    """--url, --token, --failover-timeout-s and --ca-file: on the top parser with their
+    defaults, and on every client command with none (argparse.SUPPRESS) so that they may
+    come after the command too without resetting what came before it."""
+
+    def default(value: object) -> object:
+        return value if top else argparse.SUPPRESS
+
+    p.add_argument(
+        "--url",
+        type=_broker_urls,
+        default=default(os.environ.get("STEWARD_URL", DEFAULT_URL)),
+        metavar="URL[,URL...]",
+        help="the broker's HTTP URL, or a comma-separated list of a cluster's brokers "
+        f"(any of them: writes find the leader) (env STEWARD_URL; default {DEFAULT_URL})",
+    )
+    p.add_argument(
+        "--token",
+        default=default(os.environ.get("STEWARD_TOKEN")),
+        help="API token sent with every call (env STEWARD_TOKEN; default: none, for a "
+        "broker without authentication)",
+    )
+    p.add_argument(
+        "--failover-timeout-s",
+        type=_positive_seconds,
+        default=default(os.environ.get("STEWARD_FAILOVER_TIMEOUT_S", DEFAULT_FAILOVER_TIMEOUT_S)),
+        metavar="S",
+        help="how long a write keeps trying other brokers or waits for a leader "
+        f"(env STEWARD_FAILOVER_TIMEOUT_S; default {DEFAULT_FAILOVER_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--ca-file",
+        type=Path,
+        default=default(os.environ.get(CA_ENV)),
+        metavar="PATH",
+        help=f"CA bundle to verify https:// brokers with (env {CA_ENV}; default: the "
+        "system trust store)",
+    )
+
+
+def add_json_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--json", action="store_true", help="print the broker's answer as JSON (for scripts)"
+    )
 
 
 def _host_port(text: str) -> tuple[str, int]:
@@ -89,7 +201,13 @@ def _add_listen_options(
     p: argparse.ArgumentParser, worker_default: tuple[str, int], worker_help: str
 ) -> None:
     """--http and --worker-listen: where a broker serves the API and its workers."""
-    p.add_argument("--http", type=_host_port, default=("127.0.0.1", 8080), metavar="HOST:PORT")
+    p.add_argument(
+        "--http",
+        type=_host_port,
+        default=("127.0.0.1", 8080),
+        metavar="HOST:PORT",
+        help="where the HTTP API, the dashboard and /metrics listen (port 0 picks a free one)",
+    )
     p.add_argument(
         "--worker-listen",
         type=_host_port,
@@ -127,18 +245,43 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
         "STEWARD_CLUSTER_TOKEN)",
     )
     _add_deprecated_secret_option(p, "--cluster-token", "STEWARD_CLUSTER_TOKEN")
-    p.add_argument("--heartbeat-interval-ms", type=int, default=1000)
+    p.add_argument(
+        "--heartbeat-interval-ms",
+        type=int,
+        default=1000,
+        metavar="MS",
+        help="how often the broker and its workers exchange heartbeats",
+    )
     p.add_argument(
         "--heartbeat-timeout-ms",
         type=int,
         default=10_000,
+        metavar="MS",
         help="a worker silent or disconnected this long is declared dead (default %(default)s)",
     )
-    p.add_argument("--snapshot-interval-s", type=float, default=60.0)
-    p.add_argument("--ledger-roll-mb", type=float, default=64.0)
+    p.add_argument(
+        "--snapshot-interval-s",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="write a snapshot of the state this often (recovery replays the log after it)",
+    )
+    p.add_argument(
+        "--ledger-roll-mb",
+        type=float,
+        default=64.0,
+        metavar="MB",
+        help="start a new ledger (log segment) once the current one holds this much",
+    )
     _add_edge_options(p)
     _add_log_format_option(p)
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="least severe log records written to stderr: %(choices)s",
+    )
     _add_tls_options(p, "", "to verify other brokers with, passed on to child workers")
 
 

@@ -1,8 +1,14 @@
 """Output of the client commands: tasks, trees, task logs, tables, waiting for tasks and
-the cluster status."""
+the cluster status.
+
+Human output is tables and ``name: value`` lines, never a Python repr (a dict shows as
+``cpu=2, memory_mb=512``, a flag as yes/no); ``--json`` prints the API's answer for
+scripts. Data goes to stdout; hints and progress to stderr, so a pipe gets only data.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -10,6 +16,7 @@ import time
 from typing import Any, Final
 
 from clients.client import (
+    ConnectionFailedError,
     StewardClient,
     TaskHandle,
     TaskTimeoutError,
@@ -46,11 +53,44 @@ def _print_task(task: dict[str, Any]) -> None:
         value = task.get(name)
         if value is None or value == {}:
             continue
-        if name in ("params", "result", "resources"):
-            value = json.dumps(value)
+        if name in ("params", "result"):
+            value = json.dumps(value)  # the task's own JSON values, as submitted/returned
         elif name == "tree":
             value = tree_status(value)
+        else:
+            value = cell(value)
         print(f"{name:>13}: {value}")
+
+
+def cell(value: Any) -> str:
+    """One value as a person reads it: ``-`` for none, yes/no, 2 not 2.0, ``k=v, k=v``."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={cell(v)}" for k, v in value.items()) or "-"
+    if isinstance(value, list | tuple):
+        return ", ".join(cell(v) for v in value) or "-"
+    return str(value)
+
+
+def print_fields(pairs: list[tuple[str, Any]]) -> None:
+    """``name: value`` lines, the names right-aligned."""
+    width = max((len(name) for name, _ in pairs), default=0)
+    for name, value in pairs:
+        print(f"{name:>{width}}: {value if isinstance(value, str) else cell(value)}")
+
+
+def print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2))
+
+
+def hint(text: str) -> None:
+    """A hint for the person at the terminal: stderr, never into a pipe's data."""
+    print(text, file=sys.stderr)
 
 
 def tree_status(tree: dict[str, Any]) -> str:
@@ -104,22 +144,42 @@ def _print_logs(client: StewardClient, task_id: int, attempt: int | None, follow
 
 
 def _print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    cells = [[str(row.get(c) if row.get(c) is not None else "-") for c in columns] for row in rows]
+    cells = [[cell(row.get(c)) for c in columns] for row in rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
     print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)))
     for r in cells:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)))
 
 
+def _outcome(task: dict[str, Any], tree: bool) -> str:
+    """One readable line for a task that ended: ``task 52 finished: result slept=0.1``."""
+    if tree:
+        line = f"task {task['id']} tree {tree_status(task['tree'])}"
+        ok = task["tree"]["state"] == "completed"
+    else:
+        line = f"task {task['id']} {task['state']}"
+        ok = task["state"] == "finished"
+    if ok and task.get("result") is not None:
+        return f"{line}: result {cell(task['result'])}"
+    error = (task.get("error") or "").strip().splitlines()
+    return f"{line}: {error[0]}" if not ok and error else line
+
+
 def _wait_for(
-    handles: list[TaskHandle], timeout_s: float | None, *, expected: int, tree: bool = False
+    handles: list[TaskHandle],
+    timeout_s: float | None,
+    *,
+    expected: int,
+    tree: bool = False,
+    as_json: bool = False,
 ) -> int:
     """Wait for every handle (``tree``: for the tree each one roots); one line per task
-    (or a progress bar for many)."""
+    (or a progress bar on stderr for many; ``as_json``: the final records as JSON)."""
     started = time.monotonic()
     deadline = None if timeout_s is None else started + timeout_s
-    many = len(handles) > 1 and sys.stdout.isatty()
+    many = len(handles) > 1 and sys.stderr.isatty()
     failed = expected - len(handles)
+    records = []
     for done, handle in enumerate(handles, start=1):
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
@@ -127,22 +187,23 @@ def _wait_for(
         except TaskTimeoutError:
             what = "the tree of task" if tree else "task"
             print(
-                f"\nsteward: {what} {handle.id} not finished within {timeout_s} s", file=sys.stderr
+                f"\nsteward: {what} {handle.id} not finished within {timeout_s} s (raise "
+                "--timeout-s, or look later with steward task ID)",
+                file=sys.stderr,
             )
             return 1
         ok = task["tree"]["state"] == "completed" if tree else task["state"] == "finished"
         if not ok:
             failed += 1
+        records.append(task)
         if many:
-            print_progress(done, len(handles), started)
-        elif tree:
-            result = json.dumps(task.get("result")) if ok else ""
-            print(f"{task['id']} tree {tree_status(task['tree'])} {result}".rstrip())
-        else:
-            result = json.dumps(task.get("result")) if task["state"] == "finished" else ""
-            error = (task.get("error") or "").strip().splitlines()
-            print(f"{task['id']} {task['state']} {result or (error[0] if error else '')}")
-    if many:
+            with contextlib.redirect_stdout(sys.stderr):
+                print_progress(done, len(handles), started)
+        elif not as_json:
+            print(_outcome(task, tree))
+    if as_json:
+        print_json(records)
+    elif many:
         states = f"{len(handles) - failed} finished, {failed} failed"
         print(f"{states} in {time.monotonic() - started:.1f} s")
     return 1 if failed else 0
@@ -211,8 +272,11 @@ def _print_brokers(brokers: list[dict[str, Any]]) -> None:
         )
 
 
-def _print_status(client: StewardClient) -> None:
+def _print_status(client: StewardClient, as_json: bool = False) -> None:
     summary = client.cluster()
+    if as_json:
+        print_json({"cluster": summary, "tenants": client.tenants()})
+        return
     seen_by = summary["brokers"][0]["id"] if summary["brokers"] else "?"
     leader = summary["leader"] or "none known"
     print(f"cluster {summary['cluster_id']}  leader {leader}  (as seen by {seen_by})\n")
@@ -227,15 +291,29 @@ def _print_status(client: StewardClient) -> None:
         {
             "name": t["name"],
             "weight": t["weight"],
-            "max_running": t["max_running"] or "-",
-            "max_waiting": t["max_waiting"] or "-",
+            "max_running": t["max_running"] or "no limit",  # 0: no limit, as `tenant` says
+            "max_waiting": t["max_waiting"] or "no limit",
             **{k: v for k, v in t["counts"].items() if k in ("waiting", "running", "finished")},
-            "failed": t["counts"].get("error", 0),
+            "error": t["counts"].get("error", 0),  # the API's word, as the dashboard says
         }
         for t in client.tenants()
     ]
     if tenants:
         columns = ["name", "weight", "max_running", "max_waiting", "waiting", "running"]
-        _print_table(tenants, [*columns, "finished", "failed"])
+        _print_table(tenants, [*columns, "finished", "error"])
         print()
     print("tasks: " + ", ".join(f"{k}={v}" for k, v in summary["tasks"].items()))
+
+
+def unreachable_reason(exc: ConnectionFailedError) -> str:
+    """What a connection failure was, in words: refused, TLS, or the reason itself."""
+    reason = str(exc.message).partition(": ")[2] or exc.message
+    lowered = reason.lower()
+    if "refused" in lowered:
+        return "connection refused"
+    if "ssl" in lowered or "tls" in lowered or "certificate" in lowered:
+        return f"a TLS error: {reason}; is it https:// or http://?"
+    if "closed the connection" in lowered or "reset" in lowered:
+        # What the worker port (binary frames) does to an HTTP request.
+        return f"no HTTP answer: {reason}; is this the worker port, or an https:// one?"
+    return reason

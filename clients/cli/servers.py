@@ -231,13 +231,21 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     from clients.dev.local_cluster import LocalClusterConfig, run_local_cluster
     from clients.dev.zk import ZooKeeperError
 
-    if args.brokers < 1 or args.workers < 0:
-        raise UsageError("need --brokers >= 1 and --workers >= 0")
+    if args.brokers_deprecated is not None:
+        # One meaning per flag name: --brokers is a list of broker URLs elsewhere (worker).
+        print(
+            "steward: warning: `cluster up --brokers N` is deprecated: use --broker-count N",
+            file=sys.stderr,
+            flush=True,
+        )
+        args.broker_count = args.brokers_deprecated
+    if args.broker_count < 1 or args.workers < 0:
+        raise UsageError("need --broker-count >= 1 and --workers >= 0")
     if not 1000 <= args.session_timeout_ms <= 60_000:
         raise UsageError("--session-timeout-ms must be in [1000, 60000]")
     config = LocalClusterConfig(
         data_dir=args.data_dir,
-        brokers=args.brokers,
+        brokers=args.broker_count,
         workers=args.workers,
         session_timeout_ms=args.session_timeout_ms,
         first_http_port=args.first_http_port,

@@ -77,7 +77,7 @@ def _steward() -> list[str]:
 class LocalCluster:
     def __init__(self, config: LocalClusterConfig) -> None:
         if config.brokers < 1:
-            raise ValueError("--brokers must be >= 1")
+            raise ValueError("--broker-count must be >= 1")
         if config.workers < 0:
             raise ValueError("--workers must be >= 0")
         self.config = config
@@ -157,14 +157,12 @@ class LocalCluster:
         config = self.config
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.zookeeper.start()
-        print(f"zookeeper   {self.zookeeper.connect_string}", flush=True)
         if self.pulsar is not None:
             self.pulsar.start()
-            print(f"pulsar-lite {self.pulsar.service_url}", flush=True)
         for n in range(1, config.brokers + 1):
             port = config.first_http_port + n - 1 if config.first_http_port else free_port()
             self.brokers.append(self._spawn_broker(f"broker-{n}", port))
-        self._wait_until_serving()
+        leader = self._wait_until_serving()
         urls = ",".join(b.url for b in self.brokers if b.url)
         for n in range(1, config.workers + 1):
             self.workers.append(
@@ -185,15 +183,35 @@ class LocalCluster:
                     self._worker_env,
                 )
             )
+        self._print_processes(leader, urls)
+
+    def _print_processes(self, leader: str, urls: str) -> None:
+        """Every process with its role and pid, and the commands to use the cluster: a
+        failover is tried by killing the leader's pid, so it is printed (issue 17)."""
+        rows = [("zookeeper", "zookeeper", self.zookeeper.pid, self.zookeeper.connect_string)]
+        if self.pulsar is not None:
+            rows.append(("pulsar-lite", "ledgers", self.pulsar.pid, self.pulsar.service_url))
         for broker in self.brokers:
-            print(f"{broker.name:<11} {broker.url}", flush=True)
-        print(f"workers     {len(self.workers)} (find the leader through the brokers)")
+            role = "leader" if broker.name == leader else "follower"
+            rows.append((broker.name, role, broker.proc.pid, broker.url or "-"))
+        for worker in self.workers:
+            rows.append((worker.name, "worker", worker.proc.pid, "finds the leader itself"))
+        print(f"{'NAME':<11} {'ROLE':<9} {'PID':<8} ADDRESS")
+        for name, role, pid, address in rows:
+            print(f"{name:<11} {role:<9} {pid or '-':<8} {address}")
         print(f"logs        {self.data_dir / 'logs'}")
         ca = self._tls_args(broker=False)
         ca_option = f" --ca-file {ca[1]}" if ca else ""
         file = self.config.admin_token_file
         token_option = f' --token "$(cat {file})"' if file is not None else ""
-        print(f"client      steward --url {urls}{ca_option}{token_option} status", flush=True)
+        print(f"client      steward --url {urls}{ca_option}{token_option} status")
+        pid = next(b.proc.pid for b in self.brokers if b.name == leader)
+        timeout_s = self.config.session_timeout_ms / 1000
+        print(
+            f"failover    kill -9 {pid}    # the leader, {leader}: a follower takes over "
+            f"within the {timeout_s:g} s session timeout",
+            flush=True,
+        )
 
     def _spawn_broker(self, name: str, port: int) -> _Child:
         config = self.config
@@ -230,9 +248,9 @@ class LocalCluster:
         child.url = f"{'https' if config.tls is not None else 'http'}://{HOST}:{port}"
         return child
 
-    def _wait_until_serving(self) -> None:
-        """Return once every broker answers HTTP and one of them names the leader: each URL
-        printed after this takes requests (a follower redirects writes to the leader)."""
+    def _wait_until_serving(self) -> str:
+        """Return the leader's name once every broker answers HTTP and one of them names
+        it: each URL printed after this takes requests (a follower redirects writes)."""
         deadline = time.monotonic() + _READY_TIMEOUT_S
         serving: set[str] = set()
         respawns = 0
@@ -259,7 +277,7 @@ class LocalCluster:
                     summary = self._get_json(broker, "/api/v1/cluster")
                     if summary is not None and summary.get("leader"):
                         print(f"leader      {summary['leader']} {summary.get('leader_url')}")
-                        return
+                        return str(summary["leader"])
             time.sleep(0.2)
         waiting = [b.name for b in self.brokers if b.name not in serving]
         problem = f"{', '.join(waiting)} not serving" if waiting else "no leader elected"

@@ -131,7 +131,7 @@ class TestCommands:
         assert fields["slot"] == "cli-slot-1"
         assert fields["max_attempts"] == "3"
         assert json.loads(fields["params"]) == {"n": 1, "s": "x"}
-        assert json.loads(fields["resources"]) == {"cpu": 2.0}
+        assert fields["resources"] == "cpu=2"  # a person's notation, not a Python dict
         assert "deadline:" in out and "2100-01-01T00:00:00.000Z" in out
         shown = cli.task_json(task_id)
         assert shown["id"] == task_id
@@ -152,8 +152,8 @@ class TestCommands:
     def test_tasks_table_and_json(self, cli: Cli) -> None:
         out = ok(cli("submit", "table-type", "--tenant", "cli-table", "--count", "3"))
         ids = [int(i) for i in out.split()]
-        out = ok(cli("tasks", "--tenant", "cli-table", "--limit", "2"))
-        lines = out.splitlines()
+        result = cli("tasks", "--tenant", "cli-table", "--limit", "2")
+        lines = ok(result).splitlines()
         header = ["ID", "TYPE", "TENANT", "STATE", "ATTEMPT", "WORKER", "UPDATED_AT"]
         assert lines[0].split() == header
         rows = [line.split() for line in lines[1:3]]
@@ -161,7 +161,8 @@ class TestCommands:
         for row in rows:
             assert row[1:6] == ["table-type", "cli-table", "waiting", "0", "-"]
             assert re.fullmatch(r"\d{4}-\d\d-\d\dT[\d:.]+Z", row[6])
-        assert lines[3:] == [f"(more: --after {ids[1]})"]
+        assert lines[3:] == []  # the paging hint goes to stderr, not into a pipe
+        assert result.stderr == f"(more: steward tasks --after {ids[1]})\n"
         listing = cli.tasks_json(
             "--tenant", "cli-table", "--state", "waiting", "--after", str(ids[0])
         )
@@ -178,18 +179,27 @@ class TestCommands:
         assert "409" in stderr
 
     def test_tenant_set_and_show(self, cli: Cli) -> None:
-        view = json.loads(ok(cli("tenant", "cli-tenant", "--max-waiting", "2", "--weight", "1.5")))
+        changed = cli("tenant", "cli-tenant", "--max-waiting", "2", "--weight", "1.5", "--json")
+        view = json.loads(ok(changed))
         assert view["name"] == "cli-tenant"
         assert view["max_waiting"] == 2
         assert view["weight"] == 1.5
-        shown = json.loads(ok(cli("tenant", "cli-tenant")))
+        shown = json.loads(ok(cli("tenant", "cli-tenant", "--json")))
         assert shown == view
+        human = ok(cli("tenant", "cli-tenant")).splitlines()
+        assert [line.split(": ") for line in human] == [
+            ["     tenant", "cli-tenant"],
+            ["     weight", "1.5"],
+            ["max_running", "no limit"],
+            ["max_waiting", "2"],
+            ["      tasks", "none"],
+        ]
         cli.submit("q", "--tenant", "cli-tenant")
         cli.submit("q", "--tenant", "cli-tenant")
         stderr = failed(cli("submit", "q", "--tenant", "cli-tenant"), 1)
         assert "tenant_queue_full" in stderr and "429" in stderr
         stderr = failed(cli("submit", "q", "--tenant", "cli-tenant", "--count", "2"), 1)
-        assert stderr.count("error:") == 2
+        assert stderr.count("steward: ") == 2 and stderr.count("tenant_queue_full") == 2
         stderr = failed(cli("tenant", "cli-unknown-tenant"), 1)
         assert "unknown" in stderr and "404" in stderr
 
@@ -204,21 +214,21 @@ class TestCommands:
         inside = [int(i) for i in out.split()]
         assert states() == dict.fromkeys(inside, "pending")
         out = ok(cli("txn", "commit", str(txn))).strip()
-        assert out == f"transaction {txn} committed: tasks {inside}"
+        assert out == f"transaction {txn} committed: tasks {', '.join(map(str, inside))}"
         assert states() == dict.fromkeys(inside, "waiting")
         assert "not open" in failed(cli("txn", "commit", str(txn)), 1)
 
         txn = int(ok(cli("txn", "begin", "--tenant", "cli-txn", "--ttl-s", "7200")).strip())
         dropped = cli.submit("t", "--tenant", "cli-txn", "--transaction", str(txn))
         out = ok(cli("txn", "rollback", str(txn))).strip()
-        assert out == f"transaction {txn} rolled_back: tasks [{dropped}]"
+        assert out == f"transaction {txn} rolled_back: tasks {dropped}"
         assert states() == dict.fromkeys(inside, "waiting")  # the dropped task is gone
         assert "needs the transaction id" in failed(cli("txn", "commit"), 2)
 
-    def test_cluster(self, cli: Cli, broker: BrokerProcess) -> None:
-        out = ok(cli("cluster"))
-        lines = out.splitlines()
-        assert lines[0] == "cluster standalone  leader standalone"
+    def test_cluster_status_is_status(self, cli: Cli, broker: BrokerProcess) -> None:
+        out = ok(cli("cluster", "status"))
+        lines = [line for line in out.splitlines() if line]
+        assert lines[0] == "cluster standalone  leader standalone  (as seen by standalone)"
         assert lines[1].split() == [
             "ID",
             "URL",
@@ -233,14 +243,21 @@ class TestCommands:
         assert row[:3] == ["standalone", f"{HOST}:{broker.port}", "standalone"]
         assert re.fullmatch(r"\d+:\d+|empty", row[3]) and row[4] == "0" and row[7] == "ok"
         assert any(line.startswith("tasks: ") and "waiting=" in line for line in lines)
-        assert any(line.startswith("workers: 0") for line in lines)
+        assert ok(cli("status")).splitlines()[0] == lines[0]
+        summary = json.loads(ok(cli("cluster", "status", "--json")))
+        assert summary["cluster"]["leader"] == "standalone"
+        assert isinstance(summary["tenants"], list)
 
     def test_digest(self, cli: Cli) -> None:
-        out = ok(cli("digest")).strip()
-        assert re.fullmatch(r"\d+:\d+ [0-9a-f]{64}", out), out
-        assert ok(cli("digest")).strip() == out  # nothing changed in between
+        out = ok(cli("digest", "--json"))
+        digest = json.loads(out)
+        assert re.fullmatch(r"[0-9a-f]{64}", digest["digest"]), out
+        human = ok(cli("digest"))
+        position = f"{digest['position']['ledger_id']}:{digest['position']['entry_id']}"
+        assert re.fullmatch(rf"position: {position}\n  digest: {digest['digest']}\n", human)
+        assert ok(cli("digest", "--json")) == out  # nothing changed in between
         cli.submit("d", "--tenant", "cli-digest")
-        assert ok(cli("digest")).strip() != out
+        assert ok(cli("digest", "--json")) != out
 
     # --- errors ------------------------------------------------------------------------------
 
@@ -279,14 +296,13 @@ def test_unreachable_broker_is_a_clean_error() -> None:
     url = f"http://{HOST}:{free_port()}"
     result = run_cli("task", "1", url=url)
     stderr = failed(result, 1)
-    assert stderr.startswith("steward: ")
-    assert f"cannot reach {url}" in stderr
-    result = run_cli("submit", "t", url=url)
-    assert f"cannot reach {url}" in failed(result, 1)
+    assert stderr.startswith(f"steward: no Steward broker at {url} (got connection refused)")
+    result = run_cli("submit", "t", "--failover-timeout-s", "1", url=url)
+    assert f"no Steward broker at {url} (got connection refused)" in failed(result, 1)
 
 
 def test_bad_url_is_a_clean_error() -> None:
-    stderr = failed(run_cli("cluster", url="not a url"), 1)
+    stderr = failed(run_cli("cluster", "status", url="not a url"), 1)
     assert stderr.startswith("steward: ")
 
 

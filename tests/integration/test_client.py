@@ -160,7 +160,7 @@ def test_cli_code_upload_status_and_submit_wait(broker_url: str, tmp_path: Path)
         "60",
     )
     assert waited.returncode == 0, waited.stderr
-    assert 'finished {"hello": "steward"}' in waited.stdout
+    assert "finished: result hello=steward" in waited.stdout
     failed = _cli(broker_url, "submit", "fail", "--wait", "--timeout-s", "60")
     assert failed.returncode == 1
     assert "error" in failed.stdout

@@ -45,7 +45,7 @@ def test_cluster_up_runs_a_task_and_stops_cleanly(tmp_path: Path, ledgers: str, 
             *steward_command(),
             "cluster",
             "up",
-            "--brokers",
+            "--broker-count",
             "3",
             "--workers",
             "1",
@@ -63,14 +63,26 @@ def test_cluster_up_runs_a_task_and_stops_cleanly(tmp_path: Path, ledgers: str, 
     children: set[int] = set()
     try:
         output = watch.wait_up(START_TIMEOUT_S)
-        urls = re.findall(r"^broker-\d+\s+(http://127\.0\.0\.1:\d+)$", output, re.MULTILINE)
-        assert len(urls) == 3, output
-        assert re.search(r"^zookeeper\s+127\.0\.0\.1:\d+$", output, re.MULTILINE), output
+        # Each process with its role and pid, and the leader's pid in a kill command.
+        brokers = re.findall(
+            r"^(broker-\d+)\s+(leader|follower)\s+(\d+)\s+(http://127\.0\.0\.1:\d+)$",
+            output,
+            re.MULTILINE,
+        )
+        assert len(brokers) == 3, output
+        assert [role for _, role, _, _ in brokers].count("leader") == 1, output
+        urls = [url for _, _, _, url in brokers]
+        leader_pid = next(int(pid) for _, role, pid, _ in brokers if role == "leader")
+        assert re.search(rf"^failover\s+kill -9 {leader_pid}\b", output, re.MULTILINE), output
+        assert re.search(r"^zookeeper\s+zookeeper\s+\d+\s+127\.0\.0\.1:\d+$", output, re.M), output
+        assert re.search(r"^worker-1\s+worker\s+\d+\s", output, re.MULTILINE), output
         children = descendants(proc.pid)
         # ZooKeeper, 3 brokers, 1 worker (and pulsar-lite)
         assert len(children) >= (6 if ledgers == "pulsar" else 5), children
         if ledgers == "pulsar":
-            assert re.search(r"^pulsar-lite\s+pulsar://127\.0\.0\.1:\d+$", output, re.M), output
+            assert re.search(
+                r"^pulsar-lite\s+ledgers\s+\d+\s+pulsar://127\.0\.0\.1:\d+$", output, re.M
+            )
         if auth:
             # Brokers and the worker got their tokens: a task runs; nobody else gets in.
             assert "--token" in output, output

@@ -139,8 +139,8 @@ def test_standalone_worker_client_and_cli_over_tls(standalone: Standalone, tls: 
             "--wait", "--timeout-s", str(TASK_TIMEOUT_S),
         )  # fmt: skip
         assert submitted.returncode == 0, submitted
-        task_id, state = submitted.stdout.split()[:2]
-        assert state == "finished", submitted.stdout
+        word, task_id, state = submitted.stdout.split()[:3]
+        assert (word, state) == ("task", "finished"), submitted.stdout
         shown = run_cli("--url", url, "task", task_id, "--json", ca_env=tls.ca_path)
         assert shown.returncode == 0, shown
         assert '"state": "finished"' in shown.stdout
@@ -298,7 +298,7 @@ def test_cluster_up_passes_tls_on(tls: TlsFiles, tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [
             *steward_command(),
-            "cluster", "up", "--brokers", "2", "--workers", "1",
+            "cluster", "up", "--broker-count", "2", "--workers", "1",
             "--data-dir", str(tmp_path / "cluster"),
             "--tls-cert", str(tls.cert_path), "--tls-key", str(tls.key_path),
             "--tls-ca", str(tls.ca_path),
@@ -311,7 +311,11 @@ def test_cluster_up_passes_tls_on(tls: TlsFiles, tmp_path: Path) -> None:
     watch = ClusterUpOutput(proc)
     try:
         output = watch.wait_up(CLUSTER_UP_TIMEOUT_S)
-        urls = re.findall(r"^broker-\d+\s+(https://127\.0\.0\.1:\d+)$", output, re.MULTILINE)
+        urls = re.findall(
+            r"^broker-\d+\s+(?:leader|follower)\s+\d+\s+(https://127\.0\.0\.1:\d+)$",
+            output,
+            re.MULTILINE,
+        )
         assert len(urls) == 2, output
         assert f"--ca-file {tls.ca_path} status" in output, output
         with StewardClient(urls, ca_file=tls.ca_path) as client:

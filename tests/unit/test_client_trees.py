@@ -88,4 +88,4 @@ async def test_cli_submits_tracked_roots_and_shows_their_tree(
     second = max(node.state.tasks)
     await run_and_finish(node, second)
     assert await asyncio.wait_for(waiting, 10) == 0
-    assert f"{second} tree completed (run 1, timeout 30 s) null" in capsys.readouterr().out
+    assert f"task {second} tree completed (run 1, timeout 30 s)\n" in capsys.readouterr().out

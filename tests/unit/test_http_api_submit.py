@@ -301,6 +301,10 @@ INVALID_SINGLE: list[tuple[Any, int, str, str]] = [
         "deadline must be",
     ),
     ({"type": "a", "params": BIG_PARAMS}, 413, "too_large", "params over 1024 bytes"),
+    # A built-in type's misspelt param is refused, not ignored by the task (issue 17).
+    ({"type": "sleep", "params": {"secs": 1}}, 400, "invalid_request", "allowed keys: seconds"),
+    ({"type": "sleep", "params": {"seconds": "1"}}, 400, "invalid_request", "number >= 0"),
+    ({"type": "spark.sql", "params": {}}, 400, "invalid_request", "query"),
 ]
 
 
@@ -333,6 +337,7 @@ INVALID_IN_BATCH: list[tuple[Any, int, str, str]] = [
     ({"type": "a", "deadline": "2100-01-01T00:00:00"}, 400, "invalid_request", "tasks[1]: dead"),
     ({"type": "a", "start_after": -5}, 400, "invalid_request", "tasks[1]: start_after"),
     ({"type": "a", "params": BIG_PARAMS}, 413, "too_large", "tasks[1]: params over"),
+    ({"type": "fail", "params": {"msg": "x"}}, 400, "invalid_request", "tasks[1]: fail params"),
 ]
 
 
