@@ -181,7 +181,7 @@ async def find_leader(
                 problems.append(f"{url}: no leader known yet (an election under way?)")
                 continue
             try:
-                address = _reachable(address, summary.leader_url or url)
+                address = _reachable(address, summary.leader_url, url)
             except ValueError:
                 problems.append(f"{url}: bad leader_worker_address {address!r}")
                 continue
@@ -191,13 +191,21 @@ async def find_leader(
     raise LeaderUnknownError("; ".join(problems))
 
 
-def _reachable(address: str, leader_url: str) -> str:
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def _reachable(address: str, leader_url: str | None, asked_url: str) -> str:
     """``address`` with a wildcard host (a broker listening on every interface, 0.0.0.0)
-    replaced by the leader's HTTP host: the endpoint a worker elsewhere can reach."""
+    replaced by the leader's HTTP host, else (that is a wildcard too: a standalone broker
+    on --http 0.0.0.0:8080) the host the worker asked: an endpoint it can reach."""
     host, port = parse_host_port(address)
-    if host not in ("0.0.0.0", "::"):
+    if host not in _WILDCARDS:
         return address
-    host = httpx.URL(leader_url).host or host
+    for url in (leader_url, asked_url):
+        found = httpx.URL(url).host if url else ""
+        if found not in _WILDCARDS:
+            host = found
+            break
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 

@@ -209,6 +209,11 @@ async def test_a_wildcard_worker_address_is_reached_at_the_leaders_host(
     assert leader.worker_address == "10.1.2.3:7070"
     answers.body = _summary("0.0.0.0:7070")
     assert (await find_leader([answers.url], timeout_s=2.0)).worker_address == "127.0.0.1:7070"
+    # A standalone broker on --http 0.0.0.0:8080: the host the worker asked.
+    answers.body = _summary("0.0.0.0:7070", "http://0.0.0.0:8080")
+    assert (await find_leader([answers.url], timeout_s=2.0)).worker_address == "127.0.0.1:7070"
+    answers.body = _summary("b1.example:7070", "http://0.0.0.0:8080")
+    assert (await find_leader([answers.url], timeout_s=2.0)).worker_address == "b1.example:7070"
 
 
 def test_repeated_failures_are_logged_now_and_then_and_misconfigurations_end(
