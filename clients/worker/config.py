@@ -162,7 +162,7 @@ class WorkerConfig:
     # A misconfiguration retrying cannot heal (wrong port or protocol, wrong token) ends
     # the worker after failing for this long with nothing else in between (connected,
     # or a failure that can heal); the user gets one line saying what to pass instead.
-    give_up_after_s: float = 15.0
+    give_up_after_s: float = 10.0
     # A failure repeating (broker down, no leader yet) is logged once, then at most this
     # often, with what the worker waits for.
     problem_log_interval_s: float = 10.0
