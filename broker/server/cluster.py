@@ -66,7 +66,14 @@ from broker.security.auth import kazoo_auth_options
 from broker.security.tls import TlsConfig, TlsConfigError, peer_ssl_context
 from broker.server.following import RETRY_DELAY_S, LogFollower
 from broker.server.peer_view import PeerView
-from broker.server.standalone import http_scheme, start_http_server, stop_http_server
+from broker.server.standalone import (
+    HTTP_PORT,
+    WORKER_PORT,
+    check_port_free,
+    http_scheme,
+    start_http_server,
+    stop_http_server,
+)
 from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
 from log.api import LedgerError, LedgerStore
 from log.file import FileLedgerStore
@@ -535,6 +542,10 @@ class ClusterBroker:
 
 async def serve_broker(config: BrokerConfig, *, ready: asyncio.Event | None = None) -> None:
     """Run one cluster broker until SIGINT/SIGTERM, then hand over and stop cleanly."""
+    # A taken port fails at start in one line naming the flag (the worker port is bound
+    # only while leading: then a clash would only be logged, the broker never leading).
+    check_port_free(config.api.host, config.api.port, HTTP_PORT)
+    check_port_free(config.workers.host, config.workers.port, WORKER_PORT)
     lock = DataDirLock(config.node.data_dir)
     lock.acquire()
     broker = ClusterBroker(config)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import gc
 import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,11 +20,12 @@ from typing import Any
 
 import uvicorn
 
+from broker.api import api_models as m
 from broker.api.edges import bounded_http_protocol
 from broker.api.http_api import ApiApp, ApiConfig
 from broker.artifacts.code_store import CodeStore
 from broker.observability.node_observer import observe_node
-from broker.replication.node import BrokerStartupError, DataDirLock, Node, NodeConfig
+from broker.replication.node import VERSION, BrokerStartupError, DataDirLock, Node, NodeConfig
 from broker.security.tls import TlsConfig, TlsConfigError, server_context
 from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
 from log.file import FileLedgerListStore, FileLedgerStore
@@ -58,6 +61,13 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
     """Run until SIGINT/SIGTERM, then shut down cleanly (drain, close ledger, snapshot)."""
     lock = DataDirLock(config.node.data_dir)
     lock.acquire()
+    try:
+        # Before the log is opened: a taken port fails in a second, naming the flag.
+        check_port_free(config.api.host, config.api.port, HTTP_PORT)
+        check_port_free(config.workers.host, config.workers.port, WORKER_PORT)
+    except BrokerStartupError:
+        lock.release()
+        raise
     node = build_node(config.node)
     try:
         await node.start()
@@ -66,15 +76,27 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
         gc.freeze()
         link = WorkerLink(node, dataclasses.replace(config.workers, tls=config.tls))
         await link.start()
+        url = f"{http_scheme(config.tls)}://{config.api.host}:{config.api.port}"
+        # The cluster view advertises the worker endpoint (GET /api/v1/cluster), so a
+        # worker given this broker's URL finds it as it finds a cluster leader's.
+        view = StandaloneView(
+            node,
+            url=url,
+            worker_address=f"{config.workers.host}:{link.port}",
+            worker_tls=config.tls is not None,
+        )
         app = ApiApp(
-            node, config.api, CodeStore(config.node.data_dir / "code"), outputs=link.outputs
+            node,
+            config.api,
+            CodeStore(config.node.data_dir / "code"),
+            cluster=view,
+            outputs=link.outputs,
         )
         server, server_task = await start_http_server(app, config.api, tls=config.tls)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        url = f"{http_scheme(config.tls)}://{config.api.host}:{config.api.port}"
         logger.info("steward standalone serving on %s", url)
         tls_note = " over TLS" if config.tls is not None else ""
         print(
@@ -103,6 +125,79 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
 
 def http_scheme(tls: TlsConfig | None) -> str:
     return "https" if tls is not None else "http"
+
+
+class StandaloneView:
+    """The cluster around a standalone broker: itself alone, leading (ClusterView in
+    broker/api/common.py). It lets GET /api/v1/cluster name its worker endpoint."""
+
+    def __init__(self, node: Node, *, url: str, worker_address: str, worker_tls: bool) -> None:
+        self._node = node
+        self.url = url
+        self.worker_address: str | None = worker_address
+        self.worker_tls = worker_tls
+        self.peer_ssl_context: ssl.SSLContext | None = None  # it has no peers
+
+    def leader(self) -> m.BrokerSummary:
+        node = self._node
+        host, _, port = self.url.rpartition("//")[2].rpartition(":")
+        return m.BrokerSummary(
+            id=node.config.broker_id,
+            host=host,
+            port=int(port),
+            uptime_secs=round((node.clock_ms() - node.stats.started_ms) / 1000, 3),
+            is_leader=True,
+            version=VERSION,
+            position=m.Position(*node.position),
+            role=str(node.role),
+            url=self.url,
+            worker_address=self.worker_address,
+            worker_tls=self.worker_tls,
+        )
+
+    def brokers(self) -> list[m.BrokerSummary]:
+        return []  # no other broker
+
+    def broker_summaries(self, own: m.BrokerSummary) -> list[m.BrokerSummary]:
+        return [own]
+
+
+# How a clash starts (clients/dev/local_cluster.py and tests look for the HTTP one), which
+# port it is, and the flag that moves it (clients/cli/options.py).
+HTTP_PORT = ("could not serve HTTP on", "HTTP port", "--http")
+WORKER_PORT = ("cannot listen for workers on", "worker port", "--worker-listen")
+
+
+def check_port_free(host: str, port: int, which: tuple[str, str, str]) -> None:
+    """BrokerStartupError in one line naming the flag that moves the port when ``host:port``
+    cannot be listened on (another process has it, or the host is not this machine's)."""
+    if port == 0:
+        return  # a free port is picked
+    lead, what, flag = which
+    try:
+        addresses = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as exc:
+        raise BrokerStartupError(
+            f"{lead} {host}:{port}: {exc.strerror}: give this broker a {what} on an address "
+            f"of this machine with {flag} HOST:PORT"
+        ) from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            # As the servers themselves bind: a port in TIME_WAIT is no clash.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    problem = "address already in use (another process listens there): stop it or"
+                else:
+                    problem = f"{(exc.strerror or str(exc)).lower()}:"
+                raise BrokerStartupError(
+                    f"{lead} {host}:{port}: {problem} give this broker another {what} with "
+                    f"{flag} HOST:PORT"
+                ) from None
 
 
 async def start_http_server(
@@ -146,7 +241,12 @@ async def start_http_server(
     )
     if not server.started:
         server.should_exit = True
-        raise BrokerStartupError(f"could not serve HTTP on {config.host}:{config.port}")
+        # Taken since the check at start (uvicorn logged why).
+        lead, what, flag = HTTP_PORT
+        raise BrokerStartupError(
+            f"{lead} {config.host}:{config.port}: give this broker another {what} with "
+            f"{flag} HOST:PORT"
+        )
     return server, server_task
 
 
@@ -222,6 +322,8 @@ class HttpServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         try:
             await super().startup(sockets)
+        except SystemExit:
+            pass  # uvicorn exits when it cannot bind: start_http_server says so instead
         finally:
             self.startup_done.set()
 

@@ -136,6 +136,9 @@ def add_json_option(p: argparse.ArgumentParser) -> None:
 
 
 def _host_port(text: str) -> tuple[str, int]:
+    _, has_scheme, rest = text.partition("://")
+    if has_scheme:  # a listen address, not a URL: say what to write instead
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got a URL: write {rest!r}")
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")

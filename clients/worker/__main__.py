@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -17,10 +18,10 @@ from clients.worker.config import (
     default_task_types,
     default_work_dir,
     default_worker_id,
-    parse_host_port,
+    parse_broker_option,
     parse_http_urls,
 )
-from clients.worker.link import run_worker
+from clients.worker.link import LinkMisconfiguredError, run_worker
 from clients.worker.sandbox import make_non_dumpable
 from clients.worker.spark_connect import SPARK_MODES, spark_identity
 from clients.worker.task_identity import DEFAULT_TASK_UID_RANGE
@@ -34,12 +35,11 @@ def _pair(text: str) -> tuple[str, str]:
     return name, value
 
 
-def _broker(text: str) -> str:
+def _broker(text: str) -> tuple[str, list[str]]:
     try:
-        parse_host_port(text)
+        return parse_broker_option(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 def _uid_range(text: str) -> tuple[int, int]:
@@ -57,6 +57,21 @@ def _brokers(text: str) -> list[str]:
 
 
 _DEFAULT_HTTP_URL = "http://127.0.0.1:8080"
+
+
+def _default_broker() -> tuple[str, list[str]]:
+    """--broker's default: STEWARD_BROKER, else the CLI's STEWARD_URL, else the local broker's
+    HTTP URL (ValueError naming the variable when it holds neither a URL nor HOST:PORT)."""
+    for name in ("STEWARD_BROKER", "STEWARD_URL"):
+        text = os.environ.get(name, "").strip()
+        if text:
+            try:
+                return parse_broker_option(text)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+    return parse_broker_option(_DEFAULT_HTTP_URL)
+
+
 TOKEN_ENV = "STEWARD_WORKER_TOKEN"
 TOKEN_FILE_ENV = "STEWARD_WORKER_TOKEN_FILE"
 
@@ -67,22 +82,26 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument(
         "--broker",
         type=_broker,
-        default=os.environ.get("STEWARD_BROKER", "127.0.0.1:7070"),
-        help="HOST:PORT of the broker's worker endpoint (env STEWARD_BROKER; %(default)s)",
+        default=None,
+        metavar="URL[,URL...]",
+        help="the broker's HTTP URL, or those of any brokers of a cluster (comma-separated): "
+        "before each connection the worker asks them for the leader's worker endpoint and "
+        "connects there, following leader changes; or HOST:PORT of a worker endpoint to "
+        "connect to directly (env STEWARD_BROKER, else STEWARD_URL; default: "
+        f"{_DEFAULT_HTTP_URL})",
     )
     where.add_argument(
         "--brokers",
         type=_brokers,
         default=None,
         metavar="URL[,URL...]",
-        help="broker HTTP URLs of a cluster: before each connection the worker asks them "
-        "for the leader and connects to its worker endpoint (default: use --broker)",
+        help="the same as --broker URL[,URL...] (kept for old command lines)",
     )
     p.add_argument(
         "--http-url",
         default=None,
         help="broker HTTP base URL for code downloads (env STEWARD_URL; default: the "
-        f"leader with --brokers, else {_DEFAULT_HTTP_URL})",
+        f"leader found from broker URLs, else {_DEFAULT_HTTP_URL})",
     )
     p.add_argument("--worker-id", help="stable worker name (default: HOSTNAME-PID)")
     p.add_argument(
@@ -250,15 +269,16 @@ def worker_token(args: argparse.Namespace) -> str | None:
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
-    brokers: list[str] = args.brokers or []
+    endpoint, urls = ("", []) if args.brokers else args.broker or _default_broker()
+    brokers: list[str] = args.brokers or urls
     http_url: str | None = args.http_url
-    # With --brokers and no --http-url: download from whichever broker leads.
+    # Given broker URLs and no --http-url: download from whichever broker leads.
     download_from_leader = bool(brokers) and http_url is None
     if http_url is None:
         env_url = os.environ.get("STEWARD_URL", "").split(",")[0].strip()
         http_url = brokers[0] if brokers else env_url or _DEFAULT_HTTP_URL
     return WorkerConfig(
-        broker=args.broker,
+        broker=endpoint,
         http_url=http_url,
         brokers=brokers,
         download_from_leader=download_from_leader,
@@ -306,7 +326,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Task-related lines carry task_id and tenant (text: "task=12 tenant=acme").
     setup_logging(args.log_level, args.log_format, static_fields={"worker": config.worker_id})
-    run_worker(config)
+    # Not a line per leader lookup or download: the worker logs what it found or failed.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
+    try:
+        run_worker(config)
+    except LinkMisconfiguredError as exc:
+        # Retrying cannot heal it: one line saying what to pass instead, and a failure exit.
+        print(f"steward worker: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

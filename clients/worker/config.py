@@ -65,6 +65,14 @@ def default_work_dir() -> Path:
 
 def parse_host_port(text: str) -> tuple[str, int]:
     """``host:port`` or ``[v6]:port`` -> (host, port); ValueError when malformed."""
+    scheme, has_scheme, rest = text.partition("://")
+    if has_scheme:
+        # A URL where a worker endpoint was expected: say what to write instead.
+        raise ValueError(
+            f"expected HOST:PORT of a worker endpoint, got the URL {text!r}: write "
+            f"{rest.rstrip('/')!r} without {scheme}://, or give the broker's HTTP URL to "
+            "steward worker --broker, which finds the worker endpoint itself"
+        )
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
         raise ValueError(f"expected HOST:PORT, got {text!r}")
@@ -81,8 +89,33 @@ def parse_http_urls(text: str | list[str]) -> list[str]:
         raise ValueError("expected URL[,URL...], got none")
     for url in urls:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"expected an http:// or https:// URL, got {url!r}")
+            hint = f": write http://{url}" if "://" not in url else ""
+            raise ValueError(f"expected an http:// or https:// URL, got {url!r}{hint}")
     return urls
+
+
+def parse_broker_option(text: str) -> tuple[str, list[str]]:
+    """``--broker``'s value -> (worker endpoint ``host:port``, "") or ("", HTTP URLs).
+
+    An ``http(s)://`` URL, or a comma-separated list of them (any brokers of a cluster),
+    means "find the leader's worker endpoint there"; ``HOST:PORT`` names a worker endpoint
+    to connect to directly (the old meaning). ValueError, saying what to write, otherwise.
+    """
+    if "://" in text:
+        return "", parse_http_urls(text)
+    if "," in text:
+        raise ValueError(
+            f"expected one HOST:PORT or http(s):// URLs, got {text!r}: a list must be of "
+            "the brokers' HTTP URLs (http://HOST:PORT,http://HOST:PORT)"
+        )
+    try:
+        parse_host_port(text)
+    except ValueError:
+        raise ValueError(
+            f"expected the broker's HTTP URL (http://HOST:PORT) or a worker endpoint "
+            f"HOST:PORT, got {text!r}"
+        ) from None
+    return text, []
 
 
 @dataclass
@@ -126,6 +159,13 @@ class WorkerConfig:
     # for the leader's worker endpoint before each connection, instead of ``broker``.
     brokers: list[str] = field(default_factory=list)
     discovery_timeout_s: float = 2.0  # per broker asked
+    # A misconfiguration retrying cannot heal (wrong port or protocol, wrong token) ends
+    # the worker after failing for this long with nothing else in between (connected,
+    # or a failure that can heal); the user gets one line saying what to pass instead.
+    give_up_after_s: float = 10.0
+    # A failure repeating (broker down, no leader yet) is logged once, then at most this
+    # often, with what the worker waits for.
+    problem_log_interval_s: float = 10.0
     # With brokers: download code from the leader found (it has every artifact a live
     # task uses) instead of http_url.
     download_from_leader: bool = False
@@ -161,6 +201,8 @@ class WorkerConfig:
             parse_host_port(self.broker)
         if not self.discovery_timeout_s > 0:
             raise ValueError("discovery_timeout_s must be > 0")
+        if not (self.give_up_after_s > 0 and self.problem_log_interval_s >= 0):
+            raise ValueError("need give_up_after_s > 0 and problem_log_interval_s >= 0")
         if not self.task_types or any(n < 0 for n in self.task_types.values()):
             raise ValueError("task_types needs at least one type with a capacity >= 0")
         if self.capacity() < 1:

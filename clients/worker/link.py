@@ -41,6 +41,7 @@ import contextlib
 import logging
 import random
 import signal
+import ssl
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -63,10 +64,15 @@ from broker.workers.protocol import (
 )
 from clients.worker.config import WorkerConfig
 from clients.worker.link_discovery import (
+    BrokerError,
     BrokerLocator,
     Leader,
     LeaderUnknownError,
+    LinkMisconfiguredError,
+    Problems,
     find_leader,
+    refusal,
+    sniff_answer,
 )
 from clients.worker.link_output import TaskOutputs
 from clients.worker.link_reports import ReportOutbox
@@ -78,6 +84,7 @@ __all__ = [
     "BrokerError",
     "Leader",
     "LeaderUnknownError",
+    "LinkMisconfiguredError",
     "Worker",
     "find_leader",
     "run_worker",
@@ -86,10 +93,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _READ_BYTES = 256 * 1024
-
-
-class BrokerError(Exception):
-    """The broker sent an Error frame (it closes the connection after it)."""
 
 
 class _Connection:
@@ -170,6 +173,7 @@ class Worker:
         self._connected = asyncio.Event()
         self._welcomed = False  # the current/last connection got its Welcome
         self._locator = BrokerLocator(config, self.runtime.artifacts)
+        self._problems = Problems(config)
 
     # -- observation --
 
@@ -192,7 +196,8 @@ class Worker:
     # -- lifecycle --
 
     async def run(self) -> None:
-        """Connect and serve until :meth:`stop`; reconnects forever on any failure."""
+        """Connect and serve until :meth:`stop`; reconnects on any failure, except that a
+        misconfiguration failing it for ``give_up_after_s`` raises LinkMisconfiguredError."""
         if self._loop is not None:
             raise RuntimeError("Worker.run() can only be called once")
         self._loop = self._reports.loop = self._tasks.loop = asyncio.get_running_loop()
@@ -294,13 +299,10 @@ class Worker:
             BrokerError,
             EOFError,
             LeaderUnknownError,
+            LinkMisconfiguredError,
         ) as exc:
-            logger.warning(
-                "connection to broker %s failed: %s: %s",
-                self.broker_address,
-                type(exc).__name__,
-                exc,
-            )
+            # One line per problem (then now and then); raises once it is time to give up.
+            self._problems.failed(self.broker_address, exc)
         except Exception:
             logger.exception("connection to broker %s failed unexpectedly", self.broker_address)
         return self._welcomed
@@ -312,8 +314,15 @@ class Worker:
         ssl_options: dict[str, Any] = (
             {"ssl": self.config.ssl_context(), "server_hostname": host} if tls else {}
         )
-        async with asyncio.timeout(self.config.connect_timeout_s):
-            reader, writer = await asyncio.open_connection(host, port, **ssl_options)
+        try:
+            async with asyncio.timeout(self.config.connect_timeout_s):
+                reader, writer = await asyncio.open_connection(host, port, **ssl_options)
+        except ssl.SSLError as exc:
+            # Not a network hiccup: a plain endpoint, or a certificate this CA did not sign.
+            hint = "a plain endpoint? drop --tls" if "WRONG_VERSION" in str(exc) else "--tls-ca"
+            raise LinkMisconfiguredError(
+                f"TLS with the worker endpoint {host}:{port} failed ({exc.reason or exc}): {hint}"
+            ) from None
         self._writer = writer
         try:
             decoder = FrameDecoder(self.config.max_frame_bytes)
@@ -371,10 +380,15 @@ class Worker:
                 raise TimeoutError(f"no Welcome within {self.config.handshake_timeout_s} s")
             async with asyncio.timeout(left):
                 data = await reader.read(_READ_BYTES)
+            tls = writer.get_extra_info("sslcontext") is not None
             if not data:
                 # A TLS endpoint drops a plain connection without a word.
-                hint = "" if writer.get_extra_info("sslcontext") else " (a TLS endpoint? use --tls)"
+                hint = "" if tls else " (a TLS endpoint? use --tls)"
                 raise EOFError(f"the broker closed the connection before Welcome{hint}")
+            if decoder.buffered_bytes == 0:  # a frame starts here: is it one?
+                misconfigured = sniff_answer(data, self.broker_address, tls=tls)
+                if misconfigured is not None:
+                    raise misconfigured
             try:
                 messages = decoder.feed(data)
             except ProtocolError as exc:
@@ -388,7 +402,7 @@ class Worker:
                     self._send_error(writer, "unexpected_message", f"expected welcome, got {first}")
                     raise
                 if isinstance(first, Error):
-                    raise BrokerError(f"{first.code}: {first.message}")
+                    raise refusal(self.broker_address, BrokerError(first.code, first.message))
                 assert isinstance(first, Welcome)
                 return first, rest
 
@@ -397,6 +411,7 @@ class Worker:
         self._conn = conn
         self.sessions += 1
         self._connected.set()
+        self._problems.connected()
         logger.info(
             "connected to broker %s (%s): %d kept, %d dropped, %d reports to resend",
             self.broker_address,
@@ -497,7 +512,8 @@ class Worker:
 
 
 def run_worker(config: WorkerConfig) -> None:
-    """Run a worker until SIGINT/SIGTERM (blocking; for the CLI).
+    """Run a worker until SIGINT/SIGTERM (blocking; for the CLI); raises
+    LinkMisconfiguredError when what it was given cannot work (see :class:`Problems`).
 
     The first signal stops gracefully (running tasks may finish, reports are delivered);
     a second one cancels the running tasks at once.
@@ -521,6 +537,10 @@ def run_worker(config: WorkerConfig) -> None:
             loop.add_signal_handler(sig, on_signal)
         try:
             await worker.run()
+        except LinkMisconfiguredError:
+            # Giving up: end what runs (the Spark Connect server too) before exiting.
+            await worker.stop(wait=False, timeout_s=0.0)
+            raise
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)

@@ -135,7 +135,7 @@ def test_tokens_tenants_workers_peers_and_zookeeper_acls_in_a_cluster(
                 assert handle.result(timeout=60) == {"doubled": 42}
                 task_id = handle.id
                 assert "intruder" not in cluster.connected_workers(leader)
-                assert intruder.running() or "unauthorized" in intruder.log_tail()
+                assert intruder.running() or "refused the worker's token" in intruder.log_tail()
 
             # Bob sees none of it, on the leader or a follower.
             for url in (leader.url, followers[0].url):
