@@ -7,6 +7,12 @@ from the leader; the test waits (bounded) until it shows the three brokers with 
 marked, the worker with its capacities, the tenant and the submitted tasks, opens a finished
 task's and a failed task's detail, checks the browser console has no errors, and saves a
 full-page screenshot to ``test-artifacts/dashboard.png`` (git-ignored; the path is printed).
+
+Issue 17: the page's words are the API's (``max_waiting``, ``error``, ``0 (unlimited)``,
+resources with units) and broker names are whole; a task's detail comes into view on a
+fresh load of ``/#task-N``, on a hash change in the open tab and from the keyboard (Tab to
+a task's link, Enter); axe-core, from npm (``.ci/run`` installs it under ``.cache/npm``),
+finds no violation of impact serious or critical. A missing axe-core fails the test.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import os
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
@@ -26,7 +32,9 @@ from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.chrome.webdriver import WebDriver
+from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
 from clients.dev.zk import ZooKeeperServer
@@ -40,6 +48,13 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = REPO_ROOT / "test-artifacts" / "dashboard.png"
+AXE_CORE = REPO_ROOT / ".cache" / "npm" / "node_modules" / "axe-core" / "axe.min.js"
+AXE_INSTALL = (
+    "npm install --prefix .cache/npm --no-save --no-package-lock axe-core@4.14.1"
+    " (what .ci/run does)"
+)
+# The issue's window: a task's detail once opened 1,234 px down a 757 px high window.
+SMALL_WINDOW = (1280, 757)
 PAGE_WAIT_S = 20.0  # the page refreshes every 2 s; this is many refreshes
 TENANT = "dashboard-demo"
 
@@ -54,6 +69,10 @@ return {
   tenants: rows('#tenants tr[data-tenant]').map(r => ({name: r.dataset.tenant, text: r.innerText})),
   tasks: rows('#tasks tr[data-task]').map(r => Number(r.dataset.task)),
   leaderCard: (document.getElementById('leader-card') || {}).innerText || '',
+  // The leader's name is whole: its box holds its text (no ellipsis, nothing cut off).
+  leaderCardFits: (v => !v || v.scrollWidth <= v.clientWidth)(
+    document.querySelector('#leader-card .value')),
+  tenantHeaders: rows('#tenants th').map(th => th.innerText),
   servedBy: document.getElementById('served-by').innerText,
   banner: (b => b.hidden ? '' : b.innerText)(document.getElementById('banner')),
   bars: Object.fromEntries(rows('.chart[data-chart]').map(c => [c.dataset.chart,
@@ -149,22 +168,109 @@ def _console_errors(driver: WebDriver) -> list[dict[str, Any]]:
 def _open_detail(driver: WebDriver, task_id: int) -> dict[str, str]:
     driver.find_element(By.CSS_SELECTOR, f'#tasks tr[data-task="{task_id}"]').click()
 
-    def shown(d: WebDriver) -> dict[str, str] | None:
+    def shown(d: WebDriver) -> dict[str, str] | Literal[False]:
         detail = d.find_element(By.ID, "task-detail")
         if detail.get_attribute("data-task") != str(task_id) or not detail.is_displayed():
-            return None
+            return False
         texts: dict[str, str] = d.execute_script(
             "const t = (id) => document.getElementById(id).textContent;"
             "return {title: t('detail-title'), fields: t('detail-fields'),"
             " params: t('detail-params'), result: t('detail-result'), error: t('detail-error')};"
         )
-        return texts if texts["params"] else None
+        return texts if texts["params"] else False
 
     try:
         found: dict[str, str] = WebDriverWait(driver, PAGE_WAIT_S, poll_frequency=0.2).until(shown)
     except TimeoutException:
         raise AssertionError(f"task {task_id}'s detail did not open") from None
     return found
+
+
+# Where the task detail is: shown, for which task, and whether its title is inside the window.
+DETAIL_JS = """
+const d = document.getElementById('task-detail');
+const t = document.getElementById('detail-title').getBoundingClientRect();
+return {task: d.dataset.task || null, hidden: d.hidden, titleTop: t.top, titleBottom: t.bottom,
+  window: window.innerHeight, focused: (document.activeElement || {}).id || '',
+  loaded: view.loaded, rows: document.querySelectorAll('#tasks tr[data-task]').length};
+"""
+
+
+def _wait_detail_in_view(driver: WebDriver, task_id: int, what: str) -> dict[str, Any]:
+    """Wait until task ``task_id``'s detail is shown with its title inside the window,
+    after the page's first refresh filled the tables above it."""
+    last: dict[str, Any] = {}
+
+    def ready(d: WebDriver) -> bool:
+        nonlocal last
+        last = d.execute_script(DETAIL_JS)
+        return bool(
+            last["task"] == str(task_id)
+            and not last["hidden"]
+            and last["loaded"]
+            and last["rows"] > 0
+            and last["titleTop"] >= 0
+            and last["titleBottom"] <= last["window"]
+        )
+
+    try:
+        WebDriverWait(driver, PAGE_WAIT_S, poll_frequency=0.2).until(ready)
+    except TimeoutException:
+        raise AssertionError(
+            f"task {task_id}'s detail was not in view {what} within {PAGE_WAIT_S} s: {last}"
+        ) from None
+    return last
+
+
+def _active_href(driver: WebDriver) -> str:
+    href: str = driver.execute_script(
+        "const a = document.activeElement; return a && a.getAttribute('href') || '';"
+    )
+    return href
+
+
+def _tab_to(driver: WebDriver, selector: str, most: int = 150) -> None:
+    """Press Tab (a real key event) until the focus is on ``selector``'s element."""
+    for _ in range(most):
+        if driver.execute_script(f"return document.activeElement.matches({json.dumps(selector)})"):
+            return
+        ActionChains(driver).send_keys(Keys.TAB).perform()
+    raise AssertionError(f"{most} Tab presses never reached {selector}: it is not focusable")
+
+
+def _next_refresh(driver: WebDriver) -> None:
+    """Wait (bounded) until the page has refreshed once more."""
+    before = driver.find_element(By.ID, "updated").text
+    WebDriverWait(driver, PAGE_WAIT_S, poll_frequency=0.2).until(
+        lambda d: d.find_element(By.ID, "updated").text != before
+    )
+
+
+def _axe_violations(driver: WebDriver) -> tuple[str, list[dict[str, Any]]]:
+    """axe-core's version and the violations it finds on the page as it is (auto refresh
+    off, so the page does not change under it)."""
+    assert AXE_CORE.is_file(), f"axe-core is missing ({AXE_CORE}): {AXE_INSTALL}"
+    checkbox = driver.find_element(By.ID, "auto-refresh")
+    if checkbox.is_selected():
+        checkbox.click()
+    WebDriverWait(driver, PAGE_WAIT_S, poll_frequency=0.2).until(
+        lambda d: d.execute_script("return !view.busy")
+    )
+    driver.execute_script(AXE_CORE.read_text())
+    driver.set_script_timeout(60)
+    result: dict[str, Any] = driver.execute_async_script(
+        """
+        const done = arguments[arguments.length - 1];
+        axe.run(document, {resultTypes: ['violations']}).then(
+          (r) => done({version: axe.version, violations: r.violations.map((v) => ({
+            id: v.id, impact: v.impact, help: v.help,
+            nodes: v.nodes.map((n) => n.target.join(' ') + ': ' + n.failureSummary)}))}),
+          (e) => done({error: String(e)}));
+        """
+    )
+    driver.set_script_timeout(10)
+    assert "error" not in result, f"axe-core failed: {result}"
+    return result["version"], result["violations"]
 
 
 def _api_requests(driver: WebDriver) -> list[tuple[str, str | None]]:
@@ -308,22 +414,82 @@ def test_dashboard_shows_the_cluster_in_headless_chromium(
             lambda s: (
                 _shows_cluster(s, leader.broker_id, broker_ids, task_ids)
                 and s["bars"].get("finished", 0) > 0
-                and s["bars"].get("failed", 0) > 0
+                and s["bars"].get("error", 0) > 0
             ),
             "the cluster and non-empty throughput charts",
         )
         assert "leader" in state["servedBy"]
+        # The leader's name whole (it was "standal\u2026"), and the API's words.
+        assert state["leaderCard"].split("\n")[0] == leader.broker_id, state["leaderCard"]
+        assert state["leaderCardFits"], "the leader's name does not fit its card"
         worker = next(w for w in state["workers"] if w["id"] == "w1")
-        assert "sleep \u00d7 2" in worker["text"], worker  # capacity: sleep, times 2
+        assert "sleep: 2 at once" in worker["text"], worker  # task_types: sleep, 2 at a time
+        assert "\u00d7" not in worker["text"], worker
+        assert " cores" in worker["text"] and " MB" in worker["text"], worker  # units
         assert f"#{running_id}" in worker["text"], worker
+        assert state["tenantHeaders"] == [
+            "Tenant", "weight", "max_waiting", "max_running",
+            "queued", "running", "finished", "error",
+        ], state["tenantHeaders"]  # fmt: skip
         tenant = next(t for t in state["tenants"] if t["name"] == TENANT)
         assert tenant["text"].split()[:2] == [TENANT, "2"], tenant
+        # max_waiting 0 as the API says it (PUT /api/v1/tenants: 0 = unlimited); max_running 4.
+        assert tenant["text"].split("\t")[2:4] == ["0 (unlimited)", "4"], tenant
+        assert "\u221e" not in tenant["text"], tenant
+
+        # The keyboard: a running task's chip is a link Tab reaches; Enter opens its detail,
+        # in view, with the focus on it.
+        browser.set_window_size(*SMALL_WINDOW)
+        _next_refresh(browser)
+        # Nothing wider than the window (a cut-off column or name).
+        widths = browser.execute_script(
+            "return [document.documentElement.scrollWidth, document.documentElement.clientWidth]"
+        )
+        assert widths[0] <= widths[1], f"the page is {widths[0]} px wide in a {widths[1]} px window"
+        browser.execute_script("window.scrollTo(0, 0); document.activeElement.blur();")
+        _tab_to(browser, f'#workers a[href="#task-{running_id}"]')
+        ActionChains(browser).send_keys(Keys.ENTER).perform()
+        shown = _wait_detail_in_view(browser, running_id, "after Enter on its chip")
+        assert shown["focused"] == "detail-title", shown
+        # A task row's link: Tab from the search form reaches the newest row first, the focus
+        # stays on it across a refresh (the rows are redrawn), and Enter opens it.
+        browser.execute_script("document.getElementById('search-reset').focus()")
+        ActionChains(browser).send_keys(Keys.TAB).perform()
+        assert _active_href(browser) == f"#task-{running_id}", _active_href(browser)
+        _tab_to(browser, f'#tasks a[href="#task-{finished_id}"]')
+        _next_refresh(browser)
+        assert _active_href(browser) == f"#task-{finished_id}", "a refresh took the focus"
+        ActionChains(browser).send_keys(Keys.ENTER).perform()
+        _wait_detail_in_view(browser, finished_id, "after Enter on its row")
+        assert browser.execute_script("return location.hash") == f"#task-{finished_id}"
+
+        # A fresh load of /#task-N (the issue's 757 px window), then a hash change in the
+        # open tab: each time the detail comes into view.
+        browser.get("about:blank")
+        browser.get(f"{leader.url}/#task-{finished_id}")
+        _wait_detail_in_view(browser, finished_id, "on a fresh load of /#task-N")
+        browser.execute_script(f"location.hash = '#task-{failed_id}'")
+        _wait_detail_in_view(browser, failed_id, "after a hash change")
 
         detail = _open_detail(browser, failed_id)
         assert "dashboard boom" in detail["error"]
         assert "Traceback" in detail["error"]
         assert "error" in detail["title"]
         assert "1 of 1" in detail["fields"]
+
+        version, violations = _axe_violations(browser)
+        print(f"\naxe-core {version}: {len(violations)} violations (none serious or critical)")
+        for violation in violations:
+            print(f"  {violation['impact']}: {violation['id']} ({violation['help']})")
+        serious = [v for v in violations if v["impact"] in ("serious", "critical")]
+        assert not serious, "axe-core:\n" + json.dumps(serious, indent=2)
+        headings = browser.execute_script("return document.querySelectorAll('h1').length")
+        assert headings == 1, f"{headings} <h1> elements"
+        charts = browser.execute_script(
+            "return Array.from(document.querySelectorAll('.chart svg'))"
+            ".map(s => s.getAttribute('aria-label'))"
+        )
+        assert len(charts) == 3 and all(c and "tasks " in c for c in charts), charts
 
         errors = _console_errors(browser)
         assert not errors, f"browser console errors: {errors}"
@@ -397,7 +563,7 @@ def test_dashboard_says_when_a_token_is_needed_or_not_enough(
             browser, lambda s: "needs an API token (401)" in s["banner"], "that it needs a token"
         )
         assert state["brokers"] == [] and state["tasks"] == []
-        assert "auth" in browser.find_element(By.ID, "banner").get_attribute("class")
+        assert "auth" in (browser.find_element(By.ID, "banner").get_attribute("class") or "")
 
         _enter_token(browser, "wrong")
         _wait_page(browser, lambda s: "token was refused (401)" in s["banner"], "a refusal")
@@ -427,6 +593,9 @@ def test_dashboard_says_when_a_token_is_needed_or_not_enough(
             "everything, without a warning",
         )
         assert state["brokers"][0]["role"] == "standalone"
+        # The issue's "standal\u2026": a standalone broker's name, whole.
+        assert state["leaderCard"].split("\n")[0] == "standalone", state["leaderCard"]
+        assert state["leaderCardFits"], "the leader's name does not fit its card"
 
         # 401s and 403s are logged by Chrome as failed loads; no script error is allowed.
         script_errors = [e for e in _console_errors(browser) if e.get("source") != "network"]
