@@ -21,16 +21,13 @@ import base64
 import json
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 import pytest
-from selenium import webdriver
 from selenium.common.exceptions import TimeoutException
-from selenium.webdriver.chrome.options import Options
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.chrome.webdriver import WebDriver
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
@@ -39,23 +36,23 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from clients.dev.zk import ZooKeeperServer
 from tests.support.cluster_procs import BrokerNode, ClusterProcesses
+from tests.support.dashboard_browser import (
+    PAGE_WAIT_S,
+    SMALL_WINDOW,
+    active_href,
+    axe_violations,
+    console_errors,
+    next_refresh,
+    tab_to,
+    wait_detail_in_view,
+)
 from tests.support.procs import BrokerProcess
 from tests.support.worker_procs import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = REPO_ROOT / "test-artifacts" / "dashboard.png"
-AXE_CORE = REPO_ROOT / ".cache" / "npm" / "node_modules" / "axe-core" / "axe.min.js"
-AXE_INSTALL = (
-    "npm install --prefix .cache/npm --no-save --no-package-lock axe-core@4.14.1"
-    " (what .ci/run does)"
-)
-# The issue's window: a task's detail once opened 1,234 px down a 757 px high window.
-SMALL_WINDOW = (1280, 757)
-PAGE_WAIT_S = 20.0  # the page refreshes every 2 s; this is many refreshes
 TENANT = "dashboard-demo"
 
 # What the page shows, read in one call (no stale elements between several lookups).
@@ -79,33 +76,6 @@ return {
     c.querySelectorAll('rect').length])),
 };
 """
-
-
-@pytest.fixture
-def browser() -> Iterator[WebDriver]:
-    for path, package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
-        assert path.is_file(), f"{path} is missing: apt-get install -y {package}"
-    options = Options()
-    options.binary_location = str(CHROMIUM)
-    for argument in (
-        "--headless=new",
-        "--no-sandbox",  # CI runs as root
-        "--disable-dev-shm-usage",
-        "--disable-gpu",
-        "--window-size=1440,1000",
-        "--no-first-run",
-        "--disable-extensions",
-    ):
-        options.add_argument(argument)
-    # Console messages, and network events (to see the headers the page sends).
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
-    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
-    driver.set_page_load_timeout(30)
-    driver.set_script_timeout(10)
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 def _submit(node: BrokerNode, **task: Any) -> int:
@@ -160,11 +130,6 @@ def _shows_cluster(
     )
 
 
-def _console_errors(driver: WebDriver) -> list[dict[str, Any]]:
-    entries: list[dict[str, Any]] = driver.get_log("browser")  # type: ignore[no-untyped-call]
-    return [entry for entry in entries if entry.get("level") == "SEVERE"]
-
-
 def _open_detail(driver: WebDriver, task_id: int) -> dict[str, str]:
     driver.find_element(By.CSS_SELECTOR, f'#tasks tr[data-task="{task_id}"]').click()
 
@@ -184,93 +149,6 @@ def _open_detail(driver: WebDriver, task_id: int) -> dict[str, str]:
     except TimeoutException:
         raise AssertionError(f"task {task_id}'s detail did not open") from None
     return found
-
-
-# Where the task detail is: shown, for which task, and whether its title is inside the window.
-DETAIL_JS = """
-const d = document.getElementById('task-detail');
-const t = document.getElementById('detail-title').getBoundingClientRect();
-return {task: d.dataset.task || null, hidden: d.hidden, titleTop: t.top, titleBottom: t.bottom,
-  window: window.innerHeight, focused: (document.activeElement || {}).id || '',
-  loaded: view.loaded, rows: document.querySelectorAll('#tasks tr[data-task]').length};
-"""
-
-
-def _wait_detail_in_view(driver: WebDriver, task_id: int, what: str) -> dict[str, Any]:
-    """Wait until task ``task_id``'s detail is shown with its title inside the window,
-    after the page's first refresh filled the tables above it."""
-    last: dict[str, Any] = {}
-
-    def ready(d: WebDriver) -> bool:
-        nonlocal last
-        last = d.execute_script(DETAIL_JS)
-        return bool(
-            last["task"] == str(task_id)
-            and not last["hidden"]
-            and last["loaded"]
-            and last["rows"] > 0
-            and last["titleTop"] >= 0
-            and last["titleBottom"] <= last["window"]
-        )
-
-    try:
-        WebDriverWait(driver, PAGE_WAIT_S, poll_frequency=0.2).until(ready)
-    except TimeoutException:
-        raise AssertionError(
-            f"task {task_id}'s detail was not in view {what} within {PAGE_WAIT_S} s: {last}"
-        ) from None
-    return last
-
-
-def _active_href(driver: WebDriver) -> str:
-    href: str = driver.execute_script(
-        "const a = document.activeElement; return a && a.getAttribute('href') || '';"
-    )
-    return href
-
-
-def _tab_to(driver: WebDriver, selector: str, most: int = 150) -> None:
-    """Press Tab (a real key event) until the focus is on ``selector``'s element."""
-    for _ in range(most):
-        if driver.execute_script(f"return document.activeElement.matches({json.dumps(selector)})"):
-            return
-        ActionChains(driver).send_keys(Keys.TAB).perform()
-    raise AssertionError(f"{most} Tab presses never reached {selector}: it is not focusable")
-
-
-def _next_refresh(driver: WebDriver) -> None:
-    """Wait (bounded) until the page has refreshed once more."""
-    before = driver.find_element(By.ID, "updated").text
-    WebDriverWait(driver, PAGE_WAIT_S, poll_frequency=0.2).until(
-        lambda d: d.find_element(By.ID, "updated").text != before
-    )
-
-
-def _axe_violations(driver: WebDriver) -> tuple[str, list[dict[str, Any]]]:
-    """axe-core's version and the violations it finds on the page as it is (auto refresh
-    off, so the page does not change under it)."""
-    assert AXE_CORE.is_file(), f"axe-core is missing ({AXE_CORE}): {AXE_INSTALL}"
-    checkbox = driver.find_element(By.ID, "auto-refresh")
-    if checkbox.is_selected():
-        checkbox.click()
-    WebDriverWait(driver, PAGE_WAIT_S, poll_frequency=0.2).until(
-        lambda d: d.execute_script("return !view.busy")
-    )
-    driver.execute_script(AXE_CORE.read_text())
-    driver.set_script_timeout(60)
-    result: dict[str, Any] = driver.execute_async_script(
-        """
-        const done = arguments[arguments.length - 1];
-        axe.run(document, {resultTypes: ['violations']}).then(
-          (r) => done({version: axe.version, violations: r.violations.map((v) => ({
-            id: v.id, impact: v.impact, help: v.help,
-            nodes: v.nodes.map((n) => n.target.join(' ') + ': ' + n.failureSummary)}))}),
-          (e) => done({error: String(e)}));
-        """
-    )
-    driver.set_script_timeout(10)
-    assert "error" not in result, f"axe-core failed: {result}"
-    return result["version"], result["violations"]
 
 
 def _api_requests(driver: WebDriver) -> list[tuple[str, str | None]]:
@@ -440,36 +318,36 @@ def test_dashboard_shows_the_cluster_in_headless_chromium(
         # The keyboard: a running task's chip is a link Tab reaches; Enter opens its detail,
         # in view, with the focus on it.
         browser.set_window_size(*SMALL_WINDOW)
-        _next_refresh(browser)
+        next_refresh(browser)
         # Nothing wider than the window (a cut-off column or name).
         widths = browser.execute_script(
             "return [document.documentElement.scrollWidth, document.documentElement.clientWidth]"
         )
         assert widths[0] <= widths[1], f"the page is {widths[0]} px wide in a {widths[1]} px window"
         browser.execute_script("window.scrollTo(0, 0); document.activeElement.blur();")
-        _tab_to(browser, f'#workers a[href="#task-{running_id}"]')
+        tab_to(browser, f'#workers a[href="#task-{running_id}"]')
         ActionChains(browser).send_keys(Keys.ENTER).perform()
-        shown = _wait_detail_in_view(browser, running_id, "after Enter on its chip")
+        shown = wait_detail_in_view(browser, running_id, "after Enter on its chip")
         assert shown["focused"] == "detail-title", shown
         # A task row's link: Tab from the search form reaches the newest row first, the focus
         # stays on it across a refresh (the rows are redrawn), and Enter opens it.
         browser.execute_script("document.getElementById('search-reset').focus()")
         ActionChains(browser).send_keys(Keys.TAB).perform()
-        assert _active_href(browser) == f"#task-{running_id}", _active_href(browser)
-        _tab_to(browser, f'#tasks a[href="#task-{finished_id}"]')
-        _next_refresh(browser)
-        assert _active_href(browser) == f"#task-{finished_id}", "a refresh took the focus"
+        assert active_href(browser) == f"#task-{running_id}", active_href(browser)
+        tab_to(browser, f'#tasks a[href="#task-{finished_id}"]')
+        next_refresh(browser)
+        assert active_href(browser) == f"#task-{finished_id}", "a refresh took the focus"
         ActionChains(browser).send_keys(Keys.ENTER).perform()
-        _wait_detail_in_view(browser, finished_id, "after Enter on its row")
+        wait_detail_in_view(browser, finished_id, "after Enter on its row")
         assert browser.execute_script("return location.hash") == f"#task-{finished_id}"
 
         # A fresh load of /#task-N (the issue's 757 px window), then a hash change in the
         # open tab: each time the detail comes into view.
         browser.get("about:blank")
         browser.get(f"{leader.url}/#task-{finished_id}")
-        _wait_detail_in_view(browser, finished_id, "on a fresh load of /#task-N")
+        wait_detail_in_view(browser, finished_id, "on a fresh load of /#task-N")
         browser.execute_script(f"location.hash = '#task-{failed_id}'")
-        _wait_detail_in_view(browser, failed_id, "after a hash change")
+        wait_detail_in_view(browser, failed_id, "after a hash change")
 
         detail = _open_detail(browser, failed_id)
         assert "dashboard boom" in detail["error"]
@@ -477,7 +355,7 @@ def test_dashboard_shows_the_cluster_in_headless_chromium(
         assert "error" in detail["title"]
         assert "1 of 1" in detail["fields"]
 
-        version, violations = _axe_violations(browser)
+        version, violations = axe_violations(browser)
         print(f"\naxe-core {version}: {len(violations)} violations (none serious or critical)")
         for violation in violations:
             print(f"  {violation['impact']}: {violation['id']} ({violation['help']})")
@@ -491,7 +369,7 @@ def test_dashboard_shows_the_cluster_in_headless_chromium(
         )
         assert len(charts) == 3 and all(c and "tasks " in c for c in charts), charts
 
-        errors = _console_errors(browser)
+        errors = console_errors(browser)
         assert not errors, f"browser console errors: {errors}"
 
         # The whole page, beyond the window (Chrome DevTools Protocol).
@@ -598,5 +476,5 @@ def test_dashboard_says_when_a_token_is_needed_or_not_enough(
         assert state["leaderCardFits"], "the leader's name does not fit its card"
 
         # 401s and 403s are logged by Chrome as failed loads; no script error is allowed.
-        script_errors = [e for e in _console_errors(browser) if e.get("source") != "network"]
+        script_errors = [e for e in console_errors(browser) if e.get("source") != "network"]
         assert not script_errors, f"browser console errors: {script_errors}"
