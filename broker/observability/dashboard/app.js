@@ -448,6 +448,7 @@ async function refreshOutput(task) {
     ? "attempt " + task.attempt + (shown.complete ? "" : ", live")
     : "(none captured for attempt " + task.attempt + ")";
   $("detail-output").textContent = shown.text;
+  $("detail-output").hidden = shown.text === ""; // no empty black box under "(none captured ...)"
 }
 
 function showDetailError(id, error) {
