@@ -444,9 +444,9 @@ async function refreshOutput(task) {
     shown.available = logs.available || shown.text !== "";
   }
   $("detail-output-box").hidden = false;
-  $("detail-output-note").textContent = shown.available
-    ? "attempt " + task.attempt + (shown.complete ? "" : ", live")
-    : "(none captured for attempt " + task.attempt + ")";
+  $("detail-output-note").textContent = !shown.available
+    ? "(none captured for attempt " + task.attempt + ")"
+    : "attempt " + task.attempt + (shown.complete ? (shown.text === "" ? ": empty" : "") : ", live");
   $("detail-output").textContent = shown.text;
   $("detail-output").hidden = shown.text === ""; // no empty black box under "(none captured ...)"
 }
