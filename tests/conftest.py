@@ -5,6 +5,7 @@
 - ``make_broker``, ``broker`` (a Node with a WorkerLink on in-memory ledgers):
   tests/support/link_broker.py
 - ``env`` (the authenticated HTTP API with a token per caller): tests/support/auth_env.py
+- ``browser`` (headless Chromium, for the dashboard): tests/support/dashboard_browser.py
 
 Each starts its server only when a test asks for it. A test module that defines a fixture
 of the same name uses its own.
@@ -21,4 +22,5 @@ pytest_plugins = [
     "tests.support.link_broker",
     "tests.support.auth_env",
     "tests.support.http_api",
+    "tests.support.dashboard_browser",
 ]

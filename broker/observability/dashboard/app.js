@@ -14,6 +14,10 @@ const view = {
   before: null, // task id cursor of the shown page (null: newest)
   nextBefore: null,
   selectedTask: null,
+  // Scroll the detail into view (and focus it) once it is shown: set when a task is opened,
+  // kept until the first refresh has filled the tables above it (they move it down).
+  reveal: false,
+  loaded: false,
   // The selected task's shown output: fetched from offset on, appended (GET .../logs).
   output: { task: null, attempt: null, offset: 0, text: "", complete: false },
   timer: null,
@@ -48,11 +52,18 @@ function svg(tag, attrs) {
   return el;
 }
 
+// Replaces a table's rows; a link in them that had the keyboard focus keeps it (the same
+// link in the new rows), or every refresh would throw a keyboard user back to the top.
 function fillBody(table, rows, emptyText, columns) {
   const body = table.tBodies[0];
+  const focused = document.activeElement;
+  const href = focused && body.contains(focused) ? focused.getAttribute("href") : null;
   body.replaceChildren(
     ...(rows.length ? rows : [h("tr", {}, h("td", { class: "empty", colspan: columns }, emptyText))]),
   );
+  if (href === null) return;
+  const again = Array.from(body.querySelectorAll("a[href]")).find((a) => a.getAttribute("href") === href);
+  if (again) again.focus({ preventScroll: true });
 }
 
 function badge(text, kind) {
@@ -85,8 +96,9 @@ function timeCell(iso) {
   return h("td", { title: iso || "" }, ago(iso));
 }
 
+// The API's own representation: 0 means no limit (docs/API.md, PUT /api/v1/tenants).
 function limit(n) {
-  return n === 0 ? "∞" : String(n);
+  return n === 0 ? "0 (unlimited)" : String(n);
 }
 
 function pretty(value) {
@@ -94,14 +106,25 @@ function pretty(value) {
   return JSON.stringify(value, null, 2);
 }
 
-function mapChips(map, sep) {
+function number(v) {
+  return (Number.isInteger(v) ? v : +v.toFixed(2)).toLocaleString("en-US");
+}
+
+// The API's key, its value and its unit: "cpu: 2 cores", "memory_mb: 24,105 MB".
+const UNITS = { cpu: (v) => (v === 1 ? " core" : " cores"), memory_mb: () => " MB" };
+function resourceText(name, value) {
+  return name + ": " + number(value) + (UNITS[name] ? UNITS[name](value) : "");
+}
+
+// A worker's task_types: how many tasks of each type it runs at once ("*": any type).
+function capacityText(type, n) {
+  return (type === "*" ? "any type" : type) + ": " + number(n) + " at once";
+}
+
+function chips(map, text) {
   const entries = Object.entries(map || {});
   if (!entries.length) return h("span", { class: "muted" }, "—");
-  return h(
-    "div",
-    { class: "chips" },
-    entries.map(([k, v]) => h("span", { class: "chip" }, k + sep + (Number.isInteger(v) ? v : +v.toFixed(2)))),
-  );
+  return h("div", { class: "chips" }, entries.map(([k, v]) => h("span", { class: "chip" }, text(k, v))));
 }
 
 // --- API access -----------------------------------------------------------------------
@@ -207,7 +230,8 @@ function renderBrokers(status) {
         b.is_leader ? "leader" : b.role)),
       h("td", { class: "mono", title: b.error || "" }, pos),
       h("td", {}, lag),
-      h("td", {}, here ? duration(b.uptime_secs) : h("span", { class: "muted", title: "known only to that broker" }, "—")),
+      h("td", {}, b.uptime_secs !== null && b.uptime_secs !== undefined ? duration(b.uptime_secs)
+        : h("span", { class: "muted", title: "known only to that broker" }, "—")),
       h("td", {}, b.url ? h("a", { href: b.url + "/", title: "open this broker's dashboard" }, b.url.replace(/^https?:\/\//, "")) : "—"),
     );
   });
@@ -222,8 +246,7 @@ function renderBrokers(status) {
 
 function renderWorkers(workers) {
   const rows = workers.map((w) => {
-    const shown = w.running.slice(0, 8).map((id) =>
-      h("span", { class: "chip link", title: "task " + id, onclick: () => openTask(id) }, "#" + id));
+    const shown = w.running.slice(0, 8).map((id) => taskLink(id, "chip link", "open task " + id));
     const more = w.running_tasks > shown.length ? h("span", { class: "muted" }, " +" + (w.running_tasks - shown.length)) : null;
     return h(
       "tr",
@@ -231,8 +254,8 @@ function renderWorkers(workers) {
       h("td", {}, h("b", {}, w.id), h("div", { class: "muted mono" }, w.address),
         w.tenants && w.tenants.length ? h("div", { class: "muted" }, "tenants: " + w.tenants.join(", ")) : null),
       h("td", { title: w.reason || "connected " + when(w.connected_at) }, badge(w.state)),
-      h("td", {}, mapChips(w.task_types, " × ")),
-      h("td", {}, mapChips(w.resources, " ")),
+      h("td", {}, chips(w.task_types, capacityText)),
+      h("td", {}, chips(w.resources, resourceText)),
       h("td", {}, h("b", {}, w.running_tasks), " ", h("div", { class: "chips" }, shown), more),
     );
   });
@@ -268,6 +291,9 @@ function chart(title, values, color, bucketS, note) {
   const max = Math.max(1, ...values);
   const step = width / values.length;
   const plot = svg("svg", { viewBox: `0 0 ${width} ${height}`, preserveAspectRatio: "none", role: "img" });
+  // The chart's text alternative (a screen reader reads this, not the bars).
+  const alt = svg("title", {});
+  plot.append(alt);
   plot.append(svg("line", { x1: 0, y1: height - 0.5, x2: width, y2: height - 0.5, stroke: "#e3e8ee" }));
   values.forEach((v, i) => {
     if (!v) return;
@@ -285,10 +311,14 @@ function chart(title, values, color, bucketS, note) {
   // The newest bucket is still filling: the rate comes from the one before it.
   const last = values.length > 1 ? values[values.length - 2] : 0;
   const rate = last / bucketS;
+  const rateText = (rate < 10 ? rate.toFixed(1) : Math.round(rate)) + "/s";
+  alt.textContent = "tasks " + title + ": " + total + " in the last " + note.replace(/^-/, "") + ", " + rateText +
+    " now, at most " + max + " per " + bucketS + " s";
+  plot.setAttribute("aria-label", alt.textContent);
   return h(
     "div",
     { class: "chart", "data-chart": title },
-    h("div", { class: "title" }, h("b", {}, title), h("span", {}, total + " total · " + (rate < 10 ? rate.toFixed(1) : Math.round(rate)) + "/s")),
+    h("div", { class: "title" }, h("b", {}, title), h("span", {}, total + " total · " + rateText)),
     plot,
     h("div", { class: "axis" }, h("span", {}, note), h("span", {}, "now · peak " + max)),
   );
@@ -300,7 +330,8 @@ function renderCharts(series) {
   $("charts").replaceChildren(
     chart("submitted", series.submitted, "#2f6fde", series.bucket_s, note),
     chart("finished", series.finished, "#1f9d55", series.bucket_s, note),
-    chart("failed", series.failed, "#d64545", series.bucket_s, note),
+    // The API's "failed" series counts the tasks that ended in the state `error`.
+    chart("error", series.failed, "#d64545", series.bucket_s, note),
   );
   $("charts-hint").textContent = "last " + minutes + " min, per " + series.bucket_s + " s";
 }
@@ -309,8 +340,10 @@ function renderTasks(list) {
   const rows = list.tasks.map((t) =>
     h(
       "tr",
-      { "data-task": t.id, class: t.id === view.selectedTask ? "selected" : null, onclick: () => openTask(t.id) },
-      h("td", { class: "mono" }, "#" + t.id),
+      // The id is the row's control (a link: focusable, Enter opens it); a click anywhere
+      // on the row does the same.
+      { "data-task": t.id, class: t.id === view.selectedTask ? "selected" : null, onclick: () => goToTask(t.id) },
+      h("td", { class: "mono" }, taskLink(t.id, null, "open task " + t.id)),
       h("td", { class: "mono" }, t.type),
       h("td", {}, t.tenant),
       h("td", {}, badge(t.state)),
@@ -333,8 +366,14 @@ function field(name, value) {
   return h("div", {}, h("dt", {}, name), h("dd", {}, value));
 }
 
-function taskLink(id) {
-  return h("a", { href: "#task-" + id, onclick: (ev) => { ev.preventDefault(); openTask(id); } }, "#" + id);
+// A link to a task's detail (#task-N); the hash change opens it (see setup).
+function taskLink(id, cls, label) {
+  const open = (ev) => {
+    ev.preventDefault();
+    ev.stopPropagation(); // a row's own click would open it a second time
+    goToTask(id);
+  };
+  return h("a", { href: "#task-" + id, class: cls, "aria-label": label, onclick: open }, "#" + id);
 }
 
 function renderDetail(task) {
@@ -356,7 +395,7 @@ function renderDetail(task) {
     field("slot", task.slot),
     field("transaction", task.transaction),
     field("code", task.code ? h("span", { class: "mono", title: task.code }, task.code.slice(0, 12) + "…") : null),
-    field("resources", Object.keys(task.resources || {}).length ? mapChips(task.resources, " ") : null),
+    field("resources", Object.keys(task.resources || {}).length ? chips(task.resources, resourceText) : null),
     field("tree", tree ? h("span", {}, badge(tree.state, tree.state === "completed" ? "finished" : tree.state === "failed" ? "error" : "waiting"),
       " attempt " + tree.attempt + ", timeout " + tree.timeout_s + " s" + (tree.reason ? " — " + tree.reason : "")) : null),
     field("tree root", task.root !== null && task.root !== undefined && task.root !== task.id ? taskLink(task.root) : null),
@@ -405,10 +444,11 @@ async function refreshOutput(task) {
     shown.available = logs.available || shown.text !== "";
   }
   $("detail-output-box").hidden = false;
-  $("detail-output-note").textContent = shown.available
-    ? "attempt " + task.attempt + (shown.complete ? "" : ", live")
-    : "(none captured for attempt " + task.attempt + ")";
+  $("detail-output-note").textContent = !shown.available
+    ? "(none captured for attempt " + task.attempt + ")"
+    : "attempt " + task.attempt + (shown.complete ? (shown.text === "" ? ": empty" : "") : ", live");
   $("detail-output").textContent = shown.text;
+  $("detail-output").hidden = shown.text === ""; // no empty black box under "(none captured ...)"
 }
 
 function showDetailError(id, error) {
@@ -462,6 +502,8 @@ async function refresh() {
     const unique = errors.filter((e, i) => errors.findIndex((o) => o.message === e.message) === i);
     showBanner(unique);
     $("updated").textContent = unique.length ? "refresh failed" : "updated " + new Date().toLocaleTimeString();
+    view.loaded = true;
+    revealDetail();
   } finally {
     view.busy = false;
   }
@@ -482,18 +524,43 @@ async function refreshNow() {
   schedule();
 }
 
+// Brings the opened detail to the top of the window and moves the keyboard focus to its
+// title; before the first refresh has rendered, the tables above it are still growing, so
+// that refresh does it (a fresh load of /#task-N).
+function revealDetail() {
+  const detail = $("task-detail");
+  if (!view.reveal || !view.loaded || detail.hidden) return;
+  view.reveal = false;
+  detail.scrollIntoView({ block: "start" });
+  $("detail-title").focus({ preventScroll: true });
+}
+
 function openTask(id) {
   view.selectedTask = id;
+  view.reveal = true;
   api("/api/v1/tasks/" + id).then(
     (task) => {
       renderDetail(task);
-      $("task-detail").scrollIntoView({ behavior: "smooth", block: "nearest" });
+      revealDetail();
     },
     (error) => {
       if (error.status === 401 || error.status === 403) showBanner([error]);
       showDetailError(id, error);
+      revealDetail();
     },
   );
+}
+
+function hashTask() {
+  const match = /^#task-(\d{1,18})$/.exec(location.hash);
+  return match ? Number(match[1]) : null;
+}
+
+// Every way of opening a task goes through the address (#task-N), so it can be shared and
+// the Back button returns; the hashchange listener opens it.
+function goToTask(id) {
+  if (hashTask() === id) openTask(id);
+  else location.hash = "task-" + id;
 }
 
 // --- wiring ------------------------------------------------------------------------------
@@ -523,8 +590,12 @@ function setup() {
     };
     view.before = null;
     if (id) {
-      if (/^\d{1,18}$/.test(id)) openTask(Number(id));
-      else showDetailError(id, new Error("a task id is a number"));
+      if (/^\d{1,18}$/.test(id)) goToTask(Number(id));
+      else {
+        view.reveal = true;
+        showDetailError(id, new Error("a task id is a number: type digits only, e.g. 42"));
+        revealDetail();
+      }
     }
     refreshNow();
   });
@@ -545,12 +616,22 @@ function setup() {
     refreshNow();
   });
   $("detail-close").addEventListener("click", () => {
+    const id = view.selectedTask;
     view.selectedTask = null;
+    view.reveal = false;
     $("task-detail").hidden = true;
     for (const row of $("tasks").tBodies[0].rows) row.classList.remove("selected");
+    if (hashTask() !== null) history.replaceState(null, "", location.pathname + location.search);
+    // The keyboard focus goes back to the task's row when it is shown.
+    const link = document.querySelector('#tasks tr[data-task="' + id + '"] a');
+    if (link) link.focus();
   });
-  const hash = /^#task-(\d{1,18})$/.exec(location.hash);
-  if (hash) openTask(Number(hash[1]));
+  window.addEventListener("hashchange", () => {
+    const id = hashTask();
+    if (id !== null) openTask(id);
+  });
+  const id = hashTask();
+  if (id !== null) openTask(id);
   refreshNow();
 }
 
