@@ -168,6 +168,9 @@ class TaskOutcome(msgspec.Struct, omit_defaults=True, frozen=True):
     error: str | None = None  # message and traceback when not ok
     # Children to create with this (successful) finish; ids stamped by the leader.
     spawn: tuple[Spawn, ...] = ()
+    # Not ok because the worker or broker stops: the task waits again, the attempt is not
+    # counted, and the worker is assigned nothing more (docs/DESIGN.md §6, "Stopping").
+    released: bool = False
 
 
 class FinishTasks(_Entry, frozen=True, tag="finish"):
