@@ -238,7 +238,7 @@ async def let_tasks_finish(
     )
 
     def build(stamp: Stamp) -> e.Entry:
-        return e.FinishTasks(time_ms=stamp.now_ms, outcomes=outcomes)
+        return e.finish_tasks(stamp.now_ms, outcomes)
 
     try:
         await node.propose(build)

@@ -471,7 +471,10 @@ def test_given_back_attempt_waits_again_uncounted_and_its_worker_gets_no_more(
     task_id, other = sm.add(), sm.add()  # max_attempts 1
     sm.assign(task_id, "w1")
     given = msgspec.structs.replace(sm.outcome(task_id, ok=False), released=True)
-    assert sm.finish(given) == [TaskRef(task_id, "waiting")]
+    entry = e.finish_tasks(sm.now, (given,))
+    # Written as format 2, which an older broker stops at instead of applying it wrongly.
+    assert entry.v == 2 and e.finish_tasks(sm.now, (sm.outcome(other, ok=False),)).v == 1
+    assert sm.apply(entry) == [TaskRef(task_id, "waiting")]
     task = sm.m.tasks[task_id]
     assert (task.state, task.attempt, task.released, task.worker) == ("waiting", 1, 1, None)
     assert task.error == "boom"
@@ -765,7 +768,7 @@ def test_every_entry_type_round_trips(entry: e.Entry) -> None:
         msgspec.msgpack.encode({"time_ms": 1}),  # no type tag
         msgspec.msgpack.encode({"type": "tick"}),  # no time
         msgspec.msgpack.encode({"type": "cancel", "time_ms": 1, "task_id": "one"}),
-        msgspec.msgpack.encode({"type": "tick", "time_ms": 1, "v": 2}),  # newer version
+        msgspec.msgpack.encode({"type": "tick", "time_ms": 1, "v": 3}),  # newer version
         msgspec.msgpack.encode({"type": "tick", "time_ms": 1, "v": e.ENTRY_FORMAT_VERSION + 10}),
     ],
 )
@@ -783,8 +786,12 @@ def test_newer_entry_version_names_the_upgrade() -> None:
 def test_current_version_is_omitted_and_accepted() -> None:
     data = e.encode_entry(e.Tick(time_ms=1))
     assert "v" not in msgspec.msgpack.decode(data)
-    explicit = msgspec.msgpack.encode({"type": "tick", "time_ms": 1, "v": e.ENTRY_FORMAT_VERSION})
+    explicit = msgspec.msgpack.encode(
+        {"type": "tick", "time_ms": 1, "v": e.BASE_ENTRY_FORMAT_VERSION}
+    )
     assert e.decode_entry(explicit) == e.Tick(time_ms=1)
+    newest = msgspec.msgpack.encode({"type": "tick", "time_ms": 1, "v": e.ENTRY_FORMAT_VERSION})
+    assert e.decode_entry(newest) == e.Tick(time_ms=1, v=e.ENTRY_FORMAT_VERSION)
 
 
 @pytest.mark.parametrize(
