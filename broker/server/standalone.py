@@ -22,7 +22,7 @@ from broker.api.edges import bounded_http_protocol
 from broker.api.http_api import ApiApp, ApiConfig
 from broker.artifacts.code_store import CodeStore
 from broker.core import entries as e
-from broker.core.records import Task
+from broker.core.records import Task, TaskRef
 from broker.core.transitions import TaskState
 from broker.observability.node_observer import observe_node
 from broker.replication.node import (
@@ -241,15 +241,17 @@ async def let_tasks_finish(
         return e.finish_tasks(stamp.now_ms, outcomes)
 
     try:
-        await node.propose(build)
+        results = await node.propose(build)
     except BrokerUnavailableError as exc:
         _say(f"could not give {len(rest)} running tasks back ({exc}); they run on")
         return
-    _say(
-        f"gave {len(rest)} running task{'s' if len(rest) != 1 else ''} back to the queue:"
-        " they run again on a worker after the broker restarts (the attempt is not counted"
-        " as failed)"
-    )
+    # One its worker gave back (or finished) meanwhile is not counted twice.
+    given = sum(1 for r in results if isinstance(r, TaskRef)) if isinstance(results, list) else 0
+    if given:
+        _say(
+            f"gave {given} running task{'s' if given != 1 else ''} back to the queue: they run"
+            " again on a worker after the broker restarts (the attempt is not counted as failed)"
+        )
 
 
 async def _start_child_workers(
@@ -282,6 +284,9 @@ async def _start_child_workers(
                 str(config.stop_grace_s),
                 *tls_args,
                 env=env,
+                # Their own session: a Ctrl-C in the terminal reaches the broker
+                # only, which passes one SIGTERM on (a second would hurry their stop).
+                start_new_session=True,
             )
         )
     return children
