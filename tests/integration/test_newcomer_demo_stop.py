@@ -9,6 +9,7 @@ as a service manager would. Every wait is bounded; every process is killed at th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -211,3 +212,90 @@ def test_standalone_broker_sigterm_waits_for_running_tasks_then_gives_the_rest_b
             60,
             "the given-back task runs again",
         )
+
+
+def test_ctrl_c_on_a_standalone_broker_with_its_own_workers_keeps_their_grace(
+    tmp_path: Path, cleanup: list[Callable[[], None]]
+) -> None:
+    # A terminal's Ctrl-C sends SIGINT to the whole foreground process group: the
+    # workers `--workers` started must get one signal (from the broker), not two.
+    http_port = free_port()
+    url = f"http://{HOST}:{http_port}"
+    log = tmp_path / "standalone.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                *steward_command(),
+                "standalone",
+                "--data-dir",
+                str(tmp_path / "data"),
+                "--http",
+                f"{HOST}:{http_port}",
+                "--worker-listen",
+                f"{HOST}:{free_port()}",
+                "--workers",
+                "1",
+                "--stop-grace-s",
+                "5",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            start_new_session=True,  # its own process group, as a shell gives it
+        )
+
+    def kill() -> None:
+        # Its workers run in sessions of their own: kill them by pid too.
+        for pid in [proc.pid, *_children(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    cleanup.append(kill)
+    with httpx.Client(base_url=url, timeout=10) as client:
+        wait_for(lambda: _answers(client), 60, "the broker serves")
+        wait_for(lambda: _any_worker(client), 60, "its worker connects")
+        short = submit_sleep(client, 1)
+        long = submit_sleep(client, 60)
+        wait_for(
+            lambda: all(task(client, t)["state"] == "running" for t in (short, long)),
+            30,
+            "both tasks run",
+        )
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        code = proc.wait(timeout=5 + EXIT_BOUND_S)
+    output = log.read_text(errors="replace")
+    assert code == 0, output
+    assert "Traceback" not in output, output
+    assert "waiting for 2 running tasks" in output, output
+    # Both the broker and its worker waited: the short task finished, the long one was
+    # given back (by whichever of them came first), nothing failed.
+    assert re.search(r"gave 1 running task back", output), output
+    proc2 = BrokerProcess(tmp_path / "data", log_path=tmp_path / "restart.log")
+    proc2.start()
+    cleanup.append(proc2.kill9)
+    with httpx.Client(base_url=proc2.url, timeout=10) as client:
+        done, given_back = task(client, short), task(client, long)
+    assert (done["state"], done["attempt"]) == ("finished", 1), done
+    assert given_back["state"] == "waiting" and "given back" in given_back["error"], given_back
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(child) for child in text.split()]
+
+
+def _answers(client: httpx.Client) -> bool:
+    try:
+        return client.get("/healthz").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _any_worker(client: httpx.Client) -> bool:
+    workers = client.get("/api/v1/cluster").json()["workers"]
+    return any(w["state"] == "connected" for w in workers)
