@@ -17,7 +17,11 @@ import msgspec
 
 #: Highest entry format version this code can apply. A broker that meets a
 #: newer entry must stop rather than skip it (skipping would fork the state).
-ENTRY_FORMAT_VERSION: Final = 1
+#: 2: TaskOutcome.released (an attempt given back, docs/DESIGN.md §6, "Stopping").
+ENTRY_FORMAT_VERSION: Final = 2
+#: The version entries are written with unless they need a newer one, so a broker not
+#: yet upgraded keeps following until a newer feature is actually used.
+BASE_ENTRY_FORMAT_VERSION: Final = 1
 
 #: A code artifact's name: the sha256 of its bytes as 64 lowercase hex digits (use fullmatch).
 #: Here, with the entries that carry such names, so the state machine checks them without
@@ -32,7 +36,7 @@ class EntryDecodeError(Exception):
 class _Entry(msgspec.Struct, tag_field="type", omit_defaults=True, frozen=True):
     # Leader's clock when the entry was created; apply() advances time with it.
     time_ms: int
-    v: int = ENTRY_FORMAT_VERSION
+    v: int = BASE_ENTRY_FORMAT_VERSION
 
 
 class TaskSpec(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
@@ -168,10 +172,20 @@ class TaskOutcome(msgspec.Struct, omit_defaults=True, frozen=True):
     error: str | None = None  # message and traceback when not ok
     # Children to create with this (successful) finish; ids stamped by the leader.
     spawn: tuple[Spawn, ...] = ()
+    # Not ok because the worker or broker stops: the task waits again, the attempt is not
+    # counted, and the worker is assigned nothing more (docs/DESIGN.md §6, "Stopping").
+    released: bool = False
 
 
 class FinishTasks(_Entry, frozen=True, tag="finish"):
     outcomes: tuple[TaskOutcome, ...] = ()
+
+
+def finish_tasks(time_ms: int, outcomes: tuple[TaskOutcome, ...]) -> FinishTasks:
+    """A FinishTasks entry in the oldest format that holds its outcomes: version 2 with
+    a given-back one (an older broker would apply it as a failure)."""
+    version = 2 if any(o.released for o in outcomes) else BASE_ENTRY_FORMAT_VERSION
+    return FinishTasks(time_ms=time_ms, outcomes=outcomes, v=version)
 
 
 class AddCode(_Entry, frozen=True, tag="code_add"):

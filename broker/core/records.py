@@ -61,6 +61,13 @@ class Task(msgspec.Struct, array_like=True, gc=False):
     # root) and the task whose finish spawned it. Last, so older snapshots still decode.
     root: int | None = None
     parent: int | None = None
+    # Attempts given back by a stopping worker or broker (docs/DESIGN.md §6, "Stopping"):
+    # not counted against max_attempts. Last, so older snapshots still decode.
+    released: int = 0
+
+    def counted_attempts(self) -> int:
+        """Attempts that count against ``max_attempts`` (given-back ones do not)."""
+        return self.attempt - self.released
 
 
 class TreeState(StrEnum):

@@ -336,7 +336,7 @@ class StateMachine(WorkersMixin, TenantsMixin, CodeArtifactsMixin):
                     worker = self.workers.get(task.worker)
                     if worker is None or worker.state != WorkerState.CONNECTED:
                         fail(f"task {task.id} runs on a worker that is not connected")
-                if not 1 <= task.attempt <= task.max_attempts:
+                if not 1 <= task.counted_attempts() <= task.max_attempts:
                     fail(f"running task {task.id} has attempt {task.attempt}")
             if task.state == TaskState.PENDING:
                 txn = self.transactions.get(task.transaction or -1)

@@ -86,7 +86,7 @@ class TreesMixin(MachineBase):
                 self._move(task, TaskState.CANCELLED)
         replayable = (
             root.state not in (TaskState.ERROR, TaskState.CANCELLED)
-            and root.attempt < root.max_attempts
+            and root.counted_attempts() < root.max_attempts
             and (root.deadline_ms is None or root.deadline_ms > self.now_ms)
             # Its slot may have gone to another task since the root finished.
             and (root.slot is None or self.slots.get((root.tenant, root.slot), root.id) == root.id)

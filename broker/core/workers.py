@@ -99,10 +99,22 @@ class WorkersMixin(TasksMixin):
             self._retry_or_fail(task, f"worker {worker.id} died: {entry.reason}")
         return None
 
+    def _release(self, task: Task, reason: str) -> None:
+        """A stopping worker or broker gives the attempt back (docs/DESIGN.md §6,
+        "Stopping"): the task waits again, the attempt does not count against
+        max_attempts, and the worker, which is stopping, is assigned nothing more."""
+        worker = self.workers.get(task.worker) if task.worker is not None else None
+        if worker is not None:
+            worker.task_types = {"*": 0}  # until it registers again
+        self._stop_if_running(task, reason)
+        task.error = reason
+        task.released += 1
+        self._move(task, TaskState.WAITING)
+
     def _retry_or_fail(self, task: Task, error: str) -> None:
         task.error = error
-        if task.attempt >= task.max_attempts:
-            task.error = f"{error} (attempt {task.attempt} of {task.max_attempts})"
+        if task.counted_attempts() >= task.max_attempts:
+            task.error = f"{error} (attempt {task.counted_attempts()} of {task.max_attempts})"
             self._move(task, TaskState.ERROR)
             self._task_ended(task)
         else:
@@ -150,7 +162,10 @@ class WorkersMixin(TasksMixin):
                 results.append(Rejected(ErrorCode.STALE, f"task {outcome.task_id} not running"))
                 continue
             refusal = self._spawn_refusal(outcome.spawn) if outcome.ok else None
-            if refusal is not None:
+            if outcome.released and not outcome.ok:
+                self._use_ids(outcome.spawn)
+                self._release(task, outcome.error or "given back")
+            elif refusal is not None:
                 # Nothing spawned: the attempt fails (and retries if it may), as any
                 # error of the task would; the limit is read from the state being applied.
                 self._use_ids(outcome.spawn)

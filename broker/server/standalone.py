@@ -24,8 +24,19 @@ from broker.api import api_models as m
 from broker.api.edges import bounded_http_protocol
 from broker.api.http_api import ApiApp, ApiConfig
 from broker.artifacts.code_store import CodeStore
+from broker.core import entries as e
+from broker.core.records import Task, TaskRef
+from broker.core.transitions import TaskState
 from broker.observability.node_observer import observe_node
-from broker.replication.node import VERSION, BrokerStartupError, DataDirLock, Node, NodeConfig
+from broker.replication.node import (
+    VERSION,
+    BrokerStartupError,
+    BrokerUnavailableError,
+    DataDirLock,
+    Node,
+    NodeConfig,
+    Stamp,
+)
 from broker.security.tls import TlsConfig, TlsConfigError, server_context
 from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
 from log.file import FileLedgerListStore, FileLedgerStore
@@ -42,6 +53,9 @@ class StandaloneConfig:
     child_workers: int = 0  # worker processes to start beside the broker
     # HTTPS and TLS on the worker endpoint (overrides workers.tls).
     tls: TlsConfig | None = None
+    # On SIGTERM/SIGINT: how long running tasks may still finish before they are given
+    # back to the queue (docs/DESIGN.md §6, "Stopping"); child workers get the same.
+    stop_grace_s: float = 15.0
 
 
 def build_node(config: NodeConfig) -> Node:
@@ -94,9 +108,14 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
         )
         server, server_task = await start_http_server(app, config.api, tls=config.tls)
         stop = asyncio.Event()
+        hurry = asyncio.Event()  # a second signal: give running tasks back now
+
+        def on_signal() -> None:
+            (hurry if stop.is_set() else stop).set()
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         logger.info("steward standalone serving on %s", url)
         tls_note = " over TLS" if config.tls is not None else ""
         print(
@@ -112,8 +131,11 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
             [asyncio.create_task(stop.wait()), server_task], return_when=asyncio.FIRST_COMPLETED
         )
         logger.info("shutting down")
-        # Stop accepting, let in-flight requests finish (the node still runs), then
-        # drain and close the log.
+        # Running tasks may finish within the grace (the API still answers meanwhile),
+        # the rest go back to the queue; then stop accepting, let in-flight requests
+        # finish (the node still runs), drain and close the log.
+        if not server_task.done():
+            await let_tasks_finish(node, link, children, config.stop_grace_s, hurry)
         await stop_http_server(server, server_task, app)
         await _stop_children(children)
         await link.stop()
@@ -264,6 +286,75 @@ async def stop_http_server(
         logger.warning("HTTP server did not stop within 15 s")
 
 
+def _running(node: Node) -> list[Task]:
+    state = node.state
+    return [state.tasks[i] for i in sorted(state.by_state[TaskState.RUNNING])]
+
+
+def _say(message: str) -> None:
+    print(f"steward standalone: {message}", file=sys.stderr, flush=True)
+
+
+async def let_tasks_finish(
+    node: Node,
+    link: WorkerLink,
+    children: list[asyncio.subprocess.Process],
+    grace_s: float,
+    hurry: asyncio.Event,
+) -> None:
+    """The stop of a broker with running tasks (docs/DESIGN.md §6, "Stopping"): assign
+    nothing new, let running tasks finish for up to ``grace_s`` (``hurry``: stop waiting),
+    then give the rest back to the queue, not counted as failed attempts."""
+    link.draining = True
+    for child in children:  # they stop taking tasks and drain with the same grace
+        if child.returncode is None:
+            child.send_signal(signal.SIGTERM)
+    running = len(_running(node))
+    if not running:
+        return
+    _say(
+        f"stopping: waiting for {running} running task{'s' if running != 1 else ''} to"
+        f" finish (grace {grace_s:g} s, --stop-grace-s); then the rest go back to the queue."
+        " Ctrl-C again gives them back now"
+    )
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    while _running(node) and not hurry.is_set() and loop.time() < deadline:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(hurry.wait(), min(0.1, max(0.0, deadline - loop.time())))
+    rest = _running(node)
+    if not rest:
+        _say("every running task finished; stopping")
+        return
+    outcomes = tuple(
+        e.TaskOutcome(
+            task_id=task.id,
+            worker_id=task.worker or "",
+            attempt=task.attempt,
+            ok=False,
+            error="given back: the broker stopped",
+            released=True,
+        )
+        for task in rest
+    )
+
+    def build(stamp: Stamp) -> e.Entry:
+        return e.finish_tasks(stamp.now_ms, outcomes)
+
+    try:
+        results = await node.propose(build)
+    except BrokerUnavailableError as exc:
+        _say(f"could not give {len(rest)} running tasks back ({exc}); they run on")
+        return
+    # One its worker gave back (or finished) meanwhile is not counted twice.
+    given = sum(1 for r in results if isinstance(r, TaskRef)) if isinstance(results, list) else 0
+    if given:
+        _say(
+            f"gave {given} running task{'s' if given != 1 else ''} back to the queue: they run"
+            " again on a worker after the broker restarts (the attempt is not counted as failed)"
+        )
+
+
 async def _start_child_workers(
     config: StandaloneConfig, worker_port: int
 ) -> list[asyncio.subprocess.Process]:
@@ -290,8 +381,13 @@ async def _start_child_workers(
                 f"{config.node.broker_id}-worker-{n + 1}",
                 "--cache-dir",
                 str(config.node.data_dir / "worker-cache"),
+                "--stop-grace-s",
+                str(config.stop_grace_s),
                 *tls_args,
                 env=env,
+                # Their own session: a Ctrl-C in the terminal reaches the broker
+                # only, which passes one SIGTERM on (a second would hurry their stop).
+                start_new_session=True,
             )
         )
     return children
@@ -303,6 +399,8 @@ async def _stop_children(children: list[asyncio.subprocess.Process]) -> None:
             child.send_signal(signal.SIGTERM)
     for child in children:
         try:
+            # A child still running after the broker's grace gives its tasks back at
+            # once on this second signal; its own bound is for the reports to go out.
             await asyncio.wait_for(child.wait(), timeout=20)
         except TimeoutError:
             child.kill()

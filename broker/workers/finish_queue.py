@@ -68,7 +68,7 @@ class FinishQueue:
                 )
 
                 def build(stamp: Stamp, outcomes: tuple[e.TaskOutcome, ...] = outcomes) -> e.Entry:
-                    return e.FinishTasks(time_ms=stamp.now_ms, outcomes=stamp_ids(stamp, outcomes))
+                    return e.finish_tasks(stamp.now_ms, stamp_ids(stamp, outcomes))
 
                 try:
                     await self.node.propose(build)

@@ -75,6 +75,7 @@ def outcome(
         result=result if ok else None,
         error=None if ok else (error or "task failed")[:65536],
         spawn=spawn,
+        released=report.released and not ok,
     )
 
 

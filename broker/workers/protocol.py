@@ -145,6 +145,8 @@ class TaskReport(msgspec.Struct, frozen=True, omit_defaults=True):
     error: str | None = None  # message and traceback when not ok
     # Children to create with a successful finish (v2); ignored when not ok.
     spawn: tuple[SpawnRequest, ...] = ()
+    # Not ok because the worker stops: give the attempt back, uncounted (docs/DESIGN.md §6).
+    released: bool = False
 
 
 class Finish(_Message, frozen=True, tag="finish"):

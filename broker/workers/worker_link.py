@@ -100,6 +100,8 @@ class WorkerLink:
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._dirty = asyncio.Event()
+        # The broker is stopping: assign nothing new (docs/DESIGN.md §6, "Stopping").
+        self.draining = False
         self._refusals = RefusalLog(logger)
         self.liveness = Liveness(node, config, self.sessions, clock)
         self.handshake = Handshake(node, config, self.sessions, self.liveness, self._dirty.set)
@@ -321,7 +323,7 @@ class WorkerLink:
         while True:
             await self._dirty.wait()
             self._dirty.clear()
-            if not self.sessions or not self.node.writable:
+            if not self.sessions or not self.node.writable or self.draining:
                 continue
             state = self.node.state
             assignments = schedule(

@@ -100,6 +100,14 @@ def _add_server_commands(sub: argparse._SubParsersAction[StewardArgumentParser])
         metavar="N",
         help="also start N worker processes connected to this broker (0: none)",
     )
+    p.add_argument(
+        "--stop-grace-s",
+        type=float,
+        default=15.0,
+        metavar="SECONDS",
+        help="on SIGTERM/Ctrl-C, let running tasks finish this long, then give the rest"
+        " back to the queue (not counted as failed; 0: at once; default: %(default)s)",
+    )
     _add_broker_options(p)
 
     p = sub.add_parser(

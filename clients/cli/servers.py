@@ -128,9 +128,12 @@ def run_standalone(args: argparse.Namespace) -> int:
         workers=_worker_link_config(args, auth),
         child_workers=args.workers,
         tls=_tls_config(args),
+        stop_grace_s=args.stop_grace_s,
     )
     if args.workers < 0:
         raise UsageError("--workers must be >= 0")
+    if not 0 <= args.stop_grace_s <= 86400:
+        raise UsageError("--stop-grace-s must be between 0 and 86400 seconds")
     if not 0 < args.heartbeat_interval_ms < args.heartbeat_timeout_ms:
         raise UsageError("need 0 < --heartbeat-interval-ms < --heartbeat-timeout-ms")
     try:

@@ -12,14 +12,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from clients.client import StewardClient, StewardError, TaskHandle
 from clients.demo.wordcount_job import words_of
-from clients.progress import print_progress
+from clients.progress import PIPE_INTERVAL_S, Progress
 
 TENANT_WEIGHTS = {"analytics": 3.0, "adhoc": 1.0}
 LINES_PER_TASK = 250
@@ -62,8 +62,12 @@ def local_cluster(
     workers: int = 1,
     log: Path | None = None,
     worker_args: Sequence[str] = (),
+    say: Callable[[str], None] | None = None,
 ) -> Iterator[str]:
-    """A standalone broker and worker processes (``worker_args`` added); yields the broker URL."""
+    """A standalone broker and worker processes (``worker_args`` added); yields the broker URL.
+    ``say`` is told each step as it starts (the demo prints them)."""
+    step = say if say is not None else (lambda _message: None)
+    begun = time.monotonic()
     http_port, worker_port = free_port(), free_port()
     url = f"http://127.0.0.1:{http_port}"
     out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
@@ -89,6 +93,10 @@ def local_cluster(
         )
         with StewardClient(url, timeout_s=5) as client:
             _wait(lambda: _healthy(client), 30, "the broker did not start")
+            step(
+                f"broker ready at {url} ({time.monotonic() - begun:.1f} s); starting"
+                f" {workers} worker{'s' if workers != 1 else ''} ..."
+            )
             for n in range(workers):
                 procs.append(
                     subprocess.Popen(
@@ -113,6 +121,7 @@ def local_cluster(
                     )
                 )
             _wait(lambda: _connected_workers(client) >= workers, 60, "the worker did not connect")
+            step(f"worker connected ({time.monotonic() - begun:.1f} s)")
         yield url
     finally:
         for proc in reversed(procs):
@@ -146,8 +155,12 @@ def _wait(check: Any, timeout_s: float, message: str) -> None:
     raise RuntimeError(f"{message} within {timeout_s:.0f} s")
 
 
-def run_wordcount(client: StewardClient, lines: list[str]) -> dict[str, Any]:
-    """Upload the job, submit the corpus per tenant, wait; returns counts and timings."""
+def run_wordcount(
+    client: StewardClient, lines: list[str], *, say: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """Upload the job, submit the corpus per tenant, wait; returns counts and timings.
+    With ``say``: the steps, a line every few seconds until the first task ends (the
+    worker starts Spark meanwhile) and a progress bar (lines when piped)."""
     job = resources.files("clients.demo").joinpath("wordcount_job.py")
     with resources.as_file(job) as job_path:
         sha = client.upload_code(job_path)
@@ -168,6 +181,10 @@ def run_wordcount(client: StewardClient, lines: list[str]) -> dict[str, Any]:
         handles[tenant] = [h for h in submitted if isinstance(h, TaskHandle)]
     total = sum(len(h) for h in handles.values())
     done = 0
+    progress = Progress(total, started=started) if say is not None else None
+    if say is not None:
+        say(f"submitted {total} tasks; the worker starts Spark for the first ones (about 10 s) ...")
+    last_note = started
     finished_s: dict[str, float] = {}
     counts: dict[str, collections.Counter[str]] = {t: collections.Counter() for t in handles}
     pending = {tenant: list(hs) for tenant, hs in handles.items()}
@@ -179,7 +196,13 @@ def run_wordcount(client: StewardClient, lines: list[str]) -> dict[str, Any]:
             if task["state"] in ("finished", "error", "cancelled"):
                 remaining.pop(0)
                 done += 1
-                print_progress(done, total, started)
+            now = time.monotonic()
+            if say is not None and done == 0 and now - last_note >= PIPE_INTERVAL_S:
+                last_note = now
+                say(f"  waiting for Spark on the worker ... {now - started:.0f} s")
+            elif progress is not None and done > 0:
+                progress.update(done)  # it prints when due: a line every few seconds piped
+            if task["state"] in ("finished", "error", "cancelled"):
                 if task["state"] != "finished":
                     raise RuntimeError(f"task {task['id']} {task['state']}: {task.get('error')}")
                 counts[tenant].update(task["result"]["counts"])
@@ -201,6 +224,10 @@ def _task_process_problem() -> str | None:
     return None
 
 
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
 def run_demo(keep: bool = False) -> int:
     data_root = Path(tempfile.mkdtemp(prefix="steward-demo-"))
     lines = corpus_lines()
@@ -211,11 +238,11 @@ def run_demo(keep: bool = False) -> int:
         print(f"steward demo: {problem}", file=sys.stderr)
         return 2
     try:
-        print("starting a standalone broker and a PySpark worker ...", flush=True)
-        with local_cluster(data_root / "data", log=data_root / "demo.log") as url:
-            print(f"broker at {url}; submitting the word count ...", flush=True)
+        _say("starting a standalone broker ...")
+        with local_cluster(data_root / "data", log=data_root / "demo.log", say=_say) as url:
+            _say("uploading the word-count job and submitting the corpus ...")
             with StewardClient(url) as client:
-                outcome = run_wordcount(client, lines)
+                outcome = run_wordcount(client, lines, say=_say)
         expected = plain_python_count(lines)
         print(f"{outcome['tasks']} tasks on artifact {outcome['artifact'][:12]}")
         for tenant, seconds in outcome["finished_s"].items():

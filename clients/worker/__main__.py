@@ -49,6 +49,16 @@ def _uid_range(text: str) -> tuple[int, int]:
     return int(low), int(high)
 
 
+def _grace(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 86400:
+        raise argparse.ArgumentTypeError(f"expected seconds between 0 and 86400, got {text!r}")
+    return value
+
+
 def _brokers(text: str) -> list[str]:
     try:
         return parse_http_urls(text)
@@ -244,6 +254,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="start a fresh process once one's resident memory passes this (default: 0, off)",
     )
+    p.add_argument(
+        "--stop-grace-s",
+        type=_grace,
+        default=WorkerConfig.stop_timeout_s,
+        metavar="SECONDS",
+        help="on SIGTERM/Ctrl-C, let running tasks finish this long, then give the rest"
+        " back to the broker for another worker (not counted as failed; 0: at once;"
+        " default: %(default)s)",
+    )
     p.add_argument("--log-level", default="INFO")
     from broker.observability.logs import add_log_format_option
 
@@ -306,6 +325,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         task_process_idle_s=args.task_process_idle_s,
         task_process_max_tasks=args.task_process_max_tasks,
         task_process_max_rss_mb=args.task_process_max_rss_mb,
+        stop_timeout_s=args.stop_grace_s,
     )
 
 

@@ -30,6 +30,8 @@ class Running:
     suppress_report: bool = False
     process: TaskProcess | None = None  # the task process running it, if any
     in_process: bool = False  # run in a task process (holds a process slot once begun)
+    # Cancelled because the worker stops: its report gives the attempt back (uncounted).
+    released: bool = False
 
 
 def attempt_fields(entry: Running) -> dict[str, Any]:

@@ -77,7 +77,7 @@ from clients.worker.link_discovery import (
 from clients.worker.link_output import TaskOutputs
 from clients.worker.link_reports import ReportOutbox
 from clients.worker.link_tasks import Assignments
-from clients.worker.runtime import TaskKey, TaskRuntime
+from clients.worker.runtime import TaskKey, TaskRuntime, released_notice, stopping_notice
 from clients.worker.spark_connect import SparkConnectServer
 
 __all__ = [
@@ -227,9 +227,11 @@ class Worker:
         otherwise cancel them at once. Calling it again with ``wait=False`` hurries a
         graceful stop along.
         """
+        if not self._stopping:
+            stopping_notice(len(self.runtime.running()), timeout_s)
         self._stopping = True
         if not wait:
-            self.runtime.cancel_all("worker stopping")
+            released_notice(self.runtime.release_all("worker stopping"))
         if self._stop_task is None:
             self._stop_task = asyncio.ensure_future(self._shutdown(timeout_s))
         await asyncio.shield(self._stop_task)
@@ -239,13 +241,17 @@ class Worker:
         deadline = loop.time() + timeout_s
         if self._loop is not None:
             if not await self._wait_until(lambda: not self.runtime.running(), deadline):
-                self.runtime.cancel_all("worker stopping")
+                released_notice(self.runtime.release_all("worker stopping"))
                 # Cancelled cooperative tasks stop within moments; don't wait for the rest.
                 grace_s = min(2.0, self.config.cancel_grace_s)
                 await self._wait_until(lambda: not self.runtime.running(), loop.time() + grace_s)
+                self.runtime.report_released()  # the rest are ended with the worker
             self._reports.flush()
-            # Also while disconnected: the next connection before the deadline delivers.
-            await self._wait_until(lambda: not self._reports.unacked, deadline)
+            # Also while disconnected: the next connection before the deadline delivers
+            # (the given-back reports get a few seconds of their own after the grace).
+            await self._wait_until(
+                lambda: not self._reports.unacked, max(deadline, loop.time() + 5.0)
+            )
             if self._reports.unacked:
                 n = len(self._reports.unacked)
                 logger.warning("stopping with %d unacknowledged task reports", n)

@@ -86,7 +86,11 @@ class Assignments:
             if stopping:
                 self._on_report(
                     TaskReport(
-                        task.task_id, task.attempt, ok=False, error="cancelled: worker stopping"
+                        task.task_id,
+                        task.attempt,
+                        ok=False,
+                        error="given back: worker stopping",
+                        released=True,  # not this task's failure: another worker runs it
                     )
                 )
                 continue

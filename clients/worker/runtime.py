@@ -35,10 +35,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import msgspec
 
 from broker.workers.protocol import AssignedTask, TaskAttempt, TaskReport
 from clients.worker.artifacts import ArtifactCache
@@ -78,9 +81,11 @@ __all__ = [
     "error_text",
     "make_task_logger",
     "outcome_report",
+    "released_notice",
     "shared_spark",
     "spark_defaults",
     "split_dropped_note",
+    "stopping_notice",
     "task_identities",
     "task_memory_limit_mb",
 ]
@@ -89,6 +94,30 @@ logger = logging.getLogger(__name__)
 
 # task_procs.py puts this line before an attempt's output when it kept only the tail.
 _DROPPED_NOTE = re.compile(rb"\A\[\.\.\. (\d{1,18}) earlier bytes of output dropped \.\.\.\]\n")
+
+
+def stopping_notice(running: int, grace_s: float) -> None:
+    """The one line a stopping worker says first: what it waits for, and for how long."""
+    if running:
+        what = (
+            f"stopping: waiting for {running} running task{'s' if running != 1 else ''} to"
+            f" finish (grace {grace_s:g} s, --stop-grace-s); then the rest go back to the"
+            " broker for another worker. Ctrl-C again gives them back now"
+        )
+    else:
+        what = "stopping: no tasks running"
+    print(f"steward worker: {what}", file=sys.stderr, flush=True)
+
+
+def released_notice(count: int) -> None:
+    """The line after the grace: how many attempts went back (not counted as failed)."""
+    if count:
+        print(
+            f"steward worker: gave {count} running task{'s' if count != 1 else ''} back to the"
+            " broker: they wait for another worker (the attempt is not counted as failed)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def split_dropped_note(output: bytes) -> tuple[int, bytes]:
@@ -281,6 +310,29 @@ class TaskRuntime:
         for key in keys:
             self.cancel(key, reason)
 
+    def release_all(self, reason: str) -> int:
+        """Stop every running task and give its attempt back to the broker, which queues
+        the task again without counting the attempt (the worker stops: docs/DESIGN.md §6,
+        "Stopping"). Returns how many it gave back."""
+        with self._lock:
+            # One cancelled already (its deadline, the broker) ends as that cancel says.
+            entries = [
+                e for e in self._entries.values() if not e.reported and not e.ctx.cancelled.is_set()
+            ]
+            for entry in entries:
+                entry.released = True
+        for entry in entries:
+            self.cancel((entry.task.task_id, entry.task.attempt), reason)
+        return len(entries)
+
+    def report_released(self) -> None:
+        """Report every given-back attempt that has not ended yet as given back now: the
+        worker is about to end its task processes, and the broker must not wait for them."""
+        with self._lock:
+            entries = [e for e in self._entries.values() if e.released and not e.reported]
+        for entry in entries:
+            self._finish(entry, cancelled_report(entry))
+
     def forget(self, key: TaskKey) -> None:
         with self._lock:
             entry = self._entries.get(key)
@@ -309,6 +361,11 @@ class TaskRuntime:
                 return
             entry.reported = True
             suppress = entry.suppress_report
+            if entry.released and not report.ok:
+                reason = entry.ctx.cancel_reason or "worker stopping"
+                report = msgspec.structs.replace(
+                    report, released=True, error=f"given back: {reason}"
+                )
         if suppress:
             self.forget(key)
             return

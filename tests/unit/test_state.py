@@ -739,7 +739,7 @@ def test_every_entry_type_round_trips(entry: e.Entry) -> None:
         msgspec.msgpack.encode({"time_ms": 1}),  # no type tag
         msgspec.msgpack.encode({"type": "tick"}),  # no time
         msgspec.msgpack.encode({"type": "cancel", "time_ms": 1, "task_id": "one"}),
-        msgspec.msgpack.encode({"type": "tick", "time_ms": 1, "v": 2}),  # newer version
+        msgspec.msgpack.encode({"type": "tick", "time_ms": 1, "v": 3}),  # newer version
         msgspec.msgpack.encode({"type": "tick", "time_ms": 1, "v": e.ENTRY_FORMAT_VERSION + 10}),
     ],
 )
@@ -757,8 +757,12 @@ def test_newer_entry_version_names_the_upgrade() -> None:
 def test_current_version_is_omitted_and_accepted() -> None:
     data = e.encode_entry(e.Tick(time_ms=1))
     assert "v" not in msgspec.msgpack.decode(data)
-    explicit = msgspec.msgpack.encode({"type": "tick", "time_ms": 1, "v": e.ENTRY_FORMAT_VERSION})
+    explicit = msgspec.msgpack.encode(
+        {"type": "tick", "time_ms": 1, "v": e.BASE_ENTRY_FORMAT_VERSION}
+    )
     assert e.decode_entry(explicit) == e.Tick(time_ms=1)
+    newest = msgspec.msgpack.encode({"type": "tick", "time_ms": 1, "v": e.ENTRY_FORMAT_VERSION})
+    assert e.decode_entry(newest) == e.Tick(time_ms=1, v=e.ENTRY_FORMAT_VERSION)
 
 
 @pytest.mark.parametrize(

@@ -413,7 +413,9 @@ async def test_graceful_stop_finishes_running_tasks_and_delivers_reports(env: En
     conn.assign(task(2, "sleep", {"seconds": 30}))  # refused while stopping
     reports = await conn.reports(2)
     assert result_of(reports[1, 1]) == {"slept": 0.2}
-    assert reports[2, 1].error == "cancelled: worker stopping"
+    # Given back, not failed: the broker queues it again without counting the attempt.
+    assert (reports[2, 1].error, reports[2, 1].released) == ("given back: worker stopping", True)
+    assert not reports[1, 1].released
     await asyncio.wait_for(stopping, WAIT_S)
     await asyncio.wait_for(conn.closed.wait(), WAIT_S)
     # run() returns promptly, though the broker still heartbeats.
@@ -427,10 +429,31 @@ async def test_hurried_stop_cancels_running_tasks(env: Env) -> None:
     started = time.monotonic()
     stopping = asyncio.ensure_future(worker.stop(wait=False, timeout_s=5))
     report = await conn.report()
-    assert report.error == "cancelled: worker stopping"
+    assert (report.error, report.released) == ("given back: worker stopping", True)
     await asyncio.wait_for(stopping, WAIT_S)
     await asyncio.wait_for(env.workers[-1][1], 1.0)
     assert time.monotonic() - started < 2.0
+
+
+async def test_stop_gives_back_what_outlasts_the_grace(env: Env) -> None:
+    # docs/DESIGN.md §6, "Stopping": a task still running when the grace ends is given
+    # back; one that is already cancelled (here: by the broker) ends as that cancel says.
+    worker, conn = await env.started()
+    conn.assign(task(1, "sleep", {"seconds": 30}), task(2, "sleep", {"seconds": 30}))
+    await until(lambda: worker.runtime.busy_threads() == 2)
+    conn.send(Cancel(tasks=(TaskAttempt(2, 1),), reason="by the user"))
+    cancelled = await conn.report()
+    assert (cancelled.task_id, cancelled.released) == (2, False)
+    started = time.monotonic()
+    stopping = asyncio.ensure_future(worker.stop(wait=True, timeout_s=0.5))
+    report = await conn.report()
+    await asyncio.wait_for(stopping, WAIT_S)
+    assert (report.task_id, report.error, report.released) == (
+        1,
+        "given back: worker stopping",
+        True,
+    )
+    assert time.monotonic() - started < 4.0
 
 
 # -- code artifacts --
