@@ -83,7 +83,11 @@ TRANSITIONS: Final[Mapping[TaskState | None, Mapping[TaskState | None, Edge]]] =
     },
     _RUNNING: {
         _FINISHED: Edge("finished ok", frozenset({e.FinishTasks})),
-        _WAITING: Edge("an attempt failed with attempts left, or a root replayed", ANY_ENTRY),
+        _WAITING: Edge(
+            "an attempt failed with attempts left, was given back by a stopping worker or"
+            " broker, or a root replayed",
+            ANY_ENTRY,
+        ),
         _ERROR: Edge("deadline exceeded, or its last attempt failed", ANY_ENTRY),
         _CANCELLED: Edge("cancelled, or its tree failed", ANY_ENTRY),
     },
