@@ -110,6 +110,7 @@ def end_to_end(
     system: System, mode: str, n: int, args: argparse.Namespace, procs: Procs, row: Row
 ) -> None:
     """One timed run of ``n`` tasks in ``mode``; appends its figures to ``row``."""
+    logged = system.log_counts()
     meter = CpuMeter(procs)
     started = time.perf_counter()
     remaining = system.submit(mode, n, args.batch)
@@ -122,6 +123,13 @@ def end_to_end(
     total_s = time.perf_counter() - started
     _, other, cores_by_process = meter.measure()
     procs.check_alive()
+    logged_after = system.log_counts()
+    log_note = ""
+    if logged is not None and logged_after is not None:
+        # Durable entries and group commits (fsyncs) per task (Steward's /metrics).
+        entries = logged_after[0] - logged[0]
+        commits = logged_after[1] - logged[1]
+        log_note = f"; log: {entries / n:.2f} entries, {commits / n:.2f} group commits per task"
     row.submit.append(n / submit_s)
     row.e2e.append(n / total_s)
     row.other_cores = max(row.other_cores, other)
@@ -136,7 +144,8 @@ def end_to_end(
         + ", ".join(
             f"{name} {cores * total_s / n * 1e6:,.0f} µs"
             for name, cores in sorted(cores_by_process.items())
-        ),
+        )
+        + log_note,
         file=sys.stderr,
         flush=True,
     )

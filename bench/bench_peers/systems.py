@@ -17,6 +17,8 @@ Every wait is bounded (``WAIT_S`` per result wait; the caller bounds each run).
 
 from __future__ import annotations
 
+import re
+import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -57,6 +59,10 @@ class System:
     def round_trip(self) -> None:
         raise NotImplementedError
 
+    def log_counts(self) -> tuple[float, float] | None:
+        """(log entries applied, group commits) so far, where the system says; else None."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -85,7 +91,8 @@ class Steward(System):
             procs, root / "steward-data", workers=2, slots=slots, task_isolation=isolation
         )
         self.pids = [("broker", cluster.broker.pid), ("worker1", cluster.workers[0].pid)]
-        self.client = StewardClient(f"http://127.0.0.1:{cluster.port}", timeout_s=60)
+        self.url = f"http://127.0.0.1:{cluster.port}"
+        self.client = StewardClient(self.url, timeout_s=60)
         self.durable = True
         self.linger_ms = linger_ms
 
@@ -132,6 +139,17 @@ class Steward(System):
 
     def round_trip(self) -> None:
         self.client.submit("noop", tenant=TENANT).result(timeout=WAIT_S)
+
+    def log_counts(self) -> tuple[float, float] | None:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=WAIT_S) as answer:
+            text = answer.read().decode()
+        found = [
+            re.search(rf"^{name} ([0-9.e+]+)$", text, re.MULTILINE)
+            for name in ("steward_entries_applied", "steward_log_group_commit_entries_count")
+        ]
+        if found[0] is None or found[1] is None:
+            return None
+        return float(found[0].group(1)), float(found[1].group(1))
 
 
 # --- peers on Redis ------------------------------------------------------------------------------

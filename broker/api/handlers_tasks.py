@@ -140,18 +140,27 @@ async def submit(api: ApiContext, request: Request) -> tuple[int, bytes]:
     else:
         specs = [_spec_fields(api, request, body, None)]
 
+    placer = api.node.placer
+    placed: tuple[e.Assignment, ...] = ()
+
     def build(stamp: Stamp) -> e.Entry:
+        nonlocal placed
         ids = stamp.task_ids(len(specs))
+        tasks = tuple(
+            msgspec.structs.replace(spec, id=task_id)
+            for spec, task_id in zip(specs, ids, strict=True)
+        )
+        if placer is not None:
+            placed = placer.place(tasks, stamp.now_ms)
         return e.SubmitTasks(
-            time_ms=stamp.now_ms,
-            tasks=tuple(
-                msgspec.structs.replace(spec, id=task_id)
-                for spec, task_id in zip(specs, ids, strict=True)
-            ),
-            idempotency_key=key,
+            time_ms=stamp.now_ms, tasks=tasks, idempotency_key=key, assignments=placed
         )
 
-    results = await api.node.propose(build)
+    try:
+        results = await api.node.propose(build)
+    finally:
+        if placer is not None and placed:
+            placer.release(placed)
     assert isinstance(results, list)
     # A replay answers as the first submission did (same status, same ids).
     replayed = isinstance(results, ReplayedResults)

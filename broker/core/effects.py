@@ -2,8 +2,9 @@
 
 ``Applied.result`` answers the proposer; ``Applied.effects`` lists, in the order they
 happened, the events other parts of the broker react to (docs/DESIGN.md §1): a task
-reaching a final state, a running task the broker ended (its worker must be told), a task
-tree ending for good. They are computed the same way on the leader, every follower and
+started on a worker (the leader sends it its Assign frame), a task reaching a final
+state, a running task the broker ended (its worker must be told), a task tree ending for
+good. They are computed the same way on the leader, every follower and
 replay; each consumer decides whether to use them. They are not state: snapshots and
 ``digest()`` never see them.
 """
@@ -27,6 +28,15 @@ class TaskFinal(msgspec.Struct, frozen=True, gc=False):
     state: TaskState
 
 
+class TaskAssigned(msgspec.Struct, frozen=True, gc=False):
+    """A task started an attempt on a worker (by an AssignTasks entry or the assignments
+    a SubmitTasks entry carries): the worker must be sent the task."""
+
+    task_id: int
+    worker_id: str
+    attempt: int
+
+
 class TreeEnded(msgspec.Struct, frozen=True, gc=False):
     """A tracked task tree completed or failed for good (no replay left)."""
 
@@ -35,7 +45,7 @@ class TreeEnded(msgspec.Struct, frozen=True, gc=False):
 
 # StopRunning (a running task was ended by the broker: tell its worker) lives in
 # broker.core.records, where it always was; it is one of the effects.
-Effect = TaskFinal | StopRunning | TreeEnded
+Effect = TaskFinal | StopRunning | TreeEnded | TaskAssigned
 
 
 class Applied(msgspec.Struct, frozen=True, gc=False):
@@ -48,6 +58,11 @@ class Applied(msgspec.Struct, frozen=True, gc=False):
     def final_ids(self) -> list[int]:
         """Ids of the tasks that became final, in order."""
         return [effect.task_id for effect in self.effects if type(effect) is TaskFinal]
+
+    @property
+    def assigned(self) -> list[TaskAssigned]:
+        """The attempts started on workers, in order."""
+        return [effect for effect in self.effects if type(effect) is TaskAssigned]
 
     @property
     def stops(self) -> list[StopRunning]:

@@ -74,11 +74,21 @@ class Spawn(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
     anchors: tuple[int, ...] = ()
 
 
+class Assignment(msgspec.Struct, frozen=True, array_like=True):
+    task_id: int
+    worker_id: str
+
+
 class SubmitTasks(_Entry, frozen=True, tag="submit"):
     tasks: tuple[TaskSpec, ...] = ()
     # A client's retry with the same key replays the first result instead of
     # creating tasks again (None, the default, keeps old entries valid).
     idempotency_key: str | None = None
+    # Tasks of this entry the leader placed on free worker slots as it built the entry
+    # (no task of any tenant was waiting): apply starts them if its own checks agree, else
+    # they wait for the scheduler (docs/DESIGN.md §6). Empty, the default, keeps old
+    # entries valid.
+    assignments: tuple[Assignment, ...] = ()
 
 
 class CancelTask(_Entry, frozen=True, tag="cancel"):
@@ -152,11 +162,6 @@ class WorkerDead(_Entry, frozen=True, tag="worker_dead"):
     reason: str = "heartbeat deadline missed"
     # The registration the leader judged dead; a later re-registration wins.
     connected_ms: int | None = None
-
-
-class Assignment(msgspec.Struct, frozen=True, array_like=True):
-    task_id: int
-    worker_id: str
 
 
 class AssignTasks(_Entry, frozen=True, tag="assign"):

@@ -42,6 +42,7 @@ from broker.core import entries as e
 from broker.core.code_artifacts import CodeArtifactsMixin
 from broker.core.effects import Applied as Applied
 from broker.core.effects import Effect as Effect
+from broker.core.effects import TaskAssigned as TaskAssigned
 from broker.core.effects import TaskFinal as TaskFinal
 from broker.core.effects import TreeEnded as TreeEnded
 from broker.core.machine_base import MachineBase as MachineBase
@@ -104,7 +105,7 @@ class StateMachine(WorkersMixin, TenantsMixin, CodeArtifactsMixin):
     def __init__(self) -> None:
         super().__init__()
         self._handlers: dict[type[Any], Callable[[Any], ApplyResult]] = {
-            e.SubmitTasks: self._submit,
+            e.SubmitTasks: self._submit_placed,
             e.CancelTask: self._cancel,
             e.BeginTransaction: self._begin,
             e.CommitTransaction: self._commit,

@@ -77,7 +77,7 @@ TRANSITIONS: Final[Mapping[TaskState | None, Mapping[TaskState | None, Edge]]] =
         _ERROR: Edge("deadline exceeded", ANY_ENTRY),
     },
     _WAITING: {
-        _RUNNING: Edge("assigned to a worker", frozenset({e.AssignTasks})),
+        _RUNNING: Edge("assigned to a worker", frozenset({e.AssignTasks, e.SubmitTasks})),
         _CANCELLED: Edge("cancelled, or its tree failed", ANY_ENTRY),
         _ERROR: Edge("deadline exceeded", ANY_ENTRY),
     },

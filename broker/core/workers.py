@@ -1,5 +1,6 @@
 """The state machine's workers and assignment: registration (reconciling the tasks a
-worker reports), death, assignments and finish reports, retries (docs/DESIGN.md §6).
+worker reports), death, assignments (by the scheduler's AssignTasks, or carried by a
+SubmitTasks entry) and finish reports, retries (docs/DESIGN.md §6).
 """
 
 from __future__ import annotations
@@ -7,9 +8,11 @@ from __future__ import annotations
 import math
 
 from broker.core import entries as e
+from broker.core.effects import TaskAssigned
 from broker.core.records import (
     ErrorCode,
     Rejected,
+    ReplayedResults,
     Task,
     TaskRef,
     Worker,
@@ -19,9 +22,92 @@ from broker.core.records import (
 from broker.core.tasks import TasksMixin
 from broker.core.transitions import TaskState
 
+# Absorbs float rounding when fractional asks add up exactly to a capacity (as the
+# scheduler's own epsilon).
+_EPSILON = 1e-9
+
 
 class WorkersMixin(TasksMixin):
-    """RegisterWorker, WorkerDead, AssignTasks and FinishTasks."""
+    """RegisterWorker, WorkerDead, AssignTasks, SubmitTasks' assignments and FinishTasks."""
+
+    def _submit_placed(self, entry: e.SubmitTasks) -> list[TaskRef | Rejected]:
+        """A submit, then the assignments the leader placed in it: each starts only if no
+        task was waiting before the entry, it is a task this entry created, the head of its
+        tenant's queue, and it fits its worker as the scheduler counts (docs/DESIGN.md §6).
+        A refused one waits for the scheduler; the result is the submit's either way."""
+        if not entry.assignments:
+            return self._submit(entry)
+        idle = not any(self.waiting.values())
+        results = self._submit(entry)
+        if not idle or isinstance(results, ReplayedResults):
+            return results
+        created = {r.id for r in results if isinstance(r, TaskRef)}
+        for assignment in entry.assignments:
+            task = self.tasks.get(assignment.task_id)
+            worker = self.workers.get(assignment.worker_id)
+            if (
+                task is not None
+                and worker is not None
+                and task.id in created
+                and self._may_start(task, worker)
+            ):
+                self._start_on(task, worker)
+        return results
+
+    def _may_start(self, task: Task, worker: Worker) -> bool:
+        """What the scheduler checks before it places ``task`` on ``worker``."""
+        if task.state != TaskState.WAITING or worker.state != WorkerState.CONNECTED:
+            return False
+        queue = self.waiting.get(task.tenant)
+        if not queue or next(iter(queue)) != task.id:
+            return False  # not the head of its queue (or parked: code not ready)
+        if worker.tenants and task.tenant not in worker.tenants:
+            return False
+        tenant = self.tenants.get(task.tenant)
+        running_now = self._counts(task.tenant)[TaskState.RUNNING]
+        if tenant is not None and 0 < tenant.max_running <= running_now:
+            return False
+        types = worker.task_types
+        pool = task.type if task.type in types else "*"
+        capacity = types.get(pool)
+        if capacity is None:
+            return False
+        running = [self.tasks[i] for i in self.running_by_worker.get(worker.id, ())]
+        if len(types) == 1 and pool == "*":
+            in_pool = len(running)  # the common case: one pool for every type
+        elif pool == "*":
+            in_pool = sum(1 for t in running if t.type not in types)
+        else:
+            in_pool = sum(1 for t in running if t.type == pool)
+        if in_pool >= capacity:
+            return False
+        asks = {name: amount for name, amount in task.resources.items() if amount > 0}
+        if asks:
+            for name, amount in asks.items():
+                total = worker.resources.get(name)
+                used = sum(t.resources.get(name, 0.0) for t in running)
+                if total is None or used + amount > total + _EPSILON:
+                    return False
+            limits = self.config.global_limits
+            for name, amount in asks.items():
+                limit = limits.get(name)
+                if limit is not None:
+                    used = sum(
+                        self.tasks[i].resources.get(name, 0.0)
+                        for ids in self.running_by_worker.values()
+                        for i in ids
+                    )
+                    if used + amount > limit + _EPSILON:
+                        return False
+        return True
+
+    def _start_on(self, task: Task, worker: Worker) -> None:
+        task.attempt += 1
+        task.worker = worker.id
+        self._move(task, TaskState.RUNNING)
+        if task.root == task.id:
+            self._start_tree(task.id)
+        self._effects.append(TaskAssigned(task.id, worker.id, task.attempt))
 
     def _register_worker(self, entry: e.RegisterWorker) -> WorkerReconciled | Rejected:
         if not entry.worker_id:
@@ -139,11 +225,7 @@ class WorkersMixin(TasksMixin):
                     )
                 )
             else:
-                task.attempt += 1
-                task.worker = worker.id
-                self._move(task, TaskState.RUNNING)
-                if task.root == task.id:
-                    self._start_tree(task.id)
+                self._start_on(task, worker)
                 results.append(TaskRef(task.id, task.state))
         return results
 

@@ -256,12 +256,6 @@ class BrokerMetrics:
             elif isinstance(result, Rejected):
                 for spec in entry.tasks:
                     self.rejected.labels(spec.tenant, result.code.value).inc()
-        elif isinstance(entry, e.AssignTasks) and isinstance(result, list):
-            tasks = state.tasks
-            for assignment, outcome in zip(entry.assignments, result, strict=False):
-                task = tasks.get(assignment.task_id)
-                if type(outcome) is TaskRef and task is not None:
-                    self.assigned.inc(task.tenant, task.type)
         elif isinstance(entry, e.FinishTasks) and isinstance(result, list):
             tasks = state.tasks
             for report, outcome in zip(entry.outcomes, result, strict=False):
@@ -269,6 +263,11 @@ class BrokerMetrics:
                     task = tasks.get(report.task_id)
                     if task is not None:
                         self.attempt_failures.inc(task.tenant, task.type)
+        # Assignments are effects: an AssignTasks entry's, or those a submit carried.
+        for started in applied.assigned:
+            task = state.tasks.get(started.task_id)
+            if task is not None:
+                self.assigned.inc(task.tenant, task.type)
         final = applied.final_ids
         if final:
             self._count_final(final, state)

@@ -99,6 +99,15 @@ def log_applied(
                         ref.message,
                         extra=task_fields(spec.id, spec.tenant),
                     )
+        for started in applied.assigned:  # placed by the leader in the submit itself
+            logger.debug(
+                "task %d assigned to worker %s",
+                started.task_id,
+                started.worker_id,
+                extra=task_fields(
+                    started.task_id, tasks[started.task_id].tenant, attempt=started.attempt
+                ),
+            )
     elif kind is e.CancelTask and isinstance(result, Rejected) and debug:
         assert isinstance(entry, e.CancelTask)
         task = tasks.get(entry.task_id)

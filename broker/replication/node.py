@@ -22,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 from broker.core import entries as e
 from broker.core.state import ApplyResult, StateMachine
@@ -66,8 +67,22 @@ __all__ = [
     "NodeStats",
     "Role",
     "Stamp",
+    "SubmitPlacer",
     "wall_clock_ms",
 ]
+
+
+class SubmitPlacer(Protocol):
+    """Places the tasks of a submit entry being built on free worker slots, so the entry
+    carries their assignments (docs/DESIGN.md §6); the worker link is one while it leads."""
+
+    def place(self, tasks: Sequence[e.TaskSpec], now_ms: int) -> tuple[e.Assignment, ...]:
+        """Assignments for the first tasks (none if any task of any tenant waits)."""
+        ...
+
+    def release(self, assignments: tuple[e.Assignment, ...]) -> None:
+        """The entry was applied or will never be: stop counting these as in flight."""
+        ...
 
 
 class Node:
@@ -101,6 +116,8 @@ class Node:
         # (once per acknowledged write; never for a follower or a replay): the task
         # counters and the task log (broker.observability's ``observe_node`` adds them).
         self.leader_listeners: list[ApplyListener] = []
+        # While a worker link leads: puts assignments into submit entries as they are built.
+        self.placer: SubmitPlacer | None = None
         # Replication's instruments (injected by ``observe_node``; by default they drop
         # everything): docs/DESIGN.md §9, replication imports no metrics.
         self.metrics: ReplicationMetrics = NoReplicationMetrics()

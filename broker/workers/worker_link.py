@@ -29,7 +29,7 @@ from broker.api.output_store import OutputStore
 from broker.core import entries as e
 from broker.core.effects import Applied
 from broker.core.scheduler import schedule
-from broker.core.state import Rejected, TaskRef, TaskState
+from broker.core.state import Rejected, TaskState
 from broker.replication.node import BrokerStartupError, BrokerUnavailableError, Node, Stamp
 from broker.security.tls import TlsConfig, TlsConfigError, server_context
 from broker.workers import protocol as p
@@ -37,6 +37,7 @@ from broker.workers.conversation import Conversation, Role
 from broker.workers.finish_queue import FinishQueue
 from broker.workers.handshake import Handshake
 from broker.workers.liveness import Liveness
+from broker.workers.placement import SubmitPlacement
 from broker.workers.session import Clock, Session, peer_address, send_error
 
 logger = logging.getLogger(__name__)  # task events: broker/observability/task_log.py
@@ -100,13 +101,24 @@ class WorkerLink:
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._dirty = asyncio.Event()
-        # The broker is stopping: assign nothing new (docs/DESIGN.md §6, "Stopping").
-        self.draining = False
         self._refusals = RefusalLog(logger)
         self.liveness = Liveness(node, config, self.sessions, clock)
         self.handshake = Handshake(node, config, self.sessions, self.liveness, self._dirty.set)
         self.finishes = FinishQueue(node, config, self.sessions)
+        # Assignments carried by submit entries (docs/DESIGN.md §6); set on the node in start.
+        self.placement = SubmitPlacement(lambda: node.state, self.sessions)
+        self.placement.wake = self._dirty.set
         node.listeners.append(self._on_applied)
+
+    @property
+    def draining(self) -> bool:
+        """The broker is stopping: assign nothing new, by the scheduler or with a submit
+        (docs/DESIGN.md §6, "Stopping")."""
+        return self.placement.paused
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.placement.paused = value
 
     @property
     def port(self) -> int:
@@ -138,6 +150,7 @@ class WorkerLink:
                 f"{exc.strerror or exc}"
             ) from None
         self.outputs.fetcher = self._fetch_output
+        self.node.placer = self.placement
         self._tasks = [
             asyncio.create_task(self._schedule_loop(), name="steward-schedule"),
             asyncio.create_task(self.finishes.run(), name="steward-finish"),
@@ -156,6 +169,8 @@ class WorkerLink:
             self.node.listeners.remove(self._on_applied)
         if self.outputs.fetcher == self._fetch_output:
             self.outputs.fetcher = None
+        if self.node.placer is self.placement:
+            self.node.placer = None
         if self._server is not None:
             self._server.close()
         for session in list(self.sessions.values()):
@@ -175,8 +190,13 @@ class WorkerLink:
     def _on_applied(self, entry: e.Entry, applied: Applied) -> None:
         result = applied.result
         if not isinstance(entry, e.AssignTasks):
-            # Anything else may have freed capacity or queued work.
+            # Anything else may have freed capacity or queued work (or left a task the
+            # leader placed in a submit waiting: apply refused the placement).
             self._dirty.set()
+        if isinstance(entry, e.SubmitTasks) and entry.assignments:
+            self.placement.release(entry.assignments)
+        if applied.effects:
+            self._push_assignments(applied)
         # One Cancel per (worker, reason): an entry may stop tasks for different reasons
         # (a cancel whose clock advance also fires deadlines).
         by_worker: dict[tuple[str, str], list[p.TaskAttempt]] = defaultdict(list)
@@ -325,6 +345,11 @@ class WorkerLink:
             self._dirty.clear()
             if not self.sessions or not self.node.writable or self.draining:
                 continue
+            if self.placement.busy:
+                # Placements in submits are in flight: a round now would not count their
+                # slots. The last one applied wakes this loop (broker/workers/placement.py).
+                self.placement.deferred = True
+                continue
             state = self.node.state
             assignments = schedule(
                 state,
@@ -339,26 +364,22 @@ class WorkerLink:
                 return e.AssignTasks(time_ms=stamp.now_ms, assignments=batch)
 
             try:
-                results = await self.node.propose(build)
+                await self.node.propose(build)  # its effects push the Assign frames
             except BrokerUnavailableError:
                 continue
-            assert isinstance(results, list)
-            self._push_assignments(batch, results)
             if len(batch) >= self.config.max_assignments_per_round:
                 self._dirty.set()
 
-    def _push_assignments(
-        self, batch: tuple[e.Assignment, ...], results: list[TaskRef | Rejected]
-    ) -> None:
-        state = self.node.state
+    def _push_assignments(self, applied: Applied) -> None:
+        """Send each worker the attempts an applied entry started on it (an AssignTasks
+        entry's or a submit's own): the one path by which tasks reach workers."""
+        tasks = self.node.state.tasks
         by_worker: dict[str, list[p.AssignedTask]] = defaultdict(list)
-        for assignment, result in zip(batch, results, strict=True):
-            if isinstance(result, Rejected):
-                continue
-            task = state.tasks.get(assignment.task_id)
-            if task is None or task.state != TaskState.RUNNING:
-                continue  # already over (cancelled in the same instant)
-            by_worker[assignment.worker_id].append(
+        for started in applied.assigned:
+            task = tasks.get(started.task_id)
+            if task is None or task.state != TaskState.RUNNING or task.attempt != started.attempt:
+                continue  # already over (ended later in the same entry)
+            by_worker[started.worker_id].append(
                 p.AssignedTask(
                     task_id=task.id,
                     attempt=task.attempt,
@@ -370,9 +391,9 @@ class WorkerLink:
                     resources=task.resources,
                 )
             )
-        for worker_id, tasks in by_worker.items():
+        for worker_id, tasks_for in by_worker.items():
             session = self.sessions.get(worker_id)
             if session is not None:
-                session.send(p.Assign(tasks=tuple(tasks)))
+                session.send(p.Assign(tasks=tuple(tasks_for)))
             # If it vanished meanwhile, it either reconnects without these tasks
             # (reconciliation re-queues them) or is declared dead.

@@ -83,7 +83,9 @@ def test_json_logs_and_metrics_of_real_processes(tmp_path: Path) -> None:
                 ):
                     assert samples.get((name, labels)) == 1.0, name
                 assert samples[("steward_workers_connected", ())] == 1.0
-                assert samples[("steward_log_append_latency_seconds_count", ())] >= 4
+                # Registration, the submit (carrying its assignment: a slot was free) and
+                # the finish (docs/DESIGN.md §6).
+                assert samples[("steward_log_append_latency_seconds_count", ())] >= 3
         finally:
             worker.stop()
         assert broker.terminate() == 0

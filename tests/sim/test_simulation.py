@@ -158,7 +158,9 @@ def run_simulation(seed: int, entries: int = DEFAULT_ENTRIES) -> Counter[str]:
                         f"replica {replica.name} returned {msgspec.msgpack.decode(other)!r}, "
                         f"primary {result!r}"
                     )
-            checker.check_effects(entry, follower_applied.final_ids, follower_applied.stops)
+            checker.check_effects(
+                entry, follower_applied.final_ids, follower_applied.stops, follower_applied.assigned
+            )
             config = isinstance(entry, e.SetConfig)
             if index % INVARIANTS_EVERY == 0 or config:
                 primary.check_invariants()
@@ -280,5 +282,6 @@ def test_generator_covers_the_rules() -> None:
         "spawn refused max_waiting",
         "tree task cancelled",
         "reconcile kept task ended by its tree",
+        "task placed by its submit",
     ]
     assert_exercised(stats, wanted)

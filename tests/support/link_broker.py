@@ -76,26 +76,37 @@ class Broker:
         max_attempts: int = 1,
         deadline_in_ms: int | None = None,
         track_tree: bool = False,
+        placed: bool = False,
     ) -> list[int]:
-        def build(stamp: Stamp) -> e.Entry:
-            deadline = None if deadline_in_ms is None else stamp.now_ms + deadline_in_ms
-            return e.SubmitTasks(
-                time_ms=stamp.now_ms,
-                tasks=tuple(
-                    e.TaskSpec(
-                        id=task_id,
-                        type=task_type,
-                        tenant=tenant,
-                        params=params,
-                        max_attempts=max_attempts,
-                        deadline_ms=deadline,
-                        track_tree=track_tree,
-                    )
-                    for task_id in stamp.task_ids(count)
-                ),
-            )
+        """Submit ``count`` tasks in one entry; ``placed``: as the API's submit does, let the
+        link put their assignments into the entry (docs/DESIGN.md §6)."""
+        placer = self.node.placer if placed else None
+        assignments: tuple[e.Assignment, ...] = ()
 
-        results = await self.node.propose(build)
+        def build(stamp: Stamp) -> e.Entry:
+            nonlocal assignments
+            deadline = None if deadline_in_ms is None else stamp.now_ms + deadline_in_ms
+            tasks = tuple(
+                e.TaskSpec(
+                    id=task_id,
+                    type=task_type,
+                    tenant=tenant,
+                    params=params,
+                    max_attempts=max_attempts,
+                    deadline_ms=deadline,
+                    track_tree=track_tree,
+                )
+                for task_id in stamp.task_ids(count)
+            )
+            if placer is not None:
+                assignments = placer.place(tasks, stamp.now_ms)
+            return e.SubmitTasks(time_ms=stamp.now_ms, tasks=tasks, assignments=assignments)
+
+        try:
+            results = await self.node.propose(build)
+        finally:
+            if placer is not None:
+                placer.release(assignments)
         assert isinstance(results, list)
         refs = [r for r in results if isinstance(r, TaskRef)]
         assert len(refs) == count, results

@@ -17,6 +17,7 @@ from broker.core.state import (
     Rejected,
     ReplayedResults,
     StopRunning,
+    TaskAssigned,
     TaskRef,
     TaskState,
     Tenant,
@@ -50,6 +51,7 @@ class Checker(TransitionChecks):
         events = self.last_events = self.m.events
         self.m.events = []
         self._check_events(entry, events, pre)
+        self.check_placements(entry)
         self._check_trees(entry, result, events)
         # Timers fire before the handler, so the transitions above saw the old readiness.
         self._track_code(entry, result)
@@ -225,13 +227,16 @@ class Checker(TransitionChecks):
         m = self.m
         now = m.now_ms
         # Queued count of each tenant just before each spec was applied: nothing
-        # leaves a queue during a submission, so count back from the end.
+        # leaves a queue during a submission but the tasks it placed (after all were
+        # created), so count back from the end, those counted as queued.
+        placed = {ev.task_id for ev in self.last_events if ev.new == RUNNING}
         queued_after: dict[str, int] = {}
         queued_before: list[int] = []
         for spec, item in reversed(list(zip(entry.tasks, items, strict=True))):
             if spec.tenant not in queued_after:
                 counts = m.tenant_counts_view(spec.tenant)
-                queued_after[spec.tenant] = sum(counts[s] for s in QUEUED)
+                started = sum(1 for tid in placed if m.tasks[tid].tenant == spec.tenant)
+                queued_after[spec.tenant] = sum(counts[s] for s in QUEUED) + started
             if isinstance(item, TaskRef):
                 queued_after[spec.tenant] -= 1
             queued_before.append(queued_after[spec.tenant])
@@ -245,7 +250,8 @@ class Checker(TransitionChecks):
                 fail(f"queue full for {spec.tenant} with {queued} queued, max {limit}")
             task = m.tasks.get(spec.id)
             if isinstance(item, TaskRef):
-                if item.id != spec.id or task is None or task.state != item.state:
+                as_created = task.state if task is None or task.id not in placed else WAITING
+                if item.id != spec.id or task is None or as_created != item.state:
                     fail(f"submit result {item!r} but task is {task!r}")
                     return
                 if spec.transaction is not None:
@@ -338,11 +344,30 @@ class Checker(TransitionChecks):
 
     # --- effects for the node's listeners ----------------------------------------------------
 
-    def check_effects(self, entry: e.Entry, final: list[int], stops: list[StopRunning]) -> None:
-        """A replica's effects (returned by apply) against this entry's transitions."""
+    def check_effects(
+        self,
+        entry: e.Entry,
+        final: list[int],
+        stops: list[StopRunning],
+        assigned: list[TaskAssigned] | None = None,
+    ) -> None:
+        """A replica's effects (returned by apply) against this entry's transitions; every
+        attempt is started (sent to a worker) at most once."""
         now = self.m.now_ms
         expected_final: list[int] = []
         expected_stops: list[StopRunning] = []
+        expected_assigned = [
+            TaskAssigned(ev.task_id, ev.task.worker or "", ev.attempt)
+            for ev in self.last_events
+            if ev.new == RUNNING and ev.old == WAITING
+        ]
+        if assigned is not None:
+            if assigned != expected_assigned:
+                fail(f"effects: assigned {assigned}, transitions say {expected_assigned}")
+            for started in assigned:
+                if (started.task_id, started.attempt) in self.started:
+                    fail(f"task {started.task_id} attempt {started.attempt} started twice")
+                self.started.add((started.task_id, started.attempt))
         for ev in self.last_events:
             if ev.new in FINAL:
                 expected_final.append(ev.task_id)

@@ -76,6 +76,8 @@ class Pre:
     retention_ms: int = 0  # purge timers fire before the entry's own change of it
     # RegisterWorker: the (task, attempt) pairs the state has running on that worker.
     reported: frozenset[tuple[int, int]] = frozenset()
+    # SubmitTasks: no task of any tenant was waiting (placements in it may start).
+    idle: bool = False
 
 
 class TransitionChecks:
@@ -106,6 +108,7 @@ class TransitionChecks:
         # root's live tasks in its current run, status, run number and deadline.
         self.tree_live: dict[int, set[int]] = {}
         self.tree_status: dict[int, str] = {}
+        self.started: set[tuple[int, int]] = set()  # (task, attempt) sent to a worker
         self.tree_attempt: dict[int, int] = {}
         self.tree_timeout: dict[int, int] = {}
         self.tree_deadline: dict[int, int] = {}  # pending trees only
@@ -123,6 +126,8 @@ class TransitionChecks:
             txn = m.transactions.get(entry.transaction_id)
             if txn is not None:
                 pre.txn_tasks = list(txn.task_ids)
+        elif isinstance(entry, e.SubmitTasks):
+            pre.idle = not any(m.waiting.values())
         elif isinstance(entry, e.WorkerDead | e.RegisterWorker):
             pre.worker_running = frozenset(m.running_by_worker.get(entry.worker_id, ()))
             pre.reported = frozenset((tid, m.tasks[tid].attempt) for tid in pre.worker_running)
@@ -172,9 +177,13 @@ class TransitionChecks:
                 elif not isinstance(entry, e.CancelTask) or tid != entry.task_id:
                     fail(f"task {tid} cancelled in {kind.__name__} (error {task.error!r})")
             elif new == RUNNING:
-                assert isinstance(entry, e.AssignTasks)
-                if tid not in {a.task_id for a in entry.assignments}:
+                assert isinstance(entry, e.AssignTasks | e.SubmitTasks)
+                if (tid, task.worker) not in {(a.task_id, a.worker_id) for a in entry.assignments}:
                     fail(f"task {tid} started without an assignment")
+                if isinstance(entry, e.SubmitTasks):
+                    self.stats["task placed by its submit"] += 1
+                    if not pre.idle or old != WAITING or tid not in self.created_now(entry):
+                        fail(f"task {tid} placed by a submit that did not create it, or late")
                 code = self.code_of[tid]
                 if code is not None and not self.code_ready.get(code, False):
                     fail(f"task {tid} started though its code {code} is not ready")
@@ -244,6 +253,38 @@ class TransitionChecks:
             else:
                 self.mirror[tid] = new
                 self.attempts[tid] = ev.attempt
+
+    @staticmethod
+    def created_now(entry: e.SubmitTasks) -> set[int]:
+        return {spec.id for spec in entry.tasks}
+
+    def check_placements(self, entry: e.Entry) -> None:
+        """Tasks a submit started fit their workers as the scheduler counts: within the
+        pool's capacity, the worker's resources and tenants, the tenant's max_running."""
+        if not isinstance(entry, e.SubmitTasks):
+            return
+        m = self.m
+        for ev in self.last_events:
+            if ev.new != RUNNING:
+                continue
+            task = ev.task
+            worker = m.workers[task.worker or ""]
+            types = worker.task_types
+            pool = task.type if task.type in types else "*"
+            running = [m.tasks[i] for i in m.running_by_worker[worker.id]]
+            in_pool = [t for t in running if (t.type if t.type in types else "*") == pool]
+            if len(in_pool) > types.get(pool, 0):
+                fail(f"task {task.id} placed on {worker.id} beyond its {pool!r} capacity")
+            for name, amount in task.resources.items():
+                used = sum(t.resources.get(name, 0.0) for t in running)
+                if amount > 0 and used > worker.resources.get(name, 0.0) + 1e-9:
+                    fail(f"task {task.id} placed on {worker.id} beyond its {name!r}")
+            if worker.tenants and task.tenant not in worker.tenants:
+                fail(f"task {task.id} placed on {worker.id}, which does not serve its tenant")
+            limits = m.tenants.get(task.tenant)
+            running_now = m.tenant_counts[task.tenant][RUNNING]
+            if limits is not None and 0 < limits.max_running < running_now:
+                fail(f"task {task.id} placed beyond its tenant's max_running")
 
     def _check_trees(self, entry: e.Entry, result: ApplyResult, events: list[Event]) -> None:
         """A root completes exactly when the last task of its tree finished, fails at
@@ -416,7 +457,15 @@ class TransitionChecks:
         of its children and that tenant's max_waiting, and none of them was created."""
         task = self.m.tasks.get(outcome.task_id)
         found = SPAWN_REFUSED_RE.match(task.error or "") if task is not None else None
-        if not outcome.ok or not outcome.spawn or found is None:
+        if not outcome.ok or not outcome.spawn:
+            return False
+        if found is None and task is not None and task.state == CANCELLED:
+            # Its tree failed later in the same entry: that error replaced the refusal's.
+            self.stats["spawn refused, then its tree failed"] += 1
+            return (task.error or "").startswith("tree of task") and not any(
+                s.task.id in self.m.tasks for s in outcome.spawn
+            )
+        if found is None:
             return False
         name, limit = found.group(1), int(found.group(2))
         tenant = self.m.tenants.get(name)

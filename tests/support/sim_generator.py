@@ -335,8 +335,28 @@ class EntryGenerator:
             expect = Expect()  # the first submission's results come back, whatever these are
         if key is not None and not bad_key:
             self.key_scopes.setdefault(key, idempotency_scope(spec.tenant for spec in specs))
-        entry = e.SubmitTasks(time_ms=time_ms, tasks=tuple(specs), idempotency_key=key)
+        # As a leader would (its placements, apply re-checks each), and now and then wrongly.
+        placed = self._placements(specs) if self.rng.random() < 0.4 else ()
+        entry = e.SubmitTasks(
+            time_ms=time_ms, tasks=tuple(specs), idempotency_key=key, assignments=placed
+        )
         return entry, expect
+
+    def _placements(self, specs: list[e.TaskSpec]) -> tuple[e.Assignment, ...]:
+        rng = self.rng
+        connected = self._connected()
+        out: list[e.Assignment] = []
+        for spec in specs[: rng.randint(1, len(specs))]:
+            r = rng.random()
+            if r < 0.85 and connected:
+                out.append(e.Assignment(spec.id, rng.choice(connected)))
+            elif r < 0.95:
+                out.append(e.Assignment(spec.id, rng.choice((*WORKERS, "ghost"))))
+            else:  # a task of another entry: never started by this one
+                out.append(e.Assignment(self._recent(), rng.choice((*WORKERS, "ghost"))))
+        if len(out) > 1 and rng.random() < 0.1:
+            out.reverse()  # out of order: only a queue's head may start
+        return tuple(out)
 
     def _cancel(self) -> tuple[e.Entry, Expect]:
         time_ms = self._time()
@@ -585,11 +605,17 @@ class EntryGenerator:
             address=f"10.0.0.{len(worker_id)}:7000",
             process_id=f"pid-{self.rng.randrange(1_000_000)}",
             resources={"cpu": self.rng.choice((2, 4.0, 8.0)), "mem": 16384.0},
-            task_types={"*": self.rng.randint(1, 8)},
+            task_types=self._task_types(),
             tenants=tuple(self.rng.sample(TENANTS, self.rng.randint(0, 2))),
             running=tuple(running),
         )
         return entry, expect
+
+    def _task_types(self) -> dict[str, int]:
+        types = {"*": self.rng.randint(1, 8)}
+        if self.rng.random() < 0.3:  # a type with its own pool (even 0)
+            types[self.rng.choice(TYPES)] = self.rng.randint(0, 2)
+        return types
 
     def _register_random(self) -> tuple[e.Entry, Expect]:
         worker_id = "" if self.rng.random() < 0.05 else self.rng.choice(WORKERS)
@@ -643,11 +669,14 @@ class EntryGenerator:
                     worker_id = rng.choice(connected) if connected else "w0"
             task = view.tasks.get(task_id)
             worker = view.workers.get(worker_id)
+            # A running root may be replayed (waiting again) by its tree's timeout, which
+            # fires before the assignment is applied: no expectation for it.
+            replayable = task is not None and task.root == task.id
             if (
                 worker is None
                 or worker.state != WorkerState.CONNECTED
                 or task is None
-                or task.state not in (WAITING, DELAYED)
+                or (task.state not in (WAITING, DELAYED) and not replayable)
             ):
                 expect.reject[i] = STALE
             assignments.append(e.Assignment(task_id, worker_id))
