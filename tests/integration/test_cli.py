@@ -240,7 +240,7 @@ class TestCommands:
             "STATE",
         ]
         row = lines[2].split()
-        assert row[:3] == ["standalone", f"{HOST}:{broker.port}", "standalone"]
+        assert row[:3] == ["standalone", f"http://{HOST}:{broker.port}", "standalone"]
         assert re.fullmatch(r"\d+:\d+|empty", row[3]) and row[4] == "0" and row[7] == "ok"
         assert any(line.startswith("tasks: ") and "waiting=" in line for line in lines)
         assert ok(cli("status")).splitlines()[0] == lines[0]
