@@ -165,11 +165,13 @@ async def submit(api: ApiContext, request: Request) -> tuple[int, bytes]:
         result = results[0]
         if isinstance(result, Rejected):
             raise rejected_error(result)
-        return 201, json_encoder.encode(m.TaskRefBody(result.id, result.state, replayed))
+        return 201, json_encoder.encode(
+            m.TaskRefBody(result.id, m.TaskState(result.state), replayed)
+        )
     out = [
         m.SubmittedTask(error=m.ErrorDetail(error_code(r.code), r.message))
         if isinstance(r, Rejected)
-        else m.SubmittedTask(id=r.id, state=r.state)
+        else m.SubmittedTask(id=r.id, state=m.TaskState(r.state))
         for r in results
     ]
     return 200, json_encoder.encode(m.SubmitBatchResponse(out, replayed))
@@ -304,4 +306,4 @@ async def cancel_task(api: ApiContext, request: Request) -> tuple[int, bytes]:
     if isinstance(result, Rejected):
         raise rejected_error(result)
     assert isinstance(result, TaskRef)
-    return 200, json_encoder.encode(m.TaskRefBody(result.id, result.state))
+    return 200, json_encoder.encode(m.TaskRefBody(result.id, m.TaskState(result.state)))

@@ -313,7 +313,8 @@ async def test_openapi_documents_the_idempotency_key(api: Api) -> None:
     doc = (await api.get("/api/v1/openapi.json")).json()
     post = doc["paths"]["/api/v1/tasks"]["post"]
     assert [p["name"] for p in post["parameters"]] == ["Idempotency-Key"]
-    assert "idempotency_key" in doc["components"]["schemas"]["SubmitBody"]["properties"]
+    for body in ("SubmitOneBody", "SubmitBatchBody"):
+        assert "idempotency_key" in doc["components"]["schemas"][body]["properties"]
     assert "replayed" in doc["components"]["schemas"]["TaskRefBody"]["properties"]
 
 
