@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -28,11 +27,11 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import httpx
-import jsonschema_rs
 import pytest
 
 from clients.dev.zk import ZooKeeperServer
 from tests.support.cluster_procs import ClusterProcesses
+from tests.support.openapi_check import ResponseChecker
 from tests.support.procs import BrokerProcess, authenticated_broker
 from tests.support.worker_procs import wait_until
 
@@ -40,56 +39,6 @@ pytestmark = pytest.mark.timeout(240)
 
 GENERATE_TIMEOUT_S = 120.0
 PACKAGE = "steward_generated_client"
-
-
-class ResponseChecker:
-    """Validates each response an httpx client gets against the OpenAPI document: the
-    operation its method and path name, the schema of its status, required headers."""
-
-    def __init__(self, document: dict[str, Any]) -> None:
-        self.document = document
-        self.checked: list[tuple[str, str, int]] = []
-        self.problems: list[str] = []
-        # Literal paths before templated ones: /api/v1/tasks/recent is not /tasks/{id}.
-        self.paths = sorted(
-            (
-                (re.compile("^" + re.sub(r"\{\w+\}", "[^/]+", p) + "$"), p)
-                for p in document["paths"]
-            ),
-            key=lambda pair: pair[1].count("{"),
-        )
-
-    def _operation(self, method: str, path: str) -> dict[str, Any] | None:
-        for pattern, template in self.paths:
-            if pattern.match(path):
-                found: dict[str, Any] | None = self.document["paths"][template].get(method.lower())
-                return found
-        return None
-
-    def __call__(self, response: httpx.Response) -> None:
-        response.read()
-        request = response.request
-        where = f"{request.method} {request.url.path} -> {response.status_code}"
-        operation = self._operation(request.method, request.url.path)
-        if operation is None:
-            self.problems.append(f"{where}: no such operation in the document")
-            return
-        answer = operation["responses"].get(str(response.status_code))
-        if answer is None:
-            self.problems.append(f"{where}: status not documented")
-            return
-        for name, header in answer.get("headers", {}).items():
-            if header.get("required") and name not in response.headers:
-                self.problems.append(f"{where}: no {name} header")
-        media = answer.get("content", {}).get("application/json")
-        if media is not None:
-            schema = {**media["schema"], "components": self.document["components"]}
-            errors = [
-                str(e) for e in jsonschema_rs.validator_for(schema).iter_errors(response.json())
-            ]
-            if errors:
-                self.problems.append(f"{where}: {errors[:3]}")
-        self.checked.append((request.method, request.url.path, response.status_code))
 
 
 def generate_client(document: dict[str, Any], into: Path) -> ModuleType:
@@ -200,7 +149,7 @@ def test_a_generated_client_submits_reads_lists_and_pages_through_a_follower(
             probe = api.Client(base_url=node.url, timeout=httpx.Timeout(10), httpx_args=hooks)
             assert isinstance(health.sync(client=probe), models.Health)
 
-        assert not checker.problems, checker.problems
+        assert not checker.problems and not checker.unmatched, (checker.problems, checker.unmatched)
         statuses = {status for _, _, status in checker.checked}
         assert {200, 201, 307, 404} <= statuses, checker.checked
 
@@ -219,7 +168,7 @@ def test_a_401_is_as_documented(tmp_path: Path) -> None:
         assert refused.headers["www-authenticate"].startswith("Bearer")
         assert refused.json()["error"]["code"] == "unauthorized"
         checker(secured.http.get("/api/v1/tasks"))
-        assert not checker.problems, checker.problems
+        assert not checker.problems and not checker.unmatched, (checker.problems, checker.unmatched)
         assert [status for _, _, status in checker.checked] == [401, 200]
     ids = [op["operationId"] for path in document["paths"].values() for op in path.values()]
     assert len(ids) == len(set(ids)) and all(ids)
