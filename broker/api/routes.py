@@ -157,7 +157,10 @@ _OPENAPI_PATH: Final = "/api/v1/openapi.json"
 
 ROUTES: Final[tuple[Route, ...]] = (
     Route("GET", "/healthz", PUBLIC, handlers_cluster.health, "Liveness",
-          {200: _json(m.Health), 503: _json(m.Health, "Not serving")},
+          {200: _json(m.Health),
+           # Health when the broker says why; the error body when its connection cap or
+           # a stop answers first (broker/api/edges.py).
+           503: Content(description="Not serving", one_of=(m.Health, m.ErrorBody))},
           operation_id="get_health", tag="broker"),
     Route("GET", _OPENAPI_PATH, PUBLIC, handlers_cluster.openapi, "This OpenAPI document",
           {200: Content(None, "The document", schema={"type": "object"})},

@@ -197,10 +197,10 @@ class _HttpRequests:
 
     def __init__(self) -> None:
         # (method, route, status) -> [bucket counts..., above every bound, total seconds]
-        self.series: dict[tuple[str, str, str], list[float]] = {}
+        self.series: dict[tuple[str, str, int], list[float]] = {}
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
-        key = (method, route, str(status))
+        key = (method, route, status)
         counts = self.series.get(key)
         if counts is None:
             counts = self.series[key] = [0.0] * (len(_HTTP_BUCKETS_S) + 2)
@@ -225,8 +225,10 @@ class _HttpRequests:
             for bound, count in zip((*_HTTP_BUCKETS_S, math.inf), counts, strict=False):
                 cumulative += count
                 buckets.append(("+Inf" if bound == math.inf else repr(bound), cumulative))
-            requests.add_metric(list(key), cumulative)
-            latency.add_metric(list(key), buckets, counts[-1])
+            method, route, status = key
+            values = [method, route, str(status)]
+            requests.add_metric(values, cumulative)
+            latency.add_metric(values, buckets, counts[-1])
         yield requests
         yield latency
 

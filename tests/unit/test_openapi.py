@@ -94,4 +94,5 @@ def test_every_status_the_server_answers_is_documented() -> None:
     submit = DOC["paths"]["/api/v1/tasks"]["post"]["responses"]
     assert {"201", "200", "409", "413", "429"} <= set(submit)
     health = DOC["paths"]["/healthz"]["get"]["responses"]["503"]
-    assert health["content"]["application/json"]["schema"]["$ref"].endswith("/Health")
+    one_of = health["content"]["application/json"]["schema"]["oneOf"]
+    assert [s["$ref"].rsplit("/", 1)[1] for s in one_of] == ["Health", "ErrorBody"]
