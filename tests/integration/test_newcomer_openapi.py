@@ -55,6 +55,7 @@ def generate_client(document: dict[str, Any], into: Path) -> ModuleType:
     assert done.returncode == 0, done.stdout + done.stderr
     # The generator warns about every part of the document it could not turn into code.
     assert "warning" not in (done.stdout + done.stderr).lower(), done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
     sys.path.insert(0, str(into))
     return importlib.import_module(PACKAGE)
 
