@@ -23,11 +23,12 @@ Where things are counted, and why:
   leadership terms by the cluster broker; snapshot durations and sizes where the
   snapshot is written (the node's snapshots), on every broker.
 
-Conventions (checked by ``promtool check metrics`` in tests/integration/
-test_newcomer_openapi.py): counters end in ``_total``, no ``_created`` series, the standard
-``process_*`` and ``python_*`` collectors, ``steward_build_info``, and every label takes a
-bounded set of values: a task type no worker declared and no built-in task has is counted
-as ``other`` (callers choose types freely), an unmatched path as route ``other``.
+Conventions (``promtool check metrics`` checks them in
+tests/integration/test_newcomer_openapi.py): counters end in ``_total``, no ``_created``
+series, the standard ``process_*`` and ``python_*`` collectors, ``steward_build_info``, and
+every label takes a bounded set of values: a task type no worker declared and no built-in
+task has is counted as ``other`` (callers choose types freely), an unmatched path as route
+``other``.
 
 The hot path costs a dict update per counted task and a bisect and two additions per
 appended entry: those series are plain Python (:class:`_TaskCounter`,
