@@ -360,6 +360,14 @@ async def test_bad_tree_fields_are_400(api: Api, fields: dict[str, Any], fragmen
     assert fragment in error_of(response, 400, "invalid_request")
 
 
+async def test_wait_tree_is_a_boolean_not_a_bare_flag(api: Api) -> None:
+    """The document says boolean: an empty value is refused, not read as true."""
+    root = (await submit(api, track_tree=True))["id"]
+    for value in ("", "yes"):
+        response = await api.get(f"{TASKS}/{root}", params={"wait_tree": value})
+        assert "wait_tree must be true or false" in error_of(response, 400, "invalid_request")
+
+
 async def test_wait_tree_answers_when_the_tree_ends(api: Api) -> None:
     root = (await submit(api, track_tree=True))["id"]
     url = f"{TASKS}/{root}"
