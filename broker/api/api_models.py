@@ -9,6 +9,9 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
+# The one task-state enum of the API (a named schema, TaskState, in the OpenAPI document).
+from broker.core.transitions import TaskState as TaskState
+
 # Integers that travel in log entries must fit msgpack (and most clients' JSON): int64.
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 # For the schema; the API checks keys again (Python's `$` lets a final newline through).
@@ -22,6 +25,9 @@ NonNegativeInt64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 MAX_TRANSACTION_TTL_S = 24 * 3600.0
 MAX_RETENTION_S = 10 * 365 * 86400.0
 RetentionS = Annotated[float, msgspec.Meta(ge=1, le=MAX_RETENTION_S)]
+# A time the server writes: RFC 3339 in UTC with milliseconds (common.iso_ms). Sent as the
+# string it is (no datetime round trip on the hot path); the schema says what it holds.
+DateTime = Annotated[str, msgspec.Meta(extra_json_schema={"format": "date-time"})]
 
 
 class ErrorDetail(msgspec.Struct, omit_defaults=True):
@@ -78,9 +84,26 @@ class SubmitBody(_TaskOptions, kw_only=True):
     idempotency_key: IdempotencyKey | None = None
 
 
+class SubmitOneBody(TaskSubmission, kw_only=True):
+    """POST /api/v1/tasks with one task: its fields (``type`` required). For the OpenAPI
+    document only; the server decodes SubmitBody, which takes either form."""
+
+    idempotency_key: IdempotencyKey | None = None
+
+
+class SubmitBatchBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """POST /api/v1/tasks with a batch: ``tasks`` (each answered in SubmitBatchResponse,
+    in order). For the OpenAPI document only, like SubmitOneBody."""
+
+    tasks: Annotated[list[TaskSubmission], msgspec.Meta(min_length=1)]
+    idempotency_key: IdempotencyKey | None = None
+
+
 class SubmittedTask(msgspec.Struct, omit_defaults=True):
+    """A batch member's outcome: ``id`` and ``state`` when accepted, else ``error``."""
+
     id: int | None = None
-    state: str | None = None
+    state: TaskState | None = None
     error: ErrorDetail | None = None
 
 
@@ -91,7 +114,7 @@ class SubmitBatchResponse(msgspec.Struct, omit_defaults=True):
 
 class TaskRefBody(msgspec.Struct, omit_defaults=True):
     id: int
-    state: str
+    state: TaskState
     replayed: bool = False  # True: the answer of an earlier submission with this key
 
 
@@ -110,12 +133,12 @@ class TaskView(msgspec.Struct):
     id: int
     type: str
     tenant: str
-    state: str
+    state: TaskState
     params: msgspec.Raw
     attempt: int
     max_attempts: int
-    created_at: str
-    updated_at: str
+    created_at: DateTime
+    updated_at: DateTime
     slot: str | None = None
     transaction: int | None = None
     code: str | None = None
@@ -123,9 +146,9 @@ class TaskView(msgspec.Struct):
     worker: str | None = None
     result: msgspec.Raw | None = None
     error: str | None = None
-    deadline: str | None = None
-    start_after: str | None = None
-    finished_at: str | None = None
+    deadline: DateTime | None = None
+    start_after: DateTime | None = None
+    finished_at: DateTime | None = None
     tree: TreeView | None = None  # only for a tracked root
     root: int | None = None  # the tracked root whose tree this task belongs to
     parent: int | None = None  # the task whose finish spawned this one
@@ -145,7 +168,7 @@ class TransactionBegin(msgspec.Struct, forbid_unknown_fields=True):
 class TransactionView(msgspec.Struct):
     id: int
     tenant: str
-    expires_at: str
+    expires_at: DateTime
 
 
 class TransactionOutcome(msgspec.Struct):
@@ -174,7 +197,7 @@ class ArtifactView(msgspec.Struct):
     sha256: str
     name: str
     size_bytes: int
-    created_at: str
+    created_at: DateTime
     # False until min_replication brokers hold it (or max_replication_wait passed):
     # tasks using it wait meanwhile.
     ready: bool = True
@@ -314,8 +337,8 @@ class WorkerView(msgspec.Struct):
     tenants: list[str]  # tenants served (empty: all)
     running_tasks: int
     running: list[int]  # the lowest ids of the running tasks, at most 50
-    connected_at: str
-    updated_at: str
+    connected_at: DateTime
+    updated_at: DateTime
     reason: str | None = None  # why it is dead
 
 
@@ -367,7 +390,7 @@ class TokenView(msgspec.Struct, kw_only=True):
     name: str
     role: str
     tenant: str | None
-    created_at: str
+    created_at: DateTime
     tenants: list[str] = []  # a worker credential's tenants (empty: every tenant)
 
 

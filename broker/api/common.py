@@ -406,7 +406,8 @@ def bool_param(query: dict[str, str], name: str) -> bool:
     raw = query.get(name)
     if raw is None or raw in ("false", "0"):
         return False
-    if raw in ("true", "1", ""):
+    # Not "": the document says boolean, and a bare ?name is no boolean (issue 17).
+    if raw in ("true", "1"):
         return True
     raise HttpError(400, "invalid_request", f"{name} must be true or false")
 

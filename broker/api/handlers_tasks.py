@@ -45,6 +45,8 @@ from broker.security.auth import Role as CallerRole
 logger = logging.getLogger(__name__)
 
 _submit_decoder: Final = msgspec.json.Decoder(m.SubmitBody)
+# A record's state (a str) as the API's enum: a dict lookup (TaskState(value) costs ~1 us).
+_STATE: Final = {state.value: state for state in m.TaskState}
 
 
 def _spec_fields(
@@ -175,11 +177,11 @@ async def submit(api: ApiContext, request: Request) -> tuple[int, bytes]:
         result = results[0]
         if isinstance(result, Rejected):
             raise rejected_error(result)
-        return 201, json_encoder.encode(m.TaskRefBody(result.id, result.state, replayed))
+        return 201, json_encoder.encode(m.TaskRefBody(result.id, _STATE[result.state], replayed))
     out = [
         m.SubmittedTask(error=m.ErrorDetail(error_code(r.code), r.message))
         if isinstance(r, Rejected)
-        else m.SubmittedTask(id=r.id, state=r.state)
+        else m.SubmittedTask(id=r.id, state=_STATE[r.state])
         for r in results
     ]
     return 200, json_encoder.encode(m.SubmitBatchResponse(out, replayed))
@@ -314,4 +316,4 @@ async def cancel_task(api: ApiContext, request: Request) -> tuple[int, bytes]:
     if isinstance(result, Rejected):
         raise rejected_error(result)
     assert isinstance(result, TaskRef)
-    return 200, json_encoder.encode(m.TaskRefBody(result.id, result.state))
+    return 200, json_encoder.encode(m.TaskRefBody(result.id, _STATE[result.state]))

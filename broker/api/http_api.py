@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import Sequence
 from typing import Final
 
@@ -46,6 +47,7 @@ from broker.api.openapi import openapi_document
 from broker.api.output_store import OutputStore
 from broker.api.routes import ROUTES, Route
 from broker.artifacts.code_store import CodeStore
+from broker.observability.metrics import OTHER, BrokerMetrics
 from broker.replication.node import BrokerUnavailableError, Node, Role
 from broker.security.auth import ANONYMOUS_ADMIN, AuthError, Principal, bearer_token, hash_token
 from broker.security.auth import Role as CallerRole
@@ -91,6 +93,8 @@ def compile_routes(routes: Sequence[Route]) -> list[PathRoutes]:
 
 
 _NO_GROUPS: Final[tuple[str, ...]] = ()
+# The matched route's template in a request's scope (``other``: no route matched).
+_ROUTE_KEY: Final = "steward.route"
 
 
 def exact_routes(groups: Sequence[PathRoutes]) -> dict[str, PathRoutes]:
@@ -144,6 +148,7 @@ class ApiApp:
                 await self._lifespan(receive, send)
             return
         extra_headers: tuple[tuple[bytes, bytes], ...] = ()
+        started = time.perf_counter()
         try:
             status, body = await self._dispatch(scope, receive)
         except HttpError as exc:
@@ -159,6 +164,7 @@ class ApiApp:
         if isinstance(body, Binary):
             if isinstance(body, Stream):
                 await send_stream(status, body, receive, send)
+                self._observe(scope, status, started)
                 return
             content_type = body.content_type
             if body.headers:
@@ -168,6 +174,14 @@ class ApiApp:
             headers.extend(extra_headers)
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+        self._observe(scope, status, started)
+
+    def _observe(self, scope: Scope, status: int, started: float) -> None:
+        """Count the request by its route template (bounded: not the raw path)."""
+        metrics = self.node.metrics
+        if isinstance(metrics, BrokerMetrics):
+            route = scope.get(_ROUTE_KEY, OTHER)
+            metrics.observe_request(scope["method"], route, status, time.perf_counter() - started)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -193,6 +207,7 @@ class ApiApp:
         path: str = scope["path"]
         method: str = scope["method"]
         group, params = self._route(path)
+        scope[_ROUTE_KEY] = group.path  # for the request metrics (an ASGI scope extension)
         route = group.handlers.get(method)
         if route is None:
             allowed = ", ".join(sorted(group.handlers))

@@ -4,7 +4,9 @@ models of broker/api/api_models.py."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
+
+import msgspec
 
 from broker.api import api_models as m
 from broker.api.common import ApiConfig
@@ -21,15 +23,119 @@ _DESCRIPTION = (
 )
 
 
+# Error statuses any operation may answer (docs/API.md, Errors): a malformed request, no
+# such object, the connection's header or body deadline, headers over 64 KiB, a bug, and a
+# broker that cannot serve (no leader known, over its connection cap, stopping).
+_EVERY_ROUTE_ERRORS: Final = {
+    400: "Invalid request (the error's message says what to change)",
+    404: "No such object",
+    408: "The request's headers or body came too slowly",
+    431: "Request line and headers over 64 KiB",
+    500: "Internal error (see the broker's log)",
+    503: "Not serving now (no leader known, too many connections, stopping): retry later",
+}
+_ERROR_TEXT: Final = {
+    409: "Conflict (a busy slot, a reused idempotency key, a final task or transaction)",
+    413: "Request body over the broker's limit",
+    429: "The tenant's queue is full (max_waiting): retry later",
+}
+
+
 def _models(routes: Sequence[Route]) -> list[type]:
     """Every model the routes name, in table order, once; the error body first."""
     found: dict[type, None] = {m.ErrorBody: None}
     for route in routes:
         contents = [route.body, *route.responses.values()]
         for content in contents:
-            if content is not None and content.model is not None:
-                found.setdefault(content.model, None)
+            if content is None:
+                continue
+            for model in content.one_of or (content.model,):
+                if model is not None:
+                    found.setdefault(model, None)
     return list(found)
+
+
+_Structs = dict[type[msgspec.Struct], msgspec.inspect.StructType]
+
+
+def _structs(info: msgspec.inspect.Type, found: _Structs) -> None:
+    """Every Struct type ``info`` holds, at any depth, into ``found``."""
+    if isinstance(info, msgspec.inspect.StructType):
+        if info.cls in found:
+            return
+        found[info.cls] = info
+        for field in info.fields:
+            _structs(field.type, found)
+    elif isinstance(info, msgspec.inspect.Metadata):
+        _structs(info.type, found)
+    elif isinstance(info, msgspec.inspect.UnionType):
+        for member in info.types:
+            _structs(member, found)
+    elif isinstance(info, msgspec.inspect.DictType):
+        _structs(info.value_type, found)
+    elif isinstance(
+        info, msgspec.inspect.ListType | msgspec.inspect.SetType | msgspec.inspect.VarTupleType
+    ):
+        _structs(info.item_type, found)
+
+
+def _mark_always_present(routes: Sequence[Route], components: dict[str, Any]) -> None:
+    """In a response, a field with a default is still always sent unless its struct omits
+    defaults: mark those required, so a generated client types them as present (msgspec's
+    schema marks only fields without a default, which is right for request bodies)."""
+    found: _Structs = {}
+    for route in routes:
+        for content in route.responses.values():
+            if content.model is not None:
+                _structs(msgspec.inspect.type_info(content.model), found)
+    for cls, info in found.items():
+        schema = components.get(cls.__name__)
+        if schema is None or cls.__struct_config__.omit_defaults:
+            continue
+        schema["required"] = [field.encode_name for field in info.fields]
+
+
+def _error(description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
+    answer: dict[str, Any] = {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": _ERROR_REF}}},
+    }
+    if headers:
+        answer["headers"] = headers
+    return answer
+
+
+_ERROR_REF: Final = "#/components/schemas/ErrorBody"
+_NOT_LEADER: Final = _error(
+    "This broker is a follower: the same request goes to the leader, whose URL for it is"
+    " in Location (and the error's leader_url); clients follow it with the same method and"
+    " body (docs/DESIGN.md §4)",
+    {"Location": {"description": "This request's URL on the leader", "required": True,
+                  "schema": {"type": "string", "format": "uri"}}},
+)  # fmt: skip
+_UNAUTHORIZED: Final = _error(
+    "No valid API token (send Authorization: Bearer <token>)",
+    {"WWW-Authenticate": {"description": 'Bearer realm="steward"', "required": True,
+                          "schema": {"type": "string"}}},
+)  # fmt: skip
+
+
+def _errors(route: Route) -> dict[str, Any]:
+    """Every error status ``route`` may answer, each with the error body's schema."""
+    answers: dict[int, dict[str, Any]] = {}
+    if not route.permission.public:
+        answers[401] = _UNAUTHORIZED
+        answers[403] = _error("The token's role may not do this")
+        if route.method != "GET":
+            # Only writes are redirected: a follower serves reads itself.
+            answers[307] = _NOT_LEADER
+    if route.method in ("POST", "PUT"):
+        answers[413] = _error(_ERROR_TEXT[413])
+    for code in route.errors:
+        answers[code] = _error(_ERROR_TEXT[code])
+    for code, text in _EVERY_ROUTE_ERRORS.items():
+        answers[code] = _error(text)
+    return {str(code): answers[code] for code in sorted(answers)}
 
 
 def openapi_document(
@@ -40,8 +146,11 @@ def openapi_document(
     models = _models(routes)
     refs, components = m.schema_components(models)
     ref = dict(zip(models, refs, strict=True))
+    _mark_always_present(routes, components)
 
     def content(body: Content) -> dict[str, Any]:
+        if body.one_of:
+            return {"application/json": {"schema": {"oneOf": [ref[x] for x in body.one_of]}}}
         if body.model is not None:
             return {"application/json": {"schema": ref[body.model]}}
         schema = body.schema or {"type": "string"}
@@ -61,11 +170,16 @@ def openapi_document(
         required = param.required or param.where == "path"
         return {"name": param.name, "in": param.where, "required": required, "schema": schema}
 
-    error = response(Content(m.ErrorBody, "Error"))
-    retry = response(Content(m.ErrorBody, "Retry later"))
     paths: dict[str, dict[str, Any]] = {}
+    tags: dict[str, None] = {}
     for route in routes:
-        operation: dict[str, Any] = {"summary": route.summary}
+        assert route.operation_id and route.tag, f"{route.method} {route.path}: name it"
+        tags.setdefault(route.tag, None)
+        operation: dict[str, Any] = {
+            "operationId": route.operation_id,
+            "tags": [route.tag],
+            "summary": route.summary,
+        }
         if route.description:
             operation["description"] = route.description
         if route.params:
@@ -75,18 +189,16 @@ def openapi_document(
                 "required": route.body_required,
                 "content": content(route.body),
             }
-        responses = {str(code): response(body) for code, body in route.responses.items()}
+        responses = _errors(route)
+        responses.update((str(code), response(body)) for code, body in route.responses.items())
         if route.permission.public:
             operation["security"] = []
-        else:
-            # With authentication on, any other operation may answer 401 or 403.
-            responses.setdefault("4XX", error)
-            responses.setdefault("503", retry)
-        operation["responses"] = responses
+        operation["responses"] = dict(sorted(responses.items()))
         paths.setdefault(route.path, {})[route.method.lower()] = operation
     return {
         "openapi": "3.1.0",
         "info": {"title": "Steward", "version": VERSION, "description": _DESCRIPTION},
+        "tags": [{"name": tag} for tag in tags],
         "paths": paths,
         "components": {
             "schemas": components,

@@ -25,7 +25,7 @@ from broker.api import (
     handlers_tokens,
     handlers_transactions,
 )
-from broker.api.common import ARTIFACT_NAME_PATTERN, TASK_STATES, ApiConfig, Request
+from broker.api.common import ARTIFACT_NAME_PATTERN, ApiConfig, Request
 from broker.api.context import ApiContext
 from broker.api.output_store import TaskLogs
 from broker.security.auth import Role as CallerRole
@@ -82,6 +82,8 @@ class Content:
     media: tuple[str, ...] = ("application/json",)
     headers: tuple[tuple[str, str, str], ...] = ()  # (name, description, value pattern)
     schema: dict[str, Any] | None = None  # raw bytes': default {"type": "string"}
+    # A JSON body of one of these models (documented as oneOf; decoded as ``model``).
+    one_of: tuple[type, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,12 @@ class Route:
     handler: Handler
     summary: str
     responses: dict[int | str, Content]
+    # The OpenAPI operationId (a generated client's function name) and tag (its module):
+    # unique and set on every route (tests/unit/test_openapi.py checks).
+    operation_id: str = ""
+    tag: str = ""
+    # Error statuses this route answers besides those every route may (broker/api/openapi.py).
+    errors: tuple[int, ...] = ()
     params: tuple[Param, ...] = ()
     body: Content | None = None
     body_required: bool = True
@@ -131,7 +139,8 @@ _TOKEN_ID = Param(
 _ASSET = Param("name", "path", {"type": "string"}, "[A-Za-z0-9_.-]{1,64}")
 # The filters GET /api/v1/tasks and GET /api/v1/tasks/recent share.
 _TASK_FILTERS = (
-    _query("state", {"type": "string", "enum": sorted(TASK_STATES)}),
+    # The TaskState schema (broker/api/openapi.py resolves the reference).
+    _query("state", {"$ref": "#/components/schemas/TaskState"}),
     _query("tenant", {"type": "string"}),
     _query("type", {"type": "string"}),
     _query(
@@ -148,15 +157,21 @@ _OPENAPI_PATH: Final = "/api/v1/openapi.json"
 
 ROUTES: Final[tuple[Route, ...]] = (
     Route("GET", "/healthz", PUBLIC, handlers_cluster.health, "Liveness",
-          {200: _json(m.Health), 503: _json(m.Health, "Not serving")}),
+          {200: _json(m.Health),
+           # Health when the broker says why; the error body when its connection cap or
+           # a stop answers first (broker/api/edges.py).
+           503: Content(description="Not serving", one_of=(m.Health, m.ErrorBody))},
+          operation_id="get_health", tag="broker"),
     Route("GET", _OPENAPI_PATH, PUBLIC, handlers_cluster.openapi, "This OpenAPI document",
-          {200: Content(None, "The document", schema={"type": "object"})}),
+          {200: Content(None, "The document", schema={"type": "object"})},
+          operation_id="get_openapi_document", tag="broker"),
     # --- tasks -------------------------------------------------------------------------
     Route("POST", "/api/v1/tasks", TENANT_WRITE, handlers_tasks.submit,
           "Submit one task or a batch ({'tasks': [...]})",
           {200: _json(m.SubmitBatchResponse, "Batch results"),
            201: _json(m.TaskRefBody, "Single task accepted")},
-          params=(_IDEMPOTENCY_KEY,), body=Content(m.SubmitBody),
+          params=(_IDEMPOTENCY_KEY,),
+          body=Content(m.SubmitBody, one_of=(m.SubmitOneBody, m.SubmitBatchBody)),
           description=(
               "Send an idempotency key (the Idempotency-Key header or the "
               "idempotency_key field, 1-128 printable ASCII characters) to retry "
@@ -166,10 +181,12 @@ ROUTES: Final[tuple[Route, ...]] = (
               "reused for a different number of tasks is refused (409). Keys, like "
               "slot names, are the tenant's own: another tenant's equal key is "
               "another key."
-          )),
+          ),
+          operation_id="submit_task", tag="tasks", errors=(409, 413, 429)),
     Route("GET", "/api/v1/tasks", TENANT, handlers_tasks.list_tasks,
           "List tasks (ascending id, paginate with after)", {200: _json(m.TaskList)},
-          params=(*_TASK_FILTERS, _query("after", _ids(0)))),
+          params=(*_TASK_FILTERS, _query("after", _ids(0))),
+          operation_id="list_tasks", tag="tasks"),
     Route("GET", "/api/v1/tasks/{id}", TENANT, handlers_tasks.get_task,
           "One task (with its tree's status when it roots a tracked tree)",
           {200: _json(m.TaskView)},
@@ -178,9 +195,11 @@ ROUTES: Final[tuple[Route, ...]] = (
               _query("wait_s", lambda config: {
                   "type": "number", "minimum": 0, "maximum": config.max_wait_s}),
               _query("wait_tree", {"type": "boolean"}),
-          )),
+          ),
+          operation_id="get_task", tag="tasks"),
     Route("POST", "/api/v1/tasks/{id}/cancel", TENANT, handlers_tasks.cancel_task,
-          "Cancel a live task", {200: _json(m.TaskRefBody)}, params=(_ID,)),
+          "Cancel a live task", {200: _json(m.TaskRefBody)}, params=(_ID,),
+          operation_id="cancel_task", tag="tasks", errors=(409,)),
     Route("GET", "/api/v1/tasks/{id}/logs", TENANT, handlers_tasks.task_logs,
           "An attempt's captured stdout, stderr and ctx.logger output", {200: _json(TaskLogs)},
           params=(_ID, _query("attempt", _ids(1)), _query("offset", _ids(0))),
@@ -190,10 +209,12 @@ ROUTES: Final[tuple[Route, ...]] = (
               "GET /api/v1/tasks/{id}. Pass next_offset back as offset to get only "
               "newer output; complete: the attempt writes no more. Kept by the "
               "leader (a follower asks it)."
-          )),
+          ),
+          operation_id="get_task_logs", tag="tasks"),
     Route("GET", "/api/v1/tasks/recent", TENANT, handlers_tasks.recent_tasks,
           "Search tasks, newest first (paginate with before)", {200: _json(m.RecentTaskList)},
-          params=(*_TASK_FILTERS, _query("before", _ids(1)))),
+          params=(*_TASK_FILTERS, _query("before", _ids(1))),
+          operation_id="search_recent_tasks", tag="tasks"),
     Route("GET", "/api/v1/events", TENANT, handlers_events.task_events,
           "Server-sent events: each named task once it is final (text/event-stream)",
           {200: Content(None, "The event stream (docs/API.md, Task events)",
@@ -215,28 +236,35 @@ ROUTES: Final[tuple[Route, ...]] = (
               "already final when the stream opened. A ': keep-alive' comment every "
               "15 s; the stream ends once every task was reported, or after wait_s "
               "(default 60). Served by followers too."
-          )),
+          ),
+          operation_id="stream_task_events", tag="tasks"),
     # --- transactions ------------------------------------------------------------------
     Route("POST", "/api/v1/transactions", TENANT_WRITE,
           handlers_transactions.begin_transaction, "Begin a transaction",
-          {201: _json(m.TransactionView)}, body=Content(m.TransactionBegin), body_required=False),
+          {201: _json(m.TransactionView)}, body=Content(m.TransactionBegin), body_required=False,
+          operation_id="begin_transaction", tag="transactions", errors=(409,)),
     Route("POST", "/api/v1/transactions/{id}/commit", TENANT,
           handlers_transactions.commit_transaction,
           "Commit: all its tasks become waiting at once", {200: _json(m.TransactionOutcome)},
-          params=(_ID,)),
+          params=(_ID,),
+          operation_id="commit_transaction", tag="transactions", errors=(409, 429)),
     Route("POST", "/api/v1/transactions/{id}/rollback", TENANT,
           handlers_transactions.rollback_transaction,
           "Roll back: its tasks are dropped", {200: _json(m.TransactionOutcome)},
-          params=(_ID,)),
+          params=(_ID,),
+          operation_id="rollback_transaction", tag="transactions", errors=(409,)),
     # --- tenants -----------------------------------------------------------------------
     Route("GET", "/api/v1/tenants", TENANT, handlers_tenants.list_tenants,
-          "Every tenant's service level and task counts", {200: _json(m.TenantList)}),
+          "Every tenant's service level and task counts", {200: _json(m.TenantList)},
+          operation_id="list_tenants", tag="tenants"),
     Route("GET", "/api/v1/tenants/{name}", TENANT, handlers_tenants.get_tenant,
           "A tenant's service level and task counts", {200: _json(m.TenantView)},
-          params=(_TENANT_NAME,)),
+          params=(_TENANT_NAME,),
+          operation_id="get_tenant", tag="tenants"),
     Route("PUT", "/api/v1/tenants/{name}", ADMIN, handlers_tenants.put_tenant,
           "Change a tenant's service level (effective at once)", {200: _json(m.TenantView)},
-          params=(_TENANT_NAME,), body=Content(m.TenantLimits)),
+          params=(_TENANT_NAME,), body=Content(m.TenantLimits),
+          operation_id="update_tenant", tag="tenants", errors=(409,)),
     # --- code artifacts ----------------------------------------------------------------
     Route("POST", "/api/v1/code", TENANT, handlers_code.upload_code,
           "Upload a code artifact (.py, .zip or wheel; the raw bytes as body)",
@@ -249,41 +277,51 @@ ROUTES: Final[tuple[Route, ...]] = (
               " compile (nothing runs); a zip is inflated in chunks and counted. 413"
               " past a bound (.py size, zip entries, inflated size, compression ratio),"
               " 400 invalid_artifact otherwise."
-          )),
+          ),
+          operation_id="upload_code", tag="code", errors=(413,)),
     Route("GET", "/api/v1/code", CODE_READER, handlers_code.list_code,
-          "Every code artifact", {200: _json(m.ArtifactList)}),
+          "Every code artifact", {200: _json(m.ArtifactList)},
+          operation_id="list_code", tag="code"),
     Route("GET", "/api/v1/code/{sha256}", CODE_READER, handlers_code.download_code,
           "Download a code artifact by its sha256", {200: _raw("The artifact's bytes")},
-          params=(_SHA256,)),
+          params=(_SHA256,),
+          operation_id="download_code", tag="code"),
     # --- cluster and this broker -------------------------------------------------------
     Route("GET", "/api/v1/cluster", WORKER, handlers_cluster.cluster, "Cluster summary",
-          {200: _json(m.ClusterSummary)}),
+          {200: _json(m.ClusterSummary)},
+          operation_id="get_cluster", tag="cluster"),
     Route("GET", "/api/v1/config", ADMIN, handlers_cluster.get_config,
-          "Replicated cluster settings", {200: _json(m.ClusterConfigView)}),
+          "Replicated cluster settings", {200: _json(m.ClusterConfigView)},
+          operation_id="get_config", tag="cluster"),
     Route("PUT", "/api/v1/config", ADMIN, handlers_cluster.put_config,
           "Change global resource limits or the finished-task retention",
-          {200: _json(m.ClusterConfigView)}, body=Content(m.ClusterConfigPatch)),
+          {200: _json(m.ClusterConfigView)}, body=Content(m.ClusterConfigPatch),
+          operation_id="update_config", tag="cluster"),
     Route("GET", "/api/v1/state/digest", PEER, handlers_cluster.digest,
-          "Digest of the replicated state at the applied position", {200: _json(m.DigestBody)}),
+          "Digest of the replicated state at the applied position", {200: _json(m.DigestBody)},
+          operation_id="get_state_digest", tag="cluster"),
     Route("GET", "/metrics", PEER, handlers_cluster.metrics,
           "Prometheus metrics of this broker (text exposition format 0.0.4)",
-          {200: _raw("Metric families (see docs/API.md, Metrics)", "text/plain")}),
+          {200: _raw("Metric families (see docs/API.md, Metrics)", "text/plain")},
+          operation_id="get_metrics", tag="broker"),
     # GET only: a body is never read, and the answer may be tens of MB (one response).
     Route("GET", LATEST_SNAPSHOT_PATH, PEER, handlers_cluster.latest_snapshot,
           "This broker's newest snapshot file (for a peer that has none)",
           {200: Content(None, "The snapshot file's bytes, verified by the reader",
                         ("application/octet-stream",),
                         ((POSITION_HEADER, "Log position it reflects: ledger_id:entry_id",
-                          r"^\d+:\d+$"),))}),
+                          r"^\d+:\d+$"),))},
+          operation_id="get_latest_snapshot", tag="cluster"),
     # --- the web dashboard: its page and files (public: they hold no data; the page reads
     # the API with the user's token) and read-only views for it ------------------------
     Route("GET", "/", PUBLIC, handlers_dashboard.dashboard_page,
-          "The web dashboard (an HTML page)", {200: _raw("The page", "text/html")}),
+          "The web dashboard (an HTML page)", {200: _raw("The page", "text/html")},
+          operation_id="get_dashboard_page", tag="dashboard"),
     Route("GET", "/dashboard/{name}", PUBLIC, handlers_dashboard.dashboard_asset,
           "The dashboard's script, style sheet and icon",
-          {200: _raw("The file", "text/javascript", "text/css", "image/svg+xml"),
-           "4XX": _json(m.ErrorBody, "Error"), 503: _json(m.ErrorBody, "Retry later")},
-          params=(_ASSET,)),
+          {200: _raw("The file", "text/javascript", "text/css", "image/svg+xml")},
+          params=(_ASSET,),
+          operation_id="get_dashboard_asset", tag="dashboard"),
     Route("GET", "/api/v1/cluster/brokers", ADMIN, handlers_dashboard.broker_statuses,
           "Every live broker's own role and log position, and its lag",
           {200: _json(m.BrokerStatusList)},
@@ -293,23 +331,30 @@ ROUTES: Final[tuple[Route, ...]] = (
               "the leader's position when both are in the same ledger (an idle "
               "leader's last entry is a Confirm marker that followers apply only "
               "with the next entry, so 1 means in sync)."
-          )),
+          ),
+          operation_id="list_brokers", tag="cluster"),
     Route("GET", "/api/v1/workers", ADMIN, handlers_dashboard.list_workers,
           "Every worker with its capacities and the tasks running on it",
-          {200: _json(m.WorkerList)}),
+          {200: _json(m.WorkerList)},
+          operation_id="list_workers", tag="workers"),
     Route("GET", "/api/v1/stats/throughput", ADMIN, handlers_dashboard.throughput_stats,
           "Tasks submitted, finished, failed, cancelled per recent time bucket",
-          {200: _json(m.ThroughputView)}),
+          {200: _json(m.ThroughputView)},
+          operation_id="get_throughput", tag="stats"),
     # --- API tokens (admin) and the caller -----------------------------------------------
     Route("POST", "/api/v1/tokens", ADMIN, handlers_tokens.create_token,
           "Issue an API token (admin); the secret is in this answer only",
-          {201: _json(m.TokenCreated)}, body=Content(m.TokenCreate)),
+          {201: _json(m.TokenCreated)}, body=Content(m.TokenCreate),
+          operation_id="create_token", tag="tokens"),
     Route("GET", "/api/v1/tokens", ADMIN, handlers_tokens.list_tokens,
-          "Every API token, without secrets (admin)", {200: _json(m.TokenList)}),
+          "Every API token, without secrets (admin)", {200: _json(m.TokenList)},
+          operation_id="list_tokens", tag="tokens"),
     Route("DELETE", "/api/v1/tokens/{token_id}", ADMIN, handlers_tokens.revoke_token,
-          "Revoke an API token (admin)", {200: _json(m.TokenView)}, params=(_TOKEN_ID,)),
+          "Revoke an API token (admin)", {200: _json(m.TokenView)}, params=(_TOKEN_ID,),
+          operation_id="revoke_token", tag="tokens"),
     Route("GET", "/api/v1/whoami", ANY, handlers_tokens.whoami,
-          "The caller's role and tenant", {200: _json(m.WhoAmI)}),
+          "The caller's role and tenant", {200: _json(m.WhoAmI)},
+          operation_id="whoami", tag="tokens"),
 )  # fmt: skip
 
 PUBLIC_PATHS: Final = frozenset(r.path for r in ROUTES if r.permission.public)

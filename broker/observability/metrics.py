@@ -23,6 +23,13 @@ Where things are counted, and why:
   leadership terms by the cluster broker; snapshot durations and sizes where the
   snapshot is written (the node's snapshots), on every broker.
 
+Conventions (``promtool check metrics`` checks them in
+tests/integration/test_newcomer_openapi.py): counters end in ``_total``, no ``_created``
+series, the standard ``process_*`` and ``python_*`` collectors, ``steward_build_info``, and
+every label takes a bounded set of values: a task type no worker declared and no built-in
+task has is counted as ``other`` (callers choose types freely), an unmatched path as route
+``other``.
+
 The hot path costs a dict update per counted task and a bisect and two additions per
 appended entry: those series are plain Python (:class:`_TaskCounter`,
 :class:`_FastHistogram`) turned into metric families at scrape time, because
@@ -33,10 +40,20 @@ from __future__ import annotations
 
 import bisect
 import math
+import platform
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -55,12 +72,28 @@ from broker.core.state import (
     TaskState,
     WorkerState,
 )
+from broker.replication.node import VERSION
 
 if TYPE_CHECKING:
     from broker.core.state import StateMachine
 
 #: The exposition format ``/metrics`` serves (Prometheus text format 0.0.4).
 CONTENT_TYPE: Final = b"text/plain; version=0.0.4; charset=utf-8"
+
+# A counter's ``_created`` series doubles every counter's series for a timestamp nobody
+# graphs; prometheus-client has only this process-wide switch (the broker process is ours).
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+#: The task types built into every worker (clients/worker/task_api.py's BUILTIN_TASKS; a
+#: unit test keeps the two equal): always their own ``type`` label value.
+BUILTIN_TASK_TYPES: Final = frozenset({"noop", "sleep", "fail", "spark.sql"})
+#: The ``type`` label of a task whose type is neither built in nor declared by a worker.
+OTHER: Final = "other"
+# Types declared by workers get their own label up to this many; the rest are "other".
+_MAX_TYPE_LABELS: Final = 200
+# HTTP request latency: a submission takes ~1 ms; long polls and event streams up to minutes.
+_HTTP_BUCKETS_S: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                          5.0, 10.0, 30.0, 60.0)  # fmt: skip
 
 # Appends are fsync'd (file ledgers) or acknowledged by Pulsar: ~100 us to seconds.
 _LATENCY_BUCKETS_S: Final = (
@@ -136,12 +169,83 @@ class _FastHistogram:
         return family
 
 
+class _TypeLabels:
+    """The ``type`` label of a task type: bounded, so a caller cannot add series at will."""
+
+    __slots__ = ("known",)
+
+    def __init__(self) -> None:
+        self.known: set[str] = set(BUILTIN_TASK_TYPES)
+
+    def label(self, task_type: str, state: StateMachine) -> str:
+        if task_type in self.known:
+            return task_type
+        # Declared by a registered worker (operators run those): a type of its own. Only
+        # unknown types pay this scan, over the few workers.
+        if len(self.known) < _MAX_TYPE_LABELS and any(
+            task_type in worker.task_types for worker in state.workers.values()
+        ):
+            self.known.add(task_type)
+            return task_type
+        return OTHER
+
+
+class _HttpRequests:
+    """HTTP requests by method, route template and status, with their latency: a dict
+    update and a bisect per request, turned into a counter and a histogram at scrape time."""
+
+    __slots__ = ("series",)
+
+    def __init__(self) -> None:
+        # (method, route, status) -> [bucket counts..., above every bound, total seconds]
+        self.series: dict[tuple[str, str, int], list[float]] = {}
+
+    def observe(self, method: str, route: str, status: int, seconds: float) -> None:
+        key = (method, route, status)
+        counts = self.series.get(key)
+        if counts is None:
+            counts = self.series[key] = [0.0] * (len(_HTTP_BUCKETS_S) + 2)
+        counts[bisect.bisect_left(_HTTP_BUCKETS_S, seconds)] += 1
+        counts[-1] += seconds
+
+    def families(self) -> Iterator[Metric]:
+        labels = ["method", "route", "status"]
+        requests = CounterMetricFamily(
+            "steward_http_requests", "HTTP requests answered, by route template and status",
+            labels=labels,
+        )  # fmt: skip
+        latency = HistogramMetricFamily(
+            "steward_http_request_duration_seconds",
+            "From a request's dispatch until its answer was sent (a long poll's or event"
+            " stream's whole wait included)",
+            labels=labels,
+        )
+        for key, counts in sorted(self.series.items()):
+            cumulative = 0.0
+            buckets: list[tuple[str, float]] = []
+            for bound, count in zip((*_HTTP_BUCKETS_S, math.inf), counts, strict=False):
+                cumulative += count
+                buckets.append(("+Inf" if bound == math.inf else repr(bound), cumulative))
+            method, route, status = key
+            values = [method, route, str(status)]
+            requests.add_metric(values, cumulative)
+            latency.add_metric(values, buckets, counts[-1])
+        yield requests
+        yield latency
+
+
 class BrokerMetrics:
     """The metrics of one broker process (see the module docstring for who counts what)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
+        # The standard collectors every Prometheus client exposes (process_*, python_*).
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)
+        self.types = _TypeLabels()
+        self.http = _HttpRequests()
         self.submitted = _TaskCounter(
             "steward_tasks_submitted",
             "Tasks accepted by submissions (counted by the leader that logged them)",
@@ -238,6 +342,10 @@ class BrokerMetrics:
         """The exposition text of every metric of this broker."""
         return generate_latest(self.registry)
 
+    def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
+        """Count one answered HTTP request (``route``: its template, or ``other``)."""
+        self.http.observe(method, route, status, seconds)
+
     # --- leader write path -----------------------------------------------------------
 
     def observe_applied(self, entry: e.Entry, applied: Applied, state: StateMachine) -> None:
@@ -247,9 +355,10 @@ class BrokerMetrics:
             # type() is: a ReplayedResults (an idempotent retry) created nothing.
             if type(result) is list:
                 submitted = self.submitted.counts
+                label = self.types.label
                 for spec, outcome in zip(entry.tasks, result, strict=False):
                     if type(outcome) is TaskRef:
-                        key = (spec.tenant, spec.type)
+                        key = (spec.tenant, label(spec.type, state))
                         submitted[key] = submitted.get(key, 0) + 1
                     elif isinstance(outcome, Rejected):
                         self.rejected.labels(spec.tenant, outcome.code.value).inc()
@@ -259,31 +368,32 @@ class BrokerMetrics:
         elif isinstance(entry, e.FinishTasks) and isinstance(result, list):
             tasks = state.tasks
             for report, outcome in zip(entry.outcomes, result, strict=False):
-                if not report.ok and type(outcome) is TaskRef:
+                if not report.ok and not report.released and type(outcome) is TaskRef:
                     task = tasks.get(report.task_id)
                     if task is not None:
-                        self.attempt_failures.inc(task.tenant, task.type)
+                        self.attempt_failures.inc(task.tenant, self.types.label(task.type, state))
         # Assignments are effects: an AssignTasks entry's, or those a submit carried.
         for started in applied.assigned:
             task = state.tasks.get(started.task_id)
             if task is not None:
-                self.assigned.inc(task.tenant, task.type)
+                self.assigned.inc(task.tenant, self.types.label(task.type, state))
         final = applied.final_ids
         if final:
             self._count_final(final, state)
 
     def _count_final(self, final: list[int], state: StateMachine) -> None:
         tasks = state.tasks
+        label = self.types.label
         for task_id in final:
             task = tasks.get(task_id)
             if task is None:
                 continue
             if task.state == TaskState.FINISHED:
-                self.finished.inc(task.tenant, task.type)
+                self.finished.inc(task.tenant, label(task.type, state))
             elif task.state == TaskState.ERROR:
-                self.failed.inc(task.tenant, task.type)
+                self.failed.inc(task.tenant, label(task.type, state))
             elif task.state == TaskState.CANCELLED:
-                self.cancelled.inc(task.tenant, task.type)
+                self.cancelled.inc(task.tenant, label(task.type, state))
 
     def task_counters(self) -> tuple[_TaskCounter, ...]:
         return (
@@ -312,6 +422,13 @@ class _Collector(Collector):
             yield counter.family()
         yield metrics.append_latency.family()
         yield metrics.group_commit.family()
+        yield from metrics.http.families()
+        build = GaugeMetricFamily(
+            "steward_build_info", "Always 1: this broker's version and Python's",
+            labels=["version", "python_version"],
+        )  # fmt: skip
+        build.add_metric([VERSION, platform.python_version()], 1)
+        yield build
         state_of = metrics._state
         if state_of is None:
             return
@@ -354,7 +471,7 @@ def _role_and_position(
     )
     entry.add_metric([], position[1])
     yield entry
-    applied = GaugeMetricFamily(
+    applied = CounterMetricFamily(
         "steward_entries_applied", "Entries applied to this broker's state since its history began"
     )
     applied.add_metric([], state.entries_applied)

@@ -2,7 +2,8 @@
 
 The ``api`` fixture (registered in tests/conftest.py) yields an ``Api``: the node, the ASGI
 app and a client whose answers are recorded; at the end no answer may be a 5xx unless the
-test allowed 503 (a client's mistake must never be a 500). The helpers submit, read and
+test allowed 503 (a client's mistake must never be a 500), and every answer must be as the
+OpenAPI document says (tests/support/openapi_check.py). The helpers submit, read and
 wait on tasks and check error answers; ``run_and_finish`` logs a worker running a task and
 finishing it with spawned children.
 """
@@ -20,9 +21,11 @@ import httpx
 import pytest
 
 from broker.api.http_api import ApiApp, ApiConfig
+from broker.api.openapi import openapi_document
 from broker.core import entries as e
 from broker.replication.node import Node, Stamp
 from tests.support.memory_node import memory_node
+from tests.support.openapi_check import ResponseChecker
 
 CONFIG = ApiConfig(
     max_request_bytes=64 * 1024,
@@ -63,9 +66,11 @@ async def api(tmp_path: Path) -> AsyncIterator[Api]:
     await node.start()
     app = ApiApp(node, CONFIG)
     statuses: list[tuple[str, int]] = []
+    checker = ResponseChecker(openapi_document(CONFIG))
 
     async def record(response: httpx.Response) -> None:
         statuses.append((f"{response.request.method} {response.request.url}", response.status_code))
+        await checker.async_hook(response)
 
     # ApiApp types scope and messages as dict; httpx as MutableMapping.
     transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
@@ -82,6 +87,9 @@ async def api(tmp_path: Path) -> AsyncIterator[Api]:
     allowed = {503} if harness.allow_503 else set()
     server_errors = [(what, s) for what, s in statuses if s >= 500 and s not in allowed]
     assert not server_errors, f"server errors: {server_errors}"
+    assert not checker.problems, "answers unlike the OpenAPI document:\n" + "\n".join(
+        checker.problems[:20]
+    )
 
 
 # --- helpers -------------------------------------------------------------------------

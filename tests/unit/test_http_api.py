@@ -326,7 +326,8 @@ async def test_openapi_documents_the_idempotency_key(api: Api) -> None:
     doc = (await api.get("/api/v1/openapi.json")).json()
     post = doc["paths"]["/api/v1/tasks"]["post"]
     assert [p["name"] for p in post["parameters"]] == ["Idempotency-Key"]
-    assert "idempotency_key" in doc["components"]["schemas"]["SubmitBody"]["properties"]
+    for body in ("SubmitOneBody", "SubmitBatchBody"):
+        assert "idempotency_key" in doc["components"]["schemas"][body]["properties"]
     assert "replayed" in doc["components"]["schemas"]["TaskRefBody"]["properties"]
 
 
@@ -370,6 +371,14 @@ async def test_default_tree_timeout_is_30_s(api: Api) -> None:
 async def test_bad_tree_fields_are_400(api: Api, fields: dict[str, Any], fragment: str) -> None:
     response = await api.post(TASKS, json={"type": "noop", **fields})
     assert fragment in error_of(response, 400, "invalid_request")
+
+
+async def test_wait_tree_is_a_boolean_not_a_bare_flag(api: Api) -> None:
+    """The document says boolean: an empty value is refused, not read as true."""
+    root = (await submit(api, track_tree=True))["id"]
+    for value in ("", "yes"):
+        response = await api.get(f"{TASKS}/{root}", params={"wait_tree": value})
+        assert "wait_tree must be true or false" in error_of(response, 400, "invalid_request")
 
 
 async def test_wait_tree_answers_when_the_tree_ends(api: Api) -> None:

@@ -6,6 +6,7 @@ ledgers."""
 from __future__ import annotations
 
 import asyncio
+import platform
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker.api.http_api import ApiApp, ApiConfig
 from broker.core import entries as e
-from broker.replication.node import Node, Stamp
+from broker.observability.metrics import BUILTIN_TASK_TYPES
+from broker.replication.node import VERSION, Node, Stamp
 from tests.support.memory_node import memory_node
 from tests.unit.ledger_helpers import MemoryBackend, cluster_node
 
@@ -75,8 +77,10 @@ async def submit(scraper: Scraper, tenant: str, task_type: str = "noop", **more:
 
 
 async def register(node: Node) -> None:
+    # "flaky" is declared (a type label of its own); "*" takes the rest (labelled other).
+    task_types = {"flaky": 10, "*": 100}
     await node.propose(
-        lambda s: e.RegisterWorker(time_ms=s.now_ms, worker_id="w", task_types={"*": 100})
+        lambda s: e.RegisterWorker(time_ms=s.now_ms, worker_id="w", task_types=task_types)
     )
 
 
@@ -120,7 +124,7 @@ REQUIRED_FAMILIES = {
     "steward_broker_role": "gauge",
     "steward_log_position_ledger": "gauge",
     "steward_log_position_entry": "gauge",
-    "steward_entries_applied": "gauge",
+    "steward_entries_applied": "counter",
 }
 
 
@@ -145,6 +149,7 @@ async def test_task_counters_and_queue_lengths_move_with_the_tasks(scraper: Scra
     before = await scraper.samples()
     assert value(before, "steward_tasks_submitted_total", tenant="acme", type="noop") == 0
 
+    await register(node)
     ids = [await submit(scraper, "acme") for _ in range(4)]
     retried = await submit(scraper, "acme", "flaky", max_attempts=2)
     await submit(scraper, "beta", "sleep")
@@ -156,7 +161,6 @@ async def test_task_counters_and_queue_lengths_move_with_the_tasks(scraper: Scra
     assert value(samples, "steward_queue_length", tenant="beta") == 1
     assert value(samples, "steward_tasks", tenant="acme", state="waiting") == 5
 
-    await register(node)
     await assign(node, ids[0], ids[1], ids[2], retried)
     samples = await scraper.samples()
     assert value(samples, "steward_workers_connected") == 1
@@ -189,6 +193,55 @@ async def test_task_counters_and_queue_lengths_move_with_the_tasks(scraper: Scra
     await finish(node, ids[2], ok=False, attempt=7)
     after = await scraper.samples()
     assert value(after, "steward_task_attempt_failures_total", tenant="acme", type="noop") == 1
+
+
+async def test_task_types_nobody_declared_share_one_label(scraper: Scraper) -> None:
+    """Callers choose task types: 30 made-up ones add one series per counter, not 30."""
+    await register(scraper.node)
+    made_up = [await submit(scraper, "acme", f"bogus-{n}") for n in range(30)]
+    await submit(scraper, "acme", "flaky")
+    await submit(scraper, "acme", "sleep")
+    await assign(scraper.node, made_up[0])
+    await finish(scraper.node, made_up[0], ok=True)
+    samples = await scraper.samples()
+    assert value(samples, "steward_tasks_submitted_total", tenant="acme", type="other") == 30
+    assert value(samples, "steward_tasks_submitted_total", tenant="acme", type="flaky") == 1
+    assert value(samples, "steward_tasks_submitted_total", tenant="acme", type="sleep") == 1
+    assert value(samples, "steward_tasks_assigned_total", tenant="acme", type="other") == 1
+    assert value(samples, "steward_tasks_finished_total", tenant="acme", type="other") == 1
+    labels = {dict(key[1]).get("type") for key in samples if key[0].startswith("steward_tasks_")}
+    assert not {t for t in labels if t and t.startswith("bogus")}, labels
+
+
+def test_the_builtin_task_types_are_the_workers() -> None:
+    from clients.worker.task_api import BUILTIN_TASKS
+
+    assert set(BUILTIN_TASKS) == BUILTIN_TASK_TYPES
+
+
+async def test_http_requests_are_counted_by_route_template_and_status(
+    scraper: Scraper,
+) -> None:
+    for task_id in (1, 2, 3):
+        assert (await scraper.client.get(f"/api/v1/tasks/{task_id}")).status_code == 404
+    assert (await scraper.client.get("/no/such/path")).status_code == 404
+    samples = await scraper.samples()
+    route = {"method": "GET", "status": "404"}
+    assert value(samples, "steward_http_requests_total", route="/api/v1/tasks/{id}", **route) == 3
+    assert value(samples, "steward_http_requests_total", route="other", **route) == 1
+    assert (
+        value(
+            samples,
+            "steward_http_request_duration_seconds_count",
+            route="/api/v1/tasks/{id}",
+            **route,
+        )
+        == 3
+    )
+    assert not [key for key in samples if key[0].endswith("_created")]
+    assert value(samples, "steward_build_info", version=VERSION, python_version=
+                 platform.python_version()) == 1  # fmt: skip
+    assert value(samples, "process_cpu_seconds_total") > 0
 
 
 async def test_refused_and_replayed_submissions(scraper: Scraper) -> None:
@@ -242,7 +295,7 @@ async def test_group_commit_sizes_and_append_latency(scraper: Scraper) -> None:
     assert delta("steward_log_group_commit_entries_bucket", le="8.0") < delta(
         "steward_log_group_commit_entries_count"
     )
-    assert value(samples, "steward_entries_applied") >= 10
+    assert value(samples, "steward_entries_applied_total") >= 10
     assert value(samples, "steward_log_position_entry") >= 9
 
 
