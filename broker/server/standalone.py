@@ -292,7 +292,8 @@ def _running(node: Node) -> list[Task]:
 
 
 def _say(message: str) -> None:
-    print(f"steward standalone: {message}", file=sys.stderr, flush=True)
+    # Logged, not printed: under --log-format json every line stays one JSON object.
+    logger.warning("%s", message)
 
 
 async def let_tasks_finish(

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -106,17 +105,18 @@ def stopping_notice(running: int, grace_s: float) -> None:
         )
     else:
         what = "stopping: no tasks running"
-    print(f"steward worker: {what}", file=sys.stderr, flush=True)
+    # Logged, not printed: under --log-format json every line stays one JSON object.
+    logger.warning("%s", what)
 
 
 def released_notice(count: int) -> None:
     """The line after the grace: how many attempts went back (not counted as failed)."""
     if count:
-        print(
-            f"steward worker: gave {count} running task{'s' if count != 1 else ''} back to the"
-            " broker: they wait for another worker (the attempt is not counted as failed)",
-            file=sys.stderr,
-            flush=True,
+        logger.warning(
+            "gave %d running task%s back to the broker: they wait for another worker (the"
+            " attempt is not counted as failed)",
+            count,
+            "s" if count != 1 else "",
         )
 
 

@@ -33,12 +33,12 @@ def test_per_call_tasks_cost_two_entries_each(tmp_path: Path) -> None:
         httpx.Client(base_url=broker.url, timeout=30) as http,
         StewardClient(broker.url) as client,
     ):
-        before = metric(http, "steward_entries_applied")
+        before = metric(http, "steward_entries_applied_total")
         assigned_before = metric(http, "steward_tasks_assigned_total")
         for n in range(TASKS):
             handle = client.submit("noop", {"n": n}, tenant="placed")
             assert handle.result(timeout=30) is None
-        entries = metric(http, "steward_entries_applied") - before
+        entries = metric(http, "steward_entries_applied_total") - before
         assert metric(http, "steward_tasks_assigned_total") - assigned_before == TASKS
         # Submit (with its assignment) and finish: two per task, no AssignTasks entry.
         assert entries == 2 * TASKS, entries
