@@ -209,8 +209,8 @@ def _tenant(client: StewardClient, args: argparse.Namespace) -> None:
         [
             ("tenant", view["name"]),
             ("weight", view["weight"]),
-            ("max_running", view["max_running"] or "no limit"),
-            ("max_waiting", view["max_waiting"] or "no limit"),
+            ("max_running", view["max_running"] or "0 (unlimited)"),
+            ("max_waiting", view["max_waiting"] or "0 (unlimited)"),
             ("tasks", cell(counts) if counts else "none"),
         ]
     )

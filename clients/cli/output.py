@@ -291,8 +291,8 @@ def _print_status(client: StewardClient, as_json: bool = False) -> None:
         {
             "name": t["name"],
             "weight": t["weight"],
-            "max_running": t["max_running"] or "no limit",  # 0: no limit, as `tenant` says
-            "max_waiting": t["max_waiting"] or "no limit",
+            "max_running": t["max_running"] or "0 (unlimited)",  # as the API and the dashboard say
+            "max_waiting": t["max_waiting"] or "0 (unlimited)",
             **{k: v for k, v in t["counts"].items() if k in ("waiting", "running", "finished")},
             "error": t["counts"].get("error", 0),  # the API's word, as the dashboard says
         }

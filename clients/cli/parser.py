@@ -377,10 +377,10 @@ def _add_admin_commands(sub: argparse._SubParsersAction[StewardArgumentParser]) 
         "--max-waiting",
         type=int,
         metavar="N",
-        help="queued tasks it may have; more are refused with 429 (0: no limit)",
+        help="queued tasks it may have; more are refused with 429 (0: unlimited)",
     )
     p.add_argument(
-        "--max-running", type=int, metavar="N", help="tasks it may run at once (0: no limit)"
+        "--max-running", type=int, metavar="N", help="tasks it may run at once (0: unlimited)"
     )
     p.add_argument(
         "--weight", type=float, metavar="W", help="its share of the workers against other tenants"

@@ -190,7 +190,7 @@ class TestCommands:
         assert [line.split(": ") for line in human] == [
             ["     tenant", "cli-tenant"],
             ["     weight", "1.5"],
-            ["max_running", "no limit"],
+            ["max_running", "0 (unlimited)"],
             ["max_waiting", "2"],
             ["      tasks", "none"],
         ]
