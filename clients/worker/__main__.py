@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +23,7 @@ from clients.worker.config import (
     parse_http_urls,
 )
 from clients.worker.link import LinkMisconfiguredError, run_worker
-from clients.worker.sandbox import make_non_dumpable
+from clients.worker.sandbox import make_non_dumpable, set_parent_death_signal
 from clients.worker.spark_connect import SPARK_MODES, spark_identity
 from clients.worker.task_identity import DEFAULT_TASK_UID_RANGE
 from clients.worker.task_procs import check_task_processes
@@ -329,6 +330,10 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     )
 
 
+#: Set by a standalone broker for the workers it starts: its pid (see main).
+PARENT_PID_ENV = "STEWARD_WORKER_PARENT_PID"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -342,6 +347,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     # Task processes under the worker's own uid must not read its memory or environment.
     make_non_dumpable()
+    parent_pid = os.environ.pop(PARENT_PID_ENV, "")
+    if parent_pid.isdigit():
+        # Started by a standalone broker (--workers N): it runs in a session of its own (a
+        # terminal's Ctrl-C reaches the broker alone), so nothing would stop it if the
+        # broker died without its SIGTERM (kill -9): Linux sends it one instead.
+        set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != int(parent_pid):
+            print("steward worker: the broker that started it is gone", file=sys.stderr)
+            return 0
     from broker.observability.logs import setup_logging
 
     # Task-related lines carry task_id and tenant (text: "task=12 tenant=acme").

@@ -299,3 +299,29 @@ def _answers(client: httpx.Client) -> bool:
 def _any_worker(client: httpx.Client) -> bool:
     workers = client.get("/api/v1/cluster").json()["workers"]
     return any(w["state"] == "connected" for w in workers)
+
+
+def test_a_standalone_broker_killed_9_takes_its_own_workers_with_it(tmp_path: Path) -> None:
+    # Its workers run in sessions of their own (Ctrl-C above), so a process-group kill
+    # misses them: they must stop when the broker dies, not retry it forever as orphans.
+    with BrokerProcess(
+        tmp_path / "data", log_path=tmp_path / "broker.log", extra_args=("--workers", "1")
+    ) as broker:
+        broker.start()
+        assert broker.proc is not None
+        with httpx.Client(base_url=broker.url, timeout=10) as client:
+            wait_for(lambda: _any_worker(client), 60, "its worker connects")
+        workers = _children(broker.proc.pid)
+        assert workers, "the broker started no worker process"
+        try:
+            os.kill(broker.proc.pid, signal.SIGKILL)
+            broker.proc.wait(timeout=10)
+            wait_for(
+                lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers),
+                EXIT_BOUND_S,
+                "its workers exit after the broker's kill -9",
+            )
+        finally:
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
