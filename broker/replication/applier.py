@@ -43,7 +43,7 @@ class Applier:
         except e.NewerEntryFormatError as exc:
             raise NewerFormatError(
                 f"the log entry at ledger {position[0]} entry {position[1]}: {exc} "
-                "(the leader runs a newer release; upgrade this broker)"
+                "(written by a leader of a newer release)"
             ) from None
         self.last_logged_time_ms = record.time_ms
         if isinstance(record, e.Confirm):

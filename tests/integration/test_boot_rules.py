@@ -5,7 +5,9 @@ docs/OPERATIONS.md, "Boot rules" and "Rolling upgrade"):
   -1 waits for the replicas however long it takes (the take-over it once crashed works);
 - a broker that must load a snapshot and finds no source within ``--snapshot-source-wait-s``
   exits non-zero naming the peers it asked and its snapshots directory;
-- a snapshot of a newer release stops the broker at start, naming the version.
+- a snapshot of a newer release stops the broker at start, naming the version;
+- in a mixed-version cluster (a leader of the next release, tests/support/newer_release.py)
+  today's follower follows until the first entry in the newer format, then exits naming it.
 
 Every wait is bounded; processes are killed by pid when a test ends.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -165,3 +168,40 @@ def test_the_broker_config_refuses_the_same_values(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="snapshot_source_wait_s must be positive"):
         BrokerConfig(node, "zk:1", ledger_dir=tmp_path, snapshot_source_wait_s=0)
     assert BrokerConfig(node, "zk:1", ledger_dir=tmp_path, max_replication_wait_ms=-1)
+
+
+def test_an_old_follower_of_a_newer_leader_stops_at_its_first_newer_entry(
+    zookeeper: ZooKeeperServer, tmp_path: Path
+) -> None:
+    root = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": str(root)}
+    with ClusterProcesses(zookeeper.connect_string, tmp_path, brokers=0, extra_env=env) as c:
+        newer = c.add_broker(wait=False)
+        today = newer.command
+
+        def newer_command() -> list[str]:
+            command = today()
+            return [
+                sys.executable,
+                "-m",
+                "tests.support.newer_release",
+                *command[command.index("broker") :],
+            ]
+
+        newer.command = newer_command  # type: ignore[method-assign]
+        c.start(newer.broker_id)
+        assert c.wait_for_leader() is newer
+        old = c.add_broker()  # today's release: follows what the newer one writes so far
+        wait_until(lambda: (old.own_summary() or {}).get("role") == "follower", 30.0, "old follows")
+        assert old.running()
+        response = httpx.post(f"{newer.url}/api/v1/tasks", json={"type": "noop"}, timeout=10)
+        assert response.status_code == 201, response.text  # written in the newer format
+        assert old.wait_exit(EXIT_TIMEOUT_S) != 0
+        text = old.log_text()
+        line = next(x for x in text.splitlines() if x.startswith("steward: cannot start:"))
+        print(line)
+        assert "log entry format version 3 is newer than this broker's 2" in line
+        assert "upgrade the broker to a release that reads version 3" in line
+        assert "written by a leader of a newer release" in line
+        assert "Traceback" not in text
+        assert c.leader() is newer  # the newer leader goes on
