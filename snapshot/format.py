@@ -55,6 +55,7 @@ __all__ = [
     "MAGIC",
     "CorruptSnapshotError",
     "ForeignSnapshotError",
+    "NewerSnapshotVersionError",
     "SnapshotError",
     "SnapshotHeader",
     "SnapshotInfo",
@@ -107,6 +108,11 @@ class UnsupportedSnapshotVersionError(CorruptSnapshotError):
     A subclass of :class:`CorruptSnapshotError` so callers treat it as unusable,
     but the file is probably fine for a newer build (kept, not quarantined).
     """
+
+
+class NewerSnapshotVersionError(UnsupportedSnapshotVersionError):
+    """Written by a newer release (file layout or state body): a broker that finds one
+    where it boots must stop and be upgraded, not boot from something older."""
 
 
 class ForeignSnapshotError(SnapshotError):
@@ -332,6 +338,12 @@ def _read_header_from(file: BinaryIO, path: Path) -> SnapshotHeader:
         version = msgspec.msgpack.decode(raw, type=_VersionProbe).format_version
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
         raise CorruptSnapshotError(path, f"undecodable header: {exc}") from exc
+    if version > FORMAT_VERSION:
+        raise NewerSnapshotVersionError(
+            path,
+            f"format version {version} is newer than this broker's {FORMAT_VERSION}: "
+            f"upgrade the broker to a release that reads snapshot format {version}",
+        )
     if version != FORMAT_VERSION:
         raise UnsupportedSnapshotVersionError(
             path, f"unsupported format version {version} (this build reads {FORMAT_VERSION})"

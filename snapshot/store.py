@@ -30,6 +30,7 @@ from snapshot.format import (
     TEMP_SUFFIX,
     CorruptSnapshotError,
     ForeignSnapshotError,
+    NewerSnapshotVersionError,
     SnapshotError,
     SnapshotHeader,
     SnapshotInfo,
@@ -171,20 +172,29 @@ class SnapshotStore:
         return info
 
     def load_newest_decoded(
-        self, decode: Callable[[bytes], _T]
+        self, decode: Callable[[bytes], _T], *, refuse_newer: bool = False
     ) -> tuple[SnapshotHeader, _T] | None:
         """Like :meth:`load_newest`, but also skips snapshots whose verified body
         ``decode`` rejects (e.g. a state format this build cannot read); those
-        are logged and kept, never loaded."""
+        are logged and kept, never loaded.
+
+        ``refuse_newer``: a snapshot written by a newer release (its header, or ``decode``
+        raising :class:`NewerSnapshotVersionError`) met before a usable one raises
+        :class:`NewerSnapshotVersionError` naming the file instead of being skipped."""
         with self._lock:
             skipped: set[Path] = set()
             while True:
-                found = self._load_newest_locked(skipped)
+                found = self._load_newest_locked(skipped, refuse_newer=refuse_newer)
                 if found is None:
                     return None
                 path, header, body = found
                 try:
                     return header, decode(body)
+                except NewerSnapshotVersionError as exc:
+                    if refuse_newer:
+                        raise NewerSnapshotVersionError(path, exc.reason) from exc
+                    logger.warning("snapshot %s cannot be decoded: %s; skipping", path, exc)
+                    skipped.add(path)
                 except Exception as exc:
                     logger.warning("snapshot %s cannot be decoded: %s; skipping", path, exc)
                     skipped.add(path)
@@ -201,7 +211,9 @@ class SnapshotStore:
             found = self._load_newest_locked(set())
         return None if found is None else (found[1], found[2])
 
-    def _load_newest_locked(self, skipped: set[Path]) -> tuple[Path, SnapshotHeader, bytes] | None:
+    def _load_newest_locked(
+        self, skipped: set[Path], *, refuse_newer: bool = False
+    ) -> tuple[Path, SnapshotHeader, bytes] | None:
         for position, path in self._scan():
             if path in skipped:
                 continue
@@ -211,6 +223,8 @@ class SnapshotStore:
             except FileNotFoundError:
                 continue
             except (UnsupportedSnapshotVersionError, ForeignSnapshotError) as exc:
+                if refuse_newer and isinstance(exc, NewerSnapshotVersionError):
+                    raise
                 logger.warning("snapshot %s is unusable: %s; skipping", path, exc.reason)
                 continue
             except CorruptSnapshotError as exc:

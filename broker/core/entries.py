@@ -33,6 +33,25 @@ class EntryDecodeError(Exception):
     """Bytes that are not a valid log entry of a supported version."""
 
 
+class NewerEntryFormatError(EntryDecodeError):
+    """An entry written by a newer release: this broker must stop, and be upgraded."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        super().__init__(
+            f"log entry format version {version} is newer than this broker's "
+            f"{ENTRY_FORMAT_VERSION}: upgrade the broker to a release that reads version "
+            f"{version}"
+        )
+
+
+class _VersionProbe(msgspec.Struct):
+    """Only the version, read when the full decode fails: a newer entry (say, of a type this
+    code does not know) is then reported as a version problem, not as garbage."""
+
+    v: int = BASE_ENTRY_FORMAT_VERSION
+
+
 class _Entry(msgspec.Struct, tag_field="type", omit_defaults=True, frozen=True):
     # Leader's clock when the entry was created; apply() advances time with it.
     time_ms: int
@@ -284,10 +303,17 @@ def _decode(decoder: msgspec.msgpack.Decoder[Any], data: bytes) -> Any:
     try:
         record = decoder.decode(data)
     except msgspec.DecodeError as exc:
+        version = _probe_version(data)
+        if version is not None and version > ENTRY_FORMAT_VERSION:
+            raise NewerEntryFormatError(version) from exc
         raise EntryDecodeError(f"undecodable log entry: {exc}") from exc
     if record.v > ENTRY_FORMAT_VERSION:
-        raise EntryDecodeError(
-            f"log entry format version {record.v} is newer than this broker's "
-            f"{ENTRY_FORMAT_VERSION}: upgrade the broker"
-        )
+        raise NewerEntryFormatError(record.v)
     return record
+
+
+def _probe_version(data: bytes) -> int | None:
+    try:
+        return msgspec.msgpack.decode(data, type=_VersionProbe).v
+    except msgspec.DecodeError:
+        return None

@@ -49,3 +49,45 @@ class SnapshotBody(msgspec.Struct):
 SNAPSHOT_BODY_VERSION: Final = 1
 _snapshot_encoder: Final = msgspec.msgpack.Encoder()
 _snapshot_decoder: Final = msgspec.msgpack.Decoder(SnapshotBody)
+#: The oldest body version this code reads (docs/OPERATIONS.md, "Rolling upgrade").
+OLDEST_SNAPSHOT_BODY_VERSION: Final = 1
+
+
+class SnapshotBodyVersionError(ValueError):
+    """A snapshot body of a version this code cannot read; ``newer``: written by a newer
+    release (upgrade the broker), else one too old for it."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.newer = version > SNAPSHOT_BODY_VERSION
+        if self.newer:
+            what = f"newer than this broker's {SNAPSHOT_BODY_VERSION}: upgrade the broker"
+        else:
+            what = f"older than the oldest this broker reads ({OLDEST_SNAPSHOT_BODY_VERSION})"
+        super().__init__(f"snapshot body format version {version} is {what}")
+
+
+def check_snapshot_body_version(version: int) -> None:
+    """Raise :class:`SnapshotBodyVersionError` unless this code reads body ``version``."""
+    if not OLDEST_SNAPSHOT_BODY_VERSION <= version <= SNAPSHOT_BODY_VERSION:
+        raise SnapshotBodyVersionError(version)
+
+
+class _BodyVersionProbe(msgspec.Struct):
+    format_version: int
+
+
+def decode_snapshot_body(data: bytes) -> SnapshotBody:
+    """The body, or :class:`SnapshotBodyVersionError` for a version this code cannot read
+    (checked first when the body does not decode: a newer layout is a version problem)."""
+    try:
+        body = _snapshot_decoder.decode(data)
+    except msgspec.DecodeError:
+        try:
+            version = msgspec.msgpack.decode(data, type=_BodyVersionProbe).format_version
+        except msgspec.DecodeError:
+            raise  # the original error: not a body at all
+        check_snapshot_body_version(version)
+        raise
+    check_snapshot_body_version(body.format_version)
+    return body

@@ -77,7 +77,7 @@ from broker.core.records import idempotency_scope as idempotency_scope
 from broker.core.records import tree_value as tree_value
 from broker.core.snapshot_body import SNAPSHOT_BODY_VERSION as SNAPSHOT_BODY_VERSION
 from broker.core.snapshot_body import SnapshotBody as SnapshotBody
-from broker.core.snapshot_body import _snapshot_decoder, _snapshot_encoder
+from broker.core.snapshot_body import _snapshot_encoder, decode_snapshot_body
 from broker.core.tenants import TenantsMixin
 from broker.core.transitions import TaskState as TaskState  # re-exported: its old home
 from broker.core.validation import IDEMPOTENCY_KEY_RE as IDEMPOTENCY_KEY_RE
@@ -260,9 +260,7 @@ class StateMachine(WorkersMixin, TenantsMixin, CodeArtifactsMixin):
 
     @classmethod
     def from_snapshot(cls, data: bytes) -> StateMachine:
-        body = _snapshot_decoder.decode(data)
-        if body.format_version != SNAPSHOT_BODY_VERSION:
-            raise ValueError(f"unsupported snapshot body version {body.format_version}")
+        body = decode_snapshot_body(data)
         machine = cls()
         machine.now_ms = body.now_ms
         machine.max_task_id = body.max_task_id

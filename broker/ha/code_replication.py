@@ -17,7 +17,7 @@ happen, both on the broker's event loop:
   children of every not-ready artifact and proposes ``CodeReady`` as soon as there are
   ``min_replication`` of them, or once ``max_replication_wait_ms`` has passed since the
   ``AddCode`` (the artifact's ``created_ms``, the replicated clock, so a new leader keeps
-  the same deadline).
+  the same deadline; -1: never, only the replicas make it ready).
 
 Wiring in a cluster broker (the caller owns the started ``KazooClient``)::
 
@@ -75,6 +75,8 @@ __all__ = ["CodeReplicator", "ReplicationMonitor", "code_dir", "replica_path"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_OPERATION_TIMEOUT_S: Final = 5.0
+#: ``max_replication_wait_ms`` that never gives up: tasks wait for ``min_replication`` copies.
+WAIT_FOREVER: Final = -1
 DEFAULT_FETCH_TIMEOUT_S: Final = 60.0
 #: Uploads are capped at 64 MiB (ApiConfig.max_code_bytes); refuse a peer sending more.
 DEFAULT_MAX_ARTIFACT_BYTES: Final = 256 * 1024 * 1024
@@ -437,8 +439,8 @@ class ReplicationMonitor:
     ) -> None:
         if min_replication < 1:
             raise ValueError("min_replication must be >= 1")
-        if max_replication_wait_ms < 0:
-            raise ValueError("max_replication_wait_ms must be >= 0")
+        if max_replication_wait_ms < WAIT_FOREVER:
+            raise ValueError("max_replication_wait_ms must be >= 0, or -1 (wait forever)")
         self._node = node
         self._zk = zk_client
         self._dir = code_dir(cluster)
@@ -450,7 +452,7 @@ class ReplicationMonitor:
         self._worker: asyncio.Task[None] | None = None
         self._dirty: set[str] = set()
         self._kick = asyncio.Event()
-        self._deadlines: dict[str, asyncio.TimerHandle] = {}
+        self._deadlines: dict[str, asyncio.TimerHandle | None] = {}
         self._started = False
         self._stopping = False
 
@@ -474,7 +476,8 @@ class ReplicationMonitor:
             self._node.listeners.remove(self._on_applied)
         self._zk.remove_listener(self._on_kazoo_state)
         for handle in self._deadlines.values():
-            handle.cancel()
+            if handle is not None:
+                handle.cancel()
         self._deadlines.clear()
         if self._worker is not None:
             self._worker.cancel()
@@ -497,7 +500,12 @@ class ReplicationMonitor:
         if sha256 not in self._deadlines:
             due_ms = artifact.created_ms + self._max_wait_ms
             delay_s = max(0.0, (due_ms - self._node.clock_ms()) / 1000)
-            self._deadlines[sha256] = self._loop.call_later(delay_s, self._mark, sha256)
+            # Waiting forever: no timer, only replica watches mark it (None: tracked).
+            self._deadlines[sha256] = (
+                None
+                if self._max_wait_ms == WAIT_FOREVER
+                else self._loop.call_later(delay_s, self._mark, sha256)
+            )
         self._mark(sha256)
 
     def _forget(self, sha256: str) -> None:
@@ -559,11 +567,16 @@ class ReplicationMonitor:
         artifact = self._node.state.artifacts.get(sha256)
         if artifact is None or artifact.ready:
             return True
-        waited_out = self._node.clock_ms() >= artifact.created_ms + self._max_wait_ms
+        waited_out = (
+            self._max_wait_ms != WAIT_FOREVER
+            and self._node.clock_ms() >= artifact.created_ms + self._max_wait_ms
+        )
         count = 0
         if not waited_out:
             count = await self._replicas(sha256)
             if count < self._min_replication:
+                if self._max_wait_ms == WAIT_FOREVER:
+                    return False  # the replica watch marks it again
                 # The watch marks it again when a replica comes; and the wait's end is
                 # checked again (the deadline timer runs on the loop's clock, which may
                 # fire a little before the wall clock says the wait is over).

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from broker.core import entries as e
 from broker.core.effects import Applied
 from broker.core.state import ApplyResult
-from broker.replication.common import logger
+from broker.replication.common import NewerFormatError, logger
 from log.api import LedgerEntry
 
 if TYPE_CHECKING:
@@ -37,8 +37,14 @@ class Applier:
     def apply_logged(self, ledger_entry: LedgerEntry) -> None:
         """Apply one entry read from the log (replay, follower)."""
         node = self._node
-        record = e.decode_record(ledger_entry.data)
         position = (ledger_entry.ledger_id, ledger_entry.entry_id)
+        try:
+            record = e.decode_record(ledger_entry.data)
+        except e.NewerEntryFormatError as exc:
+            raise NewerFormatError(
+                f"the log entry at ledger {position[0]} entry {position[1]}: {exc} "
+                "(written by a leader of a newer release)"
+            ) from None
         self.last_logged_time_ms = record.time_ms
         if isinstance(record, e.Confirm):
             node.position = position

@@ -37,6 +37,12 @@ class HistoryGapError(BrokerStartupError):
     A cluster broker answers it by downloading a newer snapshot from a peer."""
 
 
+class NewerFormatError(BrokerStartupError):
+    """The log or a local snapshot was written by a newer release (docs/OPERATIONS.md,
+    "Rolling upgrade"): this broker stops rather than skip what it cannot read, which
+    would fork its state from the others'."""
+
+
 class LeadershipLostError(BrokerUnavailableError):
     """This node stopped being the acting leader (deposed, fenced, or lost ZooKeeper)."""
 

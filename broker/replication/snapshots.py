@@ -7,11 +7,23 @@ import asyncio
 import hashlib
 from typing import TYPE_CHECKING
 
+from broker.core.snapshot_body import SnapshotBodyVersionError
 from broker.core.state import StateMachine
-from broker.replication.common import logger
+from broker.replication.common import NewerFormatError, logger
+from snapshot.format import NewerSnapshotVersionError
 
 if TYPE_CHECKING:
     from broker.replication.node import Node
+
+
+def _decode(body: bytes) -> StateMachine:
+    try:
+        return StateMachine.from_snapshot(body)
+    except SnapshotBodyVersionError as exc:
+        if exc.newer:
+            # The store names the file when it re-raises this.
+            raise NewerSnapshotVersionError("", str(exc)) from exc
+        raise
 
 
 class Snapshots:
@@ -24,10 +36,17 @@ class Snapshots:
     async def load(self) -> bool:
         """Replace the state with the newest usable local snapshot (False: none)."""
         node = self._node
-        # A snapshot whose verified body this build cannot decode is skipped too.
-        loaded = await asyncio.to_thread(
-            node.snapshots.load_newest_decoded, StateMachine.from_snapshot
-        )
+        # A snapshot whose verified body this build cannot decode is skipped too; one of a
+        # newer release stops the broker (docs/OPERATIONS.md, "Rolling upgrade").
+        try:
+            loaded = await asyncio.to_thread(
+                node.snapshots.load_newest_decoded, _decode, refuse_newer=True
+            )
+        except NewerSnapshotVersionError as exc:
+            raise NewerFormatError(
+                f"{exc}; or move that file out of {node.snapshots.directory} to start from "
+                "an older snapshot and the log (if the log still holds what follows it)"
+            ) from None
         if loaded is None:
             return False
         header, state = loaded

@@ -44,7 +44,7 @@ from broker.api.http_api import ApiApp, ApiConfig
 from broker.api.output_store import OutputStore
 from broker.artifacts.code_store import CodeStore
 from broker.core.state import LIVE_STATES
-from broker.ha.code_replication import CodeReplicator, ReplicationMonitor
+from broker.ha.code_replication import WAIT_FOREVER, CodeReplicator, ReplicationMonitor
 from broker.ha.election import (
     ElectionError,
     LeaderElector,
@@ -52,6 +52,7 @@ from broker.ha.election import (
     default_client_factory,
 )
 from broker.observability.node_observer import observe_node
+from broker.replication.common import NewerFormatError
 from broker.replication.node import (
     VERSION,
     BrokerStartupError,
@@ -64,7 +65,11 @@ from broker.replication.node import (
 )
 from broker.security.auth import kazoo_auth_options
 from broker.security.tls import TlsConfig, TlsConfigError, peer_ssl_context
-from broker.server.following import RETRY_DELAY_S, LogFollower
+from broker.server.following import (
+    DEFAULT_SNAPSHOT_SOURCE_WAIT_S,
+    RETRY_DELAY_S,
+    LogFollower,
+)
 from broker.server.peer_view import PeerView
 from broker.server.standalone import (
     HTTP_PORT,
@@ -100,9 +105,12 @@ class BrokerConfig:
     workers: WorkerLinkConfig = field(default_factory=WorkerLinkConfig)
     session_timeout_ms: int = 4_000
     min_replication: int = 1
-    max_replication_wait_ms: int = 60_000
+    max_replication_wait_ms: int = 60_000  # -1: wait forever
     # How long to keep trying peers for a snapshot / artifacts before retrying later.
     peer_timeout_s: float = 60.0
+    # A broker that needs a snapshot (a history gap) and finds none, locally or at a peer,
+    # for this long exits non-zero instead of retrying forever (Storm's rule for a boot).
+    snapshot_source_wait_s: float = DEFAULT_SNAPSHOT_SOURCE_WAIT_S
     # "file" (ledger_dir) or "pulsar" (pulsar: where and how).
     ledgers: str = "file"
     pulsar: PulsarConfig | None = None
@@ -124,6 +132,16 @@ class BrokerConfig:
             raise ValueError("the pulsar ledger backend needs a Pulsar configuration")
         if self.ledgers not in ("file", "pulsar"):
             raise ValueError(f"unknown ledger backend {self.ledgers!r}")
+        if self.max_replication_wait_ms < WAIT_FOREVER:
+            # Checked here, not at the take-over the monitor starts in (it crashed there).
+            raise ValueError(
+                f"max_replication_wait_ms must be >= 0, or -1 to wait forever "
+                f"(got {self.max_replication_wait_ms})"
+            )
+        if not self.snapshot_source_wait_s > 0:
+            raise ValueError(
+                f"snapshot_source_wait_s must be positive (got {self.snapshot_source_wait_s})"
+            )
 
 
 def _free_port(host: str) -> int:
@@ -241,6 +259,7 @@ class ClusterBroker:
             peer_timeout_s=config.peer_timeout_s,
             cluster_token=config.cluster_token,
             on_end=self._changed.set,
+            snapshot_source_wait_s=config.snapshot_source_wait_s,
         )
         self._manager: asyncio.Task[None] | None = None
         self.peers = PeerView(
@@ -374,8 +393,9 @@ class ClusterBroker:
             await self.elector.leave()
         if was_leader:
             logger.info("leadership handed over after %.3f s", time.monotonic() - started)
-        with contextlib.suppress(Exception):
-            await self.node.take_snapshot()
+        if self.follower.fatal is None:  # else the state may be one it could not continue
+            with contextlib.suppress(Exception):
+                await self.node.take_snapshot()
         await self.elector.stop()
         await self.replicator.stop()
         await self.node.ledgers.close()
@@ -446,10 +466,24 @@ class ClusterBroker:
         logger.info("broker %s elected; taking over", node.config.broker_id)
         try:
             await node.recover_log()
+        except NewerFormatError as exc:
+            # Written by a newer release: this broker can neither lead nor follow.
+            await node.step_down("log of a newer release")
+            with contextlib.suppress(ElectionError):
+                await self.elector.leave()
+            self.follower.give_up(str(exc))
+            return
         except HistoryGapError as exc:
             logger.warning("cannot take over before downloading a snapshot: %s", exc)
             await node.step_down("history gap")
-            await self._requeue()
+            # Out of the queue while looking for one (others may lead meanwhile); this
+            # counts towards --snapshot-source-wait-s like the follower's search.
+            with contextlib.suppress(ElectionError):
+                await self.elector.leave()
+            await self.follower.find_snapshot(str(exc))
+            if self.follower.fatal is None:
+                with contextlib.suppress(ElectionError):
+                    await self.elector.join()
             return
         except (LedgerError, BrokerUnavailableError) as exc:
             await node.step_down(f"take-over failed: {exc}")
@@ -571,10 +605,17 @@ async def serve_broker(config: BrokerConfig, *, ready: asyncio.Event | None = No
         if ready is not None:
             ready.set()
         await asyncio.wait(
-            [asyncio.create_task(stop.wait()), server_task], return_when=asyncio.FIRST_COMPLETED
+            [
+                asyncio.create_task(stop.wait()),
+                asyncio.create_task(broker.follower.gave_up.wait()),
+                server_task,
+            ],
+            return_when=asyncio.FIRST_COMPLETED,
         )
         logger.info("shutting down")
         await broker.stop()
         await stop_http_server(server, server_task, app)
+        if broker.follower.fatal is not None:
+            raise BrokerStartupError(broker.follower.fatal)
     finally:
         lock.release()

@@ -192,7 +192,16 @@ def _add_server_commands(sub: argparse._SubParsersAction[StewardArgumentParser])
         type=int,
         default=60_000,
         metavar="MS",
-        help="how long an artifact's tasks wait for --min-replication copies before running",
+        help="how long an artifact's tasks wait for --min-replication copies before running "
+        "(-1: wait forever)",
+    )
+    p.add_argument(
+        "--snapshot-source-wait-s",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="a broker that needs a snapshot (its history was deleted) and finds none, at a "
+        "peer or in its snapshots directory, for this long exits non-zero",
     )
     p.add_argument(
         "--zookeeper-auth",

@@ -178,6 +178,10 @@ def run_broker(args: argparse.Namespace) -> int:
         raise UsageError("--session-timeout-ms must be in [1, 600000]")
     if args.min_replication < 1:
         raise UsageError("--min-replication must be >= 1")
+    if args.max_replication_wait_ms < -1:
+        raise UsageError("--max-replication-wait-ms must be >= 0, or -1 to wait forever")
+    if not args.snapshot_source_wait_s > 0:
+        raise UsageError("--snapshot-source-wait-s must be positive")
     if args.ledgers == "file" and args.ledger_dir is None:
         raise UsageError("--ledgers file needs --ledger-dir")
     if args.ledgers == "pulsar" and not args.pulsar_url:
@@ -214,6 +218,7 @@ def run_broker(args: argparse.Namespace) -> int:
         session_timeout_ms=args.session_timeout_ms,
         min_replication=args.min_replication,
         max_replication_wait_ms=args.max_replication_wait_ms,
+        snapshot_source_wait_s=args.snapshot_source_wait_s,
         tls=_tls_config(args),
     )
     try:

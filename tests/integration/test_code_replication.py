@@ -247,6 +247,25 @@ async def test_max_replication_wait_readies_with_too_few_replicas(cluster: Clust
     assert await replicator.replica_count(JOB_SHA) == 1
 
 
+async def test_a_wait_of_minus_one_waits_for_the_replicas(cluster: Cluster) -> None:
+    replicator = cluster.replicator(0)
+    await replicator.start()
+    cluster.monitor = ReplicationMonitor(cluster.node, cluster.brokers[0].zk, cluster.name, 2, -1)
+    await cluster.monitor.start()
+    await cluster.upload()
+    await asyncio.sleep(1.0)  # 0 would have readied it at once; -1 never gives up alone
+    assert not cluster.ready()
+    late = cluster.replicator(1, listen=False)
+    await late.start()
+    assert await late.fetch_missing([JOB_SHA], timeout_s=WAIT_S) == set()
+    await wait_for(lambda: cluster.ready(), "ready once the second replica registered")
+
+
+def test_other_negative_waits_are_refused(cluster: Cluster) -> None:
+    with pytest.raises(ValueError, match="or -1"):
+        ReplicationMonitor(cluster.node, cluster.brokers[0].zk, cluster.name, 2, -2)
+
+
 async def test_new_leaders_monitor_picks_up_unready_artifacts(cluster: Cluster) -> None:
     replicators = [cluster.replicator(i) for i in range(3)]
     for replicator in replicators:

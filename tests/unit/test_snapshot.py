@@ -153,7 +153,7 @@ CORRUPTIONS: list[tuple[Callable[[Path], None], str]] = [
     (_truncate, "truncated"),
     (_truncate_in_header, "truncated"),
     (_bad_magic, "bad magic"),
-    (_unknown_version, "unsupported format version 99"),
+    (_unknown_version, "format version 99 is newer than this broker's 1: upgrade the broker"),
     (_header_garbage, "undecodable header"),
     (_header_missing_field, "invalid header"),
     (_huge_header_length, "implausible header length"),
@@ -264,7 +264,7 @@ def test_corruption_detected_with_reason(
 def test_unknown_version_is_its_own_error(tmp_path: Path) -> None:
     path = _write(tmp_path, 1, 10, b"x")
     _unknown_version(path)
-    with pytest.raises(UnsupportedSnapshotVersionError, match="this build reads 1"):
+    with pytest.raises(UnsupportedSnapshotVersionError, match="newer than this broker's 1"):
         read_header(path)
 
 

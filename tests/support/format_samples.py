@@ -1,0 +1,146 @@
+"""Writes the checked-in format samples of tests/data/formats (docs/OPERATIONS.md, "Rolling
+upgrade"): a broker reads every earlier log entry and snapshot format, and
+tests/unit/test_format_versions.py proves it on files written by earlier code.
+
+Run it once per new format version, with the code of that version, into a new directory
+(never over an existing one: those files are what older releases wrote)::
+
+    python -m tests.support.format_samples tests/data/formats/entries-v2-snapshot-v1
+
+It writes ``entries.msgpack`` (a msgpack array of log entries exactly as logged: every entry
+type, of every entry version this code writes), ``state.snap`` (a snapshot file of the state
+they build) and ``expected.json`` (the versions and the state's digest, which the test checks
+the entries and the snapshot still give).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import msgspec
+
+from broker.core import entries as e
+from broker.core.records import Rejected
+from broker.core.snapshot_body import SNAPSHOT_BODY_VERSION
+from broker.core.state import StateMachine
+from snapshot.format import FORMAT_VERSION, read_snapshot, write_snapshot
+
+T0 = 1_700_000_000_000
+SHA = "ab" * 32
+CLUSTER = "format-samples"
+
+
+def sample_entries() -> list[e.Entry]:
+    """Every entry type today's code writes, in an order that applies without rejections."""
+
+    def task(task_id: int, **fields: object) -> e.TaskSpec:
+        return e.TaskSpec(id=task_id, type="noop", tenant="acme", **fields)  # type: ignore[arg-type]
+
+    t = T0
+    running = (e.TaskAttempt(1, 1),)
+    return [
+        e.SetConfig(time_ms=t, finished_task_retention_ms=3_600_000, global_limits={"cpu": 8}),
+        e.SetTenant(time_ms=t, tenant="acme", limits=e.TenantLimitsPatch(weight=2.0)),
+        e.CreateToken(time_ms=t, token_id="a1", name="ci", tenant="acme", sha256="cd" * 32),
+        e.CreateToken(time_ms=t, token_id="b2", name="old", role="admin", sha256="ef" * 32),
+        e.RevokeToken(time_ms=t + 1, token_id="b2"),
+        e.AddCode(time_ms=t + 2, sha256=SHA, name="job.zip", size_bytes=10, ready=False),
+        e.CodeReady(time_ms=t + 3, sha256=SHA),
+        e.RegisterWorker(
+            time_ms=t + 4,
+            worker_id="w1",
+            address="127.0.0.1:1",
+            process_id="p1",
+            resources={"cpu": 4},
+            task_types={"*": 4},
+        ),
+        e.SubmitTasks(
+            time_ms=t + 5,
+            tasks=(
+                task(1, params=b'{"n": 1}', track_tree=True, max_attempts=3),
+                task(2, slot="nightly", code=SHA),
+                task(3, start_after_ms=t + 60_000, resources={"cpu": 1}),
+            ),
+            idempotency_key="submit-1",
+            assignments=(e.Assignment(1, "w1"),),
+        ),
+        e.AssignTasks(time_ms=t + 6, assignments=(e.Assignment(2, "w1"),)),
+        e.BeginTransaction(time_ms=t + 7, transaction_id=1, tenant="acme"),
+        e.SubmitTasks(time_ms=t + 8, tasks=(task(4, transaction=1),)),
+        e.CommitTransaction(time_ms=t + 9, transaction_id=1, tenant="acme"),
+        e.BeginTransaction(time_ms=t + 10, transaction_id=2, tenant="acme"),
+        e.RollbackTransaction(time_ms=t + 11, transaction_id=2, tenant="acme"),
+        e.finish_tasks(
+            t + 12,
+            (
+                e.TaskOutcome(
+                    task_id=1,
+                    worker_id="w1",
+                    attempt=1,
+                    ok=True,
+                    result=b"42",
+                    spawn=(e.Spawn(task(5), anchors=(1,)),),
+                ),
+            ),
+        ),
+        # Version 2: an attempt given back (docs/DESIGN.md §6, "Stopping").
+        e.finish_tasks(
+            t + 13,
+            (e.TaskOutcome(task_id=2, worker_id="w1", attempt=1, ok=False, released=True),),
+        ),
+        e.CancelTask(time_ms=t + 14, task_id=3),
+        e.RegisterWorker(
+            time_ms=t + 15,
+            worker_id="w1",
+            address="127.0.0.1:1",
+            process_id="p2",
+            task_types={"*": 4},
+            running=running,
+        ),
+        e.WorkerDead(time_ms=t + 16, worker_id="w1"),
+        e.Tick(time_ms=t + 17),
+    ]
+
+
+def write_samples(directory: Path) -> dict[str, object]:
+    directory.mkdir(parents=True, exist_ok=False)  # never over an earlier release's files
+    entries = sample_entries()
+    machine = StateMachine()
+    for entry in entries:
+        result = machine.apply(entry).result
+        if isinstance(result, Rejected):
+            raise SystemExit(f"sample entry {entry!r} rejected: {result.message}")
+    encoded = [e.encode_entry(entry) for entry in entries]
+    (directory / "entries.msgpack").write_bytes(msgspec.msgpack.encode(encoded))
+    body = machine.encode_snapshot()
+    info = write_snapshot(
+        directory,
+        cluster_id=CLUSTER,
+        ledger_id=1,
+        entry_id=len(entries) - 1,
+        created_ms=T0,
+        digest=machine.digest(),
+        body=body,
+    )
+    info.path.rename(directory / "state.snap")
+    read_snapshot(directory / "state.snap")  # written whole
+    expected: dict[str, object] = {
+        "entry_format_version": e.ENTRY_FORMAT_VERSION,
+        "entry_versions": sorted({entry.v for entry in entries}),
+        "entry_types": sorted({type(entry).__name__ for entry in entries}),
+        "snapshot_format_version": FORMAT_VERSION,
+        "snapshot_body_version": SNAPSHOT_BODY_VERSION,
+        "cluster_id": CLUSTER,
+        "entries": len(entries),
+        "digest": machine.digest(),
+    }
+    (directory / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
+    return expected
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m tests.support.format_samples NEW_DIRECTORY")
+    print(json.dumps(write_samples(Path(sys.argv[1])), indent=2))
