@@ -27,9 +27,9 @@ from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
 from clients.dev.zk import ZooKeeperServer
 from tests.support.cluster_procs import ClusterProcesses
+from tests.support.format_samples import bump_file_version
 from tests.support.procs import steward_command
 from tests.support.worker_procs import wait_until
-from tests.unit.test_format_versions import _bump_file_version
 
 EXIT_TIMEOUT_S = 40.0
 
@@ -145,7 +145,7 @@ def test_a_snapshot_of_a_newer_release_stops_the_broker(
         assert c.stop(leader.broker_id) == 0  # a clean stop takes a snapshot
         snapshots = sorted((leader.data_dir / "snapshots").glob("snapshot-*.snap"))
         assert snapshots, "no snapshot at the clean stop"
-        _bump_file_version(snapshots[-1])
+        bump_file_version(snapshots[-1])
         leader.spawn()
         assert leader.wait_exit(EXIT_TIMEOUT_S) != 0
         text = leader.log_text()

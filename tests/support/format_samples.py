@@ -16,6 +16,7 @@ the entries and the snapshot still give).
 from __future__ import annotations
 
 import json
+import struct
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from broker.core import entries as e
 from broker.core.records import Rejected
 from broker.core.snapshot_body import SNAPSHOT_BODY_VERSION
 from broker.core.state import StateMachine
-from snapshot.format import FORMAT_VERSION, read_snapshot, write_snapshot
+from snapshot.format import FORMAT_VERSION, MAGIC, read_snapshot, write_snapshot
 
 T0 = 1_700_000_000_000
 SHA = "ab" * 32
@@ -138,6 +139,18 @@ def write_samples(directory: Path) -> dict[str, object]:
     }
     (directory / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
     return expected
+
+
+def bump_file_version(path: Path) -> None:
+    """Rewrite the header's format_version to the next one (header checksum aside: the
+    version is checked first, as a newer layout may differ anywhere after it)."""
+    data = path.read_bytes()
+    (length,) = struct.unpack(">I", data[len(MAGIC) : len(MAGIC) + 4])
+    start = len(MAGIC) + 4
+    header = msgspec.msgpack.decode(data[start : start + length])
+    header["format_version"] = FORMAT_VERSION + 1
+    raw = msgspec.msgpack.encode(header)
+    path.write_bytes(MAGIC + struct.pack(">I", len(raw)) + raw + data[start + length :])
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ tests/support/format_samples.py) and refuses newer ones with a message naming th
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import msgspec
@@ -22,14 +21,13 @@ from broker.replication.common import NewerFormatError
 from broker.replication.snapshots import Snapshots
 from snapshot.format import (
     FORMAT_VERSION,
-    MAGIC,
     NewerSnapshotVersionError,
     read_snapshot,
     snapshot_file_name,
     write_snapshot,
 )
 from snapshot.store import SnapshotStore
-from tests.support.format_samples import CLUSTER, sample_entries
+from tests.support.format_samples import CLUSTER, bump_file_version, sample_entries
 
 FORMATS = Path(__file__).resolve().parents[1] / "data" / "formats"
 SAMPLES = sorted(p for p in FORMATS.iterdir() if p.is_dir())
@@ -125,21 +123,9 @@ def _write(directory: Path, body: bytes, position: tuple[int, int] = (1, 5)) -> 
     return info.path
 
 
-def _bump_file_version(path: Path) -> None:
-    """Rewrite the header's format_version to the next one (header checksum aside: the
-    version is checked first, as a newer layout may differ anywhere after it)."""
-    data = path.read_bytes()
-    (length,) = struct.unpack(">I", data[len(MAGIC) : len(MAGIC) + 4])
-    start = len(MAGIC) + 4
-    header = msgspec.msgpack.decode(data[start : start + length])
-    header["format_version"] = FORMAT_VERSION + 1
-    raw = msgspec.msgpack.encode(header)
-    path.write_bytes(MAGIC + struct.pack(">I", len(raw)) + raw + data[start + length :])
-
-
 def test_a_newer_snapshot_file_is_refused_naming_its_version(tmp_path: Path) -> None:
     path = _write(tmp_path, StateMachine().encode_snapshot())
-    _bump_file_version(path)
+    bump_file_version(path)
     with pytest.raises(NewerSnapshotVersionError, match="format version 2 is newer"):
         read_snapshot(path)
 
@@ -157,7 +143,7 @@ async def test_a_broker_refuses_to_boot_from_a_newer_snapshot(tmp_path: Path, wh
     store = SnapshotStore(tmp_path, cluster_id=CLUSTER)
     _write(tmp_path, StateMachine().encode_snapshot(), (1, 1))  # an older, readable one
     if what == "file":
-        _bump_file_version(_write(tmp_path, StateMachine().encode_snapshot(), (2, 1)))
+        bump_file_version(_write(tmp_path, StateMachine().encode_snapshot(), (2, 1)))
     else:
         _write(tmp_path, _newer_body(), (2, 1))
     snapshots = Snapshots(_Node(store))  # type: ignore[arg-type]
