@@ -95,14 +95,17 @@ class CodeArtifactsMixin(MachineBase):
             if (code := tasks[task_id].code) is not None
         }
 
-    def unneeded_artifacts(self, unused_for_ms: int) -> list[str]:
-        """Artifacts no task has needed for ``unused_for_ms`` (code retention's candidates)."""
+    def unneeded_artifacts(self, unused_for_ms: int, now_ms: int | None = None) -> list[str]:
+        """Artifacts no task has needed for ``unused_for_ms`` by ``now_ms`` (default the
+        state's clock, which stands still while no entry is applied; the leader passes its
+        own): code retention's candidates."""
+        now_ms = self.now_ms if now_ms is None else now_ms
         in_use = self.codes_in_use()
         return sorted(
             a.sha256
             for a in self.artifacts.values()
             if a.sha256 not in in_use
-            and max(a.created_ms, a.last_used_ms) + unused_for_ms <= self.now_ms
+            and max(a.created_ms, a.last_used_ms) + unused_for_ms <= now_ms
         )
 
     def _delete_code(self, entry: e.DeleteCode) -> Artifact | Rejected:

@@ -73,7 +73,8 @@ class CodeRetention:
             return 0
         retention_ms = self._retention_ms
         deleted = 0
-        for sha256 in self._node.state.unneeded_artifacts(retention_ms):
+        state, now_ms = self._node.state, self._node.clock_ms()
+        for sha256 in state.unneeded_artifacts(retention_ms, now_ms):
             result = await self._node.propose(partial(_delete_entry, sha256, retention_ms))
             if isinstance(result, Rejected):
                 logger.info("code retention kept %s: %s", sha256[:12], result.message)

@@ -3,19 +3,29 @@ machine (owners, live users, retention), the store's removal, and the HTTP route
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import os
 import time
+from functools import partial
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
+import httpx
 import msgspec
+import pytest
 
 from broker.artifacts.code_store import CodeStore
 from broker.core import entries as e
 from broker.core.effects import Applied
 from broker.core.state import Artifact, ErrorCode, StateMachine, TaskState
+from broker.ha.code_retention import CodeRetention
+from broker.workers.liveness import DROPPED_CODE_MAX, DROPPED_CODE_WINDOW_S, Liveness
+from broker.workers.worker_link import WorkerLinkConfig
+from clients.worker.artifacts import ArtifactCache, CodeDrops
 from tests.support.http_api import Api
 from tests.support.machine import Machine, code
+from tests.support.memory_node import memory_node
 
 SHA: Final = "ab" * 32
 OTHER: Final = "cd" * 32
@@ -177,3 +187,119 @@ async def test_http_delete(api: Api) -> None:
     assert listed.json()["artifacts"] == []
     bad = await api.client.delete("/api/v1/code/xyz")
     assert bad.status_code in (400, 404)
+
+
+def _serving_cache(tmp_path: Path, files: dict[str, bytes], **kwargs: Any) -> ArtifactCache:
+    def handler(request: httpx.Request) -> httpx.Response:
+        sha = request.url.path.rsplit("/", 1)[-1]
+        data = files.get(sha)
+        return httpx.Response(200, content=data) if data is not None else httpx.Response(404)
+
+    return ArtifactCache(
+        tmp_path / "cache", "http://broker.test", transport=httpx.MockTransport(handler), **kwargs
+    )
+
+
+def test_worker_cache_drops_deleted_artifacts_and_evicts_least_recently_used(
+    tmp_path: Path,
+) -> None:
+    blobs = [f"X = {i}\n".encode() * 100 for i in range(3)]  # 600 bytes each
+    files = {hashlib.sha256(b).hexdigest(): b for b in blobs}
+    first, second, third = files
+    cache = _serving_cache(tmp_path, files, max_cache_bytes=1300)
+    try:
+        cache.fetch(first)
+        cache.fetch(second)
+        assert cache.usage() == (2, 1200)
+        old = time.time() - 60
+        os.utime(cache.cache_dir / f"{first}.py", (old, old))
+        cache.fetch(first)  # a use: now the most recent
+        os.utime(cache.cache_dir / f"{second}.py", (old, old))
+        cache.fetch(third)  # over the bound: the least recently used (second) goes
+        names = sorted(p.name for p in cache.cache_dir.iterdir() if p.suffix == ".py")
+        assert names == sorted([f"{first}.py", f"{third}.py"])
+        # A deleted artifact is dropped; dropping one not cached is harmless.
+        assert cache.drop(first)
+        assert not cache.drop(first)
+        assert cache.usage() == (1, 600)
+        # Needed again (uploaded again): downloaded again.
+        downloads = cache.downloads
+        cache.fetch(first)
+        assert cache.downloads == downloads + 1
+    finally:
+        cache.close()
+
+
+def test_worker_cache_unbounded_with_zero(tmp_path: Path) -> None:
+    blobs = [f"Y = {i}\n".encode() * 100 for i in range(3)]
+    files = {hashlib.sha256(b).hexdigest(): b for b in blobs}
+    cache = _serving_cache(tmp_path, files, max_cache_bytes=0)
+    try:
+        for sha in files:
+            cache.fetch(sha)
+        assert cache.usage()[0] == 3
+    finally:
+        cache.close()
+
+
+def test_heartbeats_name_deleted_code_for_a_while(tmp_path: Path) -> None:
+    now = [1000.0]
+    liveness = Liveness(memory_node(tmp_path), WorkerLinkConfig(), {}, lambda: now[0])
+    liveness.code_deleted(SHA)
+    liveness.code_deleted(OTHER)
+    assert liveness._dropped_code(now[0]) == (SHA, OTHER)
+    liveness.code_added(OTHER)  # uploaded again: no longer dropped
+    assert liveness._dropped_code(now[0]) == (SHA,)
+    now[0] += DROPPED_CODE_WINDOW_S + 1
+    assert liveness._dropped_code(now[0]) == ()
+    for i in range(DROPPED_CODE_MAX + 5):
+        liveness.code_deleted(f"{i:064x}")
+    assert len(liveness._dropped_code(now[0])) == DROPPED_CODE_MAX
+
+
+async def test_code_drops_handles_each_named_sha_once(tmp_path: Path) -> None:
+    blob = b"Z = 1\n"
+    sha = hashlib.sha256(blob).hexdigest()
+    cache = _serving_cache(tmp_path, {sha: blob})
+    drops = CodeDrops(cache)
+    try:
+        await asyncio.to_thread(cache.fetch, sha)
+        drops.on_heartbeat((sha, "not-a-sha"))
+        await asyncio.wait_for(asyncio.gather(*drops._background), 10)
+        assert cache.usage() == (0, 0)
+        await asyncio.to_thread(cache.fetch, sha)  # uploaded and used again meanwhile
+        drops.on_heartbeat((sha,))  # the same list again: not dropped a second time
+        assert not drops._background
+        assert cache.usage() == (1, len(blob))
+    finally:
+        cache.close()
+
+
+async def test_retention_sweep_deletes_only_unneeded_artifacts(tmp_path: Path) -> None:
+    node = memory_node(tmp_path)
+    await node.start()
+    try:
+        for sha in (SHA, OTHER):
+            await node.propose(
+                partial(
+                    lambda sha, stamp: e.AddCode(
+                        time_ms=stamp.now_ms, sha256=sha, name="a.py", size_bytes=1
+                    ),
+                    sha,
+                )
+            )
+        await node.propose(
+            lambda stamp: e.SubmitTasks(
+                time_ms=stamp.now_ms,
+                tasks=(e.TaskSpec(id=1, type="py", tenant="t", code=OTHER),),
+            )
+        )
+        retention = CodeRetention(node, 1)
+        await asyncio.sleep(0.01)
+        assert await retention.sweep() == 1
+        assert list(node.state.artifacts) == [OTHER]  # a waiting task needs it
+        with pytest.raises(ValueError):
+            CodeRetention(node, -1)
+        await CodeRetention(node, 0).start()  # 0: keeps forever, starts nothing
+    finally:
+        await node.stop()
