@@ -85,6 +85,7 @@ from broker.artifacts.artifact_check import (
 )
 from broker.core.entries import SHA256_RE
 from broker.security.auth import bearer_headers
+from clients.worker.config import DEFAULT_MAX_CACHE_BYTES
 from log.private_fs import make_private_dirs
 
 logger = logging.getLogger(__name__)
@@ -92,10 +93,6 @@ logger = logging.getLogger(__name__)
 PREFIX: Final = "steward_artifact_"
 _ZIP_MAGIC: Final = (b"PK\x03\x04", b"PK\x05\x06")
 _CHUNK_BYTES: Final = 1024 * 1024
-
-
-# A worker's cache beyond this evicts its least recently used artifacts.
-DEFAULT_MAX_CACHE_BYTES: Final = 4 * 1024 * 1024 * 1024
 
 
 class ArtifactError(Exception):

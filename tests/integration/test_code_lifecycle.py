@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
 from clients.dev.zk import ZooKeeperServer
 from tests.support.cluster_procs import BrokerNode, ClusterProcesses
@@ -120,6 +121,15 @@ def test_delete_refused_while_needed_then_gone_everywhere_and_retention(
         wait_until(
             "the worker to drop it from its cache", lambda: not cached(cache_dir, sha256), 15
         )
+        # Its replica znodes go too (the artifact's parent node with the last of them).
+        zk = KazooClient(hosts=zookeeper.connect_string)
+        zk.start(timeout=15)
+        try:
+            replicas = f"/steward/{cluster.name}/code/{sha256}"
+            wait_until("its replica znodes to go", lambda: zk.exists(replicas) is None, 15)
+        finally:
+            zk.stop()
+            zk.close()
         for node in cluster.live():
             gone = httpx.get(f"{node.url}/api/v1/code/{sha256}", timeout=5)
             assert gone.status_code == 404, (node.broker_id, gone.status_code)

@@ -23,6 +23,7 @@ from broker.ha.code_retention import CodeRetention
 from broker.workers.liveness import DROPPED_CODE_MAX, DROPPED_CODE_WINDOW_S, Liveness
 from broker.workers.worker_link import WorkerLinkConfig
 from clients.worker.artifacts import ArtifactCache, CodeDrops
+from tests.support.auth_env import Env, error_code
 from tests.support.http_api import Api
 from tests.support.machine import Machine, code
 from tests.support.memory_node import memory_node
@@ -303,3 +304,40 @@ async def test_retention_sweep_deletes_only_unneeded_artifacts(tmp_path: Path) -
         await CodeRetention(node, 0).start()  # 0: keeps forever, starts nothing
     finally:
         await node.stop()
+
+
+async def test_tenants_delete_their_own_uploads_with_authentication(env: Env) -> None:
+    script = b"def run(params, ctx):\n    return 3\n"
+    uploaded = await env.call("alice", "POST", "/api/v1/code?name=a.py", content=script)
+    assert uploaded.status_code == 201, uploaded.text
+    sha = uploaded.json()["sha256"]
+    url = f"/api/v1/code/{sha}"
+    # Bob is told what he would be told of a missing artifact; workers may not delete.
+    assert error_code(await env.call("bob", "DELETE", url), 404) == "not_found"
+    assert (await env.call("worker", "DELETE", url)).status_code == 403
+    # Shared by Bob's upload of the same bytes: Alice's delete drops her claim only.
+    again = await env.call("bob", "POST", "/api/v1/code?name=b.py", content=script)
+    assert again.status_code == 201
+    mine = await env.call("alice", "DELETE", url)
+    assert mine.status_code == 200 and mine.json()["name"] == "a.py", mine.text
+    assert env.node.state.artifacts[sha].owners == ["bob"]
+    assert error_code(await env.call("alice", "GET", url), 404) == "not_found"
+    assert (await env.call("bob", "GET", url)).status_code == 200
+    # Bob's is the last claim: the artifact goes.
+    assert (await env.call("bob", "DELETE", url)).status_code == 200
+    assert sha not in env.node.state.artifacts
+    # An admin's upload is shared: a tenant's delete is refused, an admin's is not.
+    shared = await env.call("admin", "POST", "/api/v1/code?name=s.py", content=script)
+    assert error_code(await env.call("alice", "DELETE", url), 409) == "conflict"
+    assert shared.status_code == 201
+    assert (await env.call("admin", "DELETE", url)).status_code == 200
+
+
+def test_store_removes_files_the_state_does_not_know(tmp_path: Path) -> None:
+    store = CodeStore(tmp_path / "code")
+    kept = store.put(b"a = 1\n")
+    orphan = store.put(b"b = 2\n")
+    (store.directory / "notes.txt").write_text("not an artifact")
+    assert store.remove_unknown({kept}) == 1
+    assert store.has(kept) and not store.has(orphan)
+    assert (store.directory / "notes.txt").exists()
