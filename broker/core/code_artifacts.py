@@ -4,6 +4,8 @@ waiting for an artifact that is not ready are parked on it (docs/DESIGN.md §7).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from broker.core import entries as e
 from broker.core.entries import SHA256_RE
 from broker.core.machine_base import MachineBase
@@ -13,7 +15,10 @@ from broker.core.records import (
     ArtifactUpload,
     ErrorCode,
     Rejected,
+    Task,
+    TreeState,
 )
+from broker.core.transitions import TaskState
 from broker.core.validation import (
     NAME_RE,
 )
@@ -75,25 +80,26 @@ class CodeArtifactsMixin(MachineBase):
                 task = tasks[task_id]
                 self.waiting.setdefault(task.tenant, {})[task_id] = None
 
-    def code_users(self, sha256: str) -> list[int]:
-        """Ids of the live tasks (pending, delayed, waiting, running) using the artifact."""
+    def _needing_code(self) -> Iterator[Task]:
+        """The tasks that need their code: the live ones (pending, delayed, waiting,
+        running), and the finished roots of pending trees (a failing tree replays them)."""
         tasks = self.tasks
-        return sorted(
-            task_id
-            for state in LIVE_STATES
-            for task_id in self.by_state[state]
-            if tasks[task_id].code == sha256
-        )
+        for state in LIVE_STATES:
+            for task_id in self.by_state[state]:
+                yield tasks[task_id]
+        for tree in self.trees.values():
+            if tree.state == TreeState.PENDING:
+                root = tasks.get(tree.root)
+                if root is not None and root.state == TaskState.FINISHED:
+                    yield root
+
+    def code_users(self, sha256: str) -> list[int]:
+        """Ids of the tasks that need the artifact (:meth:`_needing_code`)."""
+        return sorted(task.id for task in self._needing_code() if task.code == sha256)
 
     def codes_in_use(self) -> set[str]:
-        """Every artifact a live task uses (one pass over the live tasks)."""
-        tasks = self.tasks
-        return {
-            code
-            for state in LIVE_STATES
-            for task_id in self.by_state[state]
-            if (code := tasks[task_id].code) is not None
-        }
+        """Every artifact a task needs (one pass over the tasks that need theirs)."""
+        return {task.code for task in self._needing_code() if task.code is not None}
 
     def unneeded_artifacts(self, unused_for_ms: int, now_ms: int | None = None) -> list[str]:
         """Artifacts no task has needed for ``unused_for_ms`` by ``now_ms`` (default the
@@ -133,7 +139,8 @@ class CodeArtifactsMixin(MachineBase):
             more = f" and {len(users) - 20} more" if len(users) > 20 else ""
             return Rejected(
                 ErrorCode.CONFLICT,
-                f"code artifact {entry.sha256} is needed by waiting or running tasks {shown}{more}",
+                f"code artifact {entry.sha256} is needed by tasks {shown}{more} (not final,"
+                " or the root of a pending tree, which a failure replays)",
             )
         if entry.unused_for_ms > 0 and (
             max(artifact.created_ms, artifact.last_used_ms) + entry.unused_for_ms > self.now_ms

@@ -25,7 +25,7 @@ from broker.workers.worker_link import WorkerLinkConfig
 from clients.worker.artifacts import ArtifactCache, CodeDrops
 from tests.support.auth_env import Env, error_code
 from tests.support.http_api import Api
-from tests.support.machine import Machine, code
+from tests.support.machine import Machine, Trees, code
 from tests.support.memory_node import memory_node
 
 SHA: Final = "ab" * 32
@@ -341,3 +341,18 @@ def test_store_removes_files_the_state_does_not_know(tmp_path: Path) -> None:
     assert store.remove_unknown({kept}) == 1
     assert store.has(kept) and not store.has(orphan)
     assert (store.directory / "notes.txt").exists()
+
+
+def test_the_finished_root_of_a_pending_tree_keeps_its_code() -> None:
+    """A failing tree replays its root: the root's code is needed until the tree ends."""
+    sm = Trees()
+    add_code(sm)
+    root = sm.root(code=SHA, max_attempts=2)
+    (child,) = sm.done(root, sm.child(root))
+    assert sm.state(root) == TaskState.FINISHED and sm.tree(root).state == "pending"
+    refused = delete(sm)
+    assert code(refused) == ErrorCode.CONFLICT and str(root) in refused.message  # type: ignore[attr-defined]
+    assert sm.m.unneeded_artifacts(0) == []
+    sm.done(child)
+    assert sm.tree(root).state == "completed"
+    assert isinstance(delete(sm), Artifact)
