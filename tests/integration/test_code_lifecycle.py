@@ -4,8 +4,9 @@ A cluster of 3 ``steward broker`` processes with one ``steward worker``:
 
 - an artifact is uploaded and a task of it runs on the worker (so the worker caches it);
 - ``DELETE /api/v1/code/{sha}`` is refused (409, naming the task) while the task runs,
-  and allowed once it finished: the file then leaves every broker's store and the
-  worker's cache, the store metrics say so, and a submit that uses it is refused;
+  and allowed once it finished (``steward code delete``): the file then leaves every
+  broker's store, its replica znodes and the worker's cache, the store metrics say so,
+  and a submit that uses it is refused;
 - an artifact no task needed for ``--code-retention-h`` is deleted by the leader the same
   way.
 """
@@ -13,6 +14,7 @@ A cluster of 3 ``steward broker`` processes with one ``steward worker``:
 from __future__ import annotations
 
 import re
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
 from clients.dev.zk import ZooKeeperServer
 from tests.support.cluster_procs import BrokerNode, ClusterProcesses
+from tests.support.procs import steward_command
 
 JOB = b"import time\n\n\ndef run(params, ctx):\n    time.sleep(params['s'])\n    return 1\n"
 OTHER_JOB = b"def run(params, ctx):\n    return 2\n"
@@ -109,9 +112,18 @@ def test_delete_refused_while_needed_then_gone_everywhere_and_retention(
             f"{leader.url}/api/v1/tasks/{task_id}", params={"wait_s": 30}, timeout=40
         ).json()
         assert final["state"] == "finished", final
-        deleted = httpx.delete(f"{leader.url}/api/v1/code/{sha256}", timeout=10)
-        assert deleted.status_code == 200, deleted.text
-        assert deleted.json()["sha256"] == sha256
+        # Through the CLI (and so the Python client), given every broker's URL.
+        urls = ",".join(node.url for node in cluster.live())
+        result = subprocess.run(
+            [*steward_command(), "--url", urls, "code", "delete", sha256],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+        assert result.returncode == 0, (result.stdout, result.stderr)
+        assert f"deleted code artifact {sha256} (job.py)" in result.stdout
 
         wait_until(
             "the file to leave every broker's store",
