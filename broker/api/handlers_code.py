@@ -1,4 +1,4 @@
-"""Handlers of code artifacts: upload (checked out of process), list, download."""
+"""Handlers of code artifacts: upload (checked out of process), list, download, delete."""
 
 from __future__ import annotations
 
@@ -70,6 +70,32 @@ async def upload_code(api: ApiContext, request: Request) -> tuple[int, bytes]:
     # Always 201 and the uploader's own name and time: the same answer whether or not
     # another tenant sent these bytes before.
     return 201, json_encoder.encode(artifact_view(result, owner))
+
+
+async def delete_code(api: ApiContext, request: Request) -> tuple[int, bytes]:
+    """A log entry (docs/DESIGN.md §7): once applied, every broker removes the file; 409
+    while a live task needs it. A tenant deletes only its own uploads (an artifact
+    other tenants uploaded too loses that tenant's claim only); an admin any."""
+    if request.body.strip():
+        raise HttpError(400, "invalid_request", "delete takes no body")
+    sha256 = request.params[0]
+    tenant = request.principal.tenant if api.config.auth.enabled else None
+    known = api.node.state.artifacts.get(sha256)
+    # The caller's view before the delete drops its upload record.
+    view = artifact_view(known, tenant) if known is not None else None
+    result = await api.node.propose(
+        lambda stamp: e.DeleteCode(time_ms=stamp.now_ms, sha256=sha256, tenant=tenant)
+    )
+    if isinstance(result, Rejected):
+        raise rejected_error(result)
+    assert isinstance(result, Artifact)
+    logger.info(
+        "code artifact %s deleted by %s (client %s)",
+        sha256[:12],
+        tenant or "an admin",
+        request.peer,
+    )
+    return 200, json_encoder.encode(view or artifact_view(result, tenant))
 
 
 def _may_read_code(api: ApiContext, request: Request, artifact: Artifact) -> bool:

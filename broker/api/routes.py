@@ -286,6 +286,16 @@ ROUTES: Final[tuple[Route, ...]] = (
           "Download a code artifact by its sha256", {200: _raw("The artifact's bytes")},
           params=(_SHA256,),
           operation_id="download_code", tag="code"),
+    Route("DELETE", "/api/v1/code/{sha256}", TENANT, handlers_code.delete_code,
+          "Delete a code artifact (its uploading tenant or an admin)",
+          {200: _json(m.ArtifactView)}, params=(_SHA256,),
+          description=(
+              "Logged; every broker removes the file once applied and workers drop it"
+              " from their caches. 409 while a pending, delayed, waiting or running task"
+              " uses it (the answer names them). A tenant's delete of an artifact other"
+              " tenants uploaded too drops only its own claim."
+          ),
+          operation_id="delete_code", tag="code", errors=(409,)),
     # --- cluster and this broker -------------------------------------------------------
     Route("GET", "/api/v1/cluster", WORKER, handlers_cluster.cluster, "Cluster summary",
           {200: _json(m.ClusterSummary)},

@@ -21,6 +21,7 @@ import re
 import sys
 import tempfile
 import threading
+from collections.abc import Container
 from pathlib import Path
 from typing import Final
 
@@ -31,6 +32,7 @@ from broker.artifacts.artifact_check import (
     count_zip_entries,
     limits_json,
 )
+from broker.core import entries as e
 from broker.core.entries import SHA256_RE
 from log.private_fs import make_private_dirs
 
@@ -43,6 +45,7 @@ __all__ = [
     "InvalidArtifactError",
     "UploadChecker",
     "check_artifact_name",
+    "code_deleted",
 ]
 
 logger = logging.getLogger(__name__)
@@ -213,6 +216,56 @@ class CodeStore:
             self._verified.add(sha256)
         return data
 
+    def remove(self, sha256: str, written_before_ms: int | None = None) -> bool:
+        """Remove an artifact's file; True when one was removed. With ``written_before_ms``
+        a file written at or after that time is kept: an upload of the same bytes that
+        raced a delete (stored, its AddCode not yet applied) must not lose its file."""
+        path = self.path(sha256)
+        try:
+            if written_before_ms is not None and path.stat().st_mtime * 1000 >= written_before_ms:
+                logger.info("code artifact %s: written again since its delete; kept", sha256)
+                return False
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        with self._lock:
+            self._verified.discard(sha256)
+        logger.info("code artifact %s removed from this broker's store", sha256)
+        return True
+
+    def remove_unknown(self, known: Container[str]) -> int:
+        """Remove stored artifacts the state does not know (deleted while no listener
+        ran); only where the state is complete and no upload is in flight, i.e. at a
+        standalone broker's start. Blocking; returns how many were removed."""
+        removed = 0
+        for name in sorted(os.listdir(self.directory)):
+            if SHA256_RE.fullmatch(name) and name not in known and self.remove(name):
+                removed += 1
+        return removed
+
+    def on_applied(self, entry: e.Entry, applied: object = None) -> None:
+        """Node apply listener: a DeleteCode that deleted the artifact removes its file
+        here (on every broker: docs/DESIGN.md §7)."""
+        if not isinstance(entry, e.DeleteCode):
+            return
+        owners = getattr(getattr(applied, "result", None), "owners", None)
+        if isinstance(owners, list) and code_deleted(entry, owners):
+            self.remove(entry.sha256, written_before_ms=entry.time_ms)
+
+    def usage(self) -> tuple[int, int]:
+        """(artifact count, total bytes) of the stored artifacts (blocking: a scan)."""
+        count = size_bytes = 0
+        try:
+            with os.scandir(self.directory) as entries:
+                for item in entries:
+                    if SHA256_RE.fullmatch(item.name):
+                        with contextlib.suppress(FileNotFoundError):
+                            size_bytes += item.stat().st_size
+                            count += 1
+        except FileNotFoundError:
+            pass
+        return count, size_bytes
+
     def _drop(self, sha256: str, actual: str) -> None:
         logger.warning(
             "code artifact %s: the stored file hashes to %s (damaged or changed);"
@@ -222,6 +275,13 @@ class CodeStore:
         )
         with contextlib.suppress(FileNotFoundError):
             self.path(sha256).unlink()
+
+
+def code_deleted(entry: e.DeleteCode, owners: list[str]) -> bool:
+    """Whether an applied (not rejected) DeleteCode whose result (the artifact) has these
+    ``owners`` deleted the artifact, rather than only dropping one tenant's claim on it
+    (then that tenant is no longer an owner)."""
+    return entry.tenant is None or entry.tenant in owners
 
 
 def _file_sha256(path: Path) -> str:

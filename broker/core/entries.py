@@ -233,6 +233,18 @@ class CodeReady(_Entry, frozen=True, tag="code_ready"):
     sha256: str = ""
 
 
+class DeleteCode(_Entry, frozen=True, tag="code_delete"):
+    """An artifact is deleted (docs/DESIGN.md §7): every broker removes its file once
+    applied. ``tenant`` None is an admin's delete (or no authentication); a tenant's
+    delete of an artifact other tenants also uploaded only drops that tenant's claim.
+    ``unused_for_ms`` > 0 is the leader's retention: applied only if no task has needed
+    the artifact for that long (re-checked here, so a task submitted meanwhile wins)."""
+
+    sha256: str = ""
+    tenant: str | None = None
+    unused_for_ms: int = 0
+
+
 class CreateToken(_Entry, frozen=True, tag="token_create"):
     """An API token was issued. Only the SHA-256 of its secret is logged; the id and the
     hash come from the leader's API handler, so every replica stores the same record."""
@@ -267,6 +279,7 @@ Entry = (
     | CodeReady
     | CreateToken
     | RevokeToken
+    | DeleteCode
 )
 
 

@@ -198,6 +198,8 @@ class MachineBase:
                 del self.slots[(task.tenant, task.slot)]
             self._effects.append(TaskFinal(task.id, new))
             task.finished_ms = self.now_ms
+            if task.code is not None and (artifact := self.artifacts.get(task.code)):
+                artifact.last_used_ms = self.now_ms  # code retention counts from here
             self._push_timer(
                 self.now_ms + self.config.finished_task_retention_ms, _Timer.PURGE, task.id
             )

@@ -164,6 +164,9 @@ class Artifact(msgspec.Struct, array_like=True, gc=False):
     # Each uploading tenant's own name and time, in upload order (the default reads older
     # snapshots); ``name`` and ``created_ms`` above are the first or the shared upload's.
     uploads: list[ArtifactUpload] = []
+    # When the last task that needed it (a live task using it) ended; 0: none yet. With
+    # created_ms, what code retention measures (the default reads older snapshots).
+    last_used_ms: int = 0
 
     def upload_of(self, tenant: str) -> ArtifactUpload | None:
         for upload in self.uploads:

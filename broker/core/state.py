@@ -121,6 +121,7 @@ class StateMachine(WorkersMixin, TenantsMixin, CodeArtifactsMixin):
             e.CodeReady: self._code_ready,
             e.CreateToken: self._create_token,
             e.RevokeToken: self._revoke_token,
+            e.DeleteCode: self._delete_code,
         }
 
     def apply(self, entry: e.Entry) -> Applied:

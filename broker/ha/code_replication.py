@@ -60,10 +60,11 @@ from kazoo.exceptions import (  # type: ignore[import-untyped]
     KazooException,
     NodeExistsError,
     NoNodeError,
+    NotEmptyError,
 )
 from kazoo.protocol.states import KazooState  # type: ignore[import-untyped]
 
-from broker.artifacts.code_store import SHA256_RE, CodeStore
+from broker.artifacts.code_store import SHA256_RE, CodeStore, code_deleted
 from broker.core import entries as e
 from broker.core.state import Applied, Artifact, Rejected
 from broker.replication.node import BrokerUnavailableError, Node
@@ -203,14 +204,53 @@ class CodeReplicator:
 
     # -- public API ----------------------------------------------------------------------
 
-    def on_applied(self, entry: e.Entry, *_: object) -> None:
-        """Node apply listener (the node passes more arguments; they are not needed).
+    def on_applied(self, entry: e.Entry, *_args: object) -> None:
+        """Node apply listener (the node passes the ``Applied`` result next).
 
         For an ``AddCode``: fetch the artifact now if it is missing, then register the
-        replica. Never blocks: the work runs in a background task.
+        replica; for a ``DeleteCode`` that deleted it, :meth:`forget` it. Never blocks: the
+        work runs in a background task.
         """
         if isinstance(entry, e.AddCode):
             self.ensure(entry.sha256)
+        elif isinstance(entry, e.DeleteCode) and _args and isinstance(_args[0], Applied):
+            result = _args[0].result
+            if isinstance(result, Artifact) and code_deleted(entry, result.owners):
+                self.forget(entry.sha256)
+
+    def forget(self, sha256: str) -> None:
+        """A deleted artifact: stop fetching it and unregister this broker's replica (the
+        store removes the file itself: CodeStore.on_applied)."""
+        work = self._work.pop(sha256, None)
+        if work is not None:
+            work.cancel()
+        self._pending.discard(sha256)
+        if sha256 in self._registered:
+            self._registered.discard(sha256)
+            if self._loop is not None and not self._stopping:
+                task = self._loop.create_task(
+                    self._unregister(sha256), name=f"code-rm-{sha256[:12]}"
+                )
+                self._background.append(task)
+                task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._background.remove(task)
+
+    async def _unregister(self, sha256: str) -> None:
+        """Remove this broker's replica znode, and the artifact's node once it is empty."""
+        artifact_path = f"{self._dir}/{sha256}"
+        try:
+            with contextlib.suppress(NoNodeError):
+                await kazoo_result(
+                    self._zk.delete_async(f"{artifact_path}/{self._broker_id}"), self._timeout_s
+                )
+            with contextlib.suppress(NoNodeError, NotEmptyError):
+                await kazoo_result(self._zk.delete_async(artifact_path), self._timeout_s)
+        except _ZK_ERRORS as exc:
+            # Ephemeral: it goes with the session at the latest; nothing counts it meanwhile.
+            logger.info("code artifact %s: replica not unregistered: %r", sha256, exc)
 
     def ensure(self, sha256: str) -> None:
         """Make sure the artifact gets here and is registered (in the background)."""

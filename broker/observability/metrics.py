@@ -286,6 +286,17 @@ class BrokerMetrics:
             "Entries made durable together by one group commit",
             _BATCH_BUCKETS,
         )
+        # Bound by the server to its code store (bind_code_store); 0 without one.
+        self.code_store_bytes = Gauge(
+            "steward_code_store_bytes",
+            "Bytes of the code artifacts in this broker's store",
+            registry=registry,
+        )
+        self.code_store_artifacts = Gauge(
+            "steward_code_store_artifacts",
+            "Code artifacts in this broker's store",
+            registry=registry,
+        )
         self.follower_lag_seconds = Gauge(
             "steward_follower_lag_seconds",
             "Follower only: from the leader stamping the entry last applied here until this"
@@ -328,6 +339,11 @@ class BrokerMetrics:
         self._role: Callable[[], str] = lambda: "idle"
         self._position: Callable[[], tuple[int, int]] = lambda: (-1, -1)
         registry.register(_Collector(self))
+
+    def bind_code_store(self, usage: Callable[[], tuple[int, int]]) -> None:
+        """Read the store's (artifact count, bytes) at each scrape (a directory scan)."""
+        self.code_store_artifacts.set_function(lambda: usage()[0])
+        self.code_store_bytes.set_function(lambda: usage()[1])
 
     def bind(
         self,

@@ -45,6 +45,7 @@ from broker.api.output_store import OutputStore
 from broker.artifacts.code_store import CodeStore
 from broker.core.state import LIVE_STATES
 from broker.ha.code_replication import WAIT_FOREVER, CodeReplicator, ReplicationMonitor
+from broker.ha.code_retention import CodeRetention
 from broker.ha.election import (
     ElectionError,
     LeaderElector,
@@ -124,6 +125,8 @@ class BrokerConfig:
     cluster_token: str | None = None
     # "user:password": Steward's znodes get a digest ACL that only these credentials open.
     zookeeper_auth: str | None = None
+    # Code artifacts no task needed for this long are deleted (docs/DESIGN.md §7); 0: never.
+    code_retention_ms: int = 0
 
     def __post_init__(self) -> None:
         if self.ledgers == "file" and self.ledger_dir is None:
@@ -208,6 +211,7 @@ class ClusterBroker:
         )
         self.metrics = observe_node(self.node)
         self.code_store = CodeStore(node_config.data_dir / "code")
+        self.metrics.bind_code_store(self.code_store.usage)
         # Task output while this broker leads (every leadership's link feeds the same one).
         self.outputs = OutputStore(max_total_bytes=config.workers.max_output_total_bytes)
         try:
@@ -244,7 +248,10 @@ class ClusterBroker:
             known_artifacts=lambda: list(self.node.state.artifacts),
             peer_token=config.cluster_token,
         )
+        # A deleted artifact's file goes from every broker (docs/DESIGN.md §7).
+        self.node.listeners.append(self.code_store.on_applied)
         self.node.listeners.append(self.replicator.on_applied)
+        self.retention: CodeRetention | None = None
         self.link: WorkerLink | None = None
         self.monitor: ReplicationMonitor | None = None
         self.leader_changes = 0
@@ -530,6 +537,8 @@ class ClusterBroker:
                 max_replication_wait_ms=self.config.max_replication_wait_ms,
             )
             await self.monitor.start()
+        self.retention = CodeRetention(node, self.config.code_retention_ms)
+        await self.retention.start()
         self.leader_changes += 1
         self.metrics.leaderships.inc()
         logger.info("broker %s is the acting leader at %s", node.config.broker_id, node.position)
@@ -545,6 +554,9 @@ class ClusterBroker:
         monitor, self.monitor = self.monitor, None
         if monitor is not None:
             await monitor.stop()
+        retention, self.retention = self.retention, None
+        if retention is not None:
+            await retention.stop()
 
     async def _requeue(self) -> None:
         # Back of the queue: a broker that just failed to lead lets the others try.

@@ -27,6 +27,8 @@ from broker.artifacts.code_store import CodeStore
 from broker.core import entries as e
 from broker.core.records import Task, TaskRef
 from broker.core.transitions import TaskState
+from broker.ha.code_retention import CodeRetention
+from broker.observability.metrics import BrokerMetrics
 from broker.observability.node_observer import observe_node
 from broker.replication.node import (
     VERSION,
@@ -56,6 +58,8 @@ class StandaloneConfig:
     # On SIGTERM/SIGINT: how long running tasks may still finish before they are given
     # back to the queue (docs/DESIGN.md §6, "Stopping"); child workers get the same.
     stop_grace_s: float = 15.0
+    # Code artifacts no task needed for this long are deleted (docs/DESIGN.md §7); 0: never.
+    code_retention_ms: int = 0
 
 
 def build_node(config: NodeConfig) -> Node:
@@ -99,13 +103,16 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
             worker_address=f"{config.workers.host}:{link.port}",
             worker_tls=config.tls is not None,
         )
-        app = ApiApp(
-            node,
-            config.api,
-            CodeStore(config.node.data_dir / "code"),
-            cluster=view,
-            outputs=link.outputs,
-        )
+        code_store = CodeStore(config.node.data_dir / "code")
+        # Deletes replayed at start (or missed by a crash just after one) first, then
+        # those applied from now on (docs/DESIGN.md §7).
+        await asyncio.to_thread(code_store.remove_unknown, set(node.state.artifacts))
+        node.listeners.append(code_store.on_applied)
+        if isinstance(node.metrics, BrokerMetrics):
+            node.metrics.bind_code_store(code_store.usage)
+        retention = CodeRetention(node, config.code_retention_ms)
+        await retention.start()
+        app = ApiApp(node, config.api, code_store, cluster=view, outputs=link.outputs)
         server, server_task = await start_http_server(app, config.api, tls=config.tls)
         stop = asyncio.Event()
         hurry = asyncio.Event()  # a second signal: give running tasks back now
@@ -137,6 +144,7 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
         if not server_task.done():
             await let_tasks_finish(node, link, children, config.stop_grace_s, hurry)
         await stop_http_server(server, server_task, app)
+        await retention.stop()
         await _stop_children(children)
         await link.stop()
         await node.stop()

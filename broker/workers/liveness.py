@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import msgspec
 
@@ -24,6 +24,11 @@ if TYPE_CHECKING:
 
 # The worker link's logger: these warnings were always logged under its name.
 logger = logging.getLogger("broker.workers.worker_link")
+
+# Deleted artifacts are repeated in heartbeats this long (a worker reconnecting within
+# it still hears), at most this many (a worker's cache is bounded anyway: LRU).
+DROPPED_CODE_WINDOW_S: Final = 300.0
+DROPPED_CODE_MAX: Final = 256
 
 
 class Liveness:
@@ -40,6 +45,25 @@ class Liveness:
         self.last_contact: dict[str, float] = {}
         self._declaring_dead: set[str] = set()
         self._started = clock()
+        # Code artifacts deleted lately (sha -> when), told to workers in heartbeats.
+        self._deleted_code: dict[str, float] = {}
+
+    def code_deleted(self, sha256: str) -> None:
+        """A DeleteCode applied: tell the workers to drop it (in the next heartbeats)."""
+        self._deleted_code.pop(sha256, None)
+        self._deleted_code[sha256] = self.clock()
+        while len(self._deleted_code) > DROPPED_CODE_MAX:
+            del self._deleted_code[next(iter(self._deleted_code))]
+
+    def code_added(self, sha256: str) -> None:
+        """Uploaded again: workers must no longer drop it."""
+        self._deleted_code.pop(sha256, None)
+
+    def _dropped_code(self, now: float) -> tuple[str, ...]:
+        deleted = self._deleted_code
+        while deleted and now - next(iter(deleted.values())) > DROPPED_CODE_WINDOW_S:
+            del deleted[next(iter(deleted))]
+        return tuple(deleted)
 
     def restart(self) -> None:
         """The link (re)starts: workers without contact are judged from now."""
@@ -71,12 +95,13 @@ class Liveness:
         """One heartbeat round: close silent connections, beat the others, declare dead."""
         timeout_s = self.config.heartbeat_timeout_ms / 1000
         now = self.clock()
+        dropped = self._dropped_code(now)
         for session in list(self.sessions.values()):
             if now - session.last_seen > timeout_s:
                 logger.warning("worker %s missed its heartbeat deadline", session.worker_id)
                 session.close()
                 continue
-            session.send(p.Heartbeat(seq=seq))
+            session.send(p.Heartbeat(seq=seq, dropped_code=dropped))
         if self.node.writable:
             try:
                 await self._declare_dead_workers(now, timeout_s)

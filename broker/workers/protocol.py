@@ -96,6 +96,10 @@ class Welcome(_Message, frozen=True, tag="welcome"):
 
 class Heartbeat(_Message, frozen=True, tag="heartbeat"):
     seq: int = 0
+    # Broker to worker: code artifacts deleted lately (docs/DESIGN.md §7), to drop from
+    # the worker's cache; repeated for a while so every connected worker hears it. An
+    # older worker ignores the field.
+    dropped_code: tuple[str, ...] = ()
 
 
 class AssignedTask(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -206,6 +206,14 @@ class WorkerLink:
             session = self.sessions.get(worker_id)
             if session is not None:
                 session.send(p.Cancel(tasks=tuple(attempts), reason=reason))
+        if (
+            isinstance(entry, e.DeleteCode)
+            and not isinstance(result, Rejected)
+            and entry.sha256 not in self.node.state.artifacts  # deleted, not a claim dropped
+        ):
+            self.liveness.code_deleted(entry.sha256)
+        elif isinstance(entry, e.AddCode):
+            self.liveness.code_added(entry.sha256)
         if isinstance(entry, e.RevokeToken) and not isinstance(result, Rejected):
             # A revoked worker credential loses its connections at once, not at reconnect.
             for session in list(self.sessions.values()):

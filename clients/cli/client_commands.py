@@ -62,7 +62,7 @@ def _is_write(args: argparse.Namespace) -> bool:
     if args.command == "tenant":
         return any(v is not None for v in (args.max_waiting, args.max_running, args.weight))
     if args.command == "code":
-        return bool(args.code_command == "upload")
+        return bool(args.code_command in ("upload", "delete"))
     return bool(args.command == "token" and args.token_command != "list")
 
 
@@ -233,6 +233,10 @@ def _code(client: StewardClient, args: argparse.Namespace) -> None:
         if not args.file.is_file():
             raise UsageError(f"{args.file} is not a file")
         print(client.upload_code(args.file, name=args.name))
+        return
+    if args.code_command == "delete":
+        deleted = client.delete_code(args.sha256)
+        print(f"deleted code artifact {deleted['sha256']} ({deleted['name']})")
         return
     artifacts = client.code()
     if args.json:

@@ -35,6 +35,10 @@ class NotStewardError(Exception):
         self.got = got
 
 
+# A week: long enough for a weekly job's artifact to survive between its runs.
+DEFAULT_CODE_RETENTION_H: Final = 168.0
+
+
 def shown_default(value: object) -> str:
     """A default as a user types it: (host, port) as host:port, (low, high) as low-high,
     a list as A,B; never a Python repr."""
@@ -248,6 +252,14 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
         "STEWARD_CLUSTER_TOKEN)",
     )
     _add_deprecated_secret_option(p, "--cluster-token", "STEWARD_CLUSTER_TOKEN")
+    p.add_argument(
+        "--code-retention-h",
+        type=float,
+        default=DEFAULT_CODE_RETENTION_H,
+        metavar="H",
+        help="delete code artifacts no task has needed for this many hours, from every "
+        "broker and worker cache (default %(default)s; 0: keep forever)",
+    )
     p.add_argument(
         "--heartbeat-interval-ms",
         type=int,

@@ -370,13 +370,19 @@ def _add_task_commands(sub: argparse._SubParsersAction[StewardArgumentParser]) -
         help="begin: roll back by itself unless committed within this",
     )
 
-    p = _client(sub, "code", help="code artifacts: upload, list")
+    p = _client(sub, "code", help="code artifacts: upload, list, delete")
     code_sub = p.add_subparsers(dest="code_command", required=True, metavar="ACTION")
     p = _client(code_sub, "upload", help="upload a .py, .zip or .whl; prints its sha256")
     p.add_argument("file", type=Path, help="the file to upload")
     p.add_argument("--name", help="artifact name (default: the file name)")
     p = _client(code_sub, "list", help="list uploaded artifacts")
     add_json_option(p)
+    p = _client(
+        code_sub,
+        "delete",
+        help="delete an artifact (refused while a task that has not ended needs it)",
+    )
+    p.add_argument("sha256", help="the artifact's sha256")
 
 
 def _add_admin_commands(sub: argparse._SubParsersAction[StewardArgumentParser]) -> None:

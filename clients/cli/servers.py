@@ -11,6 +11,14 @@ from typing import TYPE_CHECKING
 
 from clients.cli.options import UsageError, _tls_config
 
+
+def _code_retention_ms(args: argparse.Namespace) -> int:
+    hours = args.code_retention_h
+    if not 0 <= hours <= 100 * 365 * 24:
+        raise UsageError("--code-retention-h must be >= 0 hours (0: keep forever)")
+    return int(hours * 3600 * 1000)
+
+
 if TYPE_CHECKING:
     from broker.api.edges import HttpEdgeConfig
     from broker.api.http_api import ApiConfig
@@ -129,6 +137,7 @@ def run_standalone(args: argparse.Namespace) -> int:
         child_workers=args.workers,
         tls=_tls_config(args),
         stop_grace_s=args.stop_grace_s,
+        code_retention_ms=_code_retention_ms(args),
     )
     if args.workers < 0:
         raise UsageError("--workers must be >= 0")
@@ -220,6 +229,7 @@ def run_broker(args: argparse.Namespace) -> int:
         max_replication_wait_ms=args.max_replication_wait_ms,
         snapshot_source_wait_s=args.snapshot_source_wait_s,
         tls=_tls_config(args),
+        code_retention_ms=_code_retention_ms(args),
     )
     try:
         uvloop.run(serve_broker(config))

@@ -141,6 +141,10 @@ def code() -> Request:
     return Request("GET", "/api/v1/code", field="artifacts")
 
 
+def delete_code(sha256: str) -> Request:
+    return Request("DELETE", f"/api/v1/code/{sha256}")
+
+
 def tenant(name: str) -> Request:
     return Request("GET", f"/api/v1/tenants/{name}")
 

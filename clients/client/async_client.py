@@ -281,6 +281,10 @@ class AsyncStewardClient(_ClientBase):
         content = await asyncio.to_thread(file.read_bytes)
         return str(await self._send(calls.upload_code(name or file.name, content, self._timeout_s)))
 
+    async def delete_code(self, sha256: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._send(calls.delete_code(sha256))
+        return result
+
     async def tenant(self, name: str) -> dict[str, Any]:
         result: dict[str, Any] = await self._send(calls.tenant(name))
         return result

@@ -323,6 +323,12 @@ class StewardClient(_ClientBase):
         result: list[dict[str, Any]] = self._send(calls.code())
         return result
 
+    def delete_code(self, sha256: str) -> dict[str, Any]:
+        """Delete an artifact (yours, or any as an admin): ConflictError naming the tasks
+        that still need it. A retry after a lost answer may say NotFoundError."""
+        result: dict[str, Any] = self._send(calls.delete_code(sha256))
+        return result
+
     # tenants and cluster
 
     def tenant(self, name: str) -> dict[str, Any]:

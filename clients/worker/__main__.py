@@ -13,6 +13,7 @@ from pathlib import Path
 from broker.security.auth import secret_from_options
 from broker.security.tls import CA_ENV
 from clients.worker.config import (
+    DEFAULT_MAX_CACHE_BYTES,
     WorkerConfig,
     default_cache_dir,
     default_resources,
@@ -156,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
         " JVM in the tenant's task process, seconds to start",
     )
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir())
+    p.add_argument(
+        "--cache-max-mb",
+        type=float,
+        default=DEFAULT_MAX_CACHE_BYTES / (1024 * 1024),
+        metavar="MB",
+        help="past this the artifact cache evicts its least recently used artifacts "
+        "(0: unbounded; deleted artifacts are dropped anyway)",
+    )
     p.add_argument("--max-result-bytes", type=int, default=1024 * 1024)
     p.add_argument(
         "--token-file",
@@ -312,6 +321,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         spark_master=args.spark_master,
         spark_conf=dict(args.spark_conf),
         cache_dir=args.cache_dir,
+        max_cache_bytes=int(args.cache_max_mb * 1024 * 1024),
         max_result_bytes=args.max_result_bytes,
         token=worker_token(args),
         tls=args.tls,

@@ -52,7 +52,9 @@ prefixed ones. That is scoped per module, not per thread, so it has no races. Li
 
 from __future__ import annotations
 
+import asyncio
 import builtins
+import contextlib
 import hashlib
 import importlib
 import importlib.abc
@@ -83,6 +85,7 @@ from broker.artifacts.artifact_check import (
 )
 from broker.core.entries import SHA256_RE
 from broker.security.auth import bearer_headers
+from clients.worker.config import DEFAULT_MAX_CACHE_BYTES
 from log.private_fs import make_private_dirs
 
 logger = logging.getLogger(__name__)
@@ -263,8 +266,11 @@ class ArtifactCache:
         transport: httpx.BaseTransport | None = None,
         ssl_context: ssl.SSLContext | None = None,
         limits: ArtifactLimits | None = None,
+        max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES,
     ) -> None:
         self.cache_dir = Path(cache_dir)
+        # Least recently used artifacts go past this (0: unbounded); see _trim.
+        self.max_cache_bytes = max_cache_bytes
         self.http_url = http_url.rstrip("/")
         self.max_artifact_bytes = max_artifact_bytes
         self.limits = limits or ArtifactLimits()
@@ -286,6 +292,86 @@ class ArtifactCache:
 
     def close(self) -> None:
         self._client.close()
+
+    def drop(self, sha: str) -> bool:
+        """Remove a deleted artifact (docs/DESIGN.md §7) from the cache: its file and its
+        unpacked tree. Modules this process already imported stay loaded; a later task of
+        it downloads it again (and gets a 404 if it is really gone). True if a file went."""
+        self.check_sha(sha)
+        with self._sha_lock(sha):
+            removed = self._remove_locked(sha)
+        if removed:
+            count, size_bytes = self.usage()
+            logger.info(
+                "artifact %s dropped from the cache (deleted); cache: %d artifacts, %d bytes",
+                sha[:12],
+                count,
+                size_bytes,
+            )
+        return removed
+
+    def usage(self) -> tuple[int, int]:
+        """(artifact count, bytes of their archives/files) in the cache directory."""
+        count = size_bytes = 0
+        for _sha, _path, size, _used in self._cached_entries():
+            count += 1
+            size_bytes += size
+        return count, size_bytes
+
+    def _cached_entries(self) -> list[tuple[str, Path, int, float]]:
+        """(sha, file, size, last use) of every cached artifact file."""
+        found = []
+        for name in _listdir(self.cache_dir):
+            sha, dot, suffix = name.partition(".")
+            if not dot or suffix not in ("py", "zip") or not SHA256_RE.fullmatch(sha):
+                continue
+            path = self.cache_dir / name
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            found.append((sha, path, st.st_size, st.st_mtime))
+        return found
+
+    def _remove_locked(self, sha: str) -> bool:
+        removed = False
+        for suffix in (".py", ".zip"):
+            path = self.cache_dir / f"{sha}{suffix}"
+            if path.is_file():
+                path.unlink(missing_ok=True)
+                removed = True
+        tree = self.cache_dir / sha
+        if tree.is_dir():
+            self._move_aside(sha, tree)
+        self._drop_bytecode(sha)
+        self._verified_files.discard(sha)
+        self._verified_trees.discard(sha)
+        self._loaded.pop(sha, None)
+        return removed
+
+    def _trim(self, keep: str) -> None:
+        """Past ``max_cache_bytes``: remove the least recently used artifacts (by the
+        file's mtime, touched on each use), never ``keep`` nor one this process loaded
+        (its tasks may still import from it). Another process's in-use artifact may go:
+        it is downloaded again when needed."""
+        if not self.max_cache_bytes:
+            return
+        entries = sorted(self._cached_entries(), key=lambda entry: entry[3])
+        total = sum(entry[2] for entry in entries)
+        for sha, _path, size, _used in entries:
+            if total <= self.max_cache_bytes:
+                break
+            if sha == keep or sha in self._loaded:
+                continue
+            lock = self._sha_lock(sha)
+            if not lock.acquire(blocking=False):
+                continue  # in use by another thread right now
+            try:
+                self._remove_locked(sha)
+            finally:
+                lock.release()
+            total -= size
+            logger.info("artifact %s evicted from the cache (least recently used)", sha[:12])
 
     def _sha_lock(self, sha: str) -> threading.Lock:
         with self._lock:
@@ -343,6 +429,12 @@ class ArtifactCache:
         if path is None:
             path = self._download(sha)
             self._verified_files.add(sha)
+            self._trim(keep=sha)
+            count, size_bytes = self.usage()
+            logger.info("artifact cache: %d artifacts, %d bytes", count, size_bytes)
+        else:
+            with contextlib.suppress(OSError):
+                os.utime(path)  # the LRU order of _trim
         if path.suffix == ".py" and path.stat().st_size > self.limits.max_py_bytes:
             raise ArtifactError(
                 f"artifact {sha[:12]} is a .py of more than {self.limits.max_py_bytes} bytes"
@@ -517,6 +609,33 @@ class ArtifactCache:
         with self._sha_lock(sha):
             path = self._fetch_locked(sha)
             return path if path.suffix == ".py" else self._extract(sha, path)
+
+
+class CodeDrops:
+    """Drops the artifacts a broker's heartbeats name as deleted (docs/DESIGN.md §7) from
+    the cache: each once (the broker repeats them for a while), off the event loop (file
+    work, and a download of the same sha may hold its lock)."""
+
+    def __init__(self, cache: ArtifactCache) -> None:
+        self._cache = cache
+        self._seen: frozenset[str] = frozenset()  # what the last heartbeat named
+        self._background: set[asyncio.Task[None]] = set()
+
+    def on_heartbeat(self, shas: tuple[str, ...]) -> None:
+        seen, self._seen = self._seen, frozenset(shas)
+        new = [sha for sha in shas if sha not in seen and SHA256_RE.fullmatch(sha)]
+        if not new:
+            return
+        task = asyncio.get_running_loop().create_task(asyncio.to_thread(self._drop_all, new))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _drop_all(self, shas: list[str]) -> None:
+        for sha in shas:
+            try:
+                self._cache.drop(sha)
+            except OSError as exc:
+                logger.warning("artifact %s: could not drop it from the cache: %s", sha, exc)
 
 
 def load_verified(sha: str, path: Path) -> LoadedArtifact:

@@ -9,6 +9,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
 from broker.security.tls import TlsConfigError, client_context
 from broker.workers.protocol import DEFAULT_MAX_FRAME_BYTES
@@ -51,6 +52,10 @@ def default_task_types() -> dict[str, int]:
 
 def default_resources() -> dict[str, float]:
     return {"cpu": float(cpu_count()), "memory_mb": memory_mb()}
+
+
+# A worker's artifact cache beyond this evicts its least recently used artifacts.
+DEFAULT_MAX_CACHE_BYTES: Final = 4 * 1024 * 1024 * 1024
 
 
 def default_cache_dir() -> Path:
@@ -136,6 +141,8 @@ class WorkerConfig:
     spark_user: str | None = None  # who runs the Connect server (default: spark_connect.py)
     allow_classic_spark: bool = False  # ctx.classic_spark in task processes (connect mode)
     cache_dir: Path = field(default_factory=default_cache_dir)
+    # Past this the cache evicts its least recently used artifacts (0: unbounded).
+    max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
     # Reports finishing within this window share one Finish frame.
     finish_batch_ms: float = 0.0  # 0: next loop turn (batches what arrives together)
@@ -213,6 +220,8 @@ class WorkerConfig:
         if not 0 < self.reconnect_backoff_min_s <= self.reconnect_backoff_max_s:
             raise ValueError("need 0 < reconnect_backoff_min_s <= reconnect_backoff_max_s")
         self.cache_dir = Path(self.cache_dir)
+        if self.max_cache_bytes < 0:
+            raise ValueError("max_cache_bytes must be >= 0 (0: unbounded)")
         self.work_dir = Path(self.work_dir)
         if self.task_isolation not in ("process", "thread"):
             raise ValueError("task_isolation must be 'process' or 'thread'")

@@ -62,6 +62,7 @@ from broker.workers.protocol import (
     Welcome,
     encode_message,
 )
+from clients.worker.artifacts import CodeDrops
 from clients.worker.config import WorkerConfig
 from clients.worker.link_discovery import (
     BrokerError,
@@ -174,6 +175,7 @@ class Worker:
         self._welcomed = False  # the current/last connection got its Welcome
         self._locator = BrokerLocator(config, self.runtime.artifacts)
         self._problems = Problems(config)
+        self._code_drops = CodeDrops(self.runtime.artifacts)
 
     # -- observation --
 
@@ -491,7 +493,8 @@ class Worker:
             self._send_error(conn.writer, exc.code, exc.message)
             return False
         if isinstance(message, Heartbeat):
-            pass  # any frame proves the broker alive: the read timeout restarts
+            # Any frame proves the broker alive: the read timeout restarts.
+            self._code_drops.on_heartbeat(message.dropped_code)
         elif isinstance(message, Assign):
             self._tasks.on_assign(message.tasks, stopping=self._stopping)
         elif isinstance(message, Cancel):

@@ -158,6 +158,7 @@ class TaskRuntime:
             token=config.token,
             timeout_s=config.download_timeout_s,
             ssl_context=config.ssl_context(),
+            max_cache_bytes=config.max_cache_bytes,
         )
         self._spark_factory = spark_factory or (
             lambda: shared_spark(config.spark_master, config.spark_conf)

@@ -218,6 +218,14 @@ class Checker(TransitionChecks):
                 fail(f"artifact {entry.sha256} ready={result.ready}, entries say otherwise")
             if result.ready and entry.sha256 in m.parked:
                 fail(f"tasks still parked on ready artifact {entry.sha256}")
+        elif isinstance(entry, e.DeleteCode) and isinstance(result, Artifact):
+            # The sim's uploads are shared (no tenant): an applied delete deletes.
+            if entry.sha256 in m.artifacts or m.code_users(entry.sha256):
+                fail(f"artifact {entry.sha256} deleted but still known or used")
+            if entry.unused_for_ms and (
+                max(result.created_ms, result.last_used_ms) + entry.unused_for_ms > m.now_ms
+            ):
+                fail(f"artifact {entry.sha256} deleted by retention before it was due")
         elif isinstance(entry, e.WorkerDead) and result is None:
             worker = m.workers[entry.worker_id]
             if worker.state != WorkerState.DEAD or m.running_by_worker.get(worker.id):

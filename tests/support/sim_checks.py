@@ -62,6 +62,7 @@ RESULT_TYPES: Final[dict[type, tuple[type, ...]]] = {
     e.RegisterWorker: (WorkerReconciled, Rejected),
     e.AddCode: (Artifact, Rejected),
     e.CodeReady: (Artifact, Rejected),
+    e.DeleteCode: (Artifact, Rejected),
     e.WorkerDead: (type(None), Rejected),
 }
 
@@ -185,7 +186,8 @@ class TransitionChecks:
                     if not pre.idle or old != WAITING or tid not in self.created_now(entry):
                         fail(f"task {tid} placed by a submit that did not create it, or late")
                 code = self.code_of[tid]
-                if code is not None and not self.code_ready.get(code, False):
+                # Unknown: deleted since (a replayed tree task), not blocked by the state.
+                if code is not None and not self.code_ready.get(code, True):
                     fail(f"task {tid} started though its code {code} is not ready")
             elif old == PENDING and new in (WAITING, DELAYED):
                 if pre.txn_tasks is None or tid not in pre.txn_tasks:
@@ -424,6 +426,12 @@ class TransitionChecks:
         if isinstance(result, Rejected):
             return
         released: str | None = None
+        if isinstance(entry, e.DeleteCode):
+            if entry.sha256 in self.parked:
+                fail(f"artifact {entry.sha256} deleted with tasks parked on it")
+            self.code_ready.pop(entry.sha256, None)
+            self.stats["code deleted"] += 1
+            return
         if isinstance(entry, e.AddCode):
             if entry.sha256 not in self.code_ready:
                 self.code_ready[entry.sha256] = entry.ready

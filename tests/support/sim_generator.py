@@ -30,6 +30,7 @@ from tests.support.sim_model import (
     BAD_TENANTS,
     BAD_TYPES,
     CODE_SHAS,
+    CONFLICT,
     DELAYED,
     FINAL,
     INVALID,
@@ -120,6 +121,7 @@ class EntryGenerator:
             (self._config_random, 0.3),
             (self._add_code, 0.5),
             (self._code_ready, 0.3),
+            (self._delete_code, 0.3),
         ]
         self.kinds = [k for k, _ in kinds]
         self.kind_weights = [w for _, w in kinds]
@@ -551,6 +553,28 @@ class EntryGenerator:
         else:
             expect.accept.add(0)
         return e.CodeReady(time_ms=self._time(), sha256=sha), expect
+
+    def _delete_code(self) -> tuple[e.Entry, Expect]:
+        """An admin's or a tenant's delete, or the leader's retention (docs/DESIGN.md §7).
+        Only the certain outcomes are expected: the entry's clock advance may end tasks
+        (deadlines) that use the artifact, which decides between conflict and success."""
+        rng = self.rng
+        expect = Expect()
+        known = sorted(self.view.artifacts)
+        sha = rng.choice(known) if known and rng.random() < 0.8 else rng.choice(CODE_SHAS)
+        tenant = self._tenant() if rng.random() < 0.1 else None
+        unused_for_ms = rng.choice((0, 0, 1, 5_000, 3_600_000))
+        if rng.random() < 0.05:
+            sha = rng.choice(("", "xyz", sha + "0"))
+            expect.reject[0] = INVALID
+        elif sha not in self.view.artifacts:
+            expect.reject[0] = NOT_FOUND
+        elif tenant is not None:
+            expect.reject[0] = CONFLICT  # the sim's uploads are shared: an admin's to delete
+        entry = e.DeleteCode(
+            time_ms=self._time(), sha256=sha, tenant=tenant, unused_for_ms=unused_for_ms
+        )
+        return entry, expect
 
     def _due_times(self) -> list[int]:
         """Some future times at which timers are due (to hit them exactly)."""

@@ -115,3 +115,4 @@ class Expect:
 INVALID: Final = frozenset({ErrorCode.INVALID})
 STALE: Final = frozenset({ErrorCode.STALE})
 NOT_FOUND: Final = frozenset({ErrorCode.NOT_FOUND})
+CONFLICT: Final = frozenset({ErrorCode.CONFLICT})
