@@ -179,6 +179,24 @@ def _summary_from_info(info: dict[str, Any], *, is_leader: bool) -> m.BrokerSumm
     )
 
 
+def _protect_znodes(zk: Any, cluster_id: str) -> None:
+    """Create ``/steward`` open (other clusters, with other credentials, share it) and
+    this cluster's root with the digest ACL its sessions set by default; everything
+    below inherits that default. A root these credentials cannot open stops the start."""
+    from kazoo.exceptions import NoAuthError  # type: ignore[import-untyped]
+    from kazoo.security import OPEN_ACL_UNSAFE  # type: ignore[import-untyped]
+
+    root = cluster_path(cluster_id)
+    zk.ensure_path(ZK_ROOT, acl=OPEN_ACL_UNSAFE)
+    try:
+        zk.ensure_path(root)
+        zk.get_children(root)
+    except NoAuthError:
+        raise BrokerStartupError(
+            f"ZooKeeper refuses {root} to these credentials (--zookeeper-auth)"
+        ) from None
+
+
 class ClusterBroker:
     """One broker process's moving parts; also the API's :class:`ClusterView`."""
 
@@ -344,7 +362,7 @@ class ClusterBroker:
                 f"cannot reach ZooKeeper at {self.config.zookeeper}: {exc}"
             ) from None
         if self.config.zookeeper_auth is not None:
-            await asyncio.to_thread(self._protect_znodes)
+            await asyncio.to_thread(_protect_znodes, self.zk, self.node.config.cluster_id)
         ledgers = self.node.ledgers
         if isinstance(ledgers, PulsarLedgerStore):
             try:
@@ -363,23 +381,6 @@ class ClusterBroker:
         self._manager = asyncio.create_task(self._manage(), name="steward-roles")
         await self.elector.join()
         self.peers.start()
-
-    def _protect_znodes(self) -> None:
-        """Create ``/steward`` open (other clusters, with other credentials, share it) and
-        this cluster's root with the digest ACL its sessions set by default; everything
-        below inherits that default. A root these credentials cannot open stops the start."""
-        from kazoo.exceptions import NoAuthError  # type: ignore[import-untyped]
-        from kazoo.security import OPEN_ACL_UNSAFE  # type: ignore[import-untyped]
-
-        root = cluster_path(self.node.config.cluster_id)
-        self.zk.ensure_path(ZK_ROOT, acl=OPEN_ACL_UNSAFE)
-        try:
-            self.zk.ensure_path(root)
-            self.zk.get_children(root)
-        except NoAuthError:
-            raise BrokerStartupError(
-                f"ZooKeeper refuses {root} to these credentials (--zookeeper-auth)"
-            ) from None
 
     async def stop(self) -> None:
         """Graceful: a leader drains, closes its ledger, then hands leadership over."""

@@ -9,8 +9,9 @@ Run it once per new format version, with the code of that version, into a new di
 
 It writes ``entries.msgpack`` (a msgpack array of log entries exactly as logged: every entry
 type, of every entry version this code writes), ``state.snap`` (a snapshot file of the state
-they build) and ``expected.json`` (the versions and the state's digest, which the test checks
-the entries and the snapshot still give).
+they build) and ``expected.json`` (the versions, the state's digest as written, and what a
+user can see of that state, which the test checks the entries and the snapshot still give:
+the digest itself moves whenever a record gains a field).
 """
 
 from __future__ import annotations
@@ -102,7 +103,21 @@ def sample_entries() -> list[e.Entry]:
         ),
         e.WorkerDead(time_ms=t + 16, worker_id="w1"),
         e.Tick(time_ms=t + 17),
+        e.AddCode(time_ms=t + 18, sha256="9f" * 32, name="old.zip", size_bytes=3),
+        e.DeleteCode(time_ms=t + 19, sha256="9f" * 32),
     ]
+
+
+def observable(machine: StateMachine) -> dict[str, object]:
+    """What a user can see of a state, independent of how its body is encoded: a field
+    added later (with its default) changes the digest of the same entries, not this."""
+    return {
+        "tasks": {str(t.id): [str(t.state), t.attempt, t.worker] for t in machine.tasks.values()},
+        "tenants": sorted(machine.tenants),
+        "workers": {w.id: str(w.state) for w in machine.workers.values()},
+        "code": sorted(machine.artifacts),
+        "tokens": sorted(machine.tokens),
+    }
 
 
 def write_samples(directory: Path) -> dict[str, object]:
@@ -136,6 +151,7 @@ def write_samples(directory: Path) -> dict[str, object]:
         "cluster_id": CLUSTER,
         "entries": len(entries),
         "digest": machine.digest(),
+        "observable": observable(machine),
     }
     (directory / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
     return expected
