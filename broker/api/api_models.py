@@ -431,7 +431,7 @@ class ScheduleCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cron: str | None = None
     interval_s: float | None = None
     missed: str = "skip"  # "skip" | "run_once" | "run_all"
-    # A skip schedule's tick fired later than this is skipped.
+    # A skip schedule's tick fired later than this (1 s to 366 days) is skipped.
     grace_s: float = 60.0
 
 

@@ -108,7 +108,8 @@ async def create_schedule(api: ApiContext, request: Request) -> tuple[int, bytes
     interval_ms = None
     if body.interval_s is not None:
         interval_ms = _seconds_ms(body.interval_s, "interval_s", MIN_INTERVAL_MS, MAX_INTERVAL_MS)
-    grace_ms = _seconds_ms(body.grace_s, "grace_s", 0, MAX_INTERVAL_MS)
+    # At least 1 s: the leader fires a tick some milliseconds after its time.
+    grace_ms = _seconds_ms(body.grace_s, "grace_s", 1_000, MAX_INTERVAL_MS)
     spec = _task_spec(api, tenant, body.task)
 
     def build(stamp: Stamp) -> e.Entry:

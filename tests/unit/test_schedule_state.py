@@ -14,6 +14,8 @@ import pytest
 from broker.core import entries as e
 from broker.core.schedules import MAX_CATCH_UP, Schedule, plan_firing, tick_after
 from broker.core.state import ErrorCode, Rejected, StateMachine, TaskRef
+from tests.support.auth_env import Env
+from tests.support.auth_env import error_code as auth_error
 from tests.support.http_api import Api, error_of
 from tests.support.machine import T0, Machine
 
@@ -254,6 +256,7 @@ async def test_api_create_fires_each_tick_and_lists_reads_deletes(api: Api) -> N
         ({"name": "a", "task": {"type": "noop"}, "cron": "x"}, 400, "not valid"),
         ({"name": "a", "task": {"type": "noop"}, "interval_s": 0.5}, 400, "interval_s must"),
         ({"name": "a", "task": {"type": "noop"}, "interval_s": 1, "missed": "x"}, 400, "missed"),
+        ({"name": "a", "task": {"type": "noop"}, "interval_s": 1, "grace_s": 0}, 400, "grace_s"),
         ({"name": "a", "task": {"type": "sleep", "params": {"s": 1}}, "interval_s": 1}, 400, "s"),
         ({"name": "a", "task": {"type": "noop", "slot": "x"}, "interval_s": 1}, 400, "slot"),
         ({"name": "a", "task": {"type": "noop", "code": "0" * 64}, "interval_s": 1}, 404, ""),
@@ -266,3 +269,31 @@ async def test_api_bad_schedules_are_clear_4xx(
     code = "not_found" if status == 404 else "invalid_request"
     assert fragment in error_of(response, status, code)
     assert (await api.get(SCHEDULES)).json() == {"schedules": []}
+
+
+# --- tenant isolation (authentication on: tests/support/auth_env.py) -----------------------
+
+
+async def test_schedules_belong_to_their_tenant(env: Env) -> None:
+    body = {"name": "nightly", "task": {"type": "noop"}, "cron": "0 2 * * *"}
+    created = await env.call("alice", "POST", SCHEDULES, json=body)  # the token's tenant
+    assert created.status_code == 201 and created.json()["tenant"] == "alice", created.text
+    forbidden = await env.call("alice", "POST", SCHEDULES, json={**body, "tenant": "bob"})
+    assert auth_error(forbidden, 403) == "forbidden"
+    # Names are per tenant: bob's own "nightly" is another schedule.
+    assert (await env.call("bob", "POST", SCHEDULES, json=body)).status_code == 201
+    as_bob = (await env.call("bob", "GET", SCHEDULES)).json()["schedules"]
+    assert [(s["tenant"], s["name"]) for s in as_bob] == [("bob", "nightly")]
+    other = await env.call("bob", "GET", f"{SCHEDULES}/nightly", params={"tenant": "alice"})
+    assert auth_error(other, 403) == "forbidden"
+    before = env.node.state.digest()
+    refused = await env.call("bob", "DELETE", f"{SCHEDULES}/nightly", params={"tenant": "alice"})
+    assert auth_error(refused, 403) == "forbidden" and env.node.state.digest() == before
+    for who in ("worker", "peer", "nobody"):
+        assert (await env.call(who, "GET", SCHEDULES)).status_code in (401, 403)
+        assert (await env.call(who, "POST", SCHEDULES, json=body)).status_code in (401, 403)
+    everyone = (await env.call("admin", "GET", SCHEDULES)).json()["schedules"]
+    assert sorted(s["tenant"] for s in everyone) == ["alice", "bob"]
+    gone = await env.call("admin", "DELETE", f"{SCHEDULES}/nightly", params={"tenant": "alice"})
+    assert gone.status_code == 200 and gone.json()["tenant"] == "alice"
+    assert list(env.node.state.schedules) == [("bob", "nightly")]
