@@ -37,7 +37,8 @@ MAX_CATCH_UP: Final = 100
 HISTORY: Final = 32
 #: A skip schedule's tick that the leader reaches later than this is skipped (default).
 DEFAULT_GRACE_MS: Final = 60_000
-#: Counting skipped cron ticks stops here (a long outage of a dense schedule).
+#: Counting skipped cron ticks stops here (a long outage of a dense schedule): ``skipped``
+#: then says at least this many.
 _MAX_COUNTED: Final = 10_000
 
 
@@ -124,13 +125,15 @@ def plan_firing(schedule: Schedule, now_ms: int) -> tuple[int | None, int, int] 
     create, or None; the new next_ms; ticks skipped), or None when nothing is due."""
     if schedule.next_ms > now_ms:
         return None
-    due = _due_count(schedule, now_ms)
     policy = Missed(schedule.missed)
     if policy is Missed.RUN_ALL:
-        if due <= MAX_CATCH_UP:
+        # Counted only as far as the bound: a catch-up plans up to 100 firings in a row.
+        kept = _ticks_back(schedule, now_ms, MAX_CATCH_UP + 1)
+        if len(kept) <= MAX_CATCH_UP:
             return schedule.next_ms, tick_after(schedule, schedule.next_ms), 0
-        kept = _ticks_back(schedule, now_ms, MAX_CATCH_UP)
-        return None, kept[-1], due - len(kept)  # drop the oldest; the rest run one by one
+        # Drop the oldest in one firing; the latest MAX_CATCH_UP then run one by one.
+        return None, kept[MAX_CATCH_UP - 1], _due_count(schedule, now_ms) - MAX_CATCH_UP
+    due = _due_count(schedule, now_ms)
     latest = _ticks_back(schedule, now_ms, 1)[0]
     runs = policy is Missed.RUN_ONCE or now_ms - latest <= schedule.grace_ms
     return (latest if runs else None), tick_after(schedule, now_ms), due - int(runs)

@@ -121,6 +121,25 @@ def test_run_all_is_bounded() -> None:
     assert len(sm.m.tasks) == MAX_CATCH_UP
 
 
+def test_run_all_catch_up_of_a_dense_cron_schedule_is_bounded() -> None:
+    sm = Machine()
+    sm.apply(
+        e.CreateSchedule(
+            time_ms=T0,
+            tenant="acme",
+            name="s",
+            task=TASK,
+            first_ms=T0 + 60_000 - T0 % 60_000,
+            cron="* * * * *",
+            missed="run_all",
+        )
+    )
+    fire_due(sm, T0 + 50 * 3_600_000)  # down for 50 hours: 3,000 minutes
+    schedule = sm.m.schedules[("acme", "s")]
+    assert (schedule.runs, schedule.skipped) == (MAX_CATCH_UP, 3_000 - MAX_CATCH_UP)
+    assert ticks_run(sm)[-1] == 50 * 3_600_000 - T0 % 60_000
+
+
 def test_cron_ticks_in_utc() -> None:
     start = int(datetime(2026, 3, 1, 10, 7, tzinfo=UTC).timestamp() * 1000)
     schedule = Schedule("acme", "c", TASK, 0, start, start, cron="*/15 * * * *")
