@@ -99,6 +99,8 @@ async def create_schedule(api: ApiContext, request: Request) -> tuple[int, bytes
     tenant = api.tenant_of(request, body.tenant)
     if not NAME_RE.match(tenant):
         raise HttpError(400, "invalid_request", "tenant name is not valid")
+    if not NAME_RE.match(body.name):
+        raise HttpError(400, "invalid_request", "schedule name is not valid")
     if (body.cron is None) == (body.interval_s is None):
         raise HttpError(400, "invalid_request", "give either cron or interval_s")
     if body.missed not in {p.value for p in Missed}:

@@ -14,6 +14,7 @@ failovers. Ticks are in UTC milliseconds; cron expressions are evaluated by cron
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Final
@@ -37,6 +38,10 @@ MAX_CATCH_UP: Final = 100
 HISTORY: Final = 32
 #: A skip schedule's tick that the leader reaches later than this is skipped (default).
 DEFAULT_GRACE_MS: Final = 60_000
+#: The longest cron expression taken.
+MAX_CRON_CHARS: Final = 200
+_CRON_CHARS: Final = re.compile(r"[ -~]+")  # printable ASCII, no newline
+_RANDOM_FIELD: Final = re.compile(r"(?i)(?:^|[\s,/-])[RH](?=$|[\s,/(-])")
 #: Counting skipped cron ticks stops here (a long outage of a dense schedule): ``skipped``
 #: then says at least this many.
 _MAX_COUNTED: Final = 10_000
@@ -74,8 +79,21 @@ class Schedule(msgspec.Struct, omit_defaults=True):
 
 def cron_problem(expression: str) -> str | None:
     fields = expression.split()
-    if len(fields) not in (5, 6) or not croniter.is_valid(expression):
-        return f"cron expression {expression!r} is not valid (5 fields, or 6 with seconds)"
+    if _RANDOM_FIELD.search(expression):
+        # croniter's R (random) and H (hashed) would give each leader other ticks.
+        return "cron expression: R (random) and H (hashed) are not supported"
+    if (
+        len(expression) > MAX_CRON_CHARS
+        or not _CRON_CHARS.fullmatch(expression)
+        or len(fields) not in (5, 6)
+        or not croniter.is_valid(expression)
+    ):
+        shown = expression[:MAX_CRON_CHARS]
+        return f"cron expression {shown!r} is not valid (5 fields, or 6 with seconds)"
+    try:
+        _cron(expression, 0).get_next(float)
+    except Exception:  # croniter's own errors (e.g. CroniterBadDateError): never fires
+        return f"cron expression {expression!r} never fires"
     return None
 
 

@@ -165,6 +165,11 @@ def test_cron_ticks_in_utc() -> None:
         ({"interval_ms": 1_000, "cron": "* * * * *"}, "either cron or interval"),
         ({"interval_ms": None, "cron": "61 * * * *"}, "not valid"),
         ({"missed": "sometimes"}, "missed must be"),
+        ({"interval_ms": None, "cron": "0 0 31 2 *"}, "never fires"),
+        ({"interval_ms": None, "cron": "R * * * *"}, "random"),
+        ({"interval_ms": None, "cron": "0 H/2 * * *"}, "random"),
+        ({"interval_ms": None, "cron": "* * * * *\n"}, "not valid"),
+        ({"interval_ms": None, "cron": "1 " * 101}, "not valid"),
     ],
 )
 def test_bad_schedules_are_refused(fields: dict[str, Any], fragment: str) -> None:
@@ -276,6 +281,8 @@ async def test_api_create_fires_each_tick_and_lists_reads_deletes(api: Api) -> N
         ({"name": "a", "task": {"type": "noop"}, "interval_s": 0.5}, 400, "interval_s must"),
         ({"name": "a", "task": {"type": "noop"}, "interval_s": 1, "missed": "x"}, 400, "missed"),
         ({"name": "a", "task": {"type": "noop"}, "interval_s": 1, "grace_s": 0}, 400, "grace_s"),
+        ({"name": "a\n", "task": {"type": "noop"}, "interval_s": 1}, 400, "name"),
+        ({"name": "a", "task": {"type": "noop"}, "cron": "R * * * *"}, 400, "random"),
         ({"name": "a", "task": {"type": "sleep", "params": {"s": 1}}, "interval_s": 1}, 400, "s"),
         ({"name": "a", "task": {"type": "noop", "slot": "x"}, "interval_s": 1}, 400, "slot"),
         ({"name": "a", "task": {"type": "noop", "code": "0" * 64}, "interval_s": 1}, 404, ""),
