@@ -77,19 +77,31 @@ class Schedule(msgspec.Struct, omit_defaults=True):
     history: list[Firing] = []
 
 
-def cron_problem(expression: str) -> str | None:
-    fields = expression.split()
+def cron_shape_problem(expression: str) -> str | None:
+    """What apply checks of a cron expression: its shape only. Whether croniter takes it
+    is checked by the API (cron_problem), so that apply does not depend on croniter's
+    version (brokers of a rolling upgrade must agree on every entry)."""
     if _RANDOM_FIELD.search(expression):
         # croniter's R (random) and H (hashed) would give each leader other ticks.
         return "cron expression: R (random) and H (hashed) are not supported"
     if (
         len(expression) > MAX_CRON_CHARS
         or not _CRON_CHARS.fullmatch(expression)
-        or len(fields) not in (5, 6)
-        or not croniter.is_valid(expression)
+        or len(expression.split()) not in (5, 6)
     ):
         shown = expression[:MAX_CRON_CHARS]
         return f"cron expression {shown!r} is not valid (5 fields, or 6 with seconds)"
+    return None
+
+
+def cron_problem(expression: str) -> str | None:
+    """Whether the API takes a cron expression: its shape, and croniter parses it and
+    finds a tick."""
+    problem = cron_shape_problem(expression)
+    if problem is None and not croniter.is_valid(expression):
+        problem = f"cron expression {expression!r} is not valid (5 fields, or 6 with seconds)"
+    if problem is not None:
+        return problem
     try:
         _cron(expression, 0).get_next(float)
     except Exception:  # croniter's own errors (e.g. CroniterBadDateError): never fires
@@ -243,7 +255,7 @@ def _schedule_problem(entry: e.CreateSchedule) -> str | None:
         MAX_INTERVAL_MS
     ):
         return f"interval must be between {MIN_INTERVAL_MS} and {MAX_INTERVAL_MS} ms"
-    if entry.cron is not None and (problem := cron_problem(entry.cron)) is not None:
+    if entry.cron is not None and (problem := cron_shape_problem(entry.cron)) is not None:
         return problem
     if entry.missed not in {m.value for m in Missed}:
         return "missed must be skip, run_once or run_all"

@@ -21,22 +21,34 @@ if TYPE_CHECKING:
 
 
 async def fire_schedules_loop(node: Node, leader: Leader) -> None:
+    # Schedules whose ticks could not be computed (a cron expression this croniter refuses,
+    # logged once per term): left alone until deleted.
+    broken: set[tuple[str, str]] = set()
     while True:
         await asyncio.sleep(node.config.timer_poll_interval_s)
         try:
             for key in list(node.state.schedules):
                 # A run_all schedule catches up its missed ticks in one poll.
                 for _ in range(MAX_CATCH_UP + 1):
-                    if not leader.writable or not await _fire_once(node, leader, key):
+                    if key in broken or not leader.writable:
+                        break
+                    if not await _fire_once(node, leader, key, broken):
                         break
         except BrokerUnavailableError:
             continue  # stopping, or this term is over (then this task is cancelled)
 
 
-async def _fire_once(node: Node, leader: Leader, key: tuple[str, str]) -> bool:
+async def _fire_once(
+    node: Node, leader: Leader, key: tuple[str, str], broken: set[tuple[str, str]]
+) -> bool:
     """Log the due firing of one schedule; False when none was due (or it failed)."""
     schedule = node.state.schedules.get(key)
-    plan = plan_firing(schedule, node.clock.now_ms()) if schedule is not None else None
+    try:
+        plan = plan_firing(schedule, node.clock.now_ms()) if schedule is not None else None
+    except Exception:
+        logger.exception("schedule %s/%s: cannot compute its ticks; not fired", *key)
+        broken.add(key)
+        return False
     if schedule is None or plan is None:
         return False
     run_tick_ms, next_ms, skipped = plan
