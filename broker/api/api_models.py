@@ -409,3 +409,52 @@ class WhoAmI(msgspec.Struct, kw_only=True):
     tenant: str | None
     token_id: str | None
     auth: bool  # whether this broker requires tokens
+
+
+class ScheduledTask(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The task a schedule creates at each tick (its tenant is the schedule's)."""
+
+    type: str
+    params: msgspec.Raw | UnsetType = UNSET  # any JSON value (default null)
+    max_attempts: int = 1
+    resources: dict[str, float] = {}
+    code: str | None = None
+
+
+class ScheduleCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """POST /api/v1/schedules: ``cron`` (5 fields, or 6 with seconds; UTC) or
+    ``interval_s``; ``missed``: what happens to ticks no leader fired in time."""
+
+    name: Name
+    tenant: str | UnsetType = UNSET  # as a task's
+    task: ScheduledTask
+    cron: str | None = None
+    interval_s: float | None = None
+    missed: str = "skip"  # "skip" | "run_once" | "run_all"
+    # A skip schedule's tick fired later than this (1 s to 366 days) is skipped.
+    grace_s: float = 60.0
+
+
+class ScheduleFiring(msgspec.Struct):
+    tick: DateTime
+    task_id: int | None  # null: the tick created no task (its submit was refused)
+
+
+class ScheduleView(msgspec.Struct, omit_defaults=True):
+    name: str
+    tenant: str
+    task: ScheduledTask
+    missed: str
+    grace_s: float
+    next_tick: DateTime  # the next tick not yet handled
+    created: DateTime
+    runs: int  # tasks created
+    skipped: int  # ticks that created no task
+    recent: list[ScheduleFiring]  # the last firings that ran a tick, oldest first
+    cron: str | None = None
+    interval_s: float | None = None
+    last_error: str | None = None
+
+
+class ScheduleList(msgspec.Struct):
+    schedules: list[ScheduleView]

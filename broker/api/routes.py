@@ -20,6 +20,7 @@ from broker.api import (
     handlers_code,
     handlers_dashboard,
     handlers_events,
+    handlers_schedules,
     handlers_tasks,
     handlers_tenants,
     handlers_tokens,
@@ -135,6 +136,9 @@ _TENANT_NAME = Param("name", "path", {"type": "string", "pattern": m.NAME_PATTER
 _SHA256 = Param("sha256", "path", {"type": "string"}, "[0-9a-f]{64}")
 _TOKEN_ID = Param(
     "token_id", "path", {"type": "string", "pattern": "^[0-9a-f]{1,64}$"}, "[0-9a-f]{1,64}"
+)
+_SCHEDULE_NAME = Param(
+    "name", "path", {"type": "string", "pattern": m.NAME_PATTERN}, "[A-Za-z0-9._-]{1,64}"
 )
 _ASSET = Param("name", "path", {"type": "string"}, "[A-Za-z0-9_.-]{1,64}")
 # The filters GET /api/v1/tasks and GET /api/v1/tasks/recent share.
@@ -253,6 +257,33 @@ ROUTES: Final[tuple[Route, ...]] = (
           "Roll back: its tasks are dropped", {200: _json(m.TransactionOutcome)},
           params=(_ID,),
           operation_id="rollback_transaction", tag="transactions", errors=(409,)),
+    # --- schedules (periodic tasks) ---------------------------------------------------
+    Route("POST", "/api/v1/schedules", TENANT_WRITE, handlers_schedules.create_schedule,
+          "Create a schedule: a task created at each tick of a cron expression or interval",
+          {201: _json(m.ScheduleView)}, body=Content(m.ScheduleCreate),
+          description=(
+              "Give cron (5 fields, or 6 with seconds; UTC) or interval_s (1 s to 366 "
+              "days; the first tick is one interval after creation). The leader fires each "
+              "tick once, across failovers: one log entry creates the tick's task and moves "
+              "the schedule on. missed says what happens to ticks no leader fired in time: "
+              "skip (default: a tick reached more than grace_s late is dropped; of several "
+              "overdue ticks only the latest can run), run_once (several overdue ticks run "
+              "once) or run_all (each runs, at most the latest 100). Names are the "
+              "tenant's own; 409 when the name is taken."
+          ),
+          operation_id="create_schedule", tag="schedules", errors=(409, 413)),
+    Route("GET", "/api/v1/schedules", TENANT, handlers_schedules.list_schedules,
+          "List schedules (a tenant token: its own)", {200: _json(m.ScheduleList)},
+          params=(_query("tenant", {"type": "string"}),),
+          operation_id="list_schedules", tag="schedules"),
+    Route("GET", "/api/v1/schedules/{name}", TENANT, handlers_schedules.get_schedule,
+          "One schedule, with its last firings", {200: _json(m.ScheduleView)},
+          params=(_SCHEDULE_NAME, _query("tenant", {"type": "string"})),
+          operation_id="get_schedule", tag="schedules"),
+    Route("DELETE", "/api/v1/schedules/{name}", TENANT, handlers_schedules.delete_schedule,
+          "Delete a schedule (the tasks it created stay)", {200: _json(m.ScheduleView)},
+          params=(_SCHEDULE_NAME, _query("tenant", {"type": "string"})),
+          operation_id="delete_schedule", tag="schedules"),
     # --- tenants -----------------------------------------------------------------------
     Route("GET", "/api/v1/tenants", TENANT, handlers_tenants.list_tenants,
           "Every tenant's service level and task counts", {200: _json(m.TenantList)},

@@ -262,6 +262,39 @@ class RevokeToken(_Entry, frozen=True, tag="token_revoke"):
     token_id: str = ""
 
 
+class CreateSchedule(_Entry, frozen=True, tag="schedule_create"):
+    """A periodic task (broker/core/schedules.py): ``task`` (id 0) is created at each tick
+    of ``cron`` (UTC) or every ``interval_ms``; the leader computed ``first_ms``."""
+
+    tenant: str = ""
+    name: str = ""
+    task: TaskSpec = TaskSpec(id=0, type="", tenant="")
+    first_ms: int = 0
+    interval_ms: int | None = None
+    cron: str | None = None
+    missed: str = "skip"
+    grace_ms: int = 60_000
+
+
+class DeleteSchedule(_Entry, frozen=True, tag="schedule_delete"):
+    tenant: str = ""
+    name: str = ""
+
+
+class FireSchedule(_Entry, frozen=True, tag="schedule_fire"):
+    """The leader handles a schedule's tick ``tick_ms`` (its next_ms, so a tick is handled
+    once): creates the task ``task_id`` (None: none) for the tick ``run_tick_ms`` (None:
+    tick_ms) and moves the schedule on to ``next_ms``, ``skipped`` ticks dropped."""
+
+    tenant: str = ""
+    name: str = ""
+    tick_ms: int = 0
+    next_ms: int = 0
+    task_id: int | None = None
+    run_tick_ms: int | None = None
+    skipped: int = 0
+
+
 Entry = (
     SubmitTasks
     | CancelTask
@@ -280,6 +313,9 @@ Entry = (
     | CreateToken
     | RevokeToken
     | DeleteCode
+    | CreateSchedule
+    | DeleteSchedule
+    | FireSchedule
 )
 
 

@@ -21,6 +21,7 @@ from broker.core.records import (
     TreeRecord,
     Worker,
 )
+from broker.core.schedules import Schedule
 
 
 class SnapshotBody(msgspec.Struct):
@@ -44,6 +45,8 @@ class SnapshotBody(msgspec.Struct):
     trees: list[TreeRecord] = []
     # API tokens (hashes only), in creation order (the default reads older snapshots).
     tokens: list[ApiToken] = []
+    # Periodic-task schedules, in creation order (the default reads older snapshots).
+    schedules: list[Schedule] = []
 
 
 SNAPSHOT_BODY_VERSION: Final = 1

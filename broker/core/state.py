@@ -75,6 +75,8 @@ from broker.core.records import WorkerReconciled as WorkerReconciled
 from broker.core.records import WorkerState as WorkerState
 from broker.core.records import idempotency_scope as idempotency_scope
 from broker.core.records import tree_value as tree_value
+from broker.core.schedules import Schedule as Schedule
+from broker.core.schedules import SchedulesMixin
 from broker.core.snapshot_body import SNAPSHOT_BODY_VERSION as SNAPSHOT_BODY_VERSION
 from broker.core.snapshot_body import SnapshotBody as SnapshotBody
 from broker.core.snapshot_body import _snapshot_encoder, decode_snapshot_body
@@ -98,7 +100,7 @@ from broker.core.validation import validate_token_fields as validate_token_field
 from broker.core.workers import WorkersMixin
 
 
-class StateMachine(WorkersMixin, TenantsMixin, CodeArtifactsMixin):
+class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixin):
     """The replicated state machine: the subject mixins combined, with the entry point,
     the clock and its timers, read-only queries, snapshots and the invariant check."""
 
@@ -122,6 +124,9 @@ class StateMachine(WorkersMixin, TenantsMixin, CodeArtifactsMixin):
             e.CreateToken: self._create_token,
             e.RevokeToken: self._revoke_token,
             e.DeleteCode: self._delete_code,
+            e.CreateSchedule: self._create_schedule,
+            e.DeleteSchedule: self._delete_schedule,
+            e.FireSchedule: self._fire_schedule,
         }
 
     def apply(self, entry: e.Entry) -> Applied:
@@ -251,6 +256,7 @@ class StateMachine(WorkersMixin, TenantsMixin, CodeArtifactsMixin):
             idempotency=list(self.idempotency.values()),
             trees=list(self.trees.values()),
             tokens=list(self.tokens.values()),
+            schedules=list(self.schedules.values()),
         )
 
     def encode_snapshot(self) -> bytes:
@@ -287,6 +293,7 @@ class StateMachine(WorkersMixin, TenantsMixin, CodeArtifactsMixin):
         machine._push_tree_timers()
         machine.tokens = {t.id: t for t in body.tokens}
         machine.token_ids_by_hash = {t.sha256: t.id for t in body.tokens}
+        machine.schedules = {(s.tenant, s.name): s for s in body.schedules}
         return machine
 
     def _legacy_scope(self, record: SubmissionRecord) -> str:
@@ -392,3 +399,5 @@ class StateMachine(WorkersMixin, TenantsMixin, CodeArtifactsMixin):
             if all(r.task_id is None for r in record.results):
                 fail(f"idempotency key {key!r} remembered though it created no task")
         self._check_tree_invariants(fail)
+        if (problem := self._check_schedule_invariants()) is not None:
+            fail(problem)

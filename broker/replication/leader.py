@@ -37,6 +37,7 @@ from broker.replication.common import (
     logger,
     with_ledger_closed,
 )
+from broker.replication.schedule_loop import fire_schedules_loop
 from log.api import LedgerError, LedgerWriter
 
 if TYPE_CHECKING:
@@ -123,7 +124,10 @@ class Leader:
         self.next_transaction_id = node.state.max_transaction_id + 1
         self._last_time_ms = node.state.now_ms
         node.closing = False
-        self.tasks = [asyncio.create_task(self._timer_loop(), name="steward-timers")]
+        self.tasks = [
+            asyncio.create_task(self._timer_loop(), name="steward-timers"),
+            asyncio.create_task(fire_schedules_loop(node, self), name="steward-schedules"),
+        ]
         node.metrics.follower_lag_seconds.set(0)
         node.metrics.follower_lag_entries.set(0)
         if node.leadership_check is not None:

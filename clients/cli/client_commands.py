@@ -63,6 +63,8 @@ def _is_write(args: argparse.Namespace) -> bool:
         return any(v is not None for v in (args.max_waiting, args.max_running, args.weight))
     if args.command == "code":
         return bool(args.code_command in ("upload", "delete"))
+    if args.command == "schedule":
+        return bool(args.schedule_command != "list")
     return bool(args.command == "token" and args.token_command != "list")
 
 
@@ -112,6 +114,8 @@ def _dispatch(client: StewardClient, args: argparse.Namespace) -> int:
         _code(client, args)
     elif command == "token":
         _token(client, args)
+    elif command == "schedule":
+        _schedule(client, args)
     elif command == "whoami":
         who = client.whoami()
         if args.json:
@@ -272,3 +276,35 @@ def _token(client: StewardClient, args: argparse.Namespace) -> None:
     else:
         revoked = client.revoke_token(args.id)
         print(f"token {revoked['id']} revoked")
+
+
+def _schedule(client: StewardClient, args: argparse.Namespace) -> None:
+    if args.schedule_command == "create":
+        created = client.create_schedule(
+            args.name,
+            args.type,
+            args.params,
+            tenant=args.tenant,
+            cron=args.cron,
+            interval_s=args.interval_s,
+            missed=args.missed,
+            grace_s=args.grace_s,
+            max_attempts=args.max_attempts,
+        )
+        if args.json:
+            print_json(created)
+        else:
+            print(f"schedule {created['name']} of {created['tenant']}: next {created['next_tick']}")
+    elif args.schedule_command == "list":
+        found = client.schedules(args.tenant)
+        if args.json:
+            print_json(found)
+            return
+        for item in found:
+            item["every"] = item.get("cron") or f"{item.get('interval_s'):g} s"
+            item["type"] = item["task"]["type"]
+        columns = ["tenant", "name", "type", "every", "missed", "next_tick", "runs", "skipped"]
+        _print_table(found, columns)
+    else:
+        deleted = client.delete_schedule(args.name, tenant=args.tenant)
+        print(f"schedule {deleted['name']} of {deleted['tenant']} deleted")

@@ -402,6 +402,36 @@ def _add_admin_commands(sub: argparse._SubParsersAction[StewardArgumentParser]) 
     )
     add_json_option(p)
 
+    p = _client(sub, "schedule", help="periodic tasks: create, list, delete schedules")
+    schedule_sub = p.add_subparsers(dest="schedule_command", required=True, metavar="ACTION")
+    p = _client(schedule_sub, "create", help="run a task at each tick of a cron or interval")
+    p.add_argument("name", help="the schedule's name (its tenant's own)")
+    p.add_argument("--type", required=True, help="the task type each tick runs")
+    p.add_argument(
+        "--params", type=_json_value, default=None, metavar="JSON", help="the task's parameters"
+    )
+    p.add_argument("--tenant", help="default: the token's tenant, or 'default'")
+    when = p.add_mutually_exclusive_group(required=True)
+    when.add_argument("--cron", metavar="EXPR", help="a cron expression (5 fields; UTC)")
+    when.add_argument("--interval-s", type=float, metavar="S", help="a tick every S seconds")
+    p.add_argument(
+        "--missed",
+        choices=("skip", "run_once", "run_all"),
+        default="skip",
+        help="ticks no leader fired in time: drop them, run them once, or run each",
+    )
+    p.add_argument(
+        "--grace-s", type=float, metavar="S", help="with skip: a tick later than this is dropped"
+    )
+    p.add_argument("--max-attempts", type=int, default=1, metavar="N", help="each task's")
+    add_json_option(p)
+    p = _client(schedule_sub, "list", help="list schedules with their runs and next tick")
+    p.add_argument("--tenant", help="an admin's filter (a tenant token sees its own)")
+    add_json_option(p)
+    p = _client(schedule_sub, "delete", help="delete a schedule (its tasks stay)")
+    p.add_argument("name", help="the schedule's name")
+    p.add_argument("--tenant", help="default: the token's tenant, or 'default'")
+
     p = _client(sub, "digest", help="show the state digest and log position")
     add_json_option(p)
     p = _client(sub, "whoami", help="show the role and tenant of the --token")

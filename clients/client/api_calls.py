@@ -187,6 +187,20 @@ def revoke_token(token_id: str) -> Request:
     return Request("DELETE", f"/api/v1/tokens/{token_id}")
 
 
+def create_schedule(body: dict[str, Any]) -> Request:
+    return Request("POST", "/api/v1/schedules", json=body)
+
+
+def schedules(tenant: str | None) -> Request:
+    query = {"tenant": tenant} if tenant is not None else None
+    return Request("GET", "/api/v1/schedules", params=query, field="schedules")
+
+
+def delete_schedule(name: str, tenant: str | None) -> Request:
+    query = {"tenant": tenant} if tenant is not None else None
+    return Request("DELETE", f"/api/v1/schedules/{name}", params=query)
+
+
 def whoami() -> Request:
     return Request("GET", "/api/v1/whoami")
 

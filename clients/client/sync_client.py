@@ -377,6 +377,41 @@ class StewardClient(_ClientBase):
         result: dict[str, Any] = self._send(calls.revoke_token(token_id))
         return result
 
+    # Periodic-task schedules (docs/API.md, Periodic tasks)
+
+    def create_schedule(
+        self,
+        name: str,
+        task_type: str,
+        params: Any = None,
+        *,
+        tenant: str | None = None,
+        cron: str | None = None,
+        interval_s: float | None = None,
+        missed: str = "skip",
+        grace_s: float | None = None,
+        max_attempts: int = 1,
+    ) -> dict[str, Any]:
+        """Create a schedule running ``task_type`` at each tick of ``cron`` (UTC) or every
+        ``interval_s``. A retry after a lost answer may see 409 (it exists), never two."""
+        body: dict[str, Any] = {
+            "name": name,
+            "task": {"type": task_type, "params": params, "max_attempts": max_attempts},
+            "missed": missed,
+        }
+        optional = {"tenant": tenant, "cron": cron, "interval_s": interval_s, "grace_s": grace_s}
+        body.update({k: v for k, v in optional.items() if v is not None})
+        result: dict[str, Any] = self._send(calls.create_schedule(body))
+        return result
+
+    def schedules(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._send(calls.schedules(tenant))
+        return result
+
+    def delete_schedule(self, name: str, *, tenant: str | None = None) -> dict[str, Any]:
+        result: dict[str, Any] = self._send(calls.delete_schedule(name, tenant))
+        return result
+
     def whoami(self) -> dict[str, Any]:
         result: dict[str, Any] = self._send(calls.whoami())
         return result

@@ -124,6 +124,8 @@ def test_replicated_simulation_covers_the_faults(tmp_path: Path) -> None:
         "follower paused",
         "snapshots",
         "settles",
+        "schedule firings applied",
+        "schedule firings refused",
     ]
     assert_exercised(stats, wanted)
 

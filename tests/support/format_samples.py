@@ -105,6 +105,32 @@ def sample_entries() -> list[e.Entry]:
         e.Tick(time_ms=t + 17),
         e.AddCode(time_ms=t + 18, sha256="9f" * 32, name="old.zip", size_bytes=3),
         e.DeleteCode(time_ms=t + 19, sha256="9f" * 32),
+        e.CreateSchedule(
+            time_ms=t + 20,
+            tenant="acme",
+            name="hourly",
+            task=e.TaskSpec(id=0, type="noop", tenant="acme"),
+            first_ms=t + 3_600_000,
+            cron="0 * * * *",
+            missed="run_once",
+        ),
+        e.CreateSchedule(
+            time_ms=t + 21,
+            tenant="acme",
+            name="every-minute",
+            task=e.TaskSpec(id=0, type="noop", tenant="acme"),
+            first_ms=t + 60_000,
+            interval_ms=60_000,
+        ),
+        e.FireSchedule(
+            time_ms=t + 60_001,
+            tenant="acme",
+            name="every-minute",
+            tick_ms=t + 60_000,
+            next_ms=t + 120_000,
+            task_id=6,
+        ),
+        e.DeleteSchedule(time_ms=t + 60_002, tenant="acme", name="hourly"),
     ]
 
 
@@ -117,6 +143,7 @@ def observable(machine: StateMachine) -> dict[str, object]:
         "workers": {w.id: str(w.state) for w in machine.workers.values()},
         "code": sorted(machine.artifacts),
         "tokens": sorted(machine.tokens),
+        "schedules": sorted(f"{tenant}/{name}" for tenant, name in machine.schedules),
     }
 
 

@@ -33,6 +33,7 @@ from log.memory import MemoryLedgerCluster
 from snapshot.store import SnapshotStore
 from tests.support.sim_common import encode_result, fail
 from tests.support.sim_generator import EntryGenerator
+from tests.support.sim_schedules import schedule_entry
 from tests.support.sim_virtual import (
     BASE_MS,
     CLUSTER_ID,
@@ -415,7 +416,9 @@ class ReplicaCluster:
         def build(stamp: Stamp) -> e.Entry:
             self.generator.view = node.state
             self.generator.now_ms = stamp.now_ms
-            entry, _expect = self.generator.next()
+            entry = schedule_entry(self.rng, node.state, stamp, self.stats)
+            if entry is None:
+                entry, _expect = self.generator.next()
             entry = msgspec.structs.replace(entry, time_ms=stamp.now_ms)
             proposal.data = e.encode_entry(entry)
             return entry

@@ -20,6 +20,7 @@ from broker.replication.node import Role
 from log.api import LedgerState
 from tests.support.sim_cluster import ReplicaCluster
 from tests.support.sim_common import SimulationFailure, encode_result, fail
+from tests.support.sim_schedules import check_schedules, count_firing
 from tests.support.sim_virtual import (
     POLL_S,
     SETTLE_TIMEOUT_S,
@@ -252,6 +253,8 @@ class Simulation(ReplicaCluster):
             due_ms = lnode.state.next_timer_ms()
             if due_ms is not None and due_ms <= lnode.clock_ms():
                 return False  # the timer loop is about to propose a Tick
+            if any(s.next_ms <= lnode.clock_ms() for s in lnode.state.schedules.values()):
+                return False  # the schedule loop is about to fire
             return term.last_real_position == term.marked_position
 
         await self._wait_for("the leader to go idle", quiet)
@@ -279,6 +282,8 @@ class Simulation(ReplicaCluster):
             replica.node.state.check_invariants()
         self._check_acknowledged([*followers, leader])
         self._check_fencing()
+        if (problem := check_schedules(self.reference, lnode.clock_ms())) is not None:
+            fail(problem)
         self.raise_violations()
 
     def _describe(self) -> str:
@@ -333,6 +338,7 @@ class Simulation(ReplicaCluster):
             if isinstance(record, e.Confirm):
                 continue
             result = self.reference.apply(record).result
+            count_firing(self.stats, record, result)
             self.ref_results[position] = (type(result).__name__, encode_result(result))
             self.positions_by_data.setdefault(data, []).append(position)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -41,6 +42,13 @@ def test_there_are_samples_of_todays_versions() -> None:
     assert any(x["snapshot_body_version"] == SNAPSHOT_BODY_VERSION for x in expected)
 
 
+def _seen(machine: StateMachine, expected: dict[str, Any]) -> dict[str, object]:
+    """What a user sees of ``machine``, of the kinds the sample recorded (a later sample
+    may record more kinds, as the state grows)."""
+    seen = observable(machine)
+    return {kind: seen[kind] for kind in expected["observable"]}
+
+
 def _apply_sample_entries(sample: Path) -> StateMachine:
     raw = msgspec.msgpack.decode((sample / "entries.msgpack").read_bytes(), type=list[bytes])
     machine = StateMachine()
@@ -55,7 +63,7 @@ def test_entries_written_by_earlier_code_apply_to_the_same_state(sample: Path) -
     expected = json.loads((sample / "expected.json").read_text())
     machine = _apply_sample_entries(sample)
     assert machine.entries_applied == expected["entries"]
-    assert observable(machine) == expected["observable"]
+    assert _seen(machine, expected) == expected["observable"]
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.name)
@@ -69,7 +77,7 @@ def test_snapshots_written_by_earlier_code_load_to_the_same_state(sample: Path) 
     # Whatever the versions, today's code gets one state from the old entries and from the
     # old snapshot of them.
     assert machine.digest() == _apply_sample_entries(sample).digest()
-    assert observable(machine) == expected["observable"]
+    assert _seen(machine, expected) == expected["observable"]
 
 
 def test_the_generator_still_covers_every_entry_type() -> None:
