@@ -409,3 +409,36 @@ class WhoAmI(msgspec.Struct, kw_only=True):
     tenant: str | None
     token_id: str | None
     auth: bool  # whether this broker requires tokens
+
+
+# The states a tree view shows: a tree record's, with ``timed_out`` told apart from
+# ``failed`` (failed for good because its last run timed out). Not an enum in the schema:
+# "pending" would repeat a TaskState value (one task-state enum, tests/unit/test_openapi.py).
+TreeViewState = Annotated[str, msgspec.Meta(description="pending, completed, failed or timed_out")]
+
+
+class TreeDetail(msgspec.Struct):
+    """A tracked tree as GET /api/v1/trees/{root} shows it (Storm's acker entry, visible)."""
+
+    root: int
+    tenant: str
+    state: TreeViewState
+    attempt: int  # run of the tree: 1, + 1 at each replay of the root
+    timeout_s: float
+    started_at: DateTime  # when its root was submitted
+    # Seconds from started_at until it ended (or until now while pending).
+    age_s: float
+    # Its tasks (of every run still kept) by state: every TaskState, 0 included.
+    tasks: dict[str, int]
+    # Live tasks the tree waits for (their acks), lowest ids first, at most 100 listed;
+    # pending_count counts them all.
+    pending_anchors: list[int]
+    pending_count: int
+    deadline: DateTime | None = None  # when the current run times out (once the root runs)
+    ended_at: DateTime | None = None
+    reason: str | None = None  # why the (last) run failed
+
+
+class TreeList(msgspec.Struct):
+    trees: list[TreeDetail]
+    next_after: int | None  # pass as after for the next page (None: no more)
