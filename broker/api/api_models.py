@@ -129,6 +129,16 @@ class TreeView(msgspec.Struct, omit_defaults=True):
     reason: str | None = None
 
 
+class TaskProgress(msgspec.Struct):
+    """A running task's latest ``ctx.progress(fraction, message)``, as the leader holds it
+    (in memory: lost on a failover until the task reports again)."""
+
+    fraction: float  # 0 to 1
+    message: str
+    attempt: int  # the attempt that reported it
+    updated_at: DateTime  # when the leader took the report
+
+
 class TaskView(msgspec.Struct):
     id: int
     type: str
@@ -152,6 +162,8 @@ class TaskView(msgspec.Struct):
     tree: TreeView | None = None  # only for a tracked root
     root: int | None = None  # the tracked root whose tree this task belongs to
     parent: int | None = None  # the task whose finish spawned this one
+    # Its latest progress report (GET /api/v1/tasks/{id} on the leader only; else null).
+    progress: TaskProgress | None = None
 
 
 class TaskList(msgspec.Struct):

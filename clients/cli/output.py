@@ -43,6 +43,7 @@ def _print_task(task: dict[str, Any]) -> None:
         "tree",
         "root",
         "parent",
+        "progress",
         "code",
         "resources",
         "params",
@@ -57,6 +58,8 @@ def _print_task(task: dict[str, Any]) -> None:
             value = json.dumps(value)  # the task's own JSON values, as submitted/returned
         elif name == "tree":
             value = tree_status(value)
+        elif name == "progress":
+            value = progress_line(value)
         else:
             value = cell(value)
         print(f"{name:>13}: {value}")
@@ -85,6 +88,13 @@ def _print_tree(tree: dict[str, Any]) -> None:
             print(f"{name:>10}: {cell(value)}")
     counts = tree.get("tasks") or {}
     _print_table([{"state": k, "tasks": v} for k, v in counts.items() if v], ["state", "tasks"])
+
+
+def progress_line(progress: dict[str, Any]) -> str:
+    """A progress report as one line: ``45% copying part 3 (attempt 1, at TIME)``."""
+    percent = f"{progress['fraction'] * 100:.0f}%"
+    message = f" {progress['message']}" if progress.get("message") else ""
+    return f"{percent}{message} (attempt {progress['attempt']}, at {progress['updated_at']})"
 
 
 def cell(value: Any) -> str:
