@@ -424,8 +424,15 @@ def task_sleep(params: Any, ctx: TaskContext) -> dict[str, float]:
     seconds = _params_dict(params, "sleep").get("seconds", 0)
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
         raise ValueError(f"sleep needs params {{'seconds': number >= 0}}, got {seconds!r}")
-    if ctx.cancelled.wait(float(seconds)):
-        ctx.check_cancelled()
+    start = time.monotonic()
+    # A sleep of a second or more reports its progress once a second (a demo of ctx.progress
+    # in the dashboard); a shorter one waits once, as it always did.
+    while (left := seconds - (time.monotonic() - start)) > 0:
+        if ctx.cancelled.wait(min(left, 1.0) if seconds >= 1 else left):
+            ctx.check_cancelled()
+        if seconds >= 1:
+            slept = min(float(seconds), time.monotonic() - start)
+            ctx.progress(slept / seconds, f"slept {slept:.0f} of {seconds:g} s")
     return {"slept": seconds}
 
 
