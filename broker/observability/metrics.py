@@ -427,8 +427,9 @@ class BrokerMetrics:
         final = applied.final_ids
         if final:
             self._count_final(final, state)
-        for root in applied.trees_ended:
-            self._count_tree_end(root, state)
+        if state.trees:  # no tracked tree kept: skip scanning the effects again
+            for root in applied.trees_ended:
+                self._count_tree_end(root, state)
 
     def _count_tree_end(self, root: int, state: StateMachine) -> None:
         tree = state.trees.get(root)
