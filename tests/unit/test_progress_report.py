@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from broker.api.progress_store import ProgressStore
-from broker.workers.protocol import AssignedTask, Progress
+from broker.workers.protocol import AssignedTask, Progress, TaskAttempt
 from clients.worker import TaskContext
 from tests.support.worker_harness import WAIT_S, Env, task, worker_env
 
@@ -139,3 +139,29 @@ async def test_no_progress_frame_to_a_broker_that_does_not_take_them(env: Env) -
     conn.assign(task(1, "steps"))
     # Its first frame is the Finish (reports() asserts each frame's type): no Progress.
     await conn.reports(1)
+
+
+async def test_a_new_connection_gets_the_latest_progress_again(env: Env) -> None:
+    """A new leader holds no progress: the worker resends it on every new connection."""
+    worker = env.worker()
+    conn = await env.broker.accept()
+    conn.welcome(progress=True)
+    await asyncio.wait_for(worker.wait_connected(), WAIT_S)
+    release = threading.Event()
+
+    def steps(params: Any, ctx: TaskContext) -> str:
+        ctx.progress(0.3, "before the failover")
+        release.wait(WAIT_S)
+        return "done"
+
+    worker.runtime.register("steps", steps)
+    conn.assign(task(1, "steps"))
+    assert (await conn.next(Progress)).message == "before the failover"
+    await conn.close()  # the leader is gone
+    conn2 = await env.broker.accept()
+    conn2.welcome(progress=True, keep=(TaskAttempt(1, 1),))
+    again = await conn2.next(Progress)
+    assert (again.task_id, again.attempt, again.fraction) == (1, 1, 0.3)
+    assert again.message == "before the failover"
+    release.set()
+    await conn2.reports(1)
