@@ -129,6 +129,16 @@ class TreeView(msgspec.Struct, omit_defaults=True):
     reason: str | None = None
 
 
+class TaskProgress(msgspec.Struct):
+    """A running task's latest ``ctx.progress(fraction, message)``, as the leader holds it
+    (in memory: lost on a failover until the task reports again)."""
+
+    fraction: float  # 0 to 1
+    message: str
+    attempt: int  # the attempt that reported it
+    updated_at: DateTime  # when the leader took the report
+
+
 class TaskView(msgspec.Struct):
     id: int
     type: str
@@ -152,6 +162,8 @@ class TaskView(msgspec.Struct):
     tree: TreeView | None = None  # only for a tracked root
     root: int | None = None  # the tracked root whose tree this task belongs to
     parent: int | None = None  # the task whose finish spawned this one
+    # Its latest progress report (GET /api/v1/tasks/{id} on the leader only; else null).
+    progress: TaskProgress | None = None
 
 
 class TaskList(msgspec.Struct):
@@ -458,3 +470,36 @@ class ScheduleView(msgspec.Struct, omit_defaults=True):
 
 class ScheduleList(msgspec.Struct):
     schedules: list[ScheduleView]
+
+
+# The states a tree view shows: a tree record's, with ``timed_out`` told apart from
+# ``failed`` (failed for good because its last run timed out). Not an enum in the schema:
+# "pending" would repeat a TaskState value (one task-state enum, tests/unit/test_openapi.py).
+TreeViewState = Annotated[str, msgspec.Meta(description="pending, completed, failed or timed_out")]
+
+
+class TreeDetail(msgspec.Struct):
+    """A tracked tree as GET /api/v1/trees/{root} shows it (Storm's acker entry, visible)."""
+
+    root: int
+    tenant: str
+    state: TreeViewState
+    attempt: int  # run of the tree: 1, + 1 at each replay of the root
+    timeout_s: float
+    started_at: DateTime  # when its root was submitted
+    # Seconds from started_at until it ended (or until now while pending).
+    age_s: float
+    # Its tasks (of every run still kept) by state: every TaskState, 0 included.
+    tasks: dict[str, int]
+    # Live tasks the tree waits for (their acks), lowest ids first, at most 100 listed;
+    # pending_count counts them all.
+    pending_anchors: list[int]
+    pending_count: int
+    deadline: DateTime | None = None  # when the current run times out (once the root runs)
+    ended_at: DateTime | None = None
+    reason: str | None = None  # why the (last) run failed
+
+
+class TreeList(msgspec.Struct):
+    trees: list[TreeDetail]
+    next_after: int | None  # pass as after for the next page (None: no more)

@@ -21,6 +21,7 @@ from broker.api.common import (
     float_param,
     idempotency_key,
     int_param,
+    iso_ms,
     json_encoder,
     rejected_error,
     task_view,
@@ -192,7 +193,13 @@ def _task_view(api: ApiContext, task_id: int, principal: Principal = ANONYMOUS_A
     # Another tenant's task answers like a missing one: its existence is not shown.
     if task is None or not principal.may_see_tenant(task.tenant):
         raise HttpError(404, "not_found", f"task {task_id} does not exist")
-    return task_view(task, api.node.state.tree(task_id))
+    view = task_view(task, api.node.state.tree(task_id))
+    progress = api.outputs.progress.get(task_id)
+    if progress is not None:
+        view.progress = m.TaskProgress(
+            progress.fraction, progress.message, progress.attempt, iso_ms(progress.updated_ms) or ""
+        )
+    return view
 
 
 async def get_task(api: ApiContext, request: Request) -> tuple[int, bytes]:

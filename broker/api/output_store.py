@@ -34,6 +34,7 @@ from typing import Any, Final
 import httpx
 import msgspec
 
+from broker.api.progress_store import ProgressStore
 from broker.core.state import FINAL_STATES, StateMachine, TaskState
 from broker.security.auth import Principal
 from broker.security.tls import peer_ssl_context
@@ -118,6 +119,9 @@ class OutputStore:
         self._last_prune = time.monotonic()
         # Set by the worker link while this broker leads (None: no link, no fetches).
         self.fetcher: Fetcher | None = None
+        # Running tasks' ctx.progress: reported over the same link, kept the same way
+        # (leader memory, never logged) and read by the same API.
+        self.progress = ProgressStore()
 
     @property
     def total_bytes(self) -> int:

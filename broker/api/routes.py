@@ -25,6 +25,7 @@ from broker.api import (
     handlers_tenants,
     handlers_tokens,
     handlers_transactions,
+    handlers_trees,
 )
 from broker.api.common import ARTIFACT_NAME_PATTERN, ApiConfig, Request
 from broker.api.context import ApiContext
@@ -140,6 +141,7 @@ _TOKEN_ID = Param(
 _SCHEDULE_NAME = Param(
     "name", "path", {"type": "string", "pattern": m.NAME_PATTERN}, "[A-Za-z0-9._-]{1,64}"
 )
+_ROOT = Param("root", "path", {"type": "integer"}, r"\d{1,18}")
 _ASSET = Param("name", "path", {"type": "string"}, "[A-Za-z0-9_.-]{1,64}")
 # The filters GET /api/v1/tasks and GET /api/v1/tasks/recent share.
 _TASK_FILTERS = (
@@ -242,6 +244,29 @@ ROUTES: Final[tuple[Route, ...]] = (
               "(default 60). Served by followers too."
           ),
           operation_id="stream_task_events", tag="tasks"),
+    # --- task trees --------------------------------------------------------------------
+    Route("GET", "/api/v1/trees", TENANT, handlers_trees.get_trees,
+          "List tracked task trees by state (ascending root id, paginate with after)",
+          {200: _json(m.TreeList)},
+          params=(
+              _query("state", {"type": "string",
+                               "enum": ["pending", "completed", "failed", "timed_out"]}),
+              _query("tenant", {"type": "string"}),
+              _query("limit", lambda config: {
+                  "type": "integer", "minimum": 1, "maximum": config.max_list_limit}),
+              _query("after", _ids(0)),
+          ),
+          description=(
+              "Trees whose root task is still kept (a root outlives its tree's end by the "
+              "finished-task retention). A tenant token lists its own tenant's; an admin "
+              "every tenant's, or one with tenant. timed_out: failed for good because "
+              "its last run timed out (failed: any other failure)."
+          ),
+          operation_id="list_trees", tag="trees"),
+    Route("GET", "/api/v1/trees/{root}", TENANT, handlers_trees.get_tree,
+          "One tracked tree: state, age, timeout, its tasks by state, pending anchors",
+          {200: _json(m.TreeDetail)}, params=(_ROOT,),
+          operation_id="get_tree", tag="trees"),
     # --- transactions ------------------------------------------------------------------
     Route("POST", "/api/v1/transactions", TENANT_WRITE,
           handlers_transactions.begin_transaction, "Begin a transaction",

@@ -76,6 +76,9 @@ class MachineBase:
         # Live tasks of each tracked tree (root id -> ids): a failed tree's outstanding
         # tasks are cancelled without scanning every task.
         self.tree_live: dict[int, set[int]] = {}
+        # Every task of each tracked tree, final ones too (root id -> ids): the tree view
+        # counts them by state without scanning every task (GET /api/v1/trees/{root}).
+        self.tree_members: dict[int, set[int]] = {}
         self._timers: list[tuple[int, int, int]] = []  # (due_ms, kind, id)
         self.entries_applied = 0
         # The effects of the entry being applied, returned by apply (broker.core.effects);
@@ -124,6 +127,8 @@ class MachineBase:
             self.running_by_worker.setdefault(task.worker, set()).add(task.id)
         if task.root is not None and task.state in LIVE_STATES:
             self.tree_live.setdefault(task.root, set()).add(task.id)
+        if task.root is not None:
+            self.tree_members.setdefault(task.root, set()).add(task.id)
         self._push_task_timers(task)
 
     def _code_blocked(self, task: Task) -> bool:
@@ -217,6 +222,11 @@ class MachineBase:
             del self.slots[(task.tenant, task.slot)]
         if task.root is not None and task.state in LIVE_STATES:
             self._untrack_live(task)
+        if task.root is not None:
+            members = self.tree_members[task.root]
+            members.discard(task.id)
+            if not members:
+                del self.tree_members[task.root]
         if task.root == task.id:
             self.trees.pop(task.id, None)
 

@@ -138,6 +138,12 @@ class TreesMixin(MachineBase):
             xor[task.root] = xor.get(task.root, 0) ^ tree_value(task.id)
         if live != self.tree_live:
             fail("tree_live index differs from the live tasks of trees")
+        members: dict[int, set[int]] = {}
+        for task in self.tasks.values():
+            if task.root is not None:
+                members.setdefault(task.root, set()).add(task.id)
+        if members != self.tree_members:
+            fail("tree_members index differs from the tasks of trees")
         for root_id, tree in self.trees.items():
             root = self.tasks.get(root_id)
             if tree.root != root_id or root is None or root.root != root_id:

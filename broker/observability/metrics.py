@@ -70,6 +70,7 @@ from broker.core.state import (
     Rejected,
     TaskRef,
     TaskState,
+    TreeState,
     WorkerState,
 )
 from broker.replication.node import VERSION
@@ -114,6 +115,12 @@ _LATENCY_BUCKETS_S: Final = (
     5.0,
 )
 _BATCH_BUCKETS: Final = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0)
+# A tree's completion latency: from its root's submission until its last ack; trees run
+# from milliseconds (a noop fan-out) to hours (their timeout is at most a day).
+_TREE_BUCKETS_S: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+                          900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)  # fmt: skip
+# The reason the state machine gives a tree run that timed out (broker/core/state.py).
+_TREE_TIMED_OUT: Final = "tree timed out"
 _SNAPSHOT_BUCKETS_S: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -137,6 +144,26 @@ class _TaskCounter:
         family = CounterMetricFamily(self.name, self.help, labels=["tenant", "type"])
         for labels, count in sorted(self.counts.items()):
             family.add_metric(list(labels), count)
+        return family
+
+
+class _TenantCounter:
+    """A counter by tenant kept as a plain dict (like _TaskCounter), exposed at scrape time."""
+
+    __slots__ = ("counts", "help", "name")
+
+    def __init__(self, name: str, help_text: str) -> None:
+        self.name = name
+        self.help = help_text
+        self.counts: dict[str, int] = {}
+
+    def inc(self, tenant: str) -> None:
+        self.counts[tenant] = self.counts.get(tenant, 0) + 1
+
+    def family(self) -> Metric:
+        family = CounterMetricFamily(self.name, self.help, labels=["tenant"])
+        for tenant, count in sorted(self.counts.items()):
+            family.add_metric([tenant], count)
         return family
 
 
@@ -276,6 +303,24 @@ class BrokerMetrics:
             "steward_task_attempt_failures",
             "Failed attempts reported by workers (retried or final)",
         )
+        self.trees_started = _TenantCounter(
+            "steward_trees_started", "Tracked task trees started (roots accepted by submissions)"
+        )
+        self.trees_completed = _TenantCounter(
+            "steward_trees_completed", "Tracked task trees that completed (every task acked)"
+        )
+        self.trees_failed = _TenantCounter(
+            "steward_trees_failed",
+            "Tracked task trees that failed for good (a task failed or was cancelled)",
+        )
+        self.trees_timed_out = _TenantCounter(
+            "steward_trees_timed_out", "Tracked task trees that failed for good by timing out"
+        )
+        self.tree_latency = _FastHistogram(
+            "steward_tree_completion_seconds",
+            "From a completed tree's root submission until its last ack (replays included)",
+            _TREE_BUCKETS_S,
+        )
         self.append_latency = _FastHistogram(
             "steward_log_append_latency_seconds",
             "From handing an entry to the ledger until it is durable (group commit)",
@@ -376,6 +421,8 @@ class BrokerMetrics:
                     if type(outcome) is TaskRef:
                         key = (spec.tenant, label(spec.type, state))
                         submitted[key] = submitted.get(key, 0) + 1
+                        if spec.track_tree:
+                            self.trees_started.inc(spec.tenant)
                     elif isinstance(outcome, Rejected):
                         self.rejected.labels(spec.tenant, outcome.code.value).inc()
             elif isinstance(result, Rejected):
@@ -396,6 +443,23 @@ class BrokerMetrics:
         final = applied.final_ids
         if final:
             self._count_final(final, state)
+        if state.trees:  # no tracked tree kept: skip scanning the effects again
+            for root in applied.trees_ended:
+                self._count_tree_end(root, state)
+
+    def _count_tree_end(self, root: int, state: StateMachine) -> None:
+        tree = state.trees.get(root)
+        task = state.tasks.get(root)
+        if tree is None or task is None:
+            return
+        if tree.state == TreeState.COMPLETED:
+            self.trees_completed.inc(tree.tenant)
+            if tree.ended_ms is not None:
+                self.tree_latency.observe(max(0, tree.ended_ms - task.created_ms) / 1000)
+        elif tree.reason == _TREE_TIMED_OUT:
+            self.trees_timed_out.inc(tree.tenant)
+        else:
+            self.trees_failed.inc(tree.tenant)
 
     def _count_final(self, final: list[int], state: StateMachine) -> None:
         tasks = state.tasks
@@ -410,6 +474,9 @@ class BrokerMetrics:
                 self.failed.inc(task.tenant, label(task.type, state))
             elif task.state == TaskState.CANCELLED:
                 self.cancelled.inc(task.tenant, label(task.type, state))
+
+    def tree_counters(self) -> tuple[_TenantCounter, ...]:
+        return (self.trees_started, self.trees_completed, self.trees_failed, self.trees_timed_out)
 
     def task_counters(self) -> tuple[_TaskCounter, ...]:
         return (
@@ -436,6 +503,9 @@ class _Collector(Collector):
         metrics = self._metrics
         for counter in metrics.task_counters():
             yield counter.family()
+        for tree_counter in metrics.tree_counters():
+            yield tree_counter.family()
+        yield metrics.tree_latency.family()
         yield metrics.append_latency.family()
         yield metrics.group_commit.family()
         yield from metrics.http.families()
@@ -468,6 +538,17 @@ class _Collector(Collector):
             [], sum(1 for w in state.workers.values() if w.state == WorkerState.CONNECTED)
         )
         yield workers
+        pending = GaugeMetricFamily(
+            "steward_trees_pending", "Tracked task trees pending (waiting for acks)",
+            labels=["tenant"],
+        )  # fmt: skip
+        pending_by_tenant: dict[str, int] = {}
+        for tree in state.trees.values():
+            if tree.state == TreeState.PENDING:
+                pending_by_tenant[tree.tenant] = pending_by_tenant.get(tree.tenant, 0) + 1
+        for tenant, count in sorted(pending_by_tenant.items()):
+            pending.add_metric([tenant], count)
+        yield pending
         yield from _role_and_position(metrics._role(), metrics._position(), state)
 
 

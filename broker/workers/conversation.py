@@ -44,7 +44,7 @@ class State(enum.Enum):
 ALLOWED: Final[dict[tuple[Role, State], frozenset[type[p.Message]]]] = {
     (Role.WORKER, State.AWAIT_HELLO): frozenset({p.Hello}),
     (Role.WORKER, State.AWAIT_WELCOME): frozenset(),
-    (Role.WORKER, State.ACTIVE): frozenset({p.Heartbeat, p.Finish, p.Output, p.Error}),
+    (Role.WORKER, State.ACTIVE): frozenset({p.Heartbeat, p.Finish, p.Output, p.Error, p.Progress}),
     (Role.WORKER, State.CLOSED): frozenset(),
     (Role.BROKER, State.AWAIT_HELLO): frozenset({p.Error}),
     (Role.BROKER, State.AWAIT_WELCOME): frozenset({p.Welcome, p.Error}),

@@ -206,6 +206,7 @@ class Handshake:
                 keep=tuple(p.TaskAttempt(t, a) for t, a in sorted(keep)),
                 drop=tuple(r for r in hello.running if (r.task_id, r.attempt) not in keep),
                 output=True,
+                progress=True,
             )
         )
         self.sessions[hello.worker_id] = session

@@ -18,11 +18,13 @@ Conversation::
     broker -> FinishAck (resend until acknowledged)          broker -> Cancel
     worker -> Output (a running attempt's new output, then its whole kept tail at the end)
     broker -> FetchOutput (the leader lacks an attempt's output)  worker -> Output
+    worker -> Progress (a running attempt's latest ctx.progress, at most once a second)
     either -> Error (then closes)
 
 Output is not state: it never enters the replicated log. A worker sends Output only to a
 broker whose Welcome says ``output=True`` and a broker sends FetchOutput only to a worker
 whose Hello does (an older peer refuses unknown frames; it ignores the unknown field).
+Progress is not state either, and goes only to a broker whose Welcome says ``progress``.
 
 Versions: a message carries the lowest version that has every field it uses, so a
 newer peer still talks to an older one until it needs something new. Version 2: a
@@ -46,6 +48,8 @@ SPAWN_VERSION: Final = 2
 DEFAULT_MAX_FRAME_BYTES: Final = 16 * 1024 * 1024
 #: Most bytes of task output one Output frame carries (the tail an attempt keeps).
 MAX_OUTPUT_BYTES: Final = 1024 * 1024
+#: Longest ctx.progress message (characters) a Progress frame carries.
+MAX_PROGRESS_CHARS: Final = 200
 #: Most attempts one FetchOutput names.
 MAX_FETCH_OUTPUT: Final = 64
 _LENGTH: Final = struct.Struct(">I")
@@ -92,6 +96,8 @@ class Welcome(_Message, frozen=True, tag="welcome"):
     # The broker takes Output frames (an older worker ignores the field, an older broker
     # never sets it).
     output: bool = False
+    # The broker takes Progress frames (likewise).
+    progress: bool = False
 
 
 class Heartbeat(_Message, frozen=True, tag="heartbeat"):
@@ -184,6 +190,16 @@ class Output(_Message, frozen=True, tag="output"):
     missing: bool = False
 
 
+class Progress(_Message, frozen=True, tag="progress"):
+    """A running attempt's latest ``ctx.progress(fraction, message)`` (kept by the
+    leader in memory, never logged: docs/DESIGN.md §6, "Task progress")."""
+
+    task_id: int = 0
+    attempt: int = 0
+    fraction: float = 0.0
+    message: str = ""
+
+
 class FetchOutput(_Message, frozen=True, tag="fetch_output"):
     """The leader asks for attempts' output it does not hold (e.g. after a failover)."""
 
@@ -206,6 +222,7 @@ Message = (
     | Output
     | FetchOutput
     | Error
+    | Progress
 )
 
 _encoder: Final = msgspec.msgpack.Encoder()

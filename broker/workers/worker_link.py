@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -298,6 +299,9 @@ class WorkerLink:
         if isinstance(message, p.Output):
             self._on_output(session, message)
             return
+        if isinstance(message, p.Progress):
+            self._on_progress(session, message)
+            return
         assert isinstance(message, p.Error)
         logger.warning("worker %s reported: %s", session.worker_id, message.message)
         session.close()
@@ -309,15 +313,7 @@ class WorkerLink:
         (running, or ended on it) and its worker serves the task's tenant; else refuse it
         (logged): a worker must not write into another attempt's output."""
         key = (message.task_id, message.attempt)
-        task = self.node.state.tasks.get(message.task_id)
-        worker = self.node.state.workers.get(session.worker_id)
-        problem = ""
-        if task is None or task.attempt != message.attempt or task.worker != session.worker_id:
-            problem = "an attempt not assigned to it"
-        elif self.sessions.get(session.worker_id) is not session:
-            problem = "an attempt of a replaced connection"
-        elif worker is None or (worker.tenants and task.tenant not in worker.tenants):
-            problem = "a tenant it does not serve"
+        problem = self._not_its_attempt(session, message.task_id, message.attempt)
         if problem:
             self._refusals.warning(
                 "worker %s at %s: refused output for task %d attempt %d: %s",
@@ -336,6 +332,45 @@ class WorkerLink:
         # Output of tasks the state forgot (retention) goes too, checked now and then.
         tasks = self.node.state.tasks
         self.outputs.prune(lambda task_id: task_id in tasks)
+
+    def _not_its_attempt(self, session: Session, task_id: int, attempt: int) -> str:
+        """Why a worker may not report on this attempt ("" when it may)."""
+        task = self.node.state.tasks.get(task_id)
+        worker = self.node.state.workers.get(session.worker_id)
+        if task is None or task.attempt != attempt or task.worker != session.worker_id:
+            return "an attempt not assigned to it"
+        if self.sessions.get(session.worker_id) is not session:
+            return "an attempt of a replaced connection"
+        if worker is None or (worker.tenants and task.tenant not in worker.tenants):
+            return "a tenant it does not serve"
+        return ""
+
+    def _on_progress(self, session: Session, message: p.Progress) -> None:
+        """Keep a running attempt's progress (leader memory: docs/DESIGN.md §6, "Task
+        progress") under the same rule as its output; a bad value is refused, logged."""
+        problem = self._not_its_attempt(session, message.task_id, message.attempt)
+        task = self.node.state.tasks.get(message.task_id)
+        if not problem and (task is None or task.state != TaskState.RUNNING):
+            problem = "a task not running"
+        if not problem and not (
+            math.isfinite(message.fraction)
+            and 0.0 <= message.fraction <= 1.0
+            and len(message.message) <= p.MAX_PROGRESS_CHARS
+        ):
+            problem = "a fraction outside 0..1 or a message too long"
+        if problem:
+            self._refusals.warning(
+                "worker %s at %s: refused progress for task %d attempt %d: %s",
+                session.worker_id,
+                session.peer,
+                message.task_id,
+                message.attempt,
+                problem,
+            )
+            return
+        self.outputs.progress.put(
+            message.task_id, message.attempt, message.fraction, message.message
+        )
 
     def _fetch_output(self, worker_id: str, task_id: int, attempt: int) -> bool:
         """Ask a connected worker for an attempt's output (it answers with Output)."""

@@ -17,6 +17,7 @@ from clients.cli.output import (
     _print_status,
     _print_table,
     _print_task,
+    _print_tree,
     _wait_for,
     cell,
     hint,
@@ -99,6 +100,9 @@ def _dispatch(client: StewardClient, args: argparse.Namespace) -> int:
     elif command == "task":
         found = client.task(args.id)
         print_json(found) if args.json else _print_task(found)
+    elif command == "tree":
+        found = client.tree(args.root)
+        print_json(found) if args.json else _print_tree(found)
     elif command == "tasks":
         _tasks(client, args)
     elif command == "cancel":

@@ -43,6 +43,7 @@ def _print_task(task: dict[str, Any]) -> None:
         "tree",
         "root",
         "parent",
+        "progress",
         "code",
         "resources",
         "params",
@@ -57,9 +58,43 @@ def _print_task(task: dict[str, Any]) -> None:
             value = json.dumps(value)  # the task's own JSON values, as submitted/returned
         elif name == "tree":
             value = tree_status(value)
+        elif name == "progress":
+            value = progress_line(value)
         else:
             value = cell(value)
         print(f"{name:>13}: {value}")
+
+
+def _print_tree(tree: dict[str, Any]) -> None:
+    """A tree as ``name: value`` lines, then its tasks by state as a table."""
+    anchors = cell(tree.get("pending_anchors"))
+    if tree.get("pending_count", 0) > len(tree.get("pending_anchors") or ()):
+        anchors += f" (of {tree['pending_count']})"
+    pairs = [
+        ("root", tree["root"]),
+        ("tenant", tree["tenant"]),
+        ("state", tree["state"]),
+        ("attempt", tree["attempt"]),
+        ("age_s", round(tree["age_s"], 3)),
+        ("timeout_s", tree["timeout_s"]),
+        ("started_at", tree["started_at"]),
+        ("deadline", tree.get("deadline")),
+        ("ended_at", tree.get("ended_at")),
+        ("reason", tree.get("reason")),
+        ("pending", f"{tree['pending_count']} acks awaited: {anchors}"),
+    ]
+    for name, value in pairs:
+        if value is not None:
+            print(f"{name:>10}: {cell(value)}")
+    counts = tree.get("tasks") or {}
+    _print_table([{"state": k, "tasks": v} for k, v in counts.items() if v], ["state", "tasks"])
+
+
+def progress_line(progress: dict[str, Any]) -> str:
+    """A progress report as one line: ``45% copying part 3 (attempt 1, at TIME)``."""
+    percent = f"{progress['fraction'] * 100:.0f}%"
+    message = f" {progress['message']}" if progress.get("message") else ""
+    return f"{percent}{message} (attempt {progress['attempt']}, at {progress['updated_at']})"
 
 
 def cell(value: Any) -> str:

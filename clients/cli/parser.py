@@ -322,6 +322,10 @@ def _add_task_commands(sub: argparse._SubParsersAction[StewardArgumentParser]) -
     p.add_argument("id", type=int, help="the task's id")
     add_json_option(p)
 
+    p = _client(sub, "tree", help="show a tracked task tree: state, age, tasks, pending acks")
+    p.add_argument("root", type=int, help="the id of the tree's root task")
+    add_json_option(p)
+
     p = _client(sub, "tasks", help="list tasks, ascending ids")
     p.add_argument(
         "--state",

@@ -101,6 +101,19 @@ def tasks(
     return Request("GET", "/api/v1/tasks", params=_list_query(state, tenant, type, limit, after))
 
 
+def tree(root: int) -> Request:
+    return Request("GET", f"/api/v1/trees/{root}")
+
+
+def trees(state: str | None, tenant: str | None, limit: int, after: int) -> Request:
+    params: dict[str, Any] = {"limit": limit, "after": after}
+    if state is not None:
+        params["state"] = state
+    if tenant is not None:
+        params["tenant"] = tenant
+    return Request("GET", "/api/v1/trees", params=params)
+
+
 def cancel(task_id: int) -> Request:
     return Request("POST", f"/api/v1/tasks/{task_id}/cancel")
 

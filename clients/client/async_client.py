@@ -241,6 +241,23 @@ class AsyncStewardClient(_ClientBase):
         result: dict[str, Any] = await self._send(calls.tasks(state, tenant, type, limit, after))
         return result
 
+    async def tree(self, root: int) -> dict[str, Any]:
+        """A tracked tree's view: state, age, timeout, its tasks by state, pending anchors."""
+        result: dict[str, Any] = await self._send(calls.tree(root))
+        return result
+
+    async def trees(
+        self,
+        *,
+        state: str | None = None,
+        tenant: str | None = None,
+        limit: int = 100,
+        after: int = 0,
+    ) -> dict[str, Any]:
+        """Tracked trees (state: pending, completed, failed or timed_out), lowest roots first."""
+        result: dict[str, Any] = await self._send(calls.trees(state, tenant, limit, after))
+        return result
+
     async def cancel(self, task_id: int) -> dict[str, Any]:
         result: dict[str, Any] = await self._send(calls.cancel(task_id))
         return result

@@ -122,6 +122,9 @@ class _Connection:
         # leader holds nothing).
         self.output_sent: dict[TaskKey, int] = {}
         self.final_output_sent: set[TaskKey] = set()
+        self.takes_progress = welcome.progress  # the broker accepts Progress frames
+        # Per running attempt, the count of its ctx.progress reports last sent here.
+        self.progress_sent: dict[TaskKey, int] = {}
 
     def send(self, message: Message) -> bool:
         """Queue a frame on the transport (flow control: see the heartbeat loop's drain)."""

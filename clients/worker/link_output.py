@@ -4,6 +4,9 @@ To a broker whose Welcome takes it: each running attempt's new output goes out i
 Output frame at most once a second, and an ended attempt's whole kept tail just before its
 report, on every connection the report is sent on; a FetchOutput is answered from what
 the runtime still holds. What went out on a connection is that connection's state.
+
+The same loop sends each running attempt's latest ``ctx.progress`` in a Progress frame
+when it changed, at most once a second, to a broker whose Welcome takes them.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Final
 
-from broker.workers.protocol import MAX_OUTPUT_BYTES, FetchOutput, Output
+from broker.workers.protocol import MAX_OUTPUT_BYTES, FetchOutput, Output, Progress
 from clients.worker.runtime import TaskKey, TaskRuntime, split_dropped_note
 
 if TYPE_CHECKING:
@@ -28,16 +31,32 @@ class TaskOutputs:
 
     async def loop(self, conn: _Connection) -> None:
         """Send running attempts' new output, at most once per interval each."""
-        if not conn.takes_output:
+        if not conn.takes_output and not conn.takes_progress:
             return
         while not conn.closed:
             await asyncio.sleep(_OUTPUT_INTERVAL_S)
             running = {(ta.task_id, ta.attempt) for ta in self._runtime.running()}
-            for key in [k for k in conn.output_sent if k not in running]:
-                del conn.output_sent[key]
-            for key in running:
-                if key not in conn.final_output_sent:
-                    self.send_live(conn, key)
+            if conn.takes_output:
+                for key in [k for k in conn.output_sent if k not in running]:
+                    del conn.output_sent[key]
+                for key in running:
+                    if key not in conn.final_output_sent:
+                        self.send_live(conn, key)
+            if conn.takes_progress:
+                self.send_progress(conn, running)
+
+    def send_progress(self, conn: _Connection, running: set[TaskKey]) -> None:
+        """Send each running attempt's latest progress report, if not sent here yet."""
+        for key in [k for k in conn.progress_sent if k not in running]:
+            del conn.progress_sent[key]
+        for key in running:
+            ctx = self._runtime.context(key)
+            latest = ctx.latest_progress() if ctx is not None else None
+            if latest is None or conn.progress_sent.get(key) == latest[0]:
+                continue
+            count, fraction, message = latest
+            conn.send(Progress(task_id=key[0], attempt=key[1], fraction=fraction, message=message))
+            conn.progress_sent[key] = count
 
     def send_live(self, conn: _Connection, key: TaskKey) -> bool:
         """Send what is new of a running attempt's output; False: it has none here."""

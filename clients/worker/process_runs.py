@@ -262,7 +262,11 @@ class ProcessRunner:
                 task.type,
                 process.pid,
             )
-        process.start_run(run, lambda outcome: self._on_outcome(entry, process, run, outcome))
+        process.start_run(
+            run,
+            lambda outcome: self._on_outcome(entry, process, run, outcome),
+            entry.ctx._record_progress,
+        )
         return True
 
     def _on_outcome(

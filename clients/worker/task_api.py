@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -32,7 +33,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Final
 
-from broker.workers.protocol import AssignedTask, SpawnRequest
+from broker.workers.protocol import MAX_PROGRESS_CHARS, AssignedTask, SpawnRequest
 from clients.worker.config import cpu_count
 
 logger = logging.getLogger(__name__)
@@ -185,6 +186,10 @@ class TaskContext:
         self._connect_threads: set[int] = set()
         self._spawns: list[SpawnRequest] = []
         self._spawn_bytes = 0
+        # The latest ctx.progress: (reports so far, fraction, message); where it goes from
+        # a task process (its host's sender; None: the worker reads it here).
+        self._progress: tuple[int, float, str] | None = None
+        self._progress_sink: Callable[[float, str], None] | None = None
 
     @functools.cached_property
     def logger(self) -> logging.Logger:
@@ -254,6 +259,36 @@ class TaskContext:
                 )
             self._spawns.append(request)
             self._spawn_bytes += len(encoded)
+
+    def progress(self, fraction: float, message: str = "") -> None:
+        """Report how far this attempt got: ``fraction`` from 0 to 1 and a short message
+        (cut at 200 characters). Shown by ``GET /api/v1/tasks/{id}``, ``steward task`` and
+        the dashboard within about a second. Cheap to call often: only the latest report
+        leaves the worker, at most once a second; it is not durable (the leader keeps it
+        in memory: docs/DESIGN.md §6, "Task progress")."""
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, int | float)
+            or not math.isfinite(fraction)
+            or not 0 <= fraction <= 1
+        ):
+            raise ValueError(f"progress fraction must be a number from 0 to 1, not {fraction!r}")
+        if not isinstance(message, str):
+            raise TypeError(f"progress message must be a str, not {type(message).__name__}")
+        self._record_progress(float(fraction), message[:MAX_PROGRESS_CHARS])
+        sink = self._progress_sink
+        if sink is not None:
+            sink(float(fraction), message[:MAX_PROGRESS_CHARS])
+
+    def _record_progress(self, fraction: float, message: str) -> None:
+        with self._lock:
+            count = self._progress[0] + 1 if self._progress is not None else 1
+            self._progress = (count, fraction, message)
+
+    def latest_progress(self) -> tuple[int, float, str] | None:
+        """(reports so far, fraction, message) of the latest report, or None."""
+        with self._lock:
+            return self._progress
 
     @property
     def spawned(self) -> tuple[SpawnRequest, ...]:
@@ -389,8 +424,15 @@ def task_sleep(params: Any, ctx: TaskContext) -> dict[str, float]:
     seconds = _params_dict(params, "sleep").get("seconds", 0)
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
         raise ValueError(f"sleep needs params {{'seconds': number >= 0}}, got {seconds!r}")
-    if ctx.cancelled.wait(float(seconds)):
-        ctx.check_cancelled()
+    start = time.monotonic()
+    # A sleep of a second or more reports its progress once a second (a demo of ctx.progress
+    # in the dashboard); a shorter one waits once, as it always did.
+    while (left := seconds - (time.monotonic() - start)) > 0:
+        if ctx.cancelled.wait(min(left, 1.0) if seconds >= 1 else left):
+            ctx.check_cancelled()
+        if seconds >= 1:
+            slept = min(float(seconds), time.monotonic() - start)
+            ctx.progress(slept / seconds, f"slept {slept:.0f} of {seconds:g} s")
     return {"slept": seconds}
 
 

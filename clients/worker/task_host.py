@@ -14,6 +14,10 @@ is a Cancel frame then SIGTERM: the handler reads the frame and, when it names t
 task, raises :class:`TaskCancelled` in it, so even a busy loop stops (the worker kills the
 process if it does not); a cancelled task not started yet is skipped. The process exits
 when its control pipe closes between tasks, and with the worker (``PR_SET_PDEATHSIG``).
+
+``ctx.progress`` only records the report; a sender thread writes the latest one as a
+Progress frame at most every ``_PROGRESS_INTERVAL_S`` (never the task's own thread: a
+SIGTERM raising in it mid-write would cut a frame short).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, Final
@@ -56,6 +60,53 @@ from clients.worker.task_api import (
 from clients.worker.task_env import empty_dir
 
 _READ_BYTES: Final = 64 * 1024
+# A task process writes at most this many Progress frames a second (the worker sends the
+# broker at most one a second per attempt: more would only be dropped there).
+_PROGRESS_INTERVAL_S: Final = 0.2
+
+
+class _ProgressSender:
+    """Writes the running task's latest ctx.progress on the events pipe, off its thread."""
+
+    def __init__(self, write: Callable[[task_wire.FromProcess], None]) -> None:
+        self._write = write
+        self._lock = threading.Lock()
+        self._pending: task_wire.Progress | None = None
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sink(self, task_id: int, attempt: int) -> Callable[[float, str], None]:
+        """The ctx.progress hook of one Run."""
+
+        def report(fraction: float, message: str) -> None:
+            with self._lock:
+                self._pending = task_wire.Progress(task_id, attempt, fraction, message)
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name="steward-progress", daemon=True
+                    )
+                    self._thread.start()
+            self._wake.set()
+
+        return report
+
+    def drop(self) -> None:
+        """The Run ended: a report it left unsent is moot."""
+        with self._lock:
+            self._pending = None
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                frame, self._pending = self._pending, None
+            if frame is not None:
+                try:
+                    self._write(frame)
+                except OSError:
+                    return  # the worker is gone; the main thread finds out too
+            time.sleep(_PROGRESS_INTERVAL_S)
 
 
 class _Host:
@@ -73,7 +124,13 @@ class _Host:
         self.current_key: tuple[int, int] | None = None
         self.artifacts: dict[str, Any] = {}
         self.sigterm_raised = False
+        self._events_lock = threading.Lock()  # the progress sender writes there too
+        self.progress = _ProgressSender(self.write_event)
         os.set_blocking(control_fd, False)
+
+    def write_event(self, message: task_wire.FromProcess) -> None:
+        with self._events_lock:
+            task_wire.write_frame(self.events_fd, message)
 
     def take_control(self) -> None:
         """Take every frame the worker sent so far; never blocks."""
@@ -111,7 +168,7 @@ class _Host:
 
     def serve(self) -> None:
         """Ready, then a Done for each Run in order, all on this (the main) thread."""
-        task_wire.write_frame(self.events_fd, task_wire.Ready(pid=os.getpid()))
+        self.write_event(task_wire.Ready(pid=os.getpid()))
         while True:
             try:
                 self.take_control()
@@ -142,7 +199,7 @@ class _Host:
             sys.stdout.flush()
             sys.stderr.flush()
             task_wire.write_all(1, self.output_marker)
-            task_wire.write_frame(self.events_fd, done)
+            self.write_event(done)
 
     def run(self, run: task_wire.Run) -> task_wire.Done:
         task = AssignedTask(
@@ -161,6 +218,7 @@ class _Host:
             max_result_bytes=run.max_result_bytes,
             **spark_access(run),
         )
+        ctx._progress_sink = self.progress.sink(run.task_id, run.attempt)
         started = 0.0
         try:
             self.sigterm_raised = False
@@ -182,6 +240,7 @@ class _Host:
         finally:
             self.current = None
             self.current_key = None
+            self.progress.drop()
             ctx._leave_job_group()
             ctx._release_spark()
         elapsed_us = int((time.perf_counter() - started) * 1e6) if started else 0

@@ -153,6 +153,8 @@ class _Pending:
     type_name: str
     on_outcome: OutcomeCallback
     killed: bool = False
+    # Where the Run's ctx.progress reports go (the worker-side TaskContext's recorder).
+    on_progress: Callable[[float, str], None] | None = None
 
 
 class TaskProcess:
@@ -232,12 +234,19 @@ class TaskProcess:
         with self._lock:
             return [pending.type_name for pending in self._pending]
 
-    def start_run(self, run: task_wire.Run, on_outcome: OutcomeCallback) -> None:
+    def start_run(
+        self,
+        run: task_wire.Run,
+        on_outcome: OutcomeCallback,
+        on_progress: Callable[[float, str], None] | None = None,
+    ) -> None:
         """Send one task; ``on_outcome`` is called once with its Done or the process's end,
         on the dispatcher's thread (or the canceller's). Never blocks on the task itself."""
         with self._lock:
             self._claims = max(0, self._claims - 1)
-            self._pending.append(_Pending((run.task_id, run.attempt), run.type, on_outcome))
+            self._pending.append(
+                _Pending((run.task_id, run.attempt), run.type, on_outcome, on_progress=on_progress)
+            )
         self.tasks_run += 1
         held: dict[TaskProcess, None] | None = getattr(_held, "processes", None)
         if held is not None:
@@ -367,6 +376,9 @@ class TaskProcess:
             if isinstance(message, task_wire.Ready):
                 self._ready.set()
                 continue
+            if isinstance(message, task_wire.Progress):
+                self._on_progress(message)
+                continue
             key = (message.task_id, message.attempt)
             with self._lock:
                 if key in self._skipped:  # answered at its cancel
@@ -388,6 +400,14 @@ class TaskProcess:
             if pending is not None:
                 _deliver(pending.on_outcome, Outcome(done=message, output=output))
         return True
+
+    def _on_progress(self, message: task_wire.Progress) -> None:
+        # Only the running Run reports (the first outstanding); a late one is moot.
+        with self._lock:
+            running = self._pending[0] if self._pending else None
+        key = (message.task_id, message.attempt)
+        if running is not None and running.key == key and running.on_progress is not None:
+            running.on_progress(message.fraction, message.message)
 
     def _drain_output(self) -> None:
         for _ in range(64):

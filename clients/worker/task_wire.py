@@ -5,6 +5,7 @@ process) and ``events`` (process to worker). Frames are a 4-byte big-endian leng
 msgpack body. The conversation::
 
     process: Ready -> (worker: Run+ ... process: Done per Run, in the order sent)* -> EOF
+    process: Progress (the running Run's latest ctx.progress) any time while it runs
     worker: Cancel(task) at any time, then SIGTERM (SIGKILL after the grace if it runs on)
 
 The worker may send several Runs before their Dones (pipelining, for tasks that take
@@ -23,11 +24,11 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Final, Generic, TypeVar
+from typing import Annotated, Final, Generic, TypeVar
 
 import msgspec
 
-from broker.workers.protocol import SpawnRequest
+from broker.workers.protocol import MAX_PROGRESS_CHARS, SpawnRequest
 
 _LENGTH: Final = struct.Struct(">I")
 
@@ -84,8 +85,17 @@ class Done(msgspec.Struct, frozen=True, tag="done", tag_field="kind"):
     elapsed_us: int = 0  # how long the task's code ran
 
 
+class Progress(msgspec.Struct, frozen=True, tag="progress", tag_field="kind"):
+    """The running task's latest ctx.progress (at most one per interval: task_host.py)."""
+
+    task_id: int
+    attempt: int
+    fraction: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+    message: Annotated[str, msgspec.Meta(max_length=MAX_PROGRESS_CHARS)] = ""
+
+
 ToProcess = Run | Cancel
-FromProcess = Ready | Done
+FromProcess = Ready | Done | Progress
 
 _Message = TypeVar("_Message", ToProcess, FromProcess)
 

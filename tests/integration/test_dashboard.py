@@ -151,6 +151,22 @@ def _open_detail(driver: WebDriver, task_id: int) -> dict[str, str]:
     return found
 
 
+def _wait_detail_text(driver: WebDriver, element_id: str, text: str) -> str:
+    """The shown text of a part of the open detail, once it holds ``text`` (bounded)."""
+    script = (
+        f"const e = document.getElementById('{element_id}'); return e.hidden ? '' : e.innerText;"
+    )
+    try:
+        found: str = WebDriverWait(driver, PAGE_WAIT_S, poll_frequency=0.2).until(
+            lambda d: (shown := d.execute_script(script)) and text in shown and shown
+        )
+    except TimeoutException:
+        raise AssertionError(
+            f"{element_id} did not show {text!r}; it showed {driver.execute_script(script)!r}"
+        ) from None
+    return found
+
+
 def _api_requests(driver: WebDriver) -> list[tuple[str, str | None]]:
     """(URL, Authorization header) of the API requests the page sent since the last call."""
     found: list[tuple[str, str | None]] = []
@@ -268,6 +284,10 @@ def test_dashboard_shows_the_cluster_in_headless_chromium(
         assert '"slept": 0.2' in detail["result"]
         assert "finished" in detail["title"]
         assert "tree" in detail["fields"] and "completed" in detail["fields"], detail["fields"]
+        # Issue 18: the tree it roots, from GET /api/v1/trees/{root} (a follower's replica).
+        tree_box = _wait_detail_text(browser, "detail-tree-box", "1 finished")
+        assert f"#{finished_id}" in tree_box and "completed" in tree_box, tree_box
+        assert "awaited acks" in tree_box and "none" in tree_box, tree_box
 
         # A token typed in is kept in sessionStorage and sent on every API call; Clear stops it.
         token = "dashboard-test-token"
@@ -329,6 +349,15 @@ def test_dashboard_shows_the_cluster_in_headless_chromium(
         ActionChains(browser).send_keys(Keys.ENTER).perform()
         shown = wait_detail_in_view(browser, running_id, "after Enter on its chip")
         assert shown["focused"] == "detail-title", shown
+        # Issue 18: its progress (the built-in sleep reports once a second), from the leader.
+        fields = _wait_detail_text(browser, "detail-fields", "of 120 s")
+        assert "progress" in fields and "% slept " in fields, fields
+        assert (
+            browser.execute_script(
+                "return document.querySelectorAll('#detail-fields progress').length"
+            )
+            == 1
+        )
         # A task row's link: Tab from the search form reaches the newest row first, the focus
         # stays on it across a refresh (the rows are redrawn), and Enter opens it.
         browser.execute_script("document.getElementById('search-reset').focus()")

@@ -43,6 +43,7 @@ from typing import Final
 
 import pytest
 
+from broker.api.handlers_trees import TIMED_OUT_REASON, TREE_STATES, tree_detail
 from broker.core import entries as e
 from broker.core.state import (
     MAX_TREE_TIMEOUT_MS,
@@ -141,12 +142,14 @@ def run_standalone(
                 oracle.stats["trees pending at a restore"] += len(oracle.trees)
             if index % INVARIANTS_EVERY == 0:
                 machine.check_invariants()
+                oracle.stats["tree views checked"] += _check_tree_views(machine)
             if stop_when_done and workload.submitted >= workload.roots and not oracle.trees:
                 break
         entries = index + 1
         index = entries
         entry = None
         machine.check_invariants()
+        _check_tree_views(machine)
         if twin is not None and twin.digest() != machine.digest():
             fail("the restored machine's digest differs from the original's at the end")
     except Exception as exc:
@@ -163,6 +166,24 @@ def run_standalone(
     oracle.stats["entries"] = entries
     oracle.stats["trees pending at the end"] = len(oracle.trees)
     return oracle.stats
+
+
+def _check_tree_views(machine: StateMachine) -> int:
+    """Every tree's API view (broker/api/handlers_trees.py) agrees with the state it reads:
+    its tasks by state are its kept tasks, its pending anchors its live ones, and
+    ``timed_out`` exactly a failed tree whose last run timed out. The number checked."""
+    for root, tree in machine.trees.items():
+        view = tree_detail(machine, tree, machine.now_ms)
+        members = machine.tree_members.get(root, set())
+        live = machine.tree_live.get(root, set()) if tree.state == "pending" else set()
+        if sum(view.tasks.values()) != len(members) or root not in members:
+            fail(f"tree {root}'s view counts {view.tasks}, it has {len(members)} tasks")
+        if view.pending_count != len(live) or not set(view.pending_anchors) <= live:
+            fail(f"tree {root}'s view awaits {view.pending_count}, {len(live)} are live")
+        timed_out = tree.state == "failed" and tree.reason == TIMED_OUT_REASON
+        if view.state not in TREE_STATES or (view.state == "timed_out") != timed_out:
+            fail(f"tree {root} ({tree.state}, {tree.reason!r}) shown as {view.state}")
+    return len(machine.trees)
 
 
 def _seeded_workload(seed: int) -> Workload:

@@ -493,7 +493,7 @@ def test_apply_refuses_invalid_token_entries(entry: e.Entry) -> None:
 # --- the route table's permissions, enforced for every route ---------------------------------
 
 _ROLE_OF = {"alice": CallerRole.TENANT, "worker": CallerRole.WORKER, "peer": CallerRole.PEER}
-_PATH_VALUES = {"id": "1", "name": "alice", "sha256": "0" * 64, "token_id": "ab"}
+_PATH_VALUES = {"id": "1", "root": "1", "name": "alice", "sha256": "0" * 64, "token_id": "ab"}
 
 
 def _concrete(route: Route) -> str:

@@ -13,7 +13,14 @@ from broker.api.http_api import ApiApp, ApiConfig
 from broker.core import entries as e
 from broker.replication.node import Node
 from clients import cli
-from clients.client import InvalidRequestError, StewardClient, TaskTimeoutError, TreeFailedError
+from clients.client import (
+    AsyncStewardClient,
+    InvalidRequestError,
+    NotFoundError,
+    StewardClient,
+    TaskTimeoutError,
+    TreeFailedError,
+)
 from tests.support.asgi_server import Served, serve, unserve
 from tests.support.http_api import run_and_finish
 from tests.support.memory_node import memory_node
@@ -89,3 +96,28 @@ async def test_cli_submits_tracked_roots_and_shows_their_tree(
     await run_and_finish(node, second)
     assert await asyncio.wait_for(waiting, 10) == 0
     assert f"task {second} tree completed (run 1, timeout 30 s)\n" in capsys.readouterr().out
+
+
+async def test_clients_and_cli_show_a_tree_view(
+    served: tuple[Node, Served], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 18: ``tree``/``trees`` of both clients and ``steward tree ROOT``."""
+    node, server = served
+    with StewardClient(server.url) as client:
+        root = (await asyncio.to_thread(client.submit, "root", track_tree=True)).id
+        [child] = await run_and_finish(node, root, "child")
+        tree = await asyncio.to_thread(client.tree, root)
+        assert tree["state"] == "pending" and tree["pending_anchors"] == [child]
+        listed = await asyncio.to_thread(client.trees, state="pending")
+        assert [t["root"] for t in listed["trees"]] == [root]
+        with pytest.raises(NotFoundError):
+            await asyncio.to_thread(client.tree, child)  # a tree task, not a root
+    async with AsyncStewardClient(server.url) as async_client:
+        assert (await async_client.tree(root))["tasks"]["finished"] == 1
+        assert (await async_client.trees(state="completed"))["trees"] == []
+    assert await asyncio.to_thread(cli.main, ["--url", server.url, "tree", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "state: pending" in out and f"1 acks awaited: {child}" in out, out
+    assert "STATE" in out and "waiting" in out and "finished" in out, out
+    assert await asyncio.to_thread(cli.main, ["--url", server.url, "tree", str(child)]) != 0
+    assert f"task {child} does not root a tracked tree" in capsys.readouterr().err

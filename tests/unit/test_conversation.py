@@ -103,7 +103,7 @@ def test_the_broker_refuses_frames_between_hello_and_welcome() -> None:
 
 @pytest.mark.parametrize("kind", sorted(ALL_TYPES, key=lambda k: k.__name__))
 def test_active_frames_from_a_worker(kind: type[p.Message]) -> None:
-    legal = kind in (p.Heartbeat, p.Finish, p.Output, p.Error)
+    legal = kind in (p.Heartbeat, p.Finish, p.Output, p.Error, p.Progress)
     assert may_send(Role.WORKER, State.ACTIVE, kind()) is legal
     check_active_receive(Role.BROKER, kind, legal, f"a worker may not send {kind.__name__}")
 

@@ -400,6 +400,7 @@ function renderDetail(task) {
       " attempt " + tree.attempt + ", timeout " + tree.timeout_s + " s" + (tree.reason ? " — " + tree.reason : "")) : null),
     field("tree root", task.root !== null && task.root !== undefined && task.root !== task.id ? taskLink(task.root) : null),
     field("parent", task.parent !== null && task.parent !== undefined ? taskLink(task.parent) : null),
+    field("progress", task.progress ? progressView(task.progress) : null),
   ];
   $("detail-fields").replaceChildren(...fields.filter(Boolean));
   $("detail-params").textContent = pretty(task.params);
@@ -411,7 +412,56 @@ function renderDetail(task) {
   for (const row of $("tasks").tBodies[0].rows) {
     row.classList.toggle("selected", row.dataset.task === String(task.id));
   }
-  return refreshOutput(task);
+  return Promise.all([refreshOutput(task), refreshTree(task)]);
+}
+
+// A running task's latest ctx.progress: a bar and its message (untrusted text: textContent).
+function progressView(progress) {
+  const percent = Math.round(progress.fraction * 100) + "%";
+  const bar = h("progress", { class: "task-progress", max: "1", value: String(progress.fraction),
+    "aria-label": "progress " + percent });
+  return h("span", {}, bar, percent + (progress.message ? " " + progress.message : "") +
+    " (attempt " + progress.attempt + ", " + ago(progress.updated_at) + ")");
+}
+
+function treeBadge(state) {
+  return badge(state, state === "completed" ? "finished" : state === "pending" ? "waiting" : "error");
+}
+
+// The tree the task belongs to (GET /api/v1/trees/{root}): its state, age, timeout, its
+// tasks by state and the tasks whose acks it waits for (each a link to its detail).
+async function refreshTree(task) {
+  const box = $("detail-tree-box");
+  if (task.root === null || task.root === undefined) {
+    box.hidden = true;
+    return;
+  }
+  let tree;
+  try {
+    tree = await api("/api/v1/trees/" + task.root);
+  } catch (error) {
+    box.hidden = error.status === 404; // its root was purged: nothing to show
+    $("detail-tree-note").textContent = error.status === 404 ? "" : "(" + error.message + ")";
+    $("detail-tree-fields").replaceChildren();
+    return;
+  }
+  if ($("task-detail").dataset.task !== String(task.id)) return; // another was opened
+  const counts = Object.fromEntries(Object.entries(tree.tasks).filter(([, n]) => n > 0));
+  const anchors = tree.pending_anchors.map((id) => taskLink(id));
+  const more = tree.pending_count > anchors.length ? " (of " + tree.pending_count + ")" : "";
+  const fields = [
+    field("root", taskLink(tree.root)),
+    field("state", h("span", {}, treeBadge(tree.state), tree.reason ? " " + tree.reason : "")),
+    field("run", String(tree.attempt)),
+    field("age", duration(tree.age_s)),
+    field("timeout", tree.timeout_s + " s" + (tree.deadline ? ", times out " + when(tree.deadline) : "")),
+    field("ended", when(tree.ended_at)),
+    field("tasks", chips(counts, (state, n) => n + " " + state)),
+    field("awaited acks", tree.pending_count ? h("span", {}, tree.pending_count + ": ", ...anchors.flatMap((a, i) => i ? [" ", a] : [a]), more) : "none"),
+  ];
+  $("detail-tree-note").textContent = "#" + tree.root;
+  $("detail-tree-fields").replaceChildren(...fields.filter(Boolean));
+  box.hidden = false;
 }
 
 const OUTPUT_SHOWN_CHARS = 1024 * 1024;
@@ -460,6 +510,7 @@ function showDetailError(id, error) {
   $("detail-result-box").hidden = true;
   $("detail-error-box").hidden = true;
   $("detail-output-box").hidden = true;
+  $("detail-tree-box").hidden = true;
 }
 
 // --- refresh -----------------------------------------------------------------------------
