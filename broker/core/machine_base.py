@@ -76,6 +76,10 @@ class MachineBase:
         # Live tasks of each tracked tree (root id -> ids): a failed tree's outstanding
         # tasks are cancelled without scanning every task.
         self.tree_live: dict[int, set[int]] = {}
+        # Live tasks waiting for each unfinished dependency (dependency id -> dependant
+        # ids): a finish releases its dependants without any scan, and blocked tasks stay
+        # out of the run queues (docs/DESIGN.md §2, "Dependencies"). Derived.
+        self.dependants: dict[int, dict[int, None]] = {}
         self._timers: list[tuple[int, int, int]] = []  # (due_ms, kind, id)
         self.entries_applied = 0
         # The effects of the entry being applied, returned by apply (broker.core.effects);
@@ -124,6 +128,9 @@ class MachineBase:
             self.running_by_worker.setdefault(task.worker, set()).add(task.id)
         if task.root is not None and task.state in LIVE_STATES:
             self.tree_live.setdefault(task.root, set()).add(task.id)
+        if task.waiting_for and task.state in LIVE_STATES:
+            for dependency in task.waiting_for:
+                self.dependants.setdefault(dependency, {})[task.id] = None
         self._push_task_timers(task)
 
     def _code_blocked(self, task: Task) -> bool:
@@ -135,7 +142,10 @@ class MachineBase:
         return artifact is not None and not artifact.ready
 
     def _enqueue(self, task: Task) -> None:
-        """File a task that became waiting: in its tenant's queue, or parked on its code."""
+        """File a task that became waiting: in its tenant's queue, or parked on its code;
+        nowhere while it waits for dependencies (``dependants`` holds it)."""
+        if task.waiting_for:
+            return
         if task.code is not None and self._code_blocked(task):
             self.parked.setdefault(task.code, {})[task.id] = None
         else:
@@ -144,6 +154,8 @@ class MachineBase:
     def _dequeue(self, task: Task) -> None:
         # Readiness only goes from False to True, and readying releases every parked
         # task at once: a waiting task is parked exactly while its code is blocked.
+        if task.waiting_for:
+            return  # blocked: in no queue
         if task.code is not None and self._code_blocked(task):
             parked = self.parked[task.code]
             del parked[task.id]
@@ -201,6 +213,10 @@ class MachineBase:
             self._push_timer(
                 self.now_ms + self.config.finished_task_retention_ms, _Timer.PURGE, task.id
             )
+            if task.waiting_for:
+                self._unlink_dependencies(task)
+            if task.id in self.dependants:
+                self._dependency_ended(task)
 
     def _delete_task(self, task: Task) -> None:
         check_move(task.state, None)
@@ -215,8 +231,23 @@ class MachineBase:
             del self.slots[(task.tenant, task.slot)]
         if task.root is not None and task.state in LIVE_STATES:
             self._untrack_live(task)
+        if task.waiting_for and task.state in LIVE_STATES:
+            self._unlink_dependencies(task)
         if task.root == task.id:
             self.trees.pop(task.id, None)
+
+    def _unlink_dependencies(self, task: Task) -> None:
+        """A blocked task ended or was deleted: its dependencies no longer wait on it."""
+        for dependency in task.waiting_for:
+            waiting = self.dependants.get(dependency)
+            if waiting is not None:
+                waiting.pop(task.id, None)
+                if not waiting:
+                    del self.dependants[dependency]
+        task.waiting_for = []
+
+    def _dependency_ended(self, task: Task) -> None:
+        """``task``, a dependency of others, reached a final state (DependenciesMixin)."""
 
     def _untrack_live(self, task: Task) -> None:
         assert task.root is not None
