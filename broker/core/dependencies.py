@@ -11,14 +11,10 @@ dependants without a scan.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Final
 
 from broker.core.machine_base import MachineBase
 from broker.core.records import LIVE_STATES, ErrorCode, Rejected, Task
 from broker.core.transitions import TaskState
-
-#: At most this many dependencies per task (each costs an index entry until it ends).
-MAX_AFTER: Final = 100
 
 
 class DependenciesMixin(MachineBase):
@@ -40,10 +36,7 @@ class DependenciesMixin(MachineBase):
         transaction, not ended in error or cancelled. ``join``: the other anchors of a
         spawned child, already checked to be in its tree (of any tenant).
         """
-        if len(after) > MAX_AFTER:
-            return Rejected(ErrorCode.INVALID, f"after holds more than {MAX_AFTER} task ids")
-        if len(set(after)) != len(after):
-            return Rejected(ErrorCode.INVALID, "after names a task twice")
+        # Its length and duplicates: validate_task_spec.
         waiting: list[int] = []
         for task_id in after:
             dependency = self.tasks.get(task_id)

@@ -65,7 +65,7 @@ def test_after_is_checked_at_submit() -> None:
     # Another tenant's task is "not found" too.
     assert code(m.submit_one(after=(theirs,))) == ErrorCode.NOT_FOUND
     assert code(m.submit_one(after=(failed,))) == ErrorCode.CONFLICT
-    assert code(m.submit_one(after=(mine, mine))) == ErrorCode.INVALID
+    assert code(m.submit_one(after=(mine, mine))) == ErrorCode.INVALID  # validate_task_spec
     assert code(m.submit_one(after=tuple(range(1, 102)))) == ErrorCode.INVALID
     txn = m.begin()
     pending = m.add(transaction=txn)
