@@ -6,6 +6,8 @@ runs once they all finished; an anchor of another tree is refused with a clear e
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from clients.client import StewardClient
+from clients.client import ConflictError, StewardClient
 from examples.spark_fanout import fanout_job
 from examples.spark_fanout.run import (
     direct_answer,
@@ -23,7 +25,7 @@ from examples.spark_fanout.run import (
     upload_job,
     wait_fanout,
 )
-from tests.support.procs import BrokerProcess
+from tests.support.procs import BrokerProcess, steward_command
 from tests.support.worker_procs import broker_with_worker, task_writable_dir
 
 WAIT_S = 60.0
@@ -102,7 +104,9 @@ def test_a_task_runs_after_its_dependencies(broker: BrokerProcess) -> None:
 
 def test_a_failed_or_cancelled_dependency_fails_the_dependant(broker: BrokerProcess) -> None:
     with StewardClient(broker.url) as client:
-        failing = client.submit("fail", {"message": "kaput"}, tenant="dep")
+        # Starts in 1 s: still live when its dependant is submitted.
+        later = time.time() + 1.0
+        failing = client.submit("fail", {"message": "kaput"}, tenant="dep", start_after=later)
         on_failed = client.submit("sleep", {"seconds": 0}, tenant="dep", after=[failing.id])
         stuck = client.submit("sleep", {"seconds": 30}, tenant="dep")
         on_cancelled = client.submit("sleep", {"seconds": 0}, tenant="dep", after=[stuck.id])
@@ -113,6 +117,9 @@ def test_a_failed_or_cancelled_dependency_fails_the_dependant(broker: BrokerProc
         assert records[on_failed.id]["error"] == f"dependency {failing.id} failed"
         assert records[on_cancelled.id]["error"] == f"dependency {stuck.id} was cancelled"
         assert records[chained.id]["error"] == f"dependency {on_cancelled.id} failed"
+        # Once failed, it is refused as a dependency (409).
+        with pytest.raises(ConflictError, match=f"task {failing.id} in after failed"):
+            client.submit("sleep", {"seconds": 0}, tenant="dep", after=[failing.id])
 
 
 def test_bad_dependencies_are_refused_with_a_clear_error(broker: BrokerProcess) -> None:
@@ -170,3 +177,25 @@ def test_an_anchor_of_another_tree_is_refused(broker: BrokerProcess, tmp_path: P
         f"anchor {other.id} is not a task of this task's tree (root {root.id})" in (record["error"])
     )
     assert record["tree"]["state"] == "failed"
+
+
+def test_the_cli_submits_after(broker: BrokerProcess) -> None:
+    with httpx.Client(base_url=broker.url, timeout=30) as http:
+        first = http.post("/api/v1/tasks", json={"type": "sleep", "tenant": "dep"}).json()["id"]
+        command = [*steward_command(), "--url", broker.url, "submit", "noop", "--tenant", "dep"]
+        done = subprocess.run(
+            [*command, "--after", str(first), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+        [submitted] = json.loads(done.stdout)
+        task_id = int(submitted["id"])
+        assert _final(http, task_id)["after"] == [first]
+        refused = subprocess.run(
+            [*command, "--after", str(10**12)], capture_output=True, text=True, timeout=30
+        )
+        assert refused.returncode != 0 and "does not exist" in refused.stderr
+        assert "Traceback" not in refused.stderr
