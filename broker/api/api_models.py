@@ -63,6 +63,9 @@ class _TaskOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # attempts remain.
     track_tree: bool = False
     tree_timeout_s: float | None = None
+    # Ids of tasks of the same tenant this one runs after: it waits until every one
+    # finished, and fails when one fails or is cancelled (docs/API.md, "Dependencies").
+    after: Annotated[list[Int64], msgspec.Meta(max_length=100)] = []
 
 
 class TaskSubmission(_TaskOptions, kw_only=True):
@@ -164,6 +167,10 @@ class TaskView(msgspec.Struct):
     parent: int | None = None  # the task whose finish spawned this one
     # Its latest progress report (GET /api/v1/tasks/{id} on the leader only; else null).
     progress: TaskProgress | None = None
+    # Dependencies: the tasks it runs after (spawned: the other anchors of its join),
+    # and those of them it still waits for (a waiting task stays queued until none).
+    after: list[int] = []
+    waiting_for: list[int] = []
 
 
 class TaskList(msgspec.Struct):

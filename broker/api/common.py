@@ -330,6 +330,8 @@ def task_view(task: Any, tree: TreeRecord | None = None) -> m.TaskView:
         tree=tree_view(tree),
         root=task.root,
         parent=task.parent,
+        after=list(task.after),
+        waiting_for=list(task.waiting_for),
     )
 
 

@@ -80,6 +80,7 @@ def _spec_fields(
         code=item.code,
         track_tree=item.track_tree,
         tree_timeout_ms=_tree_timeout_ms(item, where),
+        after=tuple(item.after),
     )
     problem = validate_task_spec(spec) or validate_builtin_params(spec.type, spec.params)
     if problem is not None:
@@ -154,9 +155,14 @@ async def submit(api: ApiContext, request: Request) -> tuple[int, bytes]:
             for spec, task_id in zip(specs, ids, strict=True)
         )
         if placer is not None:
-            placed = placer.place(tasks, stamp.now_ms)
+            # A task with dependencies waits for them: never placed at once.
+            placed = placer.place(tuple(t for t in tasks if not t.after), stamp.now_ms)
         return e.SubmitTasks(
-            time_ms=stamp.now_ms, tasks=tasks, idempotency_key=key, assignments=placed
+            time_ms=stamp.now_ms,
+            tasks=tasks,
+            idempotency_key=key,
+            assignments=placed,
+            v=e.submit_version(tasks),
         )
 
     try:

@@ -18,7 +18,8 @@ import msgspec
 #: Highest entry format version this code can apply. A broker that meets a
 #: newer entry must stop rather than skip it (skipping would fork the state).
 #: 2: TaskOutcome.released (an attempt given back, docs/DESIGN.md §6, "Stopping").
-ENTRY_FORMAT_VERSION: Final = 2
+#: 3: TaskSpec.after and joins (a spawned child waits for its other anchors, docs/DESIGN.md §2).
+ENTRY_FORMAT_VERSION: Final = 3
 #: The version entries are written with unless they need a newer one, so a broker not
 #: yet upgraded keeps following until a newer feature is actually used.
 BASE_ENTRY_FORMAT_VERSION: Final = 1
@@ -78,6 +79,10 @@ class TaskSpec(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
     # The tree fails when not complete this long after the root's (re)start; like
     # Storm's TOPOLOGY_MESSAGE_TIMEOUT_SECS default.
     tree_timeout_ms: int = 30_000
+    # Tasks this one waits for: it runs once every one of them finished, and fails when
+    # one ends in error or is cancelled (docs/DESIGN.md §2, "Dependencies"). Last, so
+    # older entries still decode.
+    after: tuple[int, ...] = ()
 
 
 #: Default of TaskSpec.tree_timeout_ms.
@@ -209,7 +214,16 @@ def finish_tasks(time_ms: int, outcomes: tuple[TaskOutcome, ...]) -> FinishTasks
     """A FinishTasks entry in the oldest format that holds its outcomes: version 2 with
     a given-back one (an older broker would apply it as a failure)."""
     version = 2 if any(o.released for o in outcomes) else BASE_ENTRY_FORMAT_VERSION
+    # A child anchored to another task than its parent is a join (it waits): an older
+    # broker would start it at once, so such a finish needs version 3.
+    if any(a != o.task_id for o in outcomes for s in o.spawn for a in s.anchors):
+        version = 3
     return FinishTasks(time_ms=time_ms, outcomes=outcomes, v=version)
+
+
+def submit_version(tasks: tuple[TaskSpec, ...]) -> int:
+    """The oldest entry format that holds these submitted tasks: 3 with dependencies."""
+    return 3 if any(spec.after for spec in tasks) else BASE_ENTRY_FORMAT_VERSION
 
 
 class AddCode(_Entry, frozen=True, tag="code_add"):

@@ -79,6 +79,10 @@ class MachineBase:
         # Every task of each tracked tree, final ones too (root id -> ids): the tree view
         # counts them by state without scanning every task (GET /api/v1/trees/{root}).
         self.tree_members: dict[int, set[int]] = {}
+        # Live tasks waiting for each unfinished dependency (dependency id -> dependant
+        # ids): a finish releases its dependants without any scan, and blocked tasks stay
+        # out of the run queues (docs/DESIGN.md §2, "Dependencies"). Derived.
+        self.dependants: dict[int, dict[int, None]] = {}
         self._timers: list[tuple[int, int, int]] = []  # (due_ms, kind, id)
         self.entries_applied = 0
         # The effects of the entry being applied, returned by apply (broker.core.effects);
@@ -129,6 +133,9 @@ class MachineBase:
             self.tree_live.setdefault(task.root, set()).add(task.id)
         if task.root is not None:
             self.tree_members.setdefault(task.root, set()).add(task.id)
+        if task.waiting_for and task.state in LIVE_STATES:
+            for dependency in task.waiting_for:
+                self.dependants.setdefault(dependency, {})[task.id] = None
         self._push_task_timers(task)
 
     def _code_blocked(self, task: Task) -> bool:
@@ -140,7 +147,10 @@ class MachineBase:
         return artifact is not None and not artifact.ready
 
     def _enqueue(self, task: Task) -> None:
-        """File a task that became waiting: in its tenant's queue, or parked on its code."""
+        """File a task that became waiting: in its tenant's queue, or parked on its code;
+        nowhere while it waits for dependencies (``dependants`` holds it)."""
+        if task.waiting_for:
+            return
         if task.code is not None and self._code_blocked(task):
             self.parked.setdefault(task.code, {})[task.id] = None
         else:
@@ -149,6 +159,8 @@ class MachineBase:
     def _dequeue(self, task: Task) -> None:
         # Readiness only goes from False to True, and readying releases every parked
         # task at once: a waiting task is parked exactly while its code is blocked.
+        if task.waiting_for:
+            return  # blocked: in no queue
         if task.code is not None and self._code_blocked(task):
             parked = self.parked[task.code]
             del parked[task.id]
@@ -208,6 +220,10 @@ class MachineBase:
             self._push_timer(
                 self.now_ms + self.config.finished_task_retention_ms, _Timer.PURGE, task.id
             )
+            if task.waiting_for:
+                self._unlink_dependencies(task)
+            if task.id in self.dependants:
+                self._dependency_ended(task)
 
     def _delete_task(self, task: Task) -> None:
         check_move(task.state, None)
@@ -227,8 +243,23 @@ class MachineBase:
             members.discard(task.id)
             if not members:
                 del self.tree_members[task.root]
+        if task.waiting_for and task.state in LIVE_STATES:
+            self._unlink_dependencies(task)
         if task.root == task.id:
             self.trees.pop(task.id, None)
+
+    def _unlink_dependencies(self, task: Task) -> None:
+        """A blocked task ended or was deleted: its dependencies no longer wait on it."""
+        for dependency in task.waiting_for:
+            waiting = self.dependants.get(dependency)
+            if waiting is not None:
+                waiting.pop(task.id, None)
+                if not waiting:
+                    del self.dependants[dependency]
+        task.waiting_for = []
+
+    def _dependency_ended(self, task: Task) -> None:
+        """``task``, a dependency of others, reached a final state (DependenciesMixin)."""
 
     def _untrack_live(self, task: Task) -> None:
         assert task.root is not None

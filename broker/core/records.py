@@ -64,6 +64,12 @@ class Task(msgspec.Struct, array_like=True, gc=False):
     # Attempts given back by a stopping worker or broker (docs/DESIGN.md §6, "Stopping"):
     # not counted against max_attempts. Last, so older snapshots still decode.
     released: int = 0
+    # Dependencies (docs/DESIGN.md §2, "Dependencies"): the tasks it was submitted to run
+    # after (or, spawned, the other anchors of its join), and those of them not finished
+    # yet; while any is left a waiting task is outside the run queues. Last, so older
+    # snapshots still decode.
+    after: list[int] = []
+    waiting_for: list[int] = []
 
     def counted_attempts(self) -> int:
         """Attempts that count against ``max_attempts`` (given-back ones do not)."""

@@ -383,7 +383,8 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
                     fail(f"task {task_id} is parked on artifact {sha256} wrongly")
         waiting_total = sum(len(q) for q in self.waiting.values())
         parked_total = sum(len(p) for p in self.parked.values())
-        if waiting_total + parked_total != len(self.by_state[TaskState.WAITING]):
+        blocked_total = self._check_dependency_invariants(fail)
+        if waiting_total + parked_total + blocked_total != len(self.by_state[TaskState.WAITING]):
             fail("waiting queues and waiting tasks differ in number")
         for txn in self.transactions.values():
             states = {self.tasks[i].state for i in txn.task_ids if i in self.tasks}

@@ -5,6 +5,7 @@ children spawned by a finishing task, cancels (docs/DESIGN.md §6).
 from __future__ import annotations
 
 from broker.core import entries as e
+from broker.core.dependencies import DependenciesMixin
 from broker.core.records import (
     FINAL_STATES,
     ErrorCode,
@@ -29,8 +30,11 @@ from broker.core.validation import (
 )
 
 
-class TasksMixin(TransactionsMixin, TreesMixin):
+class TasksMixin(TransactionsMixin, TreesMixin, DependenciesMixin):
     """SubmitTasks and CancelTask, and the children a finished task spawns."""
+
+    def _dependant_failed(self, task: Task) -> None:
+        self._task_ended(task)  # its tree fails with it
 
     def _submit(self, entry: e.SubmitTasks) -> list[TaskRef | Rejected]:
         key = entry.idempotency_key
@@ -68,10 +72,16 @@ class TasksMixin(TransactionsMixin, TreesMixin):
         return results
 
     def _submit_one(
-        self, spec: e.TaskSpec, *, root: int | None = None, parent: int | None = None
+        self,
+        spec: e.TaskSpec,
+        *,
+        root: int | None = None,
+        parent: int | None = None,
+        join: tuple[int, ...] = (),
     ) -> TaskRef | Rejected:
         """Create one task: submitted (parent None) or spawned by ``parent``'s finish,
-        in the tree of ``root`` when anchored there."""
+        in the tree of ``root`` when anchored there; ``join``: the child's anchors other
+        than its parent, which it waits for."""
         if spec.id <= self.max_task_id:
             return Rejected(ErrorCode.INVALID, f"task id {spec.id} was already used")
         self.max_task_id = spec.id
@@ -90,6 +100,16 @@ class TasksMixin(TransactionsMixin, TreesMixin):
                 return Rejected(ErrorCode.NOT_FOUND, f"transaction {spec.transaction} is not open")
         if spec.code is not None and spec.code not in self.artifacts:
             return Rejected(ErrorCode.NOT_FOUND, f"code artifact {spec.code} was never uploaded")
+        after = tuple(dict.fromkeys((*spec.after, *join)))
+        waiting_for: list[int] = []
+        if after:
+            checked = self._dependency_check(spec.tenant, spec.after, join=False)
+            if isinstance(checked, Rejected):
+                return checked
+            joined = self._dependency_check(spec.tenant, join, join=True)
+            if isinstance(joined, Rejected):
+                return joined
+            waiting_for = list(dict.fromkeys((*checked, *joined)))
         holder = self.slots.get((spec.tenant, spec.slot)) if spec.slot is not None else None
         if holder is not None:
             return Rejected(ErrorCode.SLOT_BUSY, f"slot {spec.slot!r} is held by task {holder}")
@@ -126,6 +146,8 @@ class TasksMixin(TransactionsMixin, TreesMixin):
             code=spec.code,
             root=root if root is not None else spec.id if spec.track_tree else None,
             parent=parent,
+            after=list(after),
+            waiting_for=waiting_for,
         )
         check_move(None, task.state)  # created (not in _add_task: snapshot load uses it)
         self._add_task(task)
@@ -173,9 +195,14 @@ class TasksMixin(TransactionsMixin, TreesMixin):
             outside = [a for a in child.anchors if not self._in_tree(a, tree.root)]
             if outside:
                 self._use_ids((child,))
-                failure = f"task {task.id} anchored child {spec.id} outside the tree"
+                failure = (
+                    f"task {task.id} anchored child {spec.id} to task {outside[0]}, "
+                    f"outside the tree of root {tree.root}"
+                )
                 continue
-            created = self._submit_one(spec, root=tree.root, parent=task.id)
+            # Anchors other than the parent make a join: the child waits for them.
+            join = tuple(a for a in child.anchors if a != task.id)
+            created = self._submit_one(spec, root=tree.root, parent=task.id, join=join)
             if isinstance(created, Rejected):
                 failure = f"child {spec.id} of task {task.id} refused: {created.code.value}"
             else:

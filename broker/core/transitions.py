@@ -68,18 +68,18 @@ TRANSITIONS: Final[Mapping[TaskState | None, Mapping[TaskState | None, Edge]]] =
         _DELAYED: Edge("committed, start_after ahead", frozenset({e.CommitTransaction})),
         _WAITING: Edge("transaction committed", frozenset({e.CommitTransaction})),
         _CANCELLED: Edge("cancelled, or its tree timed out", ANY_ENTRY),
-        _ERROR: Edge("deadline exceeded", ANY_ENTRY),
+        _ERROR: Edge("deadline exceeded, or a dependency failed", ANY_ENTRY),
         None: Edge("transaction rolled back or expired", ANY_ENTRY),
     },
     _DELAYED: {
         _WAITING: Edge("start_after reached", ANY_ENTRY),
         _CANCELLED: Edge("cancelled, or its tree failed", ANY_ENTRY),
-        _ERROR: Edge("deadline exceeded", ANY_ENTRY),
+        _ERROR: Edge("deadline exceeded, or a dependency failed", ANY_ENTRY),
     },
     _WAITING: {
         _RUNNING: Edge("assigned to a worker", frozenset({e.AssignTasks, e.SubmitTasks})),
         _CANCELLED: Edge("cancelled, or its tree failed", ANY_ENTRY),
-        _ERROR: Edge("deadline exceeded", ANY_ENTRY),
+        _ERROR: Edge("deadline exceeded, or a dependency failed", ANY_ENTRY),
     },
     _RUNNING: {
         _FINISHED: Edge("finished ok", frozenset({e.FinishTasks})),

@@ -29,6 +29,8 @@ MAX_TOKEN_TENANTS: Final = 1000
 MAX_TOKEN_NAME_CHARS: Final = 200
 #: Idempotency keys are kept at least this long, longer when finished tasks are.
 IDEMPOTENCY_MIN_RETENTION_MS: Final = 24 * 3600 * 1000
+#: At most this many dependencies (``after``) per task: each is an index entry until it ends.
+MAX_AFTER: Final = 100
 
 
 def validate_task_spec(spec: e.TaskSpec) -> str | None:
@@ -52,6 +54,10 @@ def validate_task_spec(spec: e.TaskSpec) -> str | None:
         return "code must be the sha256 (64 lowercase hex digits) of an uploaded artifact"
     if spec.track_tree and not 0 < spec.tree_timeout_ms <= MAX_TREE_TIMEOUT_MS:
         return f"tree_timeout_ms must be between 1 and {MAX_TREE_TIMEOUT_MS}"
+    if len(spec.after) > MAX_AFTER:
+        return f"after holds at most {MAX_AFTER} task ids"
+    if len(set(spec.after)) != len(spec.after):
+        return "after names a task twice"
     return None
 
 

@@ -217,6 +217,10 @@ class WorkersMixin(TasksMixin):
                 results.append(
                     Rejected(ErrorCode.STALE, f"worker {assignment.worker_id} not connected")
                 )
+            elif task.waiting_for:
+                results.append(
+                    Rejected(ErrorCode.STALE, f"task {task.id} waits for tasks {task.waiting_for}")
+                )
             elif self._code_blocked(task):
                 results.append(
                     Rejected(

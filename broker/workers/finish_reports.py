@@ -13,6 +13,7 @@ The asyncio side (batching, logging through the node, acknowledging) stays in
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -98,8 +99,22 @@ def spawn_requests(
         where = f"invalid spawn #{index} (type {request.type!r})"
         if not request.tracked and request.anchors:
             raise InvalidSpawn(f"{where}: an untracked child takes no anchors")
+        if not request.tracked and request.anchor_spawns:
+            raise InvalidSpawn(f"{where}: an untracked child takes no anchors")
         if any(a <= 0 for a in request.anchors):
             raise InvalidSpawn(f"{where}: anchors must be task ids")
+        for sibling in request.anchor_spawns:
+            if not 0 <= sibling < index:
+                raise InvalidSpawn(f"{where}: anchor_spawns must name earlier children")
+            if not report.spawn[sibling].tracked:
+                raise InvalidSpawn(f"{where}: anchored to child #{sibling}, which is untracked")
+        foreign = [a for a in request.anchors if not _same_tree(state, a, parent.root)]
+        if foreign and parent.root is not None:
+            # Refused here, on the task, rather than failing its tree at apply.
+            raise InvalidSpawn(
+                f"{where}: anchor {foreign[0]} is not a task of this task's tree "
+                f"(root {parent.root})"
+            )
         if len(request.params) > config.max_params_bytes:
             raise InvalidSpawn(f"{where}: params over {config.max_params_bytes} bytes")
         try:
@@ -132,7 +147,9 @@ def spawn_requests(
         anchors: tuple[int, ...] = ()
         if request.tracked:
             own = (report.task_id,) if request.anchor_self else ()
-            anchors = tuple(dict.fromkeys(own + request.anchors))
+            # Earlier children as -(index + 1) until stamp_ids knows their ids.
+            siblings = tuple(-(i + 1) for i in request.anchor_spawns)
+            anchors = tuple(dict.fromkeys(own + request.anchors + siblings))
         out.append(e.Spawn(task=spec, anchors=anchors))
     return tuple(out)
 
@@ -144,14 +161,25 @@ def stamp_ids(stamp: Stamp, outcomes: tuple[e.TaskOutcome, ...]) -> tuple[e.Task
         return outcomes
     ids = iter(stamp.task_ids(count))
     return tuple(
-        msgspec.structs.replace(
-            outcome,
-            spawn=tuple(
-                msgspec.structs.replace(s, task=msgspec.structs.replace(s.task, id=next(ids)))
-                for s in outcome.spawn
-            ),
-        )
+        msgspec.structs.replace(outcome, spawn=_stamped(outcome.spawn, ids))
         if outcome.spawn
         else outcome
         for outcome in outcomes
     )
+
+
+def _stamped(spawn: tuple[e.Spawn, ...], ids: Iterator[int]) -> tuple[e.Spawn, ...]:
+    """One outcome's children with their ids, anchors to earlier siblings resolved."""
+    stamped: list[int] = []
+    out: list[e.Spawn] = []
+    for child in spawn:
+        stamped.append(next(ids))
+        anchors = tuple(a if a > 0 else stamped[-a - 1] for a in child.anchors)
+        task = msgspec.structs.replace(child.task, id=stamped[-1])
+        out.append(msgspec.structs.replace(child, task=task, anchors=anchors))
+    return tuple(out)
+
+
+def _same_tree(state: StateMachine, task_id: int, root: int | None) -> bool:
+    task = state.tasks.get(task_id)
+    return task is not None and task.root == root

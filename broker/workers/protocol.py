@@ -128,8 +128,10 @@ class SpawnRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkno
 
     Anchors make the child part of the reporting task's tracked tree: ``anchor_self``
     (the reporting task) and/or ``anchors`` (other task ids of the same tree; several
-    make a DAG). ``tracked=False`` (Storm's unanchored emit) takes no anchors. A child
-    of an untracked task is never tracked. The broker validates every request: an
+    make a DAG), and ``anchor_spawns``: earlier children of the same report, by index (their
+    ids are not known yet). Anchors other than the reporting task make a join: the child
+    waits until they all finished. ``tracked=False`` (Storm's unanchored emit) takes no
+    anchors. A child of an untracked task is never tracked. The broker validates every request: an
     invalid one fails the reporting task with a clear error (the report is not lost).
     """
 
@@ -145,6 +147,7 @@ class SpawnRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkno
     start_after_ms: int | None = None
     resources: dict[str, float] = {}
     code: str | None = None  # None: the reporting task's code artifact
+    anchor_spawns: tuple[int, ...] = ()  # last: an older worker never sends it
 
 
 class TaskReport(msgspec.Struct, frozen=True, omit_defaults=True):

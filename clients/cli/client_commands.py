@@ -159,6 +159,7 @@ def _submit(client: StewardClient, args: argparse.Namespace) -> int:
         "resources": dict(args.resource) or None,
         "track_tree": True if args.track_tree else None,
         "tree_timeout_s": args.tree_timeout_s,
+        "after": args.after or None,
     }
     task.update({k: v for k, v in optional.items() if v is not None})
     if args.count < 1:

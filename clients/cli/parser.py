@@ -307,6 +307,14 @@ def _add_task_commands(sub: argparse._SubParsersAction[StewardArgumentParser]) -
         help="with --track-tree: fail the tree after this long (default 30)",
     )
     p.add_argument(
+        "--after",
+        type=int,
+        action="append",
+        default=[],
+        metavar="ID",
+        help="run after this task finished (repeatable; it fails if that one fails)",
+    )
+    p.add_argument(
         "--wait", action="store_true", help="wait for the tasks to end (progress bar for many)"
     )
     p.add_argument(

@@ -221,7 +221,7 @@ class StewardClient(_ClientBase):
         **options: Any,
     ) -> TaskHandle:
         """Submit one task. Options: slot, max_attempts, deadline, start_after,
-        resources, transaction, code, track_tree, tree_timeout_s. Retried safely under
+        resources, transaction, code, track_tree, tree_timeout_s, after. Retried safely under
         ``idempotency_key`` (default: 128 new random bits per call)."""
         answer = self._send(calls.submit(type, params, tenant, idempotency_key, options))
         return TaskHandle(self, int(answer["id"]), str(answer["state"]))

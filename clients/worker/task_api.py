@@ -22,6 +22,7 @@ thread that asks for the session; threads a task starts itself must also go thro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -43,6 +44,14 @@ TaskFn = Callable[[Any, "TaskContext"], Any]
 
 DEFAULT_SQL_MAX_ROWS: Final = 1000
 MAX_ERROR_CHARS: Final = 64 * 1024
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpawnedChild:
+    """A child this task spawned (``ctx.spawn``'s answer): its id is given when the task's
+    finish is logged, so later children of the same task anchor to it by this handle."""
+
+    index: int  # among this attempt's children
 
 
 class TaskCancelled(Exception):
@@ -206,7 +215,7 @@ class TaskContext:
         type: str,
         params: Any = None,
         *,
-        anchors: Sequence[int] | None = None,
+        anchors: Sequence[int | SpawnedChild] | None = None,
         tracked: bool = True,
         tenant: str | None = None,
         slot: str | None = None,
@@ -215,13 +224,16 @@ class TaskContext:
         start_after_ms: int | None = None,
         resources: Mapping[str, float] | None = None,
         code: str | None = None,
-    ) -> None:
+    ) -> SpawnedChild:
         """Create a child task when this task finishes successfully.
 
         The children travel with the task's finish report and are created by the same
         log entry that records the finish: a task that fails, crashes or is cancelled
         spawns nothing. ``anchors``: None anchors the child to this task; otherwise task
-        ids of this task's tree (``ctx.task_id`` for this one; several make a DAG).
+        ids of this task's tree (``ctx.task_id`` for this one; several make a DAG) or
+        children spawned before by this task (what ``spawn`` returns). A child anchored to
+        other tasks than this one is a join: it waits until all of them finished, and the
+        tree completes only when every path is acked (Storm's multi-anchoring).
         ``tracked=False`` spawns outside the tree (Storm's unanchored emit). Children of
         an untracked task are never tracked. ``tenant`` and ``code`` default to this
         task's. The broker validates the rest; an invalid child fails this task.
@@ -235,7 +247,16 @@ class TaskContext:
         except ValueError as exc:
             raise ValueError(f"spawn {type!r}: params: {exc}") from None
         anchor_self = tracked and (anchors is None or self.task_id in anchors)
-        others = tuple(dict.fromkeys(int(a) for a in anchors or () if a != self.task_id))
+        siblings = tuple(
+            dict.fromkeys(a.index for a in anchors or () if isinstance(a, SpawnedChild))
+        )
+        others = tuple(
+            dict.fromkeys(
+                int(a)
+                for a in anchors or ()
+                if not isinstance(a, SpawnedChild) and a != self.task_id
+            )
+        )
         request = SpawnRequest(
             type=type,
             params=encoded,
@@ -249,8 +270,11 @@ class TaskContext:
             start_after_ms=start_after_ms,
             resources=dict(resources or {}),
             code=code,
+            anchor_spawns=siblings if tracked else (),
         )
         with self._lock:
+            if any(i >= len(self._spawns) for i in siblings):
+                raise ValueError("anchors name a child this task did not spawn")
             if len(self._spawns) >= self.MAX_SPAWNS:
                 raise ValueError(f"a task may spawn at most {self.MAX_SPAWNS} children")
             if self._spawn_bytes + len(encoded) > self.max_result_bytes:
@@ -259,6 +283,7 @@ class TaskContext:
                 )
             self._spawns.append(request)
             self._spawn_bytes += len(encoded)
+            return SpawnedChild(len(self._spawns) - 1)
 
     def progress(self, fraction: float, message: str = "") -> None:
         """Report how far this attempt got: ``fraction`` from 0 to 1 and a short message

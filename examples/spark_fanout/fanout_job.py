@@ -4,24 +4,20 @@ Task types (uploaded as ``fanout_job.py``; children inherit the root's artifact)
 
 ``fanout_job:root`` ``{"rows", "partitions", "out_dir", "engine"?, "child_sleep_s"?,
 "child_max_attempts"?}``
-    splits the rows ``0 .. rows-1`` into ``partitions`` ranges and spawns one
-    ``partition`` child per range; returns where the answer will be (``final``).
+    splits the rows ``0 .. rows-1`` into ``partitions`` ranges, spawns one
+    ``partition`` child per range and the ``combine`` child joined to all of them;
+    returns where the answer will be (``final``).
 ``fanout_job:partition`` ``{"run_dir", "index", "partitions", "start", "end", ...}``
     aggregates its range with Spark DataFrame ops (``engine`` "python": plain Python,
-    for tests without Spark) and writes ``part-NNNN.json``; the partition that sees
-    all partials present and wins the claim spawns the combiner, anchored to itself.
+    for tests without Spark) and writes ``part-NNNN.json``.
 ``fanout_job:combine`` ``{"run_dir", "partitions"}``
     merges the partials and writes ``final.json`` (also its result).
 
-Steward has no task dependencies, so the combiner is spawned by the last partition:
-each partition first publishes its partial (write a temporary file, then rename), then
-lists the run dir. Whichever partition publishes last sees every partial, so at least
-one partition sees them all; several may, and an exclusive claim picks one: the claim
-file ``combine.claim`` is created by ``os.link`` of a file already holding the task id
-(atomic and exclusive, and never seen half-written). A retry of the claiming task (its
-finish, which carries the spawn, was lost with its worker) finds its own id there and
-spawns the combiner again; a claimant that fails for good fails the tree, and the
-root's replay starts over in a fresh run dir.
+The combiner is a join (Storm's multi-anchoring): anchored to every partition, it waits
+until all of them finished, so every partial is there when it runs, and the tree
+completes only after it. A partition that fails for good fails the tree (the combiner is
+cancelled), and the root's replay starts over in a fresh run dir. Each partition
+publishes its partial atomically (a temporary file, then a rename).
 
 The run dir is unique to the root's attempt (``root-ID/attempt-N``): late writes of
 a failed run's partitions land in their own run's dir and never mix into a replay.
@@ -44,7 +40,6 @@ MULTIPLIER = 7919
 MODULUS = 1000
 ENGINES = ("spark", "python")
 MAX_PARTITIONS = 1000
-CLAIM_FILE = "combine.claim"
 FINAL_FILE = "final.json"
 
 
@@ -162,20 +157,6 @@ def write_json_atomic(path: Path, value: Any) -> None:
     os.replace(tmp, path)
 
 
-def claim(run_dir: Path, task_id: int) -> bool:
-    """True if this task holds the combiner claim of the run (now or from an earlier try)."""
-    path = run_dir / CLAIM_FILE
-    tmp = run_dir / f".{CLAIM_FILE}.{task_id}.{os.getpid()}.tmp"
-    tmp.write_text(str(task_id), encoding="utf-8")
-    try:
-        os.link(tmp, path)  # fails if the claim exists; never leaves it half-written
-        return True
-    except FileExistsError:
-        return path.read_text(encoding="utf-8").strip() == str(task_id)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 # --- task functions --------------------------------------------------------------------
 
 
@@ -215,6 +196,7 @@ def root(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
     # A fresh dir per run of the root: a replay never reads a failed run's partials.
     run_dir = Path(out_dir) / f"root-{ctx.task_id}" / f"attempt-{ctx.attempt}"
     run_dir.mkdir(parents=True, exist_ok=True)
+    parts = []
     for index, (start, end) in enumerate(split(rows, partitions)):
         child = {
             "run_dir": str(run_dir),
@@ -226,7 +208,14 @@ def root(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
             "child_sleep_s": child_sleep_s,
             "child_max_attempts": child_max_attempts,
         }
-        ctx.spawn(f"{MODULE}:partition", child, max_attempts=child_max_attempts)
+        parts.append(ctx.spawn(f"{MODULE}:partition", child, max_attempts=child_max_attempts))
+    # The join: anchored to every partition, it runs once all of them finished.
+    ctx.spawn(
+        f"{MODULE}:combine",
+        {"run_dir": str(run_dir), "partitions": partitions},
+        anchors=parts,
+        max_attempts=child_max_attempts,
+    )
     ctx.logger.info("fan-out of %d rows over %d partitions in %s", rows, partitions, run_dir)
     return {
         "run_dir": str(run_dir),
@@ -248,16 +237,7 @@ def partition(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
         aggregate = spark_aggregate(ctx.spark, start, end)
     ctx.check_cancelled()  # a cancelled run's partition publishes nothing
     write_json_atomic(partial_path(run_dir, index), aggregate)
-    complete = all(partial_path(run_dir, i).exists() for i in range(partitions))
-    combiner = complete and claim(run_dir, ctx.task_id)
-    if combiner:
-        # Anchored to this task (the default): the tree completes only after it.
-        ctx.spawn(
-            f"{MODULE}:combine",
-            {"run_dir": str(run_dir), "partitions": partitions},
-            max_attempts=int(params.get("child_max_attempts", 1)),
-        )
-    return {"index": index, "rows": aggregate["rows"], "spawned_combiner": combiner}
+    return {"index": index, "partitions": partitions, "rows": aggregate["rows"]}
 
 
 def combine(params: dict[str, Any], ctx: Any) -> dict[str, Any]:

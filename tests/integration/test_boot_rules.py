@@ -25,6 +25,7 @@ import httpx
 import pytest
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
+from broker.core import entries as e
 from clients.dev.zk import ZooKeeperServer
 from tests.support.cluster_procs import ClusterProcesses
 from tests.support.format_samples import bump_file_version
@@ -200,8 +201,9 @@ def test_an_old_follower_of_a_newer_leader_stops_at_its_first_newer_entry(
         text = old.log_text()
         line = next(x for x in text.splitlines() if x.startswith("steward: cannot start:"))
         print(line)
-        assert "log entry format version 3 is newer than this broker's 2" in line
-        assert "upgrade the broker to a release that reads version 3" in line
+        newer, ours = e.ENTRY_FORMAT_VERSION + 1, e.ENTRY_FORMAT_VERSION
+        assert f"log entry format version {newer} is newer than this broker's {ours}" in line
+        assert f"upgrade the broker to a release that reads version {newer}" in line
         assert "written by a leader of a newer release" in line
         assert "Traceback" not in text
         assert c.leader() is newer  # the newer leader goes on

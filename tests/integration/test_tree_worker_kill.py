@@ -222,7 +222,11 @@ def test_kill9_of_a_worker_mid_tree_fails_the_tree_and_the_replay_is_correct(
     assert not (_first_run_dir(out_dir, handle.id) / fanout_job.FINAL_FILE).exists()
     # The replay ran on the surviving worker only.
     survivor = "w2" if victim == "w1" else "w1"
-    replayed = [t for t in by_id.values() if t["id"] not in {f["id"] for f in first}]
+    # The first run's join (the combiner, waiting for its partitions) was cancelled too.
+    first_ids = {t["id"] for t in first}
+    (first_join,) = [t for t in by_id.values() if set(t["after"]) == first_ids]
+    assert first_join["state"] == "cancelled" and first_join["attempt"] == 0, first_join
+    replayed = [t for t in by_id.values() if t["id"] not in first_ids | {first_join["id"]}]
     parts = [t for t in replayed if t["type"] == PART_TYPE]
     assert len(parts) == PARTITIONS and all(t["state"] == "finished" for t in replayed)
     assert {t["worker"] for t in parts} <= {survivor, None}, parts

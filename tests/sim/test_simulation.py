@@ -287,5 +287,9 @@ def test_generator_covers_the_rules() -> None:
         "tree task cancelled",
         "reconcile kept task ended by its tree",
         "task placed by its submit",
+        "task blocked by dependencies",
+        "task released by its dependencies",
+        "dependant failed with its dependency",
+        "SubmitTasks rejected conflict",
     ]
     assert_exercised(stats, wanted)

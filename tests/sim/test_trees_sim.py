@@ -230,6 +230,7 @@ def test_tree_simulation_covers_the_cases() -> None:
         "task retried",
         "unanchored children",
         "children with several anchors",
+        "joins that waited for their anchors",
         "stale reports",
         "snapshot restores",
         "trees pending at a restore",

@@ -131,6 +131,12 @@ def sample_entries() -> list[e.Entry]:
             task_id=6,
         ),
         e.DeleteSchedule(time_ms=t + 60_002, tenant="acme", name="hourly"),
+        # Entry format 3: a task that runs after another (docs/API.md, "Dependencies").
+        e.SubmitTasks(
+            time_ms=t + 60_003,
+            tasks=(task(7, after=(6,)),),
+            v=e.submit_version((task(7, after=(6,)),)),
+        ),
     ]
 
 

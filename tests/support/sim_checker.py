@@ -303,8 +303,16 @@ class Checker(TransitionChecks):
                         txn is None or txn.tenant != spec.tenant
                     )
                     no_code = spec.code is not None and spec.code not in m.artifacts
-                    if not (no_txn or no_code):
+                    no_dep = any(
+                        (dep := m.tasks.get(d)) is None or dep.tenant != spec.tenant
+                        for d in spec.after
+                    )
+                    if not (no_txn or no_code or no_dep):
                         fail(f"not_found for spec {spec.id} with txn {spec.transaction}")
+                elif item.code == ErrorCode.CONFLICT:
+                    ended = (TaskState.ERROR, TaskState.CANCELLED)
+                    if not any((d := m.tasks.get(i)) and d.state in ended for i in spec.after):
+                        fail(f"conflict for spec {spec.id} though no dependency failed")
                 else:
                     fail(f"submit rejected with {item.code}")
 

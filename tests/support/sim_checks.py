@@ -114,6 +114,10 @@ class TransitionChecks:
         self.tree_timeout: dict[int, int] = {}
         self.tree_deadline: dict[int, int] = {}  # pending trees only
         self.tree_size: dict[int, int] = {}  # tasks created in the current run
+        # Dependencies: the unfinished ones each live task waits for (blocked while any is
+        # left: in no queue), and the dependants of each, in the order they began to wait.
+        self.waits: dict[int, set[int]] = {}
+        self.dependants_of: dict[int, dict[int, None]] = {}
 
     # --- before / after each entry --------------------------------------------------
 
@@ -207,6 +211,8 @@ class TransitionChecks:
                     fail(f"task {tid} back to waiting in {kind.__name__} without a reason")
                 if ev.attempt >= task.max_attempts:
                     fail(f"task {tid} retried after its last attempt {ev.attempt}")
+            elif new == ERROR and self._dependency_error(task):
+                self.stats["dependant failed with its dependency"] += 1
             elif new == ERROR and not self._deadline_error(task, now):
                 if old != RUNNING or not self._attempt_over(entry, tid, pre):
                     fail(f"task {tid} {old}->error without a reason: {task.error!r}")
@@ -228,7 +234,13 @@ class TransitionChecks:
             tenant = self.tenant_of[tid]
             code = self.code_of[tid]
             blocked = code is not None and not self.code_ready.get(code, True)
-            if old == WAITING:
+            # Blocked by dependencies (before and after this move): in no queue.
+            waited = tid in self.waits
+            self._track_dependencies(tid, old, new, task)
+            waits = tid in self.waits
+            if old == WAITING and waited:
+                pass
+            elif old == WAITING:
                 if blocked:
                     assert code is not None
                     self.parked[code].remove(tid)
@@ -237,16 +249,20 @@ class TransitionChecks:
                     if tid not in queue:
                         fail(f"task {tid} left waiting but was not queued")
                     del queue[tid]
-            if new == WAITING:
-                if blocked:
-                    assert code is not None
-                    self.parked.setdefault(code, set()).add(tid)
-                    self.stats["task parked on code"] += 1
-                else:
-                    queue = self.queues.setdefault(tenant, {})
-                    if tid in queue:
-                        fail(f"task {tid} queued twice")
-                    queue[tid] = None
+            if new == WAITING and not waits:
+                self._enqueue(tid)
+            if new == FINISHED:
+                # Its dependants that waited only for it join the queues, in order.
+                for dependant in self.dependants_of.pop(tid, {}):
+                    left = self.waits[dependant]
+                    left.discard(tid)
+                    if not left:
+                        del self.waits[dependant]
+                        if self.mirror.get(dependant) == WAITING:
+                            self._enqueue(dependant)
+                            self.stats["task released by its dependencies"] += 1
+            elif new in (ERROR, CANCELLED):
+                self.dependants_of.pop(tid, None)  # failed with it, or by their tree
             if new is None:
                 del self.mirror[tid]
                 del self.attempts[tid]
@@ -255,6 +271,43 @@ class TransitionChecks:
             else:
                 self.mirror[tid] = new
                 self.attempts[tid] = ev.attempt
+
+    def _enqueue(self, tid: int) -> None:
+        code = self.code_of[tid]
+        if code is not None and not self.code_ready.get(code, True):
+            self.parked.setdefault(code, set()).add(tid)
+            self.stats["task parked on code"] += 1
+            return
+        queue = self.queues.setdefault(self.tenant_of[tid], {})
+        if tid in queue:
+            fail(f"task {tid} queued twice")
+        queue[tid] = None
+
+    def _track_dependencies(self, tid: int, old: str | None, new: str | None, task: Task) -> None:
+        """A created task waits for its unfinished dependencies (as the trace has them); a
+        task that ends or is deleted waits no more."""
+        if old is None:
+            waits = [d for d in task.after if self.mirror.get(d) != FINISHED]
+            if waits:
+                self.waits[tid] = set(waits)
+                self.stats["task blocked by dependencies"] += 1
+                for dependency in waits:
+                    self.dependants_of.setdefault(dependency, {})[tid] = None
+        elif new in FINAL or new is None:
+            for dependency in self.waits.pop(tid, ()):
+                self.dependants_of.get(dependency, {}).pop(tid, None)
+
+    def _dependency_error(self, task: Task) -> bool:
+        """Whether the task failed because a dependency of it failed or was cancelled."""
+        words = (task.error or "").split()
+        if len(words) < 3 or words[0] != "dependency" or not words[1].isdigit():
+            return False
+        dependency = self.m.tasks.get(int(words[1]))
+        if int(words[1]) not in task.after or dependency is None:
+            fail(f"task {task.id} failed with {task.error!r}, not one of its dependencies")
+        elif dependency.state not in (ERROR, CANCELLED):
+            fail(f"task {task.id} failed with {task.error!r} but it is {dependency.state}")
+        return True
 
     @staticmethod
     def created_now(entry: e.SubmitTasks) -> set[int]:

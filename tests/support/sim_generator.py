@@ -101,6 +101,8 @@ class EntryGenerator:
         self.tree_probability = self.rng.choice((0.05, 0.15, 0.3))
         # Some seeds grow big trees (hundreds of tasks): sturdier, more prolific children.
         self.big_trees = self.rng.random() < 0.4
+        # Tasks submitted with dependencies (``after``): blocked outside the queues.
+        self.after_probability = self.rng.choice((0.0, 0.1, 0.3))
         for worker in WORKERS[:3]:
             self.scripted.append(functools.partial(self._register, worker))
         if self.small_retention:
@@ -236,10 +238,18 @@ class EntryGenerator:
                 resources = {f"r{i}": 1.0 for i in range(33)}
             else:
                 spec_type = "x" * 129
+        # Dependencies (issue 18): recent ids, so mostly live tasks of any tenant (another
+        # tenant's, purged or never created ones are refused), now and then one twice.
+        after: tuple[int, ...] = ()
+        if rng.random() < self.after_probability and self.recent_ids:
+            after = tuple(self._recent() for _ in range(rng.choice((1, 1, 2, 3))))
+            if len(set(after)) != len(after):
+                bad = True
         spec = e.TaskSpec(
             id=task_id,
             type=spec_type,
             tenant=tenant,
+            after=after,
             params=b'{"n": %d}' % rng.randrange(100),
             slot=slot,
             max_attempts=max_attempts,

@@ -85,10 +85,11 @@ class TracedMachine(StateMachine):
         super()._add_task(task)
 
     def _move(self, task: Task, new: TaskState) -> None:
-        old = str(task.state)
+        # Recorded first: a move may cause others (a dependency's end releases or fails
+        # its dependants), which then follow it, as their effects do.
+        if str(task.state) != str(new):
+            self.events.append(Event(task.id, str(task.state), str(new), task.attempt, task))
         super()._move(task, new)
-        if old != str(new):
-            self.events.append(Event(task.id, old, str(new), task.attempt, task))
 
     def _delete_task(self, task: Task) -> None:
         self.events.append(Event(task.id, str(task.state), None, task.attempt, task))

@@ -74,6 +74,8 @@ class TreeOracle:
         self.entries = 0
         self._ended_now: list[int] = []
         self._touched: set[int] = set()
+        # Joins: a child's anchors other than its parent; it may run once all finished.
+        self.joins: dict[int, tuple[int, ...]] = {}
 
     # --- model transitions ---------------------------------------------------------
 
@@ -214,6 +216,11 @@ class TreeOracle:
                 failed = True
                 continue
             self._create(child.task, tree.root)
+            join = tuple(a for a in child.anchors if a != task_id)
+            if join:
+                self.joins[child.task.id] = join
+                if any(self.state.get(a) != FINISHED for a in join):
+                    self.stats["joins that waited for their anchors"] += 1
             tree.outstanding.add(child.task.id)
             tree.ack_val ^= tree_value(child.task.id)
             tree.created += 1
@@ -275,6 +282,16 @@ class TreeOracle:
             if task is None or task.state != self.state[task_id]:
                 actual = None if task is None else task.state
                 fail(f"tree task {task_id} is {actual}, the oracle expected {self.state[task_id]}")
+        for task_id, join in list(self.joins.items()):
+            # A waiting join is queued exactly when every anchor finished.
+            if self.state.get(task_id) != WAITING:
+                if self.state.get(task_id) != RUNNING:
+                    del self.joins[task_id]
+                continue
+            blocked = any(self.state.get(a) != FINISHED for a in join)
+            queued = task_id in machine.waiting.get(TENANT, {})
+            if queued == blocked:
+                fail(f"join {task_id} queued {queued}, its anchors {join} blocked {blocked}")
         for tree in self.trees.values():
             if not (tree.dirty or full):
                 continue

@@ -88,17 +88,23 @@ def test_the_generator_still_covers_every_entry_type() -> None:
 
 def test_a_newer_entry_version_is_refused_naming_it() -> None:
     data = e.encode_entry(e.Tick(time_ms=1, v=e.ENTRY_FORMAT_VERSION + 1))
-    with pytest.raises(e.NewerEntryFormatError, match="version 3 is newer than this broker's 2"):
+    newer, ours = e.ENTRY_FORMAT_VERSION + 1, e.ENTRY_FORMAT_VERSION
+    with pytest.raises(
+        e.NewerEntryFormatError, match=f"version {newer} is newer than this broker's {ours}"
+    ):
         e.decode_record(data)
 
 
 def test_an_unknown_entry_type_of_a_newer_version_is_a_version_problem() -> None:
-    data = msgspec.msgpack.encode({"type": "from_the_future", "time_ms": 1, "v": 3})
+    newer = e.ENTRY_FORMAT_VERSION + 1
+    data = msgspec.msgpack.encode({"type": "from_the_future", "time_ms": 1, "v": newer})
     with pytest.raises(e.NewerEntryFormatError, match="upgrade the broker") as info:
         e.decode_record(data)
-    assert info.value.version == 3
+    assert info.value.version == newer
     # Of a version this code knows, the same bytes are garbage, not a version problem.
-    old = msgspec.msgpack.encode({"type": "from_the_future", "time_ms": 1, "v": 2})
+    old = msgspec.msgpack.encode(
+        {"type": "from_the_future", "time_ms": 1, "v": e.ENTRY_FORMAT_VERSION}
+    )
     with pytest.raises(e.EntryDecodeError, match="undecodable") as plain:
         e.decode_record(old)
     assert not isinstance(plain.value, e.NewerEntryFormatError)
@@ -168,5 +174,8 @@ def test_a_log_entry_of_a_newer_release_stops_the_broker_naming_where() -> None:
 
     data = e.encode_entry(e.Tick(time_ms=1, v=e.ENTRY_FORMAT_VERSION + 1))
     applier = Applier(None)  # type: ignore[arg-type]  # the entry is refused before use
-    with pytest.raises(NewerFormatError, match="ledger 7 entry 3: log entry format version 3"):
+    newer = e.ENTRY_FORMAT_VERSION + 1
+    with pytest.raises(
+        NewerFormatError, match=f"ledger 7 entry 3: log entry format version {newer}"
+    ):
         applier.apply_logged(LedgerEntry(ledger_id=7, entry_id=3, last_add_confirmed=-1, data=data))
