@@ -63,6 +63,14 @@ class _TaskOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # attempts remain.
     track_tree: bool = False
     tree_timeout_s: float | None = None
+    # Higher first among the tenant's waiting tasks (FIFO within a priority); fairness
+    # between tenants does not look at it.
+    priority: int = 0
+    # A failed attempt with attempts left waits (``delayed``) before retry n for
+    # retry_backoff_s * 2^(n-1) seconds, capped by retry_backoff_max_s (default 3600),
+    # +-25% jitter. 0: retried at once.
+    retry_backoff_s: float = 0
+    retry_backoff_max_s: float | None = None
 
 
 class TaskSubmission(_TaskOptions, kw_only=True):
@@ -152,6 +160,10 @@ class TaskView(msgspec.Struct):
     tree: TreeView | None = None  # only for a tracked root
     root: int | None = None  # the tracked root whose tree this task belongs to
     parent: int | None = None  # the task whose finish spawned this one
+    priority: int = 0
+    # Set when the task retries with a backoff (then a retry's due time is start_after).
+    retry_backoff_s: float | None = None
+    retry_backoff_max_s: float | None = None
 
 
 class TaskList(msgspec.Struct):

@@ -330,6 +330,9 @@ def task_view(task: Any, tree: TreeRecord | None = None) -> m.TaskView:
         tree=tree_view(tree),
         root=task.root,
         parent=task.parent,
+        priority=task.priority,
+        retry_backoff_s=task.retry_backoff_ms / 1000 if task.retry_backoff_ms else None,
+        retry_backoff_max_s=task.retry_backoff_max_ms / 1000 if task.retry_backoff_ms else None,
     )
 
 

@@ -79,6 +79,13 @@ def _spec_fields(
         code=item.code,
         track_tree=item.track_tree,
         tree_timeout_ms=_tree_timeout_ms(item, where),
+        priority=item.priority,
+        retry_backoff_ms=_seconds_ms(item.retry_backoff_s, "retry_backoff_s", where),
+        retry_backoff_max_ms=(
+            e.DEFAULT_RETRY_BACKOFF_MAX_MS
+            if item.retry_backoff_max_s is None
+            else _seconds_ms(item.retry_backoff_max_s, "retry_backoff_max_s", where)
+        ),
     )
     problem = validate_task_spec(spec) or validate_builtin_params(spec.type, spec.params)
     if problem is not None:
@@ -107,6 +114,13 @@ def _owns_transaction(api: ApiContext, request: Request, txn_id: int) -> bool:
         return True
     txn = api.node.state.transactions.get(txn_id)
     return txn is None or txn.tenant == principal.tenant
+
+
+def _seconds_ms(value: float, name: str, where: str) -> int:
+    """A duration in seconds as milliseconds; its upper bound is validate_task_spec's."""
+    if not (math.isfinite(value) and value >= 0):
+        raise HttpError(400, "invalid_request", f"{where}{name} must be a number >= 0")
+    return min(round(value * 1000), 2**62)  # past any bound: rejected as over it
 
 
 def _tree_timeout_ms(item: m.TaskSubmission | m.SubmitBody, where: str) -> int:
@@ -155,7 +169,11 @@ async def submit(api: ApiContext, request: Request) -> tuple[int, bytes]:
         if placer is not None:
             placed = placer.place(tasks, stamp.now_ms)
         return e.SubmitTasks(
-            time_ms=stamp.now_ms, tasks=tasks, idempotency_key=key, assignments=placed
+            time_ms=stamp.now_ms,
+            tasks=tasks,
+            idempotency_key=key,
+            assignments=placed,
+            v=e.submit_version(tasks),
         )
 
     try:

@@ -71,5 +71,4 @@ class CodeArtifactsMixin(MachineBase):
         if parked:
             tasks = self.tasks
             for task_id in sorted(parked):
-                task = tasks[task_id]
-                self.waiting.setdefault(task.tenant, {})[task_id] = None
+                self._queue(tasks[task_id])

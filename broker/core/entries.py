@@ -18,7 +18,8 @@ import msgspec
 #: Highest entry format version this code can apply. A broker that meets a
 #: newer entry must stop rather than skip it (skipping would fork the state).
 #: 2: TaskOutcome.released (an attempt given back, docs/DESIGN.md §6, "Stopping").
-ENTRY_FORMAT_VERSION: Final = 2
+#: 3: TaskSpec.priority and retry backoff (docs/DESIGN.md §6, "Priorities and backoff").
+ENTRY_FORMAT_VERSION: Final = 3
 #: The version entries are written with unless they need a newer one, so a broker not
 #: yet upgraded keeps following until a newer feature is actually used.
 BASE_ENTRY_FORMAT_VERSION: Final = 1
@@ -59,7 +60,17 @@ class TaskSpec(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
     # The tree fails when not complete this long after the root's (re)start; like
     # Storm's TOPOLOGY_MESSAGE_TIMEOUT_SECS default.
     tree_timeout_ms: int = 30_000
+    # Higher first within its tenant (FIFO within a priority); last, so older entries
+    # still decode. Entries using them are written as version 3 (submit_version).
+    priority: int = 0
+    # The delay before retry n is retry_backoff_ms * 2^(n-1), capped by
+    # retry_backoff_max_ms, +-25% deterministic jitter (broker/core/backoff.py); 0: none.
+    retry_backoff_ms: int = 0
+    retry_backoff_max_ms: int = 3_600_000
 
+
+#: Default of TaskSpec.retry_backoff_max_ms.
+DEFAULT_RETRY_BACKOFF_MAX_MS: Final = 3_600_000
 
 #: Default of TaskSpec.tree_timeout_ms.
 DEFAULT_TREE_TIMEOUT_MS: Final = 30_000
@@ -89,6 +100,14 @@ class SubmitTasks(_Entry, frozen=True, tag="submit"):
     # they wait for the scheduler (docs/DESIGN.md §6). Empty, the default, keeps old
     # entries valid.
     assignments: tuple[Assignment, ...] = ()
+
+
+def submit_version(tasks: tuple[TaskSpec, ...]) -> int:
+    """The oldest entry format that holds these specs: 3 with a priority or a backoff (an
+    older broker would silently ignore them and so fork the state)."""
+    if any(t.priority or t.retry_backoff_ms for t in tasks):
+        return 3
+    return BASE_ENTRY_FORMAT_VERSION
 
 
 class CancelTask(_Entry, frozen=True, tag="cancel"):

@@ -64,6 +64,11 @@ class Task(msgspec.Struct, array_like=True, gc=False):
     # Attempts given back by a stopping worker or broker (docs/DESIGN.md §6, "Stopping"):
     # not counted against max_attempts. Last, so older snapshots still decode.
     released: int = 0
+    # Scheduling order within the tenant and retry backoff (TaskSpec's fields); last, so
+    # older snapshots still decode.
+    priority: int = 0
+    retry_backoff_ms: int = 0
+    retry_backoff_max_ms: int = 3_600_000
 
     def counted_attempts(self) -> int:
         """Attempts that count against ``max_attempts`` (given-back ones do not)."""

@@ -278,6 +278,7 @@ class StateMachine(WorkersMixin, TenantsMixin, CodeArtifactsMixin):
         machine.waiting = {name: dict.fromkeys(ids) for name, ids in body.waiting.items()}
         for task in body.tasks:
             machine._add_task(task)
+        machine.by_priority = machine._priority_levels()  # _add_task filed them by id
         for txn in machine.transactions.values():
             machine._push_timer(txn.expires_ms, _Timer.TXN_EXPIRE, txn.id)
         for record in body.idempotency:
@@ -375,6 +376,12 @@ class StateMachine(WorkersMixin, TenantsMixin, CodeArtifactsMixin):
                 held = self.tasks.get(task_id)
                 if held is None or held.state != TaskState.WAITING or held.code != sha256:
                     fail(f"task {task_id} is parked on artifact {sha256} wrongly")
+
+        def ordered(levels: dict[str, dict[int, dict[int, None]]]) -> object:
+            return {t: {p: list(q) for p, q in lv.items()} for t, lv in levels.items()}
+
+        if ordered(self.by_priority) != ordered(self._priority_levels()):
+            fail("priority levels differ from the waiting queues")
         waiting_total = sum(len(q) for q in self.waiting.values())
         parked_total = sum(len(p) for p in self.parked.values())
         if waiting_total + parked_total != len(self.by_state[TaskState.WAITING]):

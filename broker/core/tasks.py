@@ -126,6 +126,9 @@ class TasksMixin(TransactionsMixin, TreesMixin):
             code=spec.code,
             root=root if root is not None else spec.id if spec.track_tree else None,
             parent=parent,
+            priority=spec.priority,
+            retry_backoff_ms=spec.retry_backoff_ms,
+            retry_backoff_max_ms=spec.retry_backoff_max_ms,
         )
         check_move(None, task.state)  # created (not in _add_task: snapshot load uses it)
         self._add_task(task)

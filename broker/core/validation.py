@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 from broker.core import entries as e
+from broker.core.backoff import validate_scheduling
 from broker.core.entries import SHA256_RE
 
 # \Z, not $: "$" also matches before a final newline, which would let "acme\n" in.
@@ -52,7 +53,7 @@ def validate_task_spec(spec: e.TaskSpec) -> str | None:
         return "code must be the sha256 (64 lowercase hex digits) of an uploaded artifact"
     if spec.track_tree and not 0 < spec.tree_timeout_ms <= MAX_TREE_TIMEOUT_MS:
         return f"tree_timeout_ms must be between 1 and {MAX_TREE_TIMEOUT_MS}"
-    return None
+    return validate_scheduling(spec.priority, spec.retry_backoff_ms, spec.retry_backoff_max_ms)
 
 
 def validate_token_fields(
