@@ -125,7 +125,7 @@ class Checker(TransitionChecks):
                     elif isinstance(entry, e.AssignTasks):
                         if item.state != RUNNING or task.worker != entry.assignments[i].worker_id:
                             fail(f"assignment result {item!r}, task on {task.worker}")
-                    elif item.state not in (FINISHED, WAITING, ERROR):
+                    elif item.state not in (FINISHED, WAITING, DELAYED, ERROR):
                         fail(f"finish result {item!r}")
         elif isinstance(entry, e.CancelTask):
             item = items[0]
@@ -207,7 +207,7 @@ class Checker(TransitionChecks):
             if not set(result.lost) <= gone:
                 fail(f"reconcile lost {result.lost}; had {sorted(had)}")
             for tid in result.lost:
-                if m.tasks[tid].state not in (WAITING, ERROR, CANCELLED):
+                if m.tasks[tid].state not in (WAITING, DELAYED, ERROR, CANCELLED):
                     fail(f"lost task {tid} is {m.tasks[tid].state}")
             if set(m.running_by_worker.get(entry.worker_id, ())) != {t for t, _ in keep}:
                 fail(f"worker {entry.worker_id} runs other tasks than the kept ones")
@@ -275,6 +275,10 @@ class Checker(TransitionChecks):
                     spec.params,
                     spec.slot,
                     spec.max_attempts,
+                ) or (task.priority, task.retry_backoff_ms, task.retry_backoff_max_ms) != (
+                    spec.priority,
+                    spec.retry_backoff_ms,
+                    spec.retry_backoff_max_ms,
                 ):
                     fail(f"task {spec.id} stored differently from its spec")
             elif isinstance(item, Rejected):

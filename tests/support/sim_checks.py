@@ -200,6 +200,15 @@ class TransitionChecks:
             elif (old, new) == (FINISHED, WAITING):
                 if not replayed:
                     fail(f"task {tid} finished then waiting, not a replayed root")
+            elif (old, new) == (RUNNING, DELAYED):
+                if not self._attempt_over(entry, tid, pre) or ev.attempt >= task.max_attempts:
+                    fail(f"task {tid} delayed in {kind.__name__} without a failed attempt")
+                # The retry is due retry_backoff * 2^(n-1), capped, +-25% from now.
+                retry = task.counted_attempts()
+                nominal = min(task.retry_backoff_ms << (retry - 1), task.retry_backoff_max_ms)
+                delay = (task.start_after_ms or 0) - now
+                if not (nominal * 3 // 4 <= delay <= nominal * 5 // 4 and delay > 0):
+                    fail(f"task {tid} retry {retry} delayed {delay} ms, nominal {nominal}")
             elif old == RUNNING and new == WAITING:
                 if not replayed and not self._attempt_over(entry, tid, pre):
                     fail(f"task {tid} back to waiting in {kind.__name__} without a reason")

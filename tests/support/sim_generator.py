@@ -15,6 +15,7 @@ from itertools import islice
 import msgspec
 
 from broker.core import entries as e
+from broker.core.backoff import MAX_BACKOFF_MS, MAX_PRIORITY
 from broker.core.state import (
     MAX_TREE_TIMEOUT_MS,
     ErrorCode,
@@ -213,9 +214,12 @@ class EntryGenerator:
         slot = rng.choice(SLOTS) if rng.random() < self.slot_probability else None
         max_attempts = rng.randint(1, 3)
         code = rng.choice(CODE_SHAS) if rng.random() < 0.05 else None
+        priority = rng.choice((0, 0, 0, 1, 1, 5, -2))
+        backoff_ms = rng.choice((0, 0, 0, 300, 2_000, 20_000))
+        backoff_max_ms = rng.choice((3_000, e.DEFAULT_RETRY_BACKOFF_MAX_MS))
         if rng.random() < 0.06:
             bad = True
-            variant = rng.randrange(9)
+            variant = rng.randrange(11)
             if variant == 0:
                 spec_type = rng.choice(BAD_TYPES)
             elif variant == 1:
@@ -232,6 +236,10 @@ class EntryGenerator:
                 code = rng.choice(("abc", CODE_SHAS[0].upper(), CODE_SHAS[0] + "0"))
             elif variant == 7:
                 resources = {f"r{i}": 1.0 for i in range(33)}
+            elif variant == 8:
+                priority = rng.choice((-MAX_PRIORITY - 1, MAX_PRIORITY + 1))
+            elif variant == 9:
+                backoff_ms = rng.choice((-1, MAX_BACKOFF_MS + 1))
             else:
                 spec_type = "x" * 129
         spec = e.TaskSpec(
@@ -248,6 +256,9 @@ class EntryGenerator:
             code=code,
             track_tree=rng.random() < self.tree_probability,
             tree_timeout_ms=rng.choice((2_000, 600_000, 3_600_000, MAX_TREE_TIMEOUT_MS)),
+            priority=priority,
+            retry_backoff_ms=backoff_ms,
+            retry_backoff_max_ms=backoff_max_ms,
         )
         return spec, bad
 
