@@ -107,6 +107,30 @@ class SubmitBatchBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     idempotency_key: IdempotencyKey | None = None
 
 
+class BulkCancelBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """POST /api/v1/tasks/cancel: the live tasks matching every given filter (at least
+    one) are cancelled. ``tenant``: a tenant token's own (the default); an admin's
+    choice, none: every tenant's. ``state``: a live state (default: all of them);
+    ``tree``: a tracked root's id; ``submitted_before``: RFC 3339 or Unix seconds."""
+
+    tenant: str | None = None
+    type: str | None = None
+    state: TaskState | None = None
+    tree: Int64 | None = None
+    submitted_before: datetime | float | None = None
+    reason: str | None = None
+
+
+class BulkCancelResult(msgspec.Struct):
+    """``matched``: live tasks matching when the request was read; ``cancelled`` of them
+    by this request, ``skipped`` ones that ended meanwhile; ``batches``: log entries."""
+
+    matched: int
+    cancelled: int
+    skipped: int
+    batches: int
+
+
 class SubmittedTask(msgspec.Struct, omit_defaults=True):
     """A batch member's outcome: ``id`` and ``state`` when accepted, else ``error``."""
 

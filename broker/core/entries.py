@@ -115,6 +115,20 @@ class CancelTask(_Entry, frozen=True, tag="cancel"):
     reason: str = "cancelled by request"
 
 
+#: At most this many task ids in one CancelTasks entry (a bulk cancel logs several).
+MAX_CANCEL_BATCH: Final = 1000
+
+
+class CancelTasks(_Entry, frozen=True, tag="cancel_many"):
+    """One bounded batch of a cancel by filter (the leader chose the ids): tasks already
+    final, unknown or (with ``tenant``) of another tenant are skipped, not refused. A
+    broker older than this entry type cannot decode its tag and stops (§2)."""
+
+    task_ids: tuple[int, ...] = ()
+    reason: str = "cancelled by request"
+    tenant: str | None = None  # only this tenant's tasks (None: any, an admin's request)
+
+
 class BeginTransaction(_Entry, frozen=True, tag="txn_begin"):
     transaction_id: int = 0
     tenant: str = ""
@@ -267,6 +281,7 @@ Entry = (
     | CodeReady
     | CreateToken
     | RevokeToken
+    | CancelTasks
 )
 
 

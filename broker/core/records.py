@@ -229,6 +229,14 @@ class ReplayedResults(list[TaskRef | Rejected]):
     __slots__ = ()
 
 
+class CancelCount(msgspec.Struct, frozen=True):
+    """What one CancelTasks batch did: tasks cancelled, and ids skipped (already final,
+    unknown, or another tenant's)."""
+
+    cancelled: int
+    skipped: int
+
+
 class WorkerReconciled(msgspec.Struct, frozen=True):
     worker_id: str
     keep: tuple[e.TaskAttempt, ...]  # reported tasks still running on it
@@ -253,6 +261,7 @@ ApplyResult = (
     | WorkerReconciled
     | Artifact
     | ApiToken
+    | CancelCount
     | Rejected
     | None
 )

@@ -54,6 +54,7 @@ from broker.core.records import ApiToken as ApiToken
 from broker.core.records import ApplyResult as ApplyResult
 from broker.core.records import Artifact as Artifact
 from broker.core.records import ArtifactUpload as ArtifactUpload
+from broker.core.records import CancelCount as CancelCount
 from broker.core.records import Config as Config
 from broker.core.records import ErrorCode as ErrorCode
 from broker.core.records import InvariantError as InvariantError
@@ -121,6 +122,7 @@ class StateMachine(WorkersMixin, TenantsMixin, CodeArtifactsMixin):
             e.CodeReady: self._code_ready,
             e.CreateToken: self._create_token,
             e.RevokeToken: self._revoke_token,
+            e.CancelTasks: self._cancel_many,
         }
 
     def apply(self, entry: e.Entry) -> Applied:

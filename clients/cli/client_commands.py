@@ -56,6 +56,31 @@ def run_client_command(args: argparse.Namespace) -> int:
             raise NotStewardError(f"an answer that is not Steward's JSON API: {exc}") from None
 
 
+def _cancel(client: StewardClient, args: argparse.Namespace) -> None:
+    filters = (args.tenant, args.type, args.state, args.tree, args.submitted_before)
+    named = any(f is not None for f in filters)
+    if (args.id is not None) == named:
+        raise UsageError("give a task id, or filters (--tenant, --type, --state, ...), not both")
+    if args.id is not None:
+        cancelled = client.cancel(args.id)
+        print_json(cancelled) if args.json else print(
+            f"task {cancelled['id']} {cancelled['state']}"
+        )
+        return
+    done = client.cancel_matching(
+        tenant=args.tenant,
+        type=args.type,
+        state=args.state,
+        tree=args.tree,
+        submitted_before=_time_option(args.submitted_before),
+        reason=args.reason,
+    )
+    print_json(done) if args.json else print(
+        f"{done['cancelled']} cancelled of {done['matched']} matching "
+        f"({done['skipped']} ended meanwhile)"
+    )
+
+
 def _is_write(args: argparse.Namespace) -> bool:
     if args.command in ("submit", "cancel", "txn"):
         return True
@@ -100,10 +125,7 @@ def _dispatch(client: StewardClient, args: argparse.Namespace) -> int:
     elif command == "tasks":
         _tasks(client, args)
     elif command == "cancel":
-        cancelled = client.cancel(args.id)
-        print_json(cancelled) if args.json else print(
-            f"task {cancelled['id']} {cancelled['state']}"
-        )
+        _cancel(client, args)
     elif command == "tenant":
         _tenant(client, args)
     elif command == "txn":

@@ -338,8 +338,18 @@ def _add_task_commands(sub: argparse._SubParsersAction[StewardArgumentParser]) -
     )
     add_json_option(p)
 
-    p = _client(sub, "cancel", help="cancel a task")
-    p.add_argument("id", type=int, help="the task's id")
+    p = _client(sub, "cancel", help="cancel a task, or the live tasks matching filters")
+    p.add_argument("id", type=int, nargs="?", help="the task's id (or give filters instead)")
+    p.add_argument("--tenant", help="filter: this tenant's tasks (a tenant token: its own)")
+    p.add_argument("--type", help="filter: tasks of this type")
+    p.add_argument(
+        "--state", choices=("pending", "delayed", "waiting", "running"), help="filter: a state"
+    )
+    p.add_argument("--tree", type=int, metavar="ROOT", help="filter: the tree of this root")
+    p.add_argument(
+        "--submitted-before", metavar="TIME", help="filter: RFC 3339 time or Unix seconds"
+    )
+    p.add_argument("--reason", help="the cancelled tasks' error (default: cancelled by request)")
     add_json_option(p)
 
     p = _client(sub, "logs", help="a task attempt's captured stdout, stderr and ctx.logger")

@@ -1,8 +1,12 @@
-"""Issue 18 item 4 on real processes: task priorities within a tenant and retry backoff
-whose due time survives a broker crash (a standalone broker and a worker process)."""
+"""Issue 18 item 4 on real processes (a standalone broker and a worker process): task
+priorities within a tenant, retry backoff whose due time survives a broker crash, and a
+bulk cancel by filter from the CLI."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -11,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.procs import HOST, BrokerProcess, free_port
+from tests.support.procs import HOST, BrokerProcess, free_port, steward_command
 from tests.support.worker_procs import WorkerProcess, wait_until
 
 
@@ -138,3 +142,42 @@ def test_retry_backoff_delays_retries_and_its_due_time_survives_a_crash(setup: S
     final = setup.wait_state(task_id, {"error"}, 60)
     assert final["attempt"] == 3 and "flaky" in final["error"], final
     assert _seconds(final["updated_at"]) >= _seconds(second["start_after"])
+
+
+def _steward(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "STEWARD_URL"}
+    return subprocess.run(
+        [*steward_command(), "--url", url, *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+
+
+def test_bulk_cancel_by_filter_from_the_cli(setup: Setup) -> None:
+    setup.worker("bulk-w", "--tenant", "bulk", "--task-type", "*=1")
+    sleeper = {"type": "sleep", "tenant": "bulk", "params": {"seconds": 30}}
+    running = setup.http.post("/api/v1/tasks", json=sleeper).json()["id"]
+    setup.wait_state(running, {"running"}, 30)
+    batch = [{"type": "noop", "tenant": "bulk"}] * 1500 + [{"type": "noop", "tenant": "keep"}]
+    submitted = setup.http.post("/api/v1/tasks", json={"tasks": batch})
+    assert submitted.status_code == 200, submitted.text
+    ids = [item["id"] for item in submitted.json()["tasks"]]
+    done = _steward(setup.broker.url, "cancel", "--tenant", "bulk", "--state", "waiting", "--json")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done
+    answer = json.loads(done.stdout)
+    assert answer == {"matched": 1500, "cancelled": 1500, "skipped": 0, "batches": 2}
+    assert setup.task(ids[0])["state"] == "cancelled"
+    assert setup.task(ids[-1])["state"] == "waiting"  # another tenant's
+    assert setup.task(running)["state"] == "running"  # another state
+    # The running one too, by type; its worker is told to stop it.
+    done = _steward(setup.broker.url, "cancel", "--tenant", "bulk", "--type", "sleep")
+    assert done.returncode == 0 and "1 cancelled of 1 matching" in done.stdout, done
+    assert setup.wait_state(running, {"cancelled"}, 10)["error"] == "cancelled by request"
+    # Neither an id nor a filter: a usage error, no traceback.
+    refused = _steward(setup.broker.url, "cancel")
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert "filters" in refused.stderr
