@@ -13,7 +13,6 @@ from broker.core.transitions import TaskState
 from broker.core.validation import BUILTIN_PARAMS, validate_builtin_params
 from clients.cli import main
 from clients.cli.flag_docs import _commands
-from clients.cli.parser import build_parser
 from clients.cli.options import TASK_STATES, StewardArgumentParser
 from clients.cli.output import cell
 from clients.cli.parser import build_parser
