@@ -219,6 +219,10 @@ class TenantLimits(msgspec.Struct, forbid_unknown_fields=True):
     max_waiting: NonNegativeInt64 | None = None
     max_running: NonNegativeInt64 | None = None
     weight: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    # Tasks/s the leader accepts from the tenant (0: unlimited), with a burst of
+    # submit_burst tasks (0: one second's worth); over it: 429 with Retry-After.
+    submit_rate: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    submit_burst: NonNegativeInt64 | None = None
 
 
 class TenantView(msgspec.Struct):
@@ -227,6 +231,8 @@ class TenantView(msgspec.Struct):
     max_running: int
     weight: float
     counts: dict[str, int]
+    submit_rate: float = 0.0
+    submit_burst: int = 0
 
 
 class ArtifactView(msgspec.Struct):

@@ -138,6 +138,40 @@ def _tree_timeout_ms(item: m.TaskSubmission | m.SubmitBody, where: str) -> int:
     return round(item.tree_timeout_s * 1000)
 
 
+def _check_submit_rate(api: ApiContext, specs: list[e.TaskSpec]) -> None:
+    """The leader refuses a submission over a tenant's submit rate before logging it
+    (a follower leaves it to the leader it redirects to)."""
+    if not api.node.is_leader:
+        return
+    counts: dict[str, int] = {}
+    for spec in specs:
+        counts[spec.tenant] = counts.get(spec.tenant, 0) + 1
+    tenants = api.node.state.tenants
+    for name, count in counts.items():
+        tenant = tenants.get(name)
+        if tenant is None or tenant.submit_rate <= 0:
+            continue
+        wait_s = api.submit_limiter.take(name, tenant.submit_rate, tenant.submit_burst, count)
+        if wait_s is None:
+            continue
+        burst = api.submit_limiter.capacity(tenant.submit_rate, tenant.submit_burst)
+        if math.isinf(wait_s):
+            raise HttpError(
+                400,
+                "invalid_request",
+                f"a batch of {count} tasks of tenant {name!r} is over its submit burst "
+                f"({burst:g}): send smaller batches",
+            )
+        raise HttpError(
+            429,
+            "rate_limited",
+            f"tenant {name!r} is over its submit rate ({tenant.submit_rate:g} tasks/s, "
+            f"burst {burst:g}): retry in {wait_s:.3f} s",
+            ((b"retry-after", b"%d" % max(1, math.ceil(wait_s))),),
+            retryable=True,
+        )
+
+
 async def submit(api: ApiContext, request: Request) -> tuple[int, bytes]:
     body = decode(_submit_decoder, request.body)
     key = idempotency_key(request, body.idempotency_key)
@@ -156,6 +190,7 @@ async def submit(api: ApiContext, request: Request) -> tuple[int, bytes]:
     else:
         specs = [_spec_fields(api, request, body, None)]
 
+    _check_submit_rate(api, specs)
     placer = api.node.placer
     placed: tuple[e.Assignment, ...] = ()
 

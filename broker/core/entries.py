@@ -153,6 +153,10 @@ class TenantLimitsPatch(msgspec.Struct, omit_defaults=True, frozen=True):
     max_waiting: int | None = None
     max_running: int | None = None
     weight: float | None = None
+    # Submissions per second the leader accepts from the tenant, with a burst (0:
+    # unlimited; entry format 3, docs/DESIGN.md §6, "Submit rate limit").
+    submit_rate: float | None = None
+    submit_burst: int | None = None
 
 
 class SetTenant(_Entry, frozen=True, tag="tenant_set"):

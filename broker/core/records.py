@@ -121,6 +121,10 @@ class Tenant(msgspec.Struct, array_like=True, gc=False):
     max_waiting: int = 0  # 0: unlimited
     max_running: int = 0  # 0: unlimited
     weight: float = 1.0
+    # Submit rate limit (tasks/s, 0: none) and its burst (0: one second's worth); last,
+    # so older snapshots still decode.
+    submit_rate: float = 0.0
+    submit_burst: int = 0
 
 
 class Transaction(msgspec.Struct, array_like=True, gc=False):

@@ -30,6 +30,8 @@ MAX_TOKEN_TENANTS: Final = 1000
 MAX_TOKEN_NAME_CHARS: Final = 200
 #: Idempotency keys are kept at least this long, longer when finished tasks are.
 IDEMPOTENCY_MIN_RETENTION_MS: Final = 24 * 3600 * 1000
+#: Upper bound of a tenant's submit_rate (tasks/s) and submit_burst.
+MAX_SUBMIT_RATE: Final = 1_000_000
 
 
 def validate_task_spec(spec: e.TaskSpec) -> str | None:
@@ -95,6 +97,11 @@ def validate_limits(patch: e.TenantLimitsPatch) -> str | None:
         return "max_running must be >= 0 (0: unlimited)"
     if patch.weight is not None and not (math.isfinite(patch.weight) and patch.weight > 0):
         return "weight must be a finite number > 0"
+    rate = patch.submit_rate
+    if rate is not None and not (math.isfinite(rate) and 0 <= rate <= MAX_SUBMIT_RATE):
+        return f"submit_rate must be between 0 (unlimited) and {MAX_SUBMIT_RATE:g} tasks/s"
+    if patch.submit_burst is not None and not 0 <= patch.submit_burst <= MAX_SUBMIT_RATE:
+        return f"submit_burst must be between 0 (one second's worth) and {MAX_SUBMIT_RATE:g}"
     return None
 
 

@@ -1,12 +1,13 @@
 """Issue 18 item 4 on real processes (a standalone broker and a worker process): task
 priorities within a tenant, retry backoff whose due time survives a broker crash, and a
-bulk cancel by filter from the CLI."""
+bulk cancel by filter from the CLI, and the per-tenant submit rate limit."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -181,3 +182,22 @@ def test_bulk_cancel_by_filter_from_the_cli(setup: Setup) -> None:
     refused = _steward(setup.broker.url, "cancel")
     assert refused.returncode != 0 and "Traceback" not in refused.stderr
     assert "filters" in refused.stderr
+
+
+def test_submit_rate_limit_answers_429_with_retry_after(setup: Setup) -> None:
+    limits = setup.http.put("/api/v1/tenants/rated", json={"submit_rate": 1, "submit_burst": 2})
+    assert limits.status_code == 200, limits.text
+    task = {"type": "noop", "tenant": "rated"}
+    for _ in range(2):
+        assert setup.http.post("/api/v1/tasks", json=task).status_code == 201
+    refused = setup.http.post("/api/v1/tasks", json=task)
+    assert refused.status_code == 429, refused.text
+    body = refused.json()
+    assert body["error"]["code"] == "rate_limited" and body["error"]["retryable"] is True
+    retry_after = int(refused.headers["retry-after"])
+    assert 1 <= retry_after <= 2
+    time.sleep(retry_after)  # the bucket refills at 1 task/s
+    assert setup.http.post("/api/v1/tasks", json=task).status_code == 201
+    # Another tenant is not limited.
+    other = setup.http.post("/api/v1/tasks", json={"type": "noop", "tenant": "unrated"})
+    assert other.status_code == 201

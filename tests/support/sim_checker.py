@@ -13,6 +13,7 @@ from broker.core import entries as e
 from broker.core.state import (
     ApplyResult,
     Artifact,
+    CancelCount,
     ErrorCode,
     Rejected,
     ReplayedResults,
@@ -143,6 +144,17 @@ class Checker(TransitionChecks):
                     fail(f"cancel said conflict for task {entry.task_id} not final")
                 if item.code not in (ErrorCode.NOT_FOUND, ErrorCode.CONFLICT):
                     fail(f"cancel rejected with {item.code}")
+        elif isinstance(entry, e.CancelTasks):
+            item = items[0]
+            if isinstance(item, CancelCount):
+                if item.cancelled < 0 or item.cancelled + item.skipped != len(entry.task_ids):
+                    fail(f"bulk cancel of {len(entry.task_ids)} ids answered {item!r}")
+                for task_id in entry.task_ids:
+                    task = m.tasks.get(task_id)
+                    if task is not None and task.error == entry.reason and task.state != CANCELLED:
+                        fail(f"task {task_id} has the bulk cancel's reason but is {task.state}")
+            elif len(entry.task_ids) <= e.MAX_CANCEL_BATCH:
+                fail(f"bulk cancel of {len(entry.task_ids)} ids refused: {item!r}")
         elif isinstance(entry, e.BeginTransaction):
             item = items[0]
             if isinstance(item, TransactionRef):
@@ -377,7 +389,8 @@ class Checker(TransitionChecks):
                 expected_final.append(ev.task_id)
             error = ev.task.error or ""
             if ev.old == RUNNING and ev.new == CANCELLED:
-                reason = entry.reason if isinstance(entry, e.CancelTask) else error
+                cancel = isinstance(entry, e.CancelTask | e.CancelTasks)
+                reason = entry.reason if cancel else error
                 if error.startswith("tree of task"):
                     reason = error  # its tree failed (perhaps because of this very cancel)
                 expected_stops.append(

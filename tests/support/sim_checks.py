@@ -16,6 +16,7 @@ from broker.core.state import (
     IDEMPOTENCY_MIN_RETENTION_MS,
     ApplyResult,
     Artifact,
+    CancelCount,
     ErrorCode,
     Rejected,
     ReplayedResults,
@@ -53,6 +54,7 @@ from tests.support.sim_model import (
 
 RESULT_TYPES: Final[dict[type, tuple[type, ...]]] = {
     e.CancelTask: (TaskRef, Rejected),
+    e.CancelTasks: (CancelCount, Rejected),
     e.BeginTransaction: (TransactionRef, Rejected),
     e.CommitTransaction: (TransactionDone, Rejected),
     e.RollbackTransaction: (TransactionDone, Rejected),
@@ -174,6 +176,9 @@ class TransitionChecks:
             if new == CANCELLED:
                 if task.root is not None and (task.error or "").startswith("tree of task"):
                     self.stats["tree task cancelled"] += 1
+                elif isinstance(entry, e.CancelTasks):
+                    if tid not in entry.task_ids or entry.tenant not in (None, task.tenant):
+                        fail(f"task {tid} cancelled by a batch not naming it (or its tenant)")
                 elif not isinstance(entry, e.CancelTask) or tid != entry.task_id:
                     fail(f"task {tid} cancelled in {kind.__name__} (error {task.error!r})")
             elif new == RUNNING:

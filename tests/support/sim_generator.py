@@ -112,6 +112,7 @@ class EntryGenerator:
             (self._finish, 16),
             (self._tick, 7),
             (self._cancel, 6),
+            (self._cancel_many, 1.5),
             (self._begin, 5),
             (self._commit, 4),
             (self._rollback, 2),
@@ -396,6 +397,37 @@ class EntryGenerator:
         elif task.state in FINAL and not self._replayable(task):
             expect.reject[0] = frozenset({ErrorCode.CONFLICT, ErrorCode.NOT_FOUND})
         return e.CancelTask(time_ms=time_ms, task_id=task_id, reason="sim cancel"), expect
+
+    def _cancel_many(self) -> tuple[e.Entry, Expect]:
+        """A bulk cancel's batch: live, final, unknown and repeated ids mixed, sometimes
+        scoped to a tenant, now and then over the bound."""
+        time_ms = self._time()
+        rng = self.rng
+        view = self.view
+        expect = Expect()
+        ids: list[int] = []
+        for _ in range(rng.randint(1, 24)):
+            r = rng.random()
+            picked: int | None = None
+            if r < 0.4:
+                picked = self._waiting_pick()
+            elif r < 0.6:
+                running = self._running()
+                picked = rng.choice(running) if running else None
+            elif r < 0.7:
+                delayed = sorted(view.by_state[DELAYED])[:64]
+                picked = rng.choice(delayed) if delayed else None
+            ids.append(picked if picked is not None else self._recent())
+        if rng.random() < 0.1:
+            ids.append(ids[0])  # the same id twice: the second is skipped
+        if rng.random() < 0.02:
+            ids = [self._recent() for _ in range(e.MAX_CANCEL_BATCH + 1)]
+            expect.reject[0] = INVALID
+        tenant = self._tenant() if rng.random() < 0.4 else None
+        entry = e.CancelTasks(
+            time_ms=time_ms, task_ids=tuple(ids), reason="sim bulk cancel", tenant=tenant
+        )
+        return entry, expect
 
     def _replayable(self, task: Task) -> bool:
         """A finished root whose tree is pending: a timer may replay it (live again)."""
