@@ -167,8 +167,9 @@ def _check_submit_rate(api: ApiContext, specs: list[e.TaskSpec]) -> None:
             "rate_limited",
             f"tenant {name!r} is over its submit rate ({tenant.submit_rate:g} tasks/s, "
             f"burst {burst:g}): retry in {wait_s:.3f} s",
+            # Not "retryable" (that flag makes clients fail over to another broker, as
+            # for a 503): the caller waits Retry-After, like after tenant_queue_full.
             ((b"retry-after", b"%d" % max(1, math.ceil(wait_s))),),
-            retryable=True,
         )
 
 
