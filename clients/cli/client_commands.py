@@ -85,7 +85,8 @@ def _is_write(args: argparse.Namespace) -> bool:
     if args.command in ("submit", "cancel", "txn"):
         return True
     if args.command == "tenant":
-        return any(v is not None for v in (args.max_waiting, args.max_running, args.weight))
+        limits = (args.max_waiting, args.max_running, args.weight, args.submit_rate)
+        return any(v is not None for v in (*limits, args.submit_burst))
     if args.command == "code":
         return bool(args.code_command == "upload")
     return bool(args.command == "token" and args.token_command != "list")
@@ -219,6 +220,8 @@ def _tenant(client: StewardClient, args: argparse.Namespace) -> None:
             ("max_waiting", args.max_waiting),
             ("max_running", args.max_running),
             ("weight", args.weight),
+            ("submit_rate", args.submit_rate),
+            ("submit_burst", args.submit_burst),
         )
         if v is not None
     }
@@ -233,6 +236,10 @@ def _tenant(client: StewardClient, args: argparse.Namespace) -> None:
             ("weight", view["weight"]),
             ("max_running", view["max_running"] or "0 (unlimited)"),
             ("max_waiting", view["max_waiting"] or "0 (unlimited)"),
+            (
+                "submit_rate",
+                f"{view['submit_rate']:g}/s" if view.get("submit_rate") else "0 (unlimited)",
+            ),
             ("tasks", cell(counts) if counts else "none"),
         ]
     )

@@ -395,6 +395,18 @@ def _add_admin_commands(sub: argparse._SubParsersAction[StewardArgumentParser]) 
     p.add_argument(
         "--weight", type=float, metavar="W", help="its share of the workers against other tenants"
     )
+    p.add_argument(
+        "--submit-rate",
+        type=float,
+        metavar="PER_S",
+        help="tasks/s the leader accepts from it; more are refused with 429 (0: unlimited)",
+    )
+    p.add_argument(
+        "--submit-burst",
+        type=int,
+        metavar="N",
+        help="tasks it may submit at once above the rate (0: one second's worth)",
+    )
     add_json_option(p)
 
     p = _client(sub, "digest", help="show the state digest and log position")

@@ -185,8 +185,10 @@ def test_bulk_cancel_by_filter_from_the_cli(setup: Setup) -> None:
 
 
 def test_submit_rate_limit_answers_429_with_retry_after(setup: Setup) -> None:
-    limits = setup.http.put("/api/v1/tenants/rated", json={"submit_rate": 1, "submit_burst": 2})
-    assert limits.status_code == 200, limits.text
+    limits = _steward(
+        setup.broker.url, "tenant", "rated", "--submit-rate", "1", "--submit-burst", "2"
+    )
+    assert limits.returncode == 0 and "1/s" in limits.stdout, limits
     task = {"type": "noop", "tenant": "rated"}
     for _ in range(2):
         assert setup.http.post("/api/v1/tasks", json=task).status_code == 201
