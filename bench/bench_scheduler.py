@@ -21,6 +21,7 @@ timing.
 
     python bench/bench_scheduler.py
     python bench/bench_scheduler.py --waiting 10000 100000 1000000 --rounds 20
+    python bench/bench_scheduler.py --priorities 10   # tasks spread over 10 priorities
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ def rss_bytes() -> int:
 class Driver:
     """A StateMachine fed with entries the way the leader would log them."""
 
-    def __init__(self, seed: int, tenants: int) -> None:
+    def __init__(self, seed: int, tenants: int, priorities: int = 1) -> None:
         self.m = StateMachine()
         self.rng = random.Random(seed)
+        self.priorities = priorities  # > 1: each task a random priority 0..priorities-1
         self.now = T0
         self.next_id = 0
         self.tenant_names = [f"tenant-{i:04d}" for i in range(tenants)]
@@ -98,6 +100,7 @@ class Driver:
             tenant=tenant,
             params=params,
             resources={"cpu": 1.0, "memory_mb": 1024.0},
+            priority=self.rng.randrange(self.priorities) if self.priorities > 1 else 0,
         )
 
     def submit(self, tenants: list[str]) -> None:
@@ -170,7 +173,7 @@ def traced_bytes_per_task(args: argparse.Namespace, count: int) -> float:
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    d = Driver(args.seed, args.tenants)
+    d = Driver(args.seed, args.tenants, args.priorities)
     d.submit_random(count)
     gc.collect()
     traced = (tracemalloc.get_traced_memory()[0] - before) / count
@@ -186,7 +189,7 @@ class Bench:
         gc.collect()
         rss0 = rss_bytes()
         t = time.perf_counter()
-        self.d = Driver(args.seed, args.tenants)
+        self.d = Driver(args.seed, args.tenants, args.priorities)
         self.d.setup_cluster(args.workers, args.slots)
         self.d.submit_random(waiting)
         self.build_s = time.perf_counter() - t
@@ -313,13 +316,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--max-assignments", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--priorities", type=int, default=1, help="tasks get random priorities 0..N-1 (1: all 0)"
+    )
     parser.add_argument("--trace-max", type=int, default=200_000, help="0: no tracemalloc")
     args = parser.parse_args()
     args.waiting = args.waiting[-1] if args.waiting else [10_000, 100_000, 1_000_000]
     print(
         f"scheduler bench: {args.tenants:,} tenants (weights 0.5-8, seed {args.seed}), "
         f"{args.workers} workers x {args.slots} slots, tasks ask cpu=1 memory_mb=1024, "
-        f"params {PARAMS_BYTES} B; CPU = process time (wall is inflated on a busy machine)"
+        f"params {PARAMS_BYTES} B, {args.priorities} priorities; "
+        "CPU = process time (wall is inflated on a busy machine)"
     )
     if len(args.waiting) > 1:
         # One child process per size: a fresh heap keeps the RSS delta honest (memory

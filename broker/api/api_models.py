@@ -66,6 +66,14 @@ class _TaskOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Ids of tasks of the same tenant this one runs after: it waits until every one
     # finished, and fails when one fails or is cancelled (docs/API.md, "Dependencies").
     after: Annotated[list[Int64], msgspec.Meta(max_length=100)] = []
+    # Higher first among the tenant's waiting tasks (FIFO within a priority); fairness
+    # between tenants does not look at it.
+    priority: int = 0
+    # A failed attempt with attempts left waits (``delayed``) before retry n for
+    # retry_backoff_s * 2^(n-1) seconds, capped by retry_backoff_max_s (default 3600),
+    # +-25% jitter. 0: retried at once.
+    retry_backoff_s: float = 0
+    retry_backoff_max_s: float | None = None
 
 
 class TaskSubmission(_TaskOptions, kw_only=True):
@@ -100,6 +108,30 @@ class SubmitBatchBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     tasks: Annotated[list[TaskSubmission], msgspec.Meta(min_length=1)]
     idempotency_key: IdempotencyKey | None = None
+
+
+class BulkCancelBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """POST /api/v1/tasks/cancel: the live tasks matching every given filter (at least
+    one) are cancelled. ``tenant``: a tenant token's own (the default); an admin's
+    choice, none: every tenant's. ``state``: a live state (default: all of them);
+    ``tree``: a tracked root's id; ``submitted_before``: RFC 3339 or Unix seconds."""
+
+    tenant: str | None = None
+    type: str | None = None
+    state: TaskState | None = None
+    tree: Int64 | None = None
+    submitted_before: datetime | float | None = None
+    reason: str | None = None
+
+
+class BulkCancelResult(msgspec.Struct):
+    """``matched``: live tasks matching when the request was read; ``cancelled`` of them
+    by this request, ``skipped`` ones that ended meanwhile; ``batches``: log entries."""
+
+    matched: int
+    cancelled: int
+    skipped: int
+    batches: int
 
 
 class SubmittedTask(msgspec.Struct, omit_defaults=True):
@@ -171,6 +203,10 @@ class TaskView(msgspec.Struct):
     # and those of them it still waits for (a waiting task stays queued until none).
     after: list[int] = []
     waiting_for: list[int] = []
+    priority: int = 0
+    # Set when the task retries with a backoff (then a retry's due time is start_after).
+    retry_backoff_s: float | None = None
+    retry_backoff_max_s: float | None = None
 
 
 class TaskList(msgspec.Struct):
@@ -202,6 +238,10 @@ class TenantLimits(msgspec.Struct, forbid_unknown_fields=True):
     max_waiting: NonNegativeInt64 | None = None
     max_running: NonNegativeInt64 | None = None
     weight: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    # Tasks/s the leader accepts from the tenant (0: unlimited), with a burst of
+    # submit_burst tasks (0: one second's worth); over it: 429 with Retry-After.
+    submit_rate: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    submit_burst: NonNegativeInt64 | None = None
 
 
 class TenantView(msgspec.Struct):
@@ -210,6 +250,8 @@ class TenantView(msgspec.Struct):
     max_running: int
     weight: float
     counts: dict[str, int]
+    submit_rate: float = 0.0
+    submit_burst: int = 0
 
 
 class ArtifactView(msgspec.Struct):

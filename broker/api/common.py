@@ -332,6 +332,9 @@ def task_view(task: Any, tree: TreeRecord | None = None) -> m.TaskView:
         parent=task.parent,
         after=list(task.after),
         waiting_for=list(task.waiting_for),
+        priority=task.priority,
+        retry_backoff_s=task.retry_backoff_ms / 1000 if task.retry_backoff_ms else None,
+        retry_backoff_max_s=task.retry_backoff_max_ms / 1000 if task.retry_backoff_ms else None,
     )
 
 

@@ -12,6 +12,7 @@ from msgspec import UnsetType
 from broker.api import api_models as m
 from broker.api.common import ApiConfig, ClusterView, HttpError, Request, json_encoder, task_view
 from broker.api.output_store import OutputStore
+from broker.api.rate_limit import SubmitRateLimiter
 from broker.artifacts.code_store import CodeStore, UploadChecker
 from broker.core import entries as e
 from broker.core.effects import Applied
@@ -181,6 +182,8 @@ class ApiContext:
         self.cluster_view = cluster
         self.waiters = TaskWaiters(node)
         self.events = TaskEvents(node)
+        # Per-tenant submit rate limit, enforced while this broker leads (rate_limit.py).
+        self.submit_limiter = SubmitRateLimiter()
         # The dashboard's throughput series, counted from the entries this broker applies.
         self.throughput = dashboard.ThroughputRecorder(node)
         # The OpenAPI document (ApiApp sets it: it is generated from the route table).

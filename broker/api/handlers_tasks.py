@@ -81,6 +81,13 @@ def _spec_fields(
         track_tree=item.track_tree,
         tree_timeout_ms=_tree_timeout_ms(item, where),
         after=tuple(item.after),
+        priority=item.priority,
+        retry_backoff_ms=_seconds_ms(item.retry_backoff_s, "retry_backoff_s", where),
+        retry_backoff_max_ms=(
+            e.DEFAULT_RETRY_BACKOFF_MAX_MS
+            if item.retry_backoff_max_s is None
+            else _seconds_ms(item.retry_backoff_max_s, "retry_backoff_max_s", where)
+        ),
     )
     problem = validate_task_spec(spec) or validate_builtin_params(spec.type, spec.params)
     if problem is not None:
@@ -111,6 +118,13 @@ def _owns_transaction(api: ApiContext, request: Request, txn_id: int) -> bool:
     return txn is None or txn.tenant == principal.tenant
 
 
+def _seconds_ms(value: float, name: str, where: str) -> int:
+    """A duration in seconds as milliseconds; its upper bound is validate_task_spec's."""
+    if not (math.isfinite(value) and value >= 0):
+        raise HttpError(400, "invalid_request", f"{where}{name} must be a number >= 0")
+    return min(round(value * 1000), 2**62)  # past any bound: rejected as over it
+
+
 def _tree_timeout_ms(item: m.TaskSubmission | m.SubmitBody, where: str) -> int:
     if item.tree_timeout_s is None:
         return e.DEFAULT_TREE_TIMEOUT_MS
@@ -124,6 +138,41 @@ def _tree_timeout_ms(item: m.TaskSubmission | m.SubmitBody, where: str) -> int:
             f"{where}tree_timeout_s must be between 0.001 and {limit_s:g} seconds",
         )
     return round(item.tree_timeout_s * 1000)
+
+
+def _check_submit_rate(api: ApiContext, specs: list[e.TaskSpec]) -> None:
+    """The leader refuses a submission over a tenant's submit rate before logging it
+    (a follower leaves it to the leader it redirects to)."""
+    if not api.node.is_leader:
+        return
+    counts: dict[str, int] = {}
+    for spec in specs:
+        counts[spec.tenant] = counts.get(spec.tenant, 0) + 1
+    tenants = api.node.state.tenants
+    for name, count in counts.items():
+        tenant = tenants.get(name)
+        if tenant is None or tenant.submit_rate <= 0:
+            continue
+        wait_s = api.submit_limiter.take(name, tenant.submit_rate, tenant.submit_burst, count)
+        if wait_s is None:
+            continue
+        burst = api.submit_limiter.capacity(tenant.submit_rate, tenant.submit_burst)
+        if math.isinf(wait_s):
+            raise HttpError(
+                400,
+                "invalid_request",
+                f"a batch of {count} tasks of tenant {name!r} is over its submit burst "
+                f"({burst:g}): send smaller batches",
+            )
+        raise HttpError(
+            429,
+            "rate_limited",
+            f"tenant {name!r} is over its submit rate ({tenant.submit_rate:g} tasks/s, "
+            f"burst {burst:g}): retry in {wait_s:.3f} s",
+            # Not "retryable" (that flag makes clients fail over to another broker, as
+            # for a 503): the caller waits Retry-After, like after tenant_queue_full.
+            ((b"retry-after", b"%d" % max(1, math.ceil(wait_s))),),
+        )
 
 
 async def submit(api: ApiContext, request: Request) -> tuple[int, bytes]:
@@ -144,6 +193,7 @@ async def submit(api: ApiContext, request: Request) -> tuple[int, bytes]:
     else:
         specs = [_spec_fields(api, request, body, None)]
 
+    _check_submit_rate(api, specs)
     placer = api.node.placer
     placed: tuple[e.Assignment, ...] = ()
 

@@ -36,6 +36,8 @@ def _tenant_view(api: ApiContext, tenant: Tenant) -> m.TenantView:
         max_running=tenant.max_running,
         weight=tenant.weight,
         counts=api.node.state.tenant_counts_view(tenant.name),
+        submit_rate=tenant.submit_rate,
+        submit_burst=tenant.submit_burst,
     )
 
 
@@ -72,13 +74,20 @@ async def put_tenant(api: ApiContext, request: Request) -> tuple[int, bytes]:
     name = _tenant_name(api, request)
     limits = decode(_limits_decoder, request.body)
     patch = e.TenantLimitsPatch(
-        max_waiting=limits.max_waiting, max_running=limits.max_running, weight=limits.weight
+        max_waiting=limits.max_waiting,
+        max_running=limits.max_running,
+        weight=limits.weight,
+        submit_rate=limits.submit_rate,
+        submit_burst=limits.submit_burst,
     )
+    # Format 3 with a rate limit: an older broker would ignore it and fork the state.
+    rated = limits.submit_rate is not None or limits.submit_burst is not None
+    version = 3 if rated else e.BASE_ENTRY_FORMAT_VERSION
     problem = validate_limits(patch)
     if problem is not None:
         raise HttpError(400, "invalid_request", problem)
     result = await api.node.propose(
-        lambda stamp: e.SetTenant(time_ms=stamp.now_ms, tenant=name, limits=patch)
+        lambda stamp: e.SetTenant(time_ms=stamp.now_ms, tenant=name, limits=patch, v=version)
     )
     if isinstance(result, Rejected):
         raise rejected_error(result)

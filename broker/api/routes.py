@@ -16,6 +16,7 @@ from typing import Any, Final
 
 from broker.api import api_models as m
 from broker.api import (
+    handlers_bulk,
     handlers_cluster,
     handlers_code,
     handlers_dashboard,
@@ -203,6 +204,14 @@ ROUTES: Final[tuple[Route, ...]] = (
               _query("wait_tree", {"type": "boolean"}),
           ),
           operation_id="get_task", tag="tasks"),
+    Route("POST", "/api/v1/tasks/cancel", TENANT, handlers_bulk.cancel_tasks,
+          "Cancel the live tasks matching a filter", {200: _json(m.BulkCancelResult)},
+          body=Content(m.BulkCancelBody),
+          description=(
+              "Tenant-scoped (an admin: any tenant, or all). At least one filter; the "
+              "matching ids are cancelled in batches of 1,000, one log entry each."
+          ),
+          operation_id="cancel_tasks", tag="tasks"),
     Route("POST", "/api/v1/tasks/{id}/cancel", TENANT, handlers_tasks.cancel_task,
           "Cancel a live task", {200: _json(m.TaskRefBody)}, params=(_ID,),
           operation_id="cancel_task", tag="tasks", errors=(409,)),

@@ -77,8 +77,7 @@ class CodeArtifactsMixin(MachineBase):
         if parked:
             tasks = self.tasks
             for task_id in sorted(parked):
-                task = tasks[task_id]
-                self.waiting.setdefault(task.tenant, {})[task_id] = None
+                self._queue(tasks[task_id])
 
     def _needing_code(self) -> Iterator[Task]:
         """The tasks that need their code: the live ones (pending, delayed, waiting,

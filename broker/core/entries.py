@@ -18,7 +18,8 @@ import msgspec
 #: Highest entry format version this code can apply. A broker that meets a
 #: newer entry must stop rather than skip it (skipping would fork the state).
 #: 2: TaskOutcome.released (an attempt given back, docs/DESIGN.md §6, "Stopping").
-#: 3: TaskSpec.after and joins (a spawned child waits for its other anchors, docs/DESIGN.md §2).
+#: 3: TaskSpec.after and joins (a spawned child waits for its other anchors, docs/DESIGN.md §2);
+#:    TaskSpec.priority and retry backoff (§6, "Priorities and backoff"); a tenant's submit rate.
 ENTRY_FORMAT_VERSION: Final = 3
 #: The version entries are written with unless they need a newer one, so a broker not
 #: yet upgraded keeps following until a newer feature is actually used.
@@ -83,7 +84,17 @@ class TaskSpec(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
     # one ends in error or is cancelled (docs/DESIGN.md §2, "Dependencies"). Last, so
     # older entries still decode.
     after: tuple[int, ...] = ()
+    # Higher first within its tenant (FIFO within a priority); last, so older entries
+    # still decode. Entries using them are written as version 3 (submit_version).
+    priority: int = 0
+    # The delay before retry n is retry_backoff_ms * 2^(n-1), capped by
+    # retry_backoff_max_ms, +-25% deterministic jitter (broker/core/backoff.py); 0: none.
+    retry_backoff_ms: int = 0
+    retry_backoff_max_ms: int = 3_600_000
 
+
+#: Default of TaskSpec.retry_backoff_max_ms.
+DEFAULT_RETRY_BACKOFF_MAX_MS: Final = 3_600_000
 
 #: Default of TaskSpec.tree_timeout_ms.
 DEFAULT_TREE_TIMEOUT_MS: Final = 30_000
@@ -115,9 +126,31 @@ class SubmitTasks(_Entry, frozen=True, tag="submit"):
     assignments: tuple[Assignment, ...] = ()
 
 
+def submit_version(tasks: tuple[TaskSpec, ...]) -> int:
+    """The oldest entry format that holds these specs: 3 with dependencies, a priority or
+    a backoff (an older broker would silently ignore them and so fork the state)."""
+    if any(t.after or t.priority or t.retry_backoff_ms for t in tasks):
+        return 3
+    return BASE_ENTRY_FORMAT_VERSION
+
+
 class CancelTask(_Entry, frozen=True, tag="cancel"):
     task_id: int = 0
     reason: str = "cancelled by request"
+
+
+#: At most this many task ids in one CancelTasks entry (a bulk cancel logs several).
+MAX_CANCEL_BATCH: Final = 1000
+
+
+class CancelTasks(_Entry, frozen=True, tag="cancel_many"):
+    """One bounded batch of a cancel by filter (the leader chose the ids): tasks already
+    final, unknown or (with ``tenant``) of another tenant are skipped, not refused. A
+    broker older than this entry type cannot decode its tag and stops (§2)."""
+
+    task_ids: tuple[int, ...] = ()
+    reason: str = "cancelled by request"
+    tenant: str | None = None  # only this tenant's tasks (None: any, an admin's request)
 
 
 class BeginTransaction(_Entry, frozen=True, tag="txn_begin"):
@@ -144,6 +177,10 @@ class TenantLimitsPatch(msgspec.Struct, omit_defaults=True, frozen=True):
     max_waiting: int | None = None
     max_running: int | None = None
     weight: float | None = None
+    # Submissions per second the leader accepts from the tenant, with a burst (0:
+    # unlimited; entry format 3, docs/DESIGN.md §6, "Submit rate limit").
+    submit_rate: float | None = None
+    submit_burst: int | None = None
 
 
 class SetTenant(_Entry, frozen=True, tag="tenant_set"):
@@ -219,11 +256,6 @@ def finish_tasks(time_ms: int, outcomes: tuple[TaskOutcome, ...]) -> FinishTasks
     if any(a != o.task_id for o in outcomes for s in o.spawn for a in s.anchors):
         version = 3
     return FinishTasks(time_ms=time_ms, outcomes=outcomes, v=version)
-
-
-def submit_version(tasks: tuple[TaskSpec, ...]) -> int:
-    """The oldest entry format that holds these submitted tasks: 3 with dependencies."""
-    return 3 if any(spec.after for spec in tasks) else BASE_ENTRY_FORMAT_VERSION
 
 
 class AddCode(_Entry, frozen=True, tag="code_add"):
@@ -330,6 +362,7 @@ Entry = (
     | CreateSchedule
     | DeleteSchedule
     | FireSchedule
+    | CancelTasks
 )
 
 

@@ -57,6 +57,10 @@ class MachineBase:
         self.artifacts: dict[str, Artifact] = {}
         # Per-tenant FIFO of waiting task ids (a dict used as an ordered set).
         self.waiting: dict[str, dict[int, None]] = {}
+        # The same tasks by tenant and priority, each level in the order of the queue
+        # above (derived): the scheduler reads the highest level first, so its cost does
+        # not depend on how many lower-priority tasks wait (docs/DESIGN.md §6).
+        self.by_priority: dict[str, dict[int, dict[int, None]]] = {}
         # Waiting tasks whose code artifact is not ready, by artifact: kept out of the
         # queues above so the scheduler never even looks at them (derived, like below).
         self.parked: dict[str, dict[int, None]] = {}
@@ -154,7 +158,29 @@ class MachineBase:
         if task.code is not None and self._code_blocked(task):
             self.parked.setdefault(task.code, {})[task.id] = None
         else:
-            self.waiting.setdefault(task.tenant, {})[task.id] = None
+            self._queue(task)
+
+    def _queue(self, task: Task) -> None:
+        """Append a waiting task to its tenant's queue and to its priority's level."""
+        self.waiting.setdefault(task.tenant, {})[task.id] = None
+        self.by_priority.setdefault(task.tenant, {}).setdefault(task.priority, {})[task.id] = None
+
+    def _priority_levels(self) -> dict[str, dict[int, dict[int, None]]]:
+        """``by_priority`` as derived from the queues' order (snapshot load, checks)."""
+        out: dict[str, dict[int, dict[int, None]]] = {}
+        tasks = self.tasks
+        for tenant, queue in self.waiting.items():
+            for task_id in queue:
+                levels = out.setdefault(tenant, {})
+                levels.setdefault(tasks[task_id].priority, {})[task_id] = None
+        return out
+
+    def queue_head(self, tenant: str) -> int | None:
+        """The task the scheduler would consider first for ``tenant``, or None."""
+        levels = self.by_priority.get(tenant)
+        if not levels:
+            return None
+        return next(iter(levels[max(levels)]))
 
     def _dequeue(self, task: Task) -> None:
         # Readiness only goes from False to True, and readying releases every parked
@@ -168,6 +194,13 @@ class MachineBase:
                 del self.parked[task.code]
         else:
             del self.waiting[task.tenant][task.id]
+            levels = self.by_priority[task.tenant]
+            level = levels[task.priority]
+            del level[task.id]
+            if not level:
+                del levels[task.priority]
+                if not levels:
+                    del self.by_priority[task.tenant]
 
     def _purge_ms(self, task: Task) -> int:
         """When a final task is deleted; a root not before its tree's end + retention."""

@@ -70,6 +70,11 @@ class Task(msgspec.Struct, array_like=True, gc=False):
     # snapshots still decode.
     after: list[int] = []
     waiting_for: list[int] = []
+    # Scheduling order within the tenant and retry backoff (TaskSpec's fields); last, so
+    # older snapshots still decode.
+    priority: int = 0
+    retry_backoff_ms: int = 0
+    retry_backoff_max_ms: int = 3_600_000
 
     def counted_attempts(self) -> int:
         """Attempts that count against ``max_attempts`` (given-back ones do not)."""
@@ -122,6 +127,10 @@ class Tenant(msgspec.Struct, array_like=True, gc=False):
     max_waiting: int = 0  # 0: unlimited
     max_running: int = 0  # 0: unlimited
     weight: float = 1.0
+    # Submit rate limit (tasks/s, 0: none) and its burst (0: one second's worth); last,
+    # so older snapshots still decode.
+    submit_rate: float = 0.0
+    submit_burst: int = 0
 
 
 class Transaction(msgspec.Struct, array_like=True, gc=False):
@@ -233,6 +242,14 @@ class ReplayedResults(list[TaskRef | Rejected]):
     __slots__ = ()
 
 
+class CancelCount(msgspec.Struct, frozen=True):
+    """What one CancelTasks batch did: tasks cancelled, and ids skipped (already final,
+    unknown, or another tenant's)."""
+
+    cancelled: int
+    skipped: int
+
+
 class WorkerReconciled(msgspec.Struct, frozen=True):
     worker_id: str
     keep: tuple[e.TaskAttempt, ...]  # reported tasks still running on it
@@ -257,6 +274,7 @@ ApplyResult = (
     | WorkerReconciled
     | Artifact
     | ApiToken
+    | CancelCount
     | Rejected
     | None
 )

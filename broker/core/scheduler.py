@@ -12,7 +12,7 @@ running tasks hold; every task also holds one unit of an implicit "tasks"
 resource whose total is the sum of the connected workers' task capacities, so
 tasks that ask for no resources share slots by weight. Each step serves the
 tenant with the smallest ``dominant share / weight`` (ties by tenant name):
-the first task of its FIFO that fits a worker goes to the fitting worker with
+the first task of its queue that fits a worker goes to the fitting worker with
 the most free capacity for that task's type (ties by worker id).
 
 Cost per round, with W connected workers, R running tasks, T tenants with
@@ -23,7 +23,9 @@ waiting tasks and A assignments made:
 - each assignment: O(log T) on the tenant heap plus O(log W) on the heap of
   workers that can run its type (more only when the best workers are refused
   by their tenant filter or resources, bounded by W);
-- queues are never scanned: each tenant's FIFO is read through an iterator, at
+- queues are never scanned: each tenant's queue is read through an iterator (its
+  priority levels, highest first, each FIFO: ``state.by_priority``; P distinct
+  priorities add O(P log P) per tenant, nothing per queued task), at
   most ``A + lookahead`` entries per tenant per round. Usage only grows during
   a round, so a task that did not fit cannot fit later in the same round: it
   is skipped (it keeps its place in the queue) and so is any later task with
@@ -33,6 +35,7 @@ waiting tasks and A assignments made:
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Collection, Iterator
 from typing import Final
 
@@ -93,6 +96,13 @@ class _Tenant:
 _PoolEntry = tuple[int, str, _Pool]
 
 
+def _queue(levels: dict[int, dict[int, None]]) -> Iterator[int]:
+    """A tenant's waiting tasks in scheduling order: higher priority first, FIFO within."""
+    if len(levels) == 1:
+        return iter(next(iter(levels.values())))
+    return itertools.chain.from_iterable(levels[p] for p in sorted(levels, reverse=True))
+
+
 def schedule(
     state: StateMachine,
     max_assignments: int = DEFAULT_MAX_ASSIGNMENTS,
@@ -148,11 +158,11 @@ class _Round:
         self.filtered = any(view.tenants is not None for view in self.workers)
 
         tenants: dict[str, _Tenant] = {}
-        for name, queue in state.waiting.items():
-            if queue:
+        for name, levels in state.by_priority.items():
+            if levels:
                 limits = state.tenants.get(name)
                 weight = limits.weight if limits is not None else 1.0
-                view_t = tenants[name] = _Tenant(name, iter(queue), weight, lookahead)
+                view_t = tenants[name] = _Tenant(name, _queue(levels), weight, lookahead)
                 if limits is not None and limits.max_running > 0:
                     view_t.room = limits.max_running
 

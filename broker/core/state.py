@@ -54,6 +54,7 @@ from broker.core.records import ApiToken as ApiToken
 from broker.core.records import ApplyResult as ApplyResult
 from broker.core.records import Artifact as Artifact
 from broker.core.records import ArtifactUpload as ArtifactUpload
+from broker.core.records import CancelCount as CancelCount
 from broker.core.records import Config as Config
 from broker.core.records import ErrorCode as ErrorCode
 from broker.core.records import InvariantError as InvariantError
@@ -127,6 +128,7 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
             e.CreateSchedule: self._create_schedule,
             e.DeleteSchedule: self._delete_schedule,
             e.FireSchedule: self._fire_schedule,
+            e.CancelTasks: self._cancel_many,
         }
 
     def apply(self, entry: e.Entry) -> Applied:
@@ -283,6 +285,7 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
         machine.waiting = {name: dict.fromkeys(ids) for name, ids in body.waiting.items()}
         for task in body.tasks:
             machine._add_task(task)
+        machine.by_priority = machine._priority_levels()  # _add_task filed them by id
         for txn in machine.transactions.values():
             machine._push_timer(txn.expires_ms, _Timer.TXN_EXPIRE, txn.id)
         for record in body.idempotency:
@@ -381,6 +384,12 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
                 held = self.tasks.get(task_id)
                 if held is None or held.state != TaskState.WAITING or held.code != sha256:
                     fail(f"task {task_id} is parked on artifact {sha256} wrongly")
+
+        def ordered(levels: dict[str, dict[int, dict[int, None]]]) -> object:
+            return {t: {p: list(q) for p, q in lv.items()} for t, lv in levels.items()}
+
+        if ordered(self.by_priority) != ordered(self._priority_levels()):
+            fail("priority levels differ from the waiting queues")
         waiting_total = sum(len(q) for q in self.waiting.values())
         parked_total = sum(len(p) for p in self.parked.values())
         blocked_total = self._check_dependency_invariants(fail)

@@ -8,6 +8,7 @@ from broker.core import entries as e
 from broker.core.dependencies import DependenciesMixin
 from broker.core.records import (
     FINAL_STATES,
+    CancelCount,
     ErrorCode,
     Rejected,
     RememberedResult,
@@ -148,6 +149,9 @@ class TasksMixin(TransactionsMixin, TreesMixin, DependenciesMixin):
             parent=parent,
             after=list(after),
             waiting_for=waiting_for,
+            priority=spec.priority,
+            retry_backoff_ms=spec.retry_backoff_ms,
+            retry_backoff_max_ms=spec.retry_backoff_max_ms,
         )
         check_move(None, task.state)  # created (not in _add_task: snapshot load uses it)
         self._add_task(task)
@@ -173,6 +177,20 @@ class TasksMixin(TransactionsMixin, TreesMixin, DependenciesMixin):
         self._move(task, TaskState.CANCELLED)
         self._task_ended(task)
         return TaskRef(task.id, task.state)
+
+    def _cancel_many(self, entry: e.CancelTasks) -> CancelCount | Rejected:
+        if len(entry.task_ids) > e.MAX_CANCEL_BATCH:
+            return Rejected(ErrorCode.INVALID, f"at most {e.MAX_CANCEL_BATCH} tasks per batch")
+        cancelled = 0
+        for task_id in entry.task_ids:
+            task = self.tasks.get(task_id)
+            if task is None or task.state in FINAL_STATES:
+                continue  # ended since the leader chose it (or a duplicate id)
+            if entry.tenant is not None and task.tenant != entry.tenant:
+                continue
+            self._cancel(e.CancelTask(time_ms=entry.time_ms, task_id=task_id, reason=entry.reason))
+            cancelled += 1
+        return CancelCount(cancelled, len(entry.task_ids) - cancelled)
 
     def _finished_ok(self, task: Task, spawn: tuple[e.Spawn, ...]) -> None:
         """Create the children of a task that finished, then ack it in its tree."""

@@ -37,6 +37,10 @@ class TenantsMixin(MachineBase):
             tenant.max_running = entry.limits.max_running
         if entry.limits.weight is not None:
             tenant.weight = float(entry.limits.weight)
+        if entry.limits.submit_rate is not None:
+            tenant.submit_rate = float(entry.limits.submit_rate)
+        if entry.limits.submit_burst is not None:
+            tenant.submit_burst = entry.limits.submit_burst
         return tenant
 
     def _set_config(self, entry: e.SetConfig) -> Rejected | None:

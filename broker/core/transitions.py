@@ -90,6 +90,7 @@ TRANSITIONS: Final[Mapping[TaskState | None, Mapping[TaskState | None, Edge]]] =
         ),
         _ERROR: Edge("deadline exceeded, or its last attempt failed", ANY_ENTRY),
         _CANCELLED: Edge("cancelled, or its tree failed", ANY_ENTRY),
+        _DELAYED: Edge("an attempt failed with attempts left and a retry backoff", ANY_ENTRY),
     },
     _FINISHED: {
         _WAITING: Edge("a root replayed after its tree failed", ANY_ENTRY),

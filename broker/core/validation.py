@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 from broker.core import entries as e
+from broker.core.backoff import validate_scheduling
 from broker.core.entries import SHA256_RE
 
 # \Z, not $: "$" also matches before a final newline, which would let "acme\n" in.
@@ -31,6 +32,8 @@ MAX_TOKEN_NAME_CHARS: Final = 200
 IDEMPOTENCY_MIN_RETENTION_MS: Final = 24 * 3600 * 1000
 #: At most this many dependencies (``after``) per task: each is an index entry until it ends.
 MAX_AFTER: Final = 100
+#: Upper bound of a tenant's submit_rate (tasks/s) and submit_burst.
+MAX_SUBMIT_RATE: Final = 1_000_000
 
 
 def validate_task_spec(spec: e.TaskSpec) -> str | None:
@@ -58,7 +61,7 @@ def validate_task_spec(spec: e.TaskSpec) -> str | None:
         return f"after holds at most {MAX_AFTER} task ids"
     if len(set(spec.after)) != len(spec.after):
         return "after names a task twice"
-    return None
+    return validate_scheduling(spec.priority, spec.retry_backoff_ms, spec.retry_backoff_max_ms)
 
 
 def validate_token_fields(
@@ -100,6 +103,11 @@ def validate_limits(patch: e.TenantLimitsPatch) -> str | None:
         return "max_running must be >= 0 (0: unlimited)"
     if patch.weight is not None and not (math.isfinite(patch.weight) and patch.weight > 0):
         return "weight must be a finite number > 0"
+    rate = patch.submit_rate
+    if rate is not None and not (math.isfinite(rate) and 0 <= rate <= MAX_SUBMIT_RATE):
+        return f"submit_rate must be between 0 (unlimited) and {MAX_SUBMIT_RATE:g} tasks/s"
+    if patch.submit_burst is not None and not 0 <= patch.submit_burst <= MAX_SUBMIT_RATE:
+        return f"submit_burst must be between 0 (one second's worth) and {MAX_SUBMIT_RATE:g}"
     return None
 
 

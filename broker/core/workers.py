@@ -8,7 +8,9 @@ from __future__ import annotations
 import math
 
 from broker.core import entries as e
+from broker.core.backoff import retry_delay_ms
 from broker.core.effects import TaskAssigned
+from broker.core.machine_base import _Timer
 from broker.core.records import (
     ErrorCode,
     Rejected,
@@ -58,8 +60,7 @@ class WorkersMixin(TasksMixin):
         """What the scheduler checks before it places ``task`` on ``worker``."""
         if task.state != TaskState.WAITING or worker.state != WorkerState.CONNECTED:
             return False
-        queue = self.waiting.get(task.tenant)
-        if not queue or next(iter(queue)) != task.id:
+        if self.queue_head(task.tenant) != task.id:
             return False  # not the head of its queue (or parked: code not ready)
         if worker.tenants and task.tenant not in worker.tenants:
             return False
@@ -203,6 +204,16 @@ class WorkersMixin(TasksMixin):
             task.error = f"{error} (attempt {task.counted_attempts()} of {task.max_attempts})"
             self._move(task, TaskState.ERROR)
             self._task_ended(task)
+            return
+        delay_ms = retry_delay_ms(
+            task.id, task.counted_attempts(), task.retry_backoff_ms, task.retry_backoff_max_ms
+        )
+        if delay_ms > 0:
+            # Delayed until the retry is due: the due time is replicated state
+            # (start_after_ms and its START timer), so it survives a failover.
+            task.start_after_ms = self.now_ms + delay_ms
+            self._move(task, TaskState.DELAYED)
+            self._push_timer(task.start_after_ms, _Timer.START, task.id)
         else:
             self._move(task, TaskState.WAITING)
 

@@ -57,11 +57,37 @@ def run_client_command(args: argparse.Namespace) -> int:
             raise NotStewardError(f"an answer that is not Steward's JSON API: {exc}") from None
 
 
+def _cancel(client: StewardClient, args: argparse.Namespace) -> None:
+    filters = (args.tenant, args.type, args.state, args.tree, args.submitted_before)
+    named = any(f is not None for f in filters)
+    if (args.id is not None) == named:
+        raise UsageError("give a task id, or filters (--tenant, --type, --state, ...), not both")
+    if args.id is not None:
+        cancelled = client.cancel(args.id)
+        print_json(cancelled) if args.json else print(
+            f"task {cancelled['id']} {cancelled['state']}"
+        )
+        return
+    done = client.cancel_matching(
+        tenant=args.tenant,
+        type=args.type,
+        state=args.state,
+        tree=args.tree,
+        submitted_before=_time_option(args.submitted_before),
+        reason=args.reason,
+    )
+    print_json(done) if args.json else print(
+        f"{done['cancelled']} cancelled of {done['matched']} matching "
+        f"({done['skipped']} ended meanwhile)"
+    )
+
+
 def _is_write(args: argparse.Namespace) -> bool:
     if args.command in ("submit", "cancel", "txn"):
         return True
     if args.command == "tenant":
-        return any(v is not None for v in (args.max_waiting, args.max_running, args.weight))
+        limits = (args.max_waiting, args.max_running, args.weight, args.submit_rate)
+        return any(v is not None for v in (*limits, args.submit_burst))
     if args.command == "code":
         return bool(args.code_command in ("upload", "delete"))
     if args.command == "schedule":
@@ -106,10 +132,7 @@ def _dispatch(client: StewardClient, args: argparse.Namespace) -> int:
     elif command == "tasks":
         _tasks(client, args)
     elif command == "cancel":
-        cancelled = client.cancel(args.id)
-        print_json(cancelled) if args.json else print(
-            f"task {cancelled['id']} {cancelled['state']}"
-        )
+        _cancel(client, args)
     elif command == "tenant":
         _tenant(client, args)
     elif command == "txn":
@@ -206,6 +229,8 @@ def _tenant(client: StewardClient, args: argparse.Namespace) -> None:
             ("max_waiting", args.max_waiting),
             ("max_running", args.max_running),
             ("weight", args.weight),
+            ("submit_rate", args.submit_rate),
+            ("submit_burst", args.submit_burst),
         )
         if v is not None
     }
@@ -220,6 +245,10 @@ def _tenant(client: StewardClient, args: argparse.Namespace) -> None:
             ("weight", view["weight"]),
             ("max_running", view["max_running"] or "0 (unlimited)"),
             ("max_waiting", view["max_waiting"] or "0 (unlimited)"),
+            (
+                "submit_rate",
+                f"{view['submit_rate']:g}/s" if view.get("submit_rate") else "0 (unlimited)",
+            ),
             ("tasks", cell(counts) if counts else "none"),
         ]
     )

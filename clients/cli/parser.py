@@ -359,8 +359,18 @@ def _add_task_commands(sub: argparse._SubParsersAction[StewardArgumentParser]) -
     )
     add_json_option(p)
 
-    p = _client(sub, "cancel", help="cancel a task")
-    p.add_argument("id", type=int, help="the task's id")
+    p = _client(sub, "cancel", help="cancel a task, or the live tasks matching filters")
+    p.add_argument("id", type=int, nargs="?", help="the task's id (or give filters instead)")
+    p.add_argument("--tenant", help="filter: this tenant's tasks (a tenant token: its own)")
+    p.add_argument("--type", help="filter: tasks of this type")
+    p.add_argument(
+        "--state", choices=("pending", "delayed", "waiting", "running"), help="filter: a state"
+    )
+    p.add_argument("--tree", type=int, metavar="ROOT", help="filter: the tree of this root")
+    p.add_argument(
+        "--submitted-before", metavar="TIME", help="filter: RFC 3339 time or Unix seconds"
+    )
+    p.add_argument("--reason", help="the cancelled tasks' error (default: cancelled by request)")
     add_json_option(p)
 
     p = _client(sub, "logs", help="a task attempt's captured stdout, stderr and ctx.logger")
@@ -411,6 +421,18 @@ def _add_admin_commands(sub: argparse._SubParsersAction[StewardArgumentParser]) 
     )
     p.add_argument(
         "--weight", type=float, metavar="W", help="its share of the workers against other tenants"
+    )
+    p.add_argument(
+        "--submit-rate",
+        type=float,
+        metavar="PER_S",
+        help="tasks/s the leader accepts from it; more are refused with 429 (0: unlimited)",
+    )
+    p.add_argument(
+        "--submit-burst",
+        type=int,
+        metavar="N",
+        help="tasks it may submit at once above the rate (0: one second's worth)",
     )
     add_json_option(p)
 

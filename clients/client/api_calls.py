@@ -118,6 +118,12 @@ def cancel(task_id: int) -> Request:
     return Request("POST", f"/api/v1/tasks/{task_id}/cancel")
 
 
+def cancel_matching(filters: dict[str, Any]) -> Request:
+    """POST /api/v1/tasks/cancel with the filters given (None values left out)."""
+    body = {name: value for name, value in filters.items() if value is not None}
+    return Request("POST", "/api/v1/tasks/cancel", json=body)
+
+
 def logs(task_id: int, attempt: int | None, offset: int) -> Request:
     return Request(
         "GET", f"/api/v1/tasks/{task_id}/logs", params=_logs_query(attempt, offset), leader=True

@@ -293,6 +293,30 @@ class StewardClient(_ClientBase):
         result: dict[str, Any] = self._send(calls.cancel(task_id))
         return result
 
+    def cancel_matching(
+        self,
+        *,
+        tenant: str | None = None,
+        type: str | None = None,
+        state: str | None = None,
+        tree: int | None = None,
+        submitted_before: str | float | None = None,
+        reason: str | None = None,
+    ) -> dict[str, Any]:
+        """Cancel the live tasks matching every filter given (at least one):
+        ``{matched, cancelled, skipped, batches}``. Not idempotent as a whole, but a
+        retry cancels only what still matches (nothing twice)."""
+        filters = {
+            "tenant": tenant,
+            "type": type,
+            "state": state,
+            "tree": tree,
+            "submitted_before": submitted_before,
+            "reason": reason,
+        }
+        result: dict[str, Any] = self._send(calls.cancel_matching(filters))
+        return result
+
     def logs(self, task_id: int, attempt: int | None = None, offset: int = 0) -> dict[str, Any]:
         """An attempt's captured output (default: the latest attempt) from byte ``offset``:
         ``{task_id, attempt, output, truncated, complete, next_offset, offset, available}``.

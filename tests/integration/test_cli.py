@@ -192,6 +192,7 @@ class TestCommands:
             ["     weight", "1.5"],
             ["max_running", "0 (unlimited)"],
             ["max_waiting", "2"],
+            ["submit_rate", "0 (unlimited)"],
             ["      tasks", "none"],
         ]
         cli.submit("q", "--tenant", "cli-tenant")

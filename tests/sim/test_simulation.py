@@ -245,6 +245,7 @@ def test_generator_covers_the_rules() -> None:
         "CancelTask ok",
         "CancelTask rejected not_found",
         "CancelTask rejected conflict",
+        "CancelTasks ok",
         "AssignTasks ok",
         "AssignTasks rejected stale",
         "FinishTasks ok",

@@ -137,6 +137,12 @@ def sample_entries() -> list[e.Entry]:
             tasks=(task(7, after=(6,)),),
             v=e.submit_version((task(7, after=(6,)),)),
         ),
+        e.SubmitTasks(
+            time_ms=t + 60_004,
+            tasks=(task(8, priority=5, retry_backoff_ms=1_000),),
+            v=e.submit_version((task(8, priority=5, retry_backoff_ms=1_000),)),
+        ),
+        e.CancelTasks(time_ms=t + 60_005, task_ids=(8, 99), tenant="acme"),
     ]
 
 

@@ -13,6 +13,7 @@ from broker.core import entries as e
 from broker.core.state import (
     ApplyResult,
     Artifact,
+    CancelCount,
     ErrorCode,
     Rejected,
     ReplayedResults,
@@ -125,7 +126,7 @@ class Checker(TransitionChecks):
                     elif isinstance(entry, e.AssignTasks):
                         if item.state != RUNNING or task.worker != entry.assignments[i].worker_id:
                             fail(f"assignment result {item!r}, task on {task.worker}")
-                    elif item.state not in (FINISHED, WAITING, ERROR):
+                    elif item.state not in (FINISHED, WAITING, DELAYED, ERROR):
                         fail(f"finish result {item!r}")
         elif isinstance(entry, e.CancelTask):
             item = items[0]
@@ -143,6 +144,17 @@ class Checker(TransitionChecks):
                     fail(f"cancel said conflict for task {entry.task_id} not final")
                 if item.code not in (ErrorCode.NOT_FOUND, ErrorCode.CONFLICT):
                     fail(f"cancel rejected with {item.code}")
+        elif isinstance(entry, e.CancelTasks):
+            item = items[0]
+            if isinstance(item, CancelCount):
+                if item.cancelled < 0 or item.cancelled + item.skipped != len(entry.task_ids):
+                    fail(f"bulk cancel of {len(entry.task_ids)} ids answered {item!r}")
+                for task_id in entry.task_ids:
+                    task = m.tasks.get(task_id)
+                    if task is not None and task.error == entry.reason and task.state != CANCELLED:
+                        fail(f"task {task_id} has the bulk cancel's reason but is {task.state}")
+            elif len(entry.task_ids) <= e.MAX_CANCEL_BATCH:
+                fail(f"bulk cancel of {len(entry.task_ids)} ids refused: {item!r}")
         elif isinstance(entry, e.BeginTransaction):
             item = items[0]
             if isinstance(item, TransactionRef):
@@ -207,7 +219,7 @@ class Checker(TransitionChecks):
             if not set(result.lost) <= gone:
                 fail(f"reconcile lost {result.lost}; had {sorted(had)}")
             for tid in result.lost:
-                if m.tasks[tid].state not in (WAITING, ERROR, CANCELLED):
+                if m.tasks[tid].state not in (WAITING, DELAYED, ERROR, CANCELLED):
                     fail(f"lost task {tid} is {m.tasks[tid].state}")
             if set(m.running_by_worker.get(entry.worker_id, ())) != {t for t, _ in keep}:
                 fail(f"worker {entry.worker_id} runs other tasks than the kept ones")
@@ -283,6 +295,10 @@ class Checker(TransitionChecks):
                     spec.params,
                     spec.slot,
                     spec.max_attempts,
+                ) or (task.priority, task.retry_backoff_ms, task.retry_backoff_max_ms) != (
+                    spec.priority,
+                    spec.retry_backoff_ms,
+                    spec.retry_backoff_max_ms,
                 ):
                     fail(f"task {spec.id} stored differently from its spec")
             elif isinstance(item, Rejected):
@@ -389,7 +405,8 @@ class Checker(TransitionChecks):
                 expected_final.append(ev.task_id)
             error = ev.task.error or ""
             if ev.old == RUNNING and ev.new == CANCELLED:
-                reason = entry.reason if isinstance(entry, e.CancelTask) else error
+                cancel = isinstance(entry, e.CancelTask | e.CancelTasks)
+                reason = entry.reason if cancel else error
                 if error.startswith("tree of task"):
                     reason = error  # its tree failed (perhaps because of this very cancel)
                 expected_stops.append(

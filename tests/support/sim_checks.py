@@ -16,6 +16,7 @@ from broker.core.state import (
     IDEMPOTENCY_MIN_RETENTION_MS,
     ApplyResult,
     Artifact,
+    CancelCount,
     ErrorCode,
     Rejected,
     ReplayedResults,
@@ -53,6 +54,7 @@ from tests.support.sim_model import (
 
 RESULT_TYPES: Final[dict[type, tuple[type, ...]]] = {
     e.CancelTask: (TaskRef, Rejected),
+    e.CancelTasks: (CancelCount, Rejected),
     e.BeginTransaction: (TransactionRef, Rejected),
     e.CommitTransaction: (TransactionDone, Rejected),
     e.RollbackTransaction: (TransactionDone, Rejected),
@@ -179,6 +181,9 @@ class TransitionChecks:
             if new == CANCELLED:
                 if task.root is not None and (task.error or "").startswith("tree of task"):
                     self.stats["tree task cancelled"] += 1
+                elif isinstance(entry, e.CancelTasks):
+                    if tid not in entry.task_ids or entry.tenant not in (None, task.tenant):
+                        fail(f"task {tid} cancelled by a batch not naming it (or its tenant)")
                 elif not isinstance(entry, e.CancelTask) or tid != entry.task_id:
                     fail(f"task {tid} cancelled in {kind.__name__} (error {task.error!r})")
             elif new == RUNNING:
@@ -206,6 +211,15 @@ class TransitionChecks:
             elif (old, new) == (FINISHED, WAITING):
                 if not replayed:
                     fail(f"task {tid} finished then waiting, not a replayed root")
+            elif (old, new) == (RUNNING, DELAYED):
+                if not self._attempt_over(entry, tid, pre) or ev.attempt >= task.max_attempts:
+                    fail(f"task {tid} delayed in {kind.__name__} without a failed attempt")
+                # The retry is due retry_backoff * 2^(n-1), capped, +-25% from now.
+                retry = task.counted_attempts()
+                nominal = min(task.retry_backoff_ms << (retry - 1), task.retry_backoff_max_ms)
+                delay = (task.start_after_ms or 0) - now
+                if not (nominal * 3 // 4 <= delay <= nominal * 5 // 4 and delay > 0):
+                    fail(f"task {tid} retry {retry} delayed {delay} ms, nominal {nominal}")
             elif old == RUNNING and new == WAITING:
                 if not replayed and not self._attempt_over(entry, tid, pre):
                     fail(f"task {tid} back to waiting in {kind.__name__} without a reason")

@@ -15,6 +15,7 @@ from itertools import islice
 import msgspec
 
 from broker.core import entries as e
+from broker.core.backoff import MAX_BACKOFF_MS, MAX_PRIORITY
 from broker.core.state import (
     MAX_TREE_TIMEOUT_MS,
     ErrorCode,
@@ -25,12 +26,12 @@ from broker.core.state import (
     WorkerState,
     idempotency_scope,
 )
+from tests.support.sim_generator_code import CodeEntries
 from tests.support.sim_model import (
     BAD_KEYS,
     BAD_TENANTS,
     BAD_TYPES,
     CODE_SHAS,
-    CONFLICT,
     DELAYED,
     FINAL,
     INVALID,
@@ -77,7 +78,7 @@ def random_step(rng: random.Random, steps: Steps) -> int:
     raise AssertionError(f"rng.random() gave {r}")
 
 
-class EntryGenerator:
+class EntryGenerator(CodeEntries):
     """Produces entries from ``random.Random(seed)`` and a read-only look at ``view``."""
 
     def __init__(self, seed: int, view: StateMachine) -> None:
@@ -114,6 +115,7 @@ class EntryGenerator:
             (self._finish, 16),
             (self._tick, 7),
             (self._cancel, 6),
+            (self._cancel_many, 1.5),
             (self._begin, 5),
             (self._commit, 4),
             (self._rollback, 2),
@@ -217,9 +219,12 @@ class EntryGenerator:
         slot = rng.choice(SLOTS) if rng.random() < self.slot_probability else None
         max_attempts = rng.randint(1, 3)
         code = rng.choice(CODE_SHAS) if rng.random() < 0.05 else None
+        priority = rng.choice((0, 0, 0, 1, 1, 5, -2))
+        backoff_ms = rng.choice((0, 0, 0, 300, 2_000, 20_000))
+        backoff_max_ms = rng.choice((3_000, e.DEFAULT_RETRY_BACKOFF_MAX_MS))
         if rng.random() < 0.06:
             bad = True
-            variant = rng.randrange(9)
+            variant = rng.randrange(11)
             if variant == 0:
                 spec_type = rng.choice(BAD_TYPES)
             elif variant == 1:
@@ -236,6 +241,10 @@ class EntryGenerator:
                 code = rng.choice(("abc", CODE_SHAS[0].upper(), CODE_SHAS[0] + "0"))
             elif variant == 7:
                 resources = {f"r{i}": 1.0 for i in range(33)}
+            elif variant == 8:
+                priority = rng.choice((-MAX_PRIORITY - 1, MAX_PRIORITY + 1))
+            elif variant == 9:
+                backoff_ms = rng.choice((-1, MAX_BACKOFF_MS + 1))
             else:
                 spec_type = "x" * 129
         # Dependencies (issue 18): recent ids, so mostly live tasks of any tenant (another
@@ -260,6 +269,9 @@ class EntryGenerator:
             code=code,
             track_tree=rng.random() < self.tree_probability,
             tree_timeout_ms=rng.choice((2_000, 600_000, 3_600_000, MAX_TREE_TIMEOUT_MS)),
+            priority=priority,
+            retry_backoff_ms=backoff_ms,
+            retry_backoff_max_ms=backoff_max_ms,
         )
         return spec, bad
 
@@ -398,6 +410,37 @@ class EntryGenerator:
             expect.reject[0] = frozenset({ErrorCode.CONFLICT, ErrorCode.NOT_FOUND})
         return e.CancelTask(time_ms=time_ms, task_id=task_id, reason="sim cancel"), expect
 
+    def _cancel_many(self) -> tuple[e.Entry, Expect]:
+        """A bulk cancel's batch: live, final, unknown and repeated ids mixed, sometimes
+        scoped to a tenant, now and then over the bound."""
+        time_ms = self._time()
+        rng = self.rng
+        view = self.view
+        expect = Expect()
+        ids: list[int] = []
+        for _ in range(rng.randint(1, 24)):
+            r = rng.random()
+            picked: int | None = None
+            if r < 0.4:
+                picked = self._waiting_pick()
+            elif r < 0.6:
+                running = self._running()
+                picked = rng.choice(running) if running else None
+            elif r < 0.7:
+                delayed = sorted(view.by_state[DELAYED])[:64]
+                picked = rng.choice(delayed) if delayed else None
+            ids.append(picked if picked is not None else self._recent())
+        if rng.random() < 0.1:
+            ids.append(ids[0])  # the same id twice: the second is skipped
+        if rng.random() < 0.02:
+            ids = [self._recent() for _ in range(e.MAX_CANCEL_BATCH + 1)]
+            expect.reject[0] = INVALID
+        tenant = self._tenant() if rng.random() < 0.4 else None
+        entry = e.CancelTasks(
+            time_ms=time_ms, task_ids=tuple(ids), reason="sim bulk cancel", tenant=tenant
+        )
+        return entry, expect
+
     def _replayable(self, task: Task) -> bool:
         """A finished root whose tree is pending: a timer may replay it (live again)."""
         tree = self.view.trees.get(task.id)
@@ -530,60 +573,6 @@ class EntryGenerator:
             limits = rng.choice(({"licence": -1.0}, {"bad name": 1.0}, {"gpu": math.inf}))
             expect.reject[0] = INVALID
         entry, _ = self._config(retention, limits)
-        return entry, expect
-
-    def _add_code(self) -> tuple[e.Entry, Expect]:
-        rng = self.rng
-        expect = Expect()
-        sha = rng.choice(CODE_SHAS)
-        if rng.random() < 0.2:
-            sha = rng.choice(("", "xyz", "A" * 64, sha[:-1], sha + "0"))
-            expect.reject[0] = INVALID
-        else:
-            expect.accept.add(0)
-        entry = e.AddCode(
-            time_ms=self._time(),
-            sha256=sha,
-            name="job.py",
-            size_bytes=rng.randint(1, 10_000),
-            ready=rng.random() < 0.4,
-        )
-        return entry, expect
-
-    def _code_ready(self) -> tuple[e.Entry, Expect]:
-        rng = self.rng
-        expect = Expect()
-        unready = sorted(sha for sha, a in self.view.artifacts.items() if not a.ready)
-        sha = rng.choice(unready) if unready and rng.random() < 0.7 else rng.choice(CODE_SHAS)
-        if rng.random() < 0.1:
-            sha = rng.choice(("", "xyz", "A" * 64, sha + "0"))
-            expect.reject[0] = INVALID
-        elif sha not in self.view.artifacts:
-            expect.reject[0] = NOT_FOUND
-        else:
-            expect.accept.add(0)
-        return e.CodeReady(time_ms=self._time(), sha256=sha), expect
-
-    def _delete_code(self) -> tuple[e.Entry, Expect]:
-        """An admin's or a tenant's delete, or the leader's retention (docs/DESIGN.md §7).
-        Only the certain outcomes are expected: the entry's clock advance may end tasks
-        (deadlines) that use the artifact, which decides between conflict and success."""
-        rng = self.rng
-        expect = Expect()
-        known = sorted(self.view.artifacts)
-        sha = rng.choice(known) if known and rng.random() < 0.8 else rng.choice(CODE_SHAS)
-        tenant = self._tenant() if rng.random() < 0.1 else None
-        unused_for_ms = rng.choice((0, 0, 1, 5_000, 3_600_000))
-        if rng.random() < 0.05:
-            sha = rng.choice(("", "xyz", sha + "0"))
-            expect.reject[0] = INVALID
-        elif sha not in self.view.artifacts:
-            expect.reject[0] = NOT_FOUND
-        elif tenant is not None:
-            expect.reject[0] = CONFLICT  # the sim's uploads are shared: an admin's to delete
-        entry = e.DeleteCode(
-            time_ms=self._time(), sha256=sha, tenant=tenant, unused_for_ms=unused_for_ms
-        )
         return entry, expect
 
     def _due_times(self) -> list[int]:

@@ -150,3 +150,12 @@ def test_the_broker_checks_the_params_of_every_built_in_task_type() -> None:
     )
     assert validate_builtin_params("noop", b'{"anything": [1, 2]}') is None
     assert validate_builtin_params("mod:fn", b'{"secs": 1}') is None
+
+
+def test_cancel_takes_an_id_or_filters() -> None:
+    one = build_parser().parse_args(["cancel", "5"])
+    assert one.id == 5 and one.tenant is None
+    bulk = build_parser().parse_args(["cancel", "--tenant", "acme", "--state", "waiting"])
+    assert bulk.id is None and (bulk.tenant, bulk.state) == ("acme", "waiting")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["cancel", "--state", "finished"])  # not a live state

@@ -408,6 +408,8 @@ async def test_put_creates_and_returns_limits(api: Api) -> None:
         "max_running": 2,
         "weight": 2.5,
         "counts": dict.fromkeys(STATES, 0),
+        "submit_rate": 0.0,
+        "submit_burst": 0,
     }
     assert (await api.get("/api/v1/tenants/team-a")).json() == view
     listed = (await api.get("/api/v1/tenants")).json()

@@ -69,6 +69,17 @@ async def test_submit_all_fields_shown_back(api: Api) -> None:
     assert task["resources"] == {"cpu": 2.0, "memory_mb": 512.5, "gpu": 0.0}
 
 
+async def test_priority_and_retry_backoff_shown_back(api: Api) -> None:
+    plain = await get_task(api, (await submit(api, type="a"))["id"])
+    assert plain["priority"] == 0 and plain["retry_backoff_s"] is None
+    created = await submit(api, type="a", priority=-7, max_attempts=3, retry_backoff_s=1.5)
+    task = await get_task(api, created["id"])
+    assert task["priority"] == -7
+    assert task["retry_backoff_s"] == 1.5 and task["retry_backoff_max_s"] == 3600.0
+    created = await submit(api, type="a", retry_backoff_s=2, retry_backoff_max_s=10)
+    assert (await get_task(api, created["id"]))["retry_backoff_max_s"] == 10.0
+
+
 async def test_submit_batch_returns_per_task_results(api: Api) -> None:
     body = {"tasks": [{"type": "a"}, {"type": "b", "tenant": "t2"}, {"type": "c"}]}
     response = await api.post(TASKS, json=body)
@@ -257,7 +268,12 @@ INVALID_SINGLE: list[tuple[Any, int, str, str]] = [
     ({"type": "a", "transaction": 2**64}, 400, "invalid_request", "$.transaction"),
     ({"type": "a", "transaction": -(2**63) - 1}, 400, "invalid_request", "$.transaction"),
     ({"type": "a", "bogus_field": 1}, 400, "invalid_request", "bogus_field"),
-    ({"type": "a", "priority": 1}, 400, "invalid_request", "priority"),
+    ({"type": "a", "urgency": 1}, 400, "invalid_request", "urgency"),
+    ({"type": "a", "priority": 1.5}, 400, "invalid_request", "$.priority"),
+    ({"type": "a", "priority": 10**7}, 400, "invalid_request", "priority must be between"),
+    ({"type": "a", "retry_backoff_s": -1}, 400, "invalid_request", "retry_backoff_s must be"),
+    ({"type": "a", "retry_backoff_s": 1e9}, 400, "invalid_request", "retry_backoff_s must be"),
+    ({"type": "a", "retry_backoff_max_s": -2}, 400, "invalid_request", "retry_backoff_max_s"),
     ({"type": "a", "tasks": [OK_TASK]}, 400, "invalid_request", "not both"),
     ({"tasks": []}, 400, "invalid_request", "1 to 5 tasks"),
     ({"tasks": "x"}, 400, "invalid_request", "$.tasks"),

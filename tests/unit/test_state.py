@@ -739,7 +739,7 @@ def test_every_entry_type_round_trips(entry: e.Entry) -> None:
         msgspec.msgpack.encode({"time_ms": 1}),  # no type tag
         msgspec.msgpack.encode({"type": "tick"}),  # no time
         msgspec.msgpack.encode({"type": "cancel", "time_ms": 1, "task_id": "one"}),
-        msgspec.msgpack.encode({"type": "tick", "time_ms": 1, "v": 4}),  # newer version
+        msgspec.msgpack.encode({"type": "tick", "time_ms": 1, "v": e.ENTRY_FORMAT_VERSION + 1}),
         msgspec.msgpack.encode({"type": "tick", "time_ms": 1, "v": e.ENTRY_FORMAT_VERSION + 10}),
     ],
 )

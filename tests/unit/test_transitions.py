@@ -140,7 +140,18 @@ def _trees() -> Recorder:
     return r
 
 
-SCENARIOS: Final = (_lifecycle, _cancels_and_deadlines, _trees)
+def _backoff() -> Recorder:
+    """A failed attempt with a retry backoff waits delayed until its retry is due."""
+    m, r = _machine()
+    backs_off = m.add(max_attempts=2, retry_backoff_ms=1_000)
+    m.fail(backs_off)  # running -> delayed
+    assert m.state(backs_off) == "delayed"
+    m.tick(1_250)  # at most +25%: delayed -> waiting
+    assert m.state(backs_off) == "waiting"
+    return r
+
+
+SCENARIOS: Final = (_lifecycle, _cancels_and_deadlines, _trees, _backoff)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__.strip("_"))
