@@ -216,26 +216,38 @@ ROUTES: Final[tuple[Route, ...]] = (
           params=(*_TASK_FILTERS, _query("before", _ids(1))),
           operation_id="search_recent_tasks", tag="tasks"),
     Route("GET", "/api/v1/events", TENANT, handlers_events.task_events,
-          "Server-sent events: each named task once it is final (text/event-stream)",
+          "Server-sent events: tasks once they are final (text/event-stream)",
           {200: Content(None, "The event stream (docs/API.md, Task events)",
                         ("text/event-stream",)),
+           410: _json(m.ErrorBody, "Last-Event-ID is older than the events this broker "
+                      "holds"),
            503: _json(m.ErrorBody, "Too many event streams on this broker; retry later")},
           params=(
-              _query("tasks", {"type": "string", "pattern": r"^\d{1,18}(,\d{1,18})*$"},
-                     True),
+              _query("tasks", {"type": "string", "pattern": r"^\d{1,18}(,\d{1,18})*$"}),
+              _query("tenant", {"type": "string"}),
+              _query("tree", _ids(0)),
+              _query("states", {"type": "string",
+                                "pattern": r"^(finished|error|cancelled)"
+                                           r"(,(finished|error|cancelled))*$"}),
               _query("wait_s", lambda config: {
                   "type": "number", "minimum": 0, "maximum": config.max_wait_s}),
+              Param("Last-Event-ID", "header", {
+                  "type": "string", "pattern": r"^-?\d{1,18}:-?\d{1,18}(:\d{1,10})?$"}),
           ),
           description=(
-              "For each task named in tasks (comma-separated ids, at most "
-              "max_event_tasks, default 10,000; each must be one the caller may GET, "
-              "else 404 before the stream starts): one 'task' event whose data is the "
-              "task's view as GET /api/v1/tasks/{id} returns it, at once for a task "
-              "already final, else when it becomes final; its id is the log position "
-              "(ledger:entry) of the entry that made it final, absent for tasks "
-              "already final when the stream opened. A ': keep-alive' comment every "
-              "15 s; the stream ends once every task was reported, or after wait_s "
-              "(default 60). Served by followers too."
+              "With tasks (comma-separated ids, at most max_event_tasks, default 10,000; "
+              "each must be one the caller may GET, else 404 before the stream starts): "
+              "one 'task' event per named task whose data is the task's view as GET "
+              "/api/v1/tasks/{id} returns it, at once for a task already final, else "
+              "when it becomes final; the stream ends once every task was reported. "
+              "Without tasks, the feed: every task becoming final (filtered by tenant, "
+              "admin only: a tenant token sees its own; tree, a root id; states) in log "
+              "order, from Last-Event-ID (replayed; 410 when older than the events this "
+              "broker holds) or from now. An event's id is LEDGER:ENTRY:INDEX, the log "
+              "position of the entry that made the task final and the task's index among "
+              "those it made final (absent for tasks already final when a tasks stream "
+              "opened). A ': keep-alive' comment every 15 s; every stream ends after "
+              "wait_s (default 60). Served by followers too."
           ),
           operation_id="stream_task_events", tag="tasks"),
     # --- transactions ------------------------------------------------------------------
