@@ -132,3 +132,17 @@ def test_a_stopping_broker_answers_long_polls_and_ends_streams_at_once(tmp_path:
     assert streamed.endswith(b"0\r\n\r\n"), streamed  # ended cleanly, no event
     assert b"event: task" not in streamed
     assert took_s < WAIT_STOP_S, f"the broker took {took_s:.1f} s to stop"
+
+
+def test_a_handles_wait_rides_the_event_stream_not_a_long_poll(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with StewardClient(served.url) as client:
+        handle = client.submit("sleep", {"seconds": 0.3}, tenant="ev")
+
+        def no_polling(*args: object, **kwargs: object) -> dict[str, object]:
+            raise AssertionError("wait polled GET /api/v1/tasks/{id}")
+
+        monkeypatch.setattr(client, "task", no_polling)
+        assert handle.wait(30)["state"] == "finished"
+        assert handle.result(30) == {"slept": 0.3}
