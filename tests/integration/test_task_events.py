@@ -4,6 +4,7 @@ connection is cut in the middle (the client reopens it for the rest)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
@@ -11,6 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -146,3 +148,24 @@ def test_a_handles_wait_rides_the_event_stream_not_a_long_poll(
         monkeypatch.setattr(client, "task", no_polling)
         assert handle.wait(30)["state"] == "finished"
         assert handle.result(30) == {"slept": 0.3}
+
+
+async def test_the_async_clients_feed_resumes_after_an_event(served: Served) -> None:
+    async with AsyncStewardClient(served.url) as client:
+        seen: list[Any] = []
+
+        async def read() -> None:
+            async for event in client.events(tenant="feed-async", timeout=20):
+                seen.append(event)
+                if len(seen) == 3:
+                    return
+
+        reading = asyncio.ensure_future(read())
+        await asyncio.sleep(0.5)  # the feed is open before the tasks can finish
+        handles = [await client.submit("noop", tenant="feed-async") for _ in range(3)]
+        await asyncio.wait_for(reading, 30)
+        assert sorted(event.task["id"] for event in seen) == [h.id for h in handles]
+        rest = [
+            e async for e in client.events(tenant="feed-async", last_event_id=seen[0].id, timeout=1)
+        ]
+        assert [(e.id, e.task["id"]) for e in rest] == [(e.id, e.task["id"]) for e in seen[1:]]

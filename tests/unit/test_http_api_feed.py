@@ -13,6 +13,7 @@ import httpx
 
 from broker.api.event_feed import FeedFilter
 from broker.api.http_api import ApiApp
+from broker.core.state import StateMachine
 from tests.support.auth_env import Env, error_code
 from tests.support.http_api import CONFIG, TASKS, Api, error_of, run_and_finish, submit
 from tests.unit.test_http_api_events import EVENTS, parse_events
@@ -137,3 +138,43 @@ async def test_a_tenant_token_sees_its_own_tenant_only(env: Env) -> None:
     other = await env.call("alice", "GET", EVENTS, params={"wait_s": 0, "tenant": "bob"})
     assert error_code(other, 403) == "forbidden"
     assert error_code(await env.call("worker", "GET", EVENTS, params={"wait_s": 0}), 403)
+
+
+async def test_the_tree_filter(api: Api) -> None:
+    root = (await submit(api, track_tree=True))["id"]
+    other = (await submit(api))["id"]
+    opened = asyncio.ensure_future(api.get(f"{EVENTS}?wait_s=1&tree={root}"))
+    await asyncio.sleep(0.05)
+    (child,) = await run_and_finish(api.node, root, "noop")
+    await run_and_finish(api.node, other)
+    await run_and_finish(api.node, child)
+    events = parse_events((await asyncio.wait_for(opened, 5)).text)
+    assert [e["data"]["id"] for e in events] == [root, child]
+
+
+async def test_a_state_loaded_from_a_snapshot_answers_410_for_keys_before_it(api: Api) -> None:
+    opened = asyncio.ensure_future(api.get(f"{EVENTS}?wait_s=1"))
+    await asyncio.sleep(0.05)
+    await finish_some(api)
+    events = parse_events((await asyncio.wait_for(opened, 5)).text)
+    # As a follower catching up from a snapshot: the entries it covers were never applied.
+    api.node.state = StateMachine.from_snapshot(api.node.state.encode_snapshot())
+    gone = await api.get(EVENTS, headers={"last-event-id": events[-1]["id"]})
+    assert error_of(gone, 410, "event_id_gone")
+    ledger, entry = api.node.position
+    assert await feed(api.client, last=f"{ledger}:{entry}") == []  # from the snapshot on
+    ids = await finish_some(api)
+    assert [e["data"]["id"] for e in await feed(api.client, last=f"{ledger}:{entry}")] == ids
+
+
+async def test_a_tenant_tokens_feed_holds_its_own_tasks_only(env: Env) -> None:
+    ids = {}
+    for who in ("alice", "bob"):
+        response = await env.call(who, "POST", TASKS, json={"type": "noop"})
+        ids[who] = int(response.json()["id"])
+    opened = asyncio.ensure_future(env.call("alice", "GET", EVENTS, params={"wait_s": 1}))
+    await asyncio.sleep(0.05)
+    for who, task_id in ids.items():
+        assert (await env.call(who, "POST", f"{TASKS}/{task_id}/cancel")).status_code == 200
+    events = parse_events((await asyncio.wait_for(opened, 5)).text)
+    assert [e["data"]["id"] for e in events] == [ids["alice"]]
