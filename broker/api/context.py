@@ -13,6 +13,7 @@ from broker.api import api_models as m
 from broker.api.common import ApiConfig, ClusterView, HttpError, Request, json_encoder, task_view
 from broker.api.event_feed import EventFeed, task_event
 from broker.api.output_store import OutputStore
+from broker.api.webhooks import WebhookSender
 from broker.artifacts.code_store import CodeStore, UploadChecker
 from broker.core import entries as e
 from broker.core.effects import Applied
@@ -177,6 +178,7 @@ class ApiContext:
         self.waiters = TaskWaiters(node)
         self.events = TaskEvents(node)
         self.feed = EventFeed(node, config.event_history, config.max_event_backlog)
+        self.webhooks = WebhookSender(node, self.feed)  # runs on the leader only
         # The dashboard's throughput series, counted from the entries this broker applies.
         self.throughput = dashboard.ThroughputRecorder(node)
         # The OpenAPI document (ApiApp sets it: it is generated from the route table).
@@ -190,6 +192,7 @@ class ApiContext:
         self.waiters.end_all()
         self.events.end_all()
         self.feed.end_all()
+        self.webhooks.stop()
 
     @staticmethod
     def require(request: Request, *roles: CallerRole, message: str | None = None) -> None:

@@ -62,11 +62,12 @@ class _Event:
     view) and its encoded chunk, made when first needed (the apply path does not encode
     events nobody streams)."""
 
-    __slots__ = ("chunk", "key", "task")
+    __slots__ = ("chunk", "key", "task", "view")
 
     def __init__(self, key: EventKey, task: Task) -> None:
         self.key = key
         self.task = task
+        self.view: bytes | None = None
         self.chunk: bytes | None = None
 
 
@@ -147,12 +148,31 @@ class EventFeed:
             subscription.pending = False
             subscription.wake.set()
 
+    def _view(self, event: _Event) -> bytes:
+        if event.view is None:
+            state = self._node.state
+            event.view = json_encoder.encode(task_view(event.task, state.tree(event.task.id)))
+        return event.view
+
     def _chunk(self, event: _Event) -> bytes:
         if event.chunk is None:
-            state = self._node.state
-            view = json_encoder.encode(task_view(event.task, state.tree(event.task.id)))
-            event.chunk = task_event(view, event.key)
+            event.chunk = task_event(self._view(event), event.key)
         return event.chunk
+
+    def held_after(
+        self, after: EventKey, feed_filter: FeedFilter, limit: int
+    ) -> tuple[list[tuple[EventKey, bytes]], bool]:
+        """Up to ``limit`` held events after ``after`` that match, oldest first, as (key,
+        task view); and whether the ring may lack some after ``after`` (it is too old)."""
+        self._restart_if_state_replaced((*self._node.position, WHOLE_ENTRY))
+        found: list[_Event] = []
+        for event in reversed(self._ring):
+            if event.key <= after:
+                break
+            if feed_filter.matches(event.task):
+                found.append(event)
+        oldest_first = found[::-1][:limit]
+        return [(event.key, self._view(event)) for event in oldest_first], after < self.base
 
     def _on_applied(self, entry: e.Entry, applied: Applied) -> None:
         final_ids = applied.final_ids

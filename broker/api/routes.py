@@ -24,6 +24,7 @@ from broker.api import (
     handlers_tenants,
     handlers_tokens,
     handlers_transactions,
+    handlers_webhooks,
 )
 from broker.api.common import ARTIFACT_NAME_PATTERN, ApiConfig, Request
 from broker.api.context import ApiContext
@@ -277,6 +278,25 @@ ROUTES: Final[tuple[Route, ...]] = (
           "Change a tenant's service level (effective at once)", {200: _json(m.TenantView)},
           params=(_TENANT_NAME,), body=Content(m.TenantLimits),
           operation_id="update_tenant", tag="tenants", errors=(409,)),
+    Route("GET", "/api/v1/tenants/{name}/webhook", TENANT, handlers_webhooks.get_webhook,
+          "A tenant's webhook (its URL and delivery position, never its secret)",
+          {200: _json(m.WebhookView)}, params=(_TENANT_NAME,),
+          operation_id="get_tenant_webhook", tag="tenants"),
+    Route("PUT", "/api/v1/tenants/{name}/webhook", TENANT_WRITE, handlers_webhooks.put_webhook,
+          "Set a tenant's webhook: each completion event after now is POSTed to url, signed",
+          {200: _json(m.WebhookView)}, params=(_TENANT_NAME,), body=Content(m.WebhookBody),
+          description=(
+              "The leader POSTs each of the tenant's completion events (the task's view) "
+              "to url, in log order, with X-Steward-Event-Id and X-Steward-Signature "
+              "(sha256=HMAC-SHA256 of the body under secret, hex); retried with "
+              "exponential backoff until a 2xx answer: at least once, across fail-overs "
+              "(docs/API.md, Webhooks)."
+          ),
+          operation_id="set_tenant_webhook", tag="tenants"),
+    Route("DELETE", "/api/v1/tenants/{name}/webhook", TENANT_WRITE,
+          handlers_webhooks.delete_webhook, "Remove a tenant's webhook (answers it as it was)",
+          {200: _json(m.WebhookView)}, params=(_TENANT_NAME,),
+          operation_id="delete_tenant_webhook", tag="tenants"),
     # --- code artifacts ----------------------------------------------------------------
     Route("POST", "/api/v1/code", TENANT, handlers_code.upload_code,
           "Upload a code artifact (.py, .zip or wheel; the raw bytes as body)",

@@ -95,10 +95,11 @@ from broker.core.validation import validate_idempotency_key as validate_idempote
 from broker.core.validation import validate_limits as validate_limits
 from broker.core.validation import validate_task_spec as validate_task_spec
 from broker.core.validation import validate_token_fields as validate_token_fields
+from broker.core.webhooks import WebhooksMixin
 from broker.core.workers import WorkersMixin
 
 
-class StateMachine(WorkersMixin, TenantsMixin, CodeArtifactsMixin):
+class StateMachine(WorkersMixin, TenantsMixin, CodeArtifactsMixin, WebhooksMixin):
     """The replicated state machine: the subject mixins combined, with the entry point,
     the clock and its timers, read-only queries, snapshots and the invariant check."""
 
@@ -121,6 +122,8 @@ class StateMachine(WorkersMixin, TenantsMixin, CodeArtifactsMixin):
             e.CodeReady: self._code_ready,
             e.CreateToken: self._create_token,
             e.RevokeToken: self._revoke_token,
+            e.SetWebhook: self._set_webhook,
+            e.WebhookProgress: self._webhook_progress,
         }
 
     def apply(self, entry: e.Entry) -> Applied:
