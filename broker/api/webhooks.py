@@ -59,15 +59,22 @@ class WebhookSender:
         self._node = node
         self._feed = feed
         self._task: asyncio.Task[None] | None = None
+        self._look = True
         # Delivered here, not yet logged: tenant -> key.
         self._delivered: dict[str, EventKey] = {}
         node.listeners.append(self._on_applied)
 
     def _on_applied(self, entry: e.Entry, applied: Applied) -> None:
-        if self._task is not None or not self._node.is_leader:
+        if self._task is not None:
             return
-        if any(t.webhook is not None for t in self._node.state.tenants.values()):
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        if not self._node.is_leader:
+            self._look = True  # on becoming leader, look once for webhooks
+            return
+        # Not every entry scans the tenants: the first one led, and those setting a webhook.
+        if self._look or type(entry) is e.SetWebhook:
+            self._look = False
+            if any(t.webhook is not None for t in self._node.state.tenants.values()):
+                self._task = asyncio.get_running_loop().create_task(self._run())
 
     def stop(self) -> None:
         if self._task is not None:
@@ -97,6 +104,7 @@ class WebhookSender:
                 task.cancel()
             self._delivered.clear()
             self._task = None
+            self._look = True
 
     async def _flush(self) -> None:
         """Log what was delivered since the last flush, in one entry."""

@@ -2,7 +2,8 @@
 that fails the first deliveries. Every completion event of the tenant arrives (at least
 once, in log order), signed with HMAC-SHA256 under the secret; the failed ones were
 retried with a growing delay; the delivered position is logged (GET shows it) and the
-webhook is removed by DELETE. Every wait is bounded."""
+webhook is removed by DELETE; a leader killed and restarted does not redeliver what was
+logged as delivered. Every wait is bounded."""
 
 from __future__ import annotations
 
@@ -122,3 +123,42 @@ def test_events_are_posted_signed_and_retried(
         assert removed.status_code == 200 and removed.json()["delivered"] == last_id
         assert http.get("/api/v1/tenants/hooked/webhook").status_code == 404
         http.close()
+
+
+def test_a_restarted_leader_does_not_redeliver_what_was_logged(
+    tmp_path: Path, receiver: tuple[Receiver, str]
+) -> None:
+    state, url = receiver
+    state.failures_left = 0
+    with broker_with_worker(tmp_path, "hook-worker", ("--task-type", "*=8")) as (broker, _):
+        with httpx.Client(base_url=broker.url, timeout=10) as http:
+            put = http.put("/api/v1/tenants/hooked/webhook", json={"url": url, "secret": SECRET})
+            assert put.status_code == 200, put.text
+        with StewardClient(broker.url) as client:
+            before = [client.submit("noop", tenant="hooked").id for _ in range(4)]
+            client.wait_many(before, timeout=30)
+
+        def logged() -> bool:
+            with state.lock:
+                delivered = [event_id for event_id, _ in state.delivered]
+            if len(delivered) < len(before):
+                return False
+            view = httpx.get(broker.url + "/api/v1/tenants/hooked/webhook", timeout=5).json()
+            return bool(view["delivered"] == delivered[-1])
+
+        wait_until(logged, 30, "the first deliveries logged")
+        broker.kill9()  # the leader dies; a new one (here: the same, restarted) takes over
+        broker.start()
+        with StewardClient(broker.url) as client:
+            after = [client.submit("noop", tenant="hooked").id for _ in range(3)]
+            client.wait_many(after, timeout=60)
+
+        def all_delivered() -> bool:
+            with state.lock:
+                return {int(str(task["id"])) for _, task in state.delivered} >= set(after)
+
+        wait_until(all_delivered, 30, "the deliveries after the restart")
+    with state.lock:
+        ids = [int(str(task["id"])) for _, task in state.delivered]
+    # Nothing delivered and logged before the kill came again; the later events came.
+    assert sorted(ids) == sorted(before + after), ids

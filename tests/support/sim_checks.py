@@ -63,6 +63,8 @@ RESULT_TYPES: Final[dict[type, tuple[type, ...]]] = {
     e.AddCode: (Artifact, Rejected),
     e.CodeReady: (Artifact, Rejected),
     e.WorkerDead: (type(None), Rejected),
+    e.SetWebhook: (Tenant, Rejected),
+    e.WebhookProgress: (type(None),),
 }
 
 
