@@ -154,6 +154,16 @@ _IDEMPOTENCY_KEY = Param(
     "header",
     {"type": "string", "minLength": 1, "maxLength": 128, "pattern": "^[\\x20-\\x7e]+$"},
 )
+# One server-sent event of GET /api/v1/events, as the stream's fields (data: a task's view).
+_TASK_EVENT: Final = {
+    "type": "object",
+    "properties": {
+        "event": {"type": "string", "const": "task"},
+        "data": {"type": "string", "contentMediaType": "application/json"},
+        "id": {"type": "string", "pattern": r"^\d{1,18}:\d{1,18}:\d{1,10}$"},
+    },
+    "required": ["event", "data"],
+}
 _OPENAPI_PATH: Final = "/api/v1/openapi.json"
 
 ROUTES: Final[tuple[Route, ...]] = (
@@ -219,7 +229,7 @@ ROUTES: Final[tuple[Route, ...]] = (
     Route("GET", "/api/v1/events", TENANT, handlers_events.task_events,
           "Server-sent events: tasks once they are final (text/event-stream)",
           {200: Content(None, "The event stream (docs/API.md, Task events)",
-                        ("text/event-stream",)),
+                        ("text/event-stream",), schema=_TASK_EVENT),
            410: _json(m.ErrorBody, "Last-Event-ID is older than the events this broker "
                       "holds"),
            503: _json(m.ErrorBody, "Too many event streams on this broker; retry later")},

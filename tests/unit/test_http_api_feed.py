@@ -126,6 +126,7 @@ async def test_bad_feed_requests(api: Api) -> None:
         ("type=noop", {}, "unknown query parameters"),
         ("", {"last-event-id": "7"}, "Last-Event-ID must be"),
         ("", {"last-event-id": "a:b:c"}, "Last-Event-ID must be"),
+        ("", {"last-event-id": ""}, "Last-Event-ID must be"),
     ]:
         response = await api.get(f"{EVENTS}?{query}", headers=headers)
         assert fragment in error_of(response, 400, "invalid_request"), (query, response.text)
