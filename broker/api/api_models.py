@@ -254,6 +254,22 @@ class TenantView(msgspec.Struct):
     submit_burst: int = 0
 
 
+class WebhookBody(msgspec.Struct, forbid_unknown_fields=True):
+    """A tenant's webhook: completion events are POSTed to url, signed with secret."""
+
+    url: str
+    secret: str
+
+
+class WebhookView(msgspec.Struct):
+    """A tenant's webhook (never its secret); delivered: the id of the last event the
+    receiver acknowledged that the log has recorded (the next delivery comes after it)."""
+
+    tenant: str
+    url: str
+    delivered: str
+
+
 class ArtifactView(msgspec.Struct):
     sha256: str
     name: str

@@ -69,6 +69,13 @@ class ApiConfig:
     max_event_tasks: int = 10_000
     max_event_streams: int = 1_000
     event_keepalive_s: float = 15.0
+    # The feed (GET /api/v1/events without tasks): recent events held for resuming with
+    # Last-Event-ID, about 100 bytes each (the final task an event refers to is the
+    # state's own until its retention, 24 h by default, purges it; the ring keeps it
+    # alive until the event leaves the ring), and the events a stream may fall behind
+    # before it is ended (its client resumes).
+    event_history: int = 100_000
+    max_event_backlog: int = 10_000
     max_tasks_per_request: int = 10_000
     max_params_bytes: int = 64 * 1024
     max_list_limit: int = 1_000

@@ -11,8 +11,10 @@ from msgspec import UnsetType
 
 from broker.api import api_models as m
 from broker.api.common import ApiConfig, ClusterView, HttpError, Request, json_encoder, task_view
+from broker.api.event_feed import EventFeed, task_event
 from broker.api.output_store import OutputStore
 from broker.api.rate_limit import SubmitRateLimiter
+from broker.api.webhooks import WebhookSender
 from broker.artifacts.code_store import CodeStore, UploadChecker
 from broker.core import entries as e
 from broker.core.effects import Applied
@@ -72,13 +74,6 @@ class TaskWaiters:
             for waiter in self.trees.pop(root, ()):
                 if not waiter.done():
                     waiter.set_result(None)
-
-
-def task_event(view: bytes, position: tuple[int, int] | None) -> bytes:
-    """One server-sent event: a task's view, with the log position of the entry that made it
-    final as its id when known (docs/API.md, Task events)."""
-    event_id = b"" if position is None else b"id: %d:%d\n" % position
-    return b"event: task\n" + event_id + b"data: " + view + b"\n\n"
 
 
 class EventSubscription:
@@ -149,13 +144,14 @@ class TaskEvents:
             return  # the apply path pays one test when nobody streams
         state = self._node.state
         # The applier sets the node's position to the entry's before it calls listeners.
-        position = self._node.position
-        for task_id in applied.final_ids:
+        ledger_id, entry_id = self._node.position
+        for index, task_id in enumerate(applied.final_ids):
             watching = self.watchers.pop(task_id, None)
             task = state.tasks.get(task_id) if watching else None
             if watching is None or task is None:
                 continue
-            event = task_event(json_encoder.encode(task_view(task, state.tree(task_id))), position)
+            view = json_encoder.encode(task_view(task, state.tree(task_id)))
+            event = task_event(view, (ledger_id, entry_id, index))
             for subscription in watching:
                 subscription.ready.append(event)
                 subscription.pending.discard(task_id)
@@ -184,6 +180,8 @@ class ApiContext:
         self.events = TaskEvents(node)
         # Per-tenant submit rate limit, enforced while this broker leads (rate_limit.py).
         self.submit_limiter = SubmitRateLimiter()
+        self.feed = EventFeed(node, config.event_history, config.max_event_backlog)
+        self.webhooks = WebhookSender(node, self.feed)  # runs on the leader only
         # The dashboard's throughput series, counted from the entries this broker applies.
         self.throughput = dashboard.ThroughputRecorder(node)
         # The OpenAPI document (ApiApp sets it: it is generated from the route table).
@@ -196,6 +194,8 @@ class ApiContext:
         holding the stop for up to their wait (their clients ask again, elsewhere)."""
         self.waiters.end_all()
         self.events.end_all()
+        self.feed.end_all()
+        self.webhooks.stop()
 
     @staticmethod
     def require(request: Request, *roles: CallerRole, message: str | None = None) -> None:

@@ -27,6 +27,7 @@ from broker.api import (
     handlers_tokens,
     handlers_transactions,
     handlers_trees,
+    handlers_webhooks,
 )
 from broker.api.common import ARTIFACT_NAME_PATTERN, ApiConfig, Request
 from broker.api.context import ApiContext
@@ -160,6 +161,16 @@ _IDEMPOTENCY_KEY = Param(
     "header",
     {"type": "string", "minLength": 1, "maxLength": 128, "pattern": "^[\\x20-\\x7e]+$"},
 )
+# One server-sent event of GET /api/v1/events, as the stream's fields (data: a task's view).
+_TASK_EVENT: Final = {
+    "type": "object",
+    "properties": {
+        "event": {"type": "string", "const": "task"},
+        "data": {"type": "string", "contentMediaType": "application/json"},
+        "id": {"type": "string", "pattern": r"^\d{1,18}:\d{1,18}:\d{1,10}$"},
+    },
+    "required": ["event", "data"],
+}
 _OPENAPI_PATH: Final = "/api/v1/openapi.json"
 
 ROUTES: Final[tuple[Route, ...]] = (
@@ -231,26 +242,38 @@ ROUTES: Final[tuple[Route, ...]] = (
           params=(*_TASK_FILTERS, _query("before", _ids(1))),
           operation_id="search_recent_tasks", tag="tasks"),
     Route("GET", "/api/v1/events", TENANT, handlers_events.task_events,
-          "Server-sent events: each named task once it is final (text/event-stream)",
+          "Server-sent events: tasks once they are final (text/event-stream)",
           {200: Content(None, "The event stream (docs/API.md, Task events)",
-                        ("text/event-stream",)),
+                        ("text/event-stream",), schema=_TASK_EVENT),
+           410: _json(m.ErrorBody, "Last-Event-ID is older than the events this broker "
+                      "holds"),
            503: _json(m.ErrorBody, "Too many event streams on this broker; retry later")},
           params=(
-              _query("tasks", {"type": "string", "pattern": r"^\d{1,18}(,\d{1,18})*$"},
-                     True),
+              _query("tasks", {"type": "string", "pattern": r"^\d{1,18}(,\d{1,18})*$"}),
+              _query("tenant", {"type": "string"}),
+              _query("tree", _ids(0)),
+              _query("states", {"type": "string",
+                                "pattern": r"^(finished|error|cancelled)"
+                                           r"(,(finished|error|cancelled))*$"}),
               _query("wait_s", lambda config: {
                   "type": "number", "minimum": 0, "maximum": config.max_wait_s}),
+              Param("Last-Event-ID", "header", {
+                  "type": "string", "pattern": r"^-?\d{1,18}:-?\d{1,18}(:\d{1,10})?$"}),
           ),
           description=(
-              "For each task named in tasks (comma-separated ids, at most "
-              "max_event_tasks, default 10,000; each must be one the caller may GET, "
-              "else 404 before the stream starts): one 'task' event whose data is the "
-              "task's view as GET /api/v1/tasks/{id} returns it, at once for a task "
-              "already final, else when it becomes final; its id is the log position "
-              "(ledger:entry) of the entry that made it final, absent for tasks "
-              "already final when the stream opened. A ': keep-alive' comment every "
-              "15 s; the stream ends once every task was reported, or after wait_s "
-              "(default 60). Served by followers too."
+              "With tasks (comma-separated ids, at most max_event_tasks, default 10,000; "
+              "each must be one the caller may GET, else 404 before the stream starts): "
+              "one 'task' event per named task whose data is the task's view as GET "
+              "/api/v1/tasks/{id} returns it, at once for a task already final, else "
+              "when it becomes final; the stream ends once every task was reported. "
+              "Without tasks, the feed: every task becoming final (filtered by tenant, "
+              "admin only: a tenant token sees its own; tree, a root id; states) in log "
+              "order, from Last-Event-ID (replayed; 410 when older than the events this "
+              "broker holds) or from now. An event's id is LEDGER:ENTRY:INDEX, the log "
+              "position of the entry that made the task final and the task's index among "
+              "those it made final (absent for tasks already final when a tasks stream "
+              "opened). A ': keep-alive' comment every 15 s; every stream ends after "
+              "wait_s (default 60). Served by followers too."
           ),
           operation_id="stream_task_events", tag="tasks"),
     # --- task trees --------------------------------------------------------------------
@@ -330,6 +353,25 @@ ROUTES: Final[tuple[Route, ...]] = (
           "Change a tenant's service level (effective at once)", {200: _json(m.TenantView)},
           params=(_TENANT_NAME,), body=Content(m.TenantLimits),
           operation_id="update_tenant", tag="tenants", errors=(409,)),
+    Route("GET", "/api/v1/tenants/{name}/webhook", TENANT, handlers_webhooks.get_webhook,
+          "A tenant's webhook (its URL and delivery position, never its secret)",
+          {200: _json(m.WebhookView)}, params=(_TENANT_NAME,),
+          operation_id="get_tenant_webhook", tag="tenants"),
+    Route("PUT", "/api/v1/tenants/{name}/webhook", TENANT_WRITE, handlers_webhooks.put_webhook,
+          "Set a tenant's webhook: each completion event after now is POSTed to url, signed",
+          {200: _json(m.WebhookView)}, params=(_TENANT_NAME,), body=Content(m.WebhookBody),
+          description=(
+              "The leader POSTs each of the tenant's completion events (the task's view) "
+              "to url, in log order, with X-Steward-Event-Id and X-Steward-Signature "
+              "(sha256=HMAC-SHA256 of the body under secret, hex); retried with "
+              "exponential backoff until a 2xx answer: at least once, across fail-overs "
+              "(docs/API.md, Webhooks)."
+          ),
+          operation_id="set_tenant_webhook", tag="tenants"),
+    Route("DELETE", "/api/v1/tenants/{name}/webhook", TENANT_WRITE,
+          handlers_webhooks.delete_webhook, "Remove a tenant's webhook (answers it as it was)",
+          {200: _json(m.WebhookView)}, params=(_TENANT_NAME,),
+          operation_id="delete_tenant_webhook", tag="tenants"),
     # --- code artifacts ----------------------------------------------------------------
     Route("POST", "/api/v1/code", TENANT, handlers_code.upload_code,
           "Upload a code artifact (.py, .zip or wheel; the raw bytes as body)",

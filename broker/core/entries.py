@@ -341,6 +341,26 @@ class FireSchedule(_Entry, frozen=True, tag="schedule_fire"):
     skipped: int = 0
 
 
+class SetWebhook(_Entry, frozen=True, tag="webhook_set"):
+    """A tenant's webhook (``url`` None: none); events after ``after`` are delivered."""
+
+    tenant: str = ""
+    url: str | None = None
+    secret: str = ""
+    after: tuple[int, int, int] = (-1, -1, 0)
+
+
+class WebhookMark(msgspec.Struct, frozen=True, array_like=True):
+    tenant: str
+    delivered: tuple[int, int, int]
+
+
+class WebhookProgress(_Entry, frozen=True, tag="webhook_progress"):
+    """The leader delivered the webhooks' events up to these keys (one entry per batch)."""
+
+    marks: tuple[WebhookMark, ...] = ()
+
+
 Entry = (
     SubmitTasks
     | CancelTask
@@ -363,6 +383,8 @@ Entry = (
     | DeleteSchedule
     | FireSchedule
     | CancelTasks
+    | SetWebhook
+    | WebhookProgress
 )
 
 

@@ -122,6 +122,16 @@ def tree_value(task_id: int) -> int:
     return (z ^ (z >> 31)) or 1
 
 
+class Webhook(msgspec.Struct, array_like=True, gc=False):
+    """A tenant's webhook (docs/API.md, Webhooks): where its completion events are POSTed,
+    the key they are signed with, and the key of the last event delivered (the leader
+    delivers the events after it)."""
+
+    url: str
+    secret: str
+    delivered: tuple[int, int, int]
+
+
 class Tenant(msgspec.Struct, array_like=True, gc=False):
     name: str
     max_waiting: int = 0  # 0: unlimited
@@ -131,6 +141,8 @@ class Tenant(msgspec.Struct, array_like=True, gc=False):
     # so older snapshots still decode.
     submit_rate: float = 0.0
     submit_burst: int = 0
+    # Last, so older snapshots still decode.
+    webhook: Webhook | None = None
 
 
 class Transaction(msgspec.Struct, array_like=True, gc=False):

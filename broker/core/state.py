@@ -98,10 +98,11 @@ from broker.core.validation import validate_idempotency_key as validate_idempote
 from broker.core.validation import validate_limits as validate_limits
 from broker.core.validation import validate_task_spec as validate_task_spec
 from broker.core.validation import validate_token_fields as validate_token_fields
+from broker.core.webhooks import WebhooksMixin
 from broker.core.workers import WorkersMixin
 
 
-class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixin):
+class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixin, WebhooksMixin):
     """The replicated state machine: the subject mixins combined, with the entry point,
     the clock and its timers, read-only queries, snapshots and the invariant check."""
 
@@ -129,6 +130,8 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
             e.DeleteSchedule: self._delete_schedule,
             e.FireSchedule: self._fire_schedule,
             e.CancelTasks: self._cancel_many,
+            e.SetWebhook: self._set_webhook,
+            e.WebhookProgress: self._webhook_progress,
         }
 
     def apply(self, entry: e.Entry) -> Applied:

@@ -87,7 +87,7 @@ from clients.client.errors import (
     TreeFailedError,
     UnavailableError,
 )
-from clients.client.events import EventStreamError, WaitTimeoutError
+from clients.client.events import EventStreamError, TaskEvent, WaitTimeoutError
 from clients.client.producer import Producer
 from clients.client.producing import ProducerClosedError, ProducerFullError
 from clients.client.routing import DEFAULT_FAILOVER_TIMEOUT_S, parse_urls
@@ -114,6 +114,7 @@ __all__ = [
     "ProducerFullError",
     "StewardClient",
     "StewardError",
+    "TaskEvent",
     "TaskFailedError",
     "TaskHandle",
     "TaskTimeoutError",

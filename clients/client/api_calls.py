@@ -206,7 +206,25 @@ def revoke_token(token_id: str) -> Request:
     return Request("DELETE", f"/api/v1/tokens/{token_id}")
 
 
-def create_schedule(body: dict[str, Any]) -> Request:
+def create_schedule(
+    name: str,
+    task_type: str,
+    params: Any = None,
+    *,
+    tenant: str | None = None,
+    cron: str | None = None,
+    interval_s: float | None = None,
+    missed: str = "skip",
+    grace_s: float | None = None,
+    max_attempts: int = 1,
+) -> Request:
+    body: dict[str, Any] = {
+        "name": name,
+        "task": {"type": task_type, "params": params, "max_attempts": max_attempts},
+        "missed": missed,
+    }
+    optional = {"tenant": tenant, "cron": cron, "interval_s": interval_s, "grace_s": grace_s}
+    body.update({k: v for k, v in optional.items() if v is not None})
     return Request("POST", "/api/v1/schedules", json=body)
 
 

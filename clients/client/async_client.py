@@ -19,8 +19,11 @@ from clients.client.events import (
     BROKEN_PAUSE_S,
     EVENTS_PATH,
     EventWait,
+    FeedWait,
     SseParser,
     StreamBrokenError,
+    TaskEvent,
+    feed_filters,
     task_ids_of,
 )
 from clients.client.producing import (
@@ -47,7 +50,8 @@ class AsyncTaskHandle(_Handle["AsyncStewardClient"]):
 
     # Same signature as the sync handle (``result(timeout)``), hence the noqa.
     async def wait(self, timeout: float | None = None) -> dict[str, Any]:  # noqa: ASYNC109
-        return await self._poll(timeout, tree=False)
+        """As TaskHandle.wait: on the event stream, not by polling."""
+        return (await self.client.wait_many([self.id], timeout))[self.id]
 
     async def result(self, timeout: float | None = None) -> Any:  # noqa: ASYNC109
         return _result_of(await self.wait(timeout))
@@ -119,7 +123,7 @@ class AsyncStewardClient(_ClientBase):
                 await asyncio.sleep(pause_s)
 
     async def _stream_lines(
-        self, path: str, params: dict[str, Any], timeout_s: float
+        self, path: str, params: dict[str, Any], timeout_s: float, extra_headers: str = ""
     ) -> AsyncIterator[bytes]:
         """As :meth:`StewardClient._stream_lines`."""
         call = _Call(self._router, write=True)
@@ -127,7 +131,8 @@ class AsyncStewardClient(_ClientBase):
         while True:
             base = call.target()
             try:
-                stream = await self._transport.stream(base, target, self._headers, timeout_s)
+                headers = self._headers + extra_headers
+                stream = await self._transport.stream(base, target, headers, timeout_s)
             except TransportError as exc:
                 pause_s = call.failed(base, exc)
             else:
@@ -149,6 +154,34 @@ class AsyncStewardClient(_ClientBase):
                 pause_s = answer_pause_s
             if pause_s > 0:
                 await asyncio.sleep(pause_s)
+
+    async def events(
+        self,
+        *,
+        tenant: str | None = None,
+        tree: int | None = None,
+        states: Iterable[str] | None = None,
+        last_event_id: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> AsyncIterator[TaskEvent]:
+        """As :meth:`StewardClient.events`."""
+        now = asyncio.get_running_loop().time
+        wait = FeedWait(feed_filters(tenant, tree, states), last_event_id, timeout, now)
+        while not wait.over:
+            query, header, read_timeout_s = wait.next_stream()
+            parser = SseParser()
+            seen = wait.last_event_id
+            try:
+                async for piece in self._stream_lines(EVENTS_PATH, query, read_timeout_s, header):
+                    for event in parser.feed(piece):
+                        found = wait.on_event(event)
+                        if found is not None:
+                            yield found
+            except StreamBrokenError:
+                await asyncio.sleep(BROKEN_PAUSE_S)
+            else:
+                if wait.last_event_id == seen:  # an empty stream: no busy loop of them
+                    await asyncio.sleep(BROKEN_PAUSE_S)
 
     async def iter_finished(
         self,

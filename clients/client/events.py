@@ -183,3 +183,78 @@ class EventWait:
         if event.id is not None:
             self.last_event_id = event.id
         return record
+
+
+_EVENT_ID_CHARS: Final = frozenset("0123456789:-")
+
+
+@dataclass(frozen=True)
+class TaskEvent:
+    """One event of the feed: its id (``LEDGER:ENTRY:INDEX``, what ``last_event_id``
+    resumes after) and the task's record as the broker sent it."""
+
+    id: str
+    task: dict[str, Any]
+
+
+class FeedWait:
+    """One ``events()`` iteration of the feed (``GET /api/v1/events`` without ``tasks``):
+    the next stream's query, its ``Last-Event-ID`` header line (the id of the last event
+    seen, so a stream reopened after a break, an end or a leader change continues right
+    after it: the broker replays what came in between, docs/API.md, Task events), and
+    the events turned into :class:`TaskEvent`."""
+
+    def __init__(
+        self,
+        filters: dict[str, str],
+        last_event_id: str | None,
+        timeout: float | None,
+        now: Callable[[], float],
+    ) -> None:
+        if last_event_id is not None and not (
+            last_event_id and set(last_event_id) <= _EVENT_ID_CHARS
+        ):
+            raise ValueError(f"not an event id: {last_event_id!r}")
+        self.filters = filters
+        self.last_event_id = last_event_id
+        self.now = now
+        self.deadline = None if timeout is None else now() + timeout
+
+    @property
+    def over(self) -> bool:
+        return self.deadline is not None and self.now() >= self.deadline
+
+    def next_stream(self) -> tuple[dict[str, str], str, float]:
+        """The query, the extra header lines and the read timeout of the next stream."""
+        wait_s = STREAM_SLICE_S
+        if self.deadline is not None:
+            wait_s = max(0.0, min(wait_s, self.deadline - self.now()))
+        query = {**self.filters, "wait_s": f"{wait_s:.3f}"}
+        header = "" if self.last_event_id is None else f"Last-Event-ID: {self.last_event_id}\r\n"
+        return query, header, min(READ_TIMEOUT_S, wait_s + 5.0)
+
+    def on_event(self, event: ServerSentEvent) -> TaskEvent | None:
+        if event.event != "task":
+            return None
+        if event.id is None:
+            raise EventStreamError("a feed event without an id")
+        try:
+            record: dict[str, Any] = json.loads(event.data)
+        except ValueError as exc:
+            raise EventStreamError(f"malformed task event: {exc}") from None
+        self.last_event_id = event.id
+        return TaskEvent(event.id, record)
+
+
+def feed_filters(
+    tenant: str | None, tree: int | None, states: Iterable[str] | None
+) -> dict[str, str]:
+    """The feed's query filters (None: not filtered on)."""
+    filters: dict[str, str] = {}
+    if tenant is not None:
+        filters["tenant"] = tenant
+    if tree is not None:
+        filters["tree"] = str(int(tree))
+    if states is not None:
+        filters["states"] = ",".join(states)
+    return filters

@@ -17,8 +17,11 @@ from clients.client.events import (
     BROKEN_PAUSE_S,
     EVENTS_PATH,
     EventWait,
+    FeedWait,
     SseParser,
     StreamBrokenError,
+    TaskEvent,
+    feed_filters,
     task_ids_of,
 )
 from clients.client.producer import Producer
@@ -55,8 +58,9 @@ class TaskHandle(_Handle["StewardClient"]):
                 return task
 
     def wait(self, timeout: float | None = None) -> dict[str, Any]:
-        """Wait until the task is final; return its record (whatever the outcome)."""
-        return self._poll(timeout, tree=False)
+        """Wait until the task is final; return its record (whatever the outcome). On the
+        broker's event stream (one event when it is final), not by polling."""
+        return self.client.wait_many([self.id], timeout)[self.id]
 
     def result(self, timeout: float | None = None) -> Any:
         """The task's result; raises TaskFailedError or TaskTimeoutError."""
@@ -139,18 +143,22 @@ class StewardClient(_ClientBase):
             if pause_s > 0:
                 time.sleep(pause_s)
 
-    def _stream_lines(self, path: str, params: dict[str, Any], timeout_s: float) -> Iterator[bytes]:
+    def _stream_lines(
+        self, path: str, params: dict[str, Any], timeout_s: float, extra_headers: str = ""
+    ) -> Iterator[bytes]:
         """The event streams' IO: GET ``path`` on a connection of its own, tried like a
         write (the leader once known, the next URL, backoff, for at most
         ``failover_timeout_s``); raise an error answer's error; yield the body line by
         line as it arrives (each ending in a newline). ``timeout_s`` bounds each wait for
-        more bytes. A stream that breaks raises StreamBrokenError."""
+        more bytes; ``extra_headers``: header lines (each ending in CRLF) besides the
+        client's. A stream that breaks raises StreamBrokenError."""
         call = _Call(self._router, write=True)
         target = request_target(path, params)
         while True:
             base = call.target()
             try:
-                stream = self._transport.stream(base, target, self._headers, timeout_s)
+                headers = self._headers + extra_headers
+                stream = self._transport.stream(base, target, headers, timeout_s)
                 head = stream.open()
             except TransportError as exc:
                 pause_s = call.failed(base, exc)
@@ -198,6 +206,38 @@ class StewardClient(_ClientBase):
                 time.sleep(BROKEN_PAUSE_S)
             else:
                 if len(wait.finished) == seen:  # an empty stream: no busy loop of them
+                    time.sleep(BROKEN_PAUSE_S)
+
+    def events(
+        self,
+        *,
+        tenant: str | None = None,
+        tree: int | None = None,
+        states: Iterable[str] | None = None,
+        last_event_id: str | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[TaskEvent]:
+        """Every task becoming final (filtered by ``tenant``, ``tree`` root, ``states``),
+        in log order, from the broker's event feed: after ``last_event_id`` (an event's
+        ``id``, replayed by the broker) or from now, until ``timeout`` (None: for ever).
+        A stream that ends or breaks, also by a leader change, is reopened after the
+        last event seen: no event is lost or repeated (docs/API.md, Task events). A
+        broker that no longer holds the events after it answers 410 (a StewardError)."""
+        wait = FeedWait(feed_filters(tenant, tree, states), last_event_id, timeout, time.monotonic)
+        while not wait.over:
+            query, header, read_timeout_s = wait.next_stream()
+            parser = SseParser()
+            seen = wait.last_event_id
+            try:
+                for piece in self._stream_lines(EVENTS_PATH, query, read_timeout_s, header):
+                    for event in parser.feed(piece):
+                        found = wait.on_event(event)
+                        if found is not None:
+                            yield found
+            except StreamBrokenError:
+                time.sleep(BROKEN_PAUSE_S)
+            else:
+                if wait.last_event_id == seen:  # an empty stream: no busy loop of them
                     time.sleep(BROKEN_PAUSE_S)
 
     def wait_many(
@@ -421,28 +461,14 @@ class StewardClient(_ClientBase):
     # Periodic-task schedules (docs/API.md, Periodic tasks)
 
     def create_schedule(
-        self,
-        name: str,
-        task_type: str,
-        params: Any = None,
-        *,
-        tenant: str | None = None,
-        cron: str | None = None,
-        interval_s: float | None = None,
-        missed: str = "skip",
-        grace_s: float | None = None,
-        max_attempts: int = 1,
+        self, name: str, task_type: str, params: Any = None, **options: Any
     ) -> dict[str, Any]:
         """Create a schedule running ``task_type`` at each tick of ``cron`` (UTC) or every
-        ``interval_s``. A retry after a lost answer may see 409 (it exists), never two."""
-        body: dict[str, Any] = {
-            "name": name,
-            "task": {"type": task_type, "params": params, "max_attempts": max_attempts},
-            "missed": missed,
-        }
-        optional = {"tenant": tenant, "cron": cron, "interval_s": interval_s, "grace_s": grace_s}
-        body.update({k: v for k, v in optional.items() if v is not None})
-        result: dict[str, Any] = self._send(calls.create_schedule(body))
+        ``interval_s`` (options: tenant, cron, interval_s, missed, grace_s, max_attempts;
+        docs/API.md). A retry after a lost answer may see 409 (it exists), never two."""
+        result: dict[str, Any] = self._send(
+            calls.create_schedule(name, task_type, params, **options)
+        )
         return result
 
     def schedules(self, tenant: str | None = None) -> list[dict[str, Any]]:

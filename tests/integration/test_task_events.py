@@ -4,6 +4,7 @@ connection is cut in the middle (the client reopens it for the rest)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
@@ -11,6 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -132,3 +134,38 @@ def test_a_stopping_broker_answers_long_polls_and_ends_streams_at_once(tmp_path:
     assert streamed.endswith(b"0\r\n\r\n"), streamed  # ended cleanly, no event
     assert b"event: task" not in streamed
     assert took_s < WAIT_STOP_S, f"the broker took {took_s:.1f} s to stop"
+
+
+def test_a_handles_wait_rides_the_event_stream_not_a_long_poll(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with StewardClient(served.url) as client:
+        handle = client.submit("sleep", {"seconds": 0.3}, tenant="ev")
+
+        def no_polling(*args: object, **kwargs: object) -> dict[str, object]:
+            raise AssertionError("wait polled GET /api/v1/tasks/{id}")
+
+        monkeypatch.setattr(client, "task", no_polling)
+        assert handle.wait(30)["state"] == "finished"
+        assert handle.result(30) == {"slept": 0.3}
+
+
+async def test_the_async_clients_feed_resumes_after_an_event(served: Served) -> None:
+    async with AsyncStewardClient(served.url) as client:
+        seen: list[Any] = []
+
+        async def read() -> None:
+            async for event in client.events(tenant="feed-async", timeout=20):
+                seen.append(event)
+                if len(seen) == 3:
+                    return
+
+        reading = asyncio.ensure_future(read())
+        await asyncio.sleep(0.5)  # the feed is open before the tasks can finish
+        handles = [await client.submit("noop", tenant="feed-async") for _ in range(3)]
+        await asyncio.wait_for(reading, 30)
+        assert sorted(event.task["id"] for event in seen) == [h.id for h in handles]
+        rest = [
+            e async for e in client.events(tenant="feed-async", last_event_id=seen[0].id, timeout=1)
+        ]
+        assert [(e.id, e.task["id"]) for e in rest] == [(e.id, e.task["id"]) for e in seen[1:]]

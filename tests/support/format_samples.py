@@ -143,6 +143,12 @@ def sample_entries() -> list[e.Entry]:
             v=e.submit_version((task(8, priority=5, retry_backoff_ms=1_000),)),
         ),
         e.CancelTasks(time_ms=t + 60_005, task_ids=(8, 99), tenant="acme"),
+        e.SetWebhook(
+            time_ms=t + 60_006, tenant="acme", url="https://hooks.example/acme", secret="s3"
+        ),
+        e.WebhookProgress(
+            time_ms=t + 60_007, marks=(e.WebhookMark(tenant="acme", delivered=(1, 20, 0)),)
+        ),
     ]
 
 

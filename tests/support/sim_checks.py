@@ -66,6 +66,8 @@ RESULT_TYPES: Final[dict[type, tuple[type, ...]]] = {
     e.CodeReady: (Artifact, Rejected),
     e.DeleteCode: (Artifact, Rejected),
     e.WorkerDead: (type(None), Rejected),
+    e.SetWebhook: (Tenant, Rejected),
+    e.WebhookProgress: (type(None),),
 }
 
 

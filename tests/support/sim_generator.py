@@ -126,6 +126,7 @@ class EntryGenerator(CodeEntries):
             (self._add_code, 0.5),
             (self._code_ready, 0.3),
             (self._delete_code, 0.3),
+            (self._webhook, 1),
         ]
         self.kinds = [k for k, _ in kinds]
         self.kind_weights = [w for _, w in kinds]
@@ -548,6 +549,40 @@ class EntryGenerator(CodeEntries):
             expect.accept.add(0)
         patch = e.TenantLimitsPatch(max_waiting=max_waiting, max_running=max_running, weight=weight)
         return e.SetTenant(time_ms=time_ms, tenant=tenant, limits=patch), expect
+
+    def _webhook(self) -> tuple[e.Entry, Expect]:
+        """A tenant's webhook set, removed or rejected, or delivery marks (forward, back,
+        or for tenants without one): the state and its digest must agree on every
+        replica, across restarts and snapshot loads."""
+        time_ms = self._time()
+        rng = self.rng
+        expect = Expect()
+        if rng.random() < 0.6:
+            marks = tuple(
+                e.WebhookMark(
+                    self._tenant(), (rng.randrange(3), rng.randrange(50), rng.randrange(3))
+                )
+                for _ in range(rng.randrange(1, 4))
+            )
+            expect.accept.add(0)
+            return e.WebhookProgress(time_ms=time_ms, marks=marks), expect
+        tenant, url, secret = self._tenant(), rng.choice(("http://h/x", "https://h:8443/y")), "k"
+        if rng.random() < 0.2:
+            expect.reject[0] = INVALID
+            variant = rng.randrange(3)
+            if variant == 0:
+                url = "ftp://h/x"
+            elif variant == 1:
+                secret = ""
+            else:
+                tenant = rng.choice(BAD_TENANTS)
+        else:
+            expect.accept.add(0)
+            if rng.random() < 0.3:
+                return e.SetWebhook(time_ms=time_ms, tenant=tenant, url=None), expect
+        after = (rng.randrange(3), rng.randrange(50), rng.randrange(3))
+        entry = e.SetWebhook(time_ms=time_ms, tenant=tenant, url=url, secret=secret, after=after)
+        return entry, expect
 
     def _config(
         self, retention: int | None, limits: dict[str, float] | None = None

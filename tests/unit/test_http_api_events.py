@@ -1,7 +1,8 @@
 """Task events (broker/api/handlers_events.py): ``GET /api/v1/events`` in process.
 
 The stream reports each named task once when it is final (at once if it already is), with
-the log position of the entry that made it final as the event id, and ends once all were
+the log position of the entry that made it final (and the task's index in it) as the event
+id, and ends once all were
 reported or after ``wait_s``; bad requests are JSON errors before the stream starts, and
 no subscription outlives its stream.
 """
@@ -9,7 +10,6 @@ no subscription outlives its stream.
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import replace
 from typing import Any
 
@@ -18,27 +18,8 @@ import httpx
 from broker.api.common import ApiConfig
 from broker.api.http_api import ApiApp
 from tests.support.auth_env import Env, error_code
+from tests.support.event_streams import EVENTS, parse_events
 from tests.support.http_api import CONFIG, TASKS, Api, error_of, get_task, run_and_finish, submit
-
-EVENTS = "/api/v1/events"
-
-
-def parse_events(text: str) -> list[dict[str, Any]]:
-    """The events of a server-sent event stream: {"event", "id"?, "data"} each, and the
-    comment lines as {"comment": ...}."""
-    events: list[dict[str, Any]] = []
-    for block in text.split("\n\n"):
-        if not block:
-            continue
-        event: dict[str, Any] = {}
-        for line in block.split("\n"):
-            name, _, value = line.partition(": ")
-            if name == "":
-                event["comment"] = value
-            else:
-                event[name] = json.loads(value) if name == "data" else value
-        events.append(event)
-    return events
 
 
 def assert_no_subscriptions(app: ApiApp) -> None:
@@ -82,8 +63,9 @@ async def test_tasks_are_reported_when_they_become_final_with_their_position(api
         (second, "cancelled"),
     ]
     assert "id" not in events[0]
-    assert events[1]["id"] == "{}:{}".format(*finished_at)
-    assert events[2]["id"] == "{}:{}".format(*cancelled_at)
+    # The entry's position and the task's index among the tasks it made final.
+    assert events[1]["id"] == "{}:{}:0".format(*finished_at)
+    assert events[2]["id"] == "{}:{}:0".format(*cancelled_at)
     # The data is the task's view as GET answers it.
     assert events[1]["data"] == await get_task(api, first)
     assert events[2]["data"] == await get_task(api, second)
@@ -105,7 +87,6 @@ async def test_the_stream_ends_after_wait_s(api: Api) -> None:
 async def test_bad_requests_are_json_errors_before_the_stream(api: Api) -> None:
     task_id = (await submit(api))["id"]
     for query, fragment in [
-        ("", "tasks is required"),
         ("tasks=", "tasks is required"),
         ("tasks=1,,2", "separated by commas"),
         ("tasks=1,%202", "separated by commas"),

@@ -1,0 +1,179 @@
+"""Per-tenant webhooks, delivered by the leader (docs/API.md, Webhooks).
+
+For each tenant with a webhook, the leader POSTs every completion event of the tenant, in
+log order, one request per event: the body is the task's view (as the event feed's data),
+``X-Steward-Event-Id`` its key and ``X-Steward-Signature`` ``sha256=`` and the hex
+HMAC-SHA256 of the body under the webhook's secret. A 2xx answer is a delivery; anything
+else, or no answer, is retried with exponential backoff (0.1 s doubling to 30 s) until it
+is delivered: at least once. What was delivered is logged in batches (one
+``WebhookProgress`` entry every ``FLUSH_S`` at most), so a new leader resumes after the
+last logged key and redelivers at most what came after it.
+
+The events come from the broker's event ring (broker/api/event_feed.py), fed by the
+applied entries' effects (one event source, docs/DESIGN.md §1); a position older than the
+ring (a long outage of the receiver) is skipped to the ring's oldest event, with a
+warning: that is the bound of "at least once".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+from typing import Final
+
+import httpx
+
+from broker.api.event_feed import EventFeed, EventKey, FeedFilter
+from broker.core import entries as e
+from broker.core.effects import Applied
+from broker.core.records import Webhook
+from broker.replication.node import Node
+
+logger = logging.getLogger(__name__)
+
+FLUSH_S: Final = 0.5  # the delivered positions are logged at most this often
+IDLE_S: Final = 0.05  # a tenant with nothing to deliver looks again after this
+FIRST_BACKOFF_S: Final = 0.1
+MAX_BACKOFF_S: Final = 30.0
+POST_TIMEOUT_S: Final = 10.0
+BATCH: Final = 256  # events taken from the ring at a time
+
+
+def signature(secret: str, body: bytes) -> str:
+    """The ``X-Steward-Signature`` header's value for ``body``."""
+    digest = hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+    return f"sha256={digest}"
+
+
+def key_text(key: EventKey) -> str:
+    return ":".join(map(str, key))
+
+
+class WebhookSender:
+    """Runs on the leader only: started by the first entry applied while leading with a
+    webhook configured, it ends when the broker is no longer the leader."""
+
+    def __init__(self, node: Node, feed: EventFeed) -> None:
+        self._node = node
+        self._feed = feed
+        self._task: asyncio.Task[None] | None = None
+        self._look = True
+        # Delivered here, not yet logged: tenant -> key.
+        self._delivered: dict[str, EventKey] = {}
+        node.listeners.append(self._on_applied)
+
+    def _on_applied(self, entry: e.Entry, applied: Applied) -> None:
+        if self._task is not None:
+            return
+        if not self._node.is_leader:
+            self._look = True  # on becoming leader, look once for webhooks
+            return
+        # Not every entry scans the tenants: the first one led, and those setting a webhook.
+        if self._look or type(entry) is e.SetWebhook:
+            self._look = False
+            if any(t.webhook is not None for t in self._node.state.tenants.values()):
+                self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def _hooks(self) -> dict[str, Webhook]:
+        return {
+            t.name: t.webhook for t in self._node.state.tenants.values() if t.webhook is not None
+        }
+
+    async def _run(self) -> None:
+        senders: dict[str, asyncio.Task[None]] = {}
+        try:
+            async with httpx.AsyncClient(timeout=POST_TIMEOUT_S) as http:
+                while self._node.is_leader:
+                    hooks = self._hooks()
+                    for tenant in hooks.keys() - senders.keys():
+                        senders[tenant] = asyncio.create_task(self._deliver(http, tenant))
+                    for tenant in [t for t, task in senders.items() if task.done()]:
+                        del senders[tenant]
+                    await asyncio.sleep(FLUSH_S)
+                    await self._flush()
+        except Exception:
+            logger.exception("webhook delivery stopped")
+        finally:
+            for task in senders.values():
+                task.cancel()
+            self._delivered.clear()
+            self._task = None
+            self._look = True
+
+    async def _flush(self) -> None:
+        """Log what was delivered since the last flush, in one entry."""
+        hooks = self._hooks()
+        marks = tuple(
+            e.WebhookMark(tenant, key)
+            for tenant, key in self._delivered.items()
+            if tenant in hooks and key > hooks[tenant].delivered
+        )
+        if marks and self._node.is_leader:
+            try:
+                await self._node.propose(
+                    lambda stamp: e.WebhookProgress(time_ms=stamp.now_ms, marks=marks)
+                )
+            except Exception as exc:  # taking over, or deposed: the next flush retries
+                logger.info("webhook progress not logged yet: %s", exc)
+
+    async def _deliver(self, http: httpx.AsyncClient, tenant: str) -> None:
+        """Deliver the tenant's events in order, each until it is acknowledged."""
+        wanted = FeedFilter(tenant=tenant)
+        while True:
+            hook = self._hooks().get(tenant)
+            if hook is None:
+                self._delivered.pop(tenant, None)
+                return  # removed; a new PUT starts a new sender
+            after = max(hook.delivered, self._delivered.get(tenant, hook.delivered))
+            events, gap = self._feed.held_after(after, wanted, BATCH)
+            if gap:
+                logger.warning(
+                    "webhook of tenant %s: events after %s are no longer held; "
+                    "delivering from the oldest held event",
+                    tenant,
+                    key_text(after),
+                )
+                self._delivered[tenant] = self._feed.base
+                continue
+            if not events:
+                await asyncio.sleep(IDLE_S)
+                continue
+            for key, body in events:
+                await self._post_until_delivered(http, tenant, key, body)
+                self._delivered[tenant] = key
+
+    async def _post_until_delivered(
+        self, http: httpx.AsyncClient, tenant: str, key: EventKey, body: bytes
+    ) -> None:
+        backoff_s = FIRST_BACKOFF_S
+        while True:
+            hook = self._hooks().get(tenant)
+            if hook is None:
+                return
+            headers = {
+                "content-type": "application/json",
+                "x-steward-event-id": key_text(key),
+                "x-steward-signature": signature(hook.secret, body),
+            }
+            try:
+                answer = await http.post(hook.url, content=body, headers=headers)
+                if 200 <= answer.status_code < 300:
+                    return
+                problem = f"HTTP {answer.status_code}"
+            except httpx.HTTPError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            logger.warning(
+                "webhook of tenant %s: event %s not delivered (%s); again in %.1f s",
+                tenant,
+                key_text(key),
+                problem,
+                backoff_s,
+            )
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(MAX_BACKOFF_S, backoff_s * 2)

@@ -1,0 +1,50 @@
+"""The state machine's tenant webhooks: their configuration and delivery position
+(docs/API.md, Webhooks). The leader delivers; these entries make what it delivered
+survive a fail-over (a new leader resumes after the last logged position)."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from broker.core import entries as e
+from broker.core.machine_base import MachineBase
+from broker.core.records import ErrorCode, Rejected, Tenant, Webhook
+from broker.core.validation import NAME_RE
+
+MAX_URL_CHARS: Final = 2048
+MAX_SECRET_CHARS: Final = 256
+
+
+def webhook_problem(url: str, secret: str) -> str | None:
+    """Why a webhook is not valid, or None."""
+    if not url.startswith(("http://", "https://")) or len(url) > MAX_URL_CHARS:
+        return f"url must be an http:// or https:// URL of at most {MAX_URL_CHARS} characters"
+    if any(c.isspace() or not c.isprintable() for c in url):
+        return "url must not contain spaces or control characters"
+    if not 1 <= len(secret) <= MAX_SECRET_CHARS:
+        return f"secret must be 1 to {MAX_SECRET_CHARS} characters"
+    return None
+
+
+class WebhooksMixin(MachineBase):
+    """SetWebhook and WebhookProgress."""
+
+    def _set_webhook(self, entry: e.SetWebhook) -> Tenant | Rejected:
+        if not NAME_RE.match(entry.tenant):
+            return Rejected(ErrorCode.INVALID, "tenant name is not valid")
+        if entry.url is not None:
+            problem = webhook_problem(entry.url, entry.secret)
+            if problem is not None:
+                return Rejected(ErrorCode.INVALID, problem)
+        tenant = self._tenant(entry.tenant)
+        hook = None if entry.url is None else Webhook(entry.url, entry.secret, entry.after)
+        tenant.webhook = hook
+        return tenant
+
+    def _webhook_progress(self, entry: e.WebhookProgress) -> None:
+        for mark in entry.marks:
+            tenant = self.tenants.get(mark.tenant)
+            hook = None if tenant is None else tenant.webhook
+            # Only forward: a mark for an older webhook of the tenant never moves it back.
+            if hook is not None and mark.delivered > hook.delivered:
+                hook.delivered = mark.delivered
