@@ -201,9 +201,9 @@ def test_an_old_follower_of_a_newer_leader_stops_at_its_first_newer_entry(
         text = old.log_text()
         line = next(x for x in text.splitlines() if x.startswith("steward: cannot start:"))
         print(line)
-        newer, ours = e.ENTRY_FORMAT_VERSION + 1, e.ENTRY_FORMAT_VERSION
-        assert f"log entry format version {newer} is newer than this broker's {ours}" in line
-        assert f"upgrade the broker to a release that reads version {newer}" in line
+        newer_v, ours_v = e.ENTRY_FORMAT_VERSION + 1, e.ENTRY_FORMAT_VERSION
+        assert f"log entry format version {newer_v} is newer than this broker's {ours_v}" in line
+        assert f"upgrade the broker to a release that reads version {newer_v}" in line
         assert "written by a leader of a newer release" in line
         assert "Traceback" not in text
         assert c.leader() is newer  # the newer leader goes on
