@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import re
 
+import msgspec
+
 from broker.core import entries as e
 from broker.core.entries import SHA256_RE
 from broker.core.machine_base import MachineBase
@@ -41,7 +43,9 @@ class TenantsMixin(MachineBase):
             tenant.submit_rate = float(entry.limits.submit_rate)
         if entry.limits.submit_burst is not None:
             tenant.submit_burst = entry.limits.submit_burst
-        return tenant
+        # The tenant as this entry left it (a later entry of its group commit must not
+        # change the answer before it is sent).
+        return msgspec.structs.replace(tenant)
 
     def _set_config(self, entry: e.SetConfig) -> Rejected | None:
         retention_ms = entry.finished_task_retention_ms

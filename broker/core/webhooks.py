@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Final
 
+import msgspec
+
 from broker.core import entries as e
 from broker.core.machine_base import MachineBase
 from broker.core.records import ErrorCode, Rejected, Tenant, Webhook
@@ -39,12 +41,15 @@ class WebhooksMixin(MachineBase):
         tenant = self._tenant(entry.tenant)
         hook = None if entry.url is None else Webhook(entry.url, entry.secret, entry.after)
         tenant.webhook = hook
-        return tenant
+        # The answer is the tenant as this entry left it: a later entry of the same group
+        # commit must not change it before it is sent (webhooks are replaced, not mutated).
+        return msgspec.structs.replace(tenant)
 
     def _webhook_progress(self, entry: e.WebhookProgress) -> None:
         for mark in entry.marks:
             tenant = self.tenants.get(mark.tenant)
             hook = None if tenant is None else tenant.webhook
             # Only forward: a mark for an older webhook of the tenant never moves it back.
-            if hook is not None and mark.delivered > hook.delivered:
-                hook.delivered = mark.delivered
+            if tenant is not None and hook is not None and mark.delivered > hook.delivered:
+                # A new record, not a change in place: answers already given keep theirs.
+                tenant.webhook = msgspec.structs.replace(hook, delivered=mark.delivered)
