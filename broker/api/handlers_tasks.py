@@ -122,7 +122,8 @@ def _seconds_ms(value: float, name: str, where: str) -> int:
     """A duration in seconds as milliseconds; its upper bound is validate_task_spec's."""
     if not (math.isfinite(value) and value >= 0):
         raise HttpError(400, "invalid_request", f"{where}{name} must be a number >= 0")
-    return min(round(value * 1000), 2**62)  # past any bound: rejected as over it
+    # Past any bound: rejected as over it (1e308 s would overflow to inf in milliseconds).
+    return round(min(value, 2**62 / 1000) * 1000)
 
 
 def _tree_timeout_ms(item: m.TaskSubmission | m.SubmitBody, where: str) -> int:

@@ -80,6 +80,15 @@ async def test_priority_and_retry_backoff_shown_back(api: Api) -> None:
     assert (await get_task(api, created["id"]))["retry_backoff_max_s"] == 10.0
 
 
+async def test_a_huge_backoff_is_a_400_not_a_server_error(api: Api) -> None:
+    # Found by the HTTP fuzzer: 1.8e308 s overflowed to inf once in milliseconds.
+    for field in ("retry_backoff_s", "retry_backoff_max_s"):
+        body = {"type": "a", "max_attempts": 2, "retry_backoff_s": 1, field: 1.7976931348623157e308}
+        response = await api.post(TASKS, json=body)
+        assert response.status_code == 400, response.text
+        assert field in response.json()["error"]["message"], response.text
+
+
 async def test_submit_batch_returns_per_task_results(api: Api) -> None:
     body = {"tasks": [{"type": "a"}, {"type": "b", "tenant": "t2"}, {"type": "c"}]}
     response = await api.post(TASKS, json=body)
