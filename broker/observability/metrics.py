@@ -316,6 +316,18 @@ class BrokerMetrics:
         self.trees_timed_out = _TenantCounter(
             "steward_trees_timed_out", "Tracked task trees that failed for good by timing out"
         )
+        self.ticks_fired = _TenantCounter(
+            "steward_schedule_ticks_fired",
+            "Schedule ticks that created their task (counted by the leader that fired them)",
+        )
+        self.ticks_missed = _TenantCounter(
+            "steward_schedule_ticks_missed",
+            "Schedule ticks no leader fired in time that the missed-tick policy dropped",
+        )
+        self.ticks_refused = _TenantCounter(
+            "steward_schedule_ticks_refused",
+            "Schedule ticks whose task the state machine refused (the schedule's last_error)",
+        )
         self.tree_latency = _FastHistogram(
             "steward_tree_completion_seconds",
             "From a completed tree's root submission until its last ack (replays included)",
@@ -435,6 +447,8 @@ class BrokerMetrics:
                     task = tasks.get(report.task_id)
                     if task is not None:
                         self.attempt_failures.inc(task.tenant, self.types.label(task.type, state))
+        elif isinstance(entry, e.FireSchedule):
+            self._count_firing(entry, result, state)
         # Assignments are effects: an AssignTasks entry's, or those a submit carried.
         for started in applied.assigned:
             task = state.tasks.get(started.task_id)
@@ -446,6 +460,25 @@ class BrokerMetrics:
         if state.trees:  # no tracked tree kept: skip scanning the effects again
             for root in applied.trees_ended:
                 self._count_tree_end(root, state)
+
+    def _count_firing(self, entry: e.FireSchedule, result: object, state: StateMachine) -> None:
+        schedule = state.schedules.get((entry.tenant, entry.name))
+        if schedule is None:
+            return
+        if isinstance(result, Rejected):
+            # Refused before it changed anything (a tick handled already) or the tick's
+            # submit was refused: only the latter is stored as the schedule's last_error.
+            if schedule.last_error != f"{result.code.value}: {result.message}":
+                return
+            self.ticks_refused.inc(entry.tenant)
+        elif type(result) is TaskRef:
+            self.ticks_fired.inc(entry.tenant)
+            # The tick's task is a submission too (its finish is counted like any other).
+            key = (entry.tenant, self.types.label(schedule.task.type, state))
+            self.submitted.counts[key] = self.submitted.counts.get(key, 0) + 1
+        if entry.skipped:
+            counts = self.ticks_missed.counts
+            counts[entry.tenant] = counts.get(entry.tenant, 0) + entry.skipped
 
     def _count_tree_end(self, root: int, state: StateMachine) -> None:
         tree = state.trees.get(root)
@@ -478,6 +511,9 @@ class BrokerMetrics:
     def tree_counters(self) -> tuple[_TenantCounter, ...]:
         return (self.trees_started, self.trees_completed, self.trees_failed, self.trees_timed_out)
 
+    def schedule_counters(self) -> tuple[_TenantCounter, ...]:
+        return (self.ticks_fired, self.ticks_missed, self.ticks_refused)
+
     def task_counters(self) -> tuple[_TaskCounter, ...]:
         return (
             self.submitted,
@@ -503,8 +539,8 @@ class _Collector(Collector):
         metrics = self._metrics
         for counter in metrics.task_counters():
             yield counter.family()
-        for tree_counter in metrics.tree_counters():
-            yield tree_counter.family()
+        for tenant_counter in (*metrics.tree_counters(), *metrics.schedule_counters()):
+            yield tenant_counter.family()
         yield metrics.tree_latency.family()
         yield metrics.append_latency.family()
         yield metrics.group_commit.family()
@@ -549,6 +585,15 @@ class _Collector(Collector):
         for tenant, count in sorted(pending_by_tenant.items()):
             pending.add_metric([tenant], count)
         yield pending
+        schedules = GaugeMetricFamily(
+            "steward_schedules", "Periodic-task schedules", labels=["tenant"]
+        )
+        by_tenant: dict[str, int] = {}
+        for tenant, _ in state.schedules:
+            by_tenant[tenant] = by_tenant.get(tenant, 0) + 1
+        for tenant, count in sorted(by_tenant.items()):
+            schedules.add_metric([tenant], count)
+        yield schedules
         yield from _role_and_position(metrics._role(), metrics._position(), state)
 
 

@@ -125,6 +125,10 @@ REQUIRED_FAMILIES = {
     "steward_log_position_ledger": "gauge",
     "steward_log_position_entry": "gauge",
     "steward_entries_applied": "counter",
+    "steward_schedules": "gauge",
+    "steward_schedule_ticks_fired": "counter",
+    "steward_schedule_ticks_missed": "counter",
+    "steward_schedule_ticks_refused": "counter",
 }
 
 
@@ -193,6 +197,57 @@ async def test_task_counters_and_queue_lengths_move_with_the_tasks(scraper: Scra
     await finish(node, ids[2], ok=False, attempt=7)
     after = await scraper.samples()
     assert value(after, "steward_task_attempt_failures_total", tenant="acme", type="noop") == 1
+
+
+async def fire(node: Node, name: str, *, skipped: int = 0, tick_ms: int | None = None) -> object:
+    """Log the firing of schedule ``name``'s next tick (or ``tick_ms``), as the leader's
+    loop would, ``skipped`` missed ticks dropped."""
+    schedule = node.state.schedules[("acme", name)]
+    tick = schedule.next_ms if tick_ms is None else tick_ms
+    return await node.propose(
+        lambda s: e.FireSchedule(
+            time_ms=s.now_ms,
+            tenant="acme",
+            name=name,
+            tick_ms=tick,
+            next_ms=tick + 3_600_000,
+            task_id=s.task_ids(1)[0],
+            skipped=skipped,
+        )
+    )
+
+
+async def test_schedules_and_their_ticks_fired_missed_and_refused(scraper: Scraper) -> None:
+    node, api = scraper.node, scraper.client
+    # An hourly schedule: the leader's own loop fires nothing during the test.
+    body = {"name": "beat", "tenant": "acme", "task": {"type": "noop"}, "interval_s": 3600}
+    assert (await api.post("/api/v1/schedules", json=body)).status_code == 201
+    samples = await scraper.samples()
+    assert value(samples, "steward_schedules", tenant="acme") == 1
+    assert value(samples, "steward_schedule_ticks_fired_total", tenant="acme") == 0
+
+    first_tick = node.state.schedules[("acme", "beat")].next_ms
+    await fire(node, "beat", skipped=2)  # two missed ticks dropped, the latest run
+    await fire(node, "beat", tick_ms=first_tick)  # handled already: refused, changes nothing
+    samples = await scraper.samples()
+    assert value(samples, "steward_schedule_ticks_fired_total", tenant="acme") == 1
+    assert value(samples, "steward_schedule_ticks_missed_total", tenant="acme") == 2
+    assert value(samples, "steward_schedule_ticks_refused_total", tenant="acme") == 0
+    assert value(samples, "steward_tasks_submitted_total", tenant="acme", type="noop") == 1
+
+    # The tenant's queue is full (its one task waits): the next tick's submit is refused.
+    limited = await api.put("/api/v1/tenants/acme", json={"max_waiting": 1})
+    assert limited.status_code == 200, limited.text
+    await fire(node, "beat")
+    assert node.state.schedules[("acme", "beat")].last_error is not None
+    samples = await scraper.samples()
+    assert value(samples, "steward_schedule_ticks_fired_total", tenant="acme") == 1
+    assert value(samples, "steward_schedule_ticks_refused_total", tenant="acme") == 1
+    assert value(samples, "steward_tasks_submitted_total", tenant="acme", type="noop") == 1
+
+    gone = await api.delete("/api/v1/schedules/beat", params={"tenant": "acme"})
+    assert gone.status_code == 200, gone.text
+    assert ("steward_schedules", (("tenant", "acme"),)) not in await scraper.samples()
 
 
 async def test_task_types_nobody_declared_share_one_label(scraper: Scraper) -> None:
