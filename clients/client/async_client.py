@@ -295,6 +295,28 @@ class AsyncStewardClient(_ClientBase):
         result: dict[str, Any] = await self._send(calls.cancel(task_id))
         return result
 
+    async def cancel_matching(
+        self,
+        *,
+        tenant: str | None = None,
+        type: str | None = None,
+        state: str | None = None,
+        tree: int | None = None,
+        submitted_before: str | float | None = None,
+        reason: str | None = None,
+    ) -> dict[str, Any]:
+        """As :meth:`StewardClient.cancel_matching` (bulk cancel by filter)."""
+        filters = {
+            "tenant": tenant,
+            "type": type,
+            "state": state,
+            "tree": tree,
+            "submitted_before": submitted_before,
+            "reason": reason,
+        }
+        result: dict[str, Any] = await self._send(calls.cancel_matching(filters))
+        return result
+
     async def logs(
         self, task_id: int, attempt: int | None = None, offset: int = 0
     ) -> dict[str, Any]:
@@ -331,12 +353,20 @@ class AsyncStewardClient(_ClientBase):
         content = await asyncio.to_thread(file.read_bytes)
         return str(await self._send(calls.upload_code(name or file.name, content, self._timeout_s)))
 
+    async def code(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = await self._send(calls.code())
+        return result
+
     async def delete_code(self, sha256: str) -> dict[str, Any]:
         result: dict[str, Any] = await self._send(calls.delete_code(sha256))
         return result
 
     async def tenant(self, name: str) -> dict[str, Any]:
         result: dict[str, Any] = await self._send(calls.tenant(name))
+        return result
+
+    async def tenants(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = await self._send(calls.tenants())
         return result
 
     async def set_tenant(self, name: str, **limits: Any) -> dict[str, Any]:
@@ -349,4 +379,52 @@ class AsyncStewardClient(_ClientBase):
 
     async def digest(self) -> dict[str, Any]:
         result: dict[str, Any] = await self._send(calls.digest())
+        return result
+
+    async def create_token(
+        self,
+        name: str,
+        *,
+        tenant: str | None = None,
+        admin: bool = False,
+        worker: bool = False,
+        tenants: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """As :meth:`StewardClient.create_token` (admin)."""
+        result: dict[str, Any] = await self._send(
+            calls.create_token(name, tenant, admin, worker, tenants)
+        )
+        return result
+
+    async def tokens(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = await self._send(calls.tokens())
+        return result
+
+    async def revoke_token(self, token_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._send(calls.revoke_token(token_id))
+        return result
+
+    async def create_schedule(
+        self, name: str, task_type: str, params: Any = None, **options: Any
+    ) -> dict[str, Any]:
+        """As :meth:`StewardClient.create_schedule` (periodic tasks, docs/API.md)."""
+        result: dict[str, Any] = await self._send(
+            calls.create_schedule(name, task_type, params, **options)
+        )
+        return result
+
+    async def schedules(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = await self._send(calls.schedules(tenant))
+        return result
+
+    async def delete_schedule(self, name: str, *, tenant: str | None = None) -> dict[str, Any]:
+        result: dict[str, Any] = await self._send(calls.delete_schedule(name, tenant))
+        return result
+
+    async def whoami(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self._send(calls.whoami())
+        return result
+
+    async def health(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self._send(calls.health())
         return result

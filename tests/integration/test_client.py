@@ -107,6 +107,37 @@ async def test_async_client(broker_url: str) -> None:
         assert tenant["weight"] == 2
 
 
+async def test_async_client_schedules_and_bulk_cancel(broker_url: str) -> None:
+    """The asyncio client's issue-18 calls: schedules (create, list, delete) and bulk cancel."""
+    async with AsyncStewardClient(broker_url) as client:
+        created = await client.create_schedule(
+            "async-hourly", "noop", {"x": 1}, tenant="async-s", interval_s=3600, missed="run_once"
+        )
+        assert (created["name"], created["interval_s"], created["missed"]) == (
+            "async-hourly",
+            3600,
+            "run_once",
+        )
+        listed = await client.schedules(tenant="async-s")
+        assert [s["name"] for s in listed] == ["async-hourly"]
+        deleted = await client.delete_schedule("async-hourly", tenant="async-s")
+        assert deleted["name"] == "async-hourly"
+        assert await client.schedules(tenant="async-s") == []
+        with pytest.raises(NotFoundError):
+            await client.delete_schedule("async-hourly", tenant="async-s")
+
+        # Tasks due in an hour (delayed): cancelled by filter, the other type left alone.
+        later = time.time() + 3600
+        doomed = [await client.submit("noop", tenant="async-c", start_after=later) for _ in "ab"]
+        kept = await client.submit("sleep", {"seconds": 0}, tenant="async-c", start_after=later)
+        summary = await client.cancel_matching(tenant="async-c", type="noop")
+        assert (summary["matched"], summary["cancelled"]) == (2, 2), summary
+        assert [(await h.wait(timeout=10))["state"] for h in doomed] == ["cancelled"] * 2
+        assert (await client.task(kept.id))["state"] == "delayed"
+        assert (await kept.cancel())["state"] == "cancelled"
+        assert (await client.whoami())["role"] == "admin"
+
+
 def test_global_limit_is_enforced_across_workers(broker_url: str) -> None:
     with httpx.Client(base_url=broker_url) as http:
         response = http.put("/api/v1/config", json={"global_limits": {"licence": 1}})
