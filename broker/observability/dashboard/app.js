@@ -285,6 +285,37 @@ function renderTenants(tenants) {
   $("tenants-hint").textContent = tenants.length + "";
 }
 
+// Periodic-task schedules (GET /api/v1/schedules: a tenant token sees its own). The last
+// firing that ran a tick links to the task it created; a refused one says why.
+function renderSchedules(schedules) {
+  const rows = schedules.map((s) => {
+    const every = s.cron !== null && s.cron !== undefined
+      ? h("span", { class: "mono", title: "cron, UTC" }, s.cron)
+      : "every " + duration(s.interval_s);
+    const last = s.recent.length ? s.recent[s.recent.length - 1] : null;
+    let fired = h("span", { class: "muted" }, "never");
+    if (last) {
+      fired = h("span", { title: last.tick }, ago(last.tick), " ",
+        last.task_id !== null ? taskLink(last.task_id, null, "open task " + last.task_id) : h("span", { class: "muted" }, "no task"));
+    }
+    return h(
+      "tr",
+      { "data-schedule": s.tenant + "/" + s.name },
+      h("td", {}, h("b", {}, s.name)),
+      h("td", {}, s.tenant),
+      h("td", { class: "mono" }, s.task.type),
+      h("td", {}, every),
+      h("td", { title: s.missed === "skip" ? "a tick later than " + s.grace_s + " s is skipped" : "" }, s.missed),
+      h("td", { title: s.next_tick }, when(s.next_tick)),
+      h("td", {}, fired, s.last_error ? h("div", { class: "error-text" }, s.last_error) : null),
+      h("td", { class: "num" }, s.runs),
+      h("td", { class: "num" }, s.skipped),
+    );
+  });
+  fillBody($("schedules"), rows, "no schedules", 9);
+  $("schedules-hint").textContent = schedules.length + "";
+}
+
 function chart(title, values, color, bucketS, note) {
   const width = 240;
   const height = 80;
@@ -401,6 +432,11 @@ function renderDetail(task) {
     field("tree root", task.root !== null && task.root !== undefined && task.root !== task.id ? taskLink(task.root) : null),
     field("parent", task.parent !== null && task.parent !== undefined ? taskLink(task.parent) : null),
     field("progress", task.progress ? progressView(task.progress) : null),
+    field("priority", task.priority ? String(task.priority) : null),
+    field("retry backoff", task.retry_backoff_s ? task.retry_backoff_s + " s × 2^(n-1)" +
+      (task.retry_backoff_max_s ? ", at most " + task.retry_backoff_max_s + " s" : "") : null),
+    field("after", task.after && task.after.length ? linkList(task.after) : null),
+    field("waiting for", waitingFor(task)),
   ];
   $("detail-fields").replaceChildren(...fields.filter(Boolean));
   $("detail-params").textContent = pretty(task.params);
@@ -413,6 +449,20 @@ function renderDetail(task) {
     row.classList.toggle("selected", row.dataset.task === String(task.id));
   }
   return Promise.all([refreshOutput(task), refreshTree(task)]);
+}
+
+function linkList(ids) {
+  return h("span", { class: "links" }, ...ids.flatMap((id, i) => (i ? [" ", taskLink(id)] : [taskLink(id)])));
+}
+
+// What keeps a queued task from running: the dependencies not finished yet, or (delayed)
+// its start time; nothing is shown for a task that may run now.
+function waitingFor(task) {
+  if (!QUEUED.includes(task.state)) return null;
+  const deps = task.waiting_for || [];
+  if (deps.length) return h("span", {}, linkList(deps), " to finish");
+  if (task.state === "delayed" && task.start_after) return "its start time, " + when(task.start_after);
+  return null;
 }
 
 // A running task's latest ctx.progress: a bar and its message (untrusted text: textContent).
@@ -540,6 +590,7 @@ async function refresh() {
       guard(api("/api/v1/workers"), (body) => renderWorkers(body.workers)),
       guard(api("/api/v1/stats/throughput"), renderCharts),
       guard(api(tasksQuery()), renderTasks),
+      guard(api("/api/v1/schedules"), (body) => renderSchedules(body.schedules)),
     ];
     if (view.selectedTask !== null) {
       const id = view.selectedTask;
