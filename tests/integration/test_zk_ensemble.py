@@ -14,6 +14,7 @@ and following the leader, two workers finishing them.
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import time
 from collections import Counter
@@ -28,13 +29,18 @@ from tests.support.cluster_procs import ClusterProcesses
 from tests.support.procs import steward_command
 from tests.support.worker_procs import wait_until
 from tests.support.write_load import WriteLoad, check_acknowledged, fetch_tasks
-from tests.support.zk_ensemble import ZooKeeperEnsemble, zookeeper_ensemble  # noqa: F401
+from tests.support.zk_ensemble import ZooKeeperEnsemble, started_ensemble
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 SESSION_TIMEOUT_S = 4.0
 CLIENTS = 8
 WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def ensemble(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeperEnsemble]:
+    yield from started_ensemble(tmp_path_factory)
 
 
 @contextmanager
@@ -57,6 +63,16 @@ def _cluster(ensemble: ZooKeeperEnsemble, tmp_path: Path) -> Iterator[ClusterPro
 
 def _load(cluster: ClusterProcesses) -> WriteLoad:
     return WriteLoad(cluster.urls(), clients=CLIENTS, task_type="noop", tenant="load").start()
+
+
+def _longest_write_gap(load: WriteLoad, since: float) -> float:
+    """The longest time between acknowledgements from the last one before ``since`` on
+    (monotonic): how long the cluster took no writes."""
+    times = sorted(a.at for a in load.acks())
+    before = [t for t in times if t <= since]
+    after = [t for t in times if t > since]
+    points = [before[-1] if before else since, *after]
+    return max((b - a for a, b in itertools.pairwise(points)), default=0.0)
 
 
 def _check_end(cluster: ClusterProcesses, load: WriteLoad, where: str) -> str:
@@ -96,11 +112,7 @@ def _check_end(cluster: ClusterProcesses, load: WriteLoad, where: str) -> str:
     )
 
 
-def test_member_failures_under_load(
-    zookeeper_ensemble: ZooKeeperEnsemble,  # noqa: F811
-    tmp_path: Path,
-) -> None:
-    ensemble = zookeeper_ensemble
+def test_member_failures_under_load(ensemble: ZooKeeperEnsemble, tmp_path: Path) -> None:
     started = time.monotonic()
     with _cluster(ensemble, tmp_path) as cluster:
         leader = cluster.wait_for_leader(30)
@@ -115,19 +127,21 @@ def test_member_failures_under_load(
             killed_at = time.monotonic()
             ensemble.kill9(victim)
             new = cluster.wait_for_leader(SESSION_TIMEOUT_S + 10)
-            regained_s = time.monotonic() - killed_at
-            first = load.wait_first_ack(killed_at, 30, "a write after the kill", pause_s=0.01)
+            load.wait_first_ack(killed_at, 30, "a write after the kill", pause_s=0.01)
             load.wait_for_more_acks(30, 15, "writes after the kill")
+            outage_s = _longest_write_gap(load, killed_at)
             restarted_at = time.monotonic()
             ensemble.restart(victim)
             load.wait_for_more_acks(30, 15, "writes after the restart")
             print(
                 f"kill -9 of ZooKeeper {role} {victim}: Steward leader {leader.broker_id} -> "
-                f"{new.broker_id} within {regained_s:.2f} s, first write "
-                f"{first.at - killed_at:.2f} s after the kill; member back in "
-                f"{time.monotonic() - restarted_at:.2f} s"
+                f"{new.broker_id}, longest time without an acknowledged write {outage_s:.2f} s;"
+                f" member back in {time.monotonic() - restarted_at:.2f} s"
             )
-            assert regained_s < SESSION_TIMEOUT_S, f"leadership regained after {regained_s} s"
+            # The leadership is settled within the session timeout (the elector's rule,
+            # docs/DESIGN.md §4); a take-over by another broker adds up to 2 s, as in the
+            # broker fail-over tests.
+            assert outage_s < SESSION_TIMEOUT_S + 2, f"no write acknowledged for {outage_s} s"
             leader = new
         print(_check_end(cluster, load, "after the ZooKeeper failures"))
     print(f"test took {time.monotonic() - started:.1f} s")
@@ -137,11 +151,7 @@ def _post_noop(url: str) -> httpx.Response:
     return httpx.post(url + "/api/v1/tasks", json={"type": "noop", "tenant": "load"}, timeout=10)
 
 
-def test_quorum_loss_and_heal(
-    zookeeper_ensemble: ZooKeeperEnsemble,  # noqa: F811
-    tmp_path: Path,
-) -> None:
-    ensemble = zookeeper_ensemble
+def test_quorum_loss_and_heal(ensemble: ZooKeeperEnsemble, tmp_path: Path) -> None:
     started = time.monotonic()
     with _cluster(ensemble, tmp_path) as cluster:
         load = _load(cluster)
@@ -195,7 +205,7 @@ def test_quorum_loss_and_heal(
         ensemble.restart(stopped[0])
         first = load.wait_first_ack(healed_at, 30, "a write after the heal", pause_s=0.01)
         print(f"one member back: first write {first.at - healed_at:.2f} s after its restart")
-        ensemble.restart(stopped[1])
+        # The other member stays down (a quorum of two suffices; a later test restarts it).
         load.wait_for_more_acks(30, 15, "writes after the heal")
         print(_check_end(cluster, load, "after the heal"))
     print(f"test took {time.monotonic() - started:.1f} s")

@@ -190,9 +190,9 @@ class ZooKeeperEnsemble:
         )
 
 
-@pytest.fixture(scope="module")
-def zookeeper_ensemble(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeperEnsemble]:
-    """A started 3-server ensemble shared by a module's tests (tests may stop or kill
-    members: each test leaves all three running, or the next one restarts them)."""
+def started_ensemble(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeperEnsemble]:
+    """A fixture body (module scope in tests/integration/test_zk_ensemble.py): a started
+    ensemble, shared by the tests (a test may leave members down: the next one starts
+    them), every member killed at the end."""
     with ZooKeeperEnsemble(tmp_path_factory.mktemp("zk-ensemble")) as ensemble:
         yield ensemble
