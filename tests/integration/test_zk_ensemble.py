@@ -6,7 +6,8 @@ and following the leader, two workers finishing them.
 
 - Losing a ZooKeeper follower, then the ZooKeeper leader (kill -9), then restarting both:
   the brokers' sessions move to the surviving members; Steward keeps (or regains) a leader
-  within its session timeout, nothing acknowledged is lost, every broker's digest is equal.
+  and takes writes again within its session timeout (+ 2 s for a take-over), nothing
+  acknowledged is lost, every broker's digest is equal.
 - Losing the quorum (two of three stopped): no broker acknowledges a write, clients get a
   503 naming ZooKeeper, ``steward status`` says why; once one member is back (a quorum again)
   writes resume without anyone doing anything.
