@@ -199,6 +199,9 @@ class ClusterView(Protocol):
         """``own`` then every other broker known, unreachable ones too, with each one's
         state as last polled (docs/DESIGN.md §4)."""
 
+    def coordination_problem(self) -> str | None:
+        """Why this broker cannot reach ZooKeeper now, in words (None: it can)."""
+
 
 def error_code(code: ErrorCode) -> str:
     # The API says "invalid_request" for every invalid input, wherever it is caught.

@@ -111,7 +111,8 @@ def own_summary(api: ApiContext) -> m.BrokerSummary:
         last_seen_secs_ago=0.0,
         started_at=iso_ms(node.stats.started_ms),
         member=True,
-        unknown_reason=None,
+        # `steward status` prints it: why a broker cut off from ZooKeeper takes no writes.
+        unknown_reason=view.coordination_problem() if view is not None else None,
         role=str(node.role),
         url=view.url if view is not None else None,
         worker_address=view.worker_address if view is not None else None,
@@ -176,10 +177,18 @@ async def digest(api: ApiContext, request: Request) -> tuple[int, bytes]:
     return 200, json_encoder.encode(body)
 
 
+def _unavailable_reason(api: ApiContext) -> str:
+    view = api.cluster_view
+    problem = view.coordination_problem() if view is not None else None
+    return (
+        problem if problem is not None and not api.node.closing else api.node._unavailable_reason()
+    )
+
+
 async def health(api: ApiContext, request: Request) -> tuple[int, bytes]:
     node = api.node
     writable = node.writable
-    reason = None if writable else node._unavailable_reason()
+    reason = None if writable else _unavailable_reason(api)
     # A cluster broker is healthy while it serves reads (any role but idle); whether
     # it takes writes is the "writable" field. A standalone one must take writes.
     serving = writable or (

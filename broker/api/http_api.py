@@ -264,6 +264,10 @@ class ApiApp:
         """A write reached a broker that cannot take it: name the leader (docs/DESIGN.md §4)."""
         view = self.cluster_view
         assert view is not None
+        problem = view.coordination_problem()
+        if problem is not None and not self.node.closing:
+            # Its view of the leader is stale: name the cause, not a leader that may be gone.
+            raise BrokerUnavailableError(problem)
         leader = view.leader()
         leader_url = leader.url if leader is not None else None
         if self.node.role == Role.FOLLOWER and leader_url and leader_url != view.url:

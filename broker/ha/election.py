@@ -193,6 +193,20 @@ class LeaderElector:
         """SUSPENDED for longer than the session timeout and not reconnected yet."""
         return self._session.presumed_lost
 
+    def connection_problem(self) -> str | None:
+        """Why this broker cannot take part in the election now, in words for clients and
+        operators (None: connected). Without a ZooKeeper quorum no broker may lead
+        (docs/DESIGN.md §4), so this names ZooKeeper, not the broker, as the cause."""
+        if self.connected or self._stopping:
+            return None
+        down_s = self._session.down_for_s()
+        since = f" for {down_s:.1f} s" if down_s is not None and down_s >= 0.1 else ""
+        return (
+            f"this broker has had no ZooKeeper connection{since} (ZooKeeper at"
+            f" {self._session.hosts()} has lost its quorum or cannot be reached) and takes no"
+            " writes until it reconnects; retry"
+        )
+
     def is_leader(self) -> bool:
         """True only while this elector holds the lowest queue node and is connected.
 

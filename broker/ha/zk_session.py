@@ -104,6 +104,7 @@ class ZkSession:
         self._suspended_at: float | None = None
         self._suspend_timer: asyncio.TimerHandle | None = None
         self._presumed_lost = False
+        self._down_since: float | None = None  # connection lost (SUSPENDED or LOST) at
 
     # -- state ------------------------------------------------------------------------------
 
@@ -121,6 +122,18 @@ class ZkSession:
     def presumed_lost(self) -> bool:
         """SUSPENDED for longer than the session timeout and not reconnected yet."""
         return self._presumed_lost
+
+    def down_for_s(self) -> float | None:
+        """How long the connection has been down (None: up, or never connected)."""
+        down_since = self._down_since
+        return None if down_since is None else time.monotonic() - down_since
+
+    def hosts(self) -> str:
+        """The servers the client tries, ``host:port,...`` (for messages)."""
+        client = self.client
+        if client is None:
+            return "?"
+        return ",".join(f"{host}:{port}" for host, port in client.hosts)
 
     def clear_presumed_lost(self) -> bool:
         """Take the "presumed lost" mark (handled by the caller); whether it was set."""
@@ -200,6 +213,8 @@ class ZkSession:
     def _on_state(self, state: Any) -> None:
         if self._stopping:
             return
+        if state in (KazooState.SUSPENDED, KazooState.LOST) and self._down_since is None:
+            self._down_since = time.monotonic()
         if state == KazooState.SUSPENDED:
             self._connected = False
             self._connected_event.clear()
@@ -225,6 +240,7 @@ class ZkSession:
             ):
                 self._presumed_lost = True  # the timer may not have run yet
             self._cancel_suspend_timer()
+            self._down_since = None
             self._connected = True
             self._connected_event.set()
             logger.info("elector %s: ZooKeeper connected", self._name)

@@ -341,6 +341,9 @@ class ClusterBroker:
     def broker_summaries(self, own: m.BrokerSummary) -> list[m.BrokerSummary]:
         return self.peers.summaries(own, catch_up_position(self.node))
 
+    def coordination_problem(self) -> str | None:
+        return None if self._stopping else self.elector.connection_problem()
+
     def _own_position(self) -> m.Position:
         return m.Position(*self.node.position)
 
@@ -422,7 +425,7 @@ class ClusterBroker:
             self.metrics.leader_changes.inc()
         if not status.is_leader and self.node.role in (Role.LEADER, Role.CANDIDATE):
             # Stop acknowledging at once, before the manager task gets to run.
-            self.node._depose("lost the election or the ZooKeeper connection")
+            self.node._depose(self.elector.connection_problem() or "lost the election")
         self._changed.set()
 
     def _on_deposed(self, reason: str) -> None:

@@ -191,6 +191,9 @@ class StandaloneView:
     def broker_summaries(self, own: m.BrokerSummary) -> list[m.BrokerSummary]:
         return [own]
 
+    def coordination_problem(self) -> str | None:
+        return None  # no ZooKeeper
+
 
 # How a clash starts (clients/dev/local_cluster.py and tests look for the HTTP one), which
 # port it is, and the flag that moves it (clients/cli/options.py).

@@ -337,6 +337,9 @@ class FakeView:
     def broker_summaries(self, own: m.BrokerSummary) -> list[m.BrokerSummary]:
         return [own, *self.peers]
 
+    def coordination_problem(self) -> str | None:
+        return None  # connected
+
 
 def _peer(broker_id: str, url: str) -> m.BrokerSummary:
     return m.BrokerSummary(
