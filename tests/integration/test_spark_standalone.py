@@ -35,9 +35,19 @@ pytestmark = pytest.mark.slow
 TASK_WAIT_S = 150.0  # the first task waits for the Connect server and the cluster's executors
 SPARK_WAIT_S = 60.0
 
-# Spark SQL only (no Python UDF: the executors do not have the artifact's modules); each row
-# sleeps in the executor's JVM, so the job runs long enough to be killed or cancelled.
+# slow_sum: Spark SQL only, each row sleeping in an executor's JVM, so that the job runs
+# long enough to be killed or cancelled. udf_sum: a Python UDF (a lambda: pickled by value,
+# the executors do not have the artifact's modules) run by the executors' Python, which the
+# worker sets to its own (spark.pyspark.python).
 SLOW_JOB = """
+def udf_sum(params, ctx):
+    from pyspark.sql import functions as sf
+
+    df = ctx.spark.range(0, int(params["rows"]), 1, 2)  # first: the session is made lazily
+    double = sf.udf(lambda n: n * 2, "long")
+    return {"total": df.select(sf.sum(double("id")).alias("t")).collect()[0]["t"]}
+
+
 def slow_sum(params, ctx):
     rows, sleep_ms = int(params["rows"]), int(params["sleep_ms"])
     row = ctx.spark.sql(
@@ -232,9 +242,10 @@ def test_a_spark_worker_killed_under_a_task_costs_only_sparks_retry(setup: Setup
         # The kill hit the job: Spark lost tasks and ran them again, or Steward did.
         job = next(j for j in _jobs(setup) if j["jobId"] == running[0]["jobId"])
         assert job["numFailedTasks"] >= 1 or task["attempt"] > 1, (job, task)
-        # The Steward worker lives on and still runs Spark tasks on what is left.
+        # The Steward worker lives on and still runs Spark tasks (Python on the executors too)
+        # on what is left.
         assert setup.worker.running(), setup.worker.log_tail()
-        again = client.submit("slow_job:slow_sum", {"rows": 2, "sleep_ms": 0}, code=setup.slow_code)
+        again = client.submit("slow_job:udf_sum", {"rows": 100}, code=setup.slow_code)
         task = client.wait_many([again], timeout=TASK_WAIT_S)[again.id]
     assert task["state"] == "finished", (task.get("error"), setup.logs())
-    assert task["result"] == {"total": 1, "rows": 2}
+    assert task["result"] == {"total": 2 * sum(range(100))}
