@@ -11,6 +11,9 @@ Each starts its server only when a test asks for it. A test module that defines 
 of the same name uses its own.
 """
 
+import logging
+from collections.abc import Generator
+
 import pytest
 
 # Checks shared by test modules (not fixtures): their asserts explain failures too.
@@ -24,3 +27,23 @@ pytest_plugins = [
     "tests.support.http_api",
     "tests.support.dashboard_browser",
 ]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
+    """Each test leaves the root logger as it found it.
+
+    A test that runs a command in-process (``cli.main(["standalone", ...])``) sets logging
+    up for the whole process: a handler on the stderr pytest captured for that test, and
+    INFO. Left there, every later record goes to a closed file, and at exit py4j's
+    connection finalizers (after any test that used Spark) print "--- Logging error ---"
+    tracebacks below the summary (issue 17, friction 6). Saved around the whole protocol,
+    outside pytest's own per-phase capture handlers, so those are not restored stale.
+    """
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        return (yield)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)

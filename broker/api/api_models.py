@@ -378,22 +378,25 @@ class Health(msgspec.Struct):
 
 
 class BrokerStatus(msgspec.Struct):
-    """One live broker as it reports itself (its ``/healthz``), for the dashboard."""
+    """One broker as the cluster view of the broker answering has it (the rows of
+    ``GET /api/v1/cluster``), for the dashboard."""
 
     id: str
     url: str | None
-    # "leader", "follower", "candidate", "standalone", or "unreachable" (no answer).
+    # "leader", "follower", "candidate", "standalone", "idle" or "unreachable".
     role: str
     is_leader: bool
     reachable: bool
-    writable: bool = False
+    writable: bool | None = None  # only for the broker answering
     position: Position | None = None
-    # Entries behind the leader's position when both are in the same ledger; None when
+    # Entries behind the leader's last entry followers can apply (0: in sync); None when
     # unknown (no leader, unreachable, or still in an older ledger: see behind_ledgers).
     lag_entries: int | None = None
     behind_ledgers: bool = False
-    uptime_secs: float | None = None  # only for the broker answering
-    error: str | None = None
+    uptime_secs: float | None = None
+    error: str | None = None  # why something is unknown (unreachable: since when)
+    last_seen_secs_ago: float | None = None  # since its last answer (the one asked: 0.0)
+    member: bool = True  # advertised in ZooKeeper now; false: left, kept a while
 
 
 class BrokerStatusList(msgspec.Struct):

@@ -16,8 +16,8 @@ from broker.api.common import (
     no_query,
 )
 from broker.api.context import ApiContext
+from broker.api.handlers_cluster import own_summary
 from broker.observability import dashboard
-from broker.replication.node import Role
 
 logger = logging.getLogger(__name__)
 
@@ -41,35 +41,21 @@ async def dashboard_asset(api: ApiContext, request: Request) -> tuple[int, bytes
 
 
 async def broker_statuses(api: ApiContext, request: Request) -> tuple[int, bytes]:
-    """Every live broker's own role and log position (peers answer at /healthz), and
-    how far each is behind the leader."""
+    """Every broker the cluster view knows, departed ones too: the same rows (and so the
+    same roles, positions, lags and uptimes) as ``GET /api/v1/cluster`` and ``steward
+    status``, from this broker's polls of its peers (docs/DESIGN.md §4)."""
     no_query(request)
     node = api.node
     view = api.cluster_view
-    own = m.BrokerStatus(
-        id=node.config.broker_id,
-        url=view.url if view is not None else None,
-        role=str(node.role),
-        is_leader=node.role in (Role.STANDALONE, Role.LEADER),
-        reachable=True,
-        writable=node.writable,
-        position=api.position(),
-        uptime_secs=round((node.clock_ms() - node.stats.started_ms) / 1000, 3),
-    )
-    leader_id: str | None = own.id
-    peers: list[m.BrokerSummary] = []
-    if view is not None:
-        leader = view.leader()
-        leader_id = leader.id if leader is not None else None
-        peers = [b for b in view.brokers() if b.id != own.id]
-    statuses = await dashboard.broker_statuses(
-        own, peers, leader_id, view.peer_ssl_context if view is not None else None
-    )
+    own = own_summary(api)
+    leader = view.leader() if view is not None else own
+    rows = view.broker_summaries(own) if view is not None else [own]
+    leader_id = leader.id if leader is not None else None
     body = m.BrokerStatusList(
         cluster_id=node.config.cluster_id,
         answered_by=own.id,
         leader=leader_id,
-        brokers=statuses,
+        brokers=dashboard.broker_statuses(rows, leader_id, own.id, node.writable),
     )
     return 200, json_encoder.encode(body)
 

@@ -130,6 +130,28 @@ def _shows_cluster(
     )
 
 
+def _table_is_the_cluster_view(state: dict[str, Any], node: BrokerNode, dead: str) -> bool:
+    """The page's broker table says what ``GET /api/v1/cluster`` of ``node`` says (roles,
+    positions, in sync or not), and both have ``dead`` unreachable."""
+    response = httpx.get(node.url + "/api/v1/cluster", timeout=10)
+    response.raise_for_status()
+    view = {b["id"]: b for b in response.json()["brokers"]}
+    page = {b["id"]: b for b in state["brokers"]}
+    if set(page) != set(view) or view[dead]["reachable"] or page[dead]["role"] != "unreachable":
+        return False
+    for broker_id, row in page.items():
+        broker = view[broker_id]
+        cells = row["text"].split("\t")
+        position = broker["position"]
+        shown = f"{position['ledger_id']}:{position['entry_id']}" if position else "\u2014"
+        in_sync = cells[3] == "in sync"
+        if row["role"] != broker["role"] or cells[2] != shown:
+            return False
+        if not broker["is_leader"] and in_sync != (broker["lag_entries"] == 0):
+            return False
+    return "last seen" in page[dead]["text"]
+
+
 def _open_detail(driver: WebDriver, task_id: int) -> dict[str, str]:
     driver.find_element(By.CSS_SELECTOR, f'#tasks tr[data-task="{task_id}"]').click()
 
@@ -383,6 +405,24 @@ def test_dashboard_shows_the_cluster_in_headless_chromium(
         assert "Traceback" in detail["error"]
         assert "error" in detail["title"]
         assert "1 of 1" in detail["fields"]
+
+        # The broker table is the cluster view's (GET /api/v1/cluster, issue 17): a follower
+        # in sync shows lag 0 ("in sync"), and a killed follower stays in it, unreachable,
+        # with when it was last seen.
+        victim = followers[1]
+        cluster.kill9(victim.broker_id)
+        state = _wait_page(
+            browser,
+            lambda s: (
+                _table_is_the_cluster_view(s, leader, victim.broker_id)
+                and "\tin sync\t"
+                in next(b["text"] for b in s["brokers"] if b["id"] == followers[0].broker_id)
+            ),
+            f"the broker table of GET /api/v1/cluster: {followers[0].broker_id} in sync,"
+            f" {victim.broker_id} unreachable",
+        )
+        cells = {b["id"]: b["text"].split("\t") for b in state["brokers"]}
+        assert cells[victim.broker_id][4].startswith("last seen "), cells
 
         version, violations = axe_violations(browser)
         print(f"\naxe-core {version}: {len(violations)} violations (none serious or critical)")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import random
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 from clients.client import StewardClient, TaskEvent
 from clients.dev.zk import ZooKeeperServer
 from tests.support.cluster_procs import ClusterProcesses
+from tests.support.event_streams import open_feed
 from tests.support.worker_procs import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -69,9 +69,13 @@ def test_kill9_leader_mid_stream_every_event_once(
         cluster.wait_workers_connected(["w1"], 30)
         reader = Reader(cluster.urls())
         reader.start()
-        time.sleep(0.5)  # the feed is open before the first task can finish
         submitted: list[int] = []
         with StewardClient(cluster.urls(), failover_timeout_s=60) as client:
+            # The feed is open before the first task can finish (the probe's event says so).
+            probes = open_feed(
+                lambda: client.submit("sleep", {"seconds": 0}, tenant=TENANT).id,
+                reader.task_ids,
+            )
             for _ in range(BEFORE):
                 seconds = round(rng.uniform(0.0, 0.3), 2)
                 submitted.append(client.submit("sleep", {"seconds": seconds}, tenant=TENANT).id)
@@ -107,7 +111,7 @@ def test_kill9_leader_mid_stream_every_event_once(
     ids = reader.task_ids()
     twice = {task_id: n for task_id, n in Counter(ids).items() if n > 1}
     assert not twice, f"events seen more than once: {twice}"
-    assert sorted(ids) == sorted(submitted)
+    assert sorted(ids) == sorted(submitted + [p for p in probes if p in ids])
     keys = [tuple(int(part) for part in event.id.split(":")) for event in reader.events]
     assert keys == sorted(keys), "events out of log order"
     assert {event.task["state"] for event in reader.events} == {"finished"}

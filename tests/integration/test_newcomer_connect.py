@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -176,12 +177,28 @@ def test_a_url_without_scheme_is_a_usage_error_naming_the_fix(tmp_path: Path) ->
 def test_a_worker_waiting_for_a_broker_says_what_it_waits_for(tmp_path: Path) -> None:
     nothing = f"http://{HOST}:{free_port()}"  # no broker (yet): that may heal
     worker = _worker(tmp_path, "waiting", "--broker", nothing)
+    assert worker.stderr is not None
+    err = worker.stderr
+    lines: list[str] = []
+    said = threading.Event()
+
+    def read() -> None:  # until EOF, so the pipe never fills
+        for line in err:
+            lines.append(line)
+            if "waiting for a leader's worker endpoint" in line:
+                said.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        time.sleep(6)
-        assert worker.poll() is None, worker.communicate()
+        # It says what it waits for, and is still waiting (not exiting) after saying so.
+        assert said.wait(30), "".join(lines)
+        assert worker.poll() is None, "".join(lines)
     finally:
         worker.send_signal(signal.SIGTERM)
-        _, stderr = worker.communicate(timeout=30)
+        worker.wait(timeout=30)
+        reader.join(timeout=30)
+    stderr = "".join(lines)
     assert worker.returncode == 0, stderr
     assert "Traceback" not in stderr
     assert "waiting for a leader's worker endpoint" in stderr

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from clients.client import AsyncStewardClient, NotFoundError, StewardClient, WaitTimeoutError
+from tests.support.event_streams import open_feed_async
 from tests.support.procs import HOST, BrokerProcess, free_port
 from tests.support.worker_procs import TcpProxy, broker_with_worker
 
@@ -153,17 +154,30 @@ def test_a_handles_wait_rides_the_event_stream_not_a_long_poll(
 async def test_the_async_clients_feed_resumes_after_an_event(served: Served) -> None:
     async with AsyncStewardClient(served.url) as client:
         seen: list[Any] = []
+        arrived = asyncio.Event()
 
         async def read() -> None:
-            async for event in client.events(tenant="feed-async", timeout=20):
+            async for event in client.events(tenant="feed-async", timeout=60):
                 seen.append(event)
-                if len(seen) == 3:
-                    return
+                arrived.set()
+
+        async def probe() -> int:
+            return (await client.submit("noop", tenant="feed-async")).id
+
+        def seen_ids() -> list[int]:
+            return [event.task["id"] for event in seen]
 
         reading = asyncio.ensure_future(read())
-        await asyncio.sleep(0.5)  # the feed is open before the tasks can finish
-        handles = [await client.submit("noop", tenant="feed-async") for _ in range(3)]
-        await asyncio.wait_for(reading, 30)
+        try:
+            # The feed is open before the tasks can finish (the probe's event says so).
+            probes = await open_feed_async(probe, seen_ids)
+            handles = [await client.submit("noop", tenant="feed-async") for _ in range(3)]
+            async with asyncio.timeout(30):
+                while arrived.clear() or not {h.id for h in handles} <= set(seen_ids()):
+                    await arrived.wait()
+        finally:
+            reading.cancel()
+        seen = seen[seen_ids().index(probes[-1]) + 1 :]  # what came after the probe
         assert sorted(event.task["id"] for event in seen) == [h.id for h in handles]
         rest = [
             e async for e in client.events(tenant="feed-async", last_event_id=seen[0].id, timeout=1)

@@ -24,8 +24,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.procs import HOST, BrokerProcess, authenticated_broker, steward_command
-from tests.support.worker_procs import WorkerProcess, task_writable_dir, wait_until
+from tests.support.procs import BrokerProcess, steward_command
+from tests.support.tenant_jobs import tenant_jobs
+from tests.support.worker_procs import WorkerProcess, wait_until
 
 ADMIN = "admin-secret-for-the-task-output-test"
 WORKER_TOKEN = "worker-token-for-the-task-output-test-0123"
@@ -103,58 +104,17 @@ class Setup:
 
 @pytest.fixture
 def setup(tmp_path: Path) -> Iterator[Setup]:
-    with (
-        authenticated_broker(tmp_path, admin_token=ADMIN, worker_token=WORKER_TOKEN) as auth,
-        task_writable_dir() as shared,
-    ):
-        worker = WorkerProcess(
-            broker=f"{HOST}:{auth.worker_port}",
-            http_url=auth.broker.url,
-            worker_id="w-output",
-            log_dir=tmp_path / "logs",
-            cache_dir=tmp_path / "cache",
-            extra_args=("--token-file", str(auth.worker_token_file), "--task-type", "*=4"),
-        ).start()
-        clients: dict[str, httpx.Client] = {}
-        try:
-            worker.wait_connected(auth.http)
-            tokens = {}
-            for tenant in ("alice", "bob"):
-                created = auth.http.post(
-                    "/api/v1/tokens", json={"name": f"{tenant}-key", "tenant": tenant}
-                )
-                assert created.status_code == 201, created.text
-                tokens[tenant] = created.json()["token"]
-                clients[tenant] = httpx.Client(
-                    base_url=auth.broker.url,
-                    headers={"authorization": f"Bearer {tokens[tenant]}"},
-                    timeout=90,
-                )
-            uploaded = clients["alice"].post("/api/v1/code", params={"name": "job.py"}, content=JOB)
-            assert uploaded.status_code == 201, uploaded.text
-            # The same bytes for bob: each tenant uploads the code it uses.
-            assert (
-                clients["bob"]
-                .post("/api/v1/code", params={"name": "job.py"}, content=JOB)
-                .is_success
-            )
-            yield Setup(
-                auth.broker,
-                worker,
-                auth.http,
-                clients,
-                tokens,
-                uploaded.json()["sha256"],
-                shared,
-            )
-        except BaseException:
-            print(worker.log_tail())
-            print(auth.broker.log_tail())
-            raise
-        finally:
-            for client in clients.values():
-                client.close()
-            worker.stop()
+    # The same bytes for bob: each tenant uploads the code it uses.
+    with tenant_jobs(
+        tmp_path,
+        admin_token=ADMIN,
+        worker_token=WORKER_TOKEN,
+        worker_id="w-output",
+        job=JOB,
+        slots=4,
+        uploaders=("alice", "bob"),
+    ) as env:
+        yield Setup(env.broker, env.worker, env.admin, env.tenants, env.tokens, env.sha, env.shared)
 
 
 def _logs(client: httpx.Client, task_id: int, **params: Any) -> httpx.Response:

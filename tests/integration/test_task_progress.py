@@ -20,8 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.procs import HOST, authenticated_broker, steward_command
-from tests.support.worker_procs import WorkerProcess, task_writable_dir, wait_until
+from tests.support.procs import steward_command
+from tests.support.tenant_jobs import tenant_jobs
+from tests.support.worker_procs import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -86,52 +87,23 @@ class Setup:
 
 @pytest.fixture
 def setup(tmp_path: Path) -> Iterator[Setup]:
-    with (
-        authenticated_broker(tmp_path, admin_token=ADMIN, worker_token=WORKER_TOKEN) as auth,
-        task_writable_dir() as shared,
-    ):
-        worker = WorkerProcess(
-            broker=f"{HOST}:{auth.worker_port}",
-            http_url=auth.broker.url,
-            worker_id="w-progress",
-            log_dir=tmp_path / "logs",
-            cache_dir=tmp_path / "cache",
-            extra_args=("--token-file", str(auth.worker_token_file), "--task-type", "*=4"),
-        ).start()
-        clients: dict[str, httpx.Client] = {}
-        try:
-            worker.wait_connected(auth.http)
-            tokens = {}
-            for tenant in ("alice", "bob"):
-                created = auth.http.post(
-                    "/api/v1/tokens", json={"name": f"{tenant}-key", "tenant": tenant}
-                )
-                assert created.status_code == 201, created.text
-                tokens[tenant] = created.json()["token"]
-                clients[tenant] = httpx.Client(
-                    base_url=auth.broker.url,
-                    headers={"authorization": f"Bearer {tokens[tenant]}"},
-                    timeout=90,
-                )
-            uploaded = clients["alice"].post("/api/v1/code", params={"name": "job.py"}, content=JOB)
-            assert uploaded.status_code == 201, uploaded.text
-            yield Setup(
-                auth.broker.url,
-                auth.http,
-                clients["alice"],
-                clients["bob"],
-                tokens["alice"],
-                uploaded.json()["sha256"],
-                shared,
-            )
-        except BaseException:
-            print(worker.log_tail())
-            print(auth.broker.log_tail())
-            raise
-        finally:
-            for client in clients.values():
-                client.close()
-            worker.stop()
+    with tenant_jobs(
+        tmp_path,
+        admin_token=ADMIN,
+        worker_token=WORKER_TOKEN,
+        worker_id="w-progress",
+        job=JOB,
+        slots=4,
+    ) as env:
+        yield Setup(
+            env.broker.url,
+            env.admin,
+            env.tenants["alice"],
+            env.tenants["bob"],
+            env.tokens["alice"],
+            env.sha,
+            env.shared,
+        )
 
 
 def test_a_running_tasks_progress_shows_in_the_api_and_the_cli(setup: Setup) -> None:

@@ -17,42 +17,26 @@ from pathlib import Path
 
 import pytest
 
-from broker.api.output_store import OutputStore
 from broker.workers import protocol as p
-from tests.support.secured_link import SecuredBroker, secured_broker
-
-ADMIN = "admin-secret-for-the-output-test"
-SHARED = "shared-worker-token-for-the-output-test"
-PEER = "peer-secret-for-the-output-test"
+from tests.support.secured_link import SecuredBroker, assigned_attempt, frames_broker
 
 
 @pytest.fixture
 async def broker(tmp_path: Path) -> AsyncIterator[SecuredBroker]:
-    async with secured_broker(
-        tmp_path,
-        admin=ADMIN,
-        worker_token=SHARED,
-        peer=PEER,
-        outputs=OutputStore(),
-        workers_send_token=True,
-    ) as harness:
+    async with frames_broker(tmp_path, "output") as harness:
         yield harness
 
 
 async def test_output_is_kept_only_from_the_attempts_connection_and_read_by_its_tenant(
     broker: SecuredBroker, caplog: pytest.LogCaptureFixture
 ) -> None:
-    alice, bob = await broker.tenant_token("alice"), await broker.tenant_token("bob")
-    owner = broker.worker("w1", task_types={"*": 1})
-    welcome = await owner.hello()
-    assert welcome.output  # this broker takes Output frames
-    task_id = await broker.submit("alice")
-    await owner.expect(p.Assign)
+    attempt = await assigned_attempt(broker)
+    alice, bob, owner, other = attempt.alice, attempt.bob, attempt.owner, attempt.other
+    assert attempt.welcome.output  # this broker takes Output frames
+    task_id = attempt.task_id
     path = f"/api/v1/tasks/{task_id}/logs"
 
     # Another worker writes into alice's running attempt: refused and logged.
-    other = broker.worker("w2")
-    await other.hello()
     with caplog.at_level(logging.WARNING, logger="broker.workers.worker_link"):
         other.send(p.Output(task_id=task_id, attempt=1, data=b"forged by w2\n"))
         other.finish_ok(999, 1)  # a round trip: the Output before it was handled
@@ -105,7 +89,9 @@ async def test_a_leader_without_the_output_asks_the_worker_that_ran_it(
     alice = await broker.tenant_token("alice")
     worker = broker.worker("w1")
     await worker.connect()
-    worker.send(p.Hello(worker_id="w1", token=SHARED, task_types={"*": 1}, output=True))
+    worker.send(
+        p.Hello(worker_id="w1", token=broker.worker_token, task_types={"*": 1}, output=True)
+    )
     await worker.expect(p.Welcome)
     worker.start_heartbeats()
     task_id = await broker.submit("alice")

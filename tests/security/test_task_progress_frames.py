@@ -14,40 +14,24 @@ from typing import Any
 
 import pytest
 
-from broker.api.output_store import OutputStore
 from broker.workers import protocol as p
-from tests.support.secured_link import SecuredBroker, secured_broker
-
-ADMIN = "admin-secret-for-the-progress-test"
-SHARED = "shared-worker-token-for-the-progress-test"
-PEER = "peer-secret-for-the-progress-test"
+from tests.support.secured_link import SecuredBroker, assigned_attempt, frames_broker
 
 
 @pytest.fixture
 async def broker(tmp_path: Path) -> AsyncIterator[SecuredBroker]:
-    async with secured_broker(
-        tmp_path,
-        admin=ADMIN,
-        worker_token=SHARED,
-        peer=PEER,
-        outputs=OutputStore(),
-        workers_send_token=True,
-    ) as harness:
+    async with frames_broker(tmp_path, "progress") as harness:
         yield harness
 
 
 async def test_progress_counts_only_from_the_attempts_connection_and_within_bounds(
     broker: SecuredBroker, caplog: pytest.LogCaptureFixture
 ) -> None:
-    alice, bob = await broker.tenant_token("alice"), await broker.tenant_token("bob")
-    owner = broker.worker("w1", task_types={"*": 1})
-    welcome = await owner.hello()
-    assert welcome.progress  # this broker takes Progress frames
-    task_id = await broker.submit("alice")
-    await owner.expect(p.Assign)
+    attempt = await assigned_attempt(broker)
+    alice, bob, owner, other = attempt.alice, attempt.bob, attempt.owner, attempt.other
+    assert attempt.welcome.progress  # this broker takes Progress frames
+    task_id = attempt.task_id
     path = f"/api/v1/tasks/{task_id}"
-    other = broker.worker("w2")
-    await other.hello()
 
     async def sent(worker: Any, **fields: Any) -> None:
         worker.send(p.Progress(task_id=task_id, **fields))

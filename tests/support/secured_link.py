@@ -8,6 +8,7 @@ tests/security/test_worker_credentials.py); every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -22,6 +23,7 @@ from broker.api.output_store import OutputStore
 from broker.artifacts.code_store import CodeStore
 from broker.replication.node import Node
 from broker.security.auth import AuthConfig
+from broker.workers import protocol as p
 from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
 from tests.support.fake_worker import FakeWorker
 from tests.support.memory_node import memory_node
@@ -151,3 +153,42 @@ async def secured_broker(
             await link.stop()
             await node.stop(snapshot=False)
             node.state.check_invariants()
+
+
+def frames_broker(
+    tmp_path: Path, name: str
+) -> contextlib.AbstractAsyncContextManager[SecuredBroker]:
+    """A broker taking task frames (Output, Progress) from workers that send the shared
+    token, with secrets named after the test ``name``."""
+    return secured_broker(
+        tmp_path,
+        admin=f"admin-secret-for-the-{name}-test",
+        worker_token=f"shared-worker-token-for-the-{name}-test",
+        peer=f"peer-secret-for-the-{name}-test",
+        outputs=OutputStore(),
+        workers_send_token=True,
+    )
+
+
+@dataclass
+class AssignedAttempt:
+    """Alice's task running on worker ``owner`` (attempt 1), beside a worker ``other`` that
+    was assigned nothing: who may send frames for the attempt, and who may not."""
+
+    alice: str  # the tenants' API tokens
+    bob: str
+    owner: FakeWorker
+    welcome: p.Welcome  # the owner's
+    task_id: int
+    other: FakeWorker
+
+
+async def assigned_attempt(broker: SecuredBroker) -> AssignedAttempt:
+    alice, bob = await broker.tenant_token("alice"), await broker.tenant_token("bob")
+    owner = broker.worker("w1", task_types={"*": 1})
+    welcome = await owner.hello()
+    task_id = await broker.submit("alice")
+    await owner.expect(p.Assign)
+    other = broker.worker("w2")
+    await other.hello()
+    return AssignedAttempt(alice, bob, owner, welcome, task_id, other)

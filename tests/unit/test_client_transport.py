@@ -238,15 +238,19 @@ def test_a_token_with_a_line_break_is_refused() -> None:
 def test_a_connection_the_server_closed_while_idle_is_replaced_unseen(
     servers: Callable[[Handler], RawServer],
 ) -> None:
+    closed = threading.Semaphore(0)
+
     def handle(_: int, sock: socket.socket) -> None:
         if server.read_request(sock) is not None:
-            sock.sendall(answer())  # then close, without saying so (an idle timeout)
+            sock.sendall(answer())
+            sock.close()  # without saying so (an idle timeout)
+            closed.release()
 
     server = servers(handle)
     with StewardClient(server.url) as client:
         for _ in range(3):
             client.submit("noop")
-            time.sleep(0.05)
+            assert closed.acquire(timeout=WAIT_S)  # closed before the next call
     assert server.connections == 3
     assert len(server.requests) == 3
 

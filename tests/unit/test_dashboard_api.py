@@ -1,8 +1,8 @@
 """The dashboard's side of the HTTP API in process: its files at ``/`` and ``/dashboard/``,
 and the read-only views it polls (broker statuses with lag, recent throughput, recent tasks).
 
-A fresh Node on memory ledgers behind ``httpx.ASGITransport``; peers in the broker-status
-test are real HTTP servers (uvicorn) or a closed port. No answer may be a 5xx.
+A fresh Node on memory ledgers behind ``httpx.ASGITransport``; the broker-status test's
+peers are a real PeerTable's rows (the cluster view's). No answer may be a 5xx.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 import pytest
 
 from broker.api import api_models as m
@@ -23,8 +22,7 @@ from broker.core import entries as e
 from broker.core.state import Applied, TaskRef
 from broker.observability.dashboard import ThroughputRecorder
 from broker.replication.node import Node, Stamp
-from clients.dev.local_server import free_port
-from tests.support.asgi_server import Receive, Scope, Send, serve, unserve
+from broker.server.peer_view import PeerTable
 from tests.support.memory_node import memory_node
 
 CONFIG = ApiConfig(max_list_limit=50)
@@ -306,11 +304,13 @@ async def test_workers_with_capacities_and_running_tasks(
 
 
 class FakeView:
-    """The API's ClusterView with fixed peers."""
+    """The API's ClusterView over a real PeerTable (broker/server/peer_view.py) filled by
+    hand: the polls' outcomes without the network (their own tests are elsewhere)."""
 
-    def __init__(self, peers: list[m.BrokerSummary], leader_id: str) -> None:
-        self.peers = peers
+    def __init__(self, table: PeerTable, leader_id: str, now: float) -> None:
+        self.table = table
         self.leader_id = leader_id
+        self.now = now
 
     @property
     def url(self) -> str:
@@ -329,108 +329,69 @@ class FakeView:
         return None
 
     def leader(self) -> m.BrokerSummary | None:
-        return next((p for p in self.peers if p.id == self.leader_id), None)
+        url = f"http://{self.leader_id}.invalid"
+        return m.BrokerSummary(self.leader_id, "", 0, None, True, "test", None, url=url)
 
     def brokers(self) -> list[m.BrokerSummary]:
-        return self.peers
+        return []  # the dashboard must not need it
 
     def broker_summaries(self, own: m.BrokerSummary) -> list[m.BrokerSummary]:
-        return [own, *self.peers]
+        return self.table.summaries(own, self.leader_id, self.now)
 
     def coordination_problem(self) -> str | None:
         return None  # connected
 
 
-def _peer(broker_id: str, url: str) -> m.BrokerSummary:
-    return m.BrokerSummary(
-        id=broker_id,
-        host="127.0.0.1",
-        port=0,
-        uptime_secs=None,
-        is_leader=False,
-        version="test",
-        position=None,
-        lag_entries=None,
-        reachable=False,
-        last_seen_secs_ago=None,
-        started_at=None,
-        member=True,
-        unknown_reason="from its ZooKeeper advertisement only",
-        url=url,
+def _health(role: str, ledger_id: int, entry_id: int, **more: Any) -> m.Health:
+    return m.Health(
+        status="ok",
+        writable=role == "leader",
+        role=role,
+        position=m.Position(ledger_id, entry_id),
+        uptime_secs=30.0,
+        **more,
     )
 
 
-def _health_app(health: m.Health | None) -> Any:
-    """A peer answering /healthz with ``health`` (None: with a body that is not JSON)."""
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        assert scope["type"] == "http" and scope["path"] == "/healthz"
-        body = b"<html>oops" if health is None else msgspec.json.encode(health)
-        status = 200 if health is None or health.status == "ok" else 503
-        await send({"type": "http.response.start", "status": status, "headers": []})
-        await send({"type": "http.response.body", "body": body})
-
-    return app
-
-
-async def test_broker_statuses_ask_each_peer_and_compute_lag(tmp_path: Path) -> None:
-    # The answering broker's own position decides the peers' positions below.
-    leader_entry = 40
-    served = []
-    try:
-        leader = await serve(
-            _health_app(
-                m.Health(
-                    status="ok",
-                    writable=True,
-                    role="leader",
-                    position=m.Position(7, leader_entry),
-                )
-            )
-        )
-        served.append(leader)
-        old_ledger = await serve(
-            _health_app(
-                m.Health(status="ok", writable=False, role="follower", position=m.Position(6, 99))
-            )
-        )
-        served.append(old_ledger)
-        garbage = await serve(_health_app(None))
-        served.append(garbage)
-        closed_url = f"http://127.0.0.1:{free_port()}"
-        view = FakeView(
-            [
-                _peer("p-leader", leader.url),
-                _peer("p-old", old_ledger.url),
-                _peer("p-garbage", garbage.url),
-                _peer("p-down", closed_url),
-            ],
-            leader_id="p-leader",
-        )
-        async for node, client in _client(tmp_path, cluster=view):
-            response = await client.get("/api/v1/cluster/brokers")
-            assert response.status_code == 200, response.text
-            body = response.json()
-            by_id = {b["id"]: b for b in body["brokers"]}
-            own_id = node.config.broker_id
-            assert body["leader"] == "p-leader" and body["answered_by"] == own_id
-            assert body["cluster_id"] == node.config.cluster_id
-            assert [b["id"] for b in body["brokers"]] == sorted(by_id)
-            assert by_id["p-leader"]["is_leader"] and by_id["p-leader"]["role"] == "leader"
-            assert by_id["p-leader"]["lag_entries"] == 0
-            assert [b["id"] for b in body["brokers"] if b["is_leader"]] == ["p-leader"]
-            assert by_id["p-old"]["behind_ledgers"] is True
-            assert by_id["p-old"]["lag_entries"] is None
-            for down in ("p-garbage", "p-down"):
-                assert by_id[down]["reachable"] is False, by_id[down]
-                assert by_id[down]["role"] == "unreachable" and by_id[down]["error"]
-            own = by_id[own_id]
-            assert own["reachable"] and not own["is_leader"]
-            ledger_id, entry_id = node.position
-            if ledger_id == 7:
-                assert own["lag_entries"] == max(0, leader_entry - entry_id)
-            else:
-                assert own["behind_ledgers"] is (ledger_id < 7)
-    finally:
-        for server in served:
-            await unserve(server)
+async def test_broker_statuses_are_the_cluster_views_rows(tmp_path: Path) -> None:
+    table = PeerTable("not-advertised")
+    names = ("p-leader", "p-sync", "p-old", "p-down", "p-gone")
+    table.set_members([{"broker_id": n, "url": f"http://{n}.invalid"} for n in names], 100.0)
+    # An idle leader's last entry (7, 40) is a Confirm marker: followers stop at 39.
+    leader = _health("leader", 7, 40, catch_up_position=m.Position(7, 39))
+    table.record("p-leader", leader, 100.0)
+    table.record("p-sync", _health("follower", 7, 39), 100.0)
+    table.record("p-old", _health("follower", 6, 99), 100.0)
+    table.record("p-down", "ConnectError: connection refused", 100.0)
+    table.record("p-gone", _health("follower", 7, 39), 95.0)
+    table.set_members([{"broker_id": n, "url": f"http://{n}.invalid"} for n in names[:4]], 104.0)
+    async for node, client in _client(tmp_path, cluster=FakeView(table, "p-leader", 110.0)):
+        response = await client.get("/api/v1/cluster/brokers")
+        assert response.status_code == 200, response.text
+        body = response.json()
+        cluster = (await client.get("/api/v1/cluster")).json()
+        own_id = node.config.broker_id
+        assert body["leader"] == cluster["leader"] == "p-leader"
+        assert body["answered_by"] == own_id and body["cluster_id"] == node.config.cluster_id
+        # The same brokers in the same order, with the same values.
+        assert [b["id"] for b in body["brokers"]] == [b["id"] for b in cluster["brokers"]]
+        for row, summary in zip(body["brokers"], cluster["brokers"], strict=True):
+            for key in ("role", "is_leader", "reachable", "position", "lag_entries", "member"):
+                assert row[key] == summary[key], (key, row, summary)
+            assert row["error"] == summary["unknown_reason"]
+            if row["id"] != own_id:  # the answering broker's own uptime moves on
+                assert row["uptime_secs"] == summary["uptime_secs"]
+                assert row["last_seen_secs_ago"] == summary["last_seen_secs_ago"]
+        by_id = {b["id"]: b for b in body["brokers"]}
+        assert by_id["p-leader"]["lag_entries"] == 0 and by_id["p-leader"]["uptime_secs"] > 0
+        assert by_id["p-sync"]["lag_entries"] == 0  # in sync: 0, not the marker's 1
+        assert by_id["p-old"]["behind_ledgers"] is True and by_id["p-old"]["lag_entries"] is None
+        assert by_id["p-down"]["reachable"] is False and by_id["p-down"]["role"] == "unreachable"
+        assert "connection refused" in by_id["p-down"]["error"]
+        gone = by_id["p-gone"]
+        assert (gone["reachable"], gone["member"]) == (False, False)
+        assert gone["last_seen_secs_ago"] == 15.0
+        assert "left the membership" in gone["error"] and "last seen" in gone["error"]
+        own = by_id[own_id]
+        assert own["reachable"] and own["writable"] is True
+        assert all(b["writable"] is None for b in body["brokers"] if b["id"] != own_id)

@@ -8,20 +8,14 @@ typed, when one is set), so serving the files needs no authentication.
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import ssl
 from importlib import resources
 from typing import Final
-
-import httpx
-import msgspec
 
 from broker.api import api_models as m
 from broker.core import entries as e
 from broker.core.state import Applied, TaskRef, TaskState
 from broker.replication.node import Node
-from broker.security.tls import peer_ssl_context
 
 # Only these files are served; anything else under /dashboard/ is a 404.
 ASSET_TYPES: Final[dict[str, bytes]] = {
@@ -122,56 +116,34 @@ class ThroughputRecorder:
 # --- broker statuses --------------------------------------------------------------------------
 
 RUNNING_SHOWN: Final = 50  # running task ids listed per worker
-PEER_STATUS_TIMEOUT_S: Final = 1.0  # a frozen peer must not stall the dashboard
 
 
-async def peer_status(client: httpx.AsyncClient, peer: m.BrokerSummary) -> m.BrokerStatus:
-    """A peer broker's own view of itself, from its /healthz (503 still has a body)."""
-    status = m.BrokerStatus(
-        id=peer.id, url=peer.url, role="unreachable", is_leader=False, reachable=False
-    )
-    if not peer.url:
-        status.error = "no URL advertised"
-        return status
-    try:
-        response = await client.get(peer.url + "/healthz")
-        health = msgspec.json.decode(response.content, type=m.Health)
-    except (httpx.HTTPError, msgspec.DecodeError) as exc:
-        status.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        return status
-    status.role = health.role
-    status.reachable = True
-    status.writable = health.writable
-    status.position = health.position
-    status.error = health.reason
-    return status
-
-
-async def broker_statuses(
-    own: m.BrokerStatus,
-    peers: list[m.BrokerSummary],
-    leader_id: str | None,
-    ssl_context: ssl.SSLContext | None = None,
+def broker_statuses(
+    rows: list[m.BrokerSummary], leader_id: str | None, own_id: str, own_writable: bool
 ) -> list[m.BrokerStatus]:
-    """``own`` and every peer's status (asked concurrently), sorted by id, with the leader
-    marked and each one's lag behind the leader's position."""
-    statuses = [own]
-    if peers:
-        async with httpx.AsyncClient(
-            timeout=PEER_STATUS_TIMEOUT_S, verify=ssl_context or peer_ssl_context()
-        ) as client:
-            statuses += await asyncio.gather(*(peer_status(client, peer) for peer in peers))
-    by_id = {status.id: status for status in statuses}
-    reference = by_id.get(leader_id) if leader_id is not None else None
-    for status in statuses:
-        status.is_leader = status.id == leader_id
-        if reference is None or reference.position is None or status.position is None:
-            continue
-        if status.position.ledger_id == reference.position.ledger_id:
-            status.lag_entries = max(0, reference.position.entry_id - status.position.entry_id)
-        elif status.position.ledger_id < reference.position.ledger_id:
-            status.behind_ledgers = True
-        else:
-            status.lag_entries = 0  # ahead of the leader's last report: caught up
-    statuses.sort(key=lambda status: status.id)
-    return statuses
+    """The dashboard's broker table, from the cluster view's summaries (the rows of
+    ``GET /api/v1/cluster``, broker/server/peer_view.py): nothing here asks a peer again."""
+    leader = next((row.position for row in rows if row.id == leader_id and row.reachable), None)
+    return [
+        m.BrokerStatus(
+            id=row.id,
+            url=row.url,
+            role=row.role,
+            is_leader=row.is_leader,
+            reachable=row.reachable,
+            writable=own_writable if row.id == own_id else None,
+            position=row.position,
+            lag_entries=row.lag_entries,
+            behind_ledgers=(
+                row.lag_entries is None
+                and row.position is not None
+                and leader is not None
+                and row.position.ledger_id < leader.ledger_id
+            ),
+            uptime_secs=row.uptime_secs,
+            error=row.unknown_reason,
+            last_seen_secs_ago=row.last_seen_secs_ago,
+            member=row.member,
+        )
+        for row in rows
+    ]

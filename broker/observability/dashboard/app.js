@@ -215,11 +215,18 @@ function renderBrokers(status) {
     let lag;
     if (b.is_leader) lag = h("span", { class: "lag-ok" }, "—");
     else if (b.behind_ledgers) lag = h("span", { class: "lag-behind" }, "older ledger");
-    else if (b.lag_entries === null || b.lag_entries === undefined) lag = h("span", { class: "muted" }, "?");
-    // An idle leader's last entry is a Confirm marker that followers apply only once a
-    // later entry confirms it: one entry behind is in sync.
-    else if (b.lag_entries <= 1) lag = h("span", { class: "lag-ok", title: b.lag_entries + " entries behind the leader's last entry" }, "in sync");
+    else if (b.lag_entries === null || b.lag_entries === undefined) lag = h("span", { class: "muted", title: b.error || "" }, "?");
+    // Counted against the leader's last entry followers can apply (a trailing Confirm
+    // marker excluded): 0 is in sync (docs/DESIGN.md §4).
+    else if (b.lag_entries === 0) lag = h("span", { class: "lag-ok" }, "in sync");
     else lag = h("span", { class: "lag-behind" }, b.lag_entries + " entries");
+    let uptime;
+    if (b.reachable && b.uptime_secs !== null && b.uptime_secs !== undefined) uptime = duration(b.uptime_secs);
+    else if (!b.reachable) {
+      const seen = b.last_seen_secs_ago === null || b.last_seen_secs_ago === undefined
+        ? "never seen" : "last seen " + duration(b.last_seen_secs_ago) + " ago";
+      uptime = h("span", { class: "muted", title: b.error || "" }, (b.member === false ? "left · " : "") + seen);
+    } else uptime = h("span", { class: "muted", title: b.error || "" }, "—");
     const here = b.id === status.answered_by;
     return h(
       "tr",
@@ -230,8 +237,7 @@ function renderBrokers(status) {
         b.is_leader ? "leader" : b.role)),
       h("td", { class: "mono", title: b.error || "" }, pos),
       h("td", {}, lag),
-      h("td", {}, b.uptime_secs !== null && b.uptime_secs !== undefined ? duration(b.uptime_secs)
-        : h("span", { class: "muted", title: "known only to that broker" }, "—")),
+      h("td", { class: "uptime" }, uptime),
       h("td", {}, b.url ? h("a", { href: b.url + "/", title: "open this broker's dashboard" }, b.url.replace(/^https?:\/\//, "")) : "—"),
     );
   });
