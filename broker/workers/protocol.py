@@ -98,6 +98,10 @@ class Welcome(_Message, frozen=True, tag="welcome"):
     output: bool = False
     # The broker takes Progress frames (likewise).
     progress: bool = False
+    # The weights of the tenants whose weight is not 1, for the worker's Spark fair pools
+    # (docs/DESIGN.md §6, "Spark fairness"; an older worker ignores the field, from an
+    # older broker every tenant weighs 1).
+    tenant_weights: dict[str, float] = {}
 
 
 class Heartbeat(_Message, frozen=True, tag="heartbeat"):
