@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -23,7 +24,7 @@ import pytest
 from clients.worker import Worker, WorkerConfig
 from clients.worker.spark_connect import free_port
 from tests.support.spark_connect_remote import RemoteConnectServer, remote_connect_server
-from tests.support.worker_harness import Env, result_of, task, worker_env, zip_bytes
+from tests.support.worker_harness import Env, result_of, task, until, worker_env, zip_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -115,8 +116,15 @@ async def test_tasks_run_on_the_remote_server_in_sessions_of_their_own(
     assert len({made["session"], other_tenant["session"], next_task["session"]}) == 3
 
 
-async def test_an_unreachable_remote_fails_the_task_clearly(env: Env, work_root: Path) -> None:
+async def test_an_unreachable_remote_fails_the_task_clearly(
+    env: Env, work_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="clients.worker.spark_remote")
     conn, sha = await start_worker(env, work_root, f"sc://localhost:{free_port()}")
+    # The worker says so when it starts, before any task...
+    await until(lambda: "is not usable" in caplog.text, ERROR_WAIT_S)
+    assert "unreachable" in caplog.text
+    # ... and a task fails with the reason, not a hang.
     started = time.monotonic()
     conn.assign(task(21, "rjob.job:total", {"n": 3}, tenant="a", code=sha))
     report = await conn.report(ERROR_WAIT_S)
