@@ -12,7 +12,7 @@ peer answers with an :class:`Error` frame and closes that one connection.
 Conversation::
 
     worker -> Hello (id, capacities, resources, tenants, tasks it still runs)
-    broker -> Welcome (heartbeat timing, which reported tasks to keep / drop)
+    broker -> Welcome (heartbeat timing, which reported tasks to keep / drop, tenant weights)
     both   -> Heartbeat (every interval; a peer silent past the timeout is dead)
     broker -> Assign (tasks, already logged as running)     worker -> Finish (batched)
     broker -> FinishAck (resend until acknowledged)          broker -> Cancel
