@@ -207,6 +207,11 @@ class Handshake:
                 drop=tuple(r for r in hello.running if (r.task_id, r.attempt) not in keep),
                 output=True,
                 progress=True,
+                tenant_weights={
+                    name: tenant.weight
+                    for name, tenant in self.node.state.tenants.items()
+                    if tenant.weight != 1.0
+                },
             )
         )
         self.sessions[hello.worker_id] = session

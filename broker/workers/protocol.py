@@ -12,7 +12,7 @@ peer answers with an :class:`Error` frame and closes that one connection.
 Conversation::
 
     worker -> Hello (id, capacities, resources, tenants, tasks it still runs)
-    broker -> Welcome (heartbeat timing, which reported tasks to keep / drop)
+    broker -> Welcome (heartbeat timing, which reported tasks to keep / drop, tenant weights)
     both   -> Heartbeat (every interval; a peer silent past the timeout is dead)
     broker -> Assign (tasks, already logged as running)     worker -> Finish (batched)
     broker -> FinishAck (resend until acknowledged)          broker -> Cancel
@@ -98,6 +98,10 @@ class Welcome(_Message, frozen=True, tag="welcome"):
     output: bool = False
     # The broker takes Progress frames (likewise).
     progress: bool = False
+    # The weights of the tenants whose weight is not 1, for the worker's Spark fair pools
+    # (docs/DESIGN.md §6, "Spark fairness"; an older worker ignores the field, from an
+    # older broker every tenant weighs 1).
+    tenant_weights: dict[str, float] = {}
 
 
 class Heartbeat(_Message, frozen=True, tag="heartbeat"):

@@ -26,6 +26,8 @@ from clients.worker.config import (
 from clients.worker.link import LinkMisconfiguredError, run_worker
 from clients.worker.sandbox import make_non_dumpable, set_parent_death_signal
 from clients.worker.spark_connect import SPARK_MODES, spark_identity
+from clients.worker.spark_remote import TOKEN_ENV as REMOTE_TOKEN_ENV
+from clients.worker.spark_remote import with_token
 from clients.worker.task_identity import DEFAULT_TASK_UID_RANGE
 from clients.worker.task_procs import check_task_processes
 
@@ -149,6 +151,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="USER",
         help="run the Spark Connect server (and its Python UDFs) as USER (default as root:"
         " the last uid of --task-uid-range, no tenant's; otherwise the worker's own user)",
+    )
+    spark.add_argument(
+        "--spark-remote",
+        metavar="sc://HOST:PORT",
+        help="make each PySpark task's ctx.spark a session of its own on this Spark Connect"
+        " server instead of the worker's own (docs/SECURITY.md, 'Remote Spark Connect');"
+        " ';token=...' in the URL is readable by every local user: prefer"
+        f" --spark-remote-token-file or {REMOTE_TOKEN_ENV}",
+    )
+    spark.add_argument(
+        "--spark-remote-token-file",
+        metavar="PATH",
+        help="the --spark-remote server's token, first line of this file (env"
+        f" {REMOTE_TOKEN_ENV}_FILE, or the token itself in {REMOTE_TOKEN_ENV}, removed from"
+        " the environment once read)",
     )
     spark.add_argument(
         "--allow-classic-spark",
@@ -297,6 +314,29 @@ def worker_token(args: argparse.Namespace) -> str | None:
     )
 
 
+def spark_remote_url(args: argparse.Namespace) -> str | None:
+    """--spark-remote with the token from --spark-remote-token-file or the environment."""
+    env_file = os.environ.pop(f"{REMOTE_TOKEN_ENV}_FILE", None)  # no child inherits it
+    token = secret_from_options(
+        argv_value=None,
+        argv_flag="--spark-remote",
+        file=args.spark_remote_token_file or env_file,
+        file_flag="--spark-remote-token-file",
+        env=REMOTE_TOKEN_ENV,
+        warn=_warn,
+    )
+    if args.spark_remote is None:
+        if token is not None:
+            raise ValueError(f"a Spark Connect token ({REMOTE_TOKEN_ENV}) without --spark-remote")
+        return None
+    if ";token=" in args.spark_remote:
+        _warn(
+            "--spark-remote with ;token= on the command line: every local user can read it"
+            f" (ps, /proc/PID/cmdline); use --spark-remote-token-file or {REMOTE_TOKEN_ENV}"
+        )
+    return with_token(args.spark_remote, token)
+
+
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     endpoint, urls = ("", []) if args.brokers else args.broker or _default_broker()
     brokers: list[str] = args.brokers or urls
@@ -320,6 +360,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         allow_classic_spark=args.allow_classic_spark,
         spark_master=args.spark_master,
         spark_conf=dict(args.spark_conf),
+        spark_remote=spark_remote_url(args),
         cache_dir=args.cache_dir,
         max_cache_bytes=int(args.cache_max_mb * 1024 * 1024),
         max_result_bytes=args.max_result_bytes,
@@ -351,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
         if config.task_isolation == "process":
             check_task_processes(config)
-            if config.spark == "connect":
+            if config.spark == "connect" and config.spark_remote is None:
                 spark_identity(config)  # a usable --spark-user, or a uid of its own
     except ValueError as exc:
         parser.error(str(exc))

@@ -140,6 +140,8 @@ class WorkerConfig:
     spark: str = "connect"
     spark_user: str | None = None  # who runs the Connect server (default: spark_connect.py)
     allow_classic_spark: bool = False  # ctx.classic_spark in task processes (connect mode)
+    # sc://HOST:PORT[/;token=...]: sessions on that server, no server of the worker's own.
+    spark_remote: str | None = None
     cache_dir: Path = field(default_factory=default_cache_dir)
     # Past this the cache evicts its least recently used artifacts (0: unbounded).
     max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES
@@ -227,6 +229,14 @@ class WorkerConfig:
             raise ValueError("task_isolation must be 'process' or 'thread'")
         if self.spark not in ("connect", "classic", "off"):
             raise ValueError("spark must be 'connect', 'classic' or 'off'")
+        if self.spark_remote is not None:
+            from clients.worker.spark_remote import parse_remote
+
+            parse_remote(self.spark_remote)  # ValueError saying what is wrong
+            if self.spark != "connect" or self.task_isolation != "process":
+                raise ValueError(
+                    "--spark-remote needs --spark connect and --task-isolation process"
+                )
         if self.task_memory_mb < 0 or self.task_process_max_tasks < 1:
             raise ValueError("need task_memory_mb >= 0 and task_process_max_tasks >= 1")
 

@@ -80,6 +80,7 @@ from clients.worker.link_reports import ReportOutbox
 from clients.worker.link_tasks import Assignments
 from clients.worker.runtime import TaskKey, TaskRuntime, released_notice, stopping_notice
 from clients.worker.spark_connect import SparkConnectServer
+from clients.worker.spark_remote import RemoteSpark, SparkBackend
 
 __all__ = [
     "BrokerError",
@@ -141,9 +142,7 @@ class _Connection:
 class Worker:
     """A Steward worker: connects to the broker and runs the tasks it is assigned."""
 
-    def __init__(
-        self, config: WorkerConfig, *, spark_server: SparkConnectServer | None = None
-    ) -> None:
+    def __init__(self, config: WorkerConfig, *, spark_server: SparkBackend | None = None) -> None:
         self.config = config
         self.process_id = uuid.uuid4().hex  # new per process start: tells restarts apart
         # One Spark Connect server per worker, started by run() (clients/worker/spark_connect.py);
@@ -155,7 +154,12 @@ class Worker:
             and config.task_isolation == "process"
             and config.may_run_spark()
         ):
-            spark_server = SparkConnectServer.from_config(config)
+            # --spark-remote: sessions on that server instead (clients/worker/spark_remote.py).
+            spark_server = (
+                RemoteSpark(config.spark_remote)
+                if config.spark_remote
+                else SparkConnectServer.from_config(config)
+            )
             self._owns_spark = True
         self.spark_server = spark_server
         # Register extra task types with worker.runtime.register(name, fn).
@@ -419,6 +423,8 @@ class Worker:
 
     def _on_welcome(self, conn: _Connection, welcome: Welcome) -> None:
         self._tasks.reconcile(welcome)
+        if self.spark_server is not None:  # its tenants' fair pools (spark_pools.py)
+            self.spark_server.set_tenant_weights(welcome.tenant_weights)
         self._conn = conn
         self.sessions += 1
         self._connected.set()

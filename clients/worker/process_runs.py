@@ -25,10 +25,11 @@ from clients.worker.artifacts import ArtifactCache
 from clients.worker.attempts import Running, TaskKey, attempt_fields, cancelled_report
 from clients.worker.config import WorkerConfig
 from clients.worker.spark_connect import (
-    SparkConnectServer,
     new_session_id,
     tenant_uid_range,
 )
+from clients.worker.spark_pools import pool_name
+from clients.worker.spark_remote import RemoteSpark, SparkBackend
 from clients.worker.task_api import (
     BUILTIN_TASKS,
     MAX_ERROR_CHARS,
@@ -103,7 +104,7 @@ class ProcessRunner:
         self,
         config: WorkerConfig,
         artifacts: ArtifactCache,
-        spark_server: SparkConnectServer | None,
+        spark_server: SparkBackend | None,
         *,
         lock: threading.Lock,
         pool: ThreadPoolExecutor,
@@ -252,7 +253,7 @@ class ProcessRunner:
             spark_master=self.config.spark_master,
             spark_conf=dict(self.config.spark_conf),
             allow_classic_spark=self.config.allow_classic_spark or self.config.spark == "classic",
-            **self._spark_fields(),
+            **self._spark_fields(task.tenant),
         )
         if task_logger_parent.isEnabledFor(logging.DEBUG):  # a task's logger costs a no-op task
             ctx.logger.debug(
@@ -322,7 +323,7 @@ class ProcessRunner:
                 )
         self.begin(self._end_process_task(entry, report))
 
-    def _spark_fields(self) -> dict[str, Any]:
+    def _spark_fields(self, tenant: str) -> dict[str, Any]:
         """The Run's Spark fields: the mode, and with Connect the server and a new session id."""
         mode = self.config.spark
         server = self.spark_server
@@ -330,9 +331,19 @@ class ProcessRunner:
             return {"spark_mode": mode}
         if server is None:
             return {"spark_mode": mode, "spark_error": "this worker has no Spark Connect server"}
+        pool = pool_name(tenant) or ""
+        if isinstance(server, RemoteSpark):
+            return {
+                "spark_mode": mode,
+                "spark_remote": server.url,
+                "spark_session_id": new_session_id(),
+                "spark_wait_s": server.wait_left_s(),
+                "spark_pool": pool,
+            }
         endpoint = server.endpoint
         return {
             "spark_mode": mode,
+            "spark_pool": pool,
             "spark_connect_port": endpoint.port,
             "spark_connect_token": endpoint.token,
             "spark_connect_uid": endpoint.uid,

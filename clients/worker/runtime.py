@@ -52,7 +52,7 @@ from clients.worker.process_runs import (
     task_identities,
     task_memory_limit_mb,
 )
-from clients.worker.spark_connect import SparkConnectServer
+from clients.worker.spark_remote import SparkBackend
 from clients.worker.task_api import (
     BUILTIN_TASKS,
     TaskCancelled,
@@ -146,7 +146,7 @@ class TaskRuntime:
         *,
         artifacts: ArtifactCache | None = None,
         spark_factory: Callable[[], Any] | None = None,
-        spark_server: SparkConnectServer | None = None,
+        spark_server: SparkBackend | None = None,
     ) -> None:
         self.config = config
         # The worker's Spark Connect server (--spark connect with task processes).

@@ -20,6 +20,9 @@ The server:
 - is in its own process group, dies with the worker (``PR_SET_PDEATHSIG`` set by a small
   launcher before it execs ``spark-submit``) and is stopped (its whole group) on shutdown.
 
+Fairness: the server runs Spark's FAIR scheduler with a pool per tenant, weighted like the
+tenant (``clients/worker/spark_pools.py``, docs/DESIGN.md §6).
+
 A task process gets the port, the token and its session id in the Run frame
 (``clients/worker/task_wire.py``). Before it sends the token anywhere it checks that the
 listening socket on that port belongs to the server's uid (``/proc/net/tcp``), so a tenant
@@ -45,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from clients.worker import sandbox
+from clients.worker.spark_pools import allocation_xml
 from clients.worker.task_env import _passwd_view, has_passwd_entry, scrubbed_env
 from clients.worker.task_identity import TaskIdentity, TaskUserError, resolve_user
 
@@ -60,6 +64,9 @@ TOKEN_ENV: Final = "SPARK_CONNECT_AUTHENTICATE_TOKEN"
 USER_ID: Final = "steward"
 SERVER_CLASS: Final = "org.apache.spark.sql.connect.service.SparkConnectServer"
 DEFAULT_START_TIMEOUT_S: Final = 180.0
+#: How long the server's start waits for the broker's tenant weights (its first Welcome).
+DEFAULT_WEIGHTS_WAIT_S: Final = 10.0
+ALLOCATION_FILE: Final = "fairscheduler.xml"
 _STOP_GRACE_S: Final = 5.0
 _POLL_S: Final = 0.1
 _LOG_TAIL_BYTES: Final = 4000
@@ -160,12 +167,23 @@ def wait_listening(endpoint: ConnectEndpoint, timeout_s: float) -> None:
         time.sleep(_POLL_S)
 
 
-def connect_session(endpoint: ConnectEndpoint, session_id: str, wait_s: float) -> Any:
-    """A new Spark Connect session (``session_id``) on the worker's server, in a task process."""
+def connect_session(
+    endpoint: ConnectEndpoint, session_id: str, wait_s: float, pool: str = ""
+) -> Any:
+    """A new Spark Connect session (``session_id``) on the worker's server, in a task process,
+    its jobs in fair-scheduler pool ``pool`` (none: Spark's default pool)."""
     wait_listening(endpoint, wait_s)
+    return open_session(endpoint.url(session_id), pool)
+
+
+def open_session(url: str, pool: str) -> Any:
     from pyspark.sql import SparkSession
 
-    return SparkSession.builder.remote(endpoint.url(session_id)).create()
+    session = SparkSession.builder.remote(url).create()
+    if pool:
+        # Spark 4 applies a Connect session's spark.scheduler.pool to its jobs.
+        session.conf.set("spark.scheduler.pool", pool)
+    return session
 
 
 def preload_spark_client() -> None:
@@ -211,7 +229,8 @@ def tenant_uid_range(config: WorkerConfig, worker_uid: int | None = None) -> tup
     """The task uid range left for tenants (a root worker's Spark server takes the last uid)."""
     uid = os.geteuid() if worker_uid is None else worker_uid
     low, high = config.task_uid_range
-    if config.spark == "connect" and uid == 0 and config.spark_user is None and high > low:
+    own_server = config.spark == "connect" and config.spark_remote is None
+    if own_server and uid == 0 and config.spark_user is None and high > low:
         return low, high - 1
     return low, high
 
@@ -229,6 +248,9 @@ def server_defaults(master: str, home: Path, python: str) -> dict[str, str]:
             "spark.sql.warehouse.dir": str(home / "warehouse"),
             "spark.local.dir": str(home / "tmp"),
             "spark.driver.extraJavaOptions": f"-Djava.io.tmpdir={home / 'tmp'}",
+            # A pool per tenant (clients/worker/spark_pools.py).
+            "spark.scheduler.mode": "FAIR",
+            "spark.scheduler.allocation.file": str(home / ALLOCATION_FILE),
         }
     )
     return defaults
@@ -287,6 +309,7 @@ class SparkConnectServer:
         home: Path,
         python: str = sys.executable,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        weights_wait_s: float = 0.0,
     ) -> None:
         self.master = master
         self.conf = dict(conf)
@@ -303,6 +326,12 @@ class SparkConnectServer:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._started_at = 0.0
+        # The tenants' weights (the broker's Welcome): the allocation file is written from
+        # them before the server starts, which waits up to weights_wait_s for them.
+        self.weights_wait_s = weights_wait_s
+        self._weights: dict[str, float] = {}
+        self._weights_known = threading.Event()
+        self._weights_written: dict[str, float] | None = None
 
     @classmethod
     def from_config(cls, config: WorkerConfig) -> SparkConnectServer:
@@ -312,6 +341,7 @@ class SparkConnectServer:
             identity=spark_identity(config),
             home=Path(config.work_dir) / "spark",
             python=config.task_python,
+            weights_wait_s=DEFAULT_WEIGHTS_WAIT_S,
         )
 
     # -- state (any thread) --
@@ -349,6 +379,23 @@ class SparkConnectServer:
         with self._lock:
             return self._popen.pid if self._popen is not None else None
 
+    def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
+        """The broker's tenant weights (each Welcome). Spark takes pool weights only at start:
+        a change after it says so in the log (docs/DESIGN.md §6)."""
+        with self._lock:
+            self._weights = dict(weights)
+            written = self._weights_written
+        self._weights_known.set()
+        if written is not None and written != dict(weights):
+            logger.warning(
+                "tenant weights changed since the Spark Connect server started; its pools keep"
+                " the weights they started with until the worker restarts"
+            )
+
+    def tenant_weights(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._weights)
+
     # -- lifecycle --
 
     def start(self) -> None:
@@ -368,6 +415,7 @@ class SparkConnectServer:
             popen = self._popen
             if self._error is None:
                 self._error = "the worker's Spark Connect server was stopped"
+        self._weights_known.set()  # a start still waiting for weights goes on to stop
         if popen is not None and popen.poll() is None:
             _signal_group(popen.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -380,6 +428,12 @@ class SparkConnectServer:
     # -- the server thread --
 
     def _serve(self) -> None:
+        if self.weights_wait_s > 0 and not self._weights_known.wait(self.weights_wait_s):
+            logger.warning(
+                "no tenant weights from a broker within %.0f s: starting the Spark Connect"
+                " server with every tenant's pool at weight 1",
+                self.weights_wait_s,
+            )
         try:
             popen = self._launch()
         except Exception as exc:
@@ -439,8 +493,14 @@ class SparkConnectServer:
         fd = os.open(properties, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as out:
             out.write(_properties_text(conf))
+        with self._lock:
+            weights = self._weights_written = dict(self._weights)
+        allocation = home / ALLOCATION_FILE
+        fd = os.open(allocation, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(allocation_xml(weights))
         if self.identity.switch:
-            for path in (home, home / "tmp", home / "warehouse", properties):
+            for path in (home, home / "tmp", home / "warehouse", properties, allocation):
                 os.chown(path, self.identity.uid, self.identity.gid)
         log = open(home / "server.log", "ab")  # noqa: SIM115 - handed to the child
         try:

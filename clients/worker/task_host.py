@@ -48,6 +48,7 @@ from clients.worker.spark_connect import (
     connect_session,
     preload_spark_client,
 )
+from clients.worker.spark_remote import remote_session
 from clients.worker.task_api import (
     BUILTIN_TASKS,
     TaskCancelled,
@@ -292,12 +293,19 @@ def spark_access(run: task_wire.Run) -> dict[str, Any]:
             "spark_unavailable": f"Spark is not available: {run.spark_error}",
             "classic_unavailable": classic_refused,
         }
+    if run.spark_remote:
+        return {
+            "connect_factory": lambda: remote_session(
+                run.spark_remote, run.spark_session_id, run.spark_pool, run.spark_wait_s
+            ),
+            "classic_unavailable": classic_refused,
+        }
     endpoint = ConnectEndpoint(
         run.spark_connect_port, run.spark_connect_token, run.spark_connect_uid
     )
     return {
         "connect_factory": lambda: connect_session(
-            endpoint, run.spark_session_id, run.spark_wait_s
+            endpoint, run.spark_session_id, run.spark_wait_s, run.spark_pool
         ),
         "classic_unavailable": classic_refused,
     }

@@ -64,6 +64,10 @@ class Run(msgspec.Struct, frozen=True, tag="run", tag_field="kind"):
     spark_wait_s: float = 0.0
     spark_error: str = ""
     allow_classic_spark: bool = True
+    # --spark-remote: the remote server's sc:// URL (its token too) instead of the port.
+    spark_remote: str = ""
+    # The tenant's fair-scheduler pool (clients/worker/spark_pools.py); "": the default.
+    spark_pool: str = ""
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel", tag_field="kind"):

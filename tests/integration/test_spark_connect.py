@@ -12,10 +12,12 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ import pytest
 
 from broker.workers.protocol import Cancel, TaskAttempt
 from clients.worker import Worker, WorkerConfig
-from clients.worker.spark_connect import SparkConnectServer, new_session_id
+from clients.worker.spark_connect import SparkConnectServer, free_port, new_session_id
 from tests.support.worker_harness import (
     WAIT_S,
     Env,
@@ -92,6 +94,12 @@ def slow_udf_query(params, ctx):
     return [row.x for row in df.collect()]
 
 
+def pooled(params, ctx):
+    spark = ctx.spark
+    total = spark.range(0, 1000, 1, 2).selectExpr("sum(id) AS s").collect()[0].s
+    return {"session": spark.session_id, "sum": total}
+
+
 def classic_sum(params, ctx):
     sc = ctx.classic_spark.sparkContext
     return sc.parallelize([1, 2, 3], 2).sum()
@@ -123,17 +131,25 @@ def worker_config(env: Env, work_dir: Path, **overrides: Any) -> WorkerConfig:
 
 
 @pytest.fixture(scope="module")
-def server(work_root: Path) -> Iterator[SparkConnectServer]:
+def ui_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def server(work_root: Path, ui_port: int) -> Iterator[SparkConnectServer]:
     config = WorkerConfig(
         broker="127.0.0.1:1",
         http_url="http://127.0.0.1:1",
         spark_master="local[2]",
         work_dir=work_root,
+        # Spark's UI and REST API, to see the fair-scheduler pools.
+        spark_conf={"spark.ui.enabled": "true", "spark.ui.port": str(ui_port)},
     )
     from clients.worker.task_env import WorkArea
 
     WorkArea(work_root)  # the worker's directories, as a worker makes them
     spark_server = SparkConnectServer.from_config(config)
+    spark_server.set_tenant_weights({"heavy": 3.0})  # as a worker does with its Welcome
     spark_server.start()
     try:
         spark_server.wait_ready(240.0)
@@ -256,6 +272,60 @@ async def test_classic_spark_needs_the_flag(
     assert not report.ok
     assert "classic Spark is off" in (report.error or "")
     assert "--allow-classic-spark" in (report.error or "")
+
+
+def _rest(ui_port: int, path: str) -> Any:
+    with urllib.request.urlopen(f"http://127.0.0.1:{ui_port}{path}", timeout=60) as answer:
+        return json.loads(answer.read()) if path.startswith("/api/") else answer.read().decode()
+
+
+async def test_tenants_jobs_run_in_their_fair_pools(
+    env: Env, server: SparkConnectServer, work_root: Path, ui_port: int
+) -> None:
+    # Item 5 of issue 18: a pool per tenant, weighted like the tenant, seen in Spark's REST
+    # API (each stage's schedulingPool) and UI (the pools' weights).
+    _, conn, sha = await start_worker(env, server, work_root)
+    conn.assign(
+        task(61, "scjob.job:pooled", tenant="heavy", code=sha),
+        task(62, "scjob.job:pooled", tenant="light", code=sha),
+    )
+    reports = await conn.reports(2, SPARK_WAIT_S)
+    sessions = {
+        tenant: result_of(reports[t, 1])["session"] for t, tenant in ((61, "heavy"), (62, "light"))
+    }
+    app = (await asyncio.to_thread(_rest, ui_port, "/api/v1/applications"))[0]["id"]
+    jobs = await asyncio.to_thread(_rest, ui_port, f"/api/v1/applications/{app}/jobs")
+    stages = await asyncio.to_thread(_rest, ui_port, f"/api/v1/applications/{app}/stages")
+    pool_of_stage = {s["stageId"]: s["schedulingPool"] for s in stages if s["status"] == "COMPLETE"}
+    for tenant, session in sessions.items():
+        pools = {
+            pool_of_stage[stage]
+            for job in jobs
+            if any(f"_Session_{session}_" in tag for tag in job.get("jobTags", []))
+            for stage in job["stageIds"]
+            if stage in pool_of_stage
+        }
+        assert pools == {f"tenant-{tenant}"}, (tenant, pools)
+    page = await asyncio.to_thread(_rest, ui_port, "/stages/")
+    # The UI's "Fair Scheduler Pools" table comes first: name, minimum share, weight, ...
+    cells = re.sub(r"<[^>]+>", " ", page.split("Fair Scheduler Pools", 1)[1]).split()
+    weights: dict[str, str] = {}
+    for i, cell in enumerate(cells):
+        if cell.startswith("tenant-"):
+            weights.setdefault(cell, cells[i + 2])
+    assert weights["tenant-heavy"] == "3" and weights["tenant-light"] == "1", weights
+    allocation = work_root / "spark" / "fairscheduler.xml"
+    assert allocation.stat().st_mode & 0o777 == 0o600
+
+
+async def test_the_welcome_s_tenant_weights_reach_the_server(
+    env: Env, server: SparkConnectServer, work_root: Path
+) -> None:
+    worker = Worker(worker_config(env, work_root, worker_id="sc-weights"), spark_server=server)
+    env.workers.append((worker, asyncio.ensure_future(worker.run())))
+    await env.broker.connect(tenant_weights={"heavy": 3.0, "big": 5.0})
+    await asyncio.wait_for(worker.wait_connected(), WAIT_S)
+    assert server.tenant_weights() == {"heavy": 3.0, "big": 5.0}
 
 
 async def test_classic_spark_with_the_flag(

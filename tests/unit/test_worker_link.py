@@ -67,6 +67,19 @@ async def test_handshake_welcome_and_registration(broker: Broker) -> None:
     await broker.until(lambda: worker.heartbeats_received >= 2)
 
 
+async def test_welcome_carries_the_weights_of_tenants_not_weighing_one(broker: Broker) -> None:
+    # The worker's Spark fair pools take them (clients/worker/spark_pools.py).
+    for name, weight in (("heavy", 3.0), ("plain", 1.0)):
+
+        def build(stamp: Stamp, name: str = name, weight: float = weight) -> e.Entry:
+            limits = e.TenantLimitsPatch(weight=weight)
+            return e.SetTenant(time_ms=stamp.now_ms, tenant=name, limits=limits)
+
+        await broker.node.propose(build)
+    welcome = await broker.worker("w1").hello()
+    assert welcome.tenant_weights == {"heavy": 3.0}
+
+
 # --- 2. assignments -------------------------------------------------------------------------
 
 
