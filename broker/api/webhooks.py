@@ -9,10 +9,12 @@ is delivered: at least once. What was delivered is logged in batches (one
 ``WebhookProgress`` entry every ``FLUSH_S`` at most), so a new leader resumes after the
 last logged key and redelivers at most what came after it.
 
-The events come from the broker's event ring (broker/api/event_feed.py), fed by the
-applied entries' effects (one event source, docs/DESIGN.md §1); a position older than the
-ring (a long outage of the receiver) is skipped to the ring's oldest event, with a
-warning: that is the bound of "at least once".
+The events come from the state: applying an entry puts the tasks it made final into the
+outbox of their tenant's webhook (broker/core/webhooks.py), and a logged delivery takes
+them out. The outbox is replicated and in every snapshot, so a restarted broker or a new
+leader delivers every event after the logged position, whatever it replayed or loaded (a
+snapshot taken after the events, a follower that booted after them). An outbox holds at
+most ``MAX_OUTBOX`` events (the oldest are dropped past it): the bound of "at least once".
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from typing import Final
 
 import httpx
 
-from broker.api.event_feed import EventFeed, EventKey, FeedFilter
+from broker.api.common import json_encoder, task_view
+from broker.api.event_feed import EventKey
 from broker.core import entries as e
 from broker.core.effects import Applied
 from broker.core.records import Webhook
@@ -55,9 +58,8 @@ class WebhookSender:
     """Runs on the leader only: started by the first entry applied while leading with a
     webhook configured, it ends when the broker is no longer the leader."""
 
-    def __init__(self, node: Node, feed: EventFeed) -> None:
+    def __init__(self, node: Node) -> None:
         self._node = node
-        self._feed = feed
         self._task: asyncio.Task[None] | None = None
         self._look = True
         # Delivered here, not yet logged: tenant -> key.
@@ -122,25 +124,31 @@ class WebhookSender:
             except Exception as exc:  # taking over, or deposed: the next flush retries
                 logger.info("webhook progress not logged yet: %s", exc)
 
+    def _pending(self, tenant: str, after: EventKey) -> list[tuple[EventKey, bytes]]:
+        """Up to ``BATCH`` events of the tenant's outbox after ``after``, as (key, view)."""
+        state = self._node.state
+        outbox = state.webhook_outbox.get(tenant, ())
+        found: list[tuple[EventKey, bytes]] = []
+        for key, task_id in outbox:
+            if key <= after:
+                continue
+            task = state.tasks.get(task_id)
+            if task is None:  # purged since (finished-task retention): nothing to show
+                continue
+            found.append((key, json_encoder.encode(task_view(task, state.tree(task_id)))))
+            if len(found) == BATCH:
+                break
+        return found
+
     async def _deliver(self, http: httpx.AsyncClient, tenant: str) -> None:
         """Deliver the tenant's events in order, each until it is acknowledged."""
-        wanted = FeedFilter(tenant=tenant)
         while True:
             hook = self._hooks().get(tenant)
             if hook is None:
                 self._delivered.pop(tenant, None)
                 return  # removed; a new PUT starts a new sender
             after = max(hook.delivered, self._delivered.get(tenant, hook.delivered))
-            events, gap = self._feed.held_after(after, wanted, BATCH)
-            if gap:
-                logger.warning(
-                    "webhook of tenant %s: events after %s are no longer held; "
-                    "delivering from the oldest held event",
-                    tenant,
-                    key_text(after),
-                )
-                self._delivered[tenant] = self._feed.base
-                continue
+            events = self._pending(tenant, after)
             if not events:
                 await asyncio.sleep(IDLE_S)
                 continue

@@ -47,6 +47,9 @@ class SnapshotBody(msgspec.Struct):
     tokens: list[ApiToken] = []
     # Periodic-task schedules, in creation order (the default reads older snapshots).
     schedules: list[Schedule] = []
+    # Each webhook's undelivered events, (key, task id) in log order, by tenant (the
+    # default reads older snapshots).
+    webhook_outbox: dict[str, list[tuple[tuple[int, int, int], int]]] = {}
 
 
 SNAPSHOT_BODY_VERSION: Final = 1

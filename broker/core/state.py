@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -142,6 +142,10 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
         self.entries_applied += 1
         result = self._handlers[type(entry)](entry)
         self._effects = []
+        if self.webhook_outbox and effects:
+            self._queue_webhook_events(
+                [effect.task_id for effect in effects if type(effect) is TaskFinal]
+            )
         return Applied(result, tuple(effects))
 
     def next_timer_ms(self) -> int | None:
@@ -262,6 +266,7 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
             trees=list(self.trees.values()),
             tokens=list(self.tokens.values()),
             schedules=list(self.schedules.values()),
+            webhook_outbox={name: list(box) for name, box in sorted(self.webhook_outbox.items())},
         )
 
     def encode_snapshot(self) -> bytes:
@@ -300,6 +305,12 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
         machine.tokens = {t.id: t for t in body.tokens}
         machine.token_ids_by_hash = {t.sha256: t.id for t in body.tokens}
         machine.schedules = {(s.tenant, s.name): s for s in body.schedules}
+        # A snapshot from before the outboxes: each webhook's starts empty.
+        machine.webhook_outbox = {
+            t.name: deque(body.webhook_outbox.get(t.name, ()))
+            for t in body.tenants
+            if t.webhook is not None
+        }
         return machine
 
     def _legacy_scope(self, record: SubmissionRecord) -> str:
