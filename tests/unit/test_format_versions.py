@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 import pytest
@@ -179,3 +179,53 @@ def test_a_log_entry_of_a_newer_release_stops_the_broker_naming_where() -> None:
         NewerFormatError, match=f"ledger 7 entry 3: log entry format version {newer}"
     ):
         applier.apply_logged(LedgerEntry(ledger_id=7, entry_id=3, last_add_confirmed=-1, data=data))
+
+
+# The entry types added in format 3: a broker of format 2 does not know their tags.
+FORMAT_3_TYPES = {
+    e.CancelTasks,
+    e.DeleteCode,
+    e.CreateSchedule,
+    e.DeleteSchedule,
+    e.FireSchedule,
+    e.SetWebhook,
+    e.WebhookProgress,
+}
+
+
+def test_each_entry_is_written_in_the_oldest_format_that_knows_its_type() -> None:
+    for entry in sample_entries():
+        written = msgspec.msgpack.decode(e.encode_entry(entry))
+        version = written.get("v", e.BASE_ENTRY_FORMAT_VERSION)
+        if type(entry) in FORMAT_3_TYPES:
+            assert version == 3, entry
+        else:  # what its fields need, never raised by the type
+            assert version == entry.v, entry
+        # Decodes as it was made, but for the version it was written in.
+        decoded = e.decode_entry(e.encode_entry(entry))
+        assert decoded == msgspec.structs.replace(entry, v=version)
+
+
+def test_a_broker_of_format_2_refuses_a_format_3_entry_type_naming_the_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from broker.replication.applier import Applier
+    from log.api import LedgerEntry
+
+    # The release before: it reads format 2 and knows none of the format-3 entry types.
+    known = tuple(t for t in e.Entry.__args__ if t not in FORMAT_3_TYPES)  # type: ignore[attr-defined]
+    monkeypatch.setattr(e, "ENTRY_FORMAT_VERSION", 2)
+    older = msgspec.msgpack.Decoder(Union[(e.Confirm, *known)])  # type: ignore[valid-type]
+    monkeypatch.setattr(e, "_record_decoder", older)
+    applier = Applier(None)  # type: ignore[arg-type]  # the entry is refused before use
+    for entry in sample_entries():
+        if type(entry) not in FORMAT_3_TYPES:
+            continue
+        data = e.encode_entry(entry)
+        with pytest.raises(NewerFormatError) as info:
+            applier.apply_logged(LedgerEntry(4, 9, last_add_confirmed=-1, data=data))
+        message = str(info.value)
+        assert "ledger 4 entry 9: log entry format version 3 is newer than this broker's 2" in (
+            message
+        ), message
+        assert "upgrade the broker to a release that reads version 3" in message
