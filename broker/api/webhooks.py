@@ -20,6 +20,7 @@ most ``MAX_OUTBOX`` events (the oldest are dropped past it): the bound of "at le
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -41,7 +42,10 @@ IDLE_S: Final = 0.05  # a tenant with nothing to deliver looks again after this
 FIRST_BACKOFF_S: Final = 0.1
 MAX_BACKOFF_S: Final = 30.0
 POST_TIMEOUT_S: Final = 10.0
-BATCH: Final = 256  # events taken from the ring at a time
+BATCH: Final = 256  # events taken from the outbox at a time
+# How often a leader that applies nothing looks for pending deliveries (a broker restarted
+# with events undelivered, a quiet take-over: no entry would start the sender).
+WATCH_S: Final = 1.0
 
 
 def signature(secret: str, body: bytes) -> str:
@@ -56,7 +60,8 @@ def key_text(key: EventKey) -> str:
 
 class WebhookSender:
     """Runs on the leader only: started by the first entry applied while leading with a
-    webhook configured, it ends when the broker is no longer the leader."""
+    webhook configured (or, with nothing applied, within ``WATCH_S`` of leading), it ends
+    when the broker is no longer the leader."""
 
     def __init__(self, node: Node) -> None:
         self._node = node
@@ -65,6 +70,10 @@ class WebhookSender:
         # Delivered here, not yet logged: tenant -> key.
         self._delivered: dict[str, EventKey] = {}
         node.listeners.append(self._on_applied)
+        self._watch: asyncio.Task[None] | None = None
+        # Built outside a loop (a test's app): only entries start it.
+        with contextlib.suppress(RuntimeError):
+            self._watch = asyncio.get_running_loop().create_task(self._watch_leading())
 
     def _on_applied(self, entry: e.Entry, applied: Applied) -> None:
         if self._task is not None:
@@ -75,12 +84,23 @@ class WebhookSender:
         # Not every entry scans the tenants: the first one led, and those setting a webhook.
         if self._look or type(entry) is e.SetWebhook:
             self._look = False
-            if any(t.webhook is not None for t in self._node.state.tenants.values()):
-                self._task = asyncio.get_running_loop().create_task(self._run())
+            self._start_if_hooked()
+
+    def _start_if_hooked(self) -> None:
+        if any(t.webhook is not None for t in self._node.state.tenants.values()):
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _watch_leading(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_S)
+            node = self._node
+            if self._task is None and node.is_leader and node.writable:
+                self._start_if_hooked()
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._watch, self._task):
+            if task is not None:
+                task.cancel()
 
     def _hooks(self) -> dict[str, Webhook]:
         return {
