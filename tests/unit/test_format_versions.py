@@ -52,7 +52,8 @@ def _seen(machine: StateMachine, expected: dict[str, Any]) -> dict[str, object]:
 def _apply_sample_entries(sample: Path) -> StateMachine:
     raw = msgspec.msgpack.decode((sample / "entries.msgpack").read_bytes(), type=list[bytes])
     machine = StateMachine()
-    for data in raw:
+    for index, data in enumerate(raw):
+        machine.position = (1, index)  # where the generator logged it (format_samples.py)
         machine.apply(e.decode_entry(data))
     machine.check_invariants()
     return machine
