@@ -80,7 +80,7 @@ from broker.core.schedules import Schedule as Schedule
 from broker.core.schedules import SchedulesMixin
 from broker.core.snapshot_body import SNAPSHOT_BODY_VERSION as SNAPSHOT_BODY_VERSION
 from broker.core.snapshot_body import SnapshotBody as SnapshotBody
-from broker.core.snapshot_body import _snapshot_encoder, decode_snapshot_body
+from broker.core.snapshot_body import _snapshot_encoder, body_version, decode_snapshot_body
 from broker.core.tenants import TenantsMixin
 from broker.core.transitions import TaskState as TaskState  # re-exported: its old home
 from broker.core.validation import IDEMPOTENCY_KEY_RE as IDEMPOTENCY_KEY_RE
@@ -248,7 +248,7 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
         return [tasks[i] for i in pick(limit, matching(candidates))]
 
     def snapshot_body(self) -> SnapshotBody:
-        return SnapshotBody(
+        body = SnapshotBody(
             format_version=SNAPSHOT_BODY_VERSION,
             now_ms=self.now_ms,
             max_task_id=self.max_task_id,
@@ -268,6 +268,9 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
             schedules=list(self.schedules.values()),
             webhook_outbox={name: list(box) for name, box in sorted(self.webhook_outbox.items())},
         )
+        # In the oldest version that keeps it all (docs/OPERATIONS.md, "Rolling upgrade").
+        body.format_version = body_version(body)
+        return body
 
     def encode_snapshot(self) -> bytes:
         return _snapshot_encoder.encode(self.snapshot_body())

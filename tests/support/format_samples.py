@@ -25,7 +25,6 @@ import msgspec
 
 from broker.core import entries as e
 from broker.core.records import Rejected
-from broker.core.snapshot_body import SNAPSHOT_BODY_VERSION
 from broker.core.state import StateMachine
 from snapshot.format import FORMAT_VERSION, MAGIC, read_snapshot, write_snapshot
 
@@ -199,7 +198,7 @@ def write_samples(directory: Path) -> dict[str, object]:
         "entry_versions": sorted({e.decode_entry(data).v for data in encoded}),
         "entry_types": sorted({type(entry).__name__ for entry in entries}),
         "snapshot_format_version": FORMAT_VERSION,
-        "snapshot_body_version": SNAPSHOT_BODY_VERSION,
+        "snapshot_body_version": machine.snapshot_body().format_version,
         "cluster_id": CLUSTER,
         "entries": len(entries),
         "digest": machine.digest(),

@@ -119,7 +119,8 @@ def _newer_body() -> bytes:
 
 
 def test_a_newer_snapshot_body_is_refused_naming_its_version() -> None:
-    with pytest.raises(SnapshotBodyVersionError, match="version 2 is newer") as info:
+    newer = SNAPSHOT_BODY_VERSION + 1
+    with pytest.raises(SnapshotBodyVersionError, match=f"version {newer} is newer") as info:
         decode_snapshot_body(_newer_body())
     assert info.value.newer
 
@@ -164,7 +165,8 @@ async def test_a_broker_refuses_to_boot_from_a_newer_snapshot(tmp_path: Path, wh
         await snapshots.load()
     message = str(info.value)
     assert snapshot_file_name(2, 1) in message
-    assert "version 2 is newer" in message and "upgrade the broker" in message
+    newer = (FORMAT_VERSION if what == "file" else SNAPSHOT_BODY_VERSION) + 1
+    assert f"version {newer} is newer" in message and "upgrade the broker" in message
     # Skipped, not loaded and not quarantined: the file is fine for the newer release.
     assert (tmp_path / snapshot_file_name(2, 1)).exists()
 
@@ -230,3 +232,19 @@ def test_a_broker_of_format_2_refuses_a_format_3_entry_type_naming_the_version(
             message
         ), message
         assert "upgrade the broker to a release that reads version 3" in message
+
+
+def test_a_snapshot_body_is_written_in_the_oldest_version_that_keeps_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from broker.core import snapshot_body
+
+    assert decode_snapshot_body(StateMachine().encode_snapshot()).format_version == 1
+    hooked = StateMachine()
+    hooked.apply(e.SetWebhook(time_ms=1, tenant="t", url="http://hooks.example", secret="k"))
+    data = hooked.encode_snapshot()
+    assert decode_snapshot_body(data).format_version == 2
+    # A broker that reads body version 1 only would drop the webhook: it refuses instead.
+    monkeypatch.setattr(snapshot_body, "SNAPSHOT_BODY_VERSION", 1)
+    with pytest.raises(SnapshotBodyVersionError, match="version 2 is newer than this broker's 1"):
+        decode_snapshot_body(data)
