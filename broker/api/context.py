@@ -181,7 +181,7 @@ class ApiContext:
         # Per-tenant submit rate limit, enforced while this broker leads (rate_limit.py).
         self.submit_limiter = SubmitRateLimiter()
         self.feed = EventFeed(node, config.event_history, config.max_event_backlog)
-        self.webhooks = WebhookSender(node, self.feed)  # runs on the leader only
+        self.webhooks = WebhookSender(node)  # runs on the leader only
         # The dashboard's throughput series, counted from the entries this broker applies.
         self.throughput = dashboard.ThroughputRecorder(node)
         # The OpenAPI document (ApiApp sets it: it is generated from the route table).

@@ -9,15 +9,18 @@ is delivered: at least once. What was delivered is logged in batches (one
 ``WebhookProgress`` entry every ``FLUSH_S`` at most), so a new leader resumes after the
 last logged key and redelivers at most what came after it.
 
-The events come from the broker's event ring (broker/api/event_feed.py), fed by the
-applied entries' effects (one event source, docs/DESIGN.md §1); a position older than the
-ring (a long outage of the receiver) is skipped to the ring's oldest event, with a
-warning: that is the bound of "at least once".
+The events come from the state: applying an entry puts the tasks it made final into the
+outbox of their tenant's webhook (broker/core/webhooks.py), and a logged delivery takes
+them out. The outbox is replicated and in every snapshot, so a restarted broker or a new
+leader delivers every event after the logged position, whatever it replayed or loaded (a
+snapshot taken after the events, a follower that booted after them). An outbox holds at
+most ``MAX_OUTBOX`` events (the oldest are dropped past it): the bound of "at least once".
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -25,7 +28,8 @@ from typing import Final
 
 import httpx
 
-from broker.api.event_feed import EventFeed, EventKey, FeedFilter
+from broker.api.common import json_encoder, task_view
+from broker.api.event_feed import EventKey
 from broker.core import entries as e
 from broker.core.effects import Applied
 from broker.core.records import Webhook
@@ -38,7 +42,10 @@ IDLE_S: Final = 0.05  # a tenant with nothing to deliver looks again after this
 FIRST_BACKOFF_S: Final = 0.1
 MAX_BACKOFF_S: Final = 30.0
 POST_TIMEOUT_S: Final = 10.0
-BATCH: Final = 256  # events taken from the ring at a time
+BATCH: Final = 256  # events taken from the outbox at a time
+# How often a leader that applies nothing looks for pending deliveries (a broker restarted
+# with events undelivered, a quiet take-over: no entry would start the sender).
+WATCH_S: Final = 1.0
 
 
 def signature(secret: str, body: bytes) -> str:
@@ -53,16 +60,20 @@ def key_text(key: EventKey) -> str:
 
 class WebhookSender:
     """Runs on the leader only: started by the first entry applied while leading with a
-    webhook configured, it ends when the broker is no longer the leader."""
+    webhook configured (or, with nothing applied, within ``WATCH_S`` of leading), it ends
+    when the broker is no longer the leader."""
 
-    def __init__(self, node: Node, feed: EventFeed) -> None:
+    def __init__(self, node: Node) -> None:
         self._node = node
-        self._feed = feed
         self._task: asyncio.Task[None] | None = None
         self._look = True
         # Delivered here, not yet logged: tenant -> key.
         self._delivered: dict[str, EventKey] = {}
         node.listeners.append(self._on_applied)
+        self._watch: asyncio.Task[None] | None = None
+        # Built outside a loop (a test's app): only entries start it.
+        with contextlib.suppress(RuntimeError):
+            self._watch = asyncio.get_running_loop().create_task(self._watch_leading())
 
     def _on_applied(self, entry: e.Entry, applied: Applied) -> None:
         if self._task is not None:
@@ -73,12 +84,23 @@ class WebhookSender:
         # Not every entry scans the tenants: the first one led, and those setting a webhook.
         if self._look or type(entry) is e.SetWebhook:
             self._look = False
-            if any(t.webhook is not None for t in self._node.state.tenants.values()):
-                self._task = asyncio.get_running_loop().create_task(self._run())
+            self._start_if_hooked()
+
+    def _start_if_hooked(self) -> None:
+        if any(t.webhook is not None for t in self._node.state.tenants.values()):
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _watch_leading(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_S)
+            node = self._node
+            if self._task is None and node.is_leader and node.writable:
+                self._start_if_hooked()
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._watch, self._task):
+            if task is not None:
+                task.cancel()
 
     def _hooks(self) -> dict[str, Webhook]:
         return {
@@ -122,25 +144,31 @@ class WebhookSender:
             except Exception as exc:  # taking over, or deposed: the next flush retries
                 logger.info("webhook progress not logged yet: %s", exc)
 
+    def _pending(self, tenant: str, after: EventKey) -> list[tuple[EventKey, bytes]]:
+        """Up to ``BATCH`` events of the tenant's outbox after ``after``, as (key, view)."""
+        state = self._node.state
+        outbox = state.webhook_outbox.get(tenant, ())
+        found: list[tuple[EventKey, bytes]] = []
+        for key, task_id in outbox:
+            if key <= after:
+                continue
+            task = state.tasks.get(task_id)
+            if task is None:  # purged since (finished-task retention): nothing to show
+                continue
+            found.append((key, json_encoder.encode(task_view(task, state.tree(task_id)))))
+            if len(found) == BATCH:
+                break
+        return found
+
     async def _deliver(self, http: httpx.AsyncClient, tenant: str) -> None:
         """Deliver the tenant's events in order, each until it is acknowledged."""
-        wanted = FeedFilter(tenant=tenant)
         while True:
             hook = self._hooks().get(tenant)
             if hook is None:
                 self._delivered.pop(tenant, None)
                 return  # removed; a new PUT starts a new sender
             after = max(hook.delivered, self._delivered.get(tenant, hook.delivered))
-            events, gap = self._feed.held_after(after, wanted, BATCH)
-            if gap:
-                logger.warning(
-                    "webhook of tenant %s: events after %s are no longer held; "
-                    "delivering from the oldest held event",
-                    tenant,
-                    key_text(after),
-                )
-                self._delivered[tenant] = self._feed.base
-                continue
+            events = self._pending(tenant, after)
             if not events:
                 await asyncio.sleep(IDLE_S)
                 continue

@@ -11,7 +11,7 @@ machine never looks inside them, so they are stored and served verbatim.
 from __future__ import annotations
 
 import re
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 import msgspec
 
@@ -19,7 +19,9 @@ import msgspec
 #: newer entry must stop rather than skip it (skipping would fork the state).
 #: 2: TaskOutcome.released (an attempt given back, docs/DESIGN.md §6, "Stopping").
 #: 3: TaskSpec.after and joins (a spawned child waits for its other anchors, docs/DESIGN.md §2);
-#:    TaskSpec.priority and retry backoff (§6, "Priorities and backoff"); a tenant's submit rate.
+#:    TaskSpec.priority and retry backoff (§6, "Priorities and backoff"); a tenant's submit rate;
+#:    the entry types DeleteCode, CreateSchedule, DeleteSchedule, FireSchedule, CancelTasks,
+#:    SetWebhook and WebhookProgress (each type's ``min_version``).
 ENTRY_FORMAT_VERSION: Final = 3
 #: The version entries are written with unless they need a newer one, so a broker not
 #: yet upgraded keeps following until a newer feature is actually used.
@@ -55,6 +57,10 @@ class _VersionProbe(msgspec.Struct):
 
 
 class _Entry(msgspec.Struct, tag_field="type", omit_defaults=True, frozen=True):
+    # The oldest format whose readers know this entry type: encode_entry writes the entry
+    # in it at least, so an older broker refuses it naming the version instead of failing
+    # on an unknown type tag (docs/OPERATIONS.md, "Rolling upgrade"). Not encoded.
+    min_version: ClassVar[int] = BASE_ENTRY_FORMAT_VERSION
     # Leader's clock when the entry was created; apply() advances time with it.
     time_ms: int
     v: int = BASE_ENTRY_FORMAT_VERSION
@@ -145,8 +151,11 @@ MAX_CANCEL_BATCH: Final = 1000
 
 class CancelTasks(_Entry, frozen=True, tag="cancel_many"):
     """One bounded batch of a cancel by filter (the leader chose the ids): tasks already
-    final, unknown or (with ``tenant``) of another tenant are skipped, not refused. A
-    broker older than this entry type cannot decode its tag and stops (§2)."""
+    final, unknown or (with ``tenant``) of another tenant are skipped, not refused.
+    Written as format 3 (``min_version``): a broker older than this entry type stops,
+    naming the version."""
+
+    min_version: ClassVar[int] = 3
 
     task_ids: tuple[int, ...] = ()
     reason: str = "cancelled by request"
@@ -286,6 +295,8 @@ class DeleteCode(_Entry, frozen=True, tag="code_delete"):
     ``unused_for_ms`` > 0 is the leader's retention: applied only if no task has needed
     the artifact for that long (re-checked here, so a task submitted meanwhile wins)."""
 
+    min_version: ClassVar[int] = 3
+
     sha256: str = ""
     tenant: str | None = None
     unused_for_ms: int = 0
@@ -312,6 +323,8 @@ class CreateSchedule(_Entry, frozen=True, tag="schedule_create"):
     """A periodic task (broker/core/schedules.py): ``task`` (id 0) is created at each tick
     of ``cron`` (UTC) or every ``interval_ms``; the leader computed ``first_ms``."""
 
+    min_version: ClassVar[int] = 3
+
     tenant: str = ""
     name: str = ""
     task: TaskSpec = TaskSpec(id=0, type="", tenant="")
@@ -323,6 +336,8 @@ class CreateSchedule(_Entry, frozen=True, tag="schedule_create"):
 
 
 class DeleteSchedule(_Entry, frozen=True, tag="schedule_delete"):
+    min_version: ClassVar[int] = 3
+
     tenant: str = ""
     name: str = ""
 
@@ -331,6 +346,8 @@ class FireSchedule(_Entry, frozen=True, tag="schedule_fire"):
     """The leader handles a schedule's tick ``tick_ms`` (its next_ms, so a tick is handled
     once): creates the task ``task_id`` (None: none) for the tick ``run_tick_ms`` (None:
     tick_ms) and moves the schedule on to ``next_ms``, ``skipped`` ticks dropped."""
+
+    min_version: ClassVar[int] = 3
 
     tenant: str = ""
     name: str = ""
@@ -343,6 +360,8 @@ class FireSchedule(_Entry, frozen=True, tag="schedule_fire"):
 
 class SetWebhook(_Entry, frozen=True, tag="webhook_set"):
     """A tenant's webhook (``url`` None: none); events after ``after`` are delivered."""
+
+    min_version: ClassVar[int] = 3
 
     tenant: str = ""
     url: str | None = None
@@ -357,6 +376,8 @@ class WebhookMark(msgspec.Struct, frozen=True, array_like=True):
 
 class WebhookProgress(_Entry, frozen=True, tag="webhook_progress"):
     """The leader delivered the webhooks' events up to these keys (one entry per batch)."""
+
+    min_version: ClassVar[int] = 3
 
     marks: tuple[WebhookMark, ...] = ()
 
@@ -403,6 +424,8 @@ _record_decoder: Final = msgspec.msgpack.Decoder(Record)
 
 
 def encode_entry(entry: Entry | Confirm) -> bytes:
+    if entry.v < entry.min_version:
+        entry = msgspec.structs.replace(entry, v=entry.min_version)
     return _encoder.encode(entry)
 
 

@@ -10,7 +10,7 @@ see docs/DESIGN.md §2.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from enum import IntEnum
 
 from broker.core.effects import Effect, TaskFinal
@@ -89,6 +89,14 @@ class MachineBase:
         self.dependants: dict[int, dict[int, None]] = {}
         self._timers: list[tuple[int, int, int]] = []  # (due_ms, kind, id)
         self.entries_applied = 0
+        # Each webhook's outbox (tenant -> (event key, task id), in log order): the events
+        # not yet logged as delivered, so any broker that loads this state delivers them,
+        # whatever it replayed (docs/API.md, Webhooks). Only tenants with a webhook.
+        self.webhook_outbox: dict[str, deque[tuple[tuple[int, int, int], int]]] = {}
+        # The log position of the entry being applied (the applier sets it): the first two
+        # parts of the outbox's event keys. Not state: every replica applies each entry at
+        # the same position.
+        self.position: tuple[int, int] = (-1, -1)
         # The effects of the entry being applied, returned by apply (broker.core.effects);
         # not state.
         self._effects: list[Effect] = []

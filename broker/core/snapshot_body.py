@@ -47,13 +47,32 @@ class SnapshotBody(msgspec.Struct):
     tokens: list[ApiToken] = []
     # Periodic-task schedules, in creation order (the default reads older snapshots).
     schedules: list[Schedule] = []
+    # Each webhook's undelivered events, (key, task id) in log order, by tenant (the
+    # default reads older snapshots).
+    webhook_outbox: dict[str, list[tuple[tuple[int, int, int], int]]] = {}
 
 
-SNAPSHOT_BODY_VERSION: Final = 1
+#: The newest body version this code writes and reads. 2: what a version-1 reader would
+#: silently drop (its decoder skips unknown fields) and so fork its state: schedules,
+#: webhooks and their outboxes, a tenant's submit rate, a task's dependencies, priority or
+#: retry backoff. A body holding none of them is still written as 1 (body_version).
+SNAPSHOT_BODY_VERSION: Final = 2
 _snapshot_encoder: Final = msgspec.msgpack.Encoder()
 _snapshot_decoder: Final = msgspec.msgpack.Decoder(SnapshotBody)
 #: The oldest body version this code reads (docs/OPERATIONS.md, "Rolling upgrade").
 OLDEST_SNAPSHOT_BODY_VERSION: Final = 1
+
+
+def body_version(body: SnapshotBody) -> int:
+    """The oldest body version whose readers keep everything ``body`` holds."""
+    if (
+        body.schedules
+        or body.webhook_outbox
+        or any(t.webhook is not None or t.submit_rate or t.submit_burst for t in body.tenants)
+        or any(t.after or t.priority or t.retry_backoff_ms for t in body.tasks)
+    ):
+        return 2
+    return 1
 
 
 class SnapshotBodyVersionError(ValueError):

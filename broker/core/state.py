@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -80,7 +80,7 @@ from broker.core.schedules import Schedule as Schedule
 from broker.core.schedules import SchedulesMixin
 from broker.core.snapshot_body import SNAPSHOT_BODY_VERSION as SNAPSHOT_BODY_VERSION
 from broker.core.snapshot_body import SnapshotBody as SnapshotBody
-from broker.core.snapshot_body import _snapshot_encoder, decode_snapshot_body
+from broker.core.snapshot_body import _snapshot_encoder, body_version, decode_snapshot_body
 from broker.core.tenants import TenantsMixin
 from broker.core.transitions import TaskState as TaskState  # re-exported: its old home
 from broker.core.validation import IDEMPOTENCY_KEY_RE as IDEMPOTENCY_KEY_RE
@@ -142,6 +142,10 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
         self.entries_applied += 1
         result = self._handlers[type(entry)](entry)
         self._effects = []
+        if self.webhook_outbox and effects:
+            self._queue_webhook_events(
+                [effect.task_id for effect in effects if type(effect) is TaskFinal]
+            )
         return Applied(result, tuple(effects))
 
     def next_timer_ms(self) -> int | None:
@@ -244,7 +248,7 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
         return [tasks[i] for i in pick(limit, matching(candidates))]
 
     def snapshot_body(self) -> SnapshotBody:
-        return SnapshotBody(
+        body = SnapshotBody(
             format_version=SNAPSHOT_BODY_VERSION,
             now_ms=self.now_ms,
             max_task_id=self.max_task_id,
@@ -262,7 +266,11 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
             trees=list(self.trees.values()),
             tokens=list(self.tokens.values()),
             schedules=list(self.schedules.values()),
+            webhook_outbox={name: list(box) for name, box in sorted(self.webhook_outbox.items())},
         )
+        # In the oldest version that keeps it all (docs/OPERATIONS.md, "Rolling upgrade").
+        body.format_version = body_version(body)
+        return body
 
     def encode_snapshot(self) -> bytes:
         return _snapshot_encoder.encode(self.snapshot_body())
@@ -300,6 +308,12 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
         machine.tokens = {t.id: t for t in body.tokens}
         machine.token_ids_by_hash = {t.sha256: t.id for t in body.tokens}
         machine.schedules = {(s.tenant, s.name): s for s in body.schedules}
+        # A snapshot from before the outboxes: each webhook's starts empty.
+        machine.webhook_outbox = {
+            t.name: deque(body.webhook_outbox.get(t.name, ()))
+            for t in body.tenants
+            if t.webhook is not None
+        }
         return machine
 
     def _legacy_scope(self, record: SubmissionRecord) -> str:

@@ -4,6 +4,7 @@ survive a fail-over (a new leader resumes after the last logged position)."""
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Final
 
 import msgspec
@@ -15,6 +16,10 @@ from broker.core.validation import NAME_RE
 
 MAX_URL_CHARS: Final = 2048
 MAX_SECRET_CHARS: Final = 256
+# A webhook's outbox holds at most this many undelivered events: past it (a receiver down
+# for long) the oldest are dropped, identically on every replica; the bound of "at least
+# once" (docs/API.md, Webhooks).
+MAX_OUTBOX: Final = 100_000
 
 
 def webhook_problem(url: str, secret: str) -> str | None:
@@ -29,7 +34,7 @@ def webhook_problem(url: str, secret: str) -> str | None:
 
 
 class WebhooksMixin(MachineBase):
-    """SetWebhook and WebhookProgress."""
+    """SetWebhook, WebhookProgress and the outboxes."""
 
     def _set_webhook(self, entry: e.SetWebhook) -> Tenant | Rejected:
         if not NAME_RE.match(entry.tenant):
@@ -41,6 +46,11 @@ class WebhooksMixin(MachineBase):
         tenant = self._tenant(entry.tenant)
         hook = None if entry.url is None else Webhook(entry.url, entry.secret, entry.after)
         tenant.webhook = hook
+        # A new webhook delivers from its own entry on; none: nothing to deliver.
+        if hook is None:
+            self.webhook_outbox.pop(entry.tenant, None)
+        else:
+            self.webhook_outbox[entry.tenant] = deque()
         # The answer is the tenant as this entry left it: a later entry of the same group
         # commit must not change it before it is sent (webhooks are replaced, not mutated).
         return msgspec.structs.replace(tenant)
@@ -53,3 +63,18 @@ class WebhooksMixin(MachineBase):
             if tenant is not None and hook is not None and mark.delivered > hook.delivered:
                 # A new record, not a change in place: answers already given keep theirs.
                 tenant.webhook = msgspec.structs.replace(hook, delivered=mark.delivered)
+                outbox = self.webhook_outbox.get(mark.tenant)
+                while outbox and outbox[0][0] <= mark.delivered:
+                    outbox.popleft()
+
+    def _queue_webhook_events(self, final_ids: list[int]) -> None:
+        """Put the final tasks of tenants with a webhook into their outboxes, keyed as the
+        event feed keys them (log position, index among the entry's final tasks)."""
+        ledger_id, entry_id = self.position
+        for index, task_id in enumerate(final_ids):
+            task = self.tasks.get(task_id)
+            outbox = None if task is None else self.webhook_outbox.get(task.tenant)
+            if outbox is not None:
+                outbox.append(((ledger_id, entry_id, index), task_id))
+                if len(outbox) > MAX_OUTBOX:
+                    outbox.popleft()

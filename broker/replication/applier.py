@@ -27,6 +27,7 @@ class Applier:
     def apply_written(self, entry: e.Entry, position: tuple[int, int]) -> ApplyResult:
         """Apply one entry this leader wrote, now durable (and confirmed)."""
         node = self._node
+        node.state.position = position  # the webhook outboxes' keys
         applied = node.state.apply(entry)
         node.position = position
         for leader_listener in node.leader_listeners:
@@ -49,6 +50,7 @@ class Applier:
         if isinstance(record, e.Confirm):
             node.position = position
             return
+        node.state.position = position
         applied = node.state.apply(record)
         node.position = position
         self._notify(record, applied)

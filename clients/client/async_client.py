@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -14,7 +14,7 @@ from clients.client.api_calls import Request
 from clients.client.async_producer import AsyncProducer
 from clients.client.async_transport import AsyncTransport
 from clients.client.encoding import _Handle, _result_of, _Transaction, _tree_result_of, _Waiting
-from clients.client.errors import StewardError, _raise_for
+from clients.client.errors import NotFoundError, StewardError, _raise_for
 from clients.client.events import (
     BROKEN_PAUSE_S,
     EVENTS_PATH,
@@ -25,6 +25,7 @@ from clients.client.events import (
     TaskEvent,
     feed_filters,
     task_ids_of,
+    tree_stream,
 )
 from clients.client.producing import (
     DEFAULT_LINGER_MS,
@@ -57,7 +58,31 @@ class AsyncTaskHandle(_Handle["AsyncStewardClient"]):
         return _result_of(await self.wait(timeout))
 
     async def wait_tree(self, timeout: float | None = None) -> dict[str, Any]:  # noqa: ASYNC109
-        return await self._poll(timeout, tree=True)
+        """As TaskHandle.wait_tree: on the tree's event feed, not by polling."""
+        waiting = _Waiting(self.id, timeout, True, asyncio.get_running_loop().time)
+        root: list[dict[str, Any]] = []
+
+        async def ended() -> bool:
+            record = await self.client.task(self.id)
+            if record.get("tree") is None:  # not a tracked root: the broker's 400 says so
+                record = await self.client.task(self.id, wait_tree=True)
+            root[:] = [record]
+            return waiting.ended(record)
+
+        while True:
+            query, read_timeout_s = tree_stream(self.id, waiting.remaining_s())
+            parser = SseParser()
+            try:
+                lines = self.client._stream_lines(EVENTS_PATH, query, read_timeout_s, on_open=ended)
+                async for piece in lines:
+                    if any(event.event == "task" for event in parser.feed(piece)) and await ended():
+                        return root[0]
+            except StreamBrokenError:
+                await asyncio.sleep(BROKEN_PAUSE_S)
+            except NotFoundError:  # a broker older than the feed
+                return await self._poll(waiting.remaining_s(), tree=True)
+            if root and waiting.ended(root[0]):
+                return root[0]
 
     async def tree_result(self, timeout: float | None = None) -> Any:  # noqa: ASYNC109
         return _tree_result_of(await self.wait_tree(timeout))
@@ -123,9 +148,14 @@ class AsyncStewardClient(_ClientBase):
                 await asyncio.sleep(pause_s)
 
     async def _stream_lines(
-        self, path: str, params: dict[str, Any], timeout_s: float, extra_headers: str = ""
+        self,
+        path: str,
+        params: dict[str, Any],
+        timeout_s: float,
+        extra_headers: str = "",
+        on_open: Callable[[], Awaitable[bool]] | None = None,
     ) -> AsyncIterator[bytes]:
-        """As :meth:`StewardClient._stream_lines`."""
+        """As ``_stream_lines`` of clients/client/sync_client.py."""
         call = _Call(self._router, write=True)
         target = request_target(path, params)
         while True:
@@ -137,6 +167,14 @@ class AsyncStewardClient(_ClientBase):
                 pause_s = call.failed(base, exc)
             else:
                 if stream.parser.status == 200:
+                    try:
+                        done = on_open is not None and await on_open()
+                    except BaseException:
+                        stream.close()
+                        raise
+                    if done:
+                        stream.close()
+                        return
                     try:
                         async for line in stream.lines():
                             yield line + b"\n"

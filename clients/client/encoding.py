@@ -85,6 +85,9 @@ class _Waiting:
         remaining = _POLL_SLICE_S if self.deadline is None else self.deadline - self.now()
         return max(0.0, min(_POLL_SLICE_S, remaining))
 
+    def remaining_s(self) -> float | None:
+        return None if self.deadline is None else self.deadline - self.now()
+
     def ended(self, task: dict[str, Any]) -> bool:
         """Whether ``task`` ends the wait; raises TaskTimeoutError when the time is over."""
         if _tree_ended(task) if self.tree else task["state"] in FINAL_STATES:

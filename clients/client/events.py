@@ -30,6 +30,10 @@ READ_TIMEOUT_S: Final = 20.0
 MAX_LINE_BYTES: Final = 32 * 1024 * 1024
 # After a stream broke, before opening the next one (opening retries with its own backoff).
 BROKEN_PAUSE_S: Final = 0.1
+# A tree wait reads its root again at each stream it opens: slices shorter than a task
+# wait's bound how long a tree's end could go unseen if no event of the tree announced it
+# (every end known today comes with one: the last task of the tree becoming final).
+TREE_SLICE_S: Final = 10.0
 
 
 class EventStreamError(StewardError):
@@ -258,3 +262,10 @@ def feed_filters(
     if states is not None:
         filters["states"] = ",".join(states)
     return filters
+
+
+def tree_stream(root: int, remaining_s: float | None) -> tuple[dict[str, str], float]:
+    """The query and read timeout of a tree wait's next stream: the feed's events of the
+    tree ``root`` (each one a cue to read the root again) for at most ``TREE_SLICE_S``."""
+    wait_s = TREE_SLICE_S if remaining_s is None else max(0.0, min(TREE_SLICE_S, remaining_s))
+    return {"tree": str(int(root)), "wait_s": f"{wait_s:.3f}"}, min(READ_TIMEOUT_S, wait_s + 5.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ssl
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -12,7 +12,7 @@ from typing import Any
 from clients.client import api_calls as calls
 from clients.client.api_calls import Request
 from clients.client.encoding import _Handle, _result_of, _Transaction, _tree_result_of, _Waiting
-from clients.client.errors import StewardError, _raise_for
+from clients.client.errors import NotFoundError, StewardError, _raise_for
 from clients.client.events import (
     BROKEN_PAUSE_S,
     EVENTS_PATH,
@@ -23,6 +23,7 @@ from clients.client.events import (
     TaskEvent,
     feed_filters,
     task_ids_of,
+    tree_stream,
 )
 from clients.client.producer import Producer
 from clients.client.producing import (
@@ -68,8 +69,39 @@ class TaskHandle(_Handle["StewardClient"]):
 
     def wait_tree(self, timeout: float | None = None) -> dict[str, Any]:
         """Wait until the tree this tracked root grew has ended (``completed``, or
-        ``failed`` with no replay left); return the root's record (``["tree"]``)."""
-        return self._poll(timeout, tree=True)
+        ``failed`` with no replay left); return the root's record (``["tree"]``).
+
+        On the broker's event feed of the tree (``GET /api/v1/events?tree=ROOT``), not
+        by polling: the root is read when a stream opens (the feed is subscribed by
+        then, so an end after that read comes as an event) and at each event of the
+        tree. A broker without the feed (404: older than it, during a rolling upgrade)
+        is long-polled instead."""
+        waiting = _Waiting(self.id, timeout, True, time.monotonic)
+        root: list[dict[str, Any]] = []
+
+        def ended() -> bool:
+            record = self.client.task(self.id)
+            if record.get("tree") is None:  # not a tracked root: the broker's 400 says so
+                record = self.client.task(self.id, wait_tree=True)
+            root[:] = [record]
+            return waiting.ended(record)
+
+        while True:
+            query, read_timeout_s = tree_stream(self.id, waiting.remaining_s())
+            parser = SseParser()
+            try:
+                lines = _stream_lines(
+                    self.client, EVENTS_PATH, query, read_timeout_s, on_open=ended
+                )
+                for piece in lines:
+                    if any(event.event == "task" for event in parser.feed(piece)) and ended():
+                        return root[0]
+            except StreamBrokenError:
+                time.sleep(BROKEN_PAUSE_S)
+            except NotFoundError:
+                return self._poll(waiting.remaining_s(), tree=True)
+            if root and waiting.ended(root[0]):
+                return root[0]
 
     def tree_result(self, timeout: float | None = None) -> Any:
         """The root's result once its whole tree completed; raises TreeFailedError,
@@ -143,45 +175,6 @@ class StewardClient(_ClientBase):
             if pause_s > 0:
                 time.sleep(pause_s)
 
-    def _stream_lines(
-        self, path: str, params: dict[str, Any], timeout_s: float, extra_headers: str = ""
-    ) -> Iterator[bytes]:
-        """The event streams' IO: GET ``path`` on a connection of its own, tried like a
-        write (the leader once known, the next URL, backoff, for at most
-        ``failover_timeout_s``); raise an error answer's error; yield the body line by
-        line as it arrives (each ending in a newline). ``timeout_s`` bounds each wait for
-        more bytes; ``extra_headers``: header lines (each ending in CRLF) besides the
-        client's. A stream that breaks raises StreamBrokenError."""
-        call = _Call(self._router, write=True)
-        target = request_target(path, params)
-        while True:
-            base = call.target()
-            try:
-                headers = self._headers + extra_headers
-                stream = self._transport.stream(base, target, headers, timeout_s)
-                head = stream.open()
-            except TransportError as exc:
-                pause_s = call.failed(base, exc)
-            else:
-                if head.status == 200:
-                    try:
-                        for line in stream.lines():
-                            yield line + b"\n"
-                    except TransportError as exc:
-                        raise StreamBrokenError(base, describe(exc)) from exc
-                    return
-                try:
-                    response = stream.rest()
-                except TransportError as exc:
-                    raise StreamBrokenError(base, describe(exc)) from exc
-                answer_pause_s = call.answered(base, response)
-                if answer_pause_s is None:
-                    _raise_for(response)
-                    raise StreamBrokenError(base, f"HTTP {response.status}")
-                pause_s = answer_pause_s
-            if pause_s > 0:
-                time.sleep(pause_s)
-
     # tasks
 
     def iter_finished(
@@ -197,7 +190,7 @@ class StewardClient(_ClientBase):
             parser = SseParser()
             seen = len(wait.finished)
             try:
-                for piece in self._stream_lines(EVENTS_PATH, query, read_timeout_s):
+                for piece in _stream_lines(self, EVENTS_PATH, query, read_timeout_s):
                     for event in parser.feed(piece):
                         record = wait.on_event(event)
                         if record is not None:
@@ -229,7 +222,7 @@ class StewardClient(_ClientBase):
             parser = SseParser()
             seen = wait.last_event_id
             try:
-                for piece in self._stream_lines(EVENTS_PATH, query, read_timeout_s, header):
+                for piece in _stream_lines(self, EVENTS_PATH, query, read_timeout_s, header):
                     for event in parser.feed(piece):
                         found = wait.on_event(event)
                         if found is not None:
@@ -486,3 +479,57 @@ class StewardClient(_ClientBase):
     def health(self) -> dict[str, Any]:
         result: dict[str, Any] = self._send(calls.health())
         return result
+
+
+def _stream_lines(
+    client: StewardClient,
+    path: str,
+    params: dict[str, Any],
+    timeout_s: float,
+    extra_headers: str = "",
+    on_open: Callable[[], bool] | None = None,
+) -> Iterator[bytes]:
+    """The event streams' IO (``client``'s, kept out of its class for size): GET ``path``
+    on a connection of its own, tried like a write (the leader once known, the next URL,
+    backoff, for at most ``failover_timeout_s``); raise an error answer's error; yield the
+    body line by line as it arrives (each ending in a newline). ``timeout_s`` bounds each wait for
+    more bytes; ``extra_headers``: header lines (each ending in CRLF) besides the
+    client's; ``on_open`` is called once the stream is open (and its events are
+    subscribed), True ends it there. A stream that breaks raises StreamBrokenError."""
+    call = _Call(client._router, write=True)
+    target = request_target(path, params)
+    while True:
+        base = call.target()
+        try:
+            headers = client._headers + extra_headers
+            stream = client._transport.stream(base, target, headers, timeout_s)
+            head = stream.open()
+        except TransportError as exc:
+            pause_s = call.failed(base, exc)
+        else:
+            if head.status == 200:
+                try:
+                    done = on_open is not None and on_open()
+                except BaseException:
+                    stream.close()
+                    raise
+                if done:
+                    stream.close()
+                    return
+                try:
+                    for line in stream.lines():
+                        yield line + b"\n"
+                except TransportError as exc:
+                    raise StreamBrokenError(base, describe(exc)) from exc
+                return
+            try:
+                response = stream.rest()
+            except TransportError as exc:
+                raise StreamBrokenError(base, describe(exc)) from exc
+            answer_pause_s = call.answered(base, response)
+            if answer_pause_s is None:
+                _raise_for(response)
+                raise StreamBrokenError(base, f"HTTP {response.status}")
+            pause_s = answer_pause_s
+        if pause_s > 0:
+            time.sleep(pause_s)

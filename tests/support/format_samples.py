@@ -25,7 +25,6 @@ import msgspec
 
 from broker.core import entries as e
 from broker.core.records import Rejected
-from broker.core.snapshot_body import SNAPSHOT_BODY_VERSION
 from broker.core.state import StateMachine
 from snapshot.format import FORMAT_VERSION, MAGIC, read_snapshot, write_snapshot
 
@@ -149,6 +148,8 @@ def sample_entries() -> list[e.Entry]:
         e.WebhookProgress(
             time_ms=t + 60_007, marks=(e.WebhookMark(tenant="acme", delivered=(1, 20, 0)),)
         ),
+        # A final task after the delivered position: it stays in the webhook's outbox.
+        e.CancelTask(time_ms=t + 60_008, task_id=7),
     ]
 
 
@@ -162,6 +163,10 @@ def observable(machine: StateMachine) -> dict[str, object]:
         "code": sorted(machine.artifacts),
         "tokens": sorted(machine.tokens),
         "schedules": sorted(f"{tenant}/{name}" for tenant, name in machine.schedules),
+        "webhook_outbox": {
+            tenant: [[list(key), task_id] for key, task_id in outbox]
+            for tenant, outbox in sorted(machine.webhook_outbox.items())
+        },
     }
 
 
@@ -169,7 +174,8 @@ def write_samples(directory: Path) -> dict[str, object]:
     directory.mkdir(parents=True, exist_ok=False)  # never over an earlier release's files
     entries = sample_entries()
     machine = StateMachine()
-    for entry in entries:
+    for index, entry in enumerate(entries):
+        machine.position = (1, index)  # as logged: ledger 1, one entry each (the snapshot's)
         result = machine.apply(entry).result
         if isinstance(result, Rejected):
             raise SystemExit(f"sample entry {entry!r} rejected: {result.message}")
@@ -189,10 +195,10 @@ def write_samples(directory: Path) -> dict[str, object]:
     read_snapshot(directory / "state.snap")  # written whole
     expected: dict[str, object] = {
         "entry_format_version": e.ENTRY_FORMAT_VERSION,
-        "entry_versions": sorted({entry.v for entry in entries}),
+        "entry_versions": sorted({e.decode_entry(data).v for data in encoded}),
         "entry_types": sorted({type(entry).__name__ for entry in entries}),
         "snapshot_format_version": FORMAT_VERSION,
-        "snapshot_body_version": SNAPSHOT_BODY_VERSION,
+        "snapshot_body_version": machine.snapshot_body().format_version,
         "cluster_id": CLUSTER,
         "entries": len(entries),
         "digest": machine.digest(),

@@ -337,6 +337,7 @@ class Simulation(ReplicaCluster):
             self.ref_log.append((position, data))
             if isinstance(record, e.Confirm):
                 continue
+            self.reference.position = position  # as the applier does (webhook outboxes)
             result = self.reference.apply(record).result
             count_firing(self.stats, record, result)
             self.ref_results[position] = (type(result).__name__, encode_result(result))

@@ -31,6 +31,7 @@ from clients.client import (
 )
 from clients.client.async_transport import MAX_IDLE_PER_BROKER
 from clients.client.events import StreamBrokenError
+from clients.client.sync_client import _stream_lines
 from clients.client.transport import (
     MAX_HEAD_BYTES,
     ResponseParser,
@@ -487,12 +488,12 @@ def test_stream_lines_yields_the_body_as_it_comes(
 ) -> None:
     server = streaming_server(servers, chunked)
     with StewardClient(server.url) as client:
-        stream = client._stream_lines("/api/v1/events", {"after": 5}, timeout_s=WAIT_S)
+        stream = _stream_lines(client, "/api/v1/events", {"after": 5}, timeout_s=WAIT_S)
         first = next(stream)
         assert first == b"data: one\n"
         assert [first, *stream] == EXPECTED_LINES
         with pytest.raises(InvalidRequestError, match="wrong"):
-            next(client._stream_lines("/api/v1/events", {}, timeout_s=WAIT_S))
+            next(_stream_lines(client, "/api/v1/events", {}, timeout_s=WAIT_S))
 
 
 async def test_async_stream_lines_and_its_read_timeout(

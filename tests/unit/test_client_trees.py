@@ -15,6 +15,7 @@ from broker.replication.node import Node
 from clients import cli
 from clients.client import (
     AsyncStewardClient,
+    AsyncTaskHandle,
     InvalidRequestError,
     NotFoundError,
     StewardClient,
@@ -121,3 +122,41 @@ async def test_clients_and_cli_show_a_tree_view(
     assert "STATE" in out and "waiting" in out and "finished" in out, out
     assert await asyncio.to_thread(cli.main, ["--url", server.url, "tree", str(child)]) != 0
     assert f"task {child} does not root a tracked tree" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+async def test_wait_tree_is_on_the_tree_event_stream_not_a_long_poll(
+    tmp_path: Path, flavour: str
+) -> None:
+    node = memory_node(tmp_path)
+    await node.start()
+    app = ApiApp(node, ApiConfig())
+    server = await serve(app)
+    context = app.context
+    try:
+        async with AsyncStewardClient(server.url) as aclient:
+            with StewardClient(server.url) as client:
+                handle = await asyncio.to_thread(client.submit, "root", track_tree=True)
+                if flavour == "sync":
+                    waiting = asyncio.ensure_future(asyncio.to_thread(handle.wait_tree, 20))
+                else:
+                    waiting = asyncio.ensure_future(
+                        AsyncTaskHandle(aclient, handle.id, "waiting").wait_tree(20)
+                    )
+                [child] = await run_and_finish(node, handle.id, "child")
+                for _ in range(200):  # bounded: the stream opens within 10 s
+                    if context.feed.streams:
+                        break
+                    await asyncio.sleep(0.05)
+                assert [s.filter.root for s in context.feed.subscriptions] == [handle.id]
+                assert not context.waiters.trees  # nobody long-polls the tree
+                assert not waiting.done()  # the root finished, not its tree
+                await run_and_finish(node, child)
+                root = await asyncio.wait_for(waiting, 10)
+                assert root["id"] == handle.id and root["tree"]["state"] == "completed"
+                # A tree already ended is answered at the stream's open.
+                again = await asyncio.to_thread(handle.wait_tree, 5)
+                assert again["tree"]["state"] == "completed"
+    finally:
+        await unserve(server)
+        await node.stop(snapshot=False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 import pytest
@@ -52,7 +52,8 @@ def _seen(machine: StateMachine, expected: dict[str, Any]) -> dict[str, object]:
 def _apply_sample_entries(sample: Path) -> StateMachine:
     raw = msgspec.msgpack.decode((sample / "entries.msgpack").read_bytes(), type=list[bytes])
     machine = StateMachine()
-    for data in raw:
+    for index, data in enumerate(raw):
+        machine.position = (1, index)  # where the generator logged it (format_samples.py)
         machine.apply(e.decode_entry(data))
     machine.check_invariants()
     return machine
@@ -118,7 +119,8 @@ def _newer_body() -> bytes:
 
 
 def test_a_newer_snapshot_body_is_refused_naming_its_version() -> None:
-    with pytest.raises(SnapshotBodyVersionError, match="version 2 is newer") as info:
+    newer = SNAPSHOT_BODY_VERSION + 1
+    with pytest.raises(SnapshotBodyVersionError, match=f"version {newer} is newer") as info:
         decode_snapshot_body(_newer_body())
     assert info.value.newer
 
@@ -163,7 +165,8 @@ async def test_a_broker_refuses_to_boot_from_a_newer_snapshot(tmp_path: Path, wh
         await snapshots.load()
     message = str(info.value)
     assert snapshot_file_name(2, 1) in message
-    assert "version 2 is newer" in message and "upgrade the broker" in message
+    newer = (FORMAT_VERSION if what == "file" else SNAPSHOT_BODY_VERSION) + 1
+    assert f"version {newer} is newer" in message and "upgrade the broker" in message
     # Skipped, not loaded and not quarantined: the file is fine for the newer release.
     assert (tmp_path / snapshot_file_name(2, 1)).exists()
 
@@ -179,3 +182,69 @@ def test_a_log_entry_of_a_newer_release_stops_the_broker_naming_where() -> None:
         NewerFormatError, match=f"ledger 7 entry 3: log entry format version {newer}"
     ):
         applier.apply_logged(LedgerEntry(ledger_id=7, entry_id=3, last_add_confirmed=-1, data=data))
+
+
+# The entry types added in format 3: a broker of format 2 does not know their tags.
+FORMAT_3_TYPES = {
+    e.CancelTasks,
+    e.DeleteCode,
+    e.CreateSchedule,
+    e.DeleteSchedule,
+    e.FireSchedule,
+    e.SetWebhook,
+    e.WebhookProgress,
+}
+
+
+def test_each_entry_is_written_in_the_oldest_format_that_knows_its_type() -> None:
+    for entry in sample_entries():
+        written = msgspec.msgpack.decode(e.encode_entry(entry))
+        version = written.get("v", e.BASE_ENTRY_FORMAT_VERSION)
+        if type(entry) in FORMAT_3_TYPES:
+            assert version == 3, entry
+        else:  # what its fields need, never raised by the type
+            assert version == entry.v, entry
+        # Decodes as it was made, but for the version it was written in.
+        decoded = e.decode_entry(e.encode_entry(entry))
+        assert decoded == msgspec.structs.replace(entry, v=version)
+
+
+def test_a_broker_of_format_2_refuses_a_format_3_entry_type_naming_the_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from broker.replication.applier import Applier
+    from log.api import LedgerEntry
+
+    # The release before: it reads format 2 and knows none of the format-3 entry types.
+    known = tuple(t for t in e.Entry.__args__ if t not in FORMAT_3_TYPES)  # type: ignore[attr-defined]
+    monkeypatch.setattr(e, "ENTRY_FORMAT_VERSION", 2)
+    older = msgspec.msgpack.Decoder(Union[(e.Confirm, *known)])  # type: ignore[valid-type]
+    monkeypatch.setattr(e, "_record_decoder", older)
+    applier = Applier(None)  # type: ignore[arg-type]  # the entry is refused before use
+    for entry in sample_entries():
+        if type(entry) not in FORMAT_3_TYPES:
+            continue
+        data = e.encode_entry(entry)
+        with pytest.raises(NewerFormatError) as info:
+            applier.apply_logged(LedgerEntry(4, 9, last_add_confirmed=-1, data=data))
+        message = str(info.value)
+        assert "ledger 4 entry 9: log entry format version 3 is newer than this broker's 2" in (
+            message
+        ), message
+        assert "upgrade the broker to a release that reads version 3" in message
+
+
+def test_a_snapshot_body_is_written_in_the_oldest_version_that_keeps_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from broker.core import snapshot_body
+
+    assert decode_snapshot_body(StateMachine().encode_snapshot()).format_version == 1
+    hooked = StateMachine()
+    hooked.apply(e.SetWebhook(time_ms=1, tenant="t", url="http://hooks.example", secret="k"))
+    data = hooked.encode_snapshot()
+    assert decode_snapshot_body(data).format_version == 2
+    # A broker that reads body version 1 only would drop the webhook: it refuses instead.
+    monkeypatch.setattr(snapshot_body, "SNAPSHOT_BODY_VERSION", 1)
+    with pytest.raises(SnapshotBodyVersionError, match="version 2 is newer than this broker's 1"):
+        decode_snapshot_body(data)

@@ -1,6 +1,8 @@
 """The state machine's tenant webhooks (broker/core/webhooks.py): SetWebhook sets or
 removes a tenant's webhook, WebhookProgress only moves its delivered key forward, both
-survive a snapshot, and a snapshot's tenants written before webhooks still decode."""
+survive a snapshot, and a snapshot's tenants written before webhooks still decode; each
+webhook's outbox holds the tenant's undelivered events, keyed by log position, in every
+snapshot, until a logged delivery takes them out."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import msgspec
 from broker.core import entries as e
 from broker.core.records import Rejected, Tenant, Webhook
 from broker.core.state import StateMachine
+from tests.support.machine import Machine
 
 
 def apply(machine: StateMachine, entry: e.Entry) -> object:
@@ -62,3 +65,30 @@ def test_a_tenant_written_before_webhooks_decodes() -> None:
 
     old = msgspec.msgpack.encode(OldTenant("t", 5, 2, 3.0))
     assert msgspec.msgpack.decode(old, type=Tenant) == Tenant("t", 5, 2, 3.0, webhook=None)
+
+
+def test_the_outbox_holds_undelivered_events_across_a_snapshot() -> None:
+    driver = Machine()
+    machine = driver.m
+    machine.position = (7, 1)
+    url = "https://hooks.example/x"
+    driver.apply(e.SetWebhook(time_ms=driver.at(), tenant="t", url=url, secret="k"))
+    machine.position = (7, 2)
+    hooked = [driver.add("t"), driver.add("t")]
+    other = driver.add("quiet")
+    machine.position = (7, 3)
+    driver.cancel(other)  # a tenant without a webhook has no outbox
+    assert "quiet" not in machine.webhook_outbox
+    machine.position = (7, 4)
+    driver.cancel(hooked[1])
+    machine.position = (8, 0)
+    driver.cancel(hooked[0])
+    assert list(machine.webhook_outbox["t"]) == [((7, 4, 0), hooked[1]), ((8, 0, 0), hooked[0])]
+    loaded = StateMachine.from_snapshot(machine.encode_snapshot())
+    assert loaded.webhook_outbox == machine.webhook_outbox
+    assert loaded.digest() == machine.digest()
+    mark = e.WebhookMark("t", (7, 4, 0))
+    driver.apply(e.WebhookProgress(time_ms=driver.at(), marks=(mark,)))
+    assert list(machine.webhook_outbox["t"]) == [((8, 0, 0), hooked[0])]
+    driver.apply(e.SetWebhook(time_ms=driver.at(), tenant="t", url=None))
+    assert machine.webhook_outbox == {}
