@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)  # task events: broker/observability/task_l
 # one is followed by a pause as long as itself, at most the second bound.
 ROUND_PACING_FLOOR_S = 0.002
 ROUND_PACING_MAX_S = 0.1
+# How long a connection over the handshake cap (max_unauthenticated) waits for a slot.
+HANDSHAKE_WAIT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,8 @@ class WorkerLink:
                 self.config.host,
                 self.config.port,
                 limit=2**20,
+                # Every worker of a failed leader reconnects at once (the kernel caps it).
+                backlog=4096,
                 **tls_options,
             )
         except OSError as exc:
@@ -241,7 +245,8 @@ class WorkerLink:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         peer = peer_address(writer)
-        if self.handshake.unauthenticated >= self.config.max_unauthenticated:
+        # Over the cap, a connection waits a little for a slot before it is refused.
+        if not await self.handshake.acquire(min(self.config.hello_timeout_s, HANDSHAKE_WAIT_S)):
             self._refusals.warning(
                 "worker port: refused %s: %d connections are already in their handshake",
                 peer,
