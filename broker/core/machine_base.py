@@ -57,6 +57,9 @@ class MachineBase:
         self.artifacts: dict[str, Artifact] = {}
         # Per-tenant FIFO of waiting task ids (a dict used as an ordered set).
         self.waiting: dict[str, dict[int, None]] = {}
+        # How many tasks those queues hold (derived): "does any task wait?" in O(1), not
+        # O(tenants) (a tenant's emptied queue stays in ``waiting``).
+        self.waiting_count = 0
         # The same tasks by tenant and priority, each level in the order of the queue
         # above (derived): the scheduler reads the highest level first, so its cost does
         # not depend on how many lower-priority tasks wait (docs/DESIGN.md §6).
@@ -171,6 +174,7 @@ class MachineBase:
     def _queue(self, task: Task) -> None:
         """Append a waiting task to its tenant's queue and to its priority's level."""
         self.waiting.setdefault(task.tenant, {})[task.id] = None
+        self.waiting_count += 1
         self.by_priority.setdefault(task.tenant, {}).setdefault(task.priority, {})[task.id] = None
 
     def _priority_levels(self) -> dict[str, dict[int, dict[int, None]]]:
@@ -202,6 +206,7 @@ class MachineBase:
                 del self.parked[task.code]
         else:
             del self.waiting[task.tenant][task.id]
+            self.waiting_count -= 1
             levels = self.by_priority[task.tenant]
             level = levels[task.priority]
             del level[task.id]

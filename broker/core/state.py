@@ -408,6 +408,8 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
         if ordered(self.by_priority) != ordered(self._priority_levels()):
             fail("priority levels differ from the waiting queues")
         waiting_total = sum(len(q) for q in self.waiting.values())
+        if waiting_total != self.waiting_count:
+            fail(f"waiting count {self.waiting_count} differs from the queues' {waiting_total}")
         parked_total = sum(len(p) for p in self.parked.values())
         blocked_total = self._check_dependency_invariants(fail)
         if waiting_total + parked_total + blocked_total != len(self.by_state[TaskState.WAITING]):

@@ -39,7 +39,7 @@ class WorkersMixin(TasksMixin):
         A refused one waits for the scheduler; the result is the submit's either way."""
         if not entry.assignments:
             return self._submit(entry)
-        idle = not any(self.waiting.values())
+        idle = not self.waiting_count
         results = self._submit(entry)
         if not idle or isinstance(results, ReplayedResults):
             return results

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -48,8 +49,47 @@ class Handshake:
         self.liveness = liveness
         self.on_registered = on_registered
         self.unauthenticated = 0  # connections whose hello is not accepted yet
+        # Connections waiting for a handshake slot, first come first served; a freed slot
+        # passes straight to the first (so a newcomer cannot take it in between).
+        self._slot_waiters: deque[asyncio.Future[None]] = deque()
         # Worker ids whose Hello is being logged: a concurrent Hello for one is refused.
         self._registering: set[str] = set()
+
+    @property
+    def waiting_for_slot(self) -> int:
+        """Connections waiting for a handshake slot."""
+        return len(self._slot_waiters)
+
+    async def acquire(self, wait_s: float) -> bool:
+        """Take a handshake slot (``max_unauthenticated`` at most), waiting up to
+        ``wait_s`` for one: a reconnect storm (every worker of a failed leader at once)
+        queues instead of being refused and retrying. False: none came in time."""
+        if self.unauthenticated < self.config.max_unauthenticated and not self._slot_waiters:
+            self.unauthenticated += 1
+            return True
+        waiter = asyncio.get_running_loop().create_future()
+        self._slot_waiters.append(waiter)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), wait_s)
+        except (TimeoutError, asyncio.CancelledError) as exc:  # none in time, or stopping
+            if waiter.done():
+                self.release()  # handed over just as the wait ended: pass it on
+            else:
+                waiter.cancel()
+                self._slot_waiters.remove(waiter)
+            if isinstance(exc, TimeoutError):
+                return False
+            raise
+        return True
+
+    def release(self) -> None:
+        """A handshake ended (welcomed or not): its slot goes to the first waiter."""
+        while self._slot_waiters:
+            waiter = self._slot_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.unauthenticated -= 1
 
     async def accept(
         self,
@@ -59,8 +99,8 @@ class Handshake:
         decoder: p.FrameDecoder,
         conversation: Conversation,
     ) -> Session:
-        """Read the Hello (TimeoutError after ``hello_timeout_s``) and register it."""
-        self.unauthenticated += 1
+        """Read the Hello (TimeoutError after ``hello_timeout_s``) and register it; the
+        caller holds a slot (:meth:`acquire`), released here."""
         try:
             hello = await asyncio.wait_for(
                 self._read_hello(reader, decoder, conversation),
@@ -68,7 +108,7 @@ class Handshake:
             )
             return await self._register(hello, writer, peer, conversation)
         finally:
-            self.unauthenticated -= 1
+            self.release()
 
     async def _read_hello(
         self, reader: asyncio.StreamReader, decoder: p.FrameDecoder, conversation: Conversation
@@ -198,10 +238,12 @@ class Handshake:
             conversation=conversation,
         )
         session.answers_fetch = hello.output
+        interval_ms = self.liveness.interval_ms()
+        session.heartbeat_interval_s = interval_ms / 1000
         session.send(
             p.Welcome(
                 broker_id=self.node.config.broker_id,
-                heartbeat_interval_ms=self.config.heartbeat_interval_ms,
+                heartbeat_interval_ms=interval_ms,
                 heartbeat_timeout_ms=self.config.heartbeat_timeout_ms,
                 keep=tuple(p.TaskAttempt(t, a) for t, a in sorted(keep)),
                 drop=tuple(r for r in hello.running if (r.task_id, r.attempt) not in keep),

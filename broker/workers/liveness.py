@@ -81,7 +81,21 @@ class Liveness:
         if session is None or session.closed:
             return None
         silent_s = self.clock() - session.last_seen
-        return session if silent_s <= 3 * self.config.heartbeat_interval_ms / 1000 else None
+        return session if silent_s <= 3 * session.heartbeat_interval_s else None
+
+    def interval_ms(self) -> int:
+        """The heartbeat interval to name in a Welcome: the configured one, or longer
+        when the workers this leader knows would beat more than ``heartbeats_per_s``
+        times a second; at most a third of the timeout, so a worker still beats three
+        times before it is judged (docs/DESIGN.md §8, "Heartbeats at scale")."""
+        base = self.config.heartbeat_interval_ms
+        budget = self.config.heartbeats_per_s
+        if budget <= 0:
+            return base
+        # The state already holds the worker being welcomed (registered first).
+        workers = max(len(self.sessions) + 1, len(self.node.state.workers))
+        wanted = -(-workers * 1000 // budget)  # ceil: ms so that workers / interval <= budget
+        return max(base, min(wanted, self.config.heartbeat_timeout_ms // 3))
 
     async def run(self) -> None:
         interval_s = self.config.heartbeat_interval_ms / 1000
@@ -92,16 +106,22 @@ class Liveness:
             await self.beat(seq)
 
     async def beat(self, seq: int) -> None:
-        """One heartbeat round: close silent connections, beat the others, declare dead."""
+        """One heartbeat round: close silent connections, beat the ones due (each at the
+        interval its Welcome named; one encoded frame for all), declare dead."""
         timeout_s = self.config.heartbeat_timeout_ms / 1000
         now = self.clock()
-        dropped = self._dropped_code(now)
+        heartbeat = p.Heartbeat(seq=seq, dropped_code=self._dropped_code(now))
+        frame = p.encode_message(heartbeat)
+        # Due a little early rather than a whole round late: rounds tick at the base interval.
+        slack_s = self.config.heartbeat_interval_ms / 2000
         for session in list(self.sessions.values()):
             if now - session.last_seen > timeout_s:
                 logger.warning("worker %s missed its heartbeat deadline", session.worker_id)
                 session.close()
                 continue
-            session.send(p.Heartbeat(seq=seq, dropped_code=dropped))
+            if now - session.last_beat + slack_s >= session.heartbeat_interval_s:
+                session.last_beat = now
+                session.send_frame(heartbeat, frame)
         if self.node.writable:
             try:
                 await self._declare_dead_workers(now, timeout_s)

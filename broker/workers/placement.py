@@ -93,7 +93,7 @@ class SubmitPlacement:
 
     def place(self, tasks: Sequence[e.TaskSpec], now_ms: int) -> tuple[e.Assignment, ...]:
         state = self._state()
-        if self.paused or not self._eligible or not tasks or any(state.waiting.values()):
+        if self.paused or not self._eligible or not tasks or state.waiting_count:
             return ()  # a waiting task goes first: the scheduler's fair share decides
         tenant = tasks[0].tenant
         if any(task.tenant != tenant for task in tasks):

@@ -40,6 +40,21 @@ class Session:
         self.last_seen = now
         self.closed = False
         self.conversation = conversation or Conversation(Role.BROKER)
+        # The heartbeat interval its Welcome named (broker/workers/liveness.py), and when
+        # the leader last sent it a Heartbeat.
+        self.heartbeat_interval_s = 1.0
+        self.last_beat = now
+
+    def send_frame(self, message: p.Message, frame: bytes) -> None:
+        """Send ``message`` already encoded as ``frame`` (one encoding for many sessions)."""
+        if self.closed:
+            return
+        try:
+            self.conversation.send(message)
+            self.writer.write(frame)
+        except (ConnectionError, RuntimeError, p.ProtocolError) as exc:
+            logger.warning("cannot send to worker %s: %s", self.worker_id, exc)
+            self.close()
 
     def send(self, message: p.Message) -> None:
         if self.closed:

@@ -43,6 +43,13 @@ from broker.workers.session import Clock, Session, peer_address, send_error
 
 logger = logging.getLogger(__name__)  # task events: broker/observability/task_log.py
 
+# Scheduling rounds shorter than this run back to back (a few hundred workers); a longer
+# one is followed by a pause as long as itself, at most the second bound.
+ROUND_PACING_FLOOR_S = 0.002
+ROUND_PACING_MAX_S = 0.1
+# How long a connection over the handshake cap (max_unauthenticated) waits for a slot.
+HANDSHAKE_WAIT_S = 3.0
+
 
 @dataclass(frozen=True)
 class WorkerLinkConfig:
@@ -51,6 +58,10 @@ class WorkerLinkConfig:
     heartbeat_interval_ms: int = 1000
     # A worker silent (or disconnected) this long is declared dead.
     heartbeat_timeout_ms: int = 10_000
+    # Heartbeats per second the leader takes (and sends) across all its workers: with
+    # more workers than this times the interval, a Welcome names a longer interval (at
+    # most a third of the timeout), so idle cost stays flat (docs/DESIGN.md §8). 0: off.
+    heartbeats_per_s: int = 1000
     # A connection must send its hello within this (it is closed with an error frame after).
     hello_timeout_s: float = 5.0
     # Before the hello is accepted nothing longer is read: a hello carries 7 to 15 bytes
@@ -143,6 +154,8 @@ class WorkerLink:
                 self.config.host,
                 self.config.port,
                 limit=2**20,
+                # Every worker of a failed leader reconnects at once (the kernel caps it).
+                backlog=4096,
                 **tls_options,
             )
         except OSError as exc:
@@ -232,7 +245,8 @@ class WorkerLink:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         peer = peer_address(writer)
-        if self.handshake.unauthenticated >= self.config.max_unauthenticated:
+        # Over the cap, a connection waits a little for a slot before it is refused.
+        if not await self.handshake.acquire(min(self.config.hello_timeout_s, HANDSHAKE_WAIT_S)):
             self._refusals.warning(
                 "worker port: refused %s: %d connections are already in their handshake",
                 peer,
@@ -394,12 +408,19 @@ class WorkerLink:
                 self.placement.deferred = True
                 continue
             state = self.node.state
+            started = time.perf_counter()
             assignments = schedule(
                 state,
                 max_assignments=self.config.max_assignments_per_round,
                 eligible_workers=self.sessions.keys(),
             )
+            # A round's setup costs O(workers) (broker/core/scheduler.py): with thousands
+            # of workers, pause as long as it took before the next, so that rounds take at
+            # most about half the loop and each assigns what finished meanwhile, instead of
+            # one round per applied entry (docs/DESIGN.md §8, "Workers at scale").
+            pause_s = time.perf_counter() - started
             if not assignments:
+                await self._pace(pause_s)
                 continue
             batch = tuple(assignments)
 
@@ -412,6 +433,12 @@ class WorkerLink:
                 continue
             if len(batch) >= self.config.max_assignments_per_round:
                 self._dirty.set()
+            await self._pace(pause_s)
+
+    @staticmethod
+    async def _pace(pause_s: float) -> None:
+        if pause_s >= ROUND_PACING_FLOOR_S:
+            await asyncio.sleep(min(pause_s, ROUND_PACING_MAX_S))
 
     def _push_assignments(self, applied: Applied) -> None:
         """Send each worker the attempts an applied entry started on it (an AssignTasks

@@ -1,0 +1,99 @@
+"""Many workers on one leader (docs/DESIGN.md §8): the leader names a longer heartbeat
+interval in a Welcome once its workers would beat more than ``heartbeats_per_s`` times a
+second, beats each worker at the interval it named and judges it by that interval; a
+connection over the handshake cap waits for a slot instead of being refused at once.
+
+Real WorkerLink on an ephemeral port, fake workers over TCP; every wait bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from broker.core.state import WorkerState
+from broker.workers import protocol as p
+from tests.support.link_broker import BrokerFactory
+
+
+async def test_welcome_interval_grows_with_the_workers_and_is_kept(
+    make_broker: BrokerFactory,
+) -> None:
+    # 10 beats a second in all: the 2nd worker beats every 200 ms, the 3rd every 300 ms;
+    # never longer than a third of the timeout.
+    broker = await make_broker(
+        heartbeat_interval_ms=100, heartbeat_timeout_ms=1500, heartbeats_per_s=10
+    )
+    intervals = []
+    workers = []
+    for n in range(6):
+        worker = broker.worker(f"w{n}")
+        welcome = await worker.hello(heartbeats=False)
+        intervals.append(welcome.heartbeat_interval_ms)
+        workers.append(worker)
+    assert intervals == [100, 200, 300, 400, 500, 500]
+
+    # Beating at its own (long) interval, the last worker stays connected past several
+    # of the base intervals, and the broker beats it about as often, not every 100 ms.
+    last = workers[-1]
+    last.start_heartbeats(0.5)
+    before = last.heartbeats_received
+    await asyncio.sleep(1.6)  # what is measured: how often the broker beats in a window
+    beaten = last.heartbeats_received - before
+    assert 2 <= beaten <= 5, beaten
+    assert broker.node.state.workers["w5"].state == WorkerState.CONNECTED
+    assert broker.link.liveness.live_session("w5") is not None
+    for worker in workers:
+        await worker.close()
+
+
+async def test_a_zero_budget_keeps_the_configured_interval(make_broker: BrokerFactory) -> None:
+    broker = await make_broker(heartbeat_interval_ms=100, heartbeats_per_s=0)
+    for n in range(3):
+        worker = broker.worker(f"w{n}")
+        welcome = await worker.hello(heartbeats=False)
+        assert welcome.heartbeat_interval_ms == 100
+        await worker.close()
+
+
+async def test_a_connection_over_the_handshake_cap_waits_for_a_slot(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = await make_broker(max_unauthenticated=2, hello_timeout_s=2.0)
+    silent = [(await asyncio.open_connection("127.0.0.1", broker.link.port))[1] for _ in range(2)]
+    try:
+        await broker.until(lambda: broker.link.handshake.unauthenticated == 2)
+        worker = broker.worker("queued")
+        hello = asyncio.create_task(worker.hello(heartbeats=False))
+        await broker.until(lambda: broker.link.handshake.waiting_for_slot == 1)
+        silent.pop().close()  # a slot frees: it passes to the waiting worker
+        welcome = await hello
+        assert isinstance(welcome, p.Welcome)
+        assert broker.node.state.workers["queued"].state == WorkerState.CONNECTED
+        await worker.close()
+    finally:
+        for writer in silent:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+    # Every slot comes back once the silent connections are gone.
+    await broker.until(lambda: broker.link.handshake.unauthenticated == 0)
+
+
+async def test_a_connection_waits_for_a_slot_only_so_long(make_broker: BrokerFactory) -> None:
+    broker = await make_broker(max_unauthenticated=1, hello_timeout_s=0.5)
+    _reader, writer = await asyncio.open_connection("127.0.0.1", broker.link.port)
+    try:
+        await broker.until(lambda: broker.link.handshake.unauthenticated == 1)
+        worker = broker.worker("late")
+        await worker.connect()
+        # The silent one is cut at its hello deadline; the late one waited at most as long
+        # for its slot and was refused (a real worker retries after a backoff).
+        error = await worker.expect(p.Error, wait_s=5.0)
+        assert error.code == "too_many_connections"
+        await worker.close()
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    assert broker.link.handshake.waiting_for_slot == 0
