@@ -257,3 +257,9 @@ def test_executions_pair_start_and_done_lines(tmp_path: Path) -> None:
         Execution(1, 1, "w1", 2.0, 4.0),
         Execution(1, 2, "w2", 3.0, None, "s"),
     ]
+
+
+def test_a_trailing_confirm_marker_is_no_divergence() -> None:
+    s = clean()
+    s.history.final.digests["b1"] = (41, "abc")  # the leader's position counts its marker
+    assert check(s.history) == []
