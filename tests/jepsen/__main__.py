@@ -1,4 +1,5 @@
-"""``python -m tests.jepsen --seed N --faults K [--ledger file]``: one Jepsen run.
+"""``python -m tests.jepsen --seed N --faults K [--ledger file]``: one Jepsen run
+(``--check DIR``: re-check a kept run's history).
 
 Makes the network (tests/jepsen/netns.py: namespaces on a bridge, a leftover of a killed
 run removed first), runs the driver (tests/jepsen/run.py) inside the control namespace,
@@ -15,13 +16,29 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tests.jepsen.checker import check, report
+from tests.jepsen.history import History
 from tests.jepsen.netns import Network, NetworkError
 from tests.jepsen.run import NODES
 
 
+def recheck(path: Path) -> int:
+    try:
+        history = History.load(path)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        print(f"cannot read {path}: {exc}", file=sys.stderr)
+        return 2
+    violations = check(history)
+    print(report(history, violations) if violations else f"checker passed: {path}")
+    return 1 if violations else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.jepsen", description=__doc__)
-    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument(
+        "--check", type=Path, metavar="DIR", help="re-check DIR/history.jsonl of a kept run"
+    )
     parser.add_argument("--faults", type=int, default=10, help="faults injected (default 10)")
     parser.add_argument(
         "--ledger",
@@ -32,9 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, help="logs and history (default: a new temp dir)")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="bound of the whole run")
     parser.add_argument("--session-timeout-ms", type=int, default=4000)
+    parser.add_argument(
+        "--max-attempts", type=int, default=10, help="the submitted tasks' max_attempts"
+    )
     args = parser.parse_args(argv)
-    if args.faults < 0 or args.timeout_s <= 0:
-        parser.error("--faults must be >= 0 and --timeout-s > 0")
+    if args.check is not None:
+        return recheck(args.check / "history.jsonl")
+    if args.seed is None:
+        parser.error("--seed is required (or --check DIR)")
+    if args.faults < 0 or args.timeout_s <= 0 or args.max_attempts < 1:
+        parser.error("--faults must be >= 0, --timeout-s > 0 and --max-attempts >= 1")
     if args.ledger == "pulsar":
         parser.error("--ledger pulsar: the harness runs the file ledger only so far (issue 19)")
     directory = args.dir or Path(tempfile.mkdtemp(prefix="steward-jepsen-"))
@@ -48,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--faults", str(args.faults), "--ledger", args.ledger,
                 "--duration-s", str(args.timeout_s),
                 "--session-timeout-ms", str(args.session_timeout_ms),
+                "--max-attempts", str(args.max_attempts),
             ]  # fmt: skip
             try:
                 return subprocess.run(command, timeout=args.timeout_s, check=False).returncode

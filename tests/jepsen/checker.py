@@ -87,10 +87,12 @@ def duplicates(history: History) -> list[Violation]:
     ]
 
 
-def _overlap(a: Execution, b: Execution, end_of_run: float) -> bool:
-    a_end = a.end if a.end is not None else end_of_run
-    b_end = b.end if b.end is not None else end_of_run
-    return a.start < b_end and b.start < a_end
+def _overlap(a: Execution, b: Execution) -> bool:
+    """Both runs certainly ran at one moment. A run without an end (its process was killed
+    with its worker) ended at an unknown time: it proves no overlap."""
+    if a.end is None or b.end is None:
+        return False
+    return a.start < b.end and b.start < a.end
 
 
 def double_runs(history: History) -> list[Violation]:
@@ -103,7 +105,7 @@ def double_runs(history: History) -> list[Violation]:
     for (task, attempt), runs in sorted(by_attempt.items()):
         for i, a in enumerate(runs):
             for b in runs[i + 1 :]:
-                if a.worker != b.worker and _overlap(a, b, history.info.ended):
+                if a.worker != b.worker and _overlap(a, b):
                     message = (
                         f"attempt {attempt} of task {task} ran on {a.worker} and {b.worker} at once"
                     )
@@ -174,7 +176,7 @@ def double_slots(history: History) -> list[Violation]:
     for slot, runs in sorted(by_slot.items()):
         for i, a in enumerate(runs):
             for b in runs[i + 1 :]:
-                if a.task != b.task and _overlap(a, b, history.info.ended):
+                if a.task != b.task and _overlap(a, b):
                     message = f"slot {slot!r} held by running tasks {a.task} and {b.task} at once"
                     out.append(
                         Violation("double-slot", message, max(a.start, b.start), (a.task, b.task))
@@ -298,19 +300,22 @@ def unwanted_errors(history: History) -> list[Violation]:
 
 def long_outages(history: History) -> list[Violation]:
     """After a fault that must heal by itself (``bounded``), the cluster acknowledges a
-    write within the outage bound (or the run ends sooner, measured to its end)."""
+    write within the outage bound. Measured until the next fault (which may prolong the
+    outage for its own reasons) or the end of the run; shorter windows prove nothing."""
     bound = history.info.outage_bound_s
     if bound <= 0:
         return []
     ack_times = sorted(ok.time for _, ok in _acked(history, "submit"))
+    faults = sorted(e.time for e in history.nemesis if e.action != "heal")
     out = []
     for event in history.nemesis:
         if not event.bounded:
             continue
-        after = [t for t in ack_times if t > event.time]
-        end = after[0] if after else history.info.ended
+        window_end = min([t for t in faults if t > event.time] + [history.info.ended])
+        after = [t for t in ack_times if event.time < t <= window_end]
+        end = after[0] if after else window_end
         if end - event.time > bound:
-            how = "no write acknowledged" if not after else "the next acknowledged write came"
+            how = "the next acknowledged write came" if after else "no write acknowledged for"
             message = (
                 f"after {event.action} {event.detail} at {event.time:.3f}: {how} "
                 f"{end - event.time:.1f} s later (bound {bound:.1f} s)"

@@ -34,7 +34,9 @@ def _note(params: dict[str, Any], event: str, ctx: Any) -> None:
 
 def record(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
     _note(params, "start", ctx)
-    if ctx.cancelled.wait(float(params["seconds"])):
-        ctx.check_cancelled()
-    _note(params, "done", ctx)
+    try:
+        if ctx.cancelled.wait(float(params["seconds"])):
+            ctx.check_cancelled()
+    finally:
+        _note(params, "done", ctx)  # a cancelled run ends here too
     return {"task": ctx.task_id, "attempt": ctx.attempt, "key": params["key"]}

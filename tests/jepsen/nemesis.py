@@ -2,9 +2,9 @@
 for a while then healed, every fault and heal logged in the history with its time
 (docs/TESTING.md, "Partitions").
 
-One ``random.Random(seed)`` draws every choice in a fixed order (kind, target index, hold,
-gap), so a seed gives the same schedule of draws; which broker a "leader" fault hits is
-the one leading at that moment.
+One ``random.Random(seed)`` draws every choice in a fixed order (each round's order of the
+kinds, then per fault its target index, hold and gap), so a seed gives the same schedule of
+draws; which broker a "leader" fault hits is the one leading at that moment.
 """
 
 from __future__ import annotations
@@ -20,20 +20,24 @@ from tests.jepsen.cluster import Broker, Cluster
 from tests.jepsen.history import History, NemesisEvent
 from tests.jepsen.netns import Network
 
-# kind -> weight. "bounded": the cluster must take writes again within the outage bound
-# while the fault still holds (a new leader takes over), see checker.long_outages.
-FAULTS: dict[str, int] = {
-    "leader-from-zk": 3,
-    "leader-from-followers": 2,
-    "leader-from-clients": 1,
-    "leader-in-minority": 3,
-    "follower-in-minority": 1,
-    "isolate-worker": 1,
-    "zk-one-way-from-leader": 1,
-    "kill-leader": 2,
-    "stop-leader": 1,
-}
-NETWORK_FAULTS = frozenset(FAULTS) - {"kill-leader", "stop-leader"}
+# Every kind once per round, in a seeded order: a short run covers as many kinds as it has
+# faults.
+FAULTS = (
+    "leader-from-zk",
+    "leader-from-followers",
+    "leader-from-clients",
+    "zk-one-way-from-leader",
+    "leader-in-minority",
+    "follower-in-minority",
+    "bridge",
+    "isolate-worker",
+    "kill-leader",
+    "stop-leader",
+    "kill-zookeeper",
+)
+# "bounded": the cluster must take writes again within the outage bound while the fault
+# still holds (a new leader takes over), see checker.long_outages.
+NETWORK_FAULTS = frozenset(FAULTS) - {"kill-leader", "stop-leader", "kill-zookeeper"}
 BOUNDED = frozenset({"leader-from-zk", "leader-in-minority", "kill-leader", "stop-leader"})
 
 
@@ -45,9 +49,7 @@ class Draw:
     gap_s: float
 
     @classmethod
-    def draw(cls, rng: random.Random, session_timeout_s: float) -> Draw:
-        kinds = sorted(FAULTS)
-        kind = rng.choices(kinds, [FAULTS[k] for k in kinds])[0]
+    def draw(cls, rng: random.Random, kind: str, session_timeout_s: float) -> Draw:
         index = rng.randrange(1000)
         # Long enough for a session to expire (a fail-over), sometimes not.
         hold = rng.uniform(1.0, session_timeout_s * 2.0)
@@ -67,6 +69,7 @@ class Nemesis:
         self.session_timeout_s = session_timeout_s
         self.killed: list[Broker] = []
         self.stopped: list[Broker] = []
+        self.zookeeper_down = False
         self.counts: dict[str, int] = {}
 
     def log(self, action: str, detail: dict[str, Any], bounded: bool = False) -> None:
@@ -80,10 +83,14 @@ class Nemesis:
         return brokers[index % len(brokers)]
 
     def run(self, faults: int, stop: Callable[[], bool]) -> None:
+        order: list[str] = []
         for _ in range(faults):
             if stop():
                 return
-            draw = Draw.draw(self.rng, self.session_timeout_s)
+            if not order:
+                order = list(FAULTS)
+                self.rng.shuffle(order)
+            draw = Draw.draw(self.rng, order.pop(), self.session_timeout_s)
             time.sleep(draw.gap_s)
             self.inject(draw)
             time.sleep(draw.hold_s)
@@ -112,6 +119,11 @@ class Nemesis:
             rest = [n for n in self.net.nodes if n not in (alone, "ctl")]
             self.net.block(alone, rest)
             detail["minority"] = [alone]
+        elif kind == "bridge":
+            # The leader and one follower cannot talk; both still see the other follower.
+            cut = others[draw.index % len(others)]
+            self.net.block(leader.name, [cut])
+            detail["cut"] = cut
         elif kind == "isolate-worker":
             worker = sorted(self.cluster.workers)[draw.index % len(self.cluster.workers)]
             self.net.isolate(worker)
@@ -122,12 +134,18 @@ class Nemesis:
         elif kind == "stop-leader":
             leader.signal(signal.SIGSTOP)
             self.stopped.append(leader)
+        elif kind == "kill-zookeeper":
+            self.cluster.zookeeper.kill9()  # restarted (same data) at the heal
+            self.zookeeper_down = True
         self.counts[kind] = self.counts.get(kind, 0) + 1
         detail["hold_s"] = draw.hold_s
         self.log(kind, detail, bounded=kind in BOUNDED)
 
     def heal(self) -> None:
         self.net.heal()
+        if self.zookeeper_down:
+            self.cluster.zookeeper.start()
+            self.zookeeper_down = False
         for broker in self.stopped:
             broker.signal(signal.SIGCONT)
         for broker in self.killed:

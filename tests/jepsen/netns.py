@@ -64,7 +64,8 @@ def kill_namespace_processes(namespace: str, timeout_s: float = 10.0) -> None:
     """SIGKILL every process in ``namespace`` (by pid) and wait until none is left."""
     deadline = time.monotonic() + timeout_s
     while True:
-        pids = [int(p) for p in run("ip", "netns", "pids", namespace, check=False).stdout.split()]
+        listed = run("ip", "netns", "pids", namespace, check=False).stdout.split()
+        pids = [int(p) for p in listed if not _zombie(int(p))]
         if not pids:
             return
         for pid in pids:
@@ -76,6 +77,15 @@ def kill_namespace_processes(namespace: str, timeout_s: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise NetworkError(f"processes {pids} in {namespace} survived SIGKILL")
         time.sleep(0.05)
+
+
+def _zombie(pid: int) -> bool:
+    """Dead and waiting for its parent to reap it (a killed child of this process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # gone already
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def cleanup_leftovers() -> list[str]:

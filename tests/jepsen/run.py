@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
                 "--brokers", ",".join(f"{b.name}={b.url}" for b in cluster.brokers.values()),
                 "--code", code_sha, "--effects", str(effects), "--out", str(load_out),
                 "--seed", str(args.seed), "--duration-s", str(args.duration_s),
-                "--stop-file", str(stop_file),
+                "--stop-file", str(stop_file), "--max-attempts", str(args.max_attempts),
             ],
             stdout=open(root / "logs" / "workload.log", "ab"),  # noqa: SIM115 - the child's
             stderr=subprocess.STDOUT,
@@ -251,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ledger", choices=["file"], default="file")
     parser.add_argument("--duration-s", type=float, required=True)
     parser.add_argument("--session-timeout-ms", type=int, default=4000)
+    parser.add_argument("--max-attempts", type=int, default=10)
     try:
         sys.exit(run(parser.parse_args(argv)))
     except (TimeoutError, AssertionError, OSError, httpx.HTTPError) as exc:

@@ -263,3 +263,23 @@ def test_a_trailing_confirm_marker_is_no_divergence() -> None:
     s = clean()
     s.history.final.digests["b1"] = (41, "abc")  # the leader's position counts its marker
     assert check(s.history) == []
+
+
+def test_an_outage_prolonged_by_the_next_fault_is_not_the_first_ones() -> None:
+    s = clean()
+    s.history.nemesis.append(NemesisEvent(10.0, "kill-leader", {}, bounded=True))
+    s.history.nemesis.append(NemesisEvent(15.0, "kill-zookeeper", {}))
+    s.submit(4, 16.0, 30.0)  # ZooKeeper was down: the leader's kill is not to blame
+    s.task(4)
+    assert check(s.history) == []
+    s.history.nemesis.append(NemesisEvent(40.0, "kill-leader", {}, bounded=True))
+    s.history.nemesis.append(NemesisEvent(55.0, "kill-zookeeper", {}))
+    assert [v.kind for v in check(s.history)] == ["outage"]  # 15 s without an ack
+
+
+def test_a_run_without_an_end_proves_no_overlap() -> None:
+    s = clean()
+    s.history.executions.append(Execution(1, 1, "w2", 0.5, None))  # killed with its worker
+    s.history.executions.append(Execution(2, 1, "w2", 1.0, None, slot="s"))
+    s.history.executions.append(Execution(3, 1, "w1", 2.0, 2.5, slot="s"))
+    assert check(s.history) == []

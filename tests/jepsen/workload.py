@@ -27,7 +27,6 @@ TENANT = "jepsen"
 TASK_TYPE = "jepsen_tasks:record"
 REQUEST_TIMEOUT_S = 2.0
 SLOTS = ("s0", "s1")
-MAX_ATTEMPTS = 10
 
 
 class Client:
@@ -82,7 +81,7 @@ class Client:
             "tenant": TENANT,
             "code": self.config.code,
             # As the chaos soak: an attempt lost with its worker's connection is retried.
-            "max_attempts": MAX_ATTEMPTS,
+            "max_attempts": self.config.max_attempts,
         }
         args: dict[str, Any] = {"key": key, "tenant": TENANT}
         if self.rng.random() < 0.1:
@@ -144,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--duration-s", type=float, default=60.0)
     parser.add_argument("--pause-s", type=float, default=0.1)
     parser.add_argument("--task-seconds", type=float, default=0.3)
+    parser.add_argument("--max-attempts", type=int, default=10)
     parser.add_argument("--stop-file", type=Path, help="stop early once this file exists")
     config = parser.parse_args(argv)
     brokers = dict(item.split("=", 1) for item in config.brokers.split(","))
