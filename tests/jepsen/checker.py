@@ -364,7 +364,8 @@ def report(history: History, violations: list[Violation], window_s: float = WIND
     info = history.info
     lines = [
         f"{len(violations)} violation(s): seed {info.seed}, ledger {info.ledger}",
-        f"rerun: python -m tests.jepsen --seed {info.seed} --ledger {info.ledger}",
+        f"rerun: python -m tests.jepsen --seed {info.seed} --faults {info.faults} "
+        f"--ledger {info.ledger} --max-attempts {info.max_attempts}",
         f"logs and history: {info.log_dir}",
         "fault schedule:",
         *(f"  {e.time:10.3f} {e.action} {e.detail}" for e in history.nemesis),

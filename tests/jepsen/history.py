@@ -89,6 +89,8 @@ class FinalState:
 @dataclass
 class RunInfo:
     seed: int = 0
+    faults: int = 0
+    max_attempts: int = 10
     ledger: str = "file"
     log_dir: str = ""
     outage_bound_s: float = 0.0

@@ -116,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
     session_s = args.session_timeout_ms / 1000
     info = RunInfo(
         seed=args.seed,
+        faults=args.faults,
+        max_attempts=args.max_attempts,
         ledger=args.ledger,
         log_dir=str(root),
         outage_bound_s=session_s + OUTAGE_MARGIN_S,

@@ -224,7 +224,7 @@ def test_the_report_shows_seed_schedule_window_and_logs() -> None:
     del s.history.final.tasks[2]
     text = report(s.history, check(s.history))
     assert "seed 7" in text
-    assert "--seed 7" in text
+    assert "--seed 7 --faults 0" in text
     assert "/tmp/run-7" in text
     assert "partition" in text
     assert "[lost-ack] acknowledged task 2" in text
