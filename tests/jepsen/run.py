@@ -12,6 +12,7 @@ itself failed (a process did not start, a wait ran out).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import subprocess
 import sys
@@ -64,6 +65,8 @@ class ClaimWatcher(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
+        # Its connection losses during ZooKeeper faults are expected: not worth a line each.
+        logging.getLogger("kazoo").setLevel(logging.ERROR)
         client = KazooClient(hosts=self.cluster.zookeeper.connect_string, timeout=2.0)
         client.start(timeout=15)
         try:

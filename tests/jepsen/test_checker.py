@@ -283,3 +283,9 @@ def test_a_run_without_an_end_proves_no_overlap() -> None:
     s.history.executions.append(Execution(2, 1, "w2", 1.0, None, slot="s"))
     s.history.executions.append(Execution(3, 1, "w1", 2.0, 2.5, slot="s"))
     assert check(s.history) == []
+
+
+def test_a_task_of_an_uncommitted_transaction_is_no_lost_ack() -> None:
+    s = clean()
+    s.submit(8, 5.0, 5.1, txn=3)  # acknowledged as pending; the commit never came
+    assert check(s.history) == []

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(400)
 def test_a_short_run_passes_the_checker() -> None:
     seed = os.environ.get("STEWARD_JEPSEN_SEED", "11")
-    faults = os.environ.get("STEWARD_JEPSEN_FAULTS", "10")
+    faults = os.environ.get("STEWARD_JEPSEN_FAULTS", "8")
     directory = Path(tempfile.mkdtemp(prefix="steward-jepsen-"))
     command = [sys.executable, "-m", "tests.jepsen", "--seed", seed, "--faults", faults]
     result = subprocess.run(

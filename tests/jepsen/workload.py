@@ -1,11 +1,12 @@
 """The clients of a Jepsen run: ``python -m tests.jepsen.workload`` in the client namespace.
 
-Threads submit ``jepsen_tasks:record`` tasks with idempotency keys (some into slots),
-read their tasks' state from any broker and cancel a few, each operation one HTTP request
-to one broker, recorded as invoke then ok / fail / info (docs/TESTING.md, "Partitions").
-A submit that did not certainly fail or succeed is retried with the same key (a new
-operation): the broker must answer the first task again. Bounded in count and time; the
-history's operations are written to ``--out`` (JSON lines) when the run ends.
+Threads submit ``jepsen_tasks:record`` tasks with idempotency keys (some into slots, some
+two at a time in a transaction they then commit), read their tasks' state from any broker
+and cancel a few, each operation one HTTP request to one broker, recorded as invoke then
+ok / fail / info (docs/TESTING.md, "Partitions"). A submit that did not certainly fail or
+succeed is retried with the same key (a new operation): the broker must answer the first
+task again. Bounded in count and time; the history's operations are written to ``--out``
+(JSON lines) when the run ends.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ class Client:
         names = sorted(self.brokers)
         self.leader = names[(names.index(self.leader) + 1) % len(names)]
 
-    def submit(self, seq: int, deadline: float) -> None:
+    def submit(self, seq: int, deadline: float, txn: int | None = None) -> int | None:
+        """A task (retried with its key until acknowledged, refused or out of time; once
+        only in a transaction, whose commit decides): its id, or None."""
         key = f"j{self.config.seed}-{self.name}-{seq}"
         params: dict[str, Any] = {
             "key": key,
@@ -84,7 +87,9 @@ class Client:
             "max_attempts": self.config.max_attempts,
         }
         args: dict[str, Any] = {"key": key, "tenant": TENANT}
-        if self.rng.random() < 0.1:
+        if txn is not None:
+            args["txn"] = body["transaction"] = txn
+        elif self.rng.random() < 0.1:
             args["slot"] = params["slot"] = body["slot"] = self.rng.choice(SLOTS)
         body["params"] = params
         while time.monotonic() < deadline:
@@ -95,10 +100,24 @@ class Client:
             )  # fmt: skip
             if done.type == "ok":
                 self.tasks.append(int(done.result["id"]))
-                return
-            if done.type == "fail" and done.result.get("status") != 307:
-                return  # refused for good (a busy slot): nothing was written
+                return int(done.result["id"])
+            if txn is not None or (done.type == "fail" and done.result.get("status") != 307):
+                return None  # refused for good (a busy slot): nothing was written
             time.sleep(0.05 if done.result.get("status") == 307 else 0.2)
+        return None
+
+    def transaction(self, seq: int, deadline: float) -> None:
+        """Two tasks in a transaction, then its commit: all of them or none."""
+        begun = self.history.invoke(self.name, "txn-begin", {"tenant": TENANT})
+        done = self.request(begun, "POST", self.leader, "/api/v1/transactions",
+                            json={"tenant": TENANT, "ttl_s": 30})  # fmt: skip
+        if done.type != "ok":
+            return
+        txn = int(done.result["id"])
+        ids = [self.submit(seq * 1000 + n, deadline, txn) for n in range(2)]
+        known = [i for i in ids if i is not None]
+        invoked = self.history.invoke(self.name, "txn", {"txn": txn, "ids": known})
+        self.request(invoked, "POST", self.leader, f"/api/v1/transactions/{txn}/commit")
 
     def read(self) -> None:
         task_id = self.rng.choice(self.tasks)
@@ -116,8 +135,10 @@ class Client:
             if stop.is_set() or time.monotonic() >= deadline:
                 return
             draw = self.rng.random()
-            if not self.tasks or draw < 0.6:
+            if not self.tasks or draw < 0.55:
                 self.submit(seq, deadline)
+            elif draw < 0.6:
+                self.transaction(seq, deadline)
             elif draw < 0.95:
                 self.read()
             else:
