@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.jepsen.history import FINAL_STATES, Execution, History, Op
+from tests.jepsen.history import FINAL_STATES, Execution, History, NemesisEvent, Op
 
 WINDOW_S = 2.0  # history shown around a violation, either side
 
@@ -301,27 +301,37 @@ def unwanted_errors(history: History) -> list[Violation]:
     return out
 
 
-def long_outages(history: History) -> list[Violation]:
-    """After a fault that must heal by itself (``bounded``), the cluster acknowledges a
-    write within the outage bound. Measured until the next fault (which may prolong the
-    outage for its own reasons) or the end of the run; shorter windows prove nothing."""
-    bound = history.info.outage_bound_s
-    if bound <= 0:
-        return []
-    ack_times = sorted(ok.time for _, ok in _acked(history, "submit"))
+def outages(history: History) -> list[tuple[NemesisEvent, float, bool]]:
+    """For each fault that must heal by itself (``bounded``): how long until the next
+    acknowledged write, and whether one came (else: the time until the next fault, which
+    may prolong the outage for its own reasons, or the end of the run)."""
+    acks = sorted((ok.time, invoke.time) for invoke, ok in _acked(history, "submit"))
     faults = sorted(e.time for e in history.nemesis if e.action != "heal")
     out = []
     for event in history.nemesis:
         if not event.bounded:
             continue
         window_end = min([t for t in faults if t > event.time] + [history.info.ended])
-        after = [t for t in ack_times if event.time < t <= window_end]
-        end = after[0] if after else window_end
-        if end - event.time > bound:
-            how = "the next acknowledged write came" if after else "no write acknowledged for"
+        # Writes sent after the fault: an answer already on its way when it struck says
+        # nothing about the cluster after it.
+        after = [t for t, sent in acks if event.time < sent and t <= window_end]
+        out.append((event, (after[0] if after else window_end) - event.time, bool(after)))
+    return out
+
+
+def long_outages(history: History) -> list[Violation]:
+    """After a fault that must heal by itself, the cluster acknowledges a write within the
+    outage bound (measured as :func:`outages` says; a shorter window proves nothing)."""
+    bound = history.info.outage_bound_s
+    if bound <= 0:
+        return []
+    out = []
+    for event, lasted, acked in outages(history):
+        if lasted > bound:
+            how = "the next acknowledged write came" if acked else "no write acknowledged for"
             message = (
                 f"after {event.action} {event.detail} at {event.time:.3f}: {how} "
-                f"{end - event.time:.1f} s later (bound {bound:.1f} s)"
+                f"{lasted:.1f} s later (bound {bound:.1f} s)"
             )
             out.append(Violation("outage", message, event.time))
     return out

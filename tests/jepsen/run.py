@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
-from tests.jepsen.checker import check, report
+from tests.jepsen.checker import check, outages, report
 from tests.jepsen.cluster import Broker, Cluster
 from tests.jepsen.history import (
     FINAL_STATES,
@@ -242,9 +242,14 @@ def summary(history: History, counts: dict[str, int]) -> str:
     for task in history.final.tasks.values():
         states[str(task.get("state"))] = states.get(str(task.get("state")), 0) + 1
     leaders = len({(c.broker, c.epoch) for c in history.claims})
+    measured = ", ".join(
+        f"{event.action} {lasted:.1f} s{'' if acked else ' (no ack before the next fault)'}"
+        for event, lasted, acked in outages(history)
+    )
     return (
         f"faults {sum(counts.values())} {dict(sorted(counts.items()))}; operations {outcomes}; "
-        f"tasks {states}; executions {len(history.executions)}; leader epochs seen {leaders}"
+        f"tasks {states}; executions {len(history.executions)}; leader epochs seen {leaders}; "
+        f"outages (fault to the next acknowledged write): {measured or 'none'}"
     )
 
 
