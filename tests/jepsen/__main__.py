@@ -1,0 +1,88 @@
+"""``python -m tests.jepsen --seed N --faults K [--ledger file]``: one Jepsen run
+(``--check DIR``: re-check a kept run's history).
+
+Makes the network (tests/jepsen/netns.py: namespaces on a bridge, a leftover of a killed
+run removed first), runs the driver (tests/jepsen/run.py) inside the control namespace,
+and tears every namespace, link and process down on every exit (also ^C or a failure).
+Exit status: 0 the checker passed, 1 it found violations (the report is printed), 2 the
+run could not be made. docs/TESTING.md ("Partitions") describes the fault model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.jepsen.checker import check, report
+from tests.jepsen.history import History
+from tests.jepsen.netns import Network, NetworkError
+from tests.jepsen.run import NODES
+
+
+def recheck(path: Path) -> int:
+    try:
+        history = History.load(path)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        print(f"cannot read {path}: {exc}", file=sys.stderr)
+        return 2
+    violations = check(history)
+    print(report(history, violations) if violations else f"checker passed: {path}")
+    return 1 if violations else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.jepsen", description=__doc__)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument(
+        "--check", type=Path, metavar="DIR", help="re-check DIR/history.jsonl of a kept run"
+    )
+    parser.add_argument("--faults", type=int, default=10, help="faults injected (default 10)")
+    parser.add_argument(
+        "--ledger",
+        choices=["file", "pulsar"],
+        default="file",
+        help="the brokers' ledger backend (pulsar: not in the harness yet)",
+    )
+    parser.add_argument("--dir", type=Path, help="logs and history (default: a new temp dir)")
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="bound of the whole run")
+    parser.add_argument("--session-timeout-ms", type=int, default=4000)
+    parser.add_argument(
+        "--max-attempts", type=int, default=10, help="the submitted tasks' max_attempts"
+    )
+    args = parser.parse_args(argv)
+    if args.check is not None:
+        return recheck(args.check / "history.jsonl")
+    if args.seed is None:
+        parser.error("--seed is required (or --check DIR)")
+    if args.faults < 0 or args.timeout_s <= 0 or args.max_attempts < 1:
+        parser.error("--faults must be >= 0, --timeout-s > 0 and --max-attempts >= 1")
+    if args.ledger == "pulsar":
+        parser.error("--ledger pulsar: the harness runs the file ledger only so far (issue 19)")
+    directory = args.dir or Path(tempfile.mkdtemp(prefix="steward-jepsen-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    print(f"jepsen seed {args.seed}: logs and history in {directory}", flush=True)
+    try:
+        with Network(NODES) as net:
+            command = [
+                *net.exec_prefix("ctl"), sys.executable, "-m", "tests.jepsen.run",
+                "--dir", str(directory), "--seed", str(args.seed),
+                "--faults", str(args.faults), "--ledger", args.ledger,
+                "--duration-s", str(args.timeout_s),
+                "--session-timeout-ms", str(args.session_timeout_ms),
+                "--max-attempts", str(args.max_attempts),
+            ]  # fmt: skip
+            try:
+                return subprocess.run(command, timeout=args.timeout_s, check=False).returncode
+            except subprocess.TimeoutExpired:
+                print(f"the run did not end within {args.timeout_s} s", file=sys.stderr)
+                return 2
+    except NetworkError as exc:
+        print(f"cannot make the network: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""ZooKeeper, brokers and workers of a Jepsen run, each in its own network namespace
+(tests/jepsen/netns.py), bound to its namespace's address.
+
+Runs in the driver, itself inside the control namespace (``sj-ctl``): its requests reach
+the nodes over the bridge like any client's. Every process is started with ``ip netns exec``
+(which execs the command: the pid is the server's own, so kill -9 and SIGSTOP hit it);
+the network's teardown kills whatever is left in the namespaces.
+
+The file ledger's directory is shared by every broker through the one filesystem: a
+partition never cuts a broker from its ledger, only from ZooKeeper, its peers and clients.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from clients.dev.zk import ZooKeeperServer, four_letter_word
+from tests.jepsen.netns import Network
+from tests.support.logged_process import LoggedProcess
+from tests.support.procs import steward_command
+
+ZK_PORT = 2181
+HTTP_PORT = 8080
+WORKER_PORT = 7070
+PROBE_TIMEOUT_S = 1.0
+
+
+class NamespacedZooKeeper(ZooKeeperServer):
+    """The development ZooKeeper, in the ``zk`` namespace on its address."""
+
+    def __init__(self, net: Network, directory: Path) -> None:
+        super().__init__(directory, port=ZK_PORT, max_session_timeout_ms=60_000)
+        self.net = net
+        self.ip = net.address["zk"]
+
+    @property
+    def connect_string(self) -> str:
+        return f"{self.ip}:{ZK_PORT}"
+
+    @property
+    def address(self) -> str:
+        return self.connect_string
+
+    def _write_config(self) -> None:
+        super()._write_config()
+        text = self.config_path.read_text().replace("127.0.0.1", self.ip)
+        self.config_path.write_text(text)
+
+    def _command(self) -> list[str]:
+        return [*self.net.exec_prefix("zk"), *super()._command()]
+
+    def _ready(self) -> bool:
+        try:
+            return "Mode:" in four_letter_word(self.ip, ZK_PORT, "srvr", timeout_s=1.0)
+        except OSError:
+            return False
+
+
+class Node(LoggedProcess):
+    """A steward broker or worker process in namespace ``name``."""
+
+    def __init__(self, net: Network, name: str, root: Path, args: list[str]) -> None:
+        super().__init__(name, root / "logs" / f"{name}.log")
+        self.net = net
+        self.name = name
+        self.ip = net.address[name]
+        self.args = args
+        self.stopped = False
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        self.stopped = False
+        header = f"\n===== start #{self.starts} at monotonic {time.monotonic():.3f} =====\n"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.spawn_logged([*self.net.exec_prefix(self.name), *self.args], env, header)
+
+    def signal(self, signum: signal.Signals) -> None:
+        if self.running():
+            os.kill(self.pid, signum)
+            self.stopped = signum == signal.SIGSTOP
+
+    def kill9(self, timeout_s: float = 10.0) -> None:
+        if self.running() and self.stopped:
+            os.kill(self.pid, signal.SIGCONT)
+        self.stopped = False
+        super().kill9(timeout_s)
+
+
+class Broker(Node):
+    @property
+    def url(self) -> str:
+        return f"http://{self.ip}:{HTTP_PORT}"
+
+    def get(self, path: str, timeout_s: float = PROBE_TIMEOUT_S) -> Any:
+        response = httpx.get(self.url + path, timeout=timeout_s)
+        response.raise_for_status()
+        return response.json()
+
+    def health(self) -> dict[str, Any] | None:
+        if not self.running() or self.stopped:
+            return None
+        try:
+            body: dict[str, Any] = httpx.get(self.url + "/healthz", timeout=PROBE_TIMEOUT_S).json()
+            return body
+        except (httpx.HTTPError, ValueError):
+            return None
+
+
+class Cluster:
+    """ZooKeeper, ``brokers`` brokers and ``workers`` workers of one run."""
+
+    def __init__(
+        self,
+        net: Network,
+        root: Path,
+        *,
+        brokers: list[str],
+        workers: list[str],
+        session_timeout_ms: int,
+        extra_broker_args: tuple[str, ...] = (),
+    ) -> None:
+        self.net = net
+        self.root = root
+        self.name = "jepsen"
+        (root / "logs").mkdir(parents=True, exist_ok=True)
+        self.ledger_dir = root / "ledgers"
+        self.ledger_dir.mkdir(exist_ok=True)
+        self.zookeeper = NamespacedZooKeeper(net, root / "zookeeper")
+        self.session_timeout_ms = session_timeout_ms
+        self.brokers = {
+            name: Broker(net, name, root, self._broker_args(name, extra_broker_args))
+            for name in brokers
+        }
+        urls = ",".join(b.url for b in self.brokers.values())
+        self.workers = {
+            name: Node(net, name, root, self._worker_args(name, urls)) for name in workers
+        }
+
+    def _worker_args(self, name: str, urls: str) -> list[str]:
+        return [
+            *steward_command(), "worker", "--brokers", urls, "--worker-id", name,
+            "--cache-dir", str(self.root / "cache" / name), "--spark", "off",
+            "--task-type", "*=2",
+        ]  # fmt: skip
+
+    def _broker_args(self, name: str, extra: tuple[str, ...]) -> list[str]:
+        ip = self.net.address[name]
+        return [
+            *steward_command(), "broker",
+            "--zookeeper", f"{self.net.address['zk']}:{ZK_PORT}",
+            "--cluster", self.name, "--broker-id", name,
+            "--data-dir", str(self.root / name / "data"),
+            "--ledger-dir", str(self.ledger_dir),
+            "--http", f"{ip}:{HTTP_PORT}", "--worker-listen", f"{ip}:{WORKER_PORT}",
+            "--session-timeout-ms", str(self.session_timeout_ms),
+            "--heartbeat-interval-ms", "500", "--heartbeat-timeout-ms", "15000",
+            "--log-level", "INFO", *extra,
+        ]  # fmt: skip
+
+    @property
+    def urls(self) -> list[str]:
+        return [b.url for b in self.brokers.values()]
+
+    def start(self) -> None:
+        self.zookeeper.start()
+        for broker in self.brokers.values():
+            broker.start()
+
+    def start_workers(self) -> None:
+        for worker in self.workers.values():
+            worker.start()
+
+    def leaders(self) -> list[Broker]:
+        """Brokers that answer as writable leaders right now."""
+        found = []
+        for broker in self.brokers.values():
+            health = broker.health()
+            if health and health.get("role") == "leader" and health.get("writable"):
+                found.append(broker)
+        return found
+
+    def stop(self) -> None:
+        for node in [*self.workers.values(), *self.brokers.values()]:
+            node.kill9()
+        self.zookeeper.kill9()
+
+    def ledger_writer(self, client: Any) -> tuple[str, int] | None:
+        """Who writes the ledger list and its newest ledger id (read with ``client``, a
+        started KazooClient), or None while it is unknown."""
+        try:
+            data, _ = client.get(f"/steward/{self.name}/ledgers")
+        except Exception:  # ZooKeeper unreachable or the list not made yet
+            return None
+        body = json.loads(data)
+        ledgers = body.get("ledgers") or []
+        if not ledgers or not body.get("writer"):
+            return None
+        return str(body["writer"]), max(int(info["ledger_id"]) for info in ledgers)
+
+    def log_tails(self, max_bytes: int = 3000) -> str:
+        parts = []
+        for node in [*self.brokers.values(), *self.workers.values()]:
+            parts.append(f"----- {node.name} ({node.log_path}) -----\n{node.log_tail(max_bytes)}")
+        return "\n".join(parts)
