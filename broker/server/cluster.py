@@ -459,7 +459,7 @@ class ClusterBroker:
         if self._deposed is not None:
             reason, self._deposed = self._deposed, None
             await self._stop_leading(reason)
-            await self._requeue()
+            await self._retry_or_requeue()
         elif node.role in (Role.LEADER, Role.CANDIDATE) and node.deposed_reason is not None:
             # Deposed by a blip the elector already got over ("not leader", then "leader"
             # again before this ran): step down fully, then take over afresh below.
@@ -566,6 +566,7 @@ class ClusterBroker:
 
     async def _retry_or_requeue(self) -> None:
         # The ledger list's ZooKeeper client was down and is back: keep our place (§4).
+        # Safe after a deposition too: a take-over fences whoever else wrote.
         if await self.zk_back.reconnected():
             self._changed.set()
         else:
