@@ -110,6 +110,40 @@ class WorkersMixin(TasksMixin):
             self._start_tree(task.id)
         self._effects.append(TaskAssigned(task.id, worker.id, task.attempt))
 
+    def unreceived_attempts(
+        self,
+        worker_id: str,
+        process_id: str,
+        credential: str | None,
+        listed: tuple[e.TaskAttempt, ...],
+    ) -> tuple[e.TaskAttempt, ...]:
+        """The attempts running on ``worker_id`` that the reconnecting process, which lists
+        every attempt it holds (running, or a report not acknowledged: ``listed``), never
+        received: it is the very process (id and credential) registered now, so every
+        attempt running on the worker was assigned to it (docs/DESIGN.md §6, "Lost
+        assignments"). A read-only query for the leader, which gives them back in a
+        ``FinishTasks`` before the ``RegisterWorker``; empty when it proves nothing."""
+        worker = self.workers.get(worker_id)
+        if (
+            worker is None
+            or not process_id
+            or worker.process_id != process_id
+            or worker.credential != credential
+            or worker.state != WorkerState.CONNECTED
+        ):
+            return ()  # another process (a restart) cannot tell what this one received
+        held = {(ta.task_id, ta.attempt) for ta in listed}
+        lost: list[e.TaskAttempt] = []
+        for task_id in sorted(self.running_by_worker.get(worker_id, ())):
+            task = self.tasks[task_id]
+            if (
+                task.state == TaskState.RUNNING
+                and task.worker == worker_id
+                and (task.id, task.attempt) not in held
+            ):
+                lost.append(e.TaskAttempt(task.id, task.attempt))
+        return tuple(lost)
+
     def _register_worker(self, entry: e.RegisterWorker) -> WorkerReconciled | Rejected:
         if not entry.worker_id:
             return Rejected(ErrorCode.INVALID, "worker_id must not be empty")

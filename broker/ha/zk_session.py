@@ -339,3 +339,55 @@ def _close_client(client: Any) -> None:
     except KazooException as exc:
         logger.warning("ZooKeeper client stop failed: %r", exc)
     client.close()
+
+
+async def wait_connected(client: Any, timeout_s: float, still_wanted: Callable[[], bool]) -> bool:
+    """Wait until kazoo ``client`` is CONNECTED (True), at most ``timeout_s`` and only while
+    ``still_wanted()`` (False: gave up). Woken by kazoo's state listener, re-checked at
+    least every 0.25 s (``still_wanted`` has no event of its own)."""
+    loop = asyncio.get_running_loop()
+    changed = asyncio.Event()
+
+    def listener(_state: object) -> bool:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            loop.call_soon_threadsafe(changed.set)
+        return False  # stay registered until removed below
+
+    client.add_listener(listener)
+    try:
+        deadline = loop.time() + timeout_s
+        while True:
+            changed.clear()
+            if client.state == KazooState.CONNECTED:
+                return True
+            left = deadline - loop.time()
+            if left <= 0 or not still_wanted():
+                return False
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(left, 0.25)):
+                    await changed.wait()
+    finally:
+        client.remove_listener(listener)
+
+
+class ClientReturn:
+    """The broker's second ZooKeeper client (ledger list, code replication) as a take-over
+    needs it: after a ZooKeeper server's loss the elector's client may reconnect first, so
+    a take-over that failed while this one was down waits for it, at most ``timeout_s``
+    and while ``still_wanted()``, and is retried instead of giving up the leadership
+    (docs/DESIGN.md §4)."""
+
+    def __init__(self, client: Any, timeout_s: float, still_wanted: Callable[[], bool]) -> None:
+        self.client = client
+        self.timeout_s = timeout_s
+        self.still_wanted = still_wanted
+        self.waits = 0  # how often it was down when asked
+
+    async def reconnected(self) -> bool:
+        """True when the client is down now and comes back in time; False when it is up
+        (what failed was not it) or stays down."""
+        if self.client.state == KazooState.CONNECTED:
+            return False
+        self.waits += 1
+        logger.info("the ledger list's ZooKeeper client is %s; waiting", self.client.state)
+        return await wait_connected(self.client, self.timeout_s, self.still_wanted)

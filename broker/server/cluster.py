@@ -52,6 +52,7 @@ from broker.ha.election import (
     LeadershipStatus,
     default_client_factory,
 )
+from broker.ha.zk_session import ClientReturn
 from broker.observability.node_observer import observe_node
 from broker.replication.common import NewerFormatError
 from broker.replication.node import (
@@ -255,6 +256,7 @@ class ClusterBroker:
             on_change=self._on_status_change,
         )
         self.node.leadership_check = self.elector.is_leader
+        self.zk_back = ClientReturn(self.zk, self.elector.session_timeout_s, self.elector.is_leader)
         self.node.on_deposed = self._on_deposed
         self.replicator = CodeReplicator(
             self.code_store,
@@ -457,7 +459,7 @@ class ClusterBroker:
         if self._deposed is not None:
             reason, self._deposed = self._deposed, None
             await self._stop_leading(reason)
-            await self._requeue()
+            await self._retry_or_requeue()
         elif node.role in (Role.LEADER, Role.CANDIDATE) and node.deposed_reason is not None:
             # Deposed by a blip the elector already got over ("not leader", then "leader"
             # again before this ran): step down fully, then take over afresh below.
@@ -498,7 +500,7 @@ class ClusterBroker:
             return
         except (LedgerError, BrokerUnavailableError) as exc:
             await node.step_down(f"take-over failed: {exc}")
-            await self._requeue()
+            await self._retry_or_requeue()
             return
         if not self.elector.is_leader():
             await node.step_down("lost the election while taking over")
@@ -521,7 +523,7 @@ class ClusterBroker:
             await node.open_for_writes()
         except (LedgerError, BrokerUnavailableError) as exc:
             await node.step_down(f"could not open a ledger: {exc}")
-            await self._requeue()
+            await self._retry_or_requeue()
             return
         link = WorkerLink(node, self._workers_config, self.outputs)
         try:
@@ -561,6 +563,14 @@ class ClusterBroker:
         retention, self.retention = self.retention, None
         if retention is not None:
             await retention.stop()
+
+    async def _retry_or_requeue(self) -> None:
+        # The ledger list's ZooKeeper client was down and is back: keep our place (§4).
+        # Safe after a deposition too: a take-over fences whoever else wrote.
+        if await self.zk_back.reconnected():
+            self._changed.set()
+        else:
+            await self._requeue()
 
     async def _requeue(self) -> None:
         # Back of the queue: a broker that just failed to lead lets the others try.

@@ -192,6 +192,43 @@ class Handshake:
         finally:
             self._registering.discard(worker_id)
 
+    async def _give_back_unreceived(
+        self, hello: p.Hello, credential: str | None, listed: tuple[e.TaskAttempt, ...]
+    ) -> None:
+        """Attempts assigned to this very process that it does not hold never reached it
+        (the Assign was lost with a connection or a leader): they are given back, not
+        counted against max_attempts, before the RegisterWorker would count them as lost
+        (docs/DESIGN.md §6, "Lost assignments"). Decided on the leader's state: an
+        assignment applied after this check meets the RegisterWorker's rule, which counts it."""
+        lost = self.node.state.unreceived_attempts(
+            hello.worker_id, hello.process_id, credential, listed
+        )
+        if not lost:
+            return
+        error = (
+            f"given back: the assignment never reached worker {hello.worker_id} "
+            f"(its process {hello.process_id} came back without it)"
+        )
+        outcomes = tuple(
+            e.TaskOutcome(
+                task_id=ta.task_id,
+                worker_id=hello.worker_id,
+                attempt=ta.attempt,
+                ok=False,
+                error=error,
+                released=True,
+            )
+            for ta in lost
+        )
+        await self.node.propose(lambda stamp: e.finish_tasks(stamp.now_ms, outcomes))
+        logger.info(
+            "worker %s (process %s) came back without %d assigned tasks: given back, "
+            "attempts not counted",
+            hello.worker_id,
+            hello.process_id,
+            len(lost),
+        )
+
     async def _register_checked(
         self,
         hello: p.Hello,
@@ -210,6 +247,8 @@ class Handshake:
         self.liveness.contact(hello.worker_id)
         address = writer.get_extra_info("peername")
         entry_running = tuple(e.TaskAttempt(r.task_id, r.attempt) for r in hello.running)
+        if hello.lists_unacked:
+            await self._give_back_unreceived(hello, credential, entry_running)
         result = await self.node.propose(
             lambda stamp: e.RegisterWorker(
                 time_ms=stamp.now_ms,

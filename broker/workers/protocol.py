@@ -85,6 +85,10 @@ class Hello(_Message, frozen=True, tag="hello"):
     token: str | None = None
     # The worker answers FetchOutput (an older one would drop the connection on it).
     output: bool = False
+    # ``running`` also lists the attempts whose report awaits a FinishAck, so an attempt
+    # assigned to this same process and missing from it never reached it (docs/DESIGN.md
+    # §6, "Lost assignments"). An older worker leaves it False.
+    lists_unacked: bool = False
 
 
 class Welcome(_Message, frozen=True, tag="welcome"):

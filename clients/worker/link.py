@@ -379,6 +379,7 @@ class Worker:
             running=self._tasks.held(),
             token=c.token,
             output=True,
+            lists_unacked=True,  # held() lists unacknowledged reports too
         )
 
     async def _read_welcome(

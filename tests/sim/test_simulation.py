@@ -259,6 +259,7 @@ def test_generator_covers_the_rules() -> None:
         "RegisterWorker ok",
         "RegisterWorker rejected invalid",
         "reconcile lost",
+        "lost assignment given back",
         "reconcile kept",
         "effect stop running",
         "AddCode ok",

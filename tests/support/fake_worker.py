@@ -69,6 +69,7 @@ class FakeWorker:
         heartbeats: bool = True,
         heartbeat_interval_s: float = 0.1,
         wait_s: float = DEFAULT_TIMEOUT_S,
+        lists_unacked: bool = False,
     ) -> p.Welcome:
         """Connect if needed, send Hello, return the Welcome; then heartbeat unless told not to."""
         if self._writer is None:
@@ -83,6 +84,7 @@ class FakeWorker:
                 tenants=self.tenants,
                 running=tuple(p.TaskAttempt(t, a) for t, a in running),
                 token=self.token,
+                lists_unacked=lists_unacked,
             )
         )
         self.welcome = await self.expect(p.Welcome, wait_s=wait_s)

@@ -412,6 +412,11 @@ class Checker(TransitionChecks):
                 expected_stops.append(
                     StopRunning(ev.task.worker or "", ev.task_id, ev.attempt, reason)
                 )
+            elif ev.old == RUNNING and ev.new == WAITING and self._given_back(entry, ev.task):
+                # Given back: stopped on the worker the outcome names (cleared since).
+                assert isinstance(entry, e.FinishTasks)
+                worker = next(o.worker_id for o in entry.outcomes if o.task_id == ev.task_id)
+                expected_stops.append(StopRunning(worker, ev.task_id, ev.attempt, error))
             elif ev.old == RUNNING and ev.new == WAITING and ev.task.root == ev.task_id:
                 # A replayed root: stopped on the worker it ran on (cleared since).
                 actual = next((s for s in stops if s.task_id == ev.task_id), None)
@@ -458,7 +463,7 @@ class Checker(TransitionChecks):
             per_tenant.setdefault(task.tenant, Counter())[state] += 1
             if self.attempts.get(tid) != task.attempt:
                 fail(f"task {tid} attempt changed outside a transition: {task.attempt}")
-            if not 0 <= task.attempt <= task.max_attempts:
+            if not 0 <= task.attempt - task.released <= task.max_attempts:
                 fail(f"task {tid} attempt {task.attempt} of max {task.max_attempts}")
             if state in LIVE and task.slot is not None:
                 slot = (task.tenant, task.slot)
@@ -469,7 +474,8 @@ class Checker(TransitionChecks):
                 fail(f"live task {tid} past its deadline {task.deadline_ms} (now {now})")
             if state == DELAYED and (task.start_after_ms is None or task.start_after_ms <= now):
                 fail(f"delayed task {tid} past its start_after {task.start_after_ms}")
-            if state == WAITING and (task.worker is not None or task.attempt >= task.max_attempts):
+            counted = task.attempt - task.released
+            if state == WAITING and (task.worker is not None or counted >= task.max_attempts):
                 fail(f"waiting task {tid}: worker {task.worker}, attempt {task.attempt}")
             if state in (WAITING, RUNNING) and (task.start_after_ms or 0) > now:
                 fail(f"{state} task {tid} before its start_after {task.start_after_ms}")

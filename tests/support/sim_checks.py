@@ -39,6 +39,7 @@ from tests.support.sim_model import (
     FINAL,
     FINISHED,
     LIVE,
+    LOST,
     PENDING,
     RUNNING,
     SPAWN_REFUSED_RE,
@@ -172,7 +173,7 @@ class TransitionChecks:
                 expected = previous + 1 if (old, new) == (WAITING, RUNNING) else previous
                 if ev.attempt != expected:
                     fail(f"task {tid} {old}->{new}: attempt {ev.attempt}, expected {expected}")
-                if ev.attempt > task.max_attempts:
+                if ev.attempt - task.released > task.max_attempts:
                     fail(f"task {tid} attempt {ev.attempt} > max_attempts {task.max_attempts}")
             # Rules that depend on why the transition happened.
             # (Events hold the task itself: a later change in the entry, e.g. a cancel
@@ -214,7 +215,8 @@ class TransitionChecks:
                 if not replayed:
                     fail(f"task {tid} finished then waiting, not a replayed root")
             elif (old, new) == (RUNNING, DELAYED):
-                if not self._attempt_over(entry, tid, pre) or ev.attempt >= task.max_attempts:
+                counted = ev.attempt - task.released
+                if not self._attempt_over(entry, tid, pre) or counted >= task.max_attempts:
                     fail(f"task {tid} delayed in {kind.__name__} without a failed attempt")
                 # The retry is due retry_backoff * 2^(n-1), capped, +-25% from now.
                 retry = task.counted_attempts()
@@ -225,14 +227,17 @@ class TransitionChecks:
             elif old == RUNNING and new == WAITING:
                 if not replayed and not self._attempt_over(entry, tid, pre):
                     fail(f"task {tid} back to waiting in {kind.__name__} without a reason")
-                if ev.attempt >= task.max_attempts:
+                if self._given_back(entry, task):
+                    # Not counted (docs/DESIGN.md §6): it may run again whatever its attempt.
+                    self.stats["lost assignment given back"] += task.error == LOST
+                elif ev.attempt - task.released >= task.max_attempts:
                     fail(f"task {tid} retried after its last attempt {ev.attempt}")
             elif new == ERROR and self._dependency_error(task):
                 self.stats["dependant failed with its dependency"] += 1
             elif new == ERROR and not self._deadline_error(task, now):
                 if old != RUNNING or not self._attempt_over(entry, tid, pre):
                     fail(f"task {tid} {old}->error without a reason: {task.error!r}")
-                if ev.attempt < task.max_attempts:
+                if ev.attempt - task.released < task.max_attempts:
                     fail(f"task {tid} failed at attempt {ev.attempt} of {task.max_attempts}")
                 if not task.error:
                     fail(f"task {tid} failed without an error message")
@@ -528,6 +533,15 @@ class TransitionChecks:
             attempt = dict(pre.reported).get(tid)
             return attempt is not None and e.TaskAttempt(tid, attempt) not in entry.running
         return isinstance(entry, e.WorkerDead) and tid in pre.worker_running
+
+    @staticmethod
+    def _given_back(entry: e.Entry, task: Task) -> bool:
+        """Whether this entry gave the running attempt of ``task`` back (not counted), and
+        nothing else (a tree's timeout due at its time) ended it first."""
+        return isinstance(entry, e.FinishTasks) and any(
+            o.task_id == task.id and o.released and not o.ok and task.error == o.error
+            for o in entry.outcomes
+        )
 
     def _spawn_refused(self, outcome: e.TaskOutcome) -> bool:
         """Whether this ok outcome's spawn was refused, rightly: its error names a tenant

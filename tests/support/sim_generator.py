@@ -46,6 +46,7 @@ from tests.support.sim_model import (
     WAITING,
     WORKERS,
     Expect,
+    give_back_unreceived,
 )
 
 # How far the clock moves: (below this draw of rng.random(), a step from lo to hi ms).
@@ -657,16 +658,22 @@ class EntryGenerator(CodeEntries):
                 running.append(e.TaskAttempt(task_id, task.attempt + rng.choice((-1, 1))))
         if rng.random() < 0.2:
             running.append(e.TaskAttempt(self._recent(), 1))
+        known = self.view.workers.get(worker_id)  # half the time, the same process is back
+        same = known.process_id if known is not None and rng.random() < 0.5 else None
         entry = e.RegisterWorker(
             time_ms=self._time(),
             worker_id=worker_id,
             address=f"10.0.0.{len(worker_id)}:7000",
-            process_id=f"pid-{self.rng.randrange(1_000_000)}",
+            process_id=same or f"pid-{rng.randrange(1_000_000)}",
             resources={"cpu": self.rng.choice((2, 4.0, 8.0)), "mem": 16384.0},
             task_types=self._task_types(),
             tenants=tuple(self.rng.sample(TENANTS, self.rng.randint(0, 2))),
             running=tuple(running),
         )
+        give_back = give_back_unreceived(self.view, entry)
+        if give_back is not None:  # the leader logs it first; the registration follows
+            self.scripted.appendleft(lambda: (entry, expect))
+            return give_back
         return entry, expect
 
     def _task_types(self) -> dict[str, int]:

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Final
 
+from broker.core import entries as e
 from broker.core.state import (
     FINAL_STATES,
     LIVE_STATES,
@@ -117,3 +118,24 @@ INVALID: Final = frozenset({ErrorCode.INVALID})
 STALE: Final = frozenset({ErrorCode.STALE})
 NOT_FOUND: Final = frozenset({ErrorCode.NOT_FOUND})
 CONFLICT: Final = frozenset({ErrorCode.CONFLICT})
+#: The error of an attempt given back because it never reached its worker's process.
+LOST: Final = "given back: the assignment never reached this worker process"
+
+
+def give_back_unreceived(
+    view: StateMachine, register: e.RegisterWorker
+) -> tuple[e.Entry, Expect] | None:
+    """What the leader logs before ``register`` when the very process the state has
+    registered comes back without attempts it was assigned (docs/DESIGN.md §6, "Lost
+    assignments"): a FinishTasks giving them back, each accepted. None: nothing to give."""
+    worker = register.worker_id
+    lost = view.unreceived_attempts(worker, register.process_id, None, register.running)
+    if not lost:
+        return None
+    outcomes = tuple(
+        e.TaskOutcome(ta.task_id, worker, ta.attempt, ok=False, error=LOST, released=True)
+        for ta in lost
+    )
+    # Not each accepted for sure: a timer due at the entry's time (a tree's timeout) may
+    # end one first.
+    return e.finish_tasks(register.time_ms, outcomes), Expect()

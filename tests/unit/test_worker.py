@@ -311,6 +311,8 @@ async def test_reconnect_lists_a_task_finished_while_disconnected(env: Env) -> N
     conn2 = await env.broker.accept()
     assert conn2.hello is not None
     assert conn2.hello.running == (TaskAttempt(1, 1),)
+    # It says so: an attempt it does not list never reached it (docs/DESIGN.md §6).
+    assert conn2.hello.lists_unacked
     conn2.welcome(keep=(TaskAttempt(1, 1),))
     report = await conn2.report()
     assert report.task_id == 1 and report.attempt == 1
