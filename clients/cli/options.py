@@ -338,8 +338,8 @@ def _add_edge_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=64,
         metavar="N",
-        help="worker-port connections before their hello is accepted; more are refused "
-        "(default %(default)s)",
+        help="worker-port connections before their hello is accepted; one over the cap waits up to "
+        "3 s for a slot, then is refused (default %(default)s)",
     )
     p.add_argument(
         "--max-task-output-mb",

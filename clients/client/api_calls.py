@@ -233,6 +233,23 @@ def schedules(tenant: str | None) -> Request:
     return Request("GET", "/api/v1/schedules", params=query, field="schedules")
 
 
+def schedule(name: str, tenant: str | None) -> Request:
+    query = {"tenant": tenant} if tenant is not None else None
+    return Request("GET", f"/api/v1/schedules/{name}", params=query)
+
+
+def set_webhook(tenant: str, url: str, secret: str) -> Request:
+    return Request("PUT", f"/api/v1/tenants/{tenant}/webhook", json={"url": url, "secret": secret})
+
+
+def webhook(tenant: str) -> Request:
+    return Request("GET", f"/api/v1/tenants/{tenant}/webhook")
+
+
+def delete_webhook(tenant: str) -> Request:
+    return Request("DELETE", f"/api/v1/tenants/{tenant}/webhook")
+
+
 def delete_schedule(name: str, tenant: str | None) -> Request:
     query = {"tenant": tenant} if tenant is not None else None
     return Request("DELETE", f"/api/v1/schedules/{name}", params=query)

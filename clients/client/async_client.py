@@ -459,6 +459,23 @@ class AsyncStewardClient(_ClientBase):
         result: dict[str, Any] = await self._send(calls.delete_schedule(name, tenant))
         return result
 
+    async def schedule(self, name: str, *, tenant: str | None = None) -> dict[str, Any]:
+        result: dict[str, Any] = await self._send(calls.schedule(name, tenant))
+        return result
+
+    async def set_webhook(self, tenant: str, url: str, secret: str) -> dict[str, Any]:
+        """As :meth:`StewardClient.set_webhook` (webhooks, docs/API.md)."""
+        result: dict[str, Any] = await self._send(calls.set_webhook(tenant, url, secret))
+        return result
+
+    async def webhook(self, tenant: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._send(calls.webhook(tenant))
+        return result
+
+    async def delete_webhook(self, tenant: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._send(calls.delete_webhook(tenant))
+        return result
+
     async def whoami(self) -> dict[str, Any]:
         result: dict[str, Any] = await self._send(calls.whoami())
         return result

@@ -472,6 +472,28 @@ class StewardClient(_ClientBase):
         result: dict[str, Any] = self._send(calls.delete_schedule(name, tenant))
         return result
 
+    def schedule(self, name: str, *, tenant: str | None = None) -> dict[str, Any]:
+        """One schedule (NotFoundError when the tenant has none of that name)."""
+        result: dict[str, Any] = self._send(calls.schedule(name, tenant))
+        return result
+
+    # Per-tenant webhooks (docs/API.md, Webhooks)
+
+    def set_webhook(self, tenant: str, url: str, secret: str) -> dict[str, Any]:
+        """POST the tenant's completion events to ``url`` from now on, signed with
+        HMAC-SHA256 under ``secret``; answers ``{"tenant", "url", "delivered"}``."""
+        result: dict[str, Any] = self._send(calls.set_webhook(tenant, url, secret))
+        return result
+
+    def webhook(self, tenant: str) -> dict[str, Any]:
+        """The tenant's webhook (never its secret); NotFoundError when it has none."""
+        result: dict[str, Any] = self._send(calls.webhook(tenant))
+        return result
+
+    def delete_webhook(self, tenant: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._send(calls.delete_webhook(tenant))
+        return result
+
     def whoami(self) -> dict[str, Any]:
         result: dict[str, Any] = self._send(calls.whoami())
         return result

@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=default_work_dir(),
         help="task processes' working directories, homes and code copies (default:"
-        " %(default)s; task users must be able to reach it)",
+        " %(default)s-<worker id>, one per worker; task users must be able to reach it)",
     )
     isolation.add_argument(
         "--task-process-idle-s",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import ssl
 import sys
@@ -63,9 +64,17 @@ def default_cache_dir() -> Path:
     return Path(base) / "steward" / "artifacts"
 
 
-def default_work_dir() -> Path:
-    """Where task processes get their directories: outside any home, so task users reach it."""
-    return Path(tempfile.gettempdir()) / f"steward-worker-{os.geteuid()}"
+def default_work_dir(worker_id: str | None = None) -> Path:
+    """Where task processes get their directories: outside any home, so task users reach it.
+
+    One per worker (its id in the name): two workers on a host must not share one (their
+    Spark servers, code copies and attempt directories would collide). Without a worker id:
+    the base name, which a worker's config turns into its own.
+    """
+    base = f"steward-worker-{os.geteuid()}"
+    if worker_id is not None:
+        base += "-" + re.sub(r"[^A-Za-z0-9._-]", "_", worker_id)
+    return Path(tempfile.gettempdir()) / base
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
@@ -225,6 +234,8 @@ class WorkerConfig:
         if self.max_cache_bytes < 0:
             raise ValueError("max_cache_bytes must be >= 0 (0: unbounded)")
         self.work_dir = Path(self.work_dir)
+        if self.work_dir == default_work_dir():  # the default: this worker's own
+            self.work_dir = default_work_dir(self.worker_id)
         if self.task_isolation not in ("process", "thread"):
             raise ValueError("task_isolation must be 'process' or 'thread'")
         if self.spark not in ("connect", "classic", "off"):

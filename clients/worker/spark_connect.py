@@ -70,6 +70,9 @@ ALLOCATION_FILE: Final = "fairscheduler.xml"
 _STOP_GRACE_S: Final = 5.0
 _POLL_S: Final = 0.1
 _LOG_TAIL_BYTES: Final = 4000
+SERVER_LOG_MAX_BYTES: Final = 16 * 1024 * 1024  # rotated to server.log.1 at start past this
+# The server's answer about a session its client released (pyspark's error condition).
+SESSION_CLOSED: Final = "INVALID_HANDLE.SESSION_CLOSED"
 
 CLASSIC_FLAG_HINT: Final = (
     "start the worker with --allow-classic-spark (it starts a Spark JVM in each tenant's"
@@ -502,6 +505,7 @@ class SparkConnectServer:
         if self.identity.switch:
             for path in (home, home / "tmp", home / "warehouse", properties, allocation):
                 os.chown(path, self.identity.uid, self.identity.gid)
+        rotate_log(home / "server.log", SERVER_LOG_MAX_BYTES)
         log = open(home / "server.log", "ab")  # noqa: SIM115 - handed to the child
         try:
             with self._lock:
@@ -577,11 +581,29 @@ class SparkConnectServer:
         the server would otherwise run its queries to the end)."""
         if not self._ready.is_set():
             return
-        session = self.attach(session_id)
-        try:
-            session.interruptAll()
-        finally:
-            session.stop()  # releases the session on the server
+        interrupt_session(self.attach(session_id))
+
+
+def interrupt_session(session: Any) -> None:
+    """Interrupt every operation of a task's session, then release it. A closed session (the
+    task released it on its way out, as a cancelled attempt does) runs nothing: done."""
+    try:
+        session.interruptAll()
+    except Exception as exc:
+        if SESSION_CLOSED not in str(exc):
+            raise
+        session.release_session_on_close = False  # released already: stop() only closes
+        logger.debug("Spark session %s was closed already: not interrupted", session.session_id)
+    finally:
+        session.stop()  # releases the session on the server
+
+
+def rotate_log(path: Path, max_bytes: int) -> None:
+    """Move a log past ``max_bytes`` to ``<name>.1`` (replacing the older one): each server
+    start appends to it, so a work dir kept across runs would grow it without end."""
+    with contextlib.suppress(FileNotFoundError):
+        if path.stat().st_size > max_bytes:
+            os.replace(path, path.with_name(path.name + ".1"))
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

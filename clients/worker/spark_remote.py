@@ -26,6 +26,7 @@ from clients.worker.spark_connect import (
     USER_ID,
     SparkConnectError,
     SparkConnectServer,
+    interrupt_session,
     new_session_id,
     open_session,
 )
@@ -189,11 +190,7 @@ class RemoteSpark:
         check_reachable(
             self.remote.host, self.remote.port, self.probe_timeout_s, self.remote.address
         )
-        session = self.attach(session_id)
-        try:
-            session.interruptAll()
-        finally:
-            session.stop()
+        interrupt_session(self.attach(session_id))
 
 
 #: Where a worker's Spark Connect sessions are made: its own server or a remote one.

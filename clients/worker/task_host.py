@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import resource
 import select
 import signal
@@ -234,9 +235,8 @@ class _Host:
             done = task_wire.Done(ok=True, result=result, spawn=ctx.spawned)
         except BaseException as exc:  # every failure of task code (even SystemExit) is a report
             error = error_text(exc)
-            if run.spark_mode == "connect" and "JVM_ATTRIBUTE_NOT_SUPPORTED" in error:
-                # ctx.spark.sparkContext (RDDs) on a Connect session: say what to use.
-                error = f"{SPARK_CONTEXT_HINT}\n\n{error}"
+            if run.spark_mode == "connect":
+                error = _with_spark_hint(error, ctx.uses_spark)
             done = task_wire.Done(ok=False, error=error, out_of_memory=isinstance(exc, MemoryError))
         finally:
             self.current = None
@@ -276,6 +276,23 @@ SPARK_CONTEXT_HINT = (
     "ctx.spark is a Spark Connect session (DataFrames and SQL): for sparkContext or RDDs use"
     " ctx.classic_spark, on a worker started with --allow-classic-spark"
 )
+
+SPARK_SESSION_FIRST_HINT = (
+    "this task used pyspark before its Spark session existed (made on first use of"
+    " ctx.spark): touch ctx.spark first, e.g. `spark = ctx.spark` (docs/TASKS.md)"
+)
+_NO_SESSION_YET = re.compile(r"NO_ACTIVE_OR_DEFAULT_SESSION|SESSION_OR_CONTEXT_NOT_EXISTS")
+
+
+def _with_spark_hint(error: str, session_made: bool) -> str:
+    """A Connect task's error, with what to do first when it is a known Spark misuse."""
+    if "JVM_ATTRIBUTE_NOT_SUPPORTED" in error:
+        # ctx.spark.sparkContext (RDDs) on a Connect session: say what to use.
+        return f"{SPARK_CONTEXT_HINT}\n\n{error}"
+    if not session_made and _NO_SESSION_YET.search(error):
+        # e.g. sf.udf(f, "long") parses its type on the session, made lazily by ctx.spark.
+        return f"{SPARK_SESSION_FIRST_HINT}\n\n{error}"
+    return error
 
 
 def spark_access(run: task_wire.Run) -> dict[str, Any]:

@@ -3,9 +3,15 @@ with a real worker process."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+import queue
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import httpx
@@ -207,3 +213,67 @@ def test_cli_code_upload_status_and_submit_wait(broker_url: str, tmp_path: Path)
     not_py.write_text("hello")
     refused = _cli(broker_url, "code", "upload", str(not_py))
     assert refused.returncode == 1 and "invalid_artifact" in refused.stderr
+
+
+class _Receiver(BaseHTTPRequestHandler):
+    """A webhook receiver: keeps each signed delivery's event id and body."""
+
+    deliveries: queue.Queue[tuple[str, bytes, str]] = queue.Queue()
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.deliveries.put(
+            (self.headers["X-Steward-Event-Id"], body, self.headers["X-Steward-Signature"])
+        )
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_webhooks_and_one_schedule_through_both_clients(broker_url: str) -> None:
+    secret = "a secret for the client's webhook test"
+    receiver = HTTPServer((HOST, 0), _Receiver)
+    serving = threading.Thread(target=receiver.serve_forever, daemon=True)
+    serving.start()
+    try:
+        with StewardClient(broker_url) as client:
+            hook_url = f"http://{HOST}:{receiver.server_port}/hook"
+            set_ = client.set_webhook("hooked", hook_url, secret)
+            assert (set_["tenant"], set_["url"]) == ("hooked", hook_url) and "secret" not in set_
+            assert client.webhook("hooked")["url"] == hook_url
+            done = client.submit("noop", tenant="hooked")
+            assert done.result(timeout=30) is None
+            event_id, body, signature = _Receiver.deliveries.get(timeout=30)
+            signed = hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+            assert hmac.compare_digest(signature, f"sha256={signed}")
+            assert json.loads(body)["id"] == done.id and event_id
+            assert client.delete_webhook("hooked")["url"] == hook_url
+            with pytest.raises(NotFoundError):
+                client.webhook("hooked")
+
+            client.create_schedule("sync-daily", "noop", tenant="one-s", interval_s=86400)
+            assert client.schedule("sync-daily", tenant="one-s")["interval_s"] == 86400
+            client.delete_schedule("sync-daily", tenant="one-s")
+            with pytest.raises(NotFoundError):
+                client.schedule("sync-daily", tenant="one-s")
+    finally:
+        receiver.shutdown()
+        receiver.server_close()
+        serving.join(timeout=10)
+
+
+async def test_async_client_webhooks_and_one_schedule(broker_url: str) -> None:
+    async with AsyncStewardClient(broker_url) as client:
+        hook_url = f"http://{HOST}:9/never-called"
+        assert (await client.set_webhook("async-h", hook_url, "s3cret"))["url"] == hook_url
+        assert (await client.webhook("async-h"))["tenant"] == "async-h"
+        assert (await client.delete_webhook("async-h"))["url"] == hook_url
+        with pytest.raises(NotFoundError):
+            await client.webhook("async-h")
+        await client.create_schedule("async-one", "noop", tenant="async-1", interval_s=3600)
+        assert (await client.schedule("async-one", tenant="async-1"))["name"] == "async-one"
+        await client.delete_schedule("async-one", tenant="async-1")
+        with pytest.raises(NotFoundError):
+            await client.schedule("async-one", tenant="async-1")

@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -32,6 +34,7 @@ from tests.support.worker_harness import (
     Env,
     result_of,
     task,
+    until,
     worker_env,
     zip_bytes,
 )
@@ -92,6 +95,22 @@ def slow_udf_query(params, ctx):
         f.write(str(os.getpid()))
     df = ctx.spark.range(0, 2, 1, 2).select(sf.udf(slow, "long")("id").alias("x"))
     return [row.x for row in df.collect()]
+
+
+def udf_before_session(params, ctx):
+    from pyspark.sql import functions as sf
+
+    plus_one = sf.udf(lambda x: x + 1, "long")  # parses "long" on a session: none yet
+    return [row.x for row in ctx.spark.range(2).select(plus_one("id").alias("x")).collect()]
+
+
+def udf_after_session(params, ctx):
+    from pyspark.sql import functions as sf
+
+    spark = ctx.spark  # first: the attempt's session, made the active one
+    plus_one = sf.udf(lambda x: x + 1, "long")
+    # Analysed on the server, not run: no UDF worker to start.
+    return spark.range(2).select(plus_one("id").alias("x")).schema.simpleString()
 
 
 def pooled(params, ctx):
@@ -241,14 +260,35 @@ async def _server_is_free(server: SparkConnectServer) -> None:
 
 
 async def test_cancel_interrupts_the_query_on_the_server(
-    env: Env, server: SparkConnectServer, work_root: Path
+    env: Env, server: SparkConnectServer, work_root: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.DEBUG, logger="clients.worker")
     _, conn, sha = await start_worker(env, server, work_root)
     async with _slow_udf_query(conn, sha, 21):
         conn.send(Cancel(tasks=(TaskAttempt(21, 1),), reason="cancelled by user"))
         report = await conn.report(SPARK_WAIT_S)
         assert report.error is not None and report.error.startswith("cancelled: cancelled by user")
         await _server_is_free(server)
+
+    # The cancelled task released its session on its way out: the worker's interrupt of it
+    # afterwards finds it closed, which is done, not a warning.
+    def interrupted() -> bool:
+        alive = {thread.name for thread in threading.enumerate()}
+        return "steward-spark-interrupt" not in alive
+
+    await until(interrupted)
+    assert "could not interrupt" not in caplog.text, caplog.text
+
+
+async def test_pyspark_functions_before_ctx_spark_say_to_touch_it_first(
+    env: Env, server: SparkConnectServer, work_root: Path
+) -> None:
+    _, conn, sha = await start_worker(env, server, work_root)
+    conn.assign(task(25, "scjob.job:udf_before_session", tenant="a", code=sha))
+    report = await conn.report(SPARK_WAIT_S)
+    assert not report.ok and "touch ctx.spark first" in (report.error or ""), report.error
+    conn.assign(task(26, "scjob.job:udf_after_session", tenant="a", code=sha))
+    assert result_of(await conn.report(SPARK_WAIT_S)) == "struct<x:bigint>"
 
 
 async def test_a_killed_task_process_has_its_query_interrupted_by_the_worker(

@@ -106,7 +106,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         worker: WorkerProcess | None = None
         dirs = contextlib.ExitStack()
         try:
-            # Not the default /tmp/steward-worker-UID, which other workers on the host share.
+            # A directory the test removes, not the worker's default under /tmp.
             work_dir = dirs.enter_context(task_writable_dir("steward-spark-work-"))
             shared = dirs.enter_context(task_writable_dir())
             broker.start()  # its URL (the worker's --http-url) is known once it runs

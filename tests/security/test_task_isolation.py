@@ -259,10 +259,9 @@ def test_another_tenants_running_task_is_out_of_reach(cluster: Cluster) -> None:
 
 def _holder_pid(cluster: Cluster, t0: float) -> int | None:
     # The holder writes its pid into its working directory; the worker's default work dir
-    # is /tmp/steward-worker-<uid>/attempts/<uid>-<random>/pid (root can read). Other
-    # tests' workers share that directory: only a file written since t0 counts.
-    attempts = Path(f"/tmp/steward-worker-{os.geteuid()}") / "attempts"
-    for path in attempts.glob("*/pid"):
+    # is /tmp/steward-worker-<uid>-<worker id>/attempts/<uid>-<random>/pid (root can read).
+    # Other tests' workers left theirs: only a file written since t0 counts.
+    for path in Path("/tmp").glob(f"steward-worker-{os.geteuid()}-*/attempts/*/pid"):
         try:
             if path.stat().st_mtime < t0 - 1:
                 continue

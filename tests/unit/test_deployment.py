@@ -236,15 +236,26 @@ def _readme_section(title: str) -> str:
     return text[start : end if end != -1 else len(text)]
 
 
-def test_readme_deployment_section_follows_running_a_real_cluster() -> None:
+def test_the_production_layout_is_one_section_naming_each_piece_s_test() -> None:
     text = OPERATIONS.read_text()
-    assert text.index("\n## Running a real cluster\n") < text.index(
-        "\n## Deploying on real engines\n"
-    )
+    assert text.startswith("# Operations\n\n## Production layout\n")
+    section = _readme_section("Production layout")
+    for test in (
+        "tests/integration/test_zk_ensemble.py",
+        "tests/integration/test_ledger_pulsar.py",
+        "tests/integration/test_spark_standalone.py",
+        "tests/integration/test_spark_remote.py",
+        "tests/jepsen",
+        "tests/chaos",
+        "bench/bench_workers_scale.py",
+    ):
+        assert f"`{test}" in section, f"the production layout does not name {test}"
+        assert (ROOT / test).exists(), test
+    assert "### Not tested here" in section
 
 
 def test_readme_names_every_service_and_published_port() -> None:
-    section = _readme_section("Deploying on real engines")
+    section = _readme_section("Production layout")
     for name in SERVICES:
         assert re.search(rf"`{re.escape(name)}`", section), f"OPERATIONS.md does not name {name}"
     for name, ports in _published_ports().items():

@@ -3,6 +3,7 @@ process, the listener check before the token is sent, the worker's flags."""
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import pytest
 
 from broker.workers.protocol import AssignedTask
 from clients.worker.__main__ import build_parser, config_from_args
-from clients.worker.config import WorkerConfig
+from clients.worker.config import WorkerConfig, default_work_dir
 from clients.worker.link import Worker
 from clients.worker.runtime import task_identities
 from clients.worker.spark_connect import (
@@ -19,6 +20,7 @@ from clients.worker.spark_connect import (
     ConnectEndpoint,
     SparkConnectError,
     listener_uid,
+    rotate_log,
     server_command,
     spark_identity,
     tenant_uid_range,
@@ -169,3 +171,25 @@ def test_only_a_worker_whose_tasks_can_reach_spark_starts_a_server() -> None:
         assert not has_server(types), types  # no JVM for these
     for types in ({"*": 4}, {"spark.sql": 1}, {"noop": 1, "jobs:run": 2}):
         assert has_server(types), types
+
+
+def test_each_worker_gets_a_work_dir_of_its_own_by_default(tmp_path: Path) -> None:
+    # Two workers on a host shared /tmp/steward-worker-<uid> (Spark server, its log, code).
+    one, two = config(worker_id="w-1"), config(worker_id="host/w 2")
+    assert one.work_dir == default_work_dir("w-1") != two.work_dir
+    assert one.work_dir.name == f"steward-worker-{os.geteuid()}-w-1"
+    assert two.work_dir.name == f"steward-worker-{os.geteuid()}-host_w_2"  # one path part
+    assert config(worker_id="w-1", work_dir=tmp_path).work_dir == tmp_path  # as given
+    parsed = config_from_args(build_parser().parse_args(["--worker-id", "w-3"]))
+    assert parsed.work_dir == default_work_dir("w-3")
+
+
+def test_the_server_log_is_rotated_past_its_cap(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    rotate_log(log, 10)  # none yet: nothing to do
+    log.write_bytes(b"x" * 10)
+    rotate_log(log, 10)
+    assert log.read_bytes() == b"x" * 10  # at the cap: kept
+    log.write_bytes(b"y" * 11)
+    rotate_log(log, 10)
+    assert not log.exists() and (tmp_path / "server.log.1").read_bytes() == b"y" * 11
