@@ -32,6 +32,11 @@ def record(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
         _note(path, "done", ctx.task_id, ctx.attempt)
     finally:
         _note(path, "end", ctx.task_id, ctx.attempt)
+    # A tree root: its children (created with its finish, in the same log entry) are keyed
+    # after it, so the soak knows who submitted them.
+    for index in range(int(params.get("children", 0))):
+        child = {"key": f"{params['key']}-c{index}", "seconds": params["seconds"], "effects": path}
+        ctx.spawn("chaos_tasks:record", child, max_attempts=int(params["attempts"]))
     return {"task": ctx.task_id, "attempt": ctx.attempt, "key": params["key"]}
 
 

@@ -62,6 +62,8 @@ from tests.chaos.soak_checks import (
     check_outages,
     check_split_brain,
     check_tasks,
+    check_transactions,
+    check_trees,
     check_zombies,
     count_log_events,
     drain_bound_s,
@@ -84,6 +86,7 @@ from tests.chaos.soak_parts import (
 )
 from tests.chaos.soak_watch import LeaderWatch
 from tests.support.cluster_procs import (
+    START_TIMEOUT_S,
     BrokerNode,
     ClusterError,
     ClusterProcesses,
@@ -126,6 +129,8 @@ class ChaosSoak(ExtraFaults):
         self._seq = itertools.count()
         self._worker_names = itertools.count(config.workers)
         self._start_failures: Counter[str] = Counter()
+        self._starting: dict[str, float] = {}  # broker -> when its restart began
+        self._healing = False  # healing everything: wait for each restart
         self._killed_workers: set[int] = set()  # id() of the worker processes killed
         self._worker_args = ("--task-type", f"*={config.worker_slots}")
         self.cluster: ClusterProcesses | None = None
@@ -197,6 +202,7 @@ class ChaosSoak(ExtraFaults):
         self.watch = LeaderWatch(
             lambda: {n.broker_id: n.url for n in cluster.nodes.values()},
             self.zookeeper.connect_string,
+            cluster.name,
         ).start()
         wait_until(lambda: load.acked_count() >= 20, 60, "20 acknowledged tasks before the faults")
 
@@ -207,7 +213,10 @@ class ChaosSoak(ExtraFaults):
             self._recover_due()
             draw = FaultDraw.draw(self.rng, config)
             self._sleep_recovering(draw.gap_s)
-            if injected >= zombies * config.zombie_every and self._start_zombie(zombies):
+            # Not in the last faults (unless none ran yet): a zombie run takes ~30 s.
+            late = injected > config.faults - 10 and zombies > 0
+            due = injected >= zombies * config.zombie_every and not late
+            if due and self._start_zombie(zombies):
                 zombies += 1
             missing = sorted(set(kinds) - set(self.log.faults))
             if config.faults - injected <= len(missing):
@@ -244,7 +253,8 @@ class ChaosSoak(ExtraFaults):
     # -- faults -------------------------------------------------------------------------------
 
     def _faulted_brokers(self) -> set[str]:
-        return {r.target for r in self._pending if r.kind in ("restart_broker", "cont_broker")}
+        kinds = ("restart_broker", "await_broker", "cont_broker")
+        return {r.target for r in self._pending if r.kind in kinds}
 
     def _faulted_workers(self) -> set[str]:
         found = {r.target for r in self._pending if r.kind in ("start_worker", "cont_worker")}
@@ -396,6 +406,35 @@ class ChaosSoak(ExtraFaults):
         while self._pending and (everything or self._pending[0].due <= time.monotonic()):
             self._recover(heapq.heappop(self._pending))
 
+    def _await_broker(self, target: str) -> None:
+        """A restarted broker serves (done), still starts (look again), or exited: a start
+        without ZooKeeper is tried again (bounded), else it is a failure."""
+        assert self.cluster is not None
+        node = self.cluster.node(target)
+        if node.running():
+            if self._healing:
+                node.wait_serving()
+            elif node.health() is None:
+                if time.monotonic() - self._starting[target] > START_TIMEOUT_S:
+                    raise ClusterError(f"{target} did not serve within {START_TIMEOUT_S} s")
+                self._schedule(0.3, "await_broker", target)
+                return
+            self.log.note("restart broker", target, node.pid, f"http {node.http_port}")
+            return
+        self._start_failures[target] += 1
+        tail = node.log_tail(3000)
+        if "address already in use" in tail.lower():
+            self.cluster.restart(target)  # new ports (rare): the blocking start handles it
+            self.log.note("restart broker", target, node.pid, f"http {node.http_port}")
+            return
+        if (
+            "cannot reach ZooKeeper" not in tail
+            or self._start_failures[target] > MAX_START_FAILURES
+        ):
+            raise ClusterError(f"broker {target} exited during its start\n{tail}")
+        self.log.note("restart failed", target, None, "cannot reach ZooKeeper; again")
+        self._schedule(1.0, "restart_broker", target)
+
     def _recover(self, recovery: _Recovery) -> None:
         assert self.cluster is not None
         kind, target = recovery.kind, recovery.target
@@ -413,26 +452,14 @@ class ChaosSoak(ExtraFaults):
                 due = max([time.monotonic(), *zookeeper_due]) + 0.1
                 heapq.heappush(self._pending, _Recovery(due, next(self._seq), kind, target))
                 return
-            try:
-                if node.running():
-                    try:
-                        node.wait_serving()
-                    except ClusterError:
-                        node.kill9()
-                        self.cluster.restart(target)
-                else:
-                    self.cluster.restart(target)
-            except ClusterError:
-                self._start_failures[target] += 1
-                if (
-                    "cannot reach ZooKeeper" not in node.log_tail(3000)
-                    or self._start_failures[target] > MAX_START_FAILURES
-                ):
-                    raise
-                self.log.note("restart failed", target, None, "cannot reach ZooKeeper; again")
-                self._schedule(1.0, kind, target)
-                return
-            self.log.note("restart broker", target, node.pid, f"http {node.http_port}")
+            if not node.running():
+                node.spawn()
+            # Not waited for here (a start takes seconds on a loaded machine and the
+            # schedule goes on meanwhile): "await_broker" checks on it.
+            self._starting[target] = time.monotonic()
+            self._schedule(0.3, "await_broker", target)
+        elif kind == "await_broker":
+            self._await_broker(target)
         elif kind == "cont_broker":
             node = self.cluster.node(target)
             if node.running():
@@ -456,6 +483,7 @@ class ChaosSoak(ExtraFaults):
     def _heal_all(self) -> None:
         """Run every pending recovery now, then make sure everything runs unfrozen."""
         assert self.cluster is not None
+        self._healing = True
         self._recover_due(everything=True)
         if not self.zookeeper.is_running():
             self.zookeeper.start()
@@ -533,6 +561,8 @@ class ChaosSoak(ExtraFaults):
         self._check_alive()  # nothing crashed while draining
         problems += check_tasks(load.acked, load.attempted, tasks)
         problems += check_final_states(acked, tasks, load.cancel_requested)
+        problems += check_trees(load.acked, tasks, load.cancel_requested)
+        problems += check_transactions(load.txn_unknown, tasks)
         effects = read_effects(self.effects_path)
         problems += check_effects(tasks, effects)
         overlaps = zombie_overlaps(effects)
@@ -565,9 +595,14 @@ class ChaosSoak(ExtraFaults):
             zombie_runs=self.zombie_runs,
             leader_outages=len(clean),
             leader_watch_polls=self.watch.polls,
+            zookeeper_disagreements=self.watch.zk_disagreements,
+            zookeeper_leader_reads=sum(self.watch.zk_leaders.values()),
             two_claims_ambiguous=ambiguous,
             cancels_asked=len(load.cancel_requested),
             batches=load.batches,
+            transactions=load.transactions,
+            transactions_unknown=len(load.txn_unknown),
+            trees=load.trees,
             tenants=len({a.tenant for a in load.acked.values()}),
             types=len({a.type for a in load.acked.values()}),
         )

@@ -206,7 +206,7 @@ def check_tasks(
     problems += [
         f"task {i} ({t['params']}) was never submitted"
         for i, t in tasks.items()
-        if not isinstance(t["params"], dict) or t["params"].get("key") not in attempted
+        if not isinstance(t["params"], dict) or _submitter(t["params"].get("key")) not in attempted
     ][:10]
     for task_id, task in tasks.items():
         if task["state"] == "finished":
@@ -261,3 +261,44 @@ def check_effects(tasks: Mapping[int, dict[str, Any]], effects: list[dict[str, A
     if unknown:
         problems.append(f"records of tasks the leader does not know: {sorted(unknown)[:10]}")
     return problems
+
+
+def _submitter(key: Any) -> Any:
+    """The key the load submitted: a tree child's key is its root's plus ``-c<index>``."""
+    if isinstance(key, str) and re.fullmatch(r".*-c\d+", key):
+        return key.rsplit("-c", 1)[0]
+    return key
+
+
+def check_trees(
+    acked: Mapping[str, Acked], tasks: Mapping[int, dict[str, Any]], cancelled: Iterable[int]
+) -> list[str]:
+    """A tree root that finished spawned its children (with its finish, one log entry):
+    each exists and finished (their work cannot fail either)."""
+    by_key = {t["params"]["key"]: t for t in tasks.values() if isinstance(t["params"], dict)}
+    asked = set(cancelled)
+    problems = []
+    for key, ack in acked.items():
+        root = tasks.get(ack.task_id)
+        children = int(ack.params.get("children", 0))
+        if not children or root is None or root["state"] != "finished" or ack.task_id in asked:
+            continue
+        for index in range(children):
+            child = by_key.get(f"{key}-c{index}")
+            if child is None:
+                problems.append(f"tree root {ack.task_id} ({key}) finished without child {index}")
+            elif child["state"] != "finished":
+                problems.append(
+                    f"child {child['id']} of tree root {ack.task_id} ended {child['state']!r}"
+                )
+    return problems
+
+
+def check_transactions(unknown: list[list[str]], tasks: Mapping[int, dict[str, Any]]) -> list[str]:
+    """A transaction whose outcome the client never learned is all or nothing."""
+    keys = {t["params"].get("key") for t in tasks.values() if isinstance(t["params"], dict)}
+    return [
+        f"transaction of {group} is partly there: {sorted(k for k in group if k in keys)}"
+        for group in unknown
+        if 0 < sum(k in keys for k in group) < len(group)
+    ]

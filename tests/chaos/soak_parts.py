@@ -54,8 +54,11 @@ class SoakConfig:
     brokers: int = 3
     workers: int = 2
     clients: int = 4
-    submit_pause_s: float = 0.15  # per client thread, between acknowledged submissions
-    gap_s: tuple[float, float] = (0.3, 2.5)  # between two faults
+    # Per client thread, between acknowledged submissions: about 6 tasks a second in all
+    # (batches, transactions and trees make several), below what two workers run under
+    # the faults, so the backlog stays small and the drain short.
+    submit_pause_s: float = 1.0
+    gap_s: tuple[float, float] = (0.2, 1.8)  # between two faults
     session_timeout_ms: int = 4_000
     # Shorter than ClusterProcesses' default so that frozen workers are declared dead
     # (their tasks re-run with a higher attempt) within the soak.
@@ -81,7 +84,9 @@ class SoakConfig:
     # One zombie-worker fault every this many faults (at least one per run).
     zombie_every: int = 25
     cancel_fraction: float = 0.05
-    batch_fraction: float = 0.15
+    batch_fraction: float = 0.1
+    txn_fraction: float = 0.1
+    tree_fraction: float = 0.1
 
     def fault_weights(self) -> dict[str, float]:
         extra = PULSAR_FAULT_WEIGHTS if self.ledgers == "pulsar" else {}
@@ -151,6 +156,9 @@ class ChaosLoad:
         self.unexpected: list[str] = []
         self.cancel_requested: set[int] = set()
         self.batches = 0
+        self.transactions = 0
+        self.trees = 0
+        self.txn_unknown: list[list[str]] = []  # keys of transactions with no known outcome
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -192,20 +200,35 @@ class ChaosLoad:
                     return
                 key = f"chaos-{self.seed}-{client_no}-{seq}"
                 tenant = rng.choice(TENANTS)
-                batch = rng.randint(2, 4) if rng.random() < self.config.batch_fraction else 1
+                shape = rng.random()
+                config = self.config
+                # A batch, a transaction, a tree root (2 children), or one task.
+                parts = (
+                    rng.randint(2, 4) if shape < config.batch_fraction + config.txn_fraction else 1
+                )
+                tree = config.batch_fraction + config.txn_fraction <= shape
+                tree = (
+                    tree
+                    and shape < config.batch_fraction + config.txn_fraction + config.tree_fraction
+                )
                 tasks = []
-                for part in range(batch):
-                    task_key = key if batch == 1 else f"{key}-b{part}"
-                    params = {
+                for part in range(parts):
+                    task_key = key if parts == 1 else f"{key}-b{part}"
+                    params: dict[str, Any] = {
                         "key": task_key,
-                        "seconds": round(rng.uniform(0.0, self.config.task_seconds_max), 3),
+                        "seconds": round(rng.uniform(0.0, config.task_seconds_max), 3),
                         "effects": str(self.effects_path),
                     }
+                    if tree:
+                        params.update(children=2, attempts=config.max_attempts)
                     tasks.append((task_key, rng.choice(TASK_TYPES), params))
                 with self._lock:
                     for task_key, _, params in tasks:
                         self.attempted[task_key] = params
-                acked = self._submit(client, key, tenant, tasks)
+                if parts > 1 and shape >= config.batch_fraction:
+                    acked = self._transaction(client, tenant, tasks)
+                else:
+                    acked = self._submit(client, key, tenant, tasks, track_tree=tree)
                 if acked and rng.random() < self.config.cancel_fraction:
                     self._cancel(client, rng.choice(acked))
                 self._stop.wait(self.config.submit_pause_s)
@@ -216,10 +239,14 @@ class ChaosLoad:
         key: str,
         tenant: str,
         tasks: list[tuple[str, str, dict[str, Any]]],
+        *,
+        track_tree: bool = False,
     ) -> list[int]:
         """Submit one task or a batch (one log entry) under ``key``, retried until
         acknowledged; the acknowledged ids."""
-        options = {"code": self.code_sha, "max_attempts": self.config.max_attempts}
+        options: dict[str, Any] = {"code": self.code_sha, "max_attempts": self.config.max_attempts}
+        if track_tree:
+            options["track_tree"] = True
         while not self._stop.is_set():
             try:
                 if len(tasks) == 1:
@@ -258,8 +285,69 @@ class ChaosLoad:
                     self.acked[task_key] = Acked(task_key, task_id, params, now, task_type, tenant)
                 if len(tasks) > 1:
                     self.batches += 1
+                if track_tree:
+                    self.trees += 1
             return ids
         return []
+
+    def _retrying(self, call: Any) -> Any:
+        """``call()`` until it answers or fails for good (a StewardError other than
+        unavailable); None when the load stops first."""
+        while not self._stop.is_set():
+            try:
+                return call()
+            except (UnavailableError, ConnectionFailedError) as exc:
+                with self._lock:
+                    self.retries[type(exc).__name__] += 1
+        return None
+
+    def _transaction(
+        self, client: StewardClient, tenant: str, tasks: list[tuple[str, str, dict[str, Any]]]
+    ) -> list[int]:
+        """Begin, submit each task into it (idempotency keys), commit. Acknowledged only
+        once the commit is; an outcome that is not known is recorded for the
+        all-or-nothing check (rolled back or expired: none of its tasks exists)."""
+        keys = [task_key for task_key, _, _ in tasks]
+        try:
+            txn = self._retrying(lambda: client.begin(tenant=tenant, ttl_s=30.0))
+            if txn is None:
+                return []
+            ids = []
+            for task_key, task_type, params in tasks:
+                handle = self._retrying(
+                    lambda k=task_key, t=task_type, p=params: client.submit(
+                        t,
+                        p,
+                        tenant=tenant,
+                        idempotency_key=k,
+                        code=self.code_sha,
+                        max_attempts=self.config.max_attempts,
+                        transaction=txn,
+                    )
+                )
+                if handle is None:
+                    break
+                ids.append(handle.id)
+            committed = len(ids) == len(tasks) and self._commit(client, txn, ids[0])
+        except StewardError:
+            committed = False  # e.g. the transaction expired during an outage
+        with self._lock:
+            if not committed:
+                self.txn_unknown.append(keys)
+                return []
+            now = time.monotonic()
+            for task_id, (task_key, task_type, params) in zip(ids, tasks, strict=True):
+                self.acked[task_key] = Acked(task_key, task_id, params, now, task_type, tenant)
+            self.transactions += 1
+        return ids
+
+    def _commit(self, client: StewardClient, txn: int, first: int) -> bool:
+        try:
+            return self._retrying(lambda: client.commit(txn)) is not None
+        except StewardError:
+            # A retried commit whose first try was applied: its tasks left ``pending``.
+            task = self._retrying(lambda: client.task(first))
+            return task is not None and task["state"] != "pending"
 
     def _cancel(self, client: StewardClient, task_id: int) -> None:
         """Ask to cancel a task (recorded first: the task may end cancelled even when the

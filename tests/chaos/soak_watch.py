@@ -5,6 +5,7 @@ the same round and recorded beside the claims (who ZooKeeper says leads), for th
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
@@ -13,6 +14,8 @@ from collections.abc import Callable
 import httpx
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
+from broker.ha.zk_session import sorted_queue
+from log.zk_list import cluster_path
 from tests.chaos.soak_checks import Claim
 
 POLL_TIMEOUT_S = 0.5  # a frozen broker does not answer: do not hold the round up long
@@ -20,14 +23,13 @@ ROUND_PAUSE_S = 0.05
 
 
 class LeaderWatch:
-    def __init__(
-        self, urls: Callable[[], dict[str, str]], zookeeper: str, cluster: str = "steward"
-    ) -> None:
+    def __init__(self, urls: Callable[[], dict[str, str]], zookeeper: str, cluster: str) -> None:
         self._urls = urls
         self._zookeeper = zookeeper
-        self._election = f"/steward/{cluster}/election"
+        self._election = f"{cluster_path(cluster)}/election"
         self.rounds: list[list[Claim]] = []
         self.zk_leaders: Counter[str] = Counter()  # lowest election node's owner, per round
+        self.zk_disagreements = 0  # one broker claims, ZooKeeper names another
         self.polls = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="chaos-leader-watch", daemon=True)
@@ -63,13 +65,27 @@ class LeaderWatch:
             if body.get("role") == "leader" and body.get("writable") is True:
                 ledger = body.get("position", {}).get("ledger_id", -1)
                 claims.append(Claim(time.monotonic(), broker, int(ledger)))
-        self.rounds.append(claims)
+        if len(claims) > 1:
+            self.rounds.append(claims)
         self.polls += 1
-        if zk.connected:
-            try:
-                children = zk.get_children(self._election)
-            except Exception:  # ZooKeeper restarts under us: skip this read
-                return
-            if children:
-                lowest = min(children, key=lambda name: name.rsplit("-", 1)[-1])
-                self.zk_leaders[lowest.split("-", 1)[0]] += 1
+        owner = self._zookeeper_leader(zk)
+        if owner is not None:
+            self.zk_leaders[owner] += 1
+            if len(claims) == 1 and claims[0].broker != owner:
+                # Read after the claims: a hand-over in between looks the same (counted,
+                # not failed; the brokers' own claims are what the check relies on).
+                self.zk_disagreements += 1
+
+    def _zookeeper_leader(self, zk: KazooClient) -> str | None:
+        """The broker whose node is lowest in the election queue (docs/DESIGN.md §4)."""
+        if not zk.connected:
+            return None
+        try:
+            queue = sorted_queue(zk.get_children(self._election))
+            if not queue:
+                return None
+            data, _ = zk.get(f"{self._election}/{queue[0]}")
+            owner = json.loads(data).get("broker_id")
+        except Exception:  # ZooKeeper restarts under us: skip this read
+            return None
+        return owner if isinstance(owner, str) else None

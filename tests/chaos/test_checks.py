@@ -13,6 +13,8 @@ from tests.chaos.soak_checks import (
     check_outages,
     check_split_brain,
     check_tasks,
+    check_transactions,
+    check_trees,
     check_zombies,
     count_log_events,
     drain_bound_s,
@@ -181,3 +183,28 @@ def test_rolls_retention_and_downloads_are_counted(tmp_path: Path) -> None:
     assert check_counted(counts, ["ledger_rolls", "snapshot_downloads"]) == [
         "no snapshot downloads in this run"
     ]
+
+
+def test_a_tree_root_that_lost_a_child_is_found(tmp_path: Path) -> None:
+    load = _load(tmp_path, {"r": 1, "s": 4})
+    for key in ("r", "s"):
+        ack = load.acked[key]
+        load.acked[key] = Acked(key, ack.task_id, {**ack.params, "children": 2}, 0.0)
+    tasks = {
+        1: _task(1, "r"),
+        2: _task(2, "r-c0"),
+        3: _task(3, "r-c1", state="error"),
+        4: _task(4, "s"),
+        5: _task(5, "s-c0"),
+    }
+    problems = "\n".join(check_trees(load.acked, tasks, cancelled=[]))
+    assert "child 3 of tree root 1 ended 'error'" in problems
+    assert "tree root 4 (s) finished without child 1" in problems
+    # Children are known to the task check: their keys name the root's.
+    assert "never submitted" not in "\n".join(check_tasks(load.acked, load.attempted, tasks))
+
+
+def test_a_transaction_half_there_is_found() -> None:
+    tasks = {1: _task(1, "t-b0"), 2: _task(2, "u-b0"), 3: _task(3, "u-b1")}
+    problems = check_transactions([["t-b0", "t-b1"], ["u-b0", "u-b1"], ["v-b0", "v-b1"]], tasks)
+    assert problems == ["transaction of ['t-b0', 't-b1'] is partly there: ['t-b0']"]
