@@ -33,9 +33,11 @@ def record(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
     finally:
         _note(path, "end", ctx.task_id, ctx.attempt)
     # A tree root: its children (created with its finish, in the same log entry) are keyed
-    # after it, so the soak knows who submitted them.
+    # after it and its attempt (a tree that fails or times out replays its root, which
+    # spawns them again), so the soak knows who made them.
     for index in range(int(params.get("children", 0))):
-        child = {"key": f"{params['key']}-c{index}", "seconds": params["seconds"], "effects": path}
+        key = f"{params['key']}-a{ctx.attempt}-c{index}"
+        child = {"key": key, "seconds": params["seconds"], "effects": path}
         ctx.spawn("chaos_tasks:record", child, max_attempts=int(params["attempts"]))
     return {"task": ctx.task_id, "attempt": ctx.attempt, "key": params["key"]}
 

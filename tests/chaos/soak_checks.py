@@ -264,17 +264,19 @@ def check_effects(tasks: Mapping[int, dict[str, Any]], effects: list[dict[str, A
 
 
 def _submitter(key: Any) -> Any:
-    """The key the load submitted: a tree child's key is its root's plus ``-c<index>``."""
-    if isinstance(key, str) and re.fullmatch(r".*-c\d+", key):
-        return key.rsplit("-c", 1)[0]
+    """The key the load submitted: a tree child's key is its root's plus
+    ``-a<root attempt>-c<index>``."""
+    if isinstance(key, str) and re.fullmatch(r".*-a\d+-c\d+", key):
+        return key.rsplit("-a", 1)[0]
     return key
 
 
 def check_trees(
     acked: Mapping[str, Acked], tasks: Mapping[int, dict[str, Any]], cancelled: Iterable[int]
 ) -> list[str]:
-    """A tree root that finished spawned its children (with its finish, one log entry):
-    each exists and finished (their work cannot fail either)."""
+    """A tree root that finished spawned its children with its finish (one log entry):
+    each child of its last attempt exists and finished (their work cannot fail either;
+    children of attempts before a replay may have ended either way)."""
     by_key = {t["params"]["key"]: t for t in tasks.values() if isinstance(t["params"], dict)}
     asked = set(cancelled)
     problems = []
@@ -284,7 +286,7 @@ def check_trees(
         if not children or root is None or root["state"] != "finished" or ack.task_id in asked:
             continue
         for index in range(children):
-            child = by_key.get(f"{key}-c{index}")
+            child = by_key.get(f"{key}-a{root['attempt']}-c{index}")
             if child is None:
                 problems.append(f"tree root {ack.task_id} ({key}) finished without child {index}")
             elif child["state"] != "finished":

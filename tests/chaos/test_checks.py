@@ -192,10 +192,11 @@ def test_a_tree_root_that_lost_a_child_is_found(tmp_path: Path) -> None:
         load.acked[key] = Acked(key, ack.task_id, {**ack.params, "children": 2}, 0.0)
     tasks = {
         1: _task(1, "r"),
-        2: _task(2, "r-c0"),
-        3: _task(3, "r-c1", state="error"),
+        2: _task(2, "r-a1-c0"),
+        3: _task(3, "r-a1-c1", state="error"),
         4: _task(4, "s"),
-        5: _task(5, "s-c0"),
+        5: _task(5, "s-a1-c0"),
+        6: _task(6, "s-a0-c1"),  # of an earlier attempt: not this one's
     }
     problems = "\n".join(check_trees(load.acked, tasks, cancelled=[]))
     assert "child 3 of tree root 1 ended 'error'" in problems
