@@ -3,20 +3,28 @@ hits it, then a check that nothing acknowledged was lost or run twice.
 
 A 3-broker cluster (real ``steward broker`` processes on a real ZooKeeper, file or pulsar
 ledgers) and 2 real workers run short tasks (``chaos_tasks:record``, a code artifact that
-appends a start and a done record of (task id, attempt) to a shared file) while several
+appends start, done and end records of (task id, attempt) to a shared file) while several
 client threads submit them through the multi-URL :class:`~clients.client.StewardClient`
 with idempotency keys. ``random.Random(seed)`` draws the fault schedule: kill -9 a broker
 (the leader or a follower) and restart it on its data dir, SIGSTOP a broker (sometimes
 past the session timeout) then SIGCONT, kill -9 a worker and start a new one, SIGSTOP a
-worker, restart ZooKeeper (crash or clean stop, same port and data), with random gaps.
+worker, restart ZooKeeper (crash or clean stop, same port and data), SIGTERM the leader,
+keep a follower down past retention, kill a broker during its start, start one while
+ZooKeeper is down, kill or pause pulsar-lite, freeze a worker holding a long task until
+its re-run starts elsewhere (a zombie; tests/chaos/soak_faults.py), with random gaps.
 Normally at most one broker is down or frozen; sometimes a second one goes too, rarely
 all three (no leader at all for a while). Every fault and recovery is printed as it happens.
 
-Afterwards (faults healed, load stopped, bounded waits): every acknowledged task is on the
-leader with its tenant, type and params, and, after a drain with healthy workers, final;
+Afterwards (faults healed, load stopped, bounded waits; tests/chaos/soak_checks.py):
+every acknowledged task is on the leader as submitted and ends ``finished`` (``cancelled``
+only when the load asked); the drain bound grows with the backlog and names stuck tasks;
 no submission became two tasks; no (task, attempt) ran twice; a finished task's result is
-from its last attempt and that attempt's run is on record; all brokers report the same
-digest; the leader's newest snapshot passes the state machine's invariant check.
+from its last attempt, also after a zombie (a stale attempt that ran alongside its
+re-run); tree children and transactions are whole; all brokers report the same digest; a
+snapshot at the final position passes the invariants with the leader's digest; no two
+brokers claimed to lead at once; each outage of the leader alone stayed within the
+session timeout plus a margin; rolls, retention deletes, snapshot downloads and zombie
+overlaps all happened. docs/TESTING.md ("Chaos soak") has the details.
 
 The seed fixes every draw of the schedule (kind, gap, duration, target choice; see
 :class:`FaultDraw`); whether a drawn fault can land (at most so many brokers down) and

@@ -1,4 +1,5 @@
-"""Issue 7, acceptance 3: the chaos soak, CI version (60 faults, about 3 minutes).
+"""Issue 7, acceptance 3, and issue 19 item 5: the chaos soak, CI version (60 faults, about
+4 minutes).
 
 The seed comes from ``STEWARD_CHAOS_SEED`` (else a fixed default) and is printed with the
 fault log; rerun one run with ``STEWARD_CHAOS_SEED=<seed>``, or the long version with
