@@ -3,20 +3,28 @@ hits it, then a check that nothing acknowledged was lost or run twice.
 
 A 3-broker cluster (real ``steward broker`` processes on a real ZooKeeper, file or pulsar
 ledgers) and 2 real workers run short tasks (``chaos_tasks:record``, a code artifact that
-appends a start and a done record of (task id, attempt) to a shared file) while several
+appends start, done and end records of (task id, attempt) to a shared file) while several
 client threads submit them through the multi-URL :class:`~clients.client.StewardClient`
 with idempotency keys. ``random.Random(seed)`` draws the fault schedule: kill -9 a broker
 (the leader or a follower) and restart it on its data dir, SIGSTOP a broker (sometimes
 past the session timeout) then SIGCONT, kill -9 a worker and start a new one, SIGSTOP a
-worker, restart ZooKeeper (crash or clean stop, same port and data), with random gaps.
+worker, restart ZooKeeper (crash or clean stop, same port and data), SIGTERM the leader,
+keep a follower down past retention, kill a broker during its start, start one while
+ZooKeeper is down, kill or pause pulsar-lite, freeze a worker holding a long task until
+its re-run starts elsewhere (a zombie; tests/chaos/soak_faults.py), with random gaps.
 Normally at most one broker is down or frozen; sometimes a second one goes too, rarely
 all three (no leader at all for a while). Every fault and recovery is printed as it happens.
 
-Afterwards (faults healed, load stopped, bounded waits): every acknowledged task is on the
-leader with its tenant, type and params, and, after a drain with healthy workers, final;
+Afterwards (faults healed, load stopped, bounded waits; tests/chaos/soak_checks.py):
+every acknowledged task is on the leader as submitted and ends ``finished`` (``cancelled``
+only when the load asked); the drain bound grows with the backlog and names stuck tasks;
 no submission became two tasks; no (task, attempt) ran twice; a finished task's result is
-from its last attempt and that attempt's run is on record; all brokers report the same
-digest; the leader's newest snapshot passes the state machine's invariant check.
+from its last attempt, also after a zombie (a stale attempt that ran alongside its
+re-run); tree children and transactions are whole; all brokers report the same digest; a
+snapshot at the final position passes the invariants with the leader's digest; no two
+brokers claimed to lead at once; each outage of the leader alone stayed within the
+session timeout plus a margin; rolls, retention deletes, snapshot downloads and zombie
+overlaps all happened. docs/TESTING.md ("Chaos soak") has the details.
 
 The seed fixes every draw of the schedule (kind, gap, duration, target choice; see
 :class:`FaultDraw`); whether a drawn fault can land (at most so many brokers down) and
@@ -36,12 +44,12 @@ import contextlib
 import dataclasses
 import heapq
 import itertools
-import json
 import os
 import random
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections import Counter
@@ -55,14 +63,28 @@ from broker.core.state import StateMachine
 from clients.client import StewardClient
 from clients.dev.zk import ZooKeeperServer
 from snapshot.format import read_snapshot
+from tests.chaos.soak_checks import (
+    check_counted,
+    check_effects,
+    check_final_states,
+    check_outages,
+    check_split_brain,
+    check_tasks,
+    check_transactions,
+    check_trees,
+    check_zombies,
+    count_log_events,
+    drain_bound_s,
+    measure_outages,
+    read_effects,
+    stuck_tasks,
+    zombie_overlaps,
+)
+from tests.chaos.soak_faults import ExtraFaults, _Pausable
 from tests.chaos.soak_parts import (
-    FAULT_WEIGHTS,
     FINAL_STATES,
-    LIVE_STATES,
     MAX_START_FAILURES,
     TASK_MODULE,
-    TASK_TYPE,
-    TENANT,
     ChaosLoad,
     FaultDraw,
     FaultLog,
@@ -70,7 +92,9 @@ from tests.chaos.soak_parts import (
     SoakResult,
     _Recovery,
 )
+from tests.chaos.soak_watch import LeaderWatch
 from tests.support.cluster_procs import (
+    START_TIMEOUT_S,
     BrokerNode,
     ClusterError,
     ClusterProcesses,
@@ -80,7 +104,7 @@ from tests.support.worker_procs import wait_until
 from tests.support.write_load import fetch_tasks
 
 
-class ChaosSoak:
+class ChaosSoak(ExtraFaults):
     """One soak run (see the module docstring). ``run()`` raises AssertionError with the
     seed and the fault log when a check fails."""
 
@@ -91,6 +115,7 @@ class ChaosSoak:
         root: Path,
         *,
         pulsar_url: str | None = None,
+        pulsar: _Pausable | None = None,
     ) -> None:
         if config.ledgers == "pulsar" and pulsar_url is None:
             raise ValueError("the pulsar ledger backend needs pulsar_url")
@@ -105,14 +130,26 @@ class ChaosSoak:
         self.effects_dir = Path(tempfile.mkdtemp(prefix="steward-soak-effects-"))
         os.chmod(self.effects_dir, 0o1777)
         self.effects_path = self.effects_dir / "effects.jsonl"
+        # Each tenant's tasks run under a uid of their own: all append to one file.
+        self.effects_path.touch()
+        os.chmod(self.effects_path, 0o666)
         self._pending: list[_Recovery] = []
         self._seq = itertools.count()
         self._worker_names = itertools.count(config.workers)
         self._start_failures: Counter[str] = Counter()
+        self._starting: dict[str, float] = {}  # broker -> when its restart began
+        self._healing = False  # healing everything: wait for each restart
         self._killed_workers: set[int] = set()  # id() of the worker processes killed
         self._worker_args = ("--task-type", f"*={config.worker_slots}")
         self.cluster: ClusterProcesses | None = None
         self.load: ChaosLoad | None = None
+        self.pulsar = pulsar if config.ledgers == "pulsar" else None
+        self.leader_faults: list[tuple[str, float, bool]] = []  # (kind, when, nothing else down)
+        self.other_faults: list[float] = []  # when other brokers or ZooKeeper went down
+        self.zombie_thread: threading.Thread | None = None
+        self.zombie_worker: str | None = None
+        self.zombie_runs = 0
+        self.watch: LeaderWatch | None = None
 
     # -- the run ------------------------------------------------------------------------------
 
@@ -125,7 +162,14 @@ class ChaosSoak:
             brokers=self.config.brokers,
             session_timeout_ms=self.config.session_timeout_ms,
             heartbeat_timeout_ms=self.config.heartbeat_timeout_ms,
-            extra_args=("--snapshot-interval-s", str(self.config.snapshot_interval_s)),
+            extra_args=(
+                "--snapshot-interval-s",
+                str(self.config.snapshot_interval_s),
+                "--ledger-roll-age-s",
+                str(self.config.ledger_roll_age_s),
+                "--ledger-retention-h",
+                str(self.config.ledger_retention_h),
+            ),
             pulsar_url=self.pulsar_url,
         )
         with cluster:
@@ -140,6 +184,8 @@ class ChaosSoak:
                         self.load.stop()
                 raise
             finally:
+                if self.watch is not None:
+                    self.watch.stop()
                 shutil.rmtree(self.effects_dir, ignore_errors=True)
         print(self.log.dump(), flush=True)
         print(result.summary(), flush=True)
@@ -161,14 +207,26 @@ class ChaosSoak:
             config=config,
         ).start()
         load = self.load
+        self.watch = LeaderWatch(
+            lambda: {n.broker_id: n.url for n in cluster.nodes.values()},
+            self.zookeeper.connect_string,
+            cluster.name,
+        ).start()
         wait_until(lambda: load.acked_count() >= 20, 60, "20 acknowledged tasks before the faults")
 
         injected = 0
+        kinds = config.fault_weights()
+        zombies = 0
         while injected < config.faults:
             self._recover_due()
             draw = FaultDraw.draw(self.rng, config)
             self._sleep_recovering(draw.gap_s)
-            missing = sorted(set(FAULT_WEIGHTS) - set(self.log.faults))
+            # Not in the last faults (unless none ran yet): a zombie run takes ~30 s.
+            late = injected > config.faults - 10 and zombies > 0
+            due = injected >= zombies * config.zombie_every and not late
+            if due and self._start_zombie(zombies):
+                zombies += 1
+            missing = sorted(set(kinds) - set(self.log.faults))
             if config.faults - injected <= len(missing):
                 # Every kind of fault at least once, however short the run.
                 draw = dataclasses.replace(draw, kind=missing[draw.index % len(missing)])
@@ -176,6 +234,9 @@ class ChaosSoak:
                 injected += 1
             self._check_alive()
         self.log.note("faults over", "-", None, f"{injected} faults; healing everything")
+        if self.zombie_thread is not None:
+            self.zombie_thread.join(config.settle_timeout_s)
+            assert not self.zombie_thread.is_alive(), "the zombie run did not end"
         self._heal_all()
         self._check_alive()
         healed_at = time.monotonic()
@@ -200,10 +261,23 @@ class ChaosSoak:
     # -- faults -------------------------------------------------------------------------------
 
     def _faulted_brokers(self) -> set[str]:
-        return {r.target for r in self._pending if r.kind in ("restart_broker", "cont_broker")}
+        kinds = ("restart_broker", "await_broker", "cont_broker")
+        return {r.target for r in self._pending if r.kind in kinds}
 
     def _faulted_workers(self) -> set[str]:
-        return {r.target for r in self._pending if r.kind in ("start_worker", "cont_worker")}
+        found = {r.target for r in self._pending if r.kind in ("start_worker", "cont_worker")}
+        return found | ({self.zombie_worker} if self.zombie_worker is not None else set())
+
+    def _pending_kinds(self) -> list[str]:
+        return [r.kind for r in self._pending]
+
+    def _quiet(self) -> bool:
+        """Nothing else is down or frozen (an outage now is this fault's alone)."""
+        return not any(
+            r.kind
+            in ("restart_broker", "cont_broker", "start_zookeeper", "start_pulsar", "cont_pulsar")
+            for r in self._pending
+        )
 
     def _schedule(self, delay_s: float, kind: str, target: str) -> None:
         heapq.heappush(
@@ -241,6 +315,10 @@ class ChaosSoak:
             node, role = picked
             pid = node.pid
             down = faulted + 1
+            if role == "leader":
+                self.leader_faults.append((kind, time.monotonic(), self._quiet()))
+            else:
+                self.other_faults.append(time.monotonic())
             if kind == "kill_broker":
                 down_s = 0.2 + 5.8 * draw.duration
                 node.kill9()
@@ -298,6 +376,7 @@ class ChaosSoak:
             down_s = 1.2 * session_s * draw.duration
             crash = draw.variant < 0.5
             zk_pid = self.zookeeper.pid
+            self.other_faults.append(time.monotonic())
             if crash:
                 self.zookeeper.kill9()
             else:
@@ -306,7 +385,7 @@ class ChaosSoak:
             self.log.fault(kind, "zookeeper", zk_pid, f"{how}; start in {down_s:.2f} s")
             self._schedule(down_s, "start_zookeeper", "zookeeper")
             return True
-        raise ValueError(f"unknown fault kind {kind!r}")
+        return self._inject_extra(draw)
 
     def _current_workers(self) -> list[ClusterWorker]:
         """The newest worker process of every worker id."""
@@ -335,6 +414,35 @@ class ChaosSoak:
         while self._pending and (everything or self._pending[0].due <= time.monotonic()):
             self._recover(heapq.heappop(self._pending))
 
+    def _await_broker(self, target: str) -> None:
+        """A restarted broker serves (done), still starts (look again), or exited: a start
+        without ZooKeeper is tried again (bounded), else it is a failure."""
+        assert self.cluster is not None
+        node = self.cluster.node(target)
+        if node.running():
+            if self._healing:
+                node.wait_serving()
+            elif node.health() is None:
+                if time.monotonic() - self._starting[target] > START_TIMEOUT_S:
+                    raise ClusterError(f"{target} did not serve within {START_TIMEOUT_S} s")
+                self._schedule(0.3, "await_broker", target)
+                return
+            self.log.note("restart broker", target, node.pid, f"http {node.http_port}")
+            return
+        self._start_failures[target] += 1
+        tail = node.log_tail(3000)
+        if "address already in use" in tail.lower():
+            self.cluster.restart(target)  # new ports (rare): the blocking start handles it
+            self.log.note("restart broker", target, node.pid, f"http {node.http_port}")
+            return
+        if (
+            "cannot reach ZooKeeper" not in tail
+            or self._start_failures[target] > MAX_START_FAILURES
+        ):
+            raise ClusterError(f"broker {target} exited during its start\n{tail}")
+        self.log.note("restart failed", target, None, "cannot reach ZooKeeper; again")
+        self._schedule(1.0, "restart_broker", target)
+
     def _recover(self, recovery: _Recovery) -> None:
         assert self.cluster is not None
         kind, target = recovery.kind, recovery.target
@@ -344,23 +452,22 @@ class ChaosSoak:
             # supervisor, start it again once ZooKeeper is back.
             zookeeper_due = [r.due for r in self._pending if r.kind == "start_zookeeper"]
             if zookeeper_due or not self.zookeeper.is_running():
-                self.log.note("defer restart", target, None, "(ZooKeeper is down)")
+                if not node.running():
+                    # Started while ZooKeeper is down: it waits for ZooKeeper or exits
+                    # (code 2); once ZooKeeper is back it must serve (or be restarted).
+                    node.spawn()
+                    self.log.fault("restart_zk_down", target, node.pid, "ZooKeeper is down")
                 due = max([time.monotonic(), *zookeeper_due]) + 0.1
                 heapq.heappush(self._pending, _Recovery(due, next(self._seq), kind, target))
                 return
-            try:
-                self.cluster.restart(target)
-            except ClusterError:
-                self._start_failures[target] += 1
-                if (
-                    "cannot reach ZooKeeper" not in node.log_tail(3000)
-                    or self._start_failures[target] > MAX_START_FAILURES
-                ):
-                    raise
-                self.log.note("restart failed", target, None, "cannot reach ZooKeeper; again")
-                self._schedule(1.0, kind, target)
-                return
-            self.log.note("restart broker", target, node.pid, f"http {node.http_port}")
+            if not node.running():
+                node.spawn()
+            # Not waited for here (a start takes seconds on a loaded machine and the
+            # schedule goes on meanwhile): "await_broker" checks on it.
+            self._starting[target] = time.monotonic()
+            self._schedule(0.3, "await_broker", target)
+        elif kind == "await_broker":
+            self._await_broker(target)
         elif kind == "cont_broker":
             node = self.cluster.node(target)
             if node.running():
@@ -378,12 +485,13 @@ class ChaosSoak:
         elif kind == "start_zookeeper":
             self.zookeeper.start()
             self.log.note("start zookeeper", "zookeeper", self.zookeeper.pid)
-        else:
+        elif not self._recover_extra(kind):
             raise ValueError(f"unknown recovery {kind!r}")
 
     def _heal_all(self) -> None:
         """Run every pending recovery now, then make sure everything runs unfrozen."""
         assert self.cluster is not None
+        self._healing = True
         self._recover_due(everything=True)
         if not self.zookeeper.is_running():
             self.zookeeper.start()
@@ -424,39 +532,51 @@ class ChaosSoak:
         problems += [f"unexpected client error: {u}" for u in load.unexpected[:10]]
         leader = cluster.wait_for_leader(config.settle_timeout_s)
         self.log.note("leader", leader.broker_id, leader.pid, "(after the faults)")
-        acked_ids = {a.task_id for a in load.acked.values()}
+        acked = {a.task_id: key for key, a in load.acked.items()}
+        # The drain may take in proportion to the backlog, at the rate runs ended while the
+        # load ran (docs/TESTING.md, "Chaos soak").
+        ended = sum(1 for e in read_effects(self.effects_path) if e["event"] == "end")
+        rate = ended / max(1.0, time.monotonic() - started)
+        backlog = len(stuck_tasks(acked, fetch_tasks(leader)))
+        bound_s = drain_bound_s(backlog, rate, floor_s=config.drain_floor_s)
+        self.log.note(
+            "drain", "-", None, f"{backlog} not final; {rate:.1f} runs/s; bound {bound_s:.0f} s"
+        )
+        drain_started = time.monotonic()
 
         def drained() -> dict[int, dict[str, Any]] | None:
             current = cluster.leader()
             if current is None:
                 return None
             try:
-                tasks = fetch_tasks(current, tenant=TENANT)
+                tasks = fetch_tasks(current)
             except (httpx.TransportError, httpx.HTTPStatusError):
                 return None
-            live = [i for i in acked_ids if i in tasks and tasks[i]["state"] not in FINAL_STATES]
-            return tasks if not live else None
+            return None if stuck_tasks(acked, tasks) else tasks
 
         try:
             tasks: dict[int, dict[str, Any]] = wait_until(
-                drained, config.drain_timeout_s, "every acknowledged task to be final", 0.5
+                drained, bound_s, "every acknowledged task to be final", 0.5
             )
         except AssertionError:
-            current = cluster.wait_for_leader(config.settle_timeout_s)
-            tasks = fetch_tasks(current, tenant=TENANT)
-            stuck = {
-                i: (tasks[i]["state"], tasks[i]["attempt"], tasks[i]["worker"])
-                for i in sorted(acked_ids)
-                if i in tasks and tasks[i]["state"] not in FINAL_STATES
-            }
+            tasks = fetch_tasks(cluster.wait_for_leader(config.settle_timeout_s))
+            stuck = stuck_tasks(acked, tasks)
             problems.append(
-                f"{len(stuck)} acknowledged tasks not final after {config.drain_timeout_s} s "
-                f"of draining with healthy workers: {dict(list(stuck.items())[:20])}"
+                f"{len(stuck)} acknowledged tasks stuck (not final {bound_s:.0f} s into the "
+                f"drain with healthy workers): {dict(list(stuck.items())[:40])}"
             )
+        drain_s = time.monotonic() - drain_started
         self._check_alive()  # nothing crashed while draining
-        problems += self._check_tasks(load, tasks)
-        effects = self._read_effects()
-        problems += self._check_effects(tasks, effects)
+        problems += check_tasks(load.acked, load.attempted, tasks)
+        problems += check_final_states(acked, tasks, load.cancel_requested)
+        problems += check_trees(load.acked, tasks, load.cancel_requested)
+        problems += check_transactions(load.txn_unknown, tasks)
+        effects = read_effects(self.effects_path)
+        problems += check_effects(tasks, effects)
+        overlaps = zombie_overlaps(effects)
+        problems += check_zombies(overlaps, tasks)
+        if not overlaps:
+            problems.append("no zombie attempt in this run (a stale run alongside its re-run)")
         try:
             digest = cluster.wait_for_equal_digests(config.settle_timeout_s)
         except AssertionError as exc:
@@ -466,18 +586,49 @@ class ChaosSoak:
         if len(live) != config.brokers:
             problems.append(f"only {[n.broker_id for n in live]} are live at the end")
         problems += self._check_snapshot(cluster)
-        states = Counter(tasks[i]["state"] for i in acked_ids if i in tasks)
-        reruns = len({e["task"] for e in effects if e["attempt"] > 1})
+        assert self.watch is not None
+        self.watch.stop()
+        split, ambiguous = check_split_brain(self.watch.rounds)
+        problems += split
+        outage_bound_s = config.session_timeout_ms / 1000 + config.outage_margin_s
+        outages = measure_outages(self.leader_faults, load.ack_times(), self.other_faults)
+        problems += check_outages(outages, outage_bound_s)
+        counts = count_log_events(n.log_path for n in cluster.nodes.values())
+        problems += check_counted(
+            counts, ["ledger_rolls", "retention_deletes", "snapshot_downloads"]
+        )
+        clean = [o.seconds for o in outages if o.clean and o.seconds is not None]
+        counts.update(
+            zombie_overlaps=len(overlaps),
+            zombie_runs=self.zombie_runs,
+            leader_outages=len(clean),
+            leader_watch_polls=self.watch.polls,
+            zookeeper_disagreements=self.watch.zk_disagreements,
+            zookeeper_leader_reads=sum(self.watch.zk_leaders.values()),
+            two_claims_ambiguous=ambiguous,
+            cancels_asked=len(load.cancel_requested),
+            batches=load.batches,
+            transactions=load.transactions,
+            transactions_unknown=len(load.txn_unknown),
+            trees=load.trees,
+            tenants=len({a.tenant for a in load.acked.values()}),
+            types=len({a.type for a in load.acked.values()}),
+        )
         result = SoakResult(
             seed=config.seed,
             faults=self.log.faults,
             acked=len(load.acked),
             tasks=len(tasks),
-            states=states,
-            reruns=reruns,
+            states=Counter(tasks[i]["state"] for i in acked if i in tasks),
+            reruns=len({e["task"] for e in effects if e["attempt"] > 1}),
             digest=digest,
             duration_s=time.monotonic() - started,
             fault_log=self.log.dump(),
+            counts=counts,
+            outage_max_s=max(clean, default=0.0),
+            outage_bound_s=outage_bound_s,
+            drain_s=drain_s,
+            drain_bound_s=bound_s,
         )
         if problems:
             raise AssertionError(
@@ -487,93 +638,28 @@ class ChaosSoak:
             )
         return result
 
-    @staticmethod
-    def _check_tasks(load: ChaosLoad, tasks: dict[int, dict[str, Any]]) -> list[str]:
-        problems: list[str] = []
-        for key, ack in load.acked.items():
-            task = tasks.get(ack.task_id)
-            if task is None:
-                problems.append(f"acknowledged task {ack.task_id} ({key}) is lost")
-                continue
-            if (task["type"], task["tenant"], task["params"]) != (TASK_TYPE, TENANT, ack.params):
-                problems.append(
-                    f"task {ack.task_id} is {task['type']}/{task['tenant']} {task['params']}, "
-                    f"was submitted as {ack.params}"
-                )
-        keys = Counter(
-            t["params"].get("key") for t in tasks.values() if isinstance(t["params"], dict)
-        )
-        problems += [f"submission {k} became {n} tasks" for k, n in keys.items() if n > 1][:10]
-        problems += [
-            f"task {i} ({t['params']}) was never submitted"
-            for i, t in tasks.items()
-            if not isinstance(t["params"], dict) or t["params"].get("key") not in load.attempted
-        ][:10]
-        for task_id, task in tasks.items():
-            if task["state"] == "finished":
-                expected = {
-                    "task": task_id,
-                    "attempt": task["attempt"],
-                    "key": task["params"]["key"],
-                }
-                if task["result"] != expected:
-                    problems.append(
-                        f"finished task {task_id} attempt {task['attempt']} has result "
-                        f"{task['result']}, expected {expected}"
-                    )
-            elif task["state"] not in FINAL_STATES | LIVE_STATES:
-                problems.append(f"task {task_id} is in unknown state {task['state']}")
-        return problems
-
-    def _read_effects(self) -> list[dict[str, Any]]:
-        if not self.effects_path.exists():
-            return []
-        records = []
-        for line in self.effects_path.read_text().splitlines():
-            records.append(json.loads(line))
-        return records
-
-    @staticmethod
-    def _check_effects(
-        tasks: dict[int, dict[str, Any]], effects: list[dict[str, Any]]
-    ) -> list[str]:
-        problems: list[str] = []
-        runs = Counter((e["task"], e["attempt"], e["event"]) for e in effects)
-        problems += [
-            f"task {t} attempt {a} has {n} '{ev}' records (ran twice)"
-            for (t, a, ev), n in runs.items()
-            if n > 1
-        ][:10]
-        started: dict[int, list[int]] = {}
-        for task_id, attempt, event in runs:
-            if event == "start":
-                started.setdefault(task_id, []).append(attempt)
-        for task_id, task in tasks.items():
-            attempts = started.get(task_id, [])
-            if attempts and max(attempts) > task["attempt"]:
-                problems.append(
-                    f"task {task_id} ran attempt {max(attempts)} but the broker shows attempt "
-                    f"{task['attempt']}"
-                )
-            if task["state"] == "finished" and (task_id, task["attempt"], "done") not in runs:
-                problems.append(
-                    f"task {task_id} finished with attempt {task['attempt']} but no run of it "
-                    "completed"
-                )
-        unknown = {t for (t, _, _) in runs} - set(tasks)
-        if unknown:
-            problems.append(f"records of tasks the leader does not know: {sorted(unknown)[:10]}")
-        return problems
-
     def _check_snapshot(self, cluster: ClusterProcesses) -> list[str]:
-        """The leader's newest snapshot loads and passes the state machine's invariants."""
+        """A snapshot at the final position (the load has stopped: the snapshot loop takes
+        one within an interval) loads, passes the state machine's invariants, and has the
+        leader's digest at that position. Waits boundedly; never skipped."""
         leader = cluster.wait_for_leader(self.config.settle_timeout_s)
-        response = httpx.get(leader.url + "/api/v1/snapshot/latest", timeout=30)
-        if response.status_code != 200:
-            return [f"no snapshot on the leader: HTTP {response.status_code} {response.text}"]
-        path = self.root / "leader-latest.snap"
-        path.write_bytes(response.content)
-        header, body = read_snapshot(path)
+        deadline = time.monotonic() + 10 * self.config.snapshot_interval_s + 30
+        while True:
+            now = leader.get_json("/api/v1/state/digest", timeout_s=30)
+            position = (now["position"]["ledger_id"], now["position"]["entry_id"])
+            response = httpx.get(leader.url + "/api/v1/snapshot/latest", timeout=30)
+            if response.status_code == 200:
+                path = self.root / "leader-latest.snap"
+                path.write_bytes(response.content)
+                header, body = read_snapshot(path)
+                if header.position == position:
+                    break
+                newest = f"{header.ledger_id}:{header.entry_id}"
+            else:
+                newest = f"none (HTTP {response.status_code})"
+            if time.monotonic() > deadline:
+                return [f"no snapshot at the final position {position}; the newest is {newest}"]
+            time.sleep(self.config.snapshot_interval_s / 4)
         machine = StateMachine.from_snapshot(body)
         try:
             machine.check_invariants()
@@ -581,18 +667,18 @@ class ChaosSoak:
             return [f"snapshot at {header.ledger_id}:{header.entry_id} breaks an invariant: {exc}"]
         if machine.digest() != header.digest:
             return [f"snapshot digest {header.digest} but its state hashes to {machine.digest()}"]
-        now = leader.get_json("/api/v1/state/digest", timeout_s=30)
-        position = (now["position"]["ledger_id"], now["position"]["entry_id"])
-        if position == header.position and now["digest"] != header.digest:
+        if now["digest"] != header.digest:
             return [
                 f"the leader's digest at {position} is {now['digest']}, its snapshot's is "
                 f"{header.digest}"
             ]
+        live = [t for t in machine.tasks.values() if str(t.state) not in FINAL_STATES]
         self.log.note(
             "snapshot checked",
             leader.broker_id,
             leader.pid,
-            f"at {header.ledger_id}:{header.entry_id}, {len(machine.tasks)} tasks, invariants ok",
+            f"at the final position {header.ledger_id}:{header.entry_id}, "
+            f"{len(machine.tasks)} tasks ({len(live)} not final), invariants and digest ok",
         )
         return []
 
@@ -614,7 +700,8 @@ def run_soak(
                 PulsarLiteServer(root / "pulsar-lite", stop_with_parent=True)
             )
             pulsar_url = pulsar.service_url
-        return ChaosSoak(config, zookeeper, root, pulsar_url=pulsar_url).run()
+            return ChaosSoak(config, zookeeper, root, pulsar_url=pulsar_url, pulsar=pulsar).run()
+        return ChaosSoak(config, zookeeper, root).run()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""Issue 7, acceptance 3: the chaos soak, CI version (60 faults, about 3 minutes).
+"""Issue 7, acceptance 3, and issue 19 item 5: the chaos soak, CI version (60 faults, about
+4 minutes).
 
 The seed comes from ``STEWARD_CHAOS_SEED`` (else a fixed default) and is printed with the
 fault log; rerun one run with ``STEWARD_CHAOS_SEED=<seed>``, or the long version with
@@ -29,13 +30,10 @@ def test_chaos_soak(zookeeper_factory: Callable[[], ZooKeeperServer], tmp_path: 
     print(f"\nchaos soak seed: {seed} (rerun with STEWARD_CHAOS_SEED={seed})")
     config = SoakConfig(seed=seed, faults=CI_FAULTS)
     result = ChaosSoak(config, zookeeper_factory(), tmp_path).run()
-    assert sum(result.faults.values()) >= CI_FAULTS, result.summary()
-    # Every kind of fault happened at least once (else the run proved less than it says).
-    assert set(result.faults) == {
-        "kill_broker",
-        "stop_broker",
-        "kill_worker",
-        "stop_worker",
-        "restart_zookeeper",
-    }, result.summary()
-    assert result.acked > 0 and result.states["finished"] > 0, result.summary()
+    # run() fails on every check (tests/chaos/soak.py); these say what the run exercised,
+    # which depends on its timing, not on the schedule: each can fail.
+    counts = result.counts
+    for name in ("zombie_overlaps", "ledger_rolls", "retention_deletes", "snapshot_downloads"):
+        assert counts[name] > 0, f"no {name}: {result.summary()}"
+    assert counts["leader_outages"] > 0, f"no outage of the leader measured: {result.summary()}"
+    assert set(result.states) <= {"finished", "cancelled"}, result.summary()
