@@ -5,8 +5,8 @@ and for the same reason as the task counters in broker/observability/metrics.py:
 event, never again for a follower or a replay). Every line carries ``task_id`` and ``tenant``
 (broker/observability/logs.py shows them in text and JSON). Levels keep the hot path quiet:
 assignments, successful finishes and refused entries are DEBUG (one per task at full rate,
-and ``isEnabledFor`` is checked once per entry); retries, failures, cancellations and
-the end of task trees are INFO.
+and ``isEnabledFor`` is checked once per entry); retries, given-back attempts, failures,
+cancellations and the end of task trees are INFO.
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ _ERROR_CHARS: Final = 300
 def _first_line(text: str | None) -> str:
     line = (text or "").strip().split("\n", 1)[0]
     return line if len(line) <= _ERROR_CHARS else line[:_ERROR_CHARS] + "..."
+
+
+def _given_back_reason(error: str | None) -> str:
+    # Reports of given-back attempts say "given back: <why>"; the line says it already.
+    line = _first_line(error)
+    return line.removeprefix("given back: ") or "given back"
 
 
 def log_applied(
@@ -57,6 +63,19 @@ def log_applied(
                     logger.debug(
                         "task %d finished on worker %s", task.id, outcome.worker_id, extra=fields
                     )
+            elif outcome.released:
+                # Given back by a stopping worker or broker, or an assignment that never
+                # reached its worker: not a failure, and not counted (docs/DESIGN.md §6).
+                logger.info(
+                    "task %d attempt %d given back by worker %s (not counted against the %d "
+                    "attempts allowed); queued again: %s",
+                    task.id,
+                    outcome.attempt,
+                    outcome.worker_id,
+                    task.max_attempts,
+                    _given_back_reason(outcome.error),
+                    extra=fields,
+                )
             elif task.state == TaskState.WAITING:
                 logger.info(
                     "task %d attempt %d failed on worker %s, retrying (%d attempts allowed): %s",

@@ -214,6 +214,42 @@ async def test_every_task_line_of_the_leader_carries_task_id_and_tenant(
     assert failed["level"] == "INFO" and "Traceback" not in failed["message"]
 
 
+async def test_a_given_back_attempt_is_logged_as_such_not_as_a_failure(
+    node: Node, json_log: io.StringIO
+) -> None:
+    def build(stamp: Stamp) -> e.Entry:
+        [task_id] = stamp.task_ids(1)
+        spec = e.TaskSpec(id=task_id, type="noop", tenant="acme", max_attempts=1)
+        return e.SubmitTasks(time_ms=stamp.now_ms, tasks=(spec,))
+
+    await node.propose(build)
+    await node.propose(
+        lambda s: e.RegisterWorker(time_ms=s.now_ms, worker_id="w", task_types={"*": 1})
+    )
+    await node.propose(
+        lambda s: e.AssignTasks(time_ms=s.now_ms, assignments=(e.Assignment(1, "w"),))
+    )
+    outcome = e.TaskOutcome(
+        task_id=1,
+        worker_id="w",
+        attempt=1,
+        ok=False,
+        error="given back: worker stopping",
+        released=True,
+    )
+    await node.propose(lambda s: e.finish_tasks(s.now_ms, (outcome,)))
+
+    task_lines = [line for line in lines_of(json_log) if line["logger"] == "steward.tasks"]
+    [given_back] = [line for line in task_lines if line["level"] == "INFO"]
+    assert given_back["message"] == (
+        "task 1 attempt 1 given back by worker w (not counted against the 1 attempts "
+        "allowed); queued again: worker stopping"
+    )
+    assert (given_back["task_id"], given_back["tenant"], given_back["attempt"]) == (1, "acme", 1)
+    assert given_back["broker"] == "unit"
+    assert not [line for line in task_lines if "failed" in line["message"]]
+
+
 async def test_task_lines_are_quiet_at_info_level(node: Node, json_log: io.StringIO) -> None:
     logging.getLogger().setLevel(logging.INFO)
 
