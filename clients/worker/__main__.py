@@ -28,6 +28,12 @@ from clients.worker.sandbox import make_non_dumpable, set_parent_death_signal
 from clients.worker.spark_connect import SPARK_MODES, spark_identity
 from clients.worker.spark_remote import TOKEN_ENV as REMOTE_TOKEN_ENV
 from clients.worker.spark_remote import with_token
+from clients.worker.task_env import (
+    TaskProcessError,
+    WorkDirInUseError,
+    lock_work_dir,
+    remove_work_dir,
+)
 from clients.worker.task_identity import DEFAULT_TASK_UID_RANGE
 from clients.worker.task_procs import check_task_processes
 
@@ -261,7 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=default_work_dir(),
         help="task processes' working directories, homes and code copies (default:"
-        " %(default)s-<worker id>, one per worker; task users must be able to reach it)",
+        " %(default)s-<worker id>, one per worker, removed when the worker stops cleanly;"
+        " a directory given here is kept; one worker at a time: a second one exits with"
+        " status 2; task users must be able to reach it)",
     )
     isolation.add_argument(
         "--task-process-idle-s",
@@ -390,6 +398,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    parent_pid = os.environ.pop(PARENT_PID_ENV, "")
+    # A standalone broker restarted after a kill -9 starts a worker of the same id (and
+    # work dir) while the previous one may still be giving its tasks back: wait for it.
+    wait_s = config.stop_timeout_s + 10.0 if parent_pid.isdigit() else 0.0
+    try:
+        lock = lock_work_dir(config.work_dir, wait_s)
+    except WorkDirInUseError as exc:
+        print(f"steward worker: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except (TaskProcessError, OSError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        print(
+            f"steward worker: error: cannot use --work-dir {config.work_dir}: {reason}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
+    crashed = False
+    try:
+        return _run(parser, args, config, parent_pid)
+    except Exception:
+        crashed = True  # its directory may tell why: kept
+        raise
+    finally:
+        # A default work dir is this worker's alone (its id in the name): on a clean exit
+        # nothing in it is needed again, and a worker per pid would fill /tmp.
+        if not crashed and config.work_dir_is_default and not remove_work_dir(config.work_dir):
+            _warn(f"could not remove all of the work dir {config.work_dir}")
+        os.close(lock)
+
+
+def _run(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    config: WorkerConfig,
+    parent_pid: str,
+) -> int:
+    try:
         if config.task_isolation == "process":
             check_task_processes(config)
             if config.spark == "connect" and config.spark_remote is None:
@@ -398,7 +446,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     # Task processes under the worker's own uid must not read its memory or environment.
     make_non_dumpable()
-    parent_pid = os.environ.pop(PARENT_PID_ENV, "")
     if parent_pid.isdigit():
         # Started by a standalone broker (--workers N): it runs in a session of its own (a
         # terminal's Ctrl-C reaches the broker alone), so nothing would stop it if the

@@ -206,6 +206,9 @@ class WorkerConfig:
     task_process_max_tasks: int = 1000  # ... and a process after this many tasks
     task_process_max_rss_mb: float = 0.0  # ... or once its resident memory passes this
     max_output_bytes: int = 1024 * 1024  # captured output kept per attempt (the last bytes)
+    # Set from work_dir: it is the default (this worker's own; the CLI removes it on a
+    # clean exit), not a directory the user named (never removed).
+    work_dir_is_default: bool = field(default=False, init=False)
     _ssl_context: ssl.SSLContext | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -234,7 +237,8 @@ class WorkerConfig:
         if self.max_cache_bytes < 0:
             raise ValueError("max_cache_bytes must be >= 0 (0: unbounded)")
         self.work_dir = Path(self.work_dir)
-        if self.work_dir == default_work_dir():  # the default: this worker's own
+        self.work_dir_is_default = self.work_dir == default_work_dir()
+        if self.work_dir_is_default:  # this worker's own
             self.work_dir = default_work_dir(self.worker_id)
         if self.task_isolation not in ("process", "thread"):
             raise ValueError("task_isolation must be 'process' or 'thread'")

@@ -12,6 +12,8 @@ The work area's layout and modes: docs/SECURITY.md, "Task processes".
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import glob
 import logging
 import os
@@ -20,6 +22,7 @@ import secrets
 import shutil
 import stat
 import threading
+import time
 from pathlib import Path
 from typing import Final
 
@@ -40,6 +43,15 @@ _NSS_WRAPPER_GLOBS: Final = (
 
 class TaskProcessError(Exception):
     """A task process could not be started (its task fails with this message)."""
+
+
+class WorkDirInUseError(Exception):
+    """Another live worker holds the work directory's lock (the message names it)."""
+
+
+#: In the work directory; a worker holds an flock on it while it runs.
+WORK_DIR_LOCK: Final = "worker.lock"
+_LOCK_POLL_S: Final = 0.1
 
 
 def nss_wrapper_library() -> str | None:
@@ -230,3 +242,67 @@ def empty_dir(path: str) -> bool:
     except OSError:
         return False
     return True
+
+
+def lock_work_dir(root: Path, wait_s: float = 0.0) -> int:
+    """Take the work directory's lock for as long as this process runs; its fd.
+
+    Two workers in one directory would mix their Spark servers, attempt directories and
+    code copies. The fd is not inherited (task processes and the Spark server do not hold
+    it), so a worker killed with -9 frees it at once. WorkDirInUseError when another worker
+    still holds it after ``wait_s``; TaskProcessError when the directory is another user's
+    or a symlink; OSError when it cannot be made.
+    """
+    deadline = time.monotonic() + wait_s
+    path = root / WORK_DIR_LOCK
+    while True:
+        root.mkdir(mode=0o711, parents=True, exist_ok=True)
+        info = root.lstat()
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            # Someone else's (in /tmp, anybody can make the default's name first).
+            raise TaskProcessError(f"{root} is not a directory of this worker's user")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = _read_holder(fd)
+            os.close(fd)
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            if time.monotonic() >= deadline:
+                raise WorkDirInUseError(
+                    f"work dir {root} is in use by another worker{holder}: give each worker "
+                    "a --work-dir of its own (or a --worker-id of its own, with the default)"
+                ) from None
+            time.sleep(_LOCK_POLL_S)  # a stopping worker's lock: nothing to wait on but it
+            continue
+        try:
+            current = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            current = None
+        held = os.fstat(fd)
+        if current is not None and (current.st_ino, current.st_dev) == (
+            held.st_ino,
+            held.st_dev,
+        ):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            return fd
+        # Its holder removed the directory on exit after we opened the file: a lock on
+        # that unlinked file would guard nothing. Start over with a new one.
+        os.close(fd)
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        pid = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    except OSError:
+        return ""
+    return f" (pid {pid})" if pid.isdigit() else ""
+
+
+def remove_work_dir(root: Path) -> bool:
+    """Remove a worker's own default work directory as it exits cleanly; False when some
+    of it could not be removed (a task process that outlived the worker writing there)."""
+    shutil.rmtree(root, ignore_errors=True)
+    return not root.exists()
