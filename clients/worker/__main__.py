@@ -305,6 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _say(message: str) -> None:
+    print(f"steward worker: {message}", file=sys.stderr, flush=True)
+
+
 def _warn(message: str) -> None:
     print(f"steward worker: warning: {message}", file=sys.stderr, flush=True)
 
@@ -405,7 +409,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # work dir) while the previous one may still be giving its tasks back: wait for it.
     wait_s = config.stop_timeout_s + 10.0 if parent_pid.isdigit() else 0.0
     try:
-        lock = lock_work_dir(config.work_dir, wait_s)
+        lock = lock_work_dir(
+            config.work_dir,
+            wait_s,
+            lambda in_use: _say(f"{in_use}; waiting up to {wait_s:.0f} s for it to stop"),
+        )
     except WorkDirInUseError as exc:
         print(f"steward worker: error: {exc}", file=sys.stderr, flush=True)
         return 2

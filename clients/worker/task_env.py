@@ -23,6 +23,7 @@ import shutil
 import stat
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -244,17 +245,21 @@ def empty_dir(path: str) -> bool:
     return True
 
 
-def lock_work_dir(root: Path, wait_s: float = 0.0) -> int:
+def lock_work_dir(
+    root: Path, wait_s: float = 0.0, on_wait: Callable[[str], None] | None = None
+) -> int:
     """Take the work directory's lock for as long as this process runs; its fd.
 
     Two workers in one directory would mix their Spark servers, attempt directories and
     code copies. The fd is not inherited (task processes and the Spark server do not hold
     it), so a worker killed with -9 frees it at once. WorkDirInUseError when another worker
-    still holds it after ``wait_s``; TaskProcessError when the directory is another user's
+    still holds it after ``wait_s`` (``on_wait`` is told, once, what it waits for);
+    TaskProcessError when the directory is another user's
     or a symlink; OSError when it cannot be made.
     """
     deadline = time.monotonic() + wait_s
     path = root / WORK_DIR_LOCK
+    told = False
     while True:
         root.mkdir(mode=0o711, parents=True, exist_ok=True)
         info = root.lstat()
@@ -269,11 +274,15 @@ def lock_work_dir(root: Path, wait_s: float = 0.0) -> int:
             os.close(fd)
             if exc.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
+            in_use = f"work dir {root} is in use by another worker{holder}"
             if time.monotonic() >= deadline:
                 raise WorkDirInUseError(
-                    f"work dir {root} is in use by another worker{holder}: give each worker "
-                    "a --work-dir of its own (or a --worker-id of its own, with the default)"
+                    f"{in_use}: give each worker a --work-dir of its own (or a --worker-id "
+                    "of its own, with the default)"
                 ) from None
+            if on_wait is not None and not told:
+                on_wait(in_use)
+                told = True
             time.sleep(_LOCK_POLL_S)  # a stopping worker's lock: nothing to wait on but it
             continue
         try:

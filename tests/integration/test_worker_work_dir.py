@@ -106,3 +106,29 @@ def test_a_given_work_dir_is_kept_and_used_by_one_worker_at_a_time(
         procs.append(third.start())
         wait_running(third)
         sigterm(third)
+
+
+def test_a_worker_of_a_standalone_broker_waits_for_its_previous_self(
+    tmp_path: Path, no_broker: str, procs: list[WorkerProcess]
+) -> None:
+    """A standalone broker restarted after kill -9 starts its worker again (same id, same
+    work dir) while the previous one may still be giving its tasks back: the new one
+    waits for the lock instead of exiting."""
+    with task_writable_dir("steward-test-work-") as shared:
+        given = ("--work-dir", str(shared / "work"), "--task-isolation", "thread")
+        previous = worker(tmp_path, no_broker, "wd-standalone-1", *given)
+        procs.append(previous.start())
+        wait_running(previous)
+        # This process stands in for the broker: the worker's parent.
+        restarted = worker(tmp_path, no_broker, "wd-standalone-1", *given)
+        restarted.env = {"STEWARD_WORKER_PARENT_PID": str(os.getpid())}
+        procs.append(restarted.start())
+        wait_until(
+            lambda: "waiting up to 25 s for it to stop" in restarted.log_tail(),
+            WAIT_S,
+            "the restarted worker to wait",
+        )
+        assert restarted.running()
+        sigterm(previous)
+        wait_running(restarted)
+        sigterm(restarted)
