@@ -47,6 +47,7 @@ import itertools
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -704,6 +705,14 @@ def run_soak(
         return ChaosSoak(config, zookeeper, root).run()
 
 
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM ends the soak as Ctrl-C does: the with-blocks on the way out stop the
+    cluster's brokers and workers, ZooKeeper and pulsar-lite (nothing else would: the
+    default action leaves them running). A second one is ignored while they stop."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tests.chaos.soak", description=__doc__.split("\n\n")[0] if __doc__ else ""
@@ -727,18 +736,27 @@ def main(argv: list[str] | None = None) -> int:
         clients=args.clients,
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
     )
-    with ExitStack() as stack:
-        if args.keep is not None:
-            args.keep.mkdir(parents=True, exist_ok=True)
-            root = args.keep
-        else:
-            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="steward-chaos-")))
-        try:
-            run_soak(config, root)
-        except AssertionError:
-            traceback.print_exc()
-            print(f"chaos soak FAILED, seed {seed}", file=sys.stderr)
-            return 1
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        with ExitStack() as stack:
+            if args.keep is not None:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                root = args.keep
+            else:
+                root = Path(
+                    stack.enter_context(tempfile.TemporaryDirectory(prefix="steward-chaos-"))
+                )
+            try:
+                run_soak(config, root)
+            except AssertionError:
+                traceback.print_exc()
+                print(f"chaos soak FAILED, seed {seed}", file=sys.stderr)
+                return 1
+    except KeyboardInterrupt:
+        print(f"chaos soak stopped (interrupted), seed {seed}", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"chaos soak passed, seed {seed}")
     return 0
 
