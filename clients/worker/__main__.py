@@ -267,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=default_work_dir(),
         help="task processes' working directories, homes and code copies (default:"
-        " %(default)s-<worker id>, one per worker, removed when the worker stops cleanly;"
+        " %(default)s-<worker id>, one per worker, with its broker's pid when a standalone"
+        " broker started it; removed when the worker stops cleanly;"
         " a directory given here is kept; one worker at a time: a second one exits with"
         " status 2; task users must be able to reach it)",
     )
@@ -405,6 +406,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     parent_pid = os.environ.pop(PARENT_PID_ENV, "")
+    if parent_pid.isdigit() and config.work_dir_is_default:
+        # Every standalone broker names its workers <broker id>-worker-N: its pid keeps the
+        # work dirs of two standalone brokers on one host (the demo beside another) apart.
+        config.work_dir = default_work_dir(f"{config.worker_id}-{parent_pid}")
     # A standalone broker restarted after a kill -9 starts a worker of the same id (and
     # work dir) while the previous one may still be giving its tasks back: wait for it.
     wait_s = config.stop_timeout_s + 10.0 if parent_pid.isdigit() else 0.0

@@ -132,3 +132,28 @@ def test_a_worker_of_a_standalone_broker_waits_for_its_previous_self(
         sigterm(previous)
         wait_running(restarted)
         sigterm(restarted)
+
+
+def test_a_standalone_broker_s_worker_has_a_default_work_dir_of_its_own(
+    tmp_path: Path, no_broker: str, procs: list[WorkerProcess]
+) -> None:
+    """Every standalone broker names its workers <broker id>-worker-N, so the broker's pid
+    is in their default work dir: two standalone brokers on one host (the demo beside
+    another broker) both get their workers. Here: one started by a (stand-in) broker, one
+    of the same id started by hand, each in a dir of its own."""
+    worker_id = f"wd-{secrets.token_hex(4)}"
+    by_broker = worker(tmp_path, no_broker, worker_id)
+    by_broker.env = {"STEWARD_WORKER_PARENT_PID": str(os.getpid())}  # this process: its parent
+    by_hand = worker(tmp_path, no_broker, worker_id)
+    started = [
+        (by_broker, default_work_dir(f"{worker_id}-{os.getpid()}")),
+        (by_hand, default_work_dir(worker_id)),
+    ]
+    for proc, _ in started:
+        procs.append(proc.start())
+    for proc, work in started:
+        wait_running(proc)
+        wait_until(lambda work=work: (work / WORK_DIR_LOCK).is_file(), WAIT_S, f"{work}")
+    for proc, work in started:
+        sigterm(proc)
+        assert not work.exists()
