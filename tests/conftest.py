@@ -13,6 +13,7 @@ of the same name uses its own.
 
 import logging
 from collections.abc import Generator
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +48,18 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
+
+
+# Tests that start real servers and processes (ZooKeeper, brokers, workers, Spark, network
+# namespaces) run one at a time: they share fixed names (worker ids and so their work dirs,
+# the harness's namespaces), and their timing bounds assume no second cluster beside them.
+# Unit and simulation tests (in-process) run beside them, in the other xdist process.
+_ONE_AT_A_TIME = ("integration", "chaos", "jepsen", "security")
+_TESTS_DIR = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        layer = Path(item.path).relative_to(_TESTS_DIR).parts[0]
+        if layer in _ONE_AT_A_TIME:
+            item.add_marker(pytest.mark.xdist_group("real-processes"))

@@ -23,7 +23,7 @@ TESTS = (
 
 def test_a_pytest_run_with_spark_ends_without_logging_errors() -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", *TESTS],
         cwd=ROOT,
         capture_output=True,
         text=True,
