@@ -15,13 +15,17 @@ tenant with the smallest ``dominant share / weight`` (ties by tenant name):
 the first task of its queue that fits a worker goes to the fitting worker with
 the most free capacity for that task's type (ties by worker id).
 
-Cost per round, with W connected workers, R running tasks, T tenants with
-waiting tasks and A assignments made:
+Cost per round, with W connected workers, R' running tasks that ask for
+resources, T tenants with waiting tasks and A assignments made:
 
-- setup: O(W + R log(R/W) + T) -- running tasks are summed in sorted order so
-  float usage totals (and so the outcome) do not depend on set iteration order;
+- setup: O(T + R' log R' + workers declaring resources) -- no pass over the
+  workers: their free slots come from the state's capacity index (kept across
+  rounds, docs/DESIGN.md §8 "Workers at scale"), read in its order (most free
+  first, ties by id) and viewed only when looked at; resource usage is summed in
+  sorted order so float totals (and so the outcome) do not depend on set
+  iteration order;
 - each assignment: O(log T) on the tenant heap plus O(log W) on the heap of
-  workers that can run its type (more only when the best workers are refused
+  workers looked at for its type (more only when the best workers are refused
   by their tenant filter or resources, bounded by W);
 - queues are never scanned: each tenant's queue is read through an iterator (its
   priority levels, highest first, each FIFO: ``state.by_priority``; P distinct
