@@ -260,6 +260,16 @@ def start_broker(data_dir: Path, http_port: int, worker_port: int) -> subprocess
     raise SystemExit("broker did not become ready within 60 s")
 
 
+def start_profiler(pid: int, path: str) -> subprocess.Popen[bytes]:
+    """py-spy on the broker, raw samples to ``path`` until SIGINT."""
+    py_spy = "py-spy" if shutil.which("py-spy") else "/work/venv/bin/py-spy"
+    return subprocess.Popen(
+        [py_spy, "record", "-r", "1000", "-f", "raw", "-o", path, "-p", str(pid)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
 def stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -339,22 +349,7 @@ async def measure(args: argparse.Namespace, count: int) -> Row:
         print(f"  N={count}: idle {row.idle_core:.1%} of a core", flush=True)
 
         if args.profile:
-            profiler = subprocess.Popen(  # noqa: ASYNC220 - starts at once, never awaited
-                [
-                    "py-spy" if shutil.which("py-spy") else "/work/venv/bin/py-spy",
-                    "record",
-                    "-r",
-                    "1000",
-                    "-f",
-                    "raw",
-                    "-o",
-                    f"{args.profile}-{count}.txt",
-                    "-p",
-                    str(proc.pid),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
+            profiler = start_profiler(proc.pid, f"{args.profile}-{count}.txt")
             await asyncio.sleep(1.0)
         loop = asyncio.get_running_loop()
         goal = fleet.finished + args.tasks
@@ -389,9 +384,16 @@ async def measure(args: argparse.Namespace, count: int) -> Row:
         print(f"  N={count}: storm {row.storm_s:.2f} s, refused {row.storm_refused}", flush=True)
         # Idle again: every worker now got its Welcome from a broker that knew them all.
         await asyncio.sleep(2.0)
+        if args.profile:  # the idle broker: heartbeats only
+            profiler = start_profiler(proc.pid, f"{args.profile}-{count}-idle.txt")
+            await asyncio.sleep(1.0)
         cpu0, t0 = cpu_s(proc.pid), time.perf_counter()
         await asyncio.sleep(args.idle_seconds)
         row.idle_after_storm = (cpu_s(proc.pid) - cpu0) / (time.perf_counter() - t0)
+        if profiler is not None:
+            profiler.send_signal(signal.SIGINT)
+            profiler.wait(timeout=60)
+            profiler = None
         print(
             f"  N={count}: idle after the storm {row.idle_after_storm:.1%}; "
             f"Welcome intervals (ms: workers) {sorted(fleet.intervals.items())}",

@@ -9,8 +9,10 @@ see docs/DESIGN.md §2.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import OrderedDict, deque
+from collections.abc import Collection, Iterator, Mapping
 from enum import IntEnum
 
 from broker.core.effects import Effect, TaskFinal
@@ -29,8 +31,141 @@ from broker.core.records import (
     TreeRecord,
     TreeState,
     Worker,
+    WorkerState,
 )
 from broker.core.transitions import TaskState, check_move
+
+# The pool shared by every task type a worker does not list by name.
+ANY_TYPE = "*"
+
+
+class CapacityIndex:
+    """Free task slots of the connected workers, kept in step with every change
+    (derived: built from the state on first use, so a loaded snapshot builds it afresh;
+    docs/DESIGN.md §8, "Workers at scale"). Integers only, so the incremental result
+    equals a rebuild exactly; the scheduler and the submit placement read it instead of
+    visiting every worker per round or per submit.
+    """
+
+    __slots__ = (
+        "asking",
+        "capacity",
+        "filtered",
+        "free",
+        "free_slots",
+        "order",
+        "resourced",
+        "slots_total",
+    )
+
+    def __init__(
+        self,
+        workers: Mapping[str, Worker],
+        tasks: Mapping[int, Task],
+        running_by_worker: Mapping[str, set[int]],
+    ) -> None:
+        # Connected worker -> pool ("*" or a type it lists) -> its capacity, and the
+        # capacity minus the running tasks in that pool (negative if it came back smaller).
+        self.capacity: dict[str, dict[str, int]] = {}
+        self.free: dict[str, dict[str, int]] = {}
+        # Pool -> (-free, worker id) of the connected workers with room in it, sorted:
+        # the scheduler's order (most free first, ties by id).
+        self.order: dict[str, list[tuple[int, str]]] = {}
+        self.slots_total = 0  # sum of the connected workers' capacities
+        self.free_slots = 0  # sum of their free slots (each pool's counted from 0)
+        self.resourced: set[str] = set()  # connected workers declaring resources
+        self.filtered: set[str] = set()  # connected workers serving only some tenants
+        self.asking: set[int] = set()  # running tasks asking for resources
+        for worker_id in sorted(workers):  # in order: each insert lands at an end
+            self.reindex(workers[worker_id], tasks, running_by_worker.get(worker_id, ()))
+        for ids in running_by_worker.values():
+            self.asking.update(i for i in ids if tasks[i].resources)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CapacityIndex):
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in self.__slots__)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def reindex(self, worker: Worker, tasks: Mapping[int, Task], running: Collection[int]) -> None:
+        """A worker's record changed (registered, dead, stopping): file it afresh."""
+        wid = worker.id
+        old = self.free.pop(wid, None)
+        if old is not None:
+            for pool, free in old.items():
+                self._file(wid, pool, free, 0)
+            self.slots_total -= sum(max(0, n) for n in self.capacity.pop(wid).values())
+        self.resourced.discard(wid)
+        self.filtered.discard(wid)
+        if worker.state != WorkerState.CONNECTED:
+            return
+        self.capacity[wid] = dict(worker.task_types)
+        self.slots_total += sum(max(0, n) for n in worker.task_types.values())
+        pools = self.free[wid] = dict(worker.task_types)
+        for task_id in running:
+            used = self._pool(pools, tasks[task_id].type)
+            if used is not None:
+                pools[used] -= 1
+        for pool, free in pools.items():
+            self._file(wid, pool, 0, free)
+        if worker.resources:
+            self.resourced.add(wid)
+        if worker.tenants:
+            self.filtered.add(wid)
+
+    def candidates(self, task_type: str) -> Iterator[tuple[int, str]]:
+        """(-free, worker id) of the connected workers with room for ``task_type``, best
+        first: those listing the type by name merged with the "*" pools of the others
+        (the scheduler's order)."""
+        sources: list[Iterator[tuple[int, str]]] = []
+        named = self.order.get(task_type)
+        if named:
+            sources.append(iter(named))
+        star = self.order.get(ANY_TYPE) if task_type != ANY_TYPE else None
+        if star:
+            free = self.free
+            sources.append(key for key in star if task_type not in free[key[1]])
+        if len(sources) == 1:
+            return sources[0]
+        return heapq.merge(*sources)
+
+    @staticmethod
+    def _pool(pools: Mapping[str, int], task_type: str) -> str | None:
+        # A type listed by name uses its own capacity (even 0), never the "*" pool.
+        if task_type in pools:
+            return task_type
+        return ANY_TYPE if ANY_TYPE in pools else None
+
+    def started(self, worker_id: str, task: Task) -> None:
+        self._take(worker_id, task, -1)
+        if task.resources:
+            self.asking.add(task.id)
+
+    def stopped(self, worker_id: str, task: Task) -> None:
+        self._take(worker_id, task, 1)
+        self.asking.discard(task.id)
+
+    def _take(self, worker_id: str, task: Task, delta: int) -> None:
+        pools = self.free.get(worker_id)
+        if pools is None:
+            return  # not connected: indexed again when it registers
+        pool = self._pool(pools, task.type)
+        if pool is not None:
+            old = pools[pool]
+            pools[pool] = old + delta
+            self._file(worker_id, pool, old, old + delta)
+
+    def _file(self, worker_id: str, pool: str, old: int, new: int) -> None:
+        """Move a pool's entry in the order from ``old`` free slots to ``new``."""
+        self.free_slots += max(0, new) - max(0, old)
+        order = self.order.get(pool)
+        if old > 0 and order is not None:
+            del order[bisect.bisect_left(order, (-old, worker_id))]
+            if not order:
+                del self.order[pool]
+        if new > 0:
+            bisect.insort(self.order.setdefault(pool, []), (-new, worker_id))
 
 
 class _Timer(IntEnum):
@@ -91,6 +226,9 @@ class MachineBase:
         # out of the run queues (docs/DESIGN.md §2, "Dependencies"). Derived.
         self.dependants: dict[int, dict[int, None]] = {}
         self._timers: list[tuple[int, int, int]] = []  # (due_ms, kind, id)
+        # Free slots of the connected workers (derived, built on first use: see
+        # ``capacity``).
+        self._capacity: CapacityIndex | None = None
         self.entries_applied = 0
         # Each webhook's outbox (tenant -> (event key, task id), in log order): the events
         # not yet logged as delivered, so any broker that loads this state delivers them,
@@ -103,6 +241,25 @@ class MachineBase:
         # The effects of the entry being applied, returned by apply (broker.core.effects);
         # not state.
         self._effects: list[Effect] = []
+
+    def capacity(self) -> CapacityIndex:
+        """The connected workers' free slots, as the scheduler reads them."""
+        if self._capacity is None:
+            self._capacity = CapacityIndex(self.workers, self.tasks, self.running_by_worker)
+        return self._capacity
+
+    def _worker_changed(self, worker: Worker) -> None:
+        """A worker's record changed (state, capacities, resources, tenants)."""
+        if self._capacity is not None:
+            self._capacity.reindex(worker, self.tasks, self.running_by_worker.get(worker.id, ()))
+
+    def _check_capacity(self) -> str | None:
+        """What differs between the capacity index and a rebuild (the invariants)."""
+        built = self.capacity()  # built now if no reader has asked yet: kept from here on
+        fresh = CapacityIndex(self.workers, self.tasks, self.running_by_worker)
+        if fresh == built:
+            return None
+        return "capacity index differs from a rebuild"
 
     def _push_timer(self, due_ms: int, kind: _Timer, ident: int) -> None:
         heapq.heappush(self._timers, (due_ms, int(kind), ident))
@@ -144,6 +301,8 @@ class MachineBase:
             self._enqueue(task)
         elif task.state == TaskState.RUNNING and task.worker is not None:
             self.running_by_worker.setdefault(task.worker, set()).add(task.id)
+            if self._capacity is not None:
+                self._capacity.started(task.worker, task)
         if task.root is not None and task.state in LIVE_STATES:
             self.tree_live.setdefault(task.root, set()).add(task.id)
         if task.root is not None:
@@ -239,6 +398,8 @@ class MachineBase:
             self._dequeue(task)
         elif old == TaskState.RUNNING and task.worker is not None:
             self.running_by_worker[task.worker].discard(task.id)
+            if self._capacity is not None:
+                self._capacity.stopped(task.worker, task)
         elif old == TaskState.PENDING and task.transaction is not None:
             # Leaving a transaction other than by its commit (which pops it first).
             txn = self.transactions.get(task.transaction)
@@ -249,6 +410,8 @@ class MachineBase:
             task.worker = None
         elif new == TaskState.RUNNING and task.worker is not None:
             self.running_by_worker.setdefault(task.worker, set()).add(task.id)
+            if self._capacity is not None:
+                self._capacity.started(task.worker, task)
         if task.root is not None and (old in FINAL_STATES) != (new in FINAL_STATES):
             if new in FINAL_STATES:
                 self._untrack_live(task)
@@ -280,6 +443,8 @@ class MachineBase:
             self._dequeue(task)
         elif task.state == TaskState.RUNNING and task.worker is not None:
             self.running_by_worker[task.worker].discard(task.id)
+            if self._capacity is not None:
+                self._capacity.stopped(task.worker, task)
         if task.slot is not None and self.slots.get((task.tenant, task.slot)) == task.id:
             del self.slots[(task.tenant, task.slot)]
         if task.root is not None and task.state in LIVE_STATES:

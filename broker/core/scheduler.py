@@ -15,13 +15,17 @@ tenant with the smallest ``dominant share / weight`` (ties by tenant name):
 the first task of its queue that fits a worker goes to the fitting worker with
 the most free capacity for that task's type (ties by worker id).
 
-Cost per round, with W connected workers, R running tasks, T tenants with
-waiting tasks and A assignments made:
+Cost per round, with W connected workers, R' running tasks that ask for
+resources, T tenants with waiting tasks and A assignments made:
 
-- setup: O(W + R log(R/W) + T) -- running tasks are summed in sorted order so
-  float usage totals (and so the outcome) do not depend on set iteration order;
+- setup: O(T + R' log R' + workers declaring resources) -- no pass over the
+  workers: their free slots come from the state's capacity index (kept across
+  rounds, docs/DESIGN.md §8 "Workers at scale"), read in its order (most free
+  first, ties by id) and viewed only when looked at; resource usage is summed in
+  sorted order so float totals (and so the outcome) do not depend on set
+  iteration order;
 - each assignment: O(log T) on the tenant heap plus O(log W) on the heap of
-  workers that can run its type (more only when the best workers are refused
+  workers looked at for its type (more only when the best workers are refused
   by their tenant filter or resources, bounded by W);
 - queues are never scanned: each tenant's queue is read through an iterator (its
   priority levels, highest first, each FIFO: ``state.by_priority``; P distinct
@@ -40,7 +44,8 @@ from collections.abc import Collection, Iterator
 from typing import Final
 
 from broker.core.entries import Assignment
-from broker.core.state import StateMachine, Task, WorkerState
+from broker.core.machine_base import ANY_TYPE
+from broker.core.state import StateMachine, Task, TaskState
 
 DEFAULT_MAX_ASSIGNMENTS: Final = 1000
 DEFAULT_LOOKAHEAD: Final = 16
@@ -48,9 +53,6 @@ DEFAULT_LOOKAHEAD: Final = 16
 # Absorbs float rounding when fractional asks add up exactly to a capacity
 # (ten tasks of 0.1 cpu on a 1-cpu worker); far below any meaningful amount.
 _EPSILON: Final = 1e-9
-
-# The pool shared by every task type a worker does not list by name.
-ANY_TYPE: Final = "*"
 
 
 class _Pool:
@@ -96,6 +98,22 @@ class _Tenant:
 _PoolEntry = tuple[int, str, _Pool]
 
 
+class _Candidates:
+    """The pools one task type may use this round: those looked at (a heap) and the
+    rest, still in the capacity index's order. Free counts only fall during a round, so
+    a pool not yet looked at is never better than the index's next entry says."""
+
+    __slots__ = ("ahead", "heap", "rest")
+
+    def __init__(self, rest: Iterator[tuple[int, str]]) -> None:
+        self.heap: list[_PoolEntry] = []
+        self.rest = rest
+        self.ahead = next(rest, None)
+
+    def advance(self) -> None:
+        self.ahead = next(self.rest, None)
+
+
 def _queue(levels: dict[int, dict[int, None]]) -> Iterator[int]:
     """A tenant's waiting tasks in scheduling order: higher priority first, FIFO within."""
     if len(levels) == 1:
@@ -131,77 +149,50 @@ class _Round:
     def __init__(
         self, state: StateMachine, lookahead: int, eligible: Collection[str] | None = None
     ) -> None:
+        self.state = state
         self.tasks = state.tasks
         self.limits = state.config.global_limits
-        self.workers: list[_Worker] = []  # connected, by id
-        self.free_slots = 0
-        self.slots_total = 0
+        self.eligible = eligible
+        capacity = self.capacity = state.capacity()
+        # Views of the workers this round has looked at, made on first look (by id).
+        self.views: dict[str, _Worker] = {}
+        # Counted over every connected worker (the index's totals): an upper bound of the
+        # eligible ones' free slots, and the fair shares' denominator.
+        self.free_slots = capacity.free_slots
+        self.slots_total = capacity.slots_total
         self.resource_totals: dict[str, float] = {}
-        self.by_type: dict[str, list[_PoolEntry]] = {}
+        for worker_id in sorted(capacity.resourced):
+            for name, amount in state.workers[worker_id].resources.items():
+                self.resource_totals[name] = self.resource_totals.get(name, 0.0) + amount
+        self.by_type: dict[str, _Candidates] = {}
         # (type, tenant or "", asks) of tasks that did not fit this round.
         self.no_fit: set[tuple[str, str, tuple[tuple[str, float], ...]]] = set()
-
-        by_id: dict[str, _Worker] = {}
-        for worker_id in sorted(state.workers):
-            worker = state.workers[worker_id]
-            if worker.state != WorkerState.CONNECTED:
-                continue
-            if eligible is not None and worker_id not in eligible:
-                continue
-            view = _Worker(worker_id, worker.tenants, worker.resources)
-            for task_type, capacity in worker.task_types.items():
-                view.pools[task_type] = _Pool(view, capacity)
-                self.slots_total += max(0, capacity)
-            for name, amount in worker.resources.items():
-                self.resource_totals[name] = self.resource_totals.get(name, 0.0) + amount
-            self.workers.append(view)
-            by_id[worker_id] = view
         # Without tenant filters, a misfit is the same for every tenant.
-        self.filtered = any(view.tenants is not None for view in self.workers)
+        self.filtered = bool(capacity.filtered)
 
         tenants: dict[str, _Tenant] = {}
+        counts = state.tenant_counts
         for name, levels in state.by_priority.items():
             if levels:
                 limits = state.tenants.get(name)
                 weight = limits.weight if limits is not None else 1.0
                 view_t = tenants[name] = _Tenant(name, _queue(levels), weight, lookahead)
+                view_t.running = counts[name][TaskState.RUNNING] if name in counts else 0
                 if limits is not None and limits.max_running > 0:
                     view_t.room = limits.max_running
 
-        # Usage of the running tasks (one pass, inlined: this is most of a round's cost).
+        # Resource usage of the running tasks that ask for any, summed by worker and task
+        # id so float totals (and so the outcome) do not depend on set iteration order.
         global_used = self.global_used = dict.fromkeys(self.limits, 0.0)
         tasks = self.tasks
-        no_resources: dict[str, float] = {}
-        for worker_id in sorted(state.running_by_worker):
-            running = state.running_by_worker[worker_id]
-            if not running:
-                continue
-            on = by_id.get(worker_id)  # None: not connected (holds nothing by invariant)
-            pools = on.pools if on is not None else {}
-            star = pools.get(ANY_TYPE)
-            free = on.free if on is not None else no_resources
-            for task_id in sorted(running):
-                task = tasks[task_id]
-                pool = pools.get(task.type, star)
-                if pool is not None:
-                    pool.free -= 1
-                owner = tenants.get(task.tenant)
+        for task_id in sorted(capacity.asking, key=lambda i: (tasks[i].worker or "", i)):
+            task = tasks[task_id]
+            owner = tenants.get(task.tenant)
+            for name, amount in task.resources.items():
+                if name in global_used:
+                    global_used[name] += amount
                 if owner is not None:
-                    owner.running += 1
-                asks = task.resources
-                if not asks:
-                    continue
-                for name, amount in asks.items():
-                    if name in free:
-                        free[name] -= amount
-                    if name in global_used:
-                        global_used[name] += amount
-                    if owner is not None:
-                        owner.usage[name] = owner.usage.get(name, 0.0) + amount
-
-        for view in self.workers:
-            for pool in view.pools.values():
-                self.free_slots += max(0, pool.free)
+                    owner.usage[name] = owner.usage.get(name, 0.0) + amount
 
         self.heap: list[tuple[float, str, _Tenant]] = []
         for view_t in tenants.values():
@@ -212,6 +203,24 @@ class _Round:
             view_t.share = self._dominant_share(view_t)
             self.heap.append((view_t.share / view_t.weight, view_t.name, view_t))
         heapq.heapify(self.heap)
+
+    def _view(self, worker_id: str) -> _Worker:
+        """The worker as this round sees it: free slots per pool, free resources."""
+        view = self.views.get(worker_id)
+        if view is not None:
+            return view
+        worker = self.state.workers[worker_id]
+        view = self.views[worker_id] = _Worker(worker_id, worker.tenants, worker.resources)
+        for pool_name, free in self.capacity.free[worker_id].items():
+            view.pools[pool_name] = _Pool(view, free)
+        if worker.resources:
+            free_left = view.free
+            tasks = self.tasks
+            for task_id in sorted(self.state.running_by_worker.get(worker_id, ())):
+                for name, amount in tasks[task_id].resources.items():
+                    if name in free_left:
+                        free_left[name] -= amount
+        return view
 
     def _dominant_share(self, tenant: _Tenant) -> float:
         share = tenant.running / self.slots_total if self.slots_total else 0.0
@@ -306,12 +315,23 @@ class _Round:
         return True
 
     def _best_pool(self, task: Task) -> _Pool | None:
-        heap = self.by_type.get(task.type)
-        if heap is None:
-            heap = self.by_type[task.type] = self._pools_for_type(task.type)
+        candidates = self.by_type.get(task.type)
+        if candidates is None:
+            candidates = self.by_type[task.type] = _Candidates(self._order(task.type))
+        heap = candidates.heap
         refused: list[_PoolEntry] = []
         chosen: _Pool | None = None
-        while heap:
+        while True:
+            ahead = candidates.ahead
+            if ahead is not None and (not heap or heap[0][:2] > ahead):
+                # The next worker in the index may beat every one looked at so far.
+                pool = self._view(ahead[1]).pool_for(task.type)
+                assert pool is not None  # the index filed it under this type's pool
+                heapq.heappush(heap, (ahead[0], ahead[1], pool))
+                candidates.advance()
+                continue
+            if not heap:
+                break
             neg_free, worker_id, pool = heap[0]
             if pool.free <= 0:
                 heapq.heappop(heap)  # full for the rest of the round
@@ -326,14 +346,13 @@ class _Round:
             heapq.heappush(heap, entry)
         return chosen
 
-    def _pools_for_type(self, task_type: str) -> list[_PoolEntry]:
-        heap: list[_PoolEntry] = []
-        for view in self.workers:
-            pool = view.pool_for(task_type)
-            if pool is not None and pool.free > 0:
-                heap.append((-pool.free, view.id, pool))
-        heapq.heapify(heap)
-        return heap
+    def _order(self, task_type: str) -> Iterator[tuple[int, str]]:
+        """The index's candidates for ``task_type`` that are eligible, best first."""
+        merged = self.capacity.candidates(task_type)
+        eligible = self.eligible
+        if eligible is None:
+            return merged
+        return (key for key in merged if key[1] in eligible)
 
     @staticmethod
     def _accepts(worker: _Worker, task: Task) -> bool:

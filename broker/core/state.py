@@ -382,6 +382,8 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
         actual_running = {w: ids for w, ids in self.running_by_worker.items() if ids}
         if running != actual_running:
             fail("running-by-worker index differs")
+        if (capacity := self._check_capacity()) is not None:
+            fail(capacity)
         for tenant, queue in self.waiting.items():
             for task_id in queue:
                 queued = self.tasks.get(task_id)

@@ -202,6 +202,7 @@ class WorkersMixin(TasksMixin):
         worker.tenants = list(entry.tenants)
         worker.reason = None
         worker.credential = entry.credential
+        self._worker_changed(worker)
         return WorkerReconciled(entry.worker_id, tuple(keep), tuple(lost))
 
     def _worker_dead(self, entry: e.WorkerDead) -> Rejected | None:
@@ -213,6 +214,7 @@ class WorkersMixin(TasksMixin):
         worker.state = WorkerState.DEAD.value
         worker.updated_ms = self.now_ms
         worker.reason = entry.reason
+        self._worker_changed(worker)
         for task_id in sorted(self.running_by_worker.get(worker.id, ())):
             task = self.tasks[task_id]
             if task.state != TaskState.RUNNING or task.worker != worker.id:
@@ -227,6 +229,7 @@ class WorkersMixin(TasksMixin):
         worker = self.workers.get(task.worker) if task.worker is not None else None
         if worker is not None:
             worker.task_types = {"*": 0}  # until it registers again
+            self._worker_changed(worker)
         self._stop_if_running(task, reason)
         task.error = reason
         task.released += 1

@@ -110,18 +110,28 @@ class Liveness:
         interval its Welcome named; one encoded frame for all), declare dead."""
         timeout_s = self.config.heartbeat_timeout_ms / 1000
         now = self.clock()
-        heartbeat = p.Heartbeat(seq=seq, dropped_code=self._dropped_code(now))
+        dropped = self._dropped_code(now)
+        heartbeat = p.Heartbeat(seq=seq, dropped_code=dropped)
         frame = p.encode_message(heartbeat)
         # Due a little early rather than a whole round late: rounds tick at the base interval.
         slack_s = self.config.heartbeat_interval_ms / 2000
+        # A worker judges the leader by any frame within the timeout: half of it leaves a
+        # whole beat of slack (docs/DESIGN.md §8, "Heartbeats at scale").
+        period_s = timeout_s / 2
         for session in list(self.sessions.values()):
             if now - session.last_seen > timeout_s:
                 logger.warning("worker %s missed its heartbeat deadline", session.worker_id)
                 session.close()
                 continue
-            if now - session.last_beat + slack_s >= session.heartbeat_interval_s:
-                session.last_beat = now
+            if session.frames_sent != session.frames_seen:
+                session.frames_seen = session.frames_sent
+                session.last_sent = now
+            # Deleted code is told in heartbeats only: beat at the worker's interval then.
+            last = session.last_beat if dropped else session.last_sent
+            if now - last + slack_s >= max(session.heartbeat_interval_s, period_s):
+                session.last_beat = session.last_sent = now
                 session.send_frame(heartbeat, frame)
+                session.frames_seen = session.frames_sent
         if self.node.writable:
             try:
                 await self._declare_dead_workers(now, timeout_s)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from broker.core import entries as e
-from broker.core.state import StateMachine, Task, Worker, WorkerState
+from broker.core.state import StateMachine, Task, Worker
 
 # A batch's first tasks at most: the rest wait for the scheduler (whose heaps scale).
 MAX_PLACED_PER_ENTRY: Final = 64
@@ -99,14 +99,12 @@ class SubmitPlacement:
         if any(task.tenant != tenant for task in tasks):
             return ()  # several tenants' new tasks: the scheduler's fair share decides
         room = self._tenant_room(state, tenant)
-        rooms: list[_Room] | None = None
+        rooms: dict[str, _Room | None] = {}  # the workers looked at (None: not its tenant's)
         out: list[e.Assignment] = []
         for task in tasks[:MAX_PLACED_PER_ENTRY]:
             if (room is not None and room <= 0) or not self._starts_now(state, task, now_ms):
                 break  # FIFO: a later task never starts before this one
-            if rooms is None:
-                rooms = self._rooms(state, tenant)
-            best = self._best(rooms, task)
+            best = self._best(state, rooms, tenant, task)
             if best is None:
                 break
             placed = _Placed(best.id, best.pool(task.type), tenant, task.resources)
@@ -154,26 +152,41 @@ class SubmitPlacement:
         limits = state.config.global_limits
         return not any(amount > 0 and name in limits for name, amount in task.resources.items())
 
-    def _rooms(self, state: StateMachine, tenant: str) -> list[_Room]:
-        rooms: list[_Room] = []
-        for worker_id in sorted(self._eligible):
-            worker = state.workers.get(worker_id)
-            if worker is None or worker.state != WorkerState.CONNECTED:
-                continue
-            if worker.tenants and tenant not in worker.tenants:
-                continue
-            running = [state.tasks[i] for i in state.running_by_worker.get(worker_id, ())]
-            placed = list(self._by_worker.get(worker_id, {}).values())
-            rooms.append(_Room(worker, running, placed))
-        return rooms
+    def _room(self, state: StateMachine, worker_id: str, tenant: str) -> _Room | None:
+        """A worker's room for ``tenant``'s task, in-flight placements counted, or None."""
+        if worker_id not in self._eligible:
+            return None
+        worker = state.workers[worker_id]  # in the capacity index: connected
+        if worker.tenants and tenant not in worker.tenants:
+            return None
+        running = [state.tasks[i] for i in state.running_by_worker.get(worker_id, ())]
+        placed = list(self._by_worker.get(worker_id, {}).values())
+        return _Room(worker, running, placed)
 
-    @staticmethod
-    def _best(rooms: list[_Room], task: e.TaskSpec) -> _Room | None:
-        """The fitting worker with the most free slots for the type, ties by worker id."""
+    def _best(
+        self, state: StateMachine, rooms: dict[str, _Room | None], tenant: str, task: e.TaskSpec
+    ) -> _Room | None:
+        """The fitting worker with the most free slots for the type, ties by worker id.
+
+        Read in the capacity index's order (docs/DESIGN.md §8, "Workers at scale"), which
+        counts running tasks but not placements in flight: those only lower a worker's
+        count, so once the index's next worker has no more slots than the best found,
+        no later one can beat it."""
         best: _Room | None = None
-        best_slots = 0
-        for room in rooms:  # in worker id order
-            slots = room.slots(room.pool(task.type))
-            if slots > best_slots and room.fits(task.resources):
-                best, best_slots = room, slots
+        best_key: tuple[int, str] | None = None
+        for key in state.capacity().candidates(task.type):
+            if best_key is not None and key > best_key:
+                break
+            worker_id = key[1]
+            if worker_id in rooms:
+                found = rooms[worker_id]
+            else:
+                found = rooms[worker_id] = self._room(state, worker_id, tenant)
+            if found is None:
+                continue
+            slots = found.slots(found.pool(task.type))
+            if slots <= 0 or not found.fits(task.resources):
+                continue
+            if best_key is None or (-slots, worker_id) < best_key:
+                best, best_key = found, (-slots, worker_id)
         return best

@@ -44,6 +44,11 @@ class Session:
         # the leader last sent it a Heartbeat.
         self.heartbeat_interval_s = 1.0
         self.last_beat = now
+        # Frames sent so far, and when the heartbeat loop last saw the count move: any
+        # frame proves the leader alive to the worker, so a busy connection needs no beat.
+        self.frames_sent = 0
+        self.frames_seen = 0
+        self.last_sent = now
 
     def send_frame(self, message: p.Message, frame: bytes) -> None:
         """Send ``message`` already encoded as ``frame`` (one encoding for many sessions)."""
@@ -52,6 +57,7 @@ class Session:
         try:
             self.conversation.send(message)
             self.writer.write(frame)
+            self.frames_sent += 1
         except (ConnectionError, RuntimeError, p.ProtocolError) as exc:
             logger.warning("cannot send to worker %s: %s", self.worker_id, exc)
             self.close()
@@ -62,6 +68,7 @@ class Session:
         try:
             self.conversation.send(message)
             self.writer.write(p.encode_message(message, self.max_frame_bytes))
+            self.frames_sent += 1
         except (ConnectionError, RuntimeError, p.ProtocolError) as exc:
             logger.warning("cannot send to worker %s: %s", self.worker_id, exc)
             self.close()

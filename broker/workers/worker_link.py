@@ -140,6 +140,9 @@ class WorkerLink:
 
     async def start(self) -> None:
         self.liveness.restart()
+        # Build the state's capacity index now (O(workers) once), not in the first submit
+        # or round; from here each entry keeps it in step (docs/DESIGN.md §8).
+        self.node.state.capacity()
         tls_options: dict[str, Any] = {}
         if self.config.tls is not None:
             try:

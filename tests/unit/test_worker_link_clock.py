@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from broker.core.state import WorkerState
+from broker.workers import protocol as p
 from tests.support.link_broker import WAIT_S, BrokerFactory
 
 
@@ -38,3 +39,38 @@ async def test_silence_is_judged_by_the_injected_clock(make_broker: BrokerFactor
 
     clock.now += 61  # a minute without a connection: declared dead through the log
     await broker.until(lambda: broker.node.state.workers["silent"].state != WorkerState.CONNECTED)
+
+
+async def test_the_leader_beats_after_half_the_timeout_of_sending_nothing(
+    make_broker: BrokerFactory,
+) -> None:
+    # docs/DESIGN.md §8, "Heartbeats at scale": a worker judges the leader by any frame
+    # within the timeout, so the leader beats a connection only after half the timeout
+    # without sending it anything, not at the worker's own (much shorter) interval.
+    clock = Monotonic()
+    broker = await make_broker(
+        link_clock=clock, heartbeat_interval_ms=50, heartbeat_timeout_ms=60_000
+    )
+    worker = broker.worker("w1", task_types={"*": 1})
+    await worker.hello(heartbeats=False)
+    worker.start_heartbeats(0.05)  # keeps the leader's last_seen at the test's clock
+    rounds = 0.3  # real seconds: six rounds of the leader's heartbeat loop
+    await asyncio.sleep(rounds)  # the loop sees the Welcome sent (at this clock)
+
+    clock.now += 10  # 200 of its intervals, a sixth of the timeout: no beat yet
+    await asyncio.sleep(rounds)
+    assert worker.heartbeats_received == 0
+    clock.now += 25  # 35 s since the Welcome: past half the timeout
+    await broker.until(lambda: worker.heartbeats_received == 1)
+
+    clock.now += 20
+    [task_id] = await broker.submit()  # an Assign: the leader proved alive by it
+    assign = await worker.expect(p.Assign)
+    await asyncio.sleep(rounds)  # the loop sees the frame sent (at this clock)
+    clock.now += 15  # 35 s since the last beat, 15 s since the Assign: no beat
+    await asyncio.sleep(rounds)
+    assert worker.heartbeats_received == 1
+    clock.now += 20  # 35 s since the Assign
+    await broker.until(lambda: worker.heartbeats_received == 2)
+    assert assign.tasks[0].task_id == task_id
+    await worker.close()
