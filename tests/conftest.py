@@ -13,7 +13,6 @@ of the same name uses its own.
 
 import logging
 from collections.abc import Generator
-from pathlib import Path
 
 import pytest
 
@@ -51,15 +50,24 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object
 
 
 # Tests that start real servers and processes (ZooKeeper, brokers, workers, Spark, network
-# namespaces) run one at a time: they share fixed names (worker ids and so their work dirs,
-# the harness's namespaces), and their timing bounds assume no second cluster beside them.
-# Unit and simulation tests (in-process) run beside them, in the other xdist process.
+# namespaces) run one at a time, in one xdist process, in file order: they share fixed names
+# (worker ids and so their work dirs, the harness's namespaces), and their timing bounds
+# assume no second cluster beside them. Unit and simulation tests (in-process) run beside
+# them, in the other process. A scheduler of our own rather than xdist_group marks: pytest
+# 9.2 dropped the node-id suffix that --dist loadgroup reads (pytest-xdist issue 1386).
 _ONE_AT_A_TIME = ("integration", "chaos", "jepsen", "security")
-_TESTS_DIR = Path(__file__).parent
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        layer = Path(item.path).relative_to(_TESTS_DIR).parts[0]
-        if layer in _ONE_AT_A_TIME:
-            item.add_marker(pytest.mark.xdist_group("real-processes"))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RealProcessesOneAtATime(LoadScopeScheduling):
+        """A unit of work per test, but one unit for every test that starts real processes."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            parts = nodeid.split("/", 2)
+            if len(parts) == 3 and parts[0] == "tests" and parts[1] in _ONE_AT_A_TIME:
+                return "real-processes"
+            return nodeid
+
+    return RealProcessesOneAtATime(config, log)
