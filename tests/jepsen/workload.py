@@ -48,6 +48,8 @@ class Client:
         try:
             response = self.http.request(method, self.brokers[broker] + path, **kw)
         except httpx.HTTPError as exc:
+            if broker == self.leader:
+                self.rotate()  # down or cut off: the next try goes to another broker
             return self.history.complete(invoked, "info", {"error": type(exc).__name__}, broker)
         try:
             body = response.json()
@@ -76,7 +78,14 @@ class Client:
         key = f"j{self.config.seed}-{self.name}-{seq}"
         params: dict[str, Any] = {
             "key": key,
-            "seconds": round(self.rng.uniform(0.05, self.config.task_seconds), 3),
+            # One in ten runs long: a worker paused by the nemesis is likely mid-run, so its
+            # attempt resumes beside its replacement (a zombie).
+            "seconds": round(
+                self.rng.uniform(1.0, 2.5)
+                if self.rng.random() < 0.1
+                else self.rng.uniform(0.05, self.config.task_seconds),
+                3,
+            ),
             "effects": self.config.effects,
         }
         body: dict[str, Any] = {
