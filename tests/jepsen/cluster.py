@@ -296,6 +296,7 @@ class Cluster:
             - text.count("no peer had a usable snapshot"),
             # A late report of an attempt that now runs elsewhere (a zombie's), refused.
             "stale reports refused": text.count("refused a report for task"),
+            "stale output refused": text.count("refused output for task"),
         }
 
     def log_tails(self, max_bytes: int = 3000) -> str:

@@ -10,6 +10,7 @@ draws; which broker a "leader" fault hits is the one leading at that moment.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tests.jepsen.cluster import HEARTBEAT_TIMEOUT_MS, Broker, Cluster, Node
-from tests.jepsen.history import History, NemesisEvent, read_executions
+from tests.jepsen.history import History, NemesisEvent
 from tests.jepsen.netns import NETNS_DIR, Network, kill_namespace_processes
 
 # Every kind once per round (a network kind twice), in a seeded order: a short run covers
@@ -77,8 +78,9 @@ class Draw:
             hold = session_timeout_s + rng.uniform(1.0, 3.0)  # past the session timeout
         if kind == "pause-worker":
             # Silent past the heartbeat timeout it is disconnected; disconnected as long
-            # again it is declared dead and its attempts reassigned.
-            hold = 2 * HEARTBEAT_TIMEOUT_MS / 1000 + rng.uniform(1.0, 3.0)
+            # again it is declared dead (at the next heartbeat round) and its attempts
+            # reassigned: held past that, the replacement starts while it is paused.
+            hold = 2 * HEARTBEAT_TIMEOUT_MS / 1000 + rng.uniform(3.0, 5.0)
         return cls(kind, index, round(hold, 2), round(rng.uniform(0.5, 2.0), 2))
 
 
@@ -118,16 +120,34 @@ class Nemesis:
             if stop():
                 return
             if not order:
-                order = [*NETWORK, *FAULTS]  # every network kind twice per round
-                if self.cluster.pulsar is not None:
-                    order += [*PULSAR_NETWORK, *PULSAR_NETWORK, *PULSAR_PROCESS]
-                self.rng.shuffle(order)
+                order = self.round()
             draw = Draw.draw(self.rng, order.pop(), self.session_timeout_s)
             time.sleep(draw.gap_s)
             self.inject(draw)
             time.sleep(draw.hold_s)
             self.heal()
             self.wait_for_leader(60.0)
+
+    def round(self) -> list[str]:
+        """Every network kind twice, every other kind once, each group shuffled, then
+        interleaved in proportion: a run cut short keeps the round's mix of the two."""
+        network = [*NETWORK, *NETWORK]
+        others = [*PROCESS, *CLOCK]
+        if self.cluster.pulsar is not None:
+            network += [*PULSAR_NETWORK, *PULSAR_NETWORK]
+            others += PULSAR_PROCESS
+        self.rng.shuffle(network)
+        self.rng.shuffle(others)
+        order: list[str] = []
+        n = o = 0
+        while n < len(network) or o < len(others):
+            if o >= len(others) or (n < len(network) and n * len(others) <= o * len(network)):
+                order.append(network[n])
+                n += 1
+            else:
+                order.append(others[o])
+                o += 1
+        return order[::-1]  # run() pops from the end
 
     def inject(self, draw: Draw) -> None:
         leader = self.leader(draw.index)
@@ -225,9 +245,10 @@ class Nemesis:
         detail["hold_s"] = draw.hold_s
         self.log(kind, detail, bounded=kind in BOUNDED)
 
-    def busy_worker(self, default: str, timeout_s: float = 5.0) -> str:
-        """A worker running a task that started just now (so likely still runs), found in
-        the task code's effects file (bounded wait); else ``default``."""
+    def busy_worker(self, default: str, timeout_s: float = 10.0) -> str:
+        """A worker that just started a long run (>= 1 s, ahead of the queue: its
+        replacement starts at once), found in the task code's effects file (bounded
+        wait); else ``default``."""
         effects = self.cluster.root / "effects" / "effects.jsonl"
         names = {
             f"net:[{os.stat(NETNS_DIR / self.net.namespace(w)).st_ino}]": w
@@ -235,10 +256,20 @@ class Nemesis:
         }
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            lines = effects.read_text().splitlines() if effects.exists() else []
             now = time.monotonic()
-            for run in read_executions(effects):
-                if run.end is None and now - run.start < 0.5 and run.worker in names:
-                    return names[run.worker]
+            for line in reversed(lines[-200:]):
+                try:
+                    record = json.loads(line)
+                except ValueError:  # the line being written right now
+                    continue
+                if (
+                    record["event"] == "start"
+                    and float(record.get("seconds", 0)) >= 1.0
+                    and now - float(record["time"]) < 0.5
+                    and record["worker"] in names
+                ):
+                    return names[record["worker"]]
             time.sleep(0.1)
         return default
 

@@ -76,13 +76,15 @@ class Client:
         """A task (retried with its key until acknowledged, refused or out of time; once
         only in a transaction, whose commit decides): its id, or None."""
         key = f"j{self.config.seed}-{self.name}-{seq}"
+        # One in ten runs long, ahead of the queue: a worker paused by the nemesis is likely
+        # mid-run, and the replacement of its attempt starts at once elsewhere while the old
+        # attempt is paused (a zombie once resumed).
+        long_run = self.rng.random() < 0.1
         params: dict[str, Any] = {
             "key": key,
-            # One in ten runs long: a worker paused by the nemesis is likely mid-run, so its
-            # attempt resumes beside its replacement (a zombie).
             "seconds": round(
                 self.rng.uniform(1.0, 2.5)
-                if self.rng.random() < 0.1
+                if long_run
                 else self.rng.uniform(0.05, self.config.task_seconds),
                 3,
             ),
@@ -94,6 +96,7 @@ class Client:
             "code": self.config.code,
             # As the chaos soak: an attempt lost with its worker's connection is retried.
             "max_attempts": self.config.max_attempts,
+            "priority": 10 if long_run else 0,
         }
         args: dict[str, Any] = {"key": key, "tenant": TENANT}
         if txn is not None:
