@@ -134,6 +134,26 @@ def stale_reports(history: History) -> list[Violation]:
     return out
 
 
+def zombie_attempts(history: History) -> list[tuple[Execution, Execution]]:
+    """Counted, not a violation: (older, newer) runs of one task where the older attempt
+    was still running when its replacement started (a paused or cut-off worker's), the case
+    :func:`stale_reports` guards. A run without an end (killed) proves nothing."""
+    by_task: dict[int, list[Execution]] = defaultdict(list)
+    for run in history.executions:
+        by_task[run.task].append(run)
+    out = []
+    for runs in by_task.values():
+        for old in runs:
+            out += [
+                (old, new)
+                for new in runs
+                if old.end is not None
+                and old.attempt < new.attempt
+                and old.start <= new.start < old.end
+            ]
+    return out
+
+
 def split_brain(history: History) -> list[Violation]:
     """No acknowledgment by a leader after a newer leader took over: a write answered by
     broker B, invoked after another broker was seen writing the ledger list at a newer epoch

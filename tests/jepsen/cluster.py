@@ -8,6 +8,9 @@ the network's teardown kills whatever is left in the namespaces.
 
 The file ledger's directory is shared by every broker through the one filesystem: a
 partition never cuts a broker from its ledger, only from ZooKeeper, its peers and clients.
+
+Brokers run under tests/jepsen/clock_shift.py: the nemesis jumps a broker's wall clock
+(only; the monotonic clock never jumps) by writing an offset to its control file.
 """
 
 from __future__ import annotations
@@ -15,21 +18,33 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from clients.dev.pulsar_lite import PulsarLiteServer, accepts_connections
 from clients.dev.zk import ZooKeeperServer, four_letter_word
 from tests.jepsen.netns import Network
 from tests.support.logged_process import LoggedProcess
 from tests.support.procs import steward_command
 
 ZK_PORT = 2181
+PULSAR_PORT = 6650
 HTTP_PORT = 8080
 WORKER_PORT = 7070
 PROBE_TIMEOUT_S = 1.0
+# A worker silent this long is disconnected, and declared dead (its tasks reassigned) once
+# disconnected this long again: short, so a paused worker's attempt is reassigned while it
+# still runs (a zombie).
+HEARTBEAT_TIMEOUT_MS = 6000
+LEDGER_ROLL_AGE_S = 2.0
+LEDGER_RETENTION_S = 1.0
+# Snapshots keep the newest 3 (snapshot/store.py): ledgers older than ~3 intervals go, so a
+# broker away for a few seconds must download a snapshot from a peer.
+SNAPSHOT_INTERVAL_S = 1.0
 
 
 class NamespacedZooKeeper(ZooKeeperServer):
@@ -63,11 +78,45 @@ class NamespacedZooKeeper(ZooKeeperServer):
             return False
 
 
+class NamespacedPulsarLite(PulsarLiteServer):
+    """pulsar-lite, in the ``pl`` namespace on its address (the ``pulsar`` ledger backend)."""
+
+    def __init__(self, net: Network, directory: Path) -> None:
+        super().__init__(directory, port=PULSAR_PORT)
+        self.net = net
+        self.ip = net.address["pl"]
+
+    @property
+    def service_url(self) -> str:
+        return f"pulsar://{self.ip}:{PULSAR_PORT}"
+
+    @property
+    def address(self) -> str:
+        return self.service_url
+
+    def _command(self) -> list[str]:
+        command = super()._command()
+        at = command.index("--addr")
+        command[at + 1] = f"{self.ip}:{PULSAR_PORT}"
+        return [*self.net.exec_prefix("pl"), *command]
+
+    def _ready(self) -> bool:
+        return accepts_connections(self.ip, PULSAR_PORT, timeout_s=0.5)
+
+
 class Node(LoggedProcess):
     """A steward broker or worker process in namespace ``name``."""
 
-    def __init__(self, net: Network, name: str, root: Path, args: list[str]) -> None:
+    def __init__(
+        self,
+        net: Network,
+        name: str,
+        root: Path,
+        args: list[str],
+        env: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(name, root / "logs" / f"{name}.log")
+        self.env = env or {}
         self.net = net
         self.name = name
         self.ip = net.address[name]
@@ -79,7 +128,7 @@ class Node(LoggedProcess):
         self.starts += 1
         self.stopped = False
         header = f"\n===== start #{self.starts} at monotonic {time.monotonic():.3f} =====\n"
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         self.spawn_logged([*self.net.exec_prefix(self.name), *self.args], env, header)
 
     def signal(self, signum: signal.Signals) -> None:
@@ -95,6 +144,23 @@ class Node(LoggedProcess):
 
 
 class Broker(Node):
+    def __init__(self, net: Network, name: str, root: Path, args: list[str]) -> None:
+        self.clock_file = root / name / "clock-offset"
+        # Under tests/jepsen/clock_shift.py: its wall clock follows the control file.
+        command = [sys.executable, "-m", "tests.jepsen.clock_shift", str(self.clock_file)]
+        super().__init__(net, name, root, [*command, "clients.cli", *args])
+        self.clock_offset_s = 0.0
+        self.set_clock(0.0)
+
+    def set_clock(self, offset_s: float) -> None:
+        """Jump the broker's wall clock to ``offset_s`` from the true time (at once: the
+        file is replaced whole, never read half-written)."""
+        self.clock_file.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.clock_file.with_suffix(".tmp")
+        temporary.write_text(f"{offset_s:+.3f}\n")
+        os.replace(temporary, self.clock_file)
+        self.clock_offset_s = offset_s
+
     @property
     def url(self) -> str:
         return f"http://{self.ip}:{HTTP_PORT}"
@@ -125,7 +191,7 @@ class Cluster:
         brokers: list[str],
         workers: list[str],
         session_timeout_ms: int,
-        extra_broker_args: tuple[str, ...] = (),
+        ledger: str = "file",
     ) -> None:
         self.net = net
         self.root = root
@@ -134,11 +200,10 @@ class Cluster:
         self.ledger_dir = root / "ledgers"
         self.ledger_dir.mkdir(exist_ok=True)
         self.zookeeper = NamespacedZooKeeper(net, root / "zookeeper")
+        self.ledger = ledger
+        self.pulsar = NamespacedPulsarLite(net, root / "pulsar") if ledger == "pulsar" else None
         self.session_timeout_ms = session_timeout_ms
-        self.brokers = {
-            name: Broker(net, name, root, self._broker_args(name, extra_broker_args))
-            for name in brokers
-        }
+        self.brokers = {name: Broker(net, name, root, self._broker_args(name)) for name in brokers}
         urls = ",".join(b.url for b in self.brokers.values())
         self.workers = {
             name: Node(net, name, root, self._worker_args(name, urls)) for name in workers
@@ -151,18 +216,30 @@ class Cluster:
             "--task-type", "*=2",
         ]  # fmt: skip
 
-    def _broker_args(self, name: str, extra: tuple[str, ...]) -> list[str]:
+    def _ledger_args(self) -> list[str]:
+        if self.pulsar is None:
+            return ["--ledger-dir", str(self.ledger_dir)]
+        return [
+            "--ledgers", "pulsar", "--pulsar-url", self.pulsar.service_url,
+            "--pulsar-flavor", "pulsar-lite",
+        ]  # fmt: skip
+
+    def _broker_args(self, name: str) -> list[str]:
         ip = self.net.address[name]
         return [
-            *steward_command(), "broker",
+            "broker",
             "--zookeeper", f"{self.net.address['zk']}:{ZK_PORT}",
             "--cluster", self.name, "--broker-id", name,
             "--data-dir", str(self.root / name / "data"),
-            "--ledger-dir", str(self.ledger_dir),
+            *self._ledger_args(),
             "--http", f"{ip}:{HTTP_PORT}", "--worker-listen", f"{ip}:{WORKER_PORT}",
             "--session-timeout-ms", str(self.session_timeout_ms),
-            "--heartbeat-interval-ms", "500", "--heartbeat-timeout-ms", "15000",
-            "--log-level", "INFO", *extra,
+            "--heartbeat-interval-ms", "500", "--heartbeat-timeout-ms", str(HEARTBEAT_TIMEOUT_MS),
+            "--log-level", "INFO",
+            # Small: ledgers roll and are deleted, and a broker that was away downloads a
+            # snapshot from a peer, within every run.
+            "--ledger-roll-age-s", str(LEDGER_ROLL_AGE_S), "--ledger-retention-h",
+            str(LEDGER_RETENTION_S / 3600), "--snapshot-interval-s", str(SNAPSHOT_INTERVAL_S),
         ]  # fmt: skip
 
     @property
@@ -170,6 +247,8 @@ class Cluster:
         return [b.url for b in self.brokers.values()]
 
     def start(self) -> None:
+        if self.pulsar is not None:
+            self.pulsar.start()
         self.zookeeper.start()
         for broker in self.brokers.values():
             broker.start()
@@ -191,6 +270,8 @@ class Cluster:
         for node in [*self.workers.values(), *self.brokers.values()]:
             node.kill9()
         self.zookeeper.kill9()
+        if self.pulsar is not None:
+            self.pulsar.kill()
 
     def ledger_writer(self, client: Any) -> tuple[str, int] | None:
         """Who writes the ledger list and its newest ledger id (read with ``client``, a
@@ -205,8 +286,24 @@ class Cluster:
             return None
         return str(body["writer"]), max(int(info["ledger_id"]) for info in ledgers)
 
+    def log_counts(self) -> dict[str, int]:
+        """Ledger rolls, retention deletions and snapshot downloads, from the brokers' logs."""
+        text = "".join(b.log_text() for b in self.brokers.values())
+        return {
+            "ledger rolls": text.count("rolled from ledger"),
+            "retention deletions": text.count("retention deleted ledgers"),
+            "snapshot downloads": text.count("downloading a snapshot from")
+            - text.count("no peer had a usable snapshot"),
+            # A late report of an attempt that now runs elsewhere (a zombie's), refused.
+            "stale reports refused": text.count("refused a report for task"),
+            "stale output refused": text.count("refused output for task"),
+        }
+
     def log_tails(self, max_bytes: int = 3000) -> str:
         parts = []
+        if self.pulsar is not None:
+            parts.append(f"----- pulsar-lite ({self.pulsar.log_path}) -----\n"
+                         f"{self.pulsar.log_tail()}")  # fmt: skip
         for node in [*self.brokers.values(), *self.workers.values()]:
             parts.append(f"----- {node.name} ({node.log_path}) -----\n{node.log_tail(max_bytes)}")
         return "\n".join(parts)

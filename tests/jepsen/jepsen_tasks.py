@@ -23,6 +23,7 @@ def _note(params: dict[str, Any], event: str, ctx: Any) -> None:
             "worker": os.readlink("/proc/self/ns/net"),
             "time": time.monotonic(),
             "slot": params.get("slot", ""),
+            "seconds": params["seconds"],
         }
     )
     fd = os.open(str(params["effects"]), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)

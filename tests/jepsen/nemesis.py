@@ -9,20 +9,24 @@ draws; which broker a "leader" fault hits is the one leading at that moment.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import random
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tests.jepsen.cluster import Broker, Cluster
+from tests.jepsen.cluster import HEARTBEAT_TIMEOUT_MS, Broker, Cluster, Node
 from tests.jepsen.history import History, NemesisEvent
-from tests.jepsen.netns import Network
+from tests.jepsen.netns import NETNS_DIR, Network, kill_namespace_processes
 
-# Every kind once per round, in a seeded order: a short run covers as many kinds as it has
-# faults.
-FAULTS = (
+# Every kind once per round (a network kind twice), in a seeded order: a short run covers
+# as many kinds as it has faults.
+NETWORK = (
     "leader-from-zk",
     "leader-from-followers",
     "leader-from-clients",
@@ -31,14 +35,31 @@ FAULTS = (
     "follower-in-minority",
     "bridge",
     "isolate-worker",
+)
+PROCESS = (
     "kill-leader",
     "stop-leader",
+    "term-leader",  # graceful hand-over (SIGTERM)
     "kill-zookeeper",
+    "zk-down-at-broker-start",  # a broker (re)started while ZooKeeper is down
+    "kill-during-start",  # the leader killed, restarted, killed again while it starts
+    "kill-worker",
+    "pause-worker",  # past the heartbeat timeout: its attempt is reassigned (a zombie)
 )
+# With the pulsar ledger only (the file ledger is the brokers' shared filesystem).
+PULSAR_NETWORK = ("leader-from-ledger",)
+PULSAR_PROCESS = ("kill-pulsar", "stop-pulsar")
+CLOCK = ("clock-forward-small", "clock-back-small", "clock-forward-big", "clock-back-big")
+FAULTS = (*NETWORK, *PROCESS, *CLOCK)
+NETWORK_FAULTS = frozenset((*NETWORK, *PULSAR_NETWORK))
 # "bounded": the cluster must take writes again within the outage bound while the fault
 # still holds (a new leader takes over), see checker.long_outages.
-NETWORK_FAULTS = frozenset(FAULTS) - {"kill-leader", "stop-leader", "kill-zookeeper"}
-BOUNDED = frozenset({"leader-from-zk", "leader-in-minority", "kill-leader", "stop-leader"})
+BOUNDED = frozenset(
+    {"leader-from-zk", "leader-in-minority", "kill-leader", "stop-leader", "term-leader",
+     "kill-during-start"}
+)  # fmt: skip
+SMALL_JUMP_S = (0.5, 2.0)  # within the session timeout
+BIG_JUMP_S = (10.0, 120.0)  # far beyond it (and beyond the ledger roll age)
 
 
 @dataclass(frozen=True)
@@ -55,6 +76,11 @@ class Draw:
         hold = rng.uniform(1.0, session_timeout_s * 2.0)
         if kind == "stop-leader":
             hold = session_timeout_s + rng.uniform(1.0, 3.0)  # past the session timeout
+        if kind == "pause-worker":
+            # Silent past the heartbeat timeout it is disconnected; disconnected as long
+            # again it is declared dead (at the next heartbeat round) and its attempts
+            # reassigned: held past that, the replacement starts while it is paused.
+            hold = 2 * HEARTBEAT_TIMEOUT_MS / 1000 + rng.uniform(3.0, 5.0)
         return cls(kind, index, round(hold, 2), round(rng.uniform(0.5, 2.0), 2))
 
 
@@ -67,10 +93,16 @@ class Nemesis:
         self.history = history
         self.rng = random.Random(seed)
         self.session_timeout_s = session_timeout_s
-        self.killed: list[Broker] = []
+        self.killed: list[Node] = []
         self.stopped: list[Broker] = []
+        self.terminated: list[Broker] = []
+        self.paused: list[int] = []  # pids of a paused worker's namespace
+        self.jumped: list[Broker] = []
         self.zookeeper_down = False
+        self.pulsar_down = False
+        self.pulsar_paused = False
         self.counts: dict[str, int] = {}
+        self.crashes = 0  # brokers found exited at a heal without being killed
 
     def log(self, action: str, detail: dict[str, Any], bounded: bool = False) -> None:
         event = NemesisEvent(time.monotonic(), action, detail, bounded)
@@ -88,14 +120,34 @@ class Nemesis:
             if stop():
                 return
             if not order:
-                order = list(FAULTS)
-                self.rng.shuffle(order)
+                order = self.round()
             draw = Draw.draw(self.rng, order.pop(), self.session_timeout_s)
             time.sleep(draw.gap_s)
             self.inject(draw)
             time.sleep(draw.hold_s)
             self.heal()
             self.wait_for_leader(60.0)
+
+    def round(self) -> list[str]:
+        """Every network kind twice, every other kind once, each group shuffled, then
+        interleaved in proportion: a run cut short keeps the round's mix of the two."""
+        network = [*NETWORK, *NETWORK]
+        others = [*PROCESS, *CLOCK]
+        if self.cluster.pulsar is not None:
+            network += [*PULSAR_NETWORK, *PULSAR_NETWORK]
+            others += PULSAR_PROCESS
+        self.rng.shuffle(network)
+        self.rng.shuffle(others)
+        order: list[str] = []
+        n = o = 0
+        while n < len(network) or o < len(others):
+            if o >= len(others) or (n < len(network) and n * len(others) <= o * len(network)):
+                order.append(network[n])
+                n += 1
+            else:
+                order.append(others[o])
+                o += 1
+        return order[::-1]  # run() pops from the end
 
     def inject(self, draw: Draw) -> None:
         leader = self.leader(draw.index)
@@ -137,24 +189,142 @@ class Nemesis:
         elif kind == "kill-zookeeper":
             self.cluster.zookeeper.kill9()  # restarted (same data) at the heal
             self.zookeeper_down = True
+        elif kind == "leader-from-ledger":
+            self.net.block(leader.name, ["pl"])
+        elif kind in ("kill-pulsar", "stop-pulsar"):
+            assert self.cluster.pulsar is not None
+            if kind == "kill-pulsar":
+                self.cluster.pulsar.kill()  # restarted (same data) at the heal
+                self.pulsar_down = True
+            else:
+                self.cluster.pulsar.pause()
+                self.pulsar_paused = True
+        elif kind == "term-leader":
+            leader.signal(signal.SIGTERM)  # hands leadership over, then exits
+            self.terminated.append(leader)
+        elif kind == "zk-down-at-broker-start":
+            broker = self.cluster.brokers[brokers[draw.index % len(brokers)]]
+            broker.kill9()
+            self.cluster.zookeeper.kill9()
+            self.zookeeper_down = True
+            broker.start()  # ZooKeeper comes back at the heal
+            detail["broker"] = broker.name
+        elif kind == "kill-during-start":
+            leader.kill9()
+            leader.start()
+            delay = round(0.2 + (draw.index % 100) / 100 * 1.3, 2)  # 0.2-1.5 s into its start
+            time.sleep(delay)
+            leader.kill9()
+            self.killed.append(leader)
+            detail["killed_after_s"] = delay
+        elif kind in ("kill-worker", "pause-worker"):
+            name = sorted(self.cluster.workers)[draw.index % len(self.cluster.workers)]
+            if kind == "pause-worker":
+                name = self.busy_worker(name)
+            node = self.cluster.workers[name]
+            detail["worker"] = name
+            if kind == "kill-worker":
+                node.kill9()
+                kill_namespace_processes(self.net.namespace(name))  # its task processes too
+                self.killed.append(node)
+            else:
+                # The worker and its task processes, as a paused VM: the attempt it runs
+                # resumes after its replacement started and reports late.
+                self.paused = self._namespace_pids(name)
+                for pid in self.paused:
+                    os.kill(pid, signal.SIGSTOP)
+        elif kind.startswith("clock-"):
+            broker = self.cluster.brokers[brokers[draw.index % len(brokers)]]
+            low, high = BIG_JUMP_S if kind.endswith("big") else SMALL_JUMP_S
+            jump = round(low + (draw.index % 100) / 100 * (high - low), 2)
+            jump = -jump if "-back-" in kind else jump
+            broker.set_clock(jump)
+            self.jumped.append(broker)
+            detail.update(broker=broker.name, jump_s=jump, was_leader=broker is leader)
         self.counts[kind] = self.counts.get(kind, 0) + 1
         detail["hold_s"] = draw.hold_s
         self.log(kind, detail, bounded=kind in BOUNDED)
+
+    def busy_worker(self, default: str, timeout_s: float = 10.0) -> str:
+        """A worker that just started a long run (>= 1 s, ahead of the queue: its
+        replacement starts at once), found in the task code's effects file (bounded
+        wait); else ``default``."""
+        effects = self.cluster.root / "effects" / "effects.jsonl"
+        names = {
+            f"net:[{os.stat(NETNS_DIR / self.net.namespace(w)).st_ino}]": w
+            for w in self.cluster.workers
+        }
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            lines = effects.read_text().splitlines() if effects.exists() else []
+            now = time.monotonic()
+            for line in reversed(lines[-200:]):
+                try:
+                    record = json.loads(line)
+                except ValueError:  # the line being written right now
+                    continue
+                if (
+                    record["event"] == "start"
+                    and float(record.get("seconds", 0)) >= 1.0
+                    and now - float(record["time"]) < 0.5
+                    and record["worker"] in names
+                ):
+                    return names[record["worker"]]
+            time.sleep(0.1)
+        return default
+
+    def _namespace_pids(self, node: str) -> list[int]:
+        listed = subprocess.run(
+            ["ip", "netns", "pids", self.net.namespace(node)],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.split()  # fmt: skip
+        return [int(pid) for pid in listed]
 
     def heal(self) -> None:
         self.net.heal()
         if self.zookeeper_down:
             self.cluster.zookeeper.start()
             self.zookeeper_down = False
+        if self.cluster.pulsar is not None and self.pulsar_down:
+            self.cluster.pulsar.start()
+            self.pulsar_down = False
+        if self.cluster.pulsar is not None and self.pulsar_paused:
+            self.cluster.pulsar.resume()
+            self.pulsar_paused = False
         for broker in self.stopped:
             broker.signal(signal.SIGCONT)
-        for broker in self.killed:
-            broker.start()
-        restarted = [b.name for b in self.killed]
-        resumed = [b.name for b in self.stopped]
-        self.killed.clear()
-        self.stopped.clear()
-        self.log("heal", {"restarted": restarted, "resumed": resumed})
+        for pid in self.paused:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        for broker in self.jumped:
+            broker.set_clock(0.0)  # back to the true time: a jump the other way
+        exited = {}
+        for broker in self.terminated:
+            # A graceful exit is bounded: past it, the hand-over hung (a finding).
+            exited[broker.name] = broker.wait_for_exit(30.0, why=" after SIGTERM")
+            self.killed.append(broker)
+        # A broker that exited by itself (not killed here) is restarted too, and logged.
+        crashed = [
+            b for b in self.cluster.brokers.values() if not b.running() and b not in self.killed
+        ]
+        for node in [*self.killed, *crashed]:
+            node.start()
+        detail: dict[str, Any] = {
+            "restarted": [n.name for n in self.killed],
+            "resumed": [b.name for b in self.stopped],
+        }
+        if exited:
+            detail["sigterm_exit_codes"] = exited
+        if self.paused:
+            detail["resumed_pids"] = len(self.paused)
+        if self.jumped:
+            detail["clocks_reset"] = [b.name for b in self.jumped]
+        if crashed:
+            detail["exited_by_themselves"] = [b.name for b in crashed]
+            self.crashes += len(crashed)
+        for collection in (self.killed, self.stopped, self.terminated, self.paused, self.jumped):
+            collection.clear()
+        self.log("heal", detail)
 
     def wait_for_leader(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
-from tests.jepsen.checker import check, outages, report
+from tests.jepsen.checker import check, outages, report, zombie_attempts
 from tests.jepsen.cluster import Broker, Cluster
 from tests.jepsen.history import (
     FINAL_STATES,
@@ -34,13 +34,13 @@ from tests.jepsen.history import (
     RunInfo,
     read_executions,
 )
-from tests.jepsen.nemesis import Nemesis
+from tests.jepsen.nemesis import NETWORK_FAULTS, Nemesis
 from tests.jepsen.netns import NETNS_DIR, Network
 
 TASK_MODULE = Path(__file__).with_name("jepsen_tasks.py")
 BROKERS = ["b1", "b2", "b3"]
 WORKERS = ["w1", "w2"]
-NODES = ["zk", *BROKERS, *WORKERS, "cl"]
+NODES = ["zk", *BROKERS, *WORKERS, "cl", "pl"]  # pl: pulsar-lite (with --ledger pulsar)
 OUTAGE_MARGIN_S = 6.0  # over the session timeout: election, ledger recovery, a client retry
 
 
@@ -129,7 +129,12 @@ def run(args: argparse.Namespace) -> int:
     history = History(info)
     net = Network(NODES)  # made by the parent: addresses and names only
     cluster = Cluster(
-        net, root, brokers=BROKERS, workers=WORKERS, session_timeout_ms=args.session_timeout_ms
+        net,
+        root,
+        brokers=BROKERS,
+        workers=WORKERS,
+        session_timeout_ms=args.session_timeout_ms,
+        ledger=args.ledger,
     )
     # Task processes run under other uids (docs/SECURITY.md, "Task users"): they must
     # reach and append to the effects file.
@@ -138,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     os.chmod(root / "effects", 0o1777)
     effects = root / "effects" / "effects.jsonl"
     watcher = ClaimWatcher(cluster, history)
+    nemesis = Nemesis(net, cluster, history, args.seed, session_s)
     try:
         cluster.start()
         leader = wait_for(cluster.leaders, 60, "a leader")[0]
@@ -171,7 +177,6 @@ def run(args: argparse.Namespace) -> int:
             stdout=open(root / "logs" / "workload.log", "ab"),  # noqa: SIM115 - the child's
             stderr=subprocess.STDOUT,
         )  # fmt: skip
-        nemesis = Nemesis(net, cluster, history, args.seed, session_s)
         try:
             nemesis.run(args.faults, stop=lambda: load.poll() is not None)
         finally:
@@ -225,7 +230,9 @@ def run(args: argparse.Namespace) -> int:
         history.dump(root / "history.jsonl")
         cluster.stop()
     violations = check(history)
-    print(summary(history, nemesis.counts), flush=True)
+    counts = {**cluster.log_counts(), "zombie attempts": len(zombie_attempts(history))}
+    counts["brokers exited by themselves"] = nemesis.crashes
+    print(summary(history, nemesis.counts, counts), flush=True)
     if violations:
         print(report(history, violations), flush=True)
         return 1
@@ -233,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def summary(history: History, counts: dict[str, int]) -> str:
+def summary(history: History, counts: dict[str, int], counters: dict[str, int]) -> str:
     outcomes: dict[str, int] = {}
     for _, done in history.pairs():
         kind = done.type if done else "open"
@@ -242,14 +249,19 @@ def summary(history: History, counts: dict[str, int]) -> str:
     for task in history.final.tasks.values():
         states[str(task.get("state"))] = states.get(str(task.get("state")), 0) + 1
     leaders = len({(c.broker, c.epoch) for c in history.claims})
+    network = sum(n for kind, n in counts.items() if kind in NETWORK_FAULTS)
+    others = sum(counts.values()) - network
     measured = ", ".join(
         f"{event.action} {lasted:.1f} s{'' if acked else ' (no ack before the next fault)'}"
         for event, lasted, acked in outages(history)
     )
     return (
-        f"faults {sum(counts.values())} {dict(sorted(counts.items()))}; operations {outcomes}; "
+        f"seed {history.info.seed}, ledger {history.info.ledger}; "
+        f"faults {sum(counts.values())} (network {network}, process or clock {others}) "
+        f"{dict(sorted(counts.items()))}; operations {outcomes}; counters {counters}; "
         f"tasks {states}; executions {len(history.executions)}; leader epochs seen {leaders}; "
-        f"outages (fault to the next acknowledged write): {measured or 'none'}"
+        f"outages (fault to the next acknowledged write): {measured or 'none'}; "
+        f"longest {max((lasted for _, lasted, _ in outages(history)), default=0.0):.1f} s"
     )
 
 
@@ -258,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", required=True)
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--faults", type=int, required=True)
-    parser.add_argument("--ledger", choices=["file"], default="file")
+    parser.add_argument("--ledger", choices=["file", "pulsar"], default="file")
     parser.add_argument("--duration-s", type=float, required=True)
     parser.add_argument("--session-timeout-ms", type=int, default=4000)
     parser.add_argument("--max-attempts", type=int, default=10)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.jepsen.checker import check, report
+from tests.jepsen.checker import check, report, zombie_attempts
 from tests.jepsen.history import (
     Claim,
     Execution,
@@ -289,3 +289,16 @@ def test_a_task_of_an_uncommitted_transaction_is_no_lost_ack() -> None:
     s = clean()
     s.submit(8, 5.0, 5.1, txn=3)  # acknowledged as pending; the commit never came
     assert check(s.history) == []
+
+
+def test_zombie_attempts_are_counted_and_allowed() -> None:
+    s = clean()
+    s.task(9, attempt=2)
+    s.history.final.tasks[9]["result"] = {"attempt": 2}
+    s.history.executions += [
+        Execution(9, 1, "w1", 10.0, 25.0),  # paused, resumed after its replacement started
+        Execution(9, 2, "w2", 22.0, 22.5),
+        Execution(9, 3, "w2", 30.0, None),  # killed: proves nothing
+    ]
+    assert [(old.attempt, new.attempt) for old, new in zombie_attempts(s.history)] == [(1, 2)]
+    assert kinds(s) == []

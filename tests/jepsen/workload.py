@@ -48,6 +48,8 @@ class Client:
         try:
             response = self.http.request(method, self.brokers[broker] + path, **kw)
         except httpx.HTTPError as exc:
+            if broker == self.leader:
+                self.rotate()  # down or cut off: the next try goes to another broker
             return self.history.complete(invoked, "info", {"error": type(exc).__name__}, broker)
         try:
             body = response.json()
@@ -74,9 +76,18 @@ class Client:
         """A task (retried with its key until acknowledged, refused or out of time; once
         only in a transaction, whose commit decides): its id, or None."""
         key = f"j{self.config.seed}-{self.name}-{seq}"
+        # One in ten runs long, ahead of the queue: a worker paused by the nemesis is likely
+        # mid-run, and the replacement of its attempt starts at once elsewhere while the old
+        # attempt is paused (a zombie once resumed).
+        long_run = self.rng.random() < 0.1
         params: dict[str, Any] = {
             "key": key,
-            "seconds": round(self.rng.uniform(0.05, self.config.task_seconds), 3),
+            "seconds": round(
+                self.rng.uniform(1.0, 2.5)
+                if long_run
+                else self.rng.uniform(0.05, self.config.task_seconds),
+                3,
+            ),
             "effects": self.config.effects,
         }
         body: dict[str, Any] = {
@@ -85,6 +96,7 @@ class Client:
             "code": self.config.code,
             # As the chaos soak: an attempt lost with its worker's connection is retried.
             "max_attempts": self.config.max_attempts,
+            "priority": 10 if long_run else 0,
         }
         args: dict[str, Any] = {"key": key, "tenant": TENANT}
         if txn is not None:
