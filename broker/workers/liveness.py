@@ -69,8 +69,9 @@ class Liveness:
         """The link (re)starts: workers without contact are judged from now."""
         self._started = self.clock()
 
-    def contact(self, worker_id: str) -> None:
-        self.last_contact[worker_id] = self.clock()
+    def contact(self, worker_id: str, at: float | None = None) -> None:
+        """Heard from ``worker_id`` now, or ``at`` (its last frame, on a disconnect)."""
+        self.last_contact[worker_id] = self.clock() if at is None else at
 
     def live_session(self, worker_id: str) -> Session | None:
         """The open connection of this worker id that still heartbeats, if any.

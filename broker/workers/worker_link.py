@@ -300,7 +300,10 @@ class WorkerLink:
                 session.close()
                 if self.sessions.get(session.worker_id) is session:
                     del self.sessions[session.worker_id]
-                    self.liveness.contact(session.worker_id)
+                    # Judged from its last frame, not from the close: a worker closed for
+                    # its silence is then dead once the timeout has passed since it last
+                    # spoke, not a second timeout later.
+                    self.liveness.contact(session.worker_id, session.last_seen)
                     logger.info("worker %s disconnected", session.worker_id)
             else:
                 writer.close()
