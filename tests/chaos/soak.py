@@ -305,6 +305,11 @@ class ChaosSoak(ExtraFaults):
         config = self.config
         kind = draw.kind
         session_s = config.session_timeout_ms / 1000
+        if self.zombie_worker is not None:
+            # A zombie is being arranged: its re-run needs one leader for a heartbeat
+            # timeout (a new leader judges a worker it never saw from its own start), so
+            # other faults wait until the re-run started or its wait ended.
+            return False
         if kind in ("kill_broker", "stop_broker"):
             # Mostly one broker down or frozen at a time (the others make progress); now
             # and then a second one too, rarely all of them (no leader at all for a while).
@@ -553,7 +558,10 @@ class ChaosSoak(ExtraFaults):
                 tasks = fetch_tasks(current)
             except (httpx.TransportError, httpx.HTTPStatusError):
                 return None
-            return None if stuck_tasks(acked, tasks) else tasks
+            # Every task, not only the acknowledged ones: tree children too (a root can be
+            # final while the children its last run spawned still run).
+            unfinished = any(t["state"] not in FINAL_STATES for t in tasks.values())
+            return None if unfinished or stuck_tasks(acked, tasks) else tasks
 
         try:
             tasks: dict[int, dict[str, Any]] = wait_until(
