@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         "--max-attempts", type=int, default=10, help="the submitted tasks' max_attempts"
     )
     args = parser.parse_args(argv)
+    # SIGTERM (a CI timeout, ``kill``) unwinds as ^C does: the driver is killed and every
+    # namespace, link and process removed (Network.__exit__), the host lock released.
+    signal.signal(signal.SIGTERM, _terminated)
     if args.check is not None:
         return recheck(args.check / "history.jsonl")
     if args.seed is None:
@@ -83,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         results[ledger] = one_run(args, directory / ledger, ledger, faults)
     print(f"jepsen CI seed {args.seed}: exit status by ledger {results}", flush=True)
     return max(results.values())
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def one_run(args: argparse.Namespace, directory: Path, ledger: str, faults: int) -> int:

@@ -18,7 +18,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.jepsen.history import FINAL_STATES, Execution, History, NemesisEvent, Op
+from tests.jepsen.history import (
+    FINAL_STATES,
+    NOT_FAULTS,
+    Execution,
+    History,
+    NemesisEvent,
+    Op,
+)
 
 WINDOW_S = 2.0  # history shown around a violation, either side
 
@@ -326,7 +333,7 @@ def outages(history: History) -> list[tuple[NemesisEvent, float, bool]]:
     acknowledged write, and whether one came (else: the time until the next fault, which
     may prolong the outage for its own reasons, or the end of the run)."""
     acks = sorted((ok.time, invoke.time) for invoke, ok in _acked(history, "submit"))
-    faults = sorted(e.time for e in history.nemesis if e.action != "heal")
+    faults = sorted(e.time for e in history.nemesis if e.action not in NOT_FAULTS)
     out = []
     for event in history.nemesis:
         if not event.bounded:

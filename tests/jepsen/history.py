@@ -24,6 +24,9 @@ from typing import Any, Literal
 OpType = Literal["invoke", "ok", "fail", "info"]
 COMPLETIONS: tuple[OpType, ...] = ("ok", "fail", "info")
 FINAL_STATES = frozenset({"finished", "error", "cancelled", "timed_out", "expired"})
+# Nemesis events that are not faults: a heal, and the note of how a paused worker's hold
+# ended (tests/jepsen/nemesis.py, Nemesis.hold_zombie).
+NOT_FAULTS = frozenset({"heal", "zombie-hold"})
 
 
 @dataclass(frozen=True)

@@ -77,10 +77,10 @@ class Draw:
         if kind == "stop-leader":
             hold = session_timeout_s + rng.uniform(1.0, 3.0)  # past the session timeout
         if kind == "pause-worker":
-            # Silent past the heartbeat timeout it is disconnected; disconnected as long
-            # again it is declared dead (at the next heartbeat round) and its attempts
-            # reassigned: held past that, the replacement starts while it is paused.
-            hold = 2 * HEARTBEAT_TIMEOUT_MS / 1000 + rng.uniform(3.0, 5.0)
+            # Silent past the heartbeat timeout it is declared dead (at the next heartbeat
+            # round) and its attempts reassigned: the hold is the least time paused, and it
+            # is held on until the replacement is seen to start (Nemesis.hold_zombie).
+            hold = HEARTBEAT_TIMEOUT_MS / 1000 + rng.uniform(1.0, 3.0)
         return cls(kind, index, round(hold, 2), round(rng.uniform(0.5, 2.0), 2))
 
 
@@ -98,6 +98,9 @@ class Nemesis:
         self.terminated: list[Broker] = []
         self.paused: list[int] = []  # pids of a paused worker's namespace
         self.jumped: list[Broker] = []
+        # The run a paused worker was caught in (task, attempt), until the heal.
+        self.zombie: tuple[int, int] | None = None
+        self.zombies_arranged = 0  # pauses whose replacement attempt started while paused
         self.zookeeper_down = False
         self.pulsar_down = False
         self.pulsar_paused = False
@@ -124,7 +127,10 @@ class Nemesis:
             draw = Draw.draw(self.rng, order.pop(), self.session_timeout_s)
             time.sleep(draw.gap_s)
             self.inject(draw)
-            time.sleep(draw.hold_s)
+            if self.zombie is not None:
+                self.hold_zombie(draw.hold_s)
+            else:
+                time.sleep(draw.hold_s)
             self.heal()
             self.wait_for_leader(60.0)
 
@@ -220,7 +226,8 @@ class Nemesis:
         elif kind in ("kill-worker", "pause-worker"):
             name = sorted(self.cluster.workers)[draw.index % len(self.cluster.workers)]
             if kind == "pause-worker":
-                name = self.busy_worker(name)
+                name, self.zombie = self.busy_worker(name)
+                detail["run"] = list(self.zombie) if self.zombie else None
             node = self.cluster.workers[name]
             detail["worker"] = name
             if kind == "kill-worker":
@@ -245,33 +252,66 @@ class Nemesis:
         detail["hold_s"] = draw.hold_s
         self.log(kind, detail, bounded=kind in BOUNDED)
 
-    def busy_worker(self, default: str, timeout_s: float = 10.0) -> str:
-        """A worker that just started a long run (>= 1 s, ahead of the queue: its
-        replacement starts at once), found in the task code's effects file (bounded
-        wait); else ``default``."""
+    def _effects(self, last: int = 400) -> list[dict[str, Any]]:
+        """The task code's latest records (tests/jepsen/jepsen_tasks.py)."""
         effects = self.cluster.root / "effects" / "effects.jsonl"
+        records = []
+        for line in effects.read_text().splitlines()[-last:] if effects.exists() else []:
+            with contextlib.suppress(ValueError):  # the line being written right now
+                records.append(json.loads(line))
+        return records
+
+    def busy_worker(
+        self, default: str, timeout_s: float = 20.0
+    ) -> tuple[str, tuple[int, int] | None]:
+        """A worker that just started a long run (>= 1 s, ahead of the queue: its
+        replacement starts at once) and that run's (task, attempt), found in the task
+        code's effects file (bounded wait); else ``default`` and None."""
         names = {
             f"net:[{os.stat(NETNS_DIR / self.net.namespace(w)).st_ino}]": w
             for w in self.cluster.workers
         }
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            lines = effects.read_text().splitlines() if effects.exists() else []
             now = time.monotonic()
-            for line in reversed(lines[-200:]):
-                try:
-                    record = json.loads(line)
-                except ValueError:  # the line being written right now
-                    continue
+            for record in reversed(self._effects(200)):
                 if (
                     record["event"] == "start"
                     and float(record.get("seconds", 0)) >= 1.0
                     and now - float(record["time"]) < 0.5
                     and record["worker"] in names
                 ):
-                    return names[record["worker"]]
+                    return names[record["worker"]], (int(record["task"]), int(record["attempt"]))
+            time.sleep(0.05)
+        return default, None
+
+    def hold_zombie(self, least_s: float) -> None:
+        """Keep the worker paused (at least ``least_s``) until the paused run's replacement
+        attempt is seen to start elsewhere, bounded: resumed then, the old attempt finishes
+        and reports late while the new one runs, a zombie the checker must see change
+        nothing (checker.stale_reports)."""
+        assert self.zombie is not None
+        task, attempt = self.zombie
+        started = time.monotonic()
+        # Declared dead a heartbeat timeout after its last frame, at a heartbeat round; a
+        # leader change on the way may add a session timeout and an election.
+        bound_s = least_s + 2 * HEARTBEAT_TIMEOUT_MS / 1000 + 3 * self.session_timeout_s
+        seen = False
+        while time.monotonic() - started < bound_s:
+            seen = any(
+                r["event"] == "start" and int(r["task"]) == task and int(r["attempt"]) > attempt
+                for r in self._effects()
+            )
+            if seen and time.monotonic() - started >= least_s:
+                break
             time.sleep(0.1)
-        return default
+        if seen:
+            self.zombies_arranged += 1
+        self.log(
+            "zombie-hold",
+            {"task": task, "attempt": attempt, "replacement_started": seen,
+             "paused_s": round(time.monotonic() - started, 2)},
+        )  # fmt: skip
 
     def _namespace_pids(self, node: str) -> list[int]:
         listed = subprocess.run(
@@ -324,6 +364,7 @@ class Nemesis:
             self.crashes += len(crashed)
         for collection in (self.killed, self.stopped, self.terminated, self.paused, self.jumped):
             collection.clear()
+        self.zombie = None
         self.log("heal", detail)
 
     def wait_for_leader(self, timeout_s: float) -> None:

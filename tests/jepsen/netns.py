@@ -12,11 +12,15 @@ Faults: :meth:`Network.isolate` takes a node's bridge port down (it reaches nobo
 with an nftables table inside the node's namespace. :meth:`Network.heal` undoes all.
 :meth:`Network.teardown` kills every process left in the namespaces (``ip netns pids``,
 by pid) and deletes them; :func:`cleanup_leftovers` does the same for any ``sj-``
-namespace a killed run left behind. One run per host at a time.
+namespace a killed run left behind. One run per host at a time: :class:`Network` holds
+:data:`HOST_LOCK` (``flock``) from before it removes leftovers until its teardown, so a
+second run waits for the first, bounded, then fails naming it; it never removes a running
+run's namespaces.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -31,6 +35,7 @@ SUBNET = "10.77.0"
 BRIDGE = "sjbr0"
 NETNS_DIR = Path("/var/run/netns")
 COMMAND_TIMEOUT_S = 10.0
+HOST_LOCK = Path("/run/lock/steward-jepsen.lock")
 
 
 class NetworkError(RuntimeError):
@@ -100,13 +105,15 @@ def cleanup_leftovers() -> list[str]:
 class Network:
     """The namespaces of one run; a context manager that always tears them down."""
 
-    def __init__(self, nodes: Sequence[str]) -> None:
+    def __init__(self, nodes: Sequence[str], lock_wait_s: float = 60.0) -> None:
         assert len(nodes) < 200, "one /24"
         self.nodes = [*nodes, "ctl"]
         self.address = {name: f"{SUBNET}.{i + 1}" for i, name in enumerate(self.nodes)}
         self.isolated: set[str] = set()
         self.blocked: dict[str, set[tuple[str, str]]] = {}  # node -> {(direction, peer)}
         self._made: list[str] = []
+        self._lock_fd: int | None = None
+        self.lock_wait_s = lock_wait_s
 
     def namespace(self, node: str) -> str:
         return f"{PREFIX}{node}"
@@ -136,8 +143,37 @@ class Network:
     ) -> None:
         self.teardown()
 
+    def lock_host(self) -> None:
+        """Take the host's one-run lock, waiting up to ``lock_wait_s`` for a running run."""
+        wait_s = self.lock_wait_s
+        HOST_LOCK.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(HOST_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                    os.close(fd)
+                    raise NetworkError(
+                        f"another Jepsen run (pid {holder}) holds this host ({HOST_LOCK}) "
+                        f"after {wait_s:.0f} s: one run per host; wait for it or stop it"
+                    ) from None
+                time.sleep(0.5)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def unlock_host(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
     def create(self) -> None:
         require_tools()
+        self.lock_host()
         cleanup_leftovers()
         net = self.namespace("net")
         self._add_namespace(net)
@@ -161,11 +197,14 @@ class Network:
         run("ip", "-n", namespace, "link", "set", "lo", "up")
 
     def teardown(self) -> None:
-        for namespace in reversed(self._made):
-            kill_namespace_processes(namespace)
-        for namespace in reversed(self._made):
-            run("ip", "netns", "delete", namespace, check=False)
-        self._made.clear()
+        try:
+            for namespace in reversed(self._made):
+                kill_namespace_processes(namespace)
+            for namespace in reversed(self._made):
+                run("ip", "netns", "delete", namespace, check=False)
+            self._made.clear()
+        finally:
+            self.unlock_host()
 
     # -- faults ------------------------------------------------------------------------
 

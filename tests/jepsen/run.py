@@ -232,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
     violations = check(history)
     counts = {**cluster.log_counts(), "zombie attempts": len(zombie_attempts(history))}
     counts["brokers exited by themselves"] = nemesis.crashes
+    counts["zombies arranged"] = nemesis.zombies_arranged
     print(summary(history, nemesis.counts, counts), flush=True)
     if violations:
         print(report(history, violations), flush=True)

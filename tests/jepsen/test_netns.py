@@ -4,10 +4,13 @@ removes every namespace and kills what ran in them, also a leftover of a killed 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
-from tests.jepsen.netns import Network, cleanup_leftovers, harness_namespaces
+import pytest
+
+from tests.jepsen.netns import Network, NetworkError, cleanup_leftovers, harness_namespaces
 from tests.support.worker_procs import wait_until
 
 PORT = 8000
@@ -52,7 +55,20 @@ def test_partitions_cut_what_they_say_and_teardown_removes_everything() -> None:
 def test_a_killed_runs_leftovers_are_cleaned_up() -> None:
     net = Network(["a"])
     net.create()  # never torn down, as after a SIGKILL of the run
+    net.unlock_host()  # a killed run's flock goes with its process
     sleeper = subprocess.Popen([*net.exec_prefix("a"), "sleep", "300"])
     assert cleanup_leftovers() == ["sj-a", "sj-ctl", "sj-net"]
     assert sleeper.wait(timeout=10) == -9
     assert harness_namespaces() == []
+
+
+def test_a_second_run_on_the_host_waits_then_fails_naming_the_first() -> None:
+    with Network(["a"]) as first:
+        second = Network(["b"], lock_wait_s=1.0)
+        with pytest.raises(NetworkError, match=rf"pid {os.getpid()}\b.*one run per host"):
+            second.__enter__()  # as a second run would: it must not remove the first's
+        assert "sj-a" in harness_namespaces()
+        first.block("a", ["ctl"])  # the first run still works
+    assert harness_namespaces() == []
+    with Network(["b"]):  # free again once the first ended
+        assert "sj-b" in harness_namespaces()
