@@ -43,12 +43,22 @@ def _acked(history: History, f: str) -> list[tuple[Op, Op]]:
     return [(i, c) for i, c in history.pairs() if i.f == f and c is not None and c.type == "ok"]
 
 
-def _task_ids(op: Op) -> list[int]:
+def task_ids(op: Op) -> list[int]:
     """The task ids an acknowledged submit or transaction answered."""
     result = op.result
     if "ids" in result:
         return [int(i) for i in result["ids"]]
     return [int(result["id"])] if "id" in result else []
+
+
+def _keyed_ids(invoke: Op, ok: Op) -> list[tuple[str, int]]:
+    """(idempotency key, task id) of each task an acknowledged submit made: a batch's tasks
+    each have a key of their own in its answer (``keys``; the request's key names the
+    batch), a single task the request's."""
+    ids = task_ids(ok)
+    if "keys" in ok.result:
+        return [(str(k), i) for k, i in zip(ok.result["keys"], ids, strict=True)]
+    return [(str(invoke.args.get("key", "")), i) for i in ids]
 
 
 def lost_acks(history: History) -> list[Violation]:
@@ -58,7 +68,7 @@ def lost_acks(history: History) -> list[Violation]:
     for invoke, ok in _acked(history, "submit"):
         if "txn" in invoke.args:
             continue
-        for task_id in _task_ids(ok):
+        for task_id in task_ids(ok):
             task = history.final.tasks.get(task_id)
             if task is None:
                 what = f"acknowledged task {task_id} (key {invoke.args.get('key')}) is lost"
@@ -76,10 +86,11 @@ def duplicates(history: History) -> list[Violation]:
     by_key: dict[tuple[str, str], set[int]] = defaultdict(set)
     when: dict[tuple[str, str], float] = {}
     for invoke, ok in _acked(history, "submit"):
-        key = (str(invoke.args.get("tenant", "")), str(invoke.args.get("key", "")))
-        if key[1]:
-            by_key[key].update(_task_ids(ok))
-            when.setdefault(key, ok.time)
+        for item_key, task_id in _keyed_ids(invoke, ok):
+            key = (str(invoke.args.get("tenant", "")), item_key)
+            if key[1]:
+                by_key[key].add(task_id)
+                when.setdefault(key, ok.time)
     for task in history.final.tasks.values():
         params = task.get("params") or {}
         if isinstance(params, dict) and params.get("key"):
@@ -167,7 +178,7 @@ def split_brain(history: History) -> list[Violation]:
     than B's latest, and B never seen taking over again later."""
     out = []
     claims = sorted(history.claims, key=lambda c: c.time)
-    for f in ("submit", "cancel", "txn"):
+    for f in ("submit", "cancel", "cancel-matching", "txn"):
         for invoke, ok in _acked(history, f):
             if not ok.node:
                 continue
@@ -190,7 +201,7 @@ def split_brain(history: History) -> list[Violation]:
                     f"though {first.broker} took over at epoch {first.epoch} by {first.time:.3f}"
                 )
                 out.append(
-                    Violation("split-brain", message, ok.time, tuple(_task_ids(ok)), (ok.op_id,))
+                    Violation("split-brain", message, ok.time, tuple(task_ids(ok)), (ok.op_id,))
                 )
     return out
 
@@ -220,7 +231,7 @@ def double_slots(history: History) -> list[Violation]:
         (i, ok, tid)
         for i, ok in _acked(history, "submit")
         if i.args.get("slot")
-        for tid in _task_ids(ok)
+        for tid in task_ids(ok)
     ]
     for i_a, ok_a, held in acked:
         for i_b, ok_b, other in acked:
@@ -309,18 +320,23 @@ def diverged_replicas(history: History) -> list[Violation]:
 
 def unwanted_errors(history: History) -> list[Violation]:
     """An acknowledged task whose work cannot fail ends ``finished``; ``cancelled`` only
-    when a client asked to cancel it."""
+    when a client asked to cancel it: by id, or (a task of the cancellable type) by a
+    filter sent after the task's submission."""
     cancel_asked = {int(i.args["id"]) for i, _ in history.pairs() if i.f == "cancel"}
+    filter_sent = [i.time for i, _ in history.pairs() if i.f == "cancel-matching"]
     out = []
     for invoke, ok in _acked(history, "submit"):
         if invoke.args.get("may_fail", False):
             continue
-        for task_id in _task_ids(ok):
+        for task_id in task_ids(ok):
             task = history.final.tasks.get(task_id)
             state = task.get("state") if task else None
             if state in (None, "finished") or state not in FINAL_STATES:
                 continue  # lost or stuck ones are lost_acks' to report
             if state == "cancelled" and task_id in cancel_asked:
+                continue
+            by_filter = invoke.args.get("cancellable") and any(t > invoke.time for t in filter_sent)
+            if state == "cancelled" and by_filter:
                 continue
             error = (task or {}).get("error") or ""
             message = f"task {task_id} cannot fail but ended {state}: {str(error)[:200]}"
@@ -364,6 +380,46 @@ def long_outages(history: History) -> list[Violation]:
     return out
 
 
+def broken_trees(history: History) -> list[Violation]:
+    """An acknowledged tracked root's tree (unless a client cancelled the root) completed,
+    run once (no replay: no task of it can fail, its timeout is far beyond the run), with
+    exactly the children the root
+    spawns, each finished (a stale attempt's late report must not spawn them again:
+    :func:`duplicates` names such a second child by its key)."""
+    children: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for task in history.final.tasks.values():
+        if task.get("parent") is not None:
+            children[int(task["parent"])].append(task)
+    cancel_asked = {int(i.args["id"]) for i, _ in history.pairs() if i.f == "cancel"}
+    out = []
+    for invoke, ok in _acked(history, "submit"):
+        if "children" not in invoke.args:
+            continue
+        for root in task_ids(ok):
+            if root in cancel_asked:
+                continue  # a client cancelled the root: its tree fails (unwanted_errors' part)
+            tree = history.final.trees.get(root)
+            kids = children.get(root, [])
+            unfinished = sorted(int(t["id"]) for t in kids if t.get("state") != "finished")
+            if tree is None:
+                message = f"acknowledged tracked root {root} has no tree"
+            elif tree.get("state") != "completed" or int(tree.get("attempt") or 0) != 1:
+                message = (
+                    f"tree {root} ended {tree.get('state')!r} at run {tree.get('attempt')} "
+                    f"(reason {tree.get('reason')!r})"
+                )
+            elif len(kids) != int(invoke.args["children"]) or unfinished:
+                message = (
+                    f"tree {root} has {len(kids)} children (its root spawns "
+                    f"{invoke.args['children']}), not finished: {unfinished}"
+                )
+            else:
+                continue
+            ids = (root, *sorted(int(t["id"]) for t in kids))
+            out.append(Violation("broken-tree", message, ok.time, ids, (ok.op_id,)))
+    return out
+
+
 CHECKS: tuple[Callable[[History], list[Violation]], ...] = (
     lost_acks,
     duplicates,
@@ -375,6 +431,7 @@ CHECKS: tuple[Callable[[History], list[Violation]], ...] = (
     backward_reads,
     diverged_replicas,
     unwanted_errors,
+    broken_trees,
     long_outages,
 )
 
@@ -387,7 +444,7 @@ def _window(history: History, violation: Violation, window_s: float) -> Iterable
     related = set(violation.ops)
     for op in history.ops:
         near = abs(op.time - violation.time) <= window_s
-        task_of = set(_task_ids(op)) | ({int(op.args["id"])} if "id" in op.args else set())
+        task_of = set(task_ids(op)) | ({int(op.args["id"])} if "id" in op.args else set())
         if near or op.op_id in related or task_of & set(violation.tasks):
             args = {k: v for k, v in op.args.items() if k != "params"}
             yield (

@@ -31,7 +31,9 @@ NOT_FAULTS = frozenset({"heal", "zombie-hold"})
 
 @dataclass(frozen=True)
 class Op:
-    """One half of a client operation (``f``: ``submit``, ``read``, ``cancel``, ``txn``)."""
+    """One half of a client operation (``f``: ``submit`` (one task, or a batch: ``keys``
+    in its args, ``ids`` in its answer), ``read``, ``cancel``, ``cancel-matching``
+    (cancel by filter), ``txn``)."""
 
     process: str
     op_id: int
@@ -85,6 +87,8 @@ class FinalState:
     """What the cluster holds after healing and draining."""
 
     tasks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # root id -> its tree view (GET /api/v1/trees), the tracked trees of the run.
+    trees: dict[int, dict[str, Any]] = field(default_factory=dict)
     # broker id -> (applied position, state digest), read once the replicas converged.
     digests: dict[str, tuple[int, str]] = field(default_factory=dict)
 
@@ -175,6 +179,8 @@ class History:
                     out.write(json.dumps({"kind": kind, **asdict(record)}) + "\n")
             for task in self.final.tasks.values():
                 out.write(json.dumps({"kind": "task", "task": task}) + "\n")
+            for tree in self.final.trees.values():
+                out.write(json.dumps({"kind": "tree", "tree": tree}) + "\n")
             for broker, (position, digest) in self.final.digests.items():
                 line = {"kind": "digest", "broker": broker, "position": position, "digest": digest}
                 out.write(json.dumps(line) + "\n")
@@ -199,6 +205,8 @@ class History:
                 history.nemesis.append(NemesisEvent(**record))
             elif kind == "task":
                 history.final.tasks[int(record["task"]["id"])] = record["task"]
+            elif kind == "tree":
+                history.final.trees[int(record["tree"]["root"])] = record["tree"]
             elif kind == "digest":
                 history.final.digests[record["broker"]] = (record["position"], record["digest"])
             else:

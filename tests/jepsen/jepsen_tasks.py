@@ -4,6 +4,10 @@ Each run appends a ``start`` line before its work and a ``done`` line after it t
 file (one ``write`` with ``O_APPEND``: lines never interleave) with the monotonic time and
 the network namespace it ran in (which names the worker: each worker has its own), so the
 checker can see two runs of one attempt, or of one slot, overlap. The work cannot fail.
+``cancellable`` is the same work under another task type (the one cancels by filter
+match); ``tree_root`` also spawns ``params["children"]`` children with its finish, each
+with the key ``KEY/cI``: a late report of a stale attempt that spawned again would show as
+two tasks of one key.
 """
 
 from __future__ import annotations
@@ -41,3 +45,19 @@ def record(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
     finally:
         _note(params, "done", ctx)  # a cancelled run ends here too
     return {"task": ctx.task_id, "attempt": ctx.attempt, "key": params["key"]}
+
+
+cancellable = record
+
+
+def tree_root(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    result = record(params, ctx)
+    for i in range(int(params["children"])):
+        child = {
+            "key": f"{params['key']}/c{i}",
+            "seconds": params["child_seconds"],
+            "effects": params["effects"],
+        }
+        # As the submitted tasks: an attempt lost with its worker is retried.
+        ctx.spawn("jepsen_tasks:record", child, max_attempts=int(params["max_attempts"]))
+    return result

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
-from tests.jepsen.checker import check, outages, report, zombie_attempts
+from tests.jepsen.checker import check, outages, report, task_ids, zombie_attempts
 from tests.jepsen.cluster import Broker, Cluster
 from tests.jepsen.history import (
     FINAL_STATES,
@@ -90,6 +90,19 @@ def fetch_tasks(broker: Broker) -> dict[int, dict[str, Any]]:
             return tasks
         after = body["next_after"]
     raise AssertionError("too many pages of tasks")
+
+
+def fetch_trees(broker: Broker) -> dict[int, dict[str, Any]]:
+    trees: dict[int, dict[str, Any]] = {}
+    after = 0
+    for _ in range(1000):
+        body = broker.get(f"/api/v1/trees?tenant=jepsen&limit=1000&after={after}", 30)
+        for tree in body["trees"]:
+            trees[int(tree["root"])] = tree
+        if body.get("next_after") is None:
+            return trees
+        after = body["next_after"]
+    raise AssertionError("too many pages of trees")
 
 
 def digests(cluster: Cluster) -> dict[str, tuple[int, str]] | None:
@@ -173,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
                 "--code", code_sha, "--effects", str(effects), "--out", str(load_out),
                 "--seed", str(args.seed), "--duration-s", str(args.duration_s),
                 "--stop-file", str(stop_file), "--max-attempts", str(args.max_attempts),
+                # A bound that outlasts the nemesis: ~60 operations per client per fault.
+                "--ops", str(2000 + 100 * args.faults),
             ],
             stdout=open(root / "logs" / "workload.log", "ab"),  # noqa: SIM115 - the child's
             stderr=subprocess.STDOUT,
@@ -184,8 +199,8 @@ def run(args: argparse.Namespace) -> int:
         stop_file.touch()
         load.wait(timeout=args.duration_s + 60)
         history.ops = History.load(load_out).ops
-        acked = {int(c.result["id"]) for i, c in history.pairs() if c and c.type == "ok"
-                 and i.f == "submit"}  # fmt: skip
+        acked = {t for i, c in history.pairs() if c and c.type == "ok" and i.f == "submit"
+                 for t in task_ids(c)}  # fmt: skip
 
         def drained() -> dict[int, dict[str, Any]] | None:
             leaders = cluster.leaders()
@@ -195,7 +210,11 @@ def run(args: argparse.Namespace) -> int:
                 tasks = fetch_tasks(leaders[0])
             except httpx.HTTPError:
                 return None
-            final = all(tasks.get(t, {}).get("state") in FINAL_STATES for t in acked)
+            # The children tracked roots spawned (never acknowledged to a client) too.
+            children = [t for t in tasks.values() if t.get("parent") is not None]
+            final = all(tasks.get(t, {}).get("state") in FINAL_STATES for t in acked) and all(
+                t.get("state") in FINAL_STATES for t in children
+            )
             return tasks if final else None
 
         # The backlog drains at ~the workers' pace: the bound grows with it.
@@ -204,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
             history.final.tasks = wait_for(drained, drain_s, "every acknowledged task final")
         except TimeoutError:
             history.final.tasks = fetch_tasks(cluster.leaders()[0])  # the checker reports them
+        history.final.trees = fetch_trees(wait_for(cluster.leaders, 60, "a leader")[0])
         found = None
         try:
             found = wait_for(lambda: digests(cluster), 60, "equal digests")

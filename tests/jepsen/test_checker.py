@@ -1,7 +1,8 @@
 """The Jepsen checker on hand-made histories: a clean one passes, and each kind of violation
 (lost ack, duplicate, double run, stale report, split-brain ack, double-held slot, partial
-transaction, backward read, diverged replicas, task ended in error, over-long outage) is
-detected, and the report names the seed, the schedule and the window around it."""
+transaction, backward read, diverged replicas, task ended in error, over-long outage, broken
+tree) is detected (batches and cancels by filter too), and the report names the seed, the
+schedule and the window around it."""
 
 from __future__ import annotations
 
@@ -232,7 +233,7 @@ def test_the_report_shows_seed_schedule_window_and_logs() -> None:
 
 
 def test_a_history_round_trips_through_json_lines(tmp_path: Path) -> None:
-    s = clean()
+    s = tree_of(10, children=2)
     s.history.nemesis.append(NemesisEvent(1.8, "kill", {"node": "b1"}, bounded=True))
     path = tmp_path / "history.jsonl"
     s.history.dump(path)
@@ -243,6 +244,7 @@ def test_a_history_round_trips_through_json_lines(tmp_path: Path) -> None:
     assert loaded.nemesis == s.history.nemesis
     assert loaded.final.tasks == s.history.final.tasks
     assert loaded.final.digests == s.history.final.digests
+    assert loaded.final.trees == s.history.final.trees
     assert loaded.info == s.history.info
 
 
@@ -302,3 +304,80 @@ def test_zombie_attempts_are_counted_and_allowed() -> None:
     ]
     assert [(old.attempt, new.attempt) for old, new in zombie_attempts(s.history)] == [(1, 2)]
     assert kinds(s) == []
+
+
+def batch_of(s: Script, ids: list[int], start: float) -> None:
+    """A batch submit: one request key, each task's own key in the answer."""
+    keys = [f"b{start}/{n}" for n in range(len(ids))]
+    s.op("submit", {"key": f"b{start}", "tenant": "t", "batch": len(ids)}, start, start + 0.1,
+         result={"ids": ids, "keys": keys})  # fmt: skip
+    for task_id, key in zip(ids, keys, strict=True):
+        s.task(task_id)
+        s.history.final.tasks[task_id]["params"] = {"key": key}
+
+
+def test_a_batch_is_one_task_per_key_and_its_loss_or_duplicate_is_detected() -> None:
+    s = clean()
+    batch_of(s, [4, 5, 6], 5.0)
+    assert check(s.history) == []
+    # Its retry answered the same ids (replayed): still one task per key.
+    s.op("submit", {"key": "b5.0", "tenant": "t", "batch": 3}, 6.0, 6.1,
+         result={"ids": [4, 5, 6], "keys": ["b5.0/0", "b5.0/1", "b5.0/2"]})  # fmt: skip
+    assert check(s.history) == []
+    del s.history.final.tasks[5]
+    s.task(7)
+    s.history.final.tasks[7]["params"] = {"key": "b5.0/0"}  # a second task of one item
+    assert kinds(s) == ["lost-ack", "lost-ack", "duplicate"]  # each of its two acks
+
+
+def tree_of(root: int, children: int, start: float = 5.0) -> Script:
+    s = clean()
+    s.submit(root, start, start + 0.1, children=children)
+    s.task(root, root=root)
+    for n in range(children):
+        s.task(root + 1 + n, root=root, parent=root)
+        s.history.final.tasks[root + 1 + n]["params"] = {"key": f"k{root}/c{n}"}
+    s.history.final.trees[root] = {"root": root, "state": "completed", "attempt": 1}
+    return s
+
+
+def test_a_tree_completes_once_with_every_child_finished() -> None:
+    assert check(tree_of(10, children=3).history) == []
+    missing = tree_of(10, children=3)
+    del missing.history.final.tasks[12]
+    assert kinds(missing) == ["broken-tree"]
+    failed = tree_of(10, children=2)
+    failed.task(11, state="error", root=10, parent=10)
+    failed.history.final.trees[10].update(state="failed", reason="task 11 failed")
+    assert kinds(failed) == ["broken-tree"]
+    replayed = tree_of(10, children=2)
+    replayed.history.final.trees[10]["attempt"] = 2
+    assert kinds(replayed) == ["broken-tree"]
+    gone = tree_of(10, children=2)
+    del gone.history.final.trees[10]
+    assert kinds(gone) == ["broken-tree"]
+    cancelled = tree_of(10, children=0)
+    cancelled.task(10, state="cancelled", root=10)
+    cancelled.history.final.trees[10].update(state="failed", reason="task 10 was cancelled")
+    assert kinds(cancelled) == ["unwanted-end", "broken-tree"]
+    cancelled.op("cancel", {"id": 10}, 6.0, 6.1)  # asked: both allowed
+    assert check(cancelled.history) == []
+
+
+def test_a_stale_attempt_spawning_its_children_again_is_detected() -> None:
+    s = tree_of(10, children=2)
+    s.task(13, root=10, parent=10)
+    s.history.final.tasks[13]["params"] = {"key": "k10/c0"}  # spawned twice
+    assert kinds(s) == ["duplicate", "broken-tree"]
+
+
+def test_a_cancel_by_filter_allows_cancelled_tasks_of_its_type_only() -> None:
+    s = clean()
+    s.submit(4, 5.0, 5.1, cancellable=True)
+    s.task(4, state="cancelled")
+    assert kinds(s) == ["unwanted-end"]  # nobody asked
+    s.op("cancel-matching", {"tenant": "t", "type": "c", "state": "waiting"}, 6.0, 6.5,
+         result={"matched": 1, "cancelled": 1})  # fmt: skip
+    assert check(s.history) == []
+    s.task(2, state="cancelled")  # not of the cancellable type: the filter cannot match it
+    assert kinds(s) == ["unwanted-end"]

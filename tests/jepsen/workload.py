@@ -1,8 +1,10 @@
 """The clients of a Jepsen run: ``python -m tests.jepsen.workload`` in the client namespace.
 
 Threads submit ``jepsen_tasks:record`` tasks with idempotency keys (some into slots, some
-two at a time in a transaction they then commit), read their tasks' state from any broker
-and cancel a few, each operation one HTTP request to one broker, recorded as invoke then
+two at a time in a transaction they then commit, some three at a time in a batch, some as
+the root of a tracked tree whose children the task spawns), read their tasks' state from
+any broker, cancel a few by id, and cancel the waiting ``jepsen_tasks:cancellable`` ones
+by filter; each operation one HTTP request to one broker, recorded as invoke then
 ok / fail / info (docs/TESTING.md, "Partitions"). A submit that did not certainly fail or
 succeed is retried with the same key (a new operation): the broker must answer the first
 task again. Bounded in count and time; the history's operations are written to ``--out``
@@ -16,6 +18,7 @@ import json
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,9 @@ from tests.jepsen.history import History, Op
 
 TENANT = "jepsen"
 TASK_TYPE = "jepsen_tasks:record"
+CANCELLABLE_TYPE = "jepsen_tasks:cancellable"  # cancelled by filter, while waiting
+TREE_ROOT_TYPE = "jepsen_tasks:tree_root"
+BATCH_SIZE = 3
 REQUEST_TIMEOUT_S = 2.0
 SLOTS = ("s0", "s1")
 
@@ -42,9 +48,18 @@ class Client:
         self.tasks: list[int] = []
         self.http = httpx.Client(timeout=REQUEST_TIMEOUT_S)
 
-    def request(self, invoked: Op, method: str, broker: str, path: str, **kw: Any) -> Op:
-        """One request, its outcome recorded: 2xx ok; 307, 4xx fail (nothing written);
-        5xx and transport errors info (it may have been applied)."""
+    def request(
+        self,
+        invoked: Op,
+        method: str,
+        broker: str,
+        path: str,
+        answer: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        **kw: Any,
+    ) -> Op:
+        """One request, its outcome recorded: 2xx ok (its body through ``answer``, then
+        :func:`_brief`); 307, 4xx fail (nothing written); 5xx and transport errors info (it
+        may have been applied)."""
         try:
             response = self.http.request(method, self.brokers[broker] + path, **kw)
         except httpx.HTTPError as exc:
@@ -61,6 +76,8 @@ class Client:
                 self.leader = leader
         if 200 <= response.status_code < 300:
             result = body if isinstance(body, dict) else {"body": body}
+            if answer is not None:
+                result = answer(result)
             return self.history.complete(invoked, "ok", _brief(result), broker)
         error = {"status": response.status_code, "error": body.get("error")}
         kind = "fail" if response.status_code < 500 else "info"
@@ -72,51 +89,93 @@ class Client:
         names = sorted(self.brokers)
         self.leader = names[(names.index(self.leader) + 1) % len(names)]
 
-    def submit(self, seq: int, deadline: float, txn: int | None = None) -> int | None:
-        """A task (retried with its key until acknowledged, refused or out of time; once
-        only in a transaction, whose commit decides): its id, or None."""
-        key = f"j{self.config.seed}-{self.name}-{seq}"
-        # One in ten runs long, ahead of the queue: a worker paused by the nemesis is likely
-        # mid-run, and the replacement of its attempt starts at once elsewhere while the old
-        # attempt is paused (a zombie once resumed).
-        long_run = self.rng.random() < 0.1
-        params: dict[str, Any] = {
-            "key": key,
-            "seconds": round(
-                self.rng.uniform(1.0, 2.5)
-                if long_run
-                else self.rng.uniform(0.05, self.config.task_seconds),
-                3,
-            ),
-            "effects": self.config.effects,
-        }
-        body: dict[str, Any] = {
+    def _task(self, key: str, long_run: bool = False) -> dict[str, Any]:
+        """One task's body (its params carry its key: the checker finds it in the state)."""
+        seconds = (
+            self.rng.uniform(1.0, 2.5)
+            if long_run
+            else self.rng.uniform(0.05, self.config.task_seconds)
+        )
+        return {
             "type": TASK_TYPE,
             "tenant": TENANT,
             "code": self.config.code,
+            "params": {"key": key, "seconds": round(seconds, 3), "effects": self.config.effects},
             # As the chaos soak: an attempt lost with its worker's connection is retried.
             "max_attempts": self.config.max_attempts,
             "priority": 10 if long_run else 0,
         }
+
+    def submit(
+        self, seq: int, deadline: float, txn: int | None = None, kind: str = "one"
+    ) -> int | None:
+        """A task, a batch of :data:`BATCH_SIZE` (``kind="batch"``), the root of a tracked
+        tree (``"tree"``) or a task cancel by filter may end (``"cancellable"``), retried
+        with its key until acknowledged, refused or out of time (once only in a
+        transaction, whose commit decides): its (first) id, or None."""
+        key = f"j{self.config.seed}-{self.name}-{seq}"
         args: dict[str, Any] = {"key": key, "tenant": TENANT}
-        if txn is not None:
-            args["txn"] = body["transaction"] = txn
-        elif self.rng.random() < 0.1:
-            args["slot"] = params["slot"] = body["slot"] = self.rng.choice(SLOTS)
-        body["params"] = params
+        answer: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+        if kind == "batch":
+            keys = [f"{key}/{i}" for i in range(BATCH_SIZE)]
+            body: dict[str, Any] = {"tasks": [self._task(k) for k in keys]}
+            args["batch"] = BATCH_SIZE
+
+            def batch_answer(result: dict[str, Any], keys: list[str] = keys) -> dict[str, Any]:
+                items = result.get("tasks") or []
+                made = [(k, t) for k, t in zip(keys, items, strict=False) if "id" in t]
+                return {
+                    "ids": [int(t["id"]) for _, t in made],
+                    "keys": [k for k, _ in made],  # the checker's key of each id
+                    "replayed": result.get("replayed"),
+                }
+
+            answer = batch_answer
+        else:
+            # One in ten runs long, ahead of the queue: a worker paused by the nemesis is
+            # likely mid-run, and the replacement of its attempt starts at once elsewhere
+            # while the old attempt is paused (a zombie once resumed).
+            body = self._task(key, long_run=kind == "one" and self.rng.random() < 0.1)
+            if kind == "tree":
+                children = self.rng.randint(2, 4)
+                body.update(type=TREE_ROOT_TYPE, track_tree=True, tree_timeout_s=600)
+                body["params"].update(
+                    children=children, child_seconds=0.1, max_attempts=self.config.max_attempts
+                )
+                args["children"] = children
+            elif kind == "cancellable":
+                body["type"] = CANCELLABLE_TYPE
+                args["cancellable"] = True
+            if txn is not None:
+                args["txn"] = body["transaction"] = txn
+            elif kind == "one" and self.rng.random() < 0.1:
+                args["slot"] = body["params"]["slot"] = body["slot"] = self.rng.choice(SLOTS)
         while time.monotonic() < deadline:
             invoked = self.history.invoke(self.name, "submit", args)
             done = self.request(
-                invoked, "POST", self.leader, "/api/v1/tasks",
+                invoked, "POST", self.leader, "/api/v1/tasks", answer,
                 json=body, headers={"Idempotency-Key": key},
             )  # fmt: skip
             if done.type == "ok":
-                self.tasks.append(int(done.result["id"]))
-                return int(done.result["id"])
+                ids = done.result["ids"] if "ids" in done.result else [done.result["id"]]
+                self.tasks += [int(i) for i in ids]
+                return int(ids[0]) if ids else None
             if txn is not None or (done.type == "fail" and done.result.get("status") != 307):
                 return None  # refused for good (a busy slot): nothing was written
             time.sleep(0.05 if done.result.get("status") == 307 else 0.2)
         return None
+
+    def cancel_matching(self) -> None:
+        """Cancel the waiting tasks of the cancellable type (by filter, not by id)."""
+        filters = {"tenant": TENANT, "type": CANCELLABLE_TYPE, "state": "waiting"}
+        invoked = self.history.invoke(self.name, "cancel-matching", filters)
+        self.request(
+            invoked,
+            "POST",
+            self.leader,
+            "/api/v1/tasks/cancel",
+            json={**filters, "reason": "jepsen"},
+        )
 
     def transaction(self, seq: int, deadline: float) -> None:
         """Two tasks in a transaction, then its commit: all of them or none."""
@@ -147,20 +206,38 @@ class Client:
             if stop.is_set() or time.monotonic() >= deadline:
                 return
             draw = self.rng.random()
-            if not self.tasks or draw < 0.55:
+            if not self.tasks or draw < 0.4:
                 self.submit(seq, deadline)
+            elif draw < 0.46:
+                self.submit(seq, deadline, kind="batch")
+            elif draw < 0.5:
+                self.submit(seq, deadline, kind="tree")
+            elif draw < 0.55:
+                self.submit(seq, deadline, kind="cancellable")
             elif draw < 0.6:
                 self.transaction(seq, deadline)
-            elif draw < 0.95:
+            elif draw < 0.93:
                 self.read()
-            else:
+            elif draw < 0.97:
                 self.cancel()
+            else:
+                self.cancel_matching()
             stop.wait(self.config.pause_s)
 
 
 def _brief(result: dict[str, Any]) -> dict[str, Any]:
     """What the checker needs of an answer (a task view is large)."""
-    keep = ("id", "ids", "state", "attempt", "replayed", "worker", "tenant", "cancelled")
+    keep: tuple[str, ...] = (
+        "id",
+        "ids",
+        "keys",
+        "state",
+        "attempt",
+        "replayed",
+        "worker",
+        "tenant",
+    )
+    keep += ("matched", "cancelled", "skipped")  # a cancel by filter's counts
     return {k: result[k] for k in keep if k in result}
 
 
