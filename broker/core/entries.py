@@ -22,7 +22,9 @@ import msgspec
 #:    TaskSpec.priority and retry backoff (§6, "Priorities and backoff"); a tenant's submit rate;
 #:    the entry types DeleteCode, CreateSchedule, DeleteSchedule, FireSchedule, CancelTasks,
 #:    SetWebhook and WebhookProgress (each type's ``min_version``).
-ENTRY_FORMAT_VERSION: Final = 3
+#: 4: the entry type WorkerSilent (a worker's silence survives a leader change,
+#:    docs/DESIGN.md §8, "Silence across leader changes").
+ENTRY_FORMAT_VERSION: Final = 4
 #: The version entries are written with unless they need a newer one, so a broker not
 #: yet upgraded keeps following until a newer feature is actually used.
 BASE_ENTRY_FORMAT_VERSION: Final = 1
@@ -234,6 +236,31 @@ class WorkerDead(_Entry, frozen=True, tag="worker_dead"):
     connected_ms: int | None = None
 
 
+class SilentWorker(msgspec.Struct, frozen=True, array_like=True):
+    """A connected worker silent to the leader since ``since_ms`` (state time), as
+    registered at ``connected_ms`` (a later registration wins, as for WorkerDead);
+    ``since_ms`` None: heard again on its connection, the silence is over."""
+
+    worker_id: str
+    since_ms: int | None
+    connected_ms: int
+
+
+#: At most this many workers in one WorkerSilent entry (a takeover logs several).
+MAX_SILENT_BATCH: Final = 1000
+
+
+class WorkerSilent(_Entry, frozen=True, tag="worker_silent"):
+    """Workers the state counts connected that have been silent to the leader for half the
+    heartbeat timeout (docs/DESIGN.md §8, "Silence across leader changes"): each keeps the
+    earliest ``since_ms`` on its record until it registers again or is declared dead, so a
+    new leader judges it from then, not from its own start. Written as format 4."""
+
+    min_version: ClassVar[int] = 4
+
+    workers: tuple[SilentWorker, ...] = ()
+
+
 class AssignTasks(_Entry, frozen=True, tag="assign"):
     assignments: tuple[Assignment, ...] = ()
 
@@ -406,6 +433,7 @@ Entry = (
     | CancelTasks
     | SetWebhook
     | WebhookProgress
+    | WorkerSilent
 )
 
 

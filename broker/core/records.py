@@ -168,6 +168,10 @@ class Worker(msgspec.Struct, array_like=True, gc=False):
     # token. Binds the worker id to that credential while connected (apply refuses
     # another) and scopes the credential's artifact downloads (broker/api/handlers_code.py).
     credential: str | None = None
+    # State time since which it has been silent to the leaders (a WorkerSilent entry; the
+    # earliest kept): a new leader judges it from then (docs/DESIGN.md §8, "Silence across
+    # leader changes"). None: not known silent; a registration or its death clears it.
+    silent_since_ms: int | None = None
 
 
 class ArtifactUpload(msgspec.Struct, array_like=True, gc=False):

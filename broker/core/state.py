@@ -119,6 +119,7 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
             e.Tick: self._tick,
             e.RegisterWorker: self._register_worker,
             e.WorkerDead: self._worker_dead,
+            e.WorkerSilent: self._worker_silent,
             e.AssignTasks: self._assign,
             e.FinishTasks: self._finish,
             e.AddCode: self._add_code,
@@ -429,6 +430,13 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
             previous_ms = record.created_ms
             if all(r.task_id is None for r in record.results):
                 fail(f"idempotency key {key!r} remembered though it created no task")
+        for worker in self.workers.values():
+            since_ms = worker.silent_since_ms
+            if since_ms is not None and (
+                worker.state != WorkerState.CONNECTED
+                or not worker.connected_ms <= since_ms <= self.now_ms
+            ):
+                fail(f"worker {worker.id} silent since {since_ms}, {worker.state}")
         self._check_tree_invariants(fail)
         if (problem := self._check_schedule_invariants()) is not None:
             fail(problem)

@@ -30,7 +30,8 @@ _EPSILON = 1e-9
 
 
 class WorkersMixin(TasksMixin):
-    """RegisterWorker, WorkerDead, AssignTasks, SubmitTasks' assignments and FinishTasks."""
+    """RegisterWorker, WorkerDead, WorkerSilent, AssignTasks, SubmitTasks' assignments and
+    FinishTasks."""
 
     def _submit_placed(self, entry: e.SubmitTasks) -> list[TaskRef | Rejected]:
         """A submit, then the assignments the leader placed in it: each starts only if no
@@ -202,6 +203,7 @@ class WorkersMixin(TasksMixin):
         worker.tenants = list(entry.tenants)
         worker.reason = None
         worker.credential = entry.credential
+        worker.silent_since_ms = None  # heard from again
         self._worker_changed(worker)
         return WorkerReconciled(entry.worker_id, tuple(keep), tuple(lost))
 
@@ -214,6 +216,7 @@ class WorkersMixin(TasksMixin):
         worker.state = WorkerState.DEAD.value
         worker.updated_ms = self.now_ms
         worker.reason = entry.reason
+        worker.silent_since_ms = None
         self._worker_changed(worker)
         for task_id in sorted(self.running_by_worker.get(worker.id, ())):
             task = self.tasks[task_id]
@@ -221,6 +224,27 @@ class WorkersMixin(TasksMixin):
                 continue  # cancelled or replayed meanwhile: a failed tree of an earlier one
             self._retry_or_fail(task, f"worker {worker.id} died: {entry.reason}")
         return None
+
+    def _worker_silent(self, entry: e.WorkerSilent) -> None:
+        """Each still connected worker of the registration the leader saw keeps the earliest
+        silence, or forgets it when heard again (docs/DESIGN.md §8, "Silence across leader
+        changes"); others are skipped: registered again or dead since. Bounded to
+        [connected_ms, now_ms]: it was heard at its registration, and a silence cannot start
+        in the future."""
+        for silent in entry.workers:
+            worker = self.workers.get(silent.worker_id)
+            if (
+                worker is None
+                or worker.state != WorkerState.CONNECTED
+                or worker.connected_ms != silent.connected_ms
+            ):
+                continue
+            if silent.since_ms is None:
+                worker.silent_since_ms = None
+                continue
+            since_ms = max(worker.connected_ms, min(silent.since_ms, self.now_ms))
+            if worker.silent_since_ms is None or since_ms < worker.silent_since_ms:
+                worker.silent_since_ms = since_ms
 
     def _release(self, task: Task, reason: str) -> None:
         """A stopping worker or broker gives the attempt back (docs/DESIGN.md §6,

@@ -3,6 +3,8 @@
 Every interval the leader sends each connection a Heartbeat and closes the ones silent past
 the timeout; a worker the state counts as connected that has had no connection for that
 long is declared dead through the log (its tasks are re-queued when the entry applies).
+A silence of half the timeout is logged (WorkerSilent), so that a new leader judges the
+worker from its start, not from its own (docs/DESIGN.md §8, "Silence across leader changes").
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Liveness:
         # When a worker the state counts as connected was last seen (monotonic).
         self.last_contact: dict[str, float] = {}
         self._declaring_dead: set[str] = set()
+        self._logging_silence: set[str] = set()  # in a WorkerSilent being written
         self._started = clock()
         # Code artifacts deleted lately (sha -> when), told to workers in heartbeats.
         self._deleted_code: dict[str, float] = {}
@@ -140,29 +143,85 @@ class Liveness:
                 logger.exception("declaring dead workers failed; retrying next beat")
 
     async def _declare_dead_workers(self, now: float, timeout_s: float) -> None:
+        """Declare dead the workers silent past the timeout: to this leader, or since the
+        silence the state inherited from earlier leaders (docs/DESIGN.md §8, "Silence
+        across leader changes"); then log the silences this leader newly sees."""
+        timeout_ms = self.config.heartbeat_timeout_ms
+        # The time the next entry is stamped with: the state's clock as this leader moves it.
+        state_now_ms = max(self.node.clock_ms(), self.node.state.now_ms)
+        changes: list[tuple[str, int, float | None]] = []  # (id, connected_ms, last or heard)
         for worker in list(self.node.state.workers.values()):
-            if worker.state != WorkerState.CONNECTED or worker.id in self.sessions:
+            if worker.state != WorkerState.CONNECTED or worker.id in self._declaring_dead:
                 continue
-            if worker.id in self._declaring_dead:
+            session = self.sessions.get(worker.id)
+            inherited = worker.silent_since_ms
+            if session is not None:
+                last = session.last_seen
+            else:
+                last = self.last_contact.get(worker.id, self._started)
+                if now - last > timeout_s or (
+                    inherited is not None and state_now_ms - inherited > timeout_ms
+                ):
+                    if not await self._declare_dead(worker.id, worker.connected_ms):
+                        return
+                    continue
+            if worker.id in self._logging_silence:
                 continue
-            last = self.last_contact.get(worker.id, self._started)
-            if now - last <= timeout_s:
-                continue
-            self._declaring_dead.add(worker.id)
-            dead = e.WorkerDead(
-                time_ms=0,
-                worker_id=worker.id,
-                reason=f"no heartbeat for {self.config.heartbeat_timeout_ms} ms",
-                connected_ms=worker.connected_ms,
+            if inherited is None and now - last >= timeout_s / 2:
+                changes.append((worker.id, worker.connected_ms, last))
+            elif inherited is not None and session is not None and now - last < timeout_s / 2:
+                changes.append((worker.id, worker.connected_ms, None))  # beats again
+        for start in range(0, len(changes), e.MAX_SILENT_BATCH):
+            if not await self._log_silence(changes[start : start + e.MAX_SILENT_BATCH]):
+                return
+
+    async def _declare_dead(self, worker_id: str, connected_ms: int) -> bool:
+        """Log the worker's death; False when this broker cannot write any more."""
+        self._declaring_dead.add(worker_id)
+        dead = e.WorkerDead(
+            time_ms=0,
+            worker_id=worker_id,
+            reason=f"no heartbeat for {self.config.heartbeat_timeout_ms} ms",
+            connected_ms=connected_ms,
+        )
+
+        def build(stamp: Stamp, dead: e.WorkerDead = dead) -> e.Entry:
+            return msgspec.structs.replace(dead, time_ms=stamp.now_ms)
+
+        try:
+            await self.node.propose(build)
+            logger.warning("worker %s declared dead", worker_id)
+        except BrokerUnavailableError:
+            return False
+        finally:
+            self._declaring_dead.discard(worker_id)
+        return True
+
+    async def _log_silence(self, batch: list[tuple[str, int, float | None]]) -> bool:
+        """One WorkerSilent entry for ``batch``: each worker's last contact with this
+        leader mapped onto the stamp's clock (None: heard again); False when this broker
+        cannot write any more. Batched: a takeover finds every worker silent at once."""
+        ids = {worker_id for worker_id, _, _ in batch}
+        self._logging_silence |= ids
+
+        def build(stamp: Stamp) -> e.Entry:
+            at = self.clock()
+            return e.WorkerSilent(
+                time_ms=stamp.now_ms,
+                workers=tuple(
+                    e.SilentWorker(
+                        worker_id,
+                        None if last is None else stamp.now_ms - int((at - last) * 1000),
+                        connected_ms,
+                    )
+                    for worker_id, connected_ms, last in batch
+                ),
             )
 
-            def build(stamp: Stamp, dead: e.WorkerDead = dead) -> e.Entry:
-                return msgspec.structs.replace(dead, time_ms=stamp.now_ms)
-
-            try:
-                await self.node.propose(build)
-                logger.warning("worker %s declared dead", worker.id)
-            except BrokerUnavailableError:
-                return
-            finally:
-                self._declaring_dead.discard(worker.id)
+        try:
+            await self.node.propose(build)
+        except BrokerUnavailableError:
+            return False
+        finally:
+            self._logging_silence -= ids
+        return True

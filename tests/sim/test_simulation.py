@@ -278,6 +278,8 @@ def test_generator_covers_the_rules() -> None:
         "SetConfig rejected invalid",
         "WorkerDead ok",
         "WorkerDead rejected not_found",
+        "worker silent",
+        "worker heard again",
         "txn committed",
         "txn rolled_back",
         "txn expired",

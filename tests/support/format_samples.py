@@ -5,7 +5,7 @@ tests/unit/test_format_versions.py proves it on files written by earlier code.
 Run it once per new format version, with the code of that version, into a new directory
 (never over an existing one: those files are what older releases wrote)::
 
-    python -m tests.support.format_samples tests/data/formats/entries-v2-snapshot-v1
+    python -m tests.support.format_samples tests/data/formats/entries-v4-snapshot-v3
 
 It writes ``entries.msgpack`` (a msgpack array of log entries exactly as logged: every entry
 type, of every entry version this code writes), ``state.snap`` (a snapshot file of the state
@@ -150,6 +150,10 @@ def sample_entries() -> list[e.Entry]:
         ),
         # A final task after the delivered position: it stays in the webhook's outbox.
         e.CancelTask(time_ms=t + 60_008, task_id=7),
+        # Entry format 4: a worker silent to the leader (docs/DESIGN.md §8, "Silence across
+        # leader changes"), kept in the snapshot (body version 3).
+        e.RegisterWorker(time_ms=t + 60_009, worker_id="w2", task_types={"*": 1}),
+        e.WorkerSilent(time_ms=t + 65_009, workers=(e.SilentWorker("w2", t + 60_009, t + 60_009),)),
     ]
 
 
@@ -160,6 +164,11 @@ def observable(machine: StateMachine) -> dict[str, object]:
         "tasks": {str(t.id): [str(t.state), t.attempt, t.worker] for t in machine.tasks.values()},
         "tenants": sorted(machine.tenants),
         "workers": {w.id: str(w.state) for w in machine.workers.values()},
+        "silent_workers": {
+            w.id: w.silent_since_ms
+            for w in machine.workers.values()
+            if w.silent_since_ms is not None
+        },
         "code": sorted(machine.artifacts),
         "tokens": sorted(machine.tokens),
         "schedules": sorted(f"{tenant}/{name}" for tenant, name in machine.schedules),

@@ -191,6 +191,8 @@ class Checker(TransitionChecks):
             worker = m.workers.get(entry.worker_id)
             if worker is None or worker.state != WorkerState.CONNECTED:
                 fail(f"registered worker {entry.worker_id!r} is not connected")
+            if worker is not None and worker.silent_since_ms is not None:
+                fail(f"registered worker {entry.worker_id!r} still silent")
             reported = {(r.task_id, r.attempt) for r in entry.running}
             keep = {(k.task_id, k.attempt) for k in result.keep}
             # What it ran when the handler started: less the tasks whose deadline just fired.
@@ -238,10 +240,35 @@ class Checker(TransitionChecks):
                 max(result.created_ms, result.last_used_ms) + entry.unused_for_ms > m.now_ms
             ):
                 fail(f"artifact {entry.sha256} deleted by retention before it was due")
+        elif isinstance(entry, e.WorkerSilent):
+            self._check_silent(entry)
         elif isinstance(entry, e.WorkerDead) and result is None:
             worker = m.workers[entry.worker_id]
             if worker.state != WorkerState.DEAD or m.running_by_worker.get(worker.id):
                 fail(f"dead worker {worker.id} is {worker.state} or still runs tasks")
+
+    def _check_silent(self, entry: e.WorkerSilent) -> None:
+        """Each connected worker of the registration named keeps the earliest silence, at
+        most the entry's own (bounded by its registration and now), or none when heard."""
+        m = self.m
+        for silent in entry.workers:
+            worker = m.workers.get(silent.worker_id)
+            if (
+                worker is None
+                or worker.state != WorkerState.CONNECTED
+                or worker.connected_ms != silent.connected_ms
+            ):
+                continue
+            since = worker.silent_since_ms
+            if silent.since_ms is None:
+                if since is not None:
+                    fail(f"worker {worker.id} heard again but still silent since {since}")
+                self.stats["worker heard again"] += 1
+                continue
+            bound = max(worker.connected_ms, min(silent.since_ms, m.now_ms))
+            if since is None or since > bound:
+                fail(f"worker {worker.id} silent since {since}, the entry says {bound}")
+            self.stats["worker silent"] += 1
 
     def _check_submit(self, entry: e.SubmitTasks, items: list[object]) -> None:
         m = self.m

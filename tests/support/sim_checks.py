@@ -67,6 +67,7 @@ RESULT_TYPES: Final[dict[type, tuple[type, ...]]] = {
     e.CodeReady: (Artifact, Rejected),
     e.DeleteCode: (Artifact, Rejected),
     e.WorkerDead: (type(None), Rejected),
+    e.WorkerSilent: (type(None),),
     e.SetWebhook: (Tenant, Rejected),
     e.WebhookProgress: (type(None),),
 }

@@ -27,6 +27,7 @@ from broker.core.state import (
     idempotency_scope,
 )
 from tests.support.sim_generator_code import CodeEntries
+from tests.support.sim_generator_workers import WorkerEntries
 from tests.support.sim_model import (
     BAD_KEYS,
     BAD_TENANTS,
@@ -79,7 +80,7 @@ def random_step(rng: random.Random, steps: Steps) -> int:
     raise AssertionError(f"rng.random() gave {r}")
 
 
-class EntryGenerator(CodeEntries):
+class EntryGenerator(CodeEntries, WorkerEntries):
     """Produces entries from ``random.Random(seed)`` and a read-only look at ``view``."""
 
     def __init__(self, seed: int, view: StateMachine) -> None:
@@ -123,6 +124,7 @@ class EntryGenerator(CodeEntries):
             (self._set_tenant, 3),
             (self._register_random, 3),
             (self._worker_dead, 2),
+            (self._worker_silent, 1),
             (self._config_random, 0.3),
             (self._add_code, 0.5),
             (self._code_ready, 0.3),
@@ -685,21 +687,6 @@ class EntryGenerator(CodeEntries):
     def _register_random(self) -> tuple[e.Entry, Expect]:
         worker_id = "" if self.rng.random() < 0.05 else self.rng.choice(WORKERS)
         return self._register(worker_id)
-
-    def _worker_dead(self) -> tuple[e.Entry, Expect]:
-        time_ms = self._time()
-        rng = self.rng
-        expect = Expect()
-        connected = self._connected()
-        if rng.random() < 0.15 or not connected:
-            worker_id = rng.choice((*WORKERS, "ghost", ""))
-        else:
-            worker_id = rng.choice(connected)
-        if worker_id in self.view.workers:
-            expect.accept.add(0)
-        else:
-            expect.reject[0] = NOT_FOUND
-        return e.WorkerDead(time_ms=time_ms, worker_id=worker_id, reason="sim"), expect
 
     def _assign(self) -> tuple[e.Entry, Expect]:
         time_ms = self._time()

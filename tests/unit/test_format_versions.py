@@ -195,6 +195,9 @@ FORMAT_3_TYPES = {
     e.WebhookProgress,
 }
 
+# The entry types added in format 4: a broker of format 3 does not know their tags.
+FORMAT_4_TYPES = {e.WorkerSilent}
+
 
 def test_each_entry_is_written_in_the_oldest_format_that_knows_its_type() -> None:
     for entry in sample_entries():
@@ -202,6 +205,8 @@ def test_each_entry_is_written_in_the_oldest_format_that_knows_its_type() -> Non
         version = written.get("v", e.BASE_ENTRY_FORMAT_VERSION)
         if type(entry) in FORMAT_3_TYPES:
             assert version == 3, entry
+        elif type(entry) in FORMAT_4_TYPES:
+            assert version == 4, entry
         else:  # what its fields need, never raised by the type
             assert version == entry.v, entry
         # Decodes as it was made, but for the version it was written in.
@@ -234,6 +239,30 @@ def test_a_broker_of_format_2_refuses_a_format_3_entry_type_naming_the_version(
         assert "upgrade the broker to a release that reads version 3" in message
 
 
+def test_a_broker_of_format_3_refuses_a_format_4_entry_type_naming_the_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from broker.replication.applier import Applier
+    from log.api import LedgerEntry
+
+    known = tuple(t for t in e.Entry.__args__ if t not in FORMAT_4_TYPES)  # type: ignore[attr-defined]
+    monkeypatch.setattr(e, "ENTRY_FORMAT_VERSION", 3)
+    older = msgspec.msgpack.Decoder(Union[(e.Confirm, *known)])  # type: ignore[valid-type]
+    monkeypatch.setattr(e, "_record_decoder", older)
+    applier = Applier(None)  # type: ignore[arg-type]  # the entry is refused before use
+    refused = 0
+    for entry in sample_entries():
+        if type(entry) not in FORMAT_4_TYPES:
+            continue
+        data = e.encode_entry(entry)
+        with pytest.raises(
+            NewerFormatError, match="format version 4 is newer than this broker's 3"
+        ):
+            applier.apply_logged(LedgerEntry(4, 9, last_add_confirmed=-1, data=data))
+        refused += 1
+    assert refused == len(FORMAT_4_TYPES)
+
+
 def test_a_snapshot_body_is_written_in_the_oldest_version_that_keeps_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -247,4 +276,13 @@ def test_a_snapshot_body_is_written_in_the_oldest_version_that_keeps_it(
     # A broker that reads body version 1 only would drop the webhook: it refuses instead.
     monkeypatch.setattr(snapshot_body, "SNAPSHOT_BODY_VERSION", 1)
     with pytest.raises(SnapshotBodyVersionError, match="version 2 is newer than this broker's 1"):
+        decode_snapshot_body(data)
+    # A worker's silence (docs/DESIGN.md §8): version 3, which a version-2 reader refuses.
+    monkeypatch.setattr(snapshot_body, "SNAPSHOT_BODY_VERSION", 3)
+    hooked.apply(e.RegisterWorker(time_ms=2, worker_id="w1"))
+    hooked.apply(e.WorkerSilent(time_ms=3, workers=(e.SilentWorker("w1", 2, 2),)))
+    data = hooked.encode_snapshot()
+    assert decode_snapshot_body(data).format_version == 3
+    monkeypatch.setattr(snapshot_body, "SNAPSHOT_BODY_VERSION", 2)
+    with pytest.raises(SnapshotBodyVersionError, match="version 3 is newer than this broker's 2"):
         decode_snapshot_body(data)

@@ -1,0 +1,61 @@
+"""The simulation's worker-liveness entries (WorkerDead, WorkerSilent): a part of
+tests/support/sim_generator.py's EntryGenerator, which supplies ``rng``, ``view``,
+``_time`` and ``_connected``."""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+from broker.core import entries as e
+from tests.support.sim_model import NOT_FOUND, WORKERS, Expect
+
+if TYPE_CHECKING:
+    from broker.core.state import StateMachine
+
+
+class WorkerEntries:
+    rng: random.Random
+    view: StateMachine
+
+    def _time(self) -> int:
+        raise NotImplementedError
+
+    def _connected(self) -> list[str]:
+        raise NotImplementedError
+
+    def _worker_dead(self) -> tuple[e.Entry, Expect]:
+        time_ms = self._time()
+        rng = self.rng
+        expect = Expect()
+        connected = self._connected()
+        if rng.random() < 0.15 or not connected:
+            worker_id = rng.choice((*WORKERS, "ghost", ""))
+        else:
+            worker_id = rng.choice(connected)
+        if worker_id in self.view.workers:
+            expect.accept.add(0)
+        else:
+            expect.reject[0] = NOT_FOUND
+        return e.WorkerDead(time_ms=time_ms, worker_id=worker_id, reason="sim"), expect
+
+    def _worker_silent(self) -> tuple[e.Entry, Expect]:
+        """A leader's batch of silent workers (docs/DESIGN.md §8, "Silence across leader
+        changes"): connected ones mostly, sometimes one heard again (None), one of an
+        earlier registration, a dead or unknown one (skipped), a time before its
+        registration or ahead of the entry (bounded by apply)."""
+        time_ms = self._time()
+        rng = self.rng
+        silent: list[e.SilentWorker] = []
+        for worker_id in rng.sample((*WORKERS, "ghost"), rng.randint(1, 3)):
+            worker = self.view.workers.get(worker_id)
+            connected_ms = worker.connected_ms if worker is not None else 0
+            if rng.random() < 0.1:
+                connected_ms -= 1  # registered again since the leader saw it
+            since_ms: int | None = time_ms - rng.choice((0, 1, 5_000, 60_000, 10**9))
+            if rng.random() < 0.1:
+                since_ms = time_ms + 1_000
+            elif rng.random() < 0.2:
+                since_ms = None
+            silent.append(e.SilentWorker(worker_id, since_ms, connected_ms))
+        return e.WorkerSilent(time_ms=time_ms, workers=tuple(silent)), Expect()
