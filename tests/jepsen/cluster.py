@@ -36,9 +36,8 @@ PULSAR_PORT = 6650
 HTTP_PORT = 8080
 WORKER_PORT = 7070
 PROBE_TIMEOUT_S = 1.0
-# A worker silent this long is disconnected, and declared dead (its tasks reassigned) once
-# disconnected this long again: short, so a paused worker's attempt is reassigned while it
-# still runs (a zombie).
+# A worker silent this long is declared dead (its tasks reassigned): short, so a paused
+# worker's attempt is reassigned while it still runs (a zombie).
 HEARTBEAT_TIMEOUT_MS = 6000
 LEDGER_ROLL_AGE_S = 2.0
 LEDGER_RETENTION_S = 1.0
@@ -213,6 +212,9 @@ class Cluster:
         return [
             *steward_command(), "worker", "--brokers", urls, "--worker-id", name,
             "--cache-dir", str(self.root / "cache" / name), "--spark", "off",
+            # In the run's directory: the default (/tmp/steward-worker-<uid>-<id>) is one per
+            # host and worker id, which a developer's own worker "w1" would hold.
+            "--work-dir", str(self.root / "work" / name),
             "--task-type", "*=2",
         ]  # fmt: skip
 

@@ -1,8 +1,9 @@
 """One short Jepsen run (docs/TESTING.md, "Partitions"): the file ledger, a handful of
 network, process and clock faults, and the checker passes. ``STEWARD_JEPSEN_SEED`` picks the
 seed, ``STEWARD_JEPSEN_FAULTS`` the number of faults; ``STEWARD_JEPSEN_CI=1`` makes it the
-CI-sized configuration instead (``python -m tests.jepsen --ci``: both ledger backends, 60
-faults, under 10 minutes)."""
+CI-sized configuration instead (``python -m tests.jepsen --ci``: both ledger backends, 52
+faults, under 10 minutes), which also asserts the fault mix, ledger rolls, snapshot
+downloads and a zombie per paused worker."""
 
 from __future__ import annotations
 
