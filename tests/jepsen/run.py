@@ -79,30 +79,26 @@ class ClaimWatcher(threading.Thread):
             client.close()
 
 
-def fetch_tasks(broker: Broker) -> dict[int, dict[str, Any]]:
-    tasks: dict[int, dict[str, Any]] = {}
+def _pages(broker: Broker, path: str, items: str, key: str) -> dict[int, dict[str, Any]]:
+    """Every page of a listing of the jepsen tenant's tasks or trees, by ``key``."""
+    found: dict[int, dict[str, Any]] = {}
     after = 0
     for _ in range(1000):
-        body = broker.get(f"/api/v1/tasks?tenant=jepsen&limit=1000&after={after}", 30)
-        for task in body["tasks"]:
-            tasks[int(task["id"])] = task
+        body = broker.get(f"{path}?tenant=jepsen&limit=1000&after={after}", 30)
+        for item in body[items]:
+            found[int(item[key])] = item
         if body.get("next_after") is None:
-            return tasks
+            return found
         after = body["next_after"]
-    raise AssertionError("too many pages of tasks")
+    raise AssertionError(f"too many pages of {items}")
+
+
+def fetch_tasks(broker: Broker) -> dict[int, dict[str, Any]]:
+    return _pages(broker, "/api/v1/tasks", "tasks", "id")
 
 
 def fetch_trees(broker: Broker) -> dict[int, dict[str, Any]]:
-    trees: dict[int, dict[str, Any]] = {}
-    after = 0
-    for _ in range(1000):
-        body = broker.get(f"/api/v1/trees?tenant=jepsen&limit=1000&after={after}", 30)
-        for tree in body["trees"]:
-            trees[int(tree["root"])] = tree
-        if body.get("next_after") is None:
-            return trees
-        after = body["next_after"]
-    raise AssertionError("too many pages of trees")
+    return _pages(broker, "/api/v1/trees", "trees", "root")
 
 
 def digests(cluster: Cluster) -> dict[str, tuple[int, str]] | None:

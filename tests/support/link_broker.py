@@ -47,6 +47,16 @@ class Clock:
         return self.frozen
 
 
+class Monotonic:
+    """A monotonic clock for the worker link that moves only when a test moves ``now``."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @dataclass
 class Broker:
     node: Node

@@ -9,15 +9,7 @@ import asyncio
 
 from broker.core.state import WorkerState
 from broker.workers import protocol as p
-from tests.support.link_broker import WAIT_S, BrokerFactory
-
-
-class Monotonic:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.link_broker import WAIT_S, BrokerFactory, Monotonic
 
 
 async def test_silence_is_judged_by_the_injected_clock(make_broker: BrokerFactory) -> None:

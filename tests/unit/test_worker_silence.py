@@ -18,7 +18,7 @@ from broker.workers.liveness import Liveness
 from broker.workers.worker_link import WorkerLinkConfig
 from log.memory import MemoryLedgerListStore, MemoryLedgerStore
 from snapshot.store import SnapshotStore
-from tests.support.link_broker import WAIT_S, BrokerFactory
+from tests.support.link_broker import WAIT_S, BrokerFactory, Monotonic
 from tests.support.machine import Machine
 
 # --- the state machine ---------------------------------------------------------------------
@@ -204,14 +204,6 @@ async def test_a_leader_writes_one_silence_entry_for_many_workers(
 
 
 # --- the link: a connected worker ----------------------------------------------------------
-
-
-class Monotonic:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def test_a_beating_worker_causes_no_entry(make_broker: BrokerFactory) -> None:
