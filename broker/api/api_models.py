@@ -531,6 +531,8 @@ class ScheduleView(msgspec.Struct, omit_defaults=True):
     runs: int  # tasks created
     skipped: int  # ticks that created no task
     recent: list[ScheduleFiring]  # the last firings that ran a tick, oldest first
+    paused: bool  # fires nothing until resumed (docs/API.md, "Periodic tasks")
+    paused_at: DateTime | None  # when it was paused (null: not paused)
     cron: str | None = None
     interval_s: float | None = None
     last_error: str | None = None

@@ -1,4 +1,5 @@
-"""Handlers of periodic-task schedules: create, list, read, delete (broker/core/schedules.py)."""
+"""Handlers of periodic-task schedules: create, list, read, delete, pause and resume
+(broker/core/schedules.py)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ def _view(schedule: Schedule) -> m.ScheduleView:
         runs=schedule.runs,
         skipped=schedule.skipped,
         recent=[m.ScheduleFiring(iso_ms(f.tick_ms) or "", f.task_id) for f in schedule.history],
+        paused=schedule.paused_ms is not None,
+        paused_at=iso_ms(schedule.paused_ms),
         cron=schedule.cron,
         interval_s=None if schedule.interval_ms is None else schedule.interval_ms / 1000,
         last_error=schedule.last_error,
@@ -192,3 +195,31 @@ async def delete_schedule(api: ApiContext, request: Request) -> tuple[int, bytes
     if isinstance(result, Rejected):
         raise rejected_error(result)
     return 200, json_encoder.encode(view)  # the schedule as it was
+
+
+async def pause_schedule(api: ApiContext, request: Request) -> tuple[int, bytes]:
+    return await _set_paused(api, request, paused=True)
+
+
+async def resume_schedule(api: ApiContext, request: Request) -> tuple[int, bytes]:
+    return await _set_paused(api, request, paused=False)
+
+
+async def _set_paused(api: ApiContext, request: Request, *, paused: bool) -> tuple[int, bytes]:
+    key = _named(api, request)
+    tenant, name = key
+    # Already so: answered from the state, with no entry (the state holds only durable
+    # entries, so the pause or resume that made it so is durable; a log entry would change
+    # nothing). Two concurrent requests may both log one: the second applies as a no-op.
+    if (api.node.state.schedules[key].paused_ms is not None) != paused:
+        result = await api.node.propose(
+            lambda stamp: e.PauseSchedule(
+                time_ms=stamp.now_ms, tenant=tenant, name=name, paused=paused
+            )
+        )
+        if isinstance(result, Rejected):
+            raise rejected_error(result)  # deleted meanwhile: 404
+    schedule = api.node.state.schedules.get(key)
+    if schedule is None:  # deleted right after
+        raise HttpError(404, "not_found", f"schedule {name!r} of tenant {tenant!r} does not exist")
+    return 200, json_encoder.encode(_view(schedule))

@@ -341,6 +341,20 @@ ROUTES: Final[tuple[Route, ...]] = (
           "Delete a schedule (the tasks it created stay)", {200: _json(m.ScheduleView)},
           params=(_SCHEDULE_NAME, _query("tenant", {"type": "string"})),
           operation_id="delete_schedule", tag="schedules"),
+    Route("POST", "/api/v1/schedules/{name}/pause", TENANT, handlers_schedules.pause_schedule,
+          "Pause a schedule: it fires nothing until resumed", {200: _json(m.ScheduleView)},
+          params=(_SCHEDULE_NAME, _query("tenant", {"type": "string"})),
+          description=(
+              "Ticks that pass while it is paused are missed: once resumed, the schedule's "
+              "missed policy handles them (skip, run_once or run_all, as for ticks no "
+              "leader fired in time). Pausing a paused schedule changes nothing."
+          ),
+          operation_id="pause_schedule", tag="schedules"),
+    Route("POST", "/api/v1/schedules/{name}/resume", TENANT, handlers_schedules.resume_schedule,
+          "Resume a paused schedule (its missed policy handles the ticks passed meanwhile)",
+          {200: _json(m.ScheduleView)},
+          params=(_SCHEDULE_NAME, _query("tenant", {"type": "string"})),
+          operation_id="resume_schedule", tag="schedules"),
     # --- tenants -----------------------------------------------------------------------
     Route("GET", "/api/v1/tenants", TENANT, handlers_tenants.list_tenants,
           "Every tenant's service level and task counts", {200: _json(m.TenantList)},

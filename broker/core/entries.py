@@ -22,8 +22,9 @@ import msgspec
 #:    TaskSpec.priority and retry backoff (§6, "Priorities and backoff"); a tenant's submit rate;
 #:    the entry types DeleteCode, CreateSchedule, DeleteSchedule, FireSchedule, CancelTasks,
 #:    SetWebhook and WebhookProgress (each type's ``min_version``).
-#: 4: the entry type WorkerSilent (a worker's silence survives a leader change,
-#:    docs/DESIGN.md §8, "Silence across leader changes").
+#: 4: the entry types WorkerSilent (a worker's silence survives a leader change,
+#:    docs/DESIGN.md §8, "Silence across leader changes") and PauseSchedule (§6,
+#:    "Periodic tasks").
 ENTRY_FORMAT_VERSION: Final = 4
 #: The version entries are written with unless they need a newer one, so a broker not
 #: yet upgraded keeps following until a newer feature is actually used.
@@ -385,6 +386,18 @@ class FireSchedule(_Entry, frozen=True, tag="schedule_fire"):
     skipped: int = 0
 
 
+class PauseSchedule(_Entry, frozen=True, tag="schedule_pause"):
+    """Pause (``paused``) or resume a schedule: a paused one fires nothing; the ticks that
+    pass meanwhile are missed ticks, handled by its ``missed`` policy once resumed
+    (docs/DESIGN.md §6, "Periodic tasks"). Already so: a no-op. Written as format 4."""
+
+    min_version: ClassVar[int] = 4
+
+    tenant: str = ""
+    name: str = ""
+    paused: bool = True
+
+
 class SetWebhook(_Entry, frozen=True, tag="webhook_set"):
     """A tenant's webhook (``url`` None: none); events after ``after`` are delivered."""
 
@@ -434,6 +447,7 @@ Entry = (
     | SetWebhook
     | WebhookProgress
     | WorkerSilent
+    | PauseSchedule
 )
 
 

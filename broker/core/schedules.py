@@ -75,6 +75,9 @@ class Schedule(msgspec.Struct, omit_defaults=True):
     skipped: int = 0  # ticks that created no task
     last_error: str | None = None  # why the last refused firing created no task
     history: list[Firing] = []
+    # State time it was paused at (None: not paused): a paused schedule fires nothing
+    # (docs/DESIGN.md §6, "Periodic tasks"). Snapshot body version 3.
+    paused_ms: int | None = None
 
 
 def cron_shape_problem(expression: str) -> str | None:
@@ -152,8 +155,9 @@ def _due_count(schedule: Schedule, now_ms: int) -> int:
 
 def plan_firing(schedule: Schedule, now_ms: int) -> tuple[int | None, int, int] | None:
     """The leader's next firing of ``schedule`` at ``now_ms``: (the tick whose task to
-    create, or None; the new next_ms; ticks skipped), or None when nothing is due."""
-    if schedule.next_ms > now_ms:
+    create, or None; the new next_ms; ticks skipped), or None when nothing is due (or it
+    is paused)."""
+    if schedule.next_ms > now_ms or schedule.paused_ms is not None:
         return None
     policy = Missed(schedule.missed)
     if policy is Missed.RUN_ALL:
@@ -170,7 +174,7 @@ def plan_firing(schedule: Schedule, now_ms: int) -> tuple[int | None, int, int] 
 
 
 class SchedulesMixin(TasksMixin):
-    """CreateSchedule, DeleteSchedule and FireSchedule."""
+    """CreateSchedule, DeleteSchedule, FireSchedule and PauseSchedule."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -213,10 +217,26 @@ class SchedulesMixin(TasksMixin):
             return Rejected(ErrorCode.NOT_FOUND, f"schedule {entry.name!r} does not exist")
         return None
 
+    def _pause_schedule(self, entry: e.PauseSchedule) -> Rejected | None:
+        schedule = self.schedules.get((entry.tenant, entry.name))
+        if schedule is None:
+            return Rejected(ErrorCode.NOT_FOUND, f"schedule {entry.name!r} does not exist")
+        if entry.paused and schedule.paused_ms is None:
+            schedule.paused_ms = self.now_ms
+        elif not entry.paused:
+            # next_ms stays the first tick not handled: the ticks passed while paused are
+            # missed ticks, which the leader's next firing handles by the schedule's
+            # missed policy (plan_firing), so a resume runs no more than that policy says.
+            schedule.paused_ms = None
+        return None  # already so (a concurrent request's entry came first): a no-op
+
     def _fire_schedule(self, entry: e.FireSchedule) -> TaskRef | Rejected | None:
         schedule = self.schedules.get((entry.tenant, entry.name))
         if schedule is None:
             return Rejected(ErrorCode.NOT_FOUND, f"schedule {entry.name!r} does not exist")
+        if schedule.paused_ms is not None:
+            # Planned by a leader before the pause was applied: the tick stays unhandled.
+            return Rejected(ErrorCode.CONFLICT, f"schedule {entry.name!r} is paused")
         if entry.tick_ms != schedule.next_ms:
             # Another firing handled this tick already (a retry, or a deposed leader's).
             return Rejected(ErrorCode.CONFLICT, f"tick {entry.tick_ms} was already handled")

@@ -56,7 +56,8 @@ class SnapshotBody(msgspec.Struct):
 #: silently drop (its decoder skips unknown fields) and so fork its state: schedules,
 #: webhooks and their outboxes, a tenant's submit rate, a task's dependencies, priority or
 #: retry backoff. A body holding none of them is still written as 1 (body_version).
-#: 3: a worker's silent_since_ms (docs/DESIGN.md §8, "Silence across leader changes").
+#: 3: a worker's silent_since_ms (docs/DESIGN.md §8, "Silence across leader changes"), a
+#:    schedule's paused_ms (§6, "Periodic tasks").
 SNAPSHOT_BODY_VERSION: Final = 3
 _snapshot_encoder: Final = msgspec.msgpack.Encoder()
 _snapshot_decoder: Final = msgspec.msgpack.Decoder(SnapshotBody)
@@ -66,7 +67,9 @@ OLDEST_SNAPSHOT_BODY_VERSION: Final = 1
 
 def body_version(body: SnapshotBody) -> int:
     """The oldest body version whose readers keep everything ``body`` holds."""
-    if any(w.silent_since_ms is not None for w in body.workers):
+    if any(w.silent_since_ms is not None for w in body.workers) or any(
+        s.paused_ms is not None for s in body.schedules
+    ):
         return 3
     if (
         body.schedules

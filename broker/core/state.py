@@ -130,6 +130,7 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
             e.CreateSchedule: self._create_schedule,
             e.DeleteSchedule: self._delete_schedule,
             e.FireSchedule: self._fire_schedule,
+            e.PauseSchedule: self._pause_schedule,
             e.CancelTasks: self._cancel_many,
             e.SetWebhook: self._set_webhook,
             e.WebhookProgress: self._webhook_progress,

@@ -588,12 +588,20 @@ class _Collector(Collector):
         schedules = GaugeMetricFamily(
             "steward_schedules", "Periodic-task schedules", labels=["tenant"]
         )
+        paused = GaugeMetricFamily(
+            "steward_schedules_paused", "Periodic-task schedules paused", labels=["tenant"]
+        )
         by_tenant: dict[str, int] = {}
-        for tenant, _ in state.schedules:
+        paused_by_tenant: dict[str, int] = {}
+        for (tenant, _), schedule in state.schedules.items():
             by_tenant[tenant] = by_tenant.get(tenant, 0) + 1
+            if schedule.paused_ms is not None:
+                paused_by_tenant[tenant] = paused_by_tenant.get(tenant, 0) + 1
         for tenant, count in sorted(by_tenant.items()):
             schedules.add_metric([tenant], count)
+            paused.add_metric([tenant], paused_by_tenant.get(tenant, 0))
         yield schedules
+        yield paused
         yield from _role_and_position(metrics._role(), metrics._position(), state)
 
 

@@ -3,7 +3,8 @@
 Each poll, every schedule with a due tick gets one ``FireSchedule`` entry planned from the
 replicated schedule and the leader's clock; the state machine accepts it only for the
 tick the schedule is at, so a retry or a deposed leader's proposal cannot run a tick twice
-and a new leader simply carries on from the replicated ``next_ms``.
+and a new leader simply carries on from the replicated ``next_ms``. A paused schedule is
+planned nothing (``plan_firing``), and apply refuses a firing planned before its pause.
 """
 
 from __future__ import annotations

@@ -337,8 +337,17 @@ def _schedule(client: StewardClient, args: argparse.Namespace) -> None:
         for item in found:
             item["every"] = item.get("cron") or f"{item.get('interval_s'):g} s"
             item["type"] = item["task"]["type"]
-        columns = ["tenant", "name", "type", "every", "missed", "next_tick", "runs", "skipped"]
+        columns = [
+            *("tenant", "name", "type", "every", "missed", "next_tick", "runs", "skipped"),
+            "paused",
+        ]
         _print_table(found, columns)
+    elif args.schedule_command in ("pause", "resume"):
+        pause = args.schedule_command == "pause"
+        call = client.pause_schedule if pause else client.resume_schedule
+        view = call(args.name, tenant=args.tenant)
+        state = f"paused since {view['paused_at']}" if view["paused"] else "running"
+        print(f"schedule {view['name']} of {view['tenant']}: {state}")
     else:
         deleted = client.delete_schedule(args.name, tenant=args.tenant)
         print(f"schedule {deleted['name']} of {deleted['tenant']} deleted")

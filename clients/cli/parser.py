@@ -436,7 +436,7 @@ def _add_admin_commands(sub: argparse._SubParsersAction[StewardArgumentParser]) 
     )
     add_json_option(p)
 
-    p = _client(sub, "schedule", help="periodic tasks: create, list, delete schedules")
+    p = _client(sub, "schedule", help="periodic tasks: create, list, pause, delete schedules")
     schedule_sub = p.add_subparsers(dest="schedule_command", required=True, metavar="ACTION")
     p = _client(schedule_sub, "create", help="run a task at each tick of a cron or interval")
     p.add_argument("name", help="the schedule's name (its tenant's own)")
@@ -465,6 +465,13 @@ def _add_admin_commands(sub: argparse._SubParsersAction[StewardArgumentParser]) 
     p = _client(schedule_sub, "delete", help="delete a schedule (its tasks stay)")
     p.add_argument("name", help="the schedule's name")
     p.add_argument("--tenant", help="default: the token's tenant, or 'default'")
+    for action, what in (
+        ("pause", "stop a schedule firing until resumed (it keeps its definition)"),
+        ("resume", "fire a paused schedule again (its missed policy handles the ticks passed)"),
+    ):
+        p = _client(schedule_sub, action, help=what)
+        p.add_argument("name", help="the schedule's name")
+        p.add_argument("--tenant", help="default: the token's tenant, or 'default'")
 
     p = _client(sub, "digest", help="show the state digest and log position")
     add_json_option(p)

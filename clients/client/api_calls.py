@@ -255,6 +255,12 @@ def delete_schedule(name: str, tenant: str | None) -> Request:
     return Request("DELETE", f"/api/v1/schedules/{name}", params=query)
 
 
+def pause_schedule(name: str, tenant: str | None, *, paused: bool) -> Request:
+    query = {"tenant": tenant} if tenant is not None else None
+    action = "pause" if paused else "resume"
+    return Request("POST", f"/api/v1/schedules/{name}/{action}", params=query)
+
+
 def whoami() -> Request:
     return Request("GET", "/api/v1/whoami")
 

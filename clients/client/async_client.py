@@ -459,6 +459,17 @@ class AsyncStewardClient(_ClientBase):
         result: dict[str, Any] = await self._send(calls.delete_schedule(name, tenant))
         return result
 
+    async def pause_schedule(self, name: str, *, tenant: str | None = None) -> dict[str, Any]:
+        """As :meth:`StewardClient.pause_schedule`."""
+        result: dict[str, Any] = await self._send(calls.pause_schedule(name, tenant, paused=True))
+        return result
+
+    async def resume_schedule(self, name: str, *, tenant: str | None = None) -> dict[str, Any]:
+        """As :meth:`StewardClient.resume_schedule`."""
+        call = calls.pause_schedule(name, tenant, paused=False)
+        result: dict[str, Any] = await self._send(call)
+        return result
+
     async def schedule(self, name: str, *, tenant: str | None = None) -> dict[str, Any]:
         result: dict[str, Any] = await self._send(calls.schedule(name, tenant))
         return result

@@ -472,6 +472,16 @@ class StewardClient(_ClientBase):
         result: dict[str, Any] = self._send(calls.delete_schedule(name, tenant))
         return result
 
+    def pause_schedule(self, name: str, *, tenant: str | None = None) -> dict[str, Any]:
+        """Stop it firing until resumed; the schedule, ``paused`` true (docs/API.md)."""
+        result: dict[str, Any] = self._send(calls.pause_schedule(name, tenant, paused=True))
+        return result
+
+    def resume_schedule(self, name: str, *, tenant: str | None = None) -> dict[str, Any]:
+        """Fire it again; its ``missed`` policy handles the ticks passed while paused."""
+        result: dict[str, Any] = self._send(calls.pause_schedule(name, tenant, paused=False))
+        return result
+
     def schedule(self, name: str, *, tenant: str | None = None) -> dict[str, Any]:
         """One schedule (NotFoundError when the tenant has none of that name)."""
         result: dict[str, Any] = self._send(calls.schedule(name, tenant))

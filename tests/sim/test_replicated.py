@@ -126,6 +126,8 @@ def test_replicated_simulation_covers_the_faults(tmp_path: Path) -> None:
         "settles",
         "schedule firings applied",
         "schedule firings refused",
+        "schedule pauses",
+        "schedule resumes",
     ]
     assert_exercised(stats, wanted)
 

@@ -154,6 +154,10 @@ def sample_entries() -> list[e.Entry]:
         # leader changes"), kept in the snapshot (body version 3).
         e.RegisterWorker(time_ms=t + 60_009, worker_id="w2", task_types={"*": 1}),
         e.WorkerSilent(time_ms=t + 65_009, workers=(e.SilentWorker("w2", t + 60_009, t + 60_009),)),
+        # Entry format 4 too: a schedule paused (body version 3 keeps it), resumed, paused.
+        e.PauseSchedule(time_ms=t + 65_010, tenant="acme", name="every-minute"),
+        e.PauseSchedule(time_ms=t + 65_011, tenant="acme", name="every-minute", paused=False),
+        e.PauseSchedule(time_ms=t + 65_012, tenant="acme", name="every-minute"),
     ]
 
 
@@ -172,6 +176,11 @@ def observable(machine: StateMachine) -> dict[str, object]:
         "code": sorted(machine.artifacts),
         "tokens": sorted(machine.tokens),
         "schedules": sorted(f"{tenant}/{name}" for tenant, name in machine.schedules),
+        "paused_schedules": {
+            f"{s.tenant}/{s.name}": s.paused_ms
+            for s in machine.schedules.values()
+            if s.paused_ms is not None
+        },
         "webhook_outbox": {
             tenant: [[list(key), task_id] for key, task_id in outbox]
             for tenant, outbox in sorted(machine.webhook_outbox.items())

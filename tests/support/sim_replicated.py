@@ -253,8 +253,11 @@ class Simulation(ReplicaCluster):
             due_ms = lnode.state.next_timer_ms()
             if due_ms is not None and due_ms <= lnode.clock_ms():
                 return False  # the timer loop is about to propose a Tick
-            if any(s.next_ms <= lnode.clock_ms() for s in lnode.state.schedules.values()):
-                return False  # the schedule loop is about to fire
+            if any(
+                s.next_ms <= lnode.clock_ms() and s.paused_ms is None
+                for s in lnode.state.schedules.values()
+            ):
+                return False  # the schedule loop is about to fire (a paused one: never)
             return term.last_real_position == term.marked_position
 
         await self._wait_for("the leader to go idle", quiet)
@@ -339,7 +342,8 @@ class Simulation(ReplicaCluster):
                 continue
             self.reference.position = position  # as the applier does (webhook outboxes)
             result = self.reference.apply(record).result
-            count_firing(self.stats, record, result)
+            if (problem := count_firing(self.stats, self.reference, record, result)) is not None:
+                fail(problem)
             self.ref_results[position] = (type(result).__name__, encode_result(result))
             self.positions_by_data.setdefault(data, []).append(position)
 

@@ -1,14 +1,17 @@
 """Periodic-task schedules in the replicated simulation (tests/sim/test_replicated.py).
 
 ``schedule_entry`` sometimes replaces a generated proposal with a schedule's: create one
-(interval or cron, any missed-tick policy), delete one, or forge a firing of a tick that
+(interval or cron, any missed-tick policy), delete one, pause or resume one (mostly
+toggling it, sometimes asking for what it already is), or forge a firing of a tick that
 was already handled (what a deposed leader or a retry would send: it must be refused).
 The replicas' own leaders fire the schedules from their schedule loop (the real one),
 across the simulation's leader changes, kills, power losses and clock jumps.
 
 ``check_schedules`` runs at each settle point on the replay of the committed log: every
 tick of every schedule was handled exactly once (as a run or counted as skipped), no tick
-is left due, and the firings' ticks only move forward.
+of a running schedule is left due, and the firings' ticks only move forward.
+``count_firing`` checks each committed firing as it is replayed: none of a paused schedule
+is applied.
 """
 
 from __future__ import annotations
@@ -51,12 +54,16 @@ def schedule_entry(
             missed=rng.choice(_MISSED),
             grace_ms=rng.choice((0, 500, 60_000)),
         )
-    if not state.schedules or roll >= 0.06:
+    if not state.schedules or roll >= 0.075:
         return None
     (tenant, name), schedule = rng.choice(sorted(state.schedules.items()))
     if roll < 0.05:
         stats["schedule deletes"] += 1
         return e.DeleteSchedule(time_ms=stamp.now_ms, tenant=tenant, name=name)
+    if roll >= 0.06:
+        paused = (schedule.paused_ms is None) == (rng.random() < 0.8)  # mostly a toggle
+        stats["schedule pauses" if paused else "schedule resumes"] += 1
+        return e.PauseSchedule(time_ms=stamp.now_ms, tenant=tenant, name=name, paused=paused)
     # A firing of a tick already handled (or not yet due): apply must refuse it.
     stats["schedule forged firings"] += 1
     return e.FireSchedule(
@@ -69,17 +76,28 @@ def schedule_entry(
     )
 
 
-def count_firing(stats: Counter[str], record: e.Entry, result: object) -> None:
-    """Count a committed firing: a tick handled (a task, none, or its submit refused, e.g.
-    the generator's entries used the id up) or refused (that tick was handled already)."""
+def count_firing(
+    stats: Counter[str], state: StateMachine, record: e.Entry, result: object
+) -> str | None:
+    """Count a committed firing, just applied to ``state``: a tick handled (a task, none,
+    or its submit refused, e.g. the generator's entries used the id up) or refused (that
+    tick was handled already, or the schedule is paused). A problem: a paused schedule
+    fired (a firing does not change the pause, so ``state`` shows it as it was)."""
     if not isinstance(record, e.FireSchedule):
-        return
+        return None
+    schedule = state.schedules.get((record.tenant, record.name))
+    paused = schedule is not None and schedule.paused_ms is not None
     if isinstance(result, Rejected) and result.code == ErrorCode.CONFLICT:
         stats["schedule firings refused"] += 1
+        if paused:
+            stats["schedule firings of a paused schedule refused"] += 1
     elif isinstance(result, Rejected) and result.code == ErrorCode.NOT_FOUND:
         stats["schedule firings of a deleted schedule"] += 1
+    elif paused:
+        return f"schedule {record.tenant}/{record.name} fired while paused: {record}"
     else:
         stats["schedule firings applied"] += 1
+    return None
 
 
 def _cron_ticks(schedule: Schedule) -> int:
@@ -94,7 +112,7 @@ def check_schedules(reference: StateMachine, now_ms: int) -> str | None:
     """A problem with the replayed schedules at a settle point (the leader idle), or None."""
     for (tenant, name), schedule in reference.schedules.items():
         where = f"schedule {tenant}/{name}"
-        if schedule.next_ms <= now_ms:
+        if schedule.next_ms <= now_ms and schedule.paused_ms is None:
             return f"{where}: tick {schedule.next_ms} is due at {now_ms} but was not handled"
         if schedule.interval_ms is not None:
             handled = (schedule.next_ms - schedule.anchor_ms) // schedule.interval_ms

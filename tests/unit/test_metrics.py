@@ -126,6 +126,7 @@ REQUIRED_FAMILIES = {
     "steward_log_position_entry": "gauge",
     "steward_entries_applied": "counter",
     "steward_schedules": "gauge",
+    "steward_schedules_paused": "gauge",
     "steward_schedule_ticks_fired": "counter",
     "steward_schedule_ticks_missed": "counter",
     "steward_schedule_ticks_refused": "counter",
@@ -225,6 +226,7 @@ async def test_schedules_and_their_ticks_fired_missed_and_refused(scraper: Scrap
     samples = await scraper.samples()
     assert value(samples, "steward_schedules", tenant="acme") == 1
     assert value(samples, "steward_schedule_ticks_fired_total", tenant="acme") == 0
+    assert value(samples, "steward_schedules_paused", tenant="acme") == 0
 
     first_tick = node.state.schedules[("acme", "beat")].next_ms
     await fire(node, "beat", skipped=2)  # two missed ticks dropped, the latest run
@@ -244,6 +246,15 @@ async def test_schedules_and_their_ticks_fired_missed_and_refused(scraper: Scrap
     assert value(samples, "steward_schedule_ticks_fired_total", tenant="acme") == 1
     assert value(samples, "steward_schedule_ticks_refused_total", tenant="acme") == 1
     assert value(samples, "steward_tasks_submitted_total", tenant="acme", type="noop") == 1
+
+    # Paused: counted, and a firing planned before the pause is refused but not counted as
+    # a tick refused (it handled no tick).
+    paused = await api.post("/api/v1/schedules/beat/pause", params={"tenant": "acme"})
+    assert paused.status_code == 200, paused.text
+    await fire(node, "beat")
+    samples = await scraper.samples()
+    assert value(samples, "steward_schedules_paused", tenant="acme") == 1
+    assert value(samples, "steward_schedule_ticks_refused_total", tenant="acme") == 1
 
     gone = await api.delete("/api/v1/schedules/beat", params={"tenant": "acme"})
     assert gone.status_code == 200, gone.text

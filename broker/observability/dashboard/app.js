@@ -312,7 +312,9 @@ function renderSchedules(schedules) {
       h("td", { class: "mono" }, s.task.type),
       h("td", {}, every),
       h("td", { title: s.missed === "skip" ? "a tick later than " + s.grace_s + " s is skipped" : "" }, s.missed),
-      h("td", { title: s.next_tick }, when(s.next_tick)),
+      s.paused
+        ? h("td", { title: "paused since " + s.paused_at + "; next tick " + s.next_tick }, h("span", { class: "muted" }, "paused"))
+        : h("td", { title: s.next_tick }, when(s.next_tick)),
       h("td", {}, fired, s.last_error ? h("div", { class: "error-text" }, s.last_error) : null),
       h("td", { class: "num" }, s.runs),
       h("td", { class: "num" }, s.skipped),
