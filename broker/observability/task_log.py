@@ -6,7 +6,8 @@ event, never again for a follower or a replay). Every line carries ``task_id`` a
 (broker/observability/logs.py shows them in text and JSON). Levels keep the hot path quiet:
 assignments, successful finishes and refused entries are DEBUG (one per task at full rate,
 and ``isEnabledFor`` is checked once per entry); retries, given-back attempts, failures,
-cancellations and the end of task trees are INFO.
+cancellations and the end of task trees are INFO (a retry delayed by its backoff too, with
+its delay).
 """
 
 from __future__ import annotations
@@ -82,6 +83,21 @@ def log_applied(
                     task.id,
                     outcome.attempt,
                     outcome.worker_id,
+                    task.max_attempts,
+                    _first_line(outcome.error),
+                    extra=fields,
+                )
+            elif task.state == TaskState.DELAYED:
+                # A retry backoff (docs/DESIGN.md §6, "Priorities and backoff"): the task
+                # waits until start_after_ms, and the line says when.
+                delay_s = max(0, (task.start_after_ms or state.now_ms) - state.now_ms) / 1000
+                logger.info(
+                    "task %d attempt %d failed on worker %s, retrying in %.3f s (backoff; %d "
+                    "attempts allowed): %s",
+                    task.id,
+                    outcome.attempt,
+                    outcome.worker_id,
+                    delay_s,
                     task.max_attempts,
                     _first_line(outcome.error),
                     extra=fields,

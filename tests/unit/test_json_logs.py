@@ -250,6 +250,38 @@ async def test_a_given_back_attempt_is_logged_as_such_not_as_a_failure(
     assert not [line for line in task_lines if "failed" in line["message"]]
 
 
+async def test_a_retry_delayed_by_its_backoff_is_logged_with_its_delay(
+    node: Node, json_log: io.StringIO
+) -> None:
+    def build(stamp: Stamp) -> e.Entry:
+        [task_id] = stamp.task_ids(1)
+        spec = e.TaskSpec(
+            id=task_id, type="noop", tenant="acme", max_attempts=3, retry_backoff_ms=4000
+        )
+        return e.SubmitTasks(time_ms=stamp.now_ms, tasks=(spec,), v=e.submit_version((spec,)))
+
+    await node.propose(build)
+    await node.propose(
+        lambda s: e.RegisterWorker(time_ms=s.now_ms, worker_id="w", task_types={"*": 1})
+    )
+    await node.propose(
+        lambda s: e.AssignTasks(time_ms=s.now_ms, assignments=(e.Assignment(1, "w"),))
+    )
+    outcome = e.TaskOutcome(task_id=1, worker_id="w", attempt=1, ok=False, error="boom")
+    await node.propose(lambda s: e.finish_tasks(s.now_ms, (outcome,)))
+
+    assert node.state.tasks[1].state == "delayed"
+    task_lines = [line for line in lines_of(json_log) if line["logger"] == "steward.tasks"]
+    [retry] = [line for line in task_lines if line["level"] == "INFO"]
+    # 4 s for retry 1, with up to +-25 % jitter (broker/core/backoff.py).
+    prefix = "task 1 attempt 1 failed on worker w, retrying in "
+    assert retry["message"].startswith(prefix), retry["message"]
+    delay_s = float(retry["message"][len(prefix) :].split(" s ")[0])
+    assert 3.0 <= delay_s <= 5.0
+    assert retry["message"].endswith("(backoff; 3 attempts allowed): boom")
+    assert (retry["task_id"], retry["tenant"], retry["attempt"]) == (1, "acme", 1)
+
+
 async def test_task_lines_are_quiet_at_info_level(node: Node, json_log: io.StringIO) -> None:
     logging.getLogger().setLevel(logging.INFO)
 
