@@ -56,6 +56,8 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object
 # them, in the other process. A scheduler of our own rather than xdist_group marks: pytest
 # 9.2 dropped the node-id suffix that --dist loadgroup reads (pytest-xdist issue 1386).
 _ONE_AT_A_TIME = ("integration", "chaos", "jepsen", "security")
+# Modules whose last test reads what the others did (the fuzz tests' input count): one unit.
+_WHOLE_MODULES = ("tests/unit/test_fuzz_protocol.py",)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
@@ -68,6 +70,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             parts = nodeid.split("/", 2)
             if len(parts) == 3 and parts[0] == "tests" and parts[1] in _ONE_AT_A_TIME:
                 return "real-processes"
-            return nodeid
+            module = nodeid.split("::", 1)[0]
+            return module if module in _WHOLE_MODULES else nodeid
 
     return RealProcessesOneAtATime(config, log)
