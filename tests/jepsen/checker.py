@@ -93,6 +93,8 @@ def duplicates(history: History) -> list[Violation]:
                 when.setdefault(key, ok.time)
     for task in history.final.tasks.values():
         params = task.get("params") or {}
+        if task.get("parent") is not None:
+            continue  # a tree's child: once per run of its tree (broken_trees counts them)
         if isinstance(params, dict) and params.get("key"):
             key = (str(task.get("tenant", "")), str(params["key"]))
             by_key[key].add(int(task["id"]))
@@ -382,10 +384,11 @@ def long_outages(history: History) -> list[Violation]:
 
 def broken_trees(history: History) -> list[Violation]:
     """An acknowledged tracked root's tree (unless a client cancelled the root) completed,
-    run once (no replay: no task of it can fail, its timeout is far beyond the run), with
-    exactly the children the root
-    spawns, each finished (a stale attempt's late report must not spawn them again:
-    :func:`duplicates` names such a second child by its key)."""
+    and every run of it spawned exactly the root's children: each child key once per run
+    (a stale attempt's late report spawning them again shows as one more), each
+    key finished in the end. No task of it can fail, so a run may end only by the tree's
+    timeout (its children waited in the backlog longer than ``tree_timeout_s``; those not
+    finished then are cancelled, saying so): a replay for another reason is a violation."""
     children: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for task in history.final.tasks.values():
         if task.get("parent") is not None:
@@ -398,26 +401,49 @@ def broken_trees(history: History) -> list[Violation]:
         for root in task_ids(ok):
             if root in cancel_asked:
                 continue  # a client cancelled the root: its tree fails (unwanted_errors' part)
-            tree = history.final.trees.get(root)
-            kids = children.get(root, [])
-            unfinished = sorted(int(t["id"]) for t in kids if t.get("state") != "finished")
-            if tree is None:
-                message = f"acknowledged tracked root {root} has no tree"
-            elif tree.get("state") != "completed" or int(tree.get("attempt") or 0) != 1:
-                message = (
-                    f"tree {root} ended {tree.get('state')!r} at run {tree.get('attempt')} "
-                    f"(reason {tree.get('reason')!r})"
-                )
-            elif len(kids) != int(invoke.args["children"]) or unfinished:
-                message = (
-                    f"tree {root} has {len(kids)} children (its root spawns "
-                    f"{invoke.args['children']}), not finished: {unfinished}"
-                )
-            else:
-                continue
-            ids = (root, *sorted(int(t["id"]) for t in kids))
-            out.append(Violation("broken-tree", message, ok.time, ids, (ok.op_id,)))
+            out += _broken_tree(history, root, int(invoke.args["children"]), children, ok)
     return out
+
+
+def _broken_tree(
+    history: History,
+    root: int,
+    spawned: int,
+    children: dict[int, list[dict[str, Any]]],
+    ok: Op,
+) -> list[Violation]:
+    tree = history.final.trees.get(root)
+    kids = children.get(root, [])
+    runs = int((tree or {}).get("attempt") or 0)
+    per_key: dict[str, int] = defaultdict(int)
+    for kid in kids:
+        per_key[str((kid.get("params") or {}).get("key"))] += 1
+    finished = {
+        str((t.get("params") or {}).get("key")) for t in kids if t.get("state") == "finished"
+    }
+    # An earlier run's children that had not finished were cancelled when it timed out.
+    stopped = [t for t in kids if t.get("state") != "finished"]
+    if tree is None:
+        message = f"acknowledged tracked root {root} has no tree"
+    elif tree.get("state") != "completed":
+        message = f"tree {root} ended {tree.get('state')!r} (reason {tree.get('reason')!r})"
+    elif len(per_key) != spawned or any(n != runs for n in per_key.values()):
+        counts = dict(sorted(per_key.items()))
+        message = (
+            f"tree {root} ({runs} run(s)) has children by key {counts}: its root spawns "
+            f"{spawned}, once per run"
+        )
+    elif finished != set(per_key):
+        message = f"tree {root}: children {sorted(set(per_key) - finished)} never finished"
+    elif bad := [t for t in stopped if "timed out" not in str(t.get("error"))]:
+        what = ", ".join(f"{t['id']} {t.get('state')} ({t.get('error')})" for t in bad[:5])
+        message = f"tree {root} was run {runs} times, not only for its timeout: {what}"
+    elif runs > 1 and not stopped:
+        message = f"tree {root} was run {runs} times though no run of it timed out"
+    else:
+        return []
+    ids = (root, *sorted(int(t["id"]) for t in kids))
+    return [Violation("broken-tree", message, ok.time, ids, (ok.op_id,))]
 
 
 CHECKS: tuple[Callable[[History], list[Violation]], ...] = (

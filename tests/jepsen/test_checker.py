@@ -351,7 +351,7 @@ def test_a_tree_completes_once_with_every_child_finished() -> None:
     failed.history.final.trees[10].update(state="failed", reason="task 11 failed")
     assert kinds(failed) == ["broken-tree"]
     replayed = tree_of(10, children=2)
-    replayed.history.final.trees[10]["attempt"] = 2
+    replayed.history.final.trees[10]["attempt"] = 2  # replayed, not by its timeout
     assert kinds(replayed) == ["broken-tree"]
     gone = tree_of(10, children=2)
     del gone.history.final.trees[10]
@@ -368,7 +368,25 @@ def test_a_stale_attempt_spawning_its_children_again_is_detected() -> None:
     s = tree_of(10, children=2)
     s.task(13, root=10, parent=10)
     s.history.final.tasks[13]["params"] = {"key": "k10/c0"}  # spawned twice
-    assert kinds(s) == ["duplicate", "broken-tree"]
+    assert kinds(s) == ["broken-tree"]
+
+
+def test_a_tree_replayed_after_its_timeout_spawns_once_per_run() -> None:
+    s = tree_of(10, children=2)
+    # Its first run's children waited past tree_timeout_s and were cancelled; the second
+    # run spawned them again (same keys) and they finished.
+    for n in range(2):
+        s.task(13 + n, state="cancelled", root=10, parent=10)
+        s.history.final.tasks[13 + n]["error"] = "tree of task 10 failed: tree timed out"
+        s.history.final.tasks[13 + n]["params"] = {"key": f"k10/c{n}"}
+    s.history.final.trees[10]["attempt"] = 2  # its reason is cleared once it completes
+    assert check(s.history) == []
+    s.history.final.tasks[14]["error"] = "tree of task 10 failed: task 9 ended in error"
+    assert kinds(s) == ["broken-tree"]  # a run ended for another reason
+    s.history.final.tasks[14]["error"] = "tree of task 10 failed: tree timed out"
+    s.task(15, root=10, parent=10)
+    s.history.final.tasks[15]["params"] = {"key": "k10/c1"}  # a third spawn of one key
+    assert kinds(s) == ["broken-tree"]
 
 
 def test_a_cancel_by_filter_allows_cancelled_tasks_of_its_type_only() -> None:

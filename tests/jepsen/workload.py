@@ -32,13 +32,49 @@ TASK_TYPE = "jepsen_tasks:record"
 CANCELLABLE_TYPE = "jepsen_tasks:cancellable"  # cancelled by filter, while waiting
 TREE_ROOT_TYPE = "jepsen_tasks:tree_root"
 BATCH_SIZE = 3
+MAX_BACKLOG = 400  # waiting tasks: past it the clients read instead of submitting
 REQUEST_TIMEOUT_S = 2.0
 SLOTS = ("s0", "s1")
 
 
+class Backlog:
+    """The tenant's waiting tasks, read from any broker at most once a second (shared by
+    the clients): above :data:`MAX_BACKLOG` the clients read instead of submitting, so a
+    long run's queue stays far shorter than the trees' timeout (a backlog of 20,000 tasks
+    at the two workers' ~16 tasks/s kept tree children waiting past ``tree_timeout_s``)."""
+
+    def __init__(self, brokers: dict[str, str]) -> None:
+        self.urls = sorted(brokers.values())
+        self.waiting = 0
+        self._read_at = 0.0
+        self._lock = threading.Lock()
+        self._http = httpx.Client(timeout=REQUEST_TIMEOUT_S)
+
+    def full(self) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._read_at >= 1.0:
+                self._read_at = now
+                url = self.urls[int(now) % len(self.urls)]
+                try:
+                    body = self._http.get(f"{url}/api/v1/tenants/{TENANT}").json()
+                    self.waiting = int(body["counts"]["waiting"])
+                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                    pass  # unreachable in a fault: keep the last reading
+            return self.waiting > MAX_BACKLOG
+
+
 class Client:
-    def __init__(self, name: str, brokers: dict[str, str], history: History, config: Any) -> None:
+    def __init__(
+        self,
+        name: str,
+        brokers: dict[str, str],
+        history: History,
+        config: Any,
+        backlog: Backlog | None = None,
+    ) -> None:
         self.name = name
+        self.backlog = backlog
         self.brokers = brokers  # name -> url
         self.by_url = {url: n for n, url in brokers.items()}
         self.history = history
@@ -206,6 +242,8 @@ class Client:
             if stop.is_set() or time.monotonic() >= deadline:
                 return
             draw = self.rng.random()
+            if draw < 0.6 and self.tasks and self.backlog is not None and self.backlog.full():
+                draw = 0.6  # a read instead: the workers have a long queue already
             if not self.tasks or draw < 0.4:
                 self.submit(seq, deadline)
             elif draw < 0.46:
@@ -260,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     history = History()
     stop = threading.Event()
     deadline = time.monotonic() + config.duration_s
-    clients = [Client(f"c{i}", brokers, history, config) for i in range(config.clients)]
+    backlog = Backlog(brokers)
+    clients = [Client(f"c{i}", brokers, history, config, backlog) for i in range(config.clients)]
     threads = [threading.Thread(target=c.run, args=(stop, deadline), daemon=True) for c in clients]
     for thread in threads:
         thread.start()
