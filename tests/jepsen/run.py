@@ -195,8 +195,13 @@ def run(args: argparse.Namespace) -> int:
         stop_file.touch()
         load.wait(timeout=args.duration_s + 60)
         history.ops = History.load(load_out).ops
+        # Tasks submitted into a transaction exist only once it committed: a commit that
+        # failed drops them (the checker's partial_transactions), so the drain waits for
+        # a transaction's tasks only when its commit was acknowledged.
         acked = {t for i, c in history.pairs() if c and c.type == "ok" and i.f == "submit"
-                 for t in task_ids(c)}  # fmt: skip
+                 and "txn" not in i.args for t in task_ids(c)}  # fmt: skip
+        acked |= {int(t) for i, c in history.pairs() if c and c.type == "ok" and i.f == "txn"
+                  for t in i.args.get("ids", [])}  # fmt: skip
 
         def drained() -> dict[int, dict[str, Any]] | None:
             leaders = cluster.leaders()
