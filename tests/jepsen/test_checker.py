@@ -351,7 +351,11 @@ def test_a_tree_completes_once_with_every_child_finished() -> None:
     failed.history.final.trees[10].update(state="failed", reason="task 11 failed")
     assert kinds(failed) == ["broken-tree"]
     replayed = tree_of(10, children=2)
-    replayed.history.final.trees[10]["attempt"] = 2  # replayed, not by its timeout
+    replayed.history.final.trees[10]["attempt"] = 2  # replayed, not by its timeout:
+    for n in range(2):
+        replayed.task(13 + n, state="cancelled", root=10, parent=10)
+        replayed.history.final.tasks[13 + n]["params"] = {"key": f"k10/c{n}"}
+        replayed.history.final.tasks[13 + n]["error"] = "tree of task 10 failed: task 9 failed"
     assert kinds(replayed) == ["broken-tree"]
     gone = tree_of(10, children=2)
     del gone.history.final.trees[10]
@@ -384,9 +388,26 @@ def test_a_tree_replayed_after_its_timeout_spawns_once_per_run() -> None:
     s.history.final.tasks[14]["error"] = "tree of task 10 failed: task 9 ended in error"
     assert kinds(s) == ["broken-tree"]  # a run ended for another reason
     s.history.final.tasks[14]["error"] = "tree of task 10 failed: tree timed out"
+    s.history.final.trees[10]["attempt"] = 3  # a run that timed out before its root ran
+    assert check(s.history) == []
     s.task(15, root=10, parent=10)
     s.history.final.tasks[15]["params"] = {"key": "k10/c1"}  # a third spawn of one key
     assert kinds(s) == ["broken-tree"]
+    s.history.final.trees[10]["attempt"] = 2
+    s.task(16, root=10, parent=10)
+    s.history.final.tasks[16]["params"] = {"key": "k10/c0"}  # three of each in two runs
+    assert kinds(s) == ["broken-tree"]
+
+
+def test_a_replayed_tree_root_may_read_waiting_after_finished() -> None:
+    s = tree_of(10, children=2)
+    s.history.final.trees[10]["attempt"] = 2
+    s.op("read", {"id": 10}, 6.0, 6.1, result={"id": 10, "state": "finished", "attempt": 1})
+    s.op("read", {"id": 10}, 7.0, 7.1, result={"id": 10, "state": "waiting", "attempt": 1})
+    assert check(s.history) == []
+    s.op("read", {"id": 2}, 6.0, 6.1, result={"id": 2, "state": "finished", "attempt": 1})
+    s.op("read", {"id": 2}, 7.0, 7.1, result={"id": 2, "state": "waiting", "attempt": 1})
+    assert kinds(s) == ["backward-read"]  # not a tree root
 
 
 def test_a_cancel_by_filter_allows_cancelled_tasks_of_its_type_only() -> None:
