@@ -58,6 +58,7 @@ BOUNDED = frozenset(
     {"leader-from-zk", "leader-in-minority", "kill-leader", "stop-leader", "term-leader",
      "kill-during-start"}
 )  # fmt: skip
+EFFECTS_TAIL_BYTES = 256 * 1024  # > 400 records of ~200 bytes
 SMALL_JUMP_S = (0.5, 2.0)  # within the session timeout
 BIG_JUMP_S = (10.0, 120.0)  # far beyond it (and beyond the ledger roll age)
 
@@ -253,10 +254,18 @@ class Nemesis:
         self.log(kind, detail, bounded=kind in BOUNDED)
 
     def _effects(self, last: int = 400) -> list[dict[str, Any]]:
-        """The task code's latest records (tests/jepsen/jepsen_tasks.py)."""
+        """The task code's latest records (tests/jepsen/jepsen_tasks.py), from the file's
+        tail only: it is polled ten times a second and grows to tens of MB in a long run."""
         effects = self.cluster.root / "effects" / "effects.jsonl"
+        if not effects.exists():
+            return []
+        with effects.open("rb") as file:
+            size = file.seek(0, os.SEEK_END)
+            file.seek(max(0, size - EFFECTS_TAIL_BYTES))
+            tail = file.read().decode(errors="replace")
         records = []
-        for line in effects.read_text().splitlines()[-last:] if effects.exists() else []:
+        # The first line of a tail may be cut: it fails to parse and is skipped.
+        for line in tail.splitlines()[-last:]:
             with contextlib.suppress(ValueError):  # the line being written right now
                 records.append(json.loads(line))
         return records
