@@ -8,7 +8,6 @@ No worker runs: a tick's run is the task it creates. Every wait is bounded.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from datetime import datetime
 from pathlib import Path
@@ -17,24 +16,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.procs import BrokerProcess, steward_command
+from tests.support.procs import BrokerProcess, steward_output
 from tests.support.worker_procs import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 TENANT = "pausing"
-
-
-def _cli(url: str, *args: str) -> str:
-    result = subprocess.run(
-        [*steward_command(), "--url", url, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
-    assert result.returncode == 0, (result.stdout, result.stderr)
-    return result.stdout
 
 
 def _view(url: str) -> dict[str, Any]:
@@ -54,12 +41,12 @@ def test_a_paused_schedule_creates_no_task_until_resumed(tmp_path: Path) -> None
     with BrokerProcess(tmp_path / "data", log_path=tmp_path / "broker.log") as broker:
         broker.start()
         url = broker.url
-        out = _cli(url, "schedule", "create", "beat", "--tenant", TENANT, "--type", "noop",
-                   "--interval-s", "1")  # fmt: skip
+        create = ("schedule", "create", "beat", "--tenant", TENANT, "--type", "noop")
+        out = steward_output(url, *create, "--interval-s", "1")
         assert out.startswith(f"schedule beat of {TENANT}: next "), out
         wait_until(lambda: _view(url)["runs"] >= 1, 10, "the first tick's task")
 
-        out = _cli(url, "schedule", "pause", "beat", "--tenant", TENANT)
+        out = steward_output(url, "schedule", "pause", "beat", "--tenant", TENANT)
         assert out.startswith(f"schedule beat of {TENANT}: paused since "), out
         paused = _view(url)
         assert paused["paused"] is True, paused
@@ -73,11 +60,11 @@ def test_a_paused_schedule_creates_no_task_until_resumed(tmp_path: Path) -> None
             time.sleep(0.2)
         view = _view(url)
         assert (view["runs"], view["next_tick"]) == (paused["runs"], paused["next_tick"]), view
-        listed = _cli(url, "schedule", "list", "--tenant", TENANT)
+        listed = steward_output(url, "schedule", "list", "--tenant", TENANT)
         header, row = listed.splitlines()
         assert header.rstrip().endswith("PAUSED") and row.rstrip().endswith("yes"), listed
 
-        out = _cli(url, "schedule", "resume", "beat", "--tenant", TENANT)
+        out = steward_output(url, "schedule", "resume", "beat", "--tenant", TENANT)
         assert out == f"schedule beat of {TENANT}: running\n", out
         wait_until(lambda: _view(url)["runs"] >= paused["runs"] + 2, 10, "ticks after resume")
         view = _view(url)

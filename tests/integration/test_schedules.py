@@ -11,7 +11,6 @@ bounded.
 
 from __future__ import annotations
 
-import subprocess
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import pytest
 
 from clients.dev.zk import ZooKeeperServer
 from tests.support.cluster_procs import BrokerNode, ClusterProcesses
-from tests.support.procs import BrokerProcess, steward_command
+from tests.support.procs import BrokerProcess, steward_output
 from tests.support.worker_procs import wait_until
 from tests.support.write_load import fetch_tasks
 
@@ -39,15 +38,7 @@ def _schedule(node: BrokerNode, name: str) -> dict[str, Any]:
 
 
 def _cli(urls: list[str], *args: str) -> str:
-    result = subprocess.run(
-        [*steward_command(), "--url", ",".join(urls), *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
-    assert result.returncode == 0, (result.stdout, result.stderr)
-    return result.stdout
+    return steward_output(",".join(urls), *args)
 
 
 def _handled(schedule: dict[str, Any]) -> int:

@@ -49,6 +49,20 @@ def steward_command() -> list[str]:
     return [sys.executable, "-m", "clients.cli"]
 
 
+def steward_output(url: str, *args: str, timeout_s: float = 60) -> str:
+    """Run the ``steward`` CLI against ``url`` (comma-separated for a cluster); its stdout,
+    asserting it exited 0."""
+    result = subprocess.run(
+        [*steward_command(), "--url", url, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    return result.stdout
+
+
 @functools.cache
 def steward_help(command: str) -> str:
     """What ``steward <command> --help`` prints ("" when it does not answer within 60 s)."""
