@@ -462,10 +462,8 @@ def _add_admin_commands(sub: argparse._SubParsersAction[StewardArgumentParser]) 
     p = _client(schedule_sub, "list", help="list schedules with their runs and next tick")
     p.add_argument("--tenant", help="an admin's filter (a tenant token sees its own)")
     add_json_option(p)
-    p = _client(schedule_sub, "delete", help="delete a schedule (its tasks stay)")
-    p.add_argument("name", help="the schedule's name")
-    p.add_argument("--tenant", help="default: the token's tenant, or 'default'")
     for action, what in (
+        ("delete", "delete a schedule (its tasks stay)"),
         ("pause", "stop a schedule firing until resumed (it keeps its definition)"),
         ("resume", "fire a paused schedule again (its missed policy handles the ticks passed)"),
     ):
