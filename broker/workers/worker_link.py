@@ -40,6 +40,7 @@ from broker.workers.handshake import Handshake
 from broker.workers.liveness import Liveness
 from broker.workers.placement import SubmitPlacement
 from broker.workers.session import Clock, Session, peer_address, send_error
+from broker.workers.session_reader import SessionReader
 
 logger = logging.getLogger(__name__)  # task events: broker/observability/task_log.py
 
@@ -269,17 +270,11 @@ class WorkerLink:
                 reader, writer, peer, decoder, Conversation(Role.BROKER)
             )
             decoder.max_frame_bytes = self.config.max_frame_bytes
-            while True:
-                data = await reader.read(65536)
-                if not data:
-                    break
-                session.last_seen = self.clock()
-                for message in decoder.feed(data):
-                    self._dispatch(session, message)
-                    if session.closed:
-                        break  # what follows a worker's Error is not read
-                if session.closed:
-                    break
+            # From here frames are dispatched as they arrive (broker/workers/session_reader.py).
+            session_reader = await SessionReader.take_over(
+                reader, writer, session, decoder, self._dispatch, self.clock
+            )
+            await session_reader.done
         except p.ProtocolError as exc:
             if session is None:
                 self._refusals.warning("worker port: refused %s: %s", peer, exc.message)
