@@ -35,6 +35,7 @@ such a Finish v2, which an older broker refuses instead of silently dropping the
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import Final
 
 import msgspec
@@ -257,6 +258,33 @@ def encode_message(message: Message, max_frame_bytes: int = DEFAULT_MAX_FRAME_BY
             "frame_too_large", f"{message.__class__.__name__} frame of {len(payload)} bytes"
         )
     return _LENGTH.pack(len(payload)) + payload
+
+
+#: What one AssignedTask adds to a frame beside its params and code: ids, deadline, its
+#: type and tenant (names of at most 64 characters) and per resource a name and a float.
+ASSIGNED_TASK_OVERHEAD_BYTES: Final = 256
+ASSIGNED_RESOURCE_BYTES: Final = 80
+
+
+def assign_messages(tasks: Sequence[AssignedTask], max_frame_bytes: int) -> list[Assign]:
+    """``tasks`` in as few Assign messages as fit half a frame each (estimated from the
+    sizes of their params and code; a task alone over it still goes, alone): a worker
+    with many slots may be given more than one frame holds (docs/DESIGN.md §8)."""
+    budget = max_frame_bytes // 2
+    messages: list[Assign] = []
+    batch: list[AssignedTask] = []
+    size = 0
+    for task in tasks:
+        n = ASSIGNED_TASK_OVERHEAD_BYTES + len(task.params) + len(task.code or "")
+        n += ASSIGNED_RESOURCE_BYTES * len(task.resources)
+        if batch and size + n > budget:
+            messages.append(Assign(tasks=tuple(batch)))
+            batch, size = [], 0
+        batch.append(task)
+        size += n
+    if batch:
+        messages.append(Assign(tasks=tuple(batch)))
+    return messages
 
 
 def decode_payload(payload: bytes) -> Message:

@@ -465,6 +465,7 @@ class WorkerLink:
         for worker_id, tasks_for in by_worker.items():
             session = self.sessions.get(worker_id)
             if session is not None:
-                session.send(p.Assign(tasks=tuple(tasks_for)))
+                for message in p.assign_messages(tasks_for, session.max_frame_bytes):
+                    session.send(message)
             # If it vanished meanwhile, it either reconnects without these tasks
             # (reconciliation re-queues them) or is declared dead.

@@ -116,6 +116,28 @@ async def test_assignments_are_logged_first_and_respect_capacity(broker: Broker)
     assert broker.task(ids[3]).state == TaskState.WAITING
 
 
+async def test_assignments_over_one_frame_go_in_several_assign_frames(
+    make_broker: BrokerFactory,
+) -> None:
+    # 40 tasks of 10 KiB params are over one 64 KiB frame: one Assign could not be sent
+    # (the connection was closed, the worker reconnected and its attempts were lost).
+    broker = await make_broker(max_frame_bytes=64 * 1024)
+    worker = broker.worker("w1", task_types={"*": 40})
+    await worker.hello()
+    params = b'"' + b"x" * (10 * 1024) + b'"'
+    ids = await broker.submit(40, params=params)
+    received: list[p.AssignedTask] = []
+    frames = 0
+    while len(received) < len(ids):
+        received += (await worker.expect(p.Assign)).tasks
+        frames += 1
+    assert sorted(t.task_id for t in received) == ids
+    assert all(t.params == params for t in received)
+    assert frames >= 40 * 10 * 1024 // (64 * 1024)
+    assert not worker.closed_by_peer
+    assert [broker.task(i).state for i in ids] == [TaskState.RUNNING] * 40
+
+
 # --- 3. finish reports ----------------------------------------------------------------------
 
 
