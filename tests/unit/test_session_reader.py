@@ -9,10 +9,9 @@ frame and ends the reading, and so does the peer's close. Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-
-import pytest
 
 from broker.workers import protocol as p
 from broker.workers.conversation import Conversation, Role, State
@@ -37,13 +36,12 @@ def frame(message: p.Message) -> bytes:
     return p.encode_message(message)
 
 
-@pytest.fixture
-async def served() -> AsyncIterator[tuple[Served, Callable[[], float]]]:
-    yield Served(), lambda: 42.0
+def clock() -> float:
+    return 42.0
 
 
 async def serve_one(
-    served: Served, clock: Callable[[], float], prefix_bytes: int, held_bytes: int = 0
+    served: Served, prefix_bytes: int, held_bytes: int
 ) -> tuple[asyncio.Server, int]:
     """A server that reads ``prefix_bytes`` through the stream reader (into the decoder,
     as the handshake leaves a frame's start there) and takes over once the stream reader
@@ -78,79 +76,73 @@ async def serve_one(
     return server, server.sockets[0].getsockname()[1]
 
 
-async def test_bytes_the_stream_reader_held_come_first_then_frames_as_they_arrive(
-    served: tuple[Served, Callable[[], float]],
+@contextlib.asynccontextmanager
+async def connection(
+    first: bytes = b"", prefix_bytes: int = 0
+) -> AsyncIterator[tuple[Served, asyncio.StreamReader, asyncio.StreamWriter]]:
+    """A client connected to :func:`serve_one` that sent ``first`` before the take-over
+    (``prefix_bytes`` of it read by the server itself, the rest held by its stream reader)."""
+    served = Served()
+    server, port = await serve_one(served, prefix_bytes, len(first) - prefix_bytes)
+    async with server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(first)
+            await writer.drain()
+            await asyncio.wait_for(served.ready.wait(), WAIT_S)
+            yield served, reader, writer
+        finally:
+            writer.close()
+
+
+async def send_and_wait_for_the_end(
+    served: Served, writer: asyncio.StreamWriter, data: bytes
 ) -> None:
-    state, clock = served
-    sent = frame(p.Heartbeat(seq=1)) + frame(p.Heartbeat(seq=2))
+    writer.write(data)
+    await writer.drain()
+    assert served.reader is not None
+    await asyncio.wait_for(served.reader.done, WAIT_S)
+
+
+async def test_bytes_the_stream_reader_held_come_first_then_frames_as_they_arrive() -> None:
     # The server reads 3 bytes of the first frame itself: the rest, and the whole second
     # frame, sit in its stream reader when the SessionReader takes over.
-    server, port = await serve_one(state, clock, prefix_bytes=3, held_bytes=len(sent) - 3)
-    async with server:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(sent)
-        await writer.drain()
-        await asyncio.wait_for(state.ready.wait(), WAIT_S)
-        await until(lambda: len(state.dispatched) == 2)
-        assert [m.seq for m in state.dispatched if isinstance(m, p.Heartbeat)] == [1, 2]
-        assert state.session is not None and state.session.last_seen == 42.0
+    sent = frame(p.Heartbeat(seq=1)) + frame(p.Heartbeat(seq=2))
+    async with connection(sent, prefix_bytes=3) as (served, _, writer):
+        await until(lambda: len(served.dispatched) == 2)
+        assert [m.seq for m in served.dispatched if isinstance(m, p.Heartbeat)] == [1, 2]
+        assert served.session is not None and served.session.last_seen == 42.0
         writer.write(frame(p.Heartbeat(seq=3)))
         await writer.drain()
-        await until(lambda: len(state.dispatched) == 3)
+        await until(lambda: len(served.dispatched) == 3)
         writer.close()
-        assert state.reader is not None
-        await asyncio.wait_for(state.reader.done, WAIT_S)
-        await writer.wait_closed()
-        del reader
+        assert served.reader is not None
+        await asyncio.wait_for(served.reader.done, WAIT_S)
 
 
-async def test_a_bad_frame_is_answered_with_an_error_and_ends_the_reading(
-    served: tuple[Served, Callable[[], float]],
-) -> None:
-    state, clock = served
-    server, port = await serve_one(state, clock, prefix_bytes=0)
-    async with server:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        await asyncio.wait_for(state.ready.wait(), WAIT_S)
+async def test_a_bad_frame_is_answered_with_an_error_and_ends_the_reading() -> None:
+    async with connection() as (served, reader, writer):
         # A worker may not send Assign: the conversation table refuses it.
-        writer.write(frame(p.Heartbeat(seq=1)) + frame(p.Assign()) + frame(p.Heartbeat(seq=2)))
-        await writer.drain()
-        assert state.reader is not None
-        await asyncio.wait_for(state.reader.done, WAIT_S)
+        bad = frame(p.Heartbeat(seq=1)) + frame(p.Assign()) + frame(p.Heartbeat(seq=2))
+        await send_and_wait_for_the_end(served, writer, bad)
         answer = p.FrameDecoder().feed(await asyncio.wait_for(reader.read(), WAIT_S))
         assert [type(m) for m in answer] == [p.Error]
         assert isinstance(answer[0], p.Error) and answer[0].code == "unexpected_message"
         # Nothing after the refused frame was dispatched.
-        assert [type(m) for m in state.dispatched] == [p.Heartbeat]
-        writer.close()
+        assert [type(m) for m in served.dispatched] == [p.Heartbeat]
 
 
-async def test_what_follows_a_workers_error_frame_is_not_read(
-    served: tuple[Served, Callable[[], float]],
-) -> None:
-    state, clock = served
-    server, port = await serve_one(state, clock, prefix_bytes=0)
-    async with server:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        await asyncio.wait_for(state.ready.wait(), WAIT_S)
-        writer.write(frame(p.Error(code="bye", message="stopping")) + frame(p.Heartbeat(seq=9)))
-        await writer.drain()
-        assert state.reader is not None
-        await asyncio.wait_for(state.reader.done, WAIT_S)
-        assert [type(m) for m in state.dispatched] == [p.Error]
+async def test_what_follows_a_workers_error_frame_is_not_read() -> None:
+    async with connection() as (served, reader, writer):
+        last = frame(p.Error(code="bye", message="stopping")) + frame(p.Heartbeat(seq=9))
+        await send_and_wait_for_the_end(served, writer, last)
+        assert [type(m) for m in served.dispatched] == [p.Error]
         assert await asyncio.wait_for(reader.read(), WAIT_S) == b""  # closed, no answer
-        writer.close()
 
 
-async def test_the_peers_close_ends_the_reading(
-    served: tuple[Served, Callable[[], float]],
-) -> None:
-    state, clock = served
-    server, port = await serve_one(state, clock, prefix_bytes=0)
-    async with server:
-        _, writer = await asyncio.open_connection("127.0.0.1", port)
-        await asyncio.wait_for(state.ready.wait(), WAIT_S)
+async def test_the_peers_close_ends_the_reading() -> None:
+    async with connection() as (served, _, writer):
         writer.close()
-        assert state.reader is not None
-        await asyncio.wait_for(state.reader.done, WAIT_S)
-        assert state.dispatched == []
+        assert served.reader is not None
+        await asyncio.wait_for(served.reader.done, WAIT_S)
+        assert served.dispatched == []
