@@ -114,6 +114,11 @@ class CapacityIndex:
         if worker.tenants:
             self.filtered.add(wid)
 
+    @property
+    def connected_workers(self) -> int:
+        """How many workers the state counts as connected."""
+        return len(self.capacity)
+
     def candidates(self, task_type: str) -> Iterator[tuple[int, str]]:
         """(-free, worker id) of the connected workers with room for ``task_type``, best
         first: those listing the type by name merged with the "*" pools of the others

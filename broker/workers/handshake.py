@@ -277,13 +277,14 @@ class Handshake:
             conversation=conversation,
         )
         session.answers_fetch = hello.output
-        interval_ms = self.liveness.interval_ms()
+        interval_ms, timeout_ms = self.liveness.timing_ms(welcoming=True)
         session.heartbeat_interval_s = interval_ms / 1000
+        session.heartbeat_timeout_s = timeout_ms / 1000
         session.send(
             p.Welcome(
                 broker_id=self.node.config.broker_id,
                 heartbeat_interval_ms=interval_ms,
-                heartbeat_timeout_ms=self.config.heartbeat_timeout_ms,
+                heartbeat_timeout_ms=timeout_ms,
                 keep=tuple(p.TaskAttempt(t, a) for t, a in sorted(keep)),
                 drop=tuple(r for r in hello.running if (r.task_id, r.attempt) not in keep),
                 output=True,

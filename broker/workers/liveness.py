@@ -87,19 +87,24 @@ class Liveness:
         silent_s = self.clock() - session.last_seen
         return session if silent_s <= 3 * session.heartbeat_interval_s else None
 
-    def interval_ms(self) -> int:
-        """The heartbeat interval to name in a Welcome: the configured one, or longer
-        when the workers this leader knows would beat more than ``heartbeats_per_s``
-        times a second; at most a third of the timeout, so a worker still beats three
-        times before it is judged (docs/DESIGN.md §8, "Heartbeats at scale")."""
-        base = self.config.heartbeat_interval_ms
+    def timing_ms(self, *, welcoming: bool = False) -> tuple[int, int]:
+        """(interval, timeout): the configured ones, or, once the connected workers would
+        beat more than ``heartbeats_per_s`` times a second, a longer interval that keeps
+        them within it and a timeout of at least three such intervals, so a worker still
+        beats three times before it is judged (docs/DESIGN.md §8, "Heartbeats at scale";
+        Nomad's heartbeat TTL grows with its nodes likewise). ``welcoming``: for the Welcome
+        of a worker registered in the state but without its session yet."""
+        interval = self.config.heartbeat_interval_ms
+        timeout = self.config.heartbeat_timeout_ms
         budget = self.config.heartbeats_per_s
         if budget <= 0:
-            return base
-        # The state already holds the worker being welcomed (registered first).
-        workers = max(len(self.sessions) + 1, len(self.node.state.workers))
+            return interval, timeout
+        connected = self.node.state.capacity().connected_workers
+        workers = max(len(self.sessions) + welcoming, connected)
         wanted = -(-workers * 1000 // budget)  # ceil: ms so that workers / interval <= budget
-        return max(base, min(wanted, self.config.heartbeat_timeout_ms // 3))
+        if wanted <= interval:
+            return interval, timeout
+        return wanted, max(timeout, 3 * wanted)
 
     async def run(self) -> None:
         interval_s = self.config.heartbeat_interval_ms / 1000
@@ -112,17 +117,15 @@ class Liveness:
     async def beat(self, seq: int) -> None:
         """One heartbeat round: close silent connections, beat the ones due (each at the
         interval its Welcome named; one encoded frame for all), declare dead."""
-        timeout_s = self.config.heartbeat_timeout_ms / 1000
         now = self.clock()
         dropped = self._dropped_code(now)
         heartbeat = p.Heartbeat(seq=seq, dropped_code=dropped)
         frame = p.encode_message(heartbeat)
         # Due a little early rather than a whole round late: rounds tick at the base interval.
         slack_s = self.config.heartbeat_interval_ms / 2000
-        # A worker judges the leader by any frame within the timeout: half of it leaves a
-        # whole beat of slack (docs/DESIGN.md §8, "Heartbeats at scale").
-        period_s = timeout_s / 2
         for session in list(self.sessions.values()):
+            # Each connection is judged by the timeout its Welcome named.
+            timeout_s = session.heartbeat_timeout_s
             if now - session.last_seen > timeout_s:
                 logger.warning("worker %s missed its heartbeat deadline", session.worker_id)
                 session.close()
@@ -132,21 +135,23 @@ class Liveness:
                 session.last_sent = now
             # Deleted code is told in heartbeats only: beat at the worker's interval then.
             last = session.last_beat if dropped else session.last_sent
-            if now - last + slack_s >= max(session.heartbeat_interval_s, period_s):
+            # A worker judges the leader by any frame within the timeout: half of it leaves
+            # a whole beat of slack (docs/DESIGN.md §8, "Heartbeats at scale").
+            if now - last + slack_s >= max(session.heartbeat_interval_s, timeout_s / 2):
                 session.last_beat = session.last_sent = now
                 session.send_frame(heartbeat, frame)
                 session.frames_seen = session.frames_sent
         if self.node.writable:
             try:
-                await self._declare_dead_workers(now, timeout_s)
+                await self._declare_dead_workers(now, self.timing_ms()[1])
             except Exception:
                 logger.exception("declaring dead workers failed; retrying next beat")
 
-    async def _declare_dead_workers(self, now: float, timeout_s: float) -> None:
+    async def _declare_dead_workers(self, now: float, timeout_ms: int) -> None:
         """Declare dead the workers silent past the timeout: to this leader, or since the
         silence the state inherited from earlier leaders (docs/DESIGN.md §8, "Silence
         across leader changes"); then log the silences this leader newly sees."""
-        timeout_ms = self.config.heartbeat_timeout_ms
+        timeout_s = timeout_ms / 1000
         # The time the next entry is stamped with: the state's clock as this leader moves it.
         state_now_ms = max(self.node.clock_ms(), self.node.state.now_ms)
         changes: list[tuple[str, int, float | None]] = []  # (id, connected_ms, last or heard)
@@ -162,26 +167,29 @@ class Liveness:
                 if now - last > timeout_s or (
                     inherited is not None and state_now_ms - inherited > timeout_ms
                 ):
-                    if not await self._declare_dead(worker.id, worker.connected_ms):
+                    if not await self._declare_dead(worker.id, worker.connected_ms, timeout_ms):
                         return
                     continue
             if worker.id in self._logging_silence:
                 continue
-            if inherited is None and now - last >= timeout_s / 2:
+            # A connection is judged by the timeout its Welcome named (its worker beats at
+            # that Welcome's interval), a worker without one by today's.
+            half_s = (timeout_s if session is None else session.heartbeat_timeout_s) / 2
+            if inherited is None and now - last >= half_s:
                 changes.append((worker.id, worker.connected_ms, last))
-            elif inherited is not None and session is not None and now - last < timeout_s / 2:
+            elif inherited is not None and session is not None and now - last < half_s:
                 changes.append((worker.id, worker.connected_ms, None))  # beats again
         for start in range(0, len(changes), e.MAX_SILENT_BATCH):
             if not await self._log_silence(changes[start : start + e.MAX_SILENT_BATCH]):
                 return
 
-    async def _declare_dead(self, worker_id: str, connected_ms: int) -> bool:
+    async def _declare_dead(self, worker_id: str, connected_ms: int, timeout_ms: int) -> bool:
         """Log the worker's death; False when this broker cannot write any more."""
         self._declaring_dead.add(worker_id)
         dead = e.WorkerDead(
             time_ms=0,
             worker_id=worker_id,
-            reason=f"no heartbeat for {self.config.heartbeat_timeout_ms} ms",
+            reason=f"no heartbeat for {timeout_ms} ms",
             connected_ms=connected_ms,
         )
 

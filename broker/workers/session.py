@@ -40,9 +40,10 @@ class Session:
         self.last_seen = now
         self.closed = False
         self.conversation = conversation or Conversation(Role.BROKER)
-        # The heartbeat interval its Welcome named (broker/workers/liveness.py), and when
-        # the leader last sent it a Heartbeat.
+        # The heartbeat interval and timeout its Welcome named (broker/workers/liveness.py),
+        # and when the leader last sent it a Heartbeat.
         self.heartbeat_interval_s = 1.0
+        self.heartbeat_timeout_s = 10.0
         self.last_beat = now
         # Frames sent so far, and when the heartbeat loop last saw the count move: any
         # frame proves the leader alive to the worker, so a busy connection needs no beat.

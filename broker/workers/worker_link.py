@@ -57,11 +57,11 @@ class WorkerLinkConfig:
     host: str = "127.0.0.1"
     port: int = 7070
     heartbeat_interval_ms: int = 1000
-    # A worker silent (or disconnected) this long is declared dead.
+    # A worker silent (or disconnected) this long is declared dead (longer at scale: below).
     heartbeat_timeout_ms: int = 10_000
-    # Heartbeats per second the leader takes (and sends) across all its workers: with
-    # more workers than this times the interval, a Welcome names a longer interval (at
-    # most a third of the timeout), so idle cost stays flat (docs/DESIGN.md §8). 0: off.
+    # Heartbeats per second the leader takes across all its workers: with more workers
+    # than this times the interval, a Welcome names a longer interval, and a timeout of at
+    # least three of them, so idle cost stays flat (docs/DESIGN.md §8). 0: off.
     heartbeats_per_s: int = 1000
     # A connection must send its hello within this (it is closed with an error frame after).
     hello_timeout_s: float = 5.0

@@ -272,7 +272,11 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=10_000,
         metavar="MS",
-        help="a worker silent or disconnected this long is declared dead (default %(default)s)",
+        help=(
+            "a worker silent or disconnected this long is declared dead; longer with over "
+            "3,333 workers: three heartbeat intervals at 1,000 heartbeats a second "
+            "(default %(default)s)"
+        ),
     )
     p.add_argument(
         "--snapshot-interval-s",

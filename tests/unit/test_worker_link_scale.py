@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from broker.core import entries as e
 from broker.core.state import WorkerState
 from broker.workers import protocol as p
 from tests.support.link_broker import BrokerFactory
@@ -20,30 +21,63 @@ async def test_welcome_interval_grows_with_the_workers_and_is_kept(
     make_broker: BrokerFactory,
 ) -> None:
     # 10 beats a second in all: the 2nd worker beats every 200 ms, the 3rd every 300 ms;
-    # never longer than a third of the timeout.
+    # past a third of the timeout, the timeout grows to three intervals.
     broker = await make_broker(
         heartbeat_interval_ms=100, heartbeat_timeout_ms=1500, heartbeats_per_s=10
     )
-    intervals = []
+    timings = []
     workers = []
     for n in range(6):
         worker = broker.worker(f"w{n}")
         welcome = await worker.hello(heartbeats=False)
-        intervals.append(welcome.heartbeat_interval_ms)
+        timings.append((welcome.heartbeat_interval_ms, welcome.heartbeat_timeout_ms))
         workers.append(worker)
-    assert intervals == [100, 200, 300, 400, 500, 500]
+    assert timings == [(100, 1500), (200, 1500), (300, 1500), (400, 1500), (500, 1500), (600, 1800)]
 
     # Beating at its own (long) interval, the last worker stays connected past several
     # of the base intervals, and the broker beats it about as often, not every 100 ms.
     last = workers[-1]
     last.start_heartbeats(0.5)
     before = last.heartbeats_received
-    await asyncio.sleep(1.6)  # what is measured: how often the broker beats in a window
+    await asyncio.sleep(2.0)  # what is measured: how often the broker beats in a window
     beaten = last.heartbeats_received - before
     assert 2 <= beaten <= 5, beaten
     assert broker.node.state.workers["w5"].state == WorkerState.CONNECTED
     assert broker.link.liveness.live_session("w5") is not None
     for worker in workers:
+        await worker.close()
+
+
+async def test_a_connection_is_judged_by_the_timeout_its_welcome_named(
+    make_broker: BrokerFactory,
+) -> None:
+    # 10 beats a second in all and a 600 ms timeout: the 4th worker is told to beat every
+    # 400 ms and given 1,200 ms (Nomad's heartbeat TTL grows with its nodes likewise).
+    broker = await make_broker(
+        heartbeat_interval_ms=100, heartbeat_timeout_ms=600, heartbeats_per_s=10
+    )
+    workers = [broker.worker(f"w{n}") for n in range(4)]
+    for worker in workers[:3]:
+        await worker.hello()  # beating every 100 ms
+    last = workers[3]
+    welcome = await last.hello(heartbeats=False)
+    assert (welcome.heartbeat_interval_ms, welcome.heartbeat_timeout_ms) == (400, 1200)
+
+    # Silent past the configured timeout but within its own: still connected.
+    await asyncio.sleep(0.9)
+    assert not last.closed_by_peer
+    assert broker.node.state.workers["w3"].state == WorkerState.CONNECTED
+    last.start_heartbeats(0.4)
+    await asyncio.sleep(0.5)
+
+    # Gone: declared dead by today's timeout (1,200 ms for four connected workers), not
+    # by the configured 600 ms.
+    await last.close()
+    await asyncio.sleep(0.8)
+    assert broker.node.state.workers["w3"].state == WorkerState.CONNECTED
+    await broker.until(lambda: broker.node.state.workers["w3"].state == WorkerState.DEAD)
+    assert any("1200 ms" in dead.reason for dead in broker.entries(e.WorkerDead))
+    for worker in workers[:3]:
         await worker.close()
 
 
