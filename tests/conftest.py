@@ -16,6 +16,12 @@ from collections.abc import Generator
 
 import pytest
 
+from clients.worker.task_procs import disable_grpc_fork_handlers
+
+# Test workers run in this process beside the Spark Connect tests (grpc loaded): as a
+# worker process does, keep grpc's fork handlers out of its task processes' forks.
+disable_grpc_fork_handlers()
+
 # Checks shared by test modules (not fixtures): their asserts explain failures too.
 pytest.register_assert_rewrite("tests.support.ledger_lists")
 

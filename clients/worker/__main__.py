@@ -35,7 +35,7 @@ from clients.worker.task_env import (
     remove_work_dir,
 )
 from clients.worker.task_identity import DEFAULT_TASK_UID_RANGE
-from clients.worker.task_procs import check_task_processes
+from clients.worker.task_procs import check_task_processes, disable_grpc_fork_handlers
 
 
 def _pair(text: str) -> tuple[str, str]:
@@ -399,6 +399,7 @@ PARENT_PID_ENV = "STEWARD_WORKER_PARENT_PID"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    disable_grpc_fork_handlers()  # first: before anything imports grpc (task_procs.py)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

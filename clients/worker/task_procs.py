@@ -26,6 +26,12 @@ attempt: see :meth:`TaskProcessPool.release`; removed with the process), ``homes
 group, files ``0640``): the verified artifacts that uid may import, copied from the
 worker's cache so no tenant reads the cache itself.
 
+Forks. ``Popen`` forks (it cannot vfork when it switches uid), so every ``pthread_atfork``
+handler of the worker process runs in each child before its exec. grpc registers some,
+and a worker loads grpc once it attaches to a Spark Connect session to interrupt it: about
+one child in a hundred then died in them (SIGSEGV or SIGBUS) before its exec. The worker
+turns them off before grpc is imported (:func:`disable_grpc_fork_handlers`).
+
 Threads. One :class:`Dispatcher` thread (``clients/worker/task_process.py``, with the
 process's side of things) reads every process's pipes and delivers outcomes (no thread per
 process or per task); a cleaner thread removes what tasks leave behind.
@@ -64,6 +70,18 @@ if TYPE_CHECKING:
     from clients.worker.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
+
+
+#: grpc reads it when it is first imported; "0": no fork handlers (grpc's own advice for a
+#: process that only forks to exec).
+GRPC_FORK_SUPPORT_ENV = "GRPC_ENABLE_FORK_SUPPORT"
+
+
+def disable_grpc_fork_handlers() -> None:
+    """Before grpc is imported in this process: its fork handlers would run in every task
+    process this process forks (see the module's docstring, "Forks")."""
+    os.environ[GRPC_FORK_SUPPORT_ENV] = "0"
+
 
 _START_TIMEOUT_S: Final = 60.0
 
