@@ -51,14 +51,16 @@ class SessionReader(asyncio.Protocol):
         """Set a reader on ``writer``'s transport in place of ``reader``; the bytes the
         stream reader already holds (sent right after the Hello) are read first."""
         this = cls(session, decoder, dispatch, clock)
+        # The worker closed its side already (its EOF went to the stream reader).
+        closed_by_peer = reader.at_eof()
         writer.transport.set_protocol(this)
         # The stream reader gets nothing more now: end it and take what it holds (no
-        # wait: its buffer is all there is).
+        # wait, so nothing the new protocol receives can come before it).
         reader.feed_eof()
         held = await reader.read()
         if held:
             this.data_received(held)
-        if writer.transport.is_closing():
+        if closed_by_peer or writer.transport.is_closing():
             this._finish()
         return this
 
