@@ -34,7 +34,13 @@ class BrokerStartupError(Exception):
 class HistoryGapError(BrokerStartupError):
     """The local state cannot be continued from the log: the ledgers after it are gone.
 
-    A cluster broker answers it by downloading a newer snapshot from a peer."""
+    A cluster broker answers it by downloading a newer snapshot from a peer, one at
+    ``needed_position`` or later (the first ledger still listed): a snapshot older than
+    that leaves the same gap."""
+
+    def __init__(self, message: str, needed_position: tuple[int, int] | None = None) -> None:
+        super().__init__(message)
+        self.needed_position = needed_position
 
 
 class NewerFormatError(BrokerStartupError):

@@ -73,7 +73,8 @@ class LedgerHistory:
         if position_ledger >= 0 and position_ledger not in ids:
             raise HistoryGapError(
                 f"this broker's state is at ledger {position_ledger}, which is no longer "
-                f"in the ledger list {ids}: the history after it is gone"
+                f"in the ledger list {ids}: the history after it is gone",
+                needed_position=(ids[0], -1) if ids else None,
             )
         first = ledger_list.first_ledger_id
         if position_ledger < 0 and ids and first is not None and ids[0] != first:
@@ -82,7 +83,8 @@ class LedgerHistory:
             raise HistoryGapError(
                 f"no usable snapshot, and the ledgers from {first} to before {ids[0]} were "
                 "deleted by retention: the history cannot be replayed from its start; "
-                "restore a snapshot into the snapshots directory"
+                "restore a snapshot into the snapshots directory",
+                needed_position=(ids[0], -1),
             )
 
     async def replay_ledger(self, info: LedgerInfo) -> None:

@@ -493,7 +493,7 @@ class ClusterBroker:
             # counts towards --snapshot-source-wait-s like the follower's search.
             with contextlib.suppress(ElectionError):
                 await self.elector.leave()
-            await self.follower.find_snapshot(str(exc))
+            await self.follower.find_snapshot(exc)
             if self.follower.fatal is None:
                 with contextlib.suppress(ElectionError):
                     await self.elector.join()

@@ -68,7 +68,7 @@ class LogFollower:
                 self.give_up(str(failure))
                 return
             if isinstance(failure, HistoryGapError):
-                await self.find_snapshot(str(failure))
+                await self.find_snapshot(failure)
                 if self.fatal is not None:
                     return
             elif failure is not None:
@@ -96,17 +96,18 @@ class LogFollower:
             logger.error("%s", reason)
         self.gave_up.set()
 
-    async def find_snapshot(self, why: str) -> None:
+    async def find_snapshot(self, gap: HistoryGapError) -> None:
         """A newer snapshot from the snapshots directory (an operator may have put one there)
         or a peer; give up once none was found for the configured wait (counted from the
         first of the searches in a row that found nothing, whether following or elected)."""
+        why = str(gap)
         if self._needed_since is None:
             self._needed_since = time.monotonic()
             self._peers_asked.clear()
         node = self._node
         try:
             # The local directory first: an operator may have restored a file into it.
-            if await node.load_snapshot() or await self._download_snapshot(why):
+            if await node.load_snapshot() or await self._download_snapshot(gap):
                 self._needed_since = None
                 return
         except NewerFormatError as exc:  # a peer's snapshot of a newer release
@@ -125,20 +126,23 @@ class LogFollower:
             return
         await asyncio.sleep(RETRY_DELAY_S * 4)
 
-    async def _download_snapshot(self, why: str) -> bool:
+    async def _download_snapshot(self, gap: HistoryGapError) -> bool:
         from snapshot.peer import download_latest_snapshot
 
         node = self._node
         peers = self._peer_urls()
         self._peers_asked.update(dict.fromkeys(peers))
-        logger.warning("%s; downloading a snapshot from %s", why, peers)
+        logger.warning("%s; downloading a snapshot from %s", gap, peers)
+        # Past the gap: a peer whose snapshot is as old as this state (a follower stuck at
+        # the same gap) would be installed and change nothing, again and again.
+        needed = max(node.position, gap.needed_position or node.position)
         info = await download_latest_snapshot(
             peers,
             node.snapshots,
             ssl_context=self._peer_ssl,
             cluster_id=node.config.cluster_id,
             timeout_s=self._peer_timeout_s,
-            min_position=node.position,
+            min_position=needed,
             token=self._cluster_token,
         )
         if info is None:

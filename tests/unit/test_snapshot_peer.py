@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -21,8 +22,11 @@ from broker.api.http_api import ApiApp, ApiConfig
 from broker.core import entries as e
 from broker.core.state import StateMachine
 from broker.observability.node_observer import observe_node
-from broker.replication.node import Node, NodeConfig
+from broker.replication.history import LedgerHistory
+from broker.replication.node import HistoryGapError, Node, NodeConfig
+from broker.server.following import LogFollower
 from clients.dev.local_server import free_port
+from log.api import LedgerInfo, LedgerList, LedgerState
 from log.memory import MemoryLedgerListStore, MemoryLedgerStore
 from snapshot.format import read_header
 from snapshot.peer import (
@@ -77,10 +81,16 @@ async def peers(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Peer]]]
         cluster_id: str = CLUSTER,
         snapshot: bool = True,
         api_config: ApiConfig | None = None,
+        **node_options: Any,
     ) -> Peer:
         node = Node(
             # Timers off: the state must stay exactly at the snapshot.
-            NodeConfig(data_dir=tmp_path / name, cluster_id=cluster_id, timer_poll_interval_s=3600),
+            NodeConfig(
+                data_dir=tmp_path / name,
+                cluster_id=cluster_id,
+                timer_poll_interval_s=3600,
+                **node_options,
+            ),
             ledgers=MemoryLedgerStore(),
             ledger_list=MemoryLedgerListStore(),
             snapshots=SnapshotStore(tmp_path / name / "snapshots", cluster_id=cluster_id),
@@ -350,3 +360,58 @@ async def test_a_peer_with_authentication_serves_brokers_holding_the_cluster_tok
         [peer.url], store, cluster_id=CLUSTER, timeout_s=WAIT_S, token="cluster-secret"
     )
     assert info is not None and store.newest() is not None
+
+
+async def test_a_follower_past_a_history_gap_skips_a_peer_as_far_behind_as_itself(
+    peers: Callable[..., Awaitable[Peer]], tmp_path: Path
+) -> None:
+    # Seen in the 1-hour partition run: both followers were at ledger 844 when retention
+    # deleted the ledgers after it; each downloaded the other's snapshot at (844, 65),
+    # installed it and was no further, 43 times in two minutes (only the leader could
+    # lead: a leader fault then took 11.4 s). The snapshot must reach past the gap.
+    stale = await peers("stale")
+    fresh = await peers("fresh", ledger_roll_bytes=1)  # a ledger per commit: a later one
+    store = SnapshotStore(tmp_path / "me" / "snapshots", cluster_id=CLUSTER)
+    assert await download_latest_snapshot([stale.url], store, cluster_id=CLUSTER) is not None
+    me = Node(
+        NodeConfig(data_dir=tmp_path / "me", cluster_id=CLUSTER, timer_poll_interval_s=3600),
+        ledgers=MemoryLedgerStore(),
+        ledger_list=MemoryLedgerListStore(),
+        snapshots=store,
+    )
+    await me.boot()  # at the stale peer's snapshot, as a follower stuck at the gap is
+    try:
+        assert me.position == stale.node.position < fresh.node.position
+        follower = LogFollower(
+            me,
+            peer_urls=lambda: [stale.url, fresh.url],
+            peer_ssl=None,
+            peer_timeout_s=10.0,
+            cluster_token=None,
+            on_end=lambda: None,
+        )
+        gap = HistoryGapError(
+            f"this broker's state is at ledger {me.position[0]}, which is no longer in the "
+            "ledger list",
+            needed_position=(fresh.node.position[0], -1),
+        )
+        await asyncio.wait_for(follower.find_snapshot(gap), WAIT_S)
+        assert me.position == fresh.node.position
+        assert follower.fatal is None
+    finally:
+        await me.stop(snapshot=False)
+
+
+def test_a_history_gap_names_the_position_a_snapshot_must_reach() -> None:
+    listed = LedgerList(
+        ledgers=tuple(LedgerInfo(i, 0, LedgerState.CLOSED, 5) for i in (859, 860, 861)),
+        first_ledger_id=1,
+    )
+    at_844 = LedgerHistory(SimpleNamespace(position=(844, 65)))  # type: ignore[arg-type]
+    with pytest.raises(HistoryGapError) as gap:
+        at_844.check(listed)
+    assert gap.value.needed_position == (859, -1)
+    no_state = LedgerHistory(SimpleNamespace(position=(-1, -1)))  # type: ignore[arg-type]
+    with pytest.raises(HistoryGapError) as gap:
+        no_state.check(listed)
+    assert gap.value.needed_position == (859, -1)
