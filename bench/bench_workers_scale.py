@@ -316,6 +316,7 @@ class Row:
     storm_s: float = 0.0
     storm_refused: dict[str, int] = field(default_factory=dict)
     idle_after_storm: float = 0.0
+    rss_end_mb: float = 0.0  # the broker's RSS at the end (tasks and the storm done)
 
 
 async def wait_for(predicate: object, timeout_s: float, what: str) -> None:
@@ -390,6 +391,7 @@ async def measure(args: argparse.Namespace, count: int) -> Row:
         cpu0, t0 = cpu_s(proc.pid), time.perf_counter()
         await asyncio.sleep(args.idle_seconds)
         row.idle_after_storm = (cpu_s(proc.pid) - cpu0) / (time.perf_counter() - t0)
+        row.rss_end_mb = rss_bytes(proc.pid) / 2**20
         if profiler is not None:
             profiler.send_signal(signal.SIGINT)
             profiler.wait(timeout=60)
@@ -417,8 +419,8 @@ def table(rows: Sequence[Row]) -> str:
     lines = [
         "| workers | connect s | broker RSS per worker | idle broker CPU (heartbeats) "
         "| tasks/s | broker CPU per 1,000 tasks (net of heartbeats) | reconnect storm s "
-        "| storm refusals | idle after storm |",
-        "|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| storm refusals | idle after storm | broker RSS at the end |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         refused = ", ".join(f"{k} {v}" for k, v in sorted(r.storm_refused.items())) or "none"
@@ -426,7 +428,7 @@ def table(rows: Sequence[Row]) -> str:
             f"| {r.workers:,} | {r.connect_s:.2f} | {r.rss_per_worker_kb:.1f} KB "
             f"| {r.idle_core:.1%} | {r.tasks_per_s:,.0f} "
             f"| {r.cpu_ms_per_1000:.0f} ms ({r.net_ms_per_1000:.0f} ms) "
-            f"| {r.storm_s:.2f} | {refused} | {r.idle_after_storm:.1%} |"
+            f"| {r.storm_s:.2f} | {refused} | {r.idle_after_storm:.1%} | {r.rss_end_mb:.0f} MB |"
         )
     return "\n".join(lines)
 
