@@ -374,7 +374,7 @@ async def _start_child_workers(
     env = dict(os.environ)
     if config.workers.token is not None:
         env["STEWARD_WORKER_TOKEN"] = config.workers.token  # not on the command line
-    # They stop when this process dies, even by kill -9 (clients/worker/__main__.py,
+    # They stop when this process dies, even by kill -9 (clients/worker/config.py,
     # PARENT_PID_ENV): their own session keeps them out of a process-group kill.
     env["STEWARD_WORKER_PARENT_PID"] = str(os.getpid())
     tls_args: list[str] = []

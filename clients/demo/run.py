@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import shutil
 import signal
 import socket
@@ -20,6 +21,7 @@ from typing import Any
 from clients.client import StewardClient, StewardError, TaskHandle
 from clients.demo.wordcount_job import words_of
 from clients.progress import PIPE_INTERVAL_S, Progress
+from clients.worker.config import PARENT_PID_ENV, WorkerConfig
 
 TENANT_WEIGHTS = {"analytics": 3.0, "adhoc": 1.0}
 LINES_PER_TASK = 250
@@ -65,13 +67,20 @@ def local_cluster(
     say: Callable[[str], None] | None = None,
 ) -> Iterator[str]:
     """A standalone broker and worker processes (``worker_args`` added); yields the broker URL.
-    ``say`` is told each step as it starts (the demo prints them)."""
+    ``say`` is told each step as it starts (the demo prints them). ClusterStartError, with
+    the cause the process logged, when a process exits while starting or one does not
+    start in time.
+
+    Each worker's default work dir carries this process's pid (as a standalone broker's
+    workers carry its pid), so another demo, or a worker of the same id, on the host is no
+    clash; the worker removes it when it exits cleanly."""
     step = say if say is not None else (lambda _message: None)
     begun = time.monotonic()
     http_port, worker_port = free_port(), free_port()
     url = f"http://127.0.0.1:{http_port}"
     out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
     procs: list[subprocess.Popen[bytes]] = []
+    worker_env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
     try:
         procs.append(
             subprocess.Popen(
@@ -92,7 +101,7 @@ def local_cluster(
             )
         )
         with StewardClient(url, timeout_s=5) as client:
-            _wait(lambda: _healthy(client), 30, "the broker did not start")
+            _wait(lambda: _healthy(client), 30, "the broker did not start", procs, log)
             step(
                 f"broker ready at {url} ({time.monotonic() - begun:.1f} s); starting"
                 f" {workers} worker{'s' if workers != 1 else ''} ..."
@@ -118,9 +127,16 @@ def local_cluster(
                         ],
                         stdout=out,
                         stderr=out,
+                        env=worker_env,
                     )
                 )
-            _wait(lambda: _connected_workers(client) >= workers, 60, "the worker did not connect")
+            _wait(
+                lambda: _connected_workers(client) >= workers,
+                60,
+                "the worker did not connect",
+                procs,
+                log,
+            )
             step(f"worker connected ({time.monotonic() - begun:.1f} s)")
         yield url
     finally:
@@ -146,13 +162,60 @@ def _connected_workers(client: StewardClient) -> int:
     return sum(1 for w in client.cluster()["workers"] if w["state"] == "connected")
 
 
-def _wait(check: Any, timeout_s: float, message: str) -> None:
+class ClusterStartError(RuntimeError):
+    """A process of the local cluster exited while starting, or one did not start in time."""
+
+
+def _wait(
+    check: Callable[[], bool],
+    timeout_s: float,
+    message: str,
+    procs: Sequence[subprocess.Popen[bytes]],
+    log: Path | None,
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if check():
             return
+        for proc in procs:
+            if proc.poll() is not None:
+                raise ClusterStartError(
+                    f"{message}: {_process_name(proc)} exited with code {proc.returncode}"
+                    + _logged_cause(log)
+                )
         time.sleep(0.1)
-    raise RuntimeError(f"{message} within {timeout_s:.0f} s")
+    raise ClusterStartError(f"{message} within {timeout_s:.0f} s" + _logged_cause(log))
+
+
+def _process_name(proc: subprocess.Popen[bytes]) -> str:
+    args = [str(arg) for arg in proc.args] if isinstance(proc.args, list) else []
+    if "worker" in args:
+        return (
+            f"the worker {args[args.index('--worker-id') + 1]}"
+            if "--worker-id" in args
+            else "a worker"
+        )
+    return "the broker"
+
+
+def _logged_cause(log: Path | None) -> str:
+    """The last error line the processes logged (": ..."), or nothing."""
+    if log is None:
+        return ""
+    try:
+        with open(log, "rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - 64 * 1024))
+            tail = file.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(tail):
+        if "error" in line.lower():
+            return f": {line.strip()}"
+    return ""
+
+
+class DemoTaskError(RuntimeError):
+    """A task of the demo did not finish."""
 
 
 def run_wordcount(
@@ -204,7 +267,7 @@ def run_wordcount(
                 progress.update(done)  # it prints when due: a line every few seconds piped
             if task["state"] in ("finished", "error", "cancelled"):
                 if task["state"] != "finished":
-                    raise RuntimeError(f"task {task['id']} {task['state']}: {task.get('error')}")
+                    raise DemoTaskError(f"task {task['id']} {task['state']}: {task.get('error')}")
                 counts[tenant].update(task["result"]["counts"])
                 if not remaining:
                     finished_s[tenant] = time.monotonic() - started
@@ -212,15 +275,50 @@ def run_wordcount(
     return {"counts": counts, "finished_s": finished_s, "tasks": total, "artifact": sha}
 
 
-def _task_process_problem() -> str | None:
-    """What would stop the demo's workers from running tasks (say it now, not after 60 s)."""
-    from clients.worker.config import WorkerConfig
-    from clients.worker.task_procs import check_task_processes
+def preflight_problem() -> str | None:
+    """What would stop the demo, said in its first second rather than after minutes of
+    waiting (issue 30): task processes that cannot run this Python, a JVM for Spark that
+    would not start. One line saying what to do, or None."""
+    setup = "run ./scripts/demo from Steward's checkout, which sets this machine up, or"
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        return f"Spark needs Java 17 or newer and there is no java: {setup} install Java 17"
+    # The probe's work dir, removed after it: the demo leaves nothing behind when it stops.
+    with tempfile.TemporaryDirectory(prefix="steward-demo-check-") as scratch:
+        os.chmod(scratch, 0o711)  # task users pass through to their home, as in a work dir
+        config = WorkerConfig(
+            broker="127.0.0.1:1", http_url="http://127.0.0.1:1", work_dir=Path(scratch) / "work"
+        )
+        return _task_users_problem(config, setup)
+
+
+def _task_users_problem(config: WorkerConfig, setup: str) -> str | None:
+    from clients.worker.spark_connect import spark_identity
+    from clients.worker.task_env import jvm_user_name_problem
+    from clients.worker.task_identity import TaskUserError
+    from clients.worker.task_procs import TaskProcessCheckError, check_task_processes
 
     try:
-        check_task_processes(WorkerConfig(broker="127.0.0.1:1", http_url="http://127.0.0.1:1"))
-    except ValueError as exc:
+        check_task_processes(config)
+        spark = spark_identity(config)
+    except TaskProcessCheckError as exc:
+        fix = (
+            f"chmod o+x {' '.join(exc.closed_dirs)} (traversal only)"
+            if exc.closed_dirs
+            else "make the virtualenv from a Python other users can read"
+            " (/usr/bin/python3 -m venv .venv)"
+        )
+        return (
+            f"its task processes, under uids of their own (uid {exc.uid}), cannot run"
+            f" {exc.python}: {exc.reason}; {setup} {fix} (docs/SECURITY.md, 'Task processes')"
+        )
+    except (TaskUserError, ValueError) as exc:
         return str(exc)
+    jvm_problem = jvm_user_name_problem(spark.uid) if spark.switch else None
+    if jvm_problem is not None:
+        return (
+            f"its Spark server would not start ({jvm_problem}; a JVM needs a user name):"
+            f" {setup} apt-get install libnss-wrapper"
+        )
     return None
 
 
@@ -229,35 +327,39 @@ def _say(message: str) -> None:
 
 
 def run_demo(keep: bool = False) -> int:
+    problem = preflight_problem()
+    if problem is not None:
+        print(f"steward demo: {problem}", file=sys.stderr)
+        return 2
     data_root = Path(tempfile.mkdtemp(prefix="steward-demo-"))
     lines = corpus_lines()
     print(f"steward demo: data dir {data_root}")
     print(f"corpus: {len(lines):,} lines; tenants and weights: {TENANT_WEIGHTS}")
-    problem = _task_process_problem()
-    if problem is not None:
-        print(f"steward demo: {problem}", file=sys.stderr)
-        return 2
+    failed = False
     try:
         _say("starting a standalone broker ...")
         with local_cluster(data_root / "data", log=data_root / "demo.log", say=_say) as url:
             _say("uploading the word-count job and submitting the corpus ...")
             with StewardClient(url) as client:
                 outcome = run_wordcount(client, lines, say=_say)
-        expected = plain_python_count(lines)
-        print(f"{outcome['tasks']} tasks on artifact {outcome['artifact'][:12]}")
-        for tenant, seconds in outcome["finished_s"].items():
-            print(
-                f"tenant {tenant:<10} weight {TENANT_WEIGHTS[tenant]:.0f}: done in {seconds:.1f} s"
-            )
-        for tenant, counts in outcome["counts"].items():
-            if counts != expected:
-                print(f"MISMATCH: {tenant}'s count differs from plain Python", file=sys.stderr)
-                return 1
-        print("both tenants' counts equal a plain-Python count of the corpus")
-        print("top words:")
-        for word, n in expected.most_common(10):
-            print(f"  {word:<12} {n}")
-        return 0
+    except (ClusterStartError, StewardError, DemoTaskError) as exc:
+        failed = True
+        print(f"steward demo: {exc}", file=sys.stderr)
+        print(f"steward demo: the log is kept: {data_root / 'demo.log'}", file=sys.stderr)
+        return 1
     finally:
-        if not keep:
+        if not keep and not failed:
             shutil.rmtree(data_root, ignore_errors=True)
+    expected = plain_python_count(lines)
+    print(f"{outcome['tasks']} tasks on artifact {outcome['artifact'][:12]}")
+    for tenant, seconds in outcome["finished_s"].items():
+        print(f"tenant {tenant:<10} weight {TENANT_WEIGHTS[tenant]:.0f}: done in {seconds:.1f} s")
+    for tenant, counts in outcome["counts"].items():
+        if counts != expected:
+            print(f"MISMATCH: {tenant}'s count differs from plain Python", file=sys.stderr)
+            return 1
+    print("both tenants' counts equal a plain-Python count of the corpus")
+    print("top words:")
+    for word, n in expected.most_common(10):
+        print(f"  {word:<12} {n}")
+    return 0

@@ -14,6 +14,7 @@ from broker.security.auth import secret_from_options
 from broker.security.tls import CA_ENV
 from clients.worker.config import (
     DEFAULT_MAX_CACHE_BYTES,
+    PARENT_PID_ENV,
     WorkerConfig,
     default_cache_dir,
     default_resources,
@@ -395,7 +396,6 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 
 #: Set by a standalone broker for the workers it starts: its pid (see main).
-PARENT_PID_ENV = "STEWARD_WORKER_PARENT_PID"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -453,7 +453,8 @@ def _run(
 ) -> int:
     try:
         if config.task_isolation == "process":
-            check_task_processes(config)
+            for warning in check_task_processes(config):
+                _warn(warning)
             if config.spark == "connect" and config.spark_remote is None:
                 spark_identity(config)  # a usable --spark-user, or a uid of its own
     except ValueError as exc:

@@ -64,6 +64,12 @@ def default_cache_dir() -> Path:
     return Path(base) / "steward" / "artifacts"
 
 
+#: Set by the process that starts a worker and stays its parent (a standalone broker's
+#: ``--workers``, the demo): the worker's default work dir carries that pid, and the worker
+#: stops with it.
+PARENT_PID_ENV: Final = "STEWARD_WORKER_PARENT_PID"
+
+
 def default_work_dir(worker_id: str | None = None) -> Path:
     """Where task processes get their directories: outside any home, so task users reach it.
 

@@ -71,6 +71,14 @@ def has_passwd_entry(uid: int) -> bool:
     return True
 
 
+def jvm_user_name_problem(uid: int) -> str | None:
+    """Why a JVM started under ``uid`` would fail, or None: Java and Hadoop look the user's
+    name and home up, and a uid with no passwd entry gets them only from libnss-wrapper."""
+    if has_passwd_entry(uid) or nss_wrapper_library() is not None:
+        return None
+    return f"uid {uid} has no passwd entry and libnss-wrapper is not installed to give it one"
+
+
 def scrubbed_env(
     home: Path, identity: TaskIdentity | None = None, base: dict[str, str] | None = None
 ) -> dict[str, str]:

@@ -56,8 +56,7 @@ from clients.worker.task_env import (
     TaskProcessError,
     WorkArea,
     empty_dir,
-    has_passwd_entry,
-    nss_wrapper_library,
+    jvm_user_name_problem,
     scrubbed_env,
 )
 from clients.worker.task_identity import TaskIdentity
@@ -415,11 +414,59 @@ class TaskProcessPool:
                 process.retire()
 
 
-def check_task_processes(config: WorkerConfig) -> None:
+class TaskProcessCheckError(ValueError):
+    """Task processes could not start: the reason, and the directories on the way to the
+    interpreter or Steward that other users cannot pass through (the usual cause as root:
+    pyenv under a ``0700`` ``/root``). The worker and the demo each say what to do."""
+
+    def __init__(self, uid: int, python: str, reason: str, closed_dirs: list[str]) -> None:
+        self.uid = uid
+        self.python = python
+        self.reason = reason
+        self.closed_dirs = closed_dirs
+        closed = (
+            f" ({', '.join(closed_dirs)} closed to other users: chmod o+x opens a directory"
+            " for traversal only)"
+            if closed_dirs
+            else ""
+        )
+        super().__init__(
+            f"task processes (uid {uid}) cannot run {python} with Steward from"
+            f" {PROJECT_ROOT}: {reason}{closed}. Install Steward in a virtualenv made from a"
+            " Python other users can read (e.g. /usr/bin/python3 -m venv /opt/steward), or"
+            " name a user that can with --task-user USER (docs/SECURITY.md, 'Task processes')"
+        )
+
+
+def closed_to_others(*paths: str) -> list[str]:
+    """The directories on the way to ``paths`` (as given, and with symlinks resolved) that
+    other users cannot pass through (no o+x), in order, each once."""
+    closed: list[str] = []
+    for path in [p for given in paths for p in (os.path.abspath(given), os.path.realpath(given))]:
+        directory = os.path.dirname(path)
+        chain: list[str] = []
+        while True:
+            chain.append(directory)
+            parent = os.path.dirname(directory)
+            if parent == directory:
+                break
+            directory = parent
+        for directory in reversed(chain):
+            try:
+                mode = os.stat(directory).st_mode
+            except OSError:
+                continue
+            if not mode & 0o001 and directory not in closed:
+                closed.append(directory)
+    return closed
+
+
+def check_task_processes(config: WorkerConfig) -> list[str]:
     """Fail at start, with what to do, when task users could not run a task process.
 
-    Starts one probe process as the identity a first tenant would get; ValueError (with
-    the reason) when it cannot start or import the task host.
+    Starts one probe process as the identity a first tenant would get;
+    TaskProcessCheckError (a ValueError, with the reason) when it cannot start or import the
+    task host. Returns warnings: what would fail later, for some tasks only.
     """
     from clients.worker.runtime import task_identities
 
@@ -446,18 +493,18 @@ def check_task_processes(config: WorkerConfig) -> None:
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         failure = [str(exc)]
-    if identity.switch and not has_passwd_entry(identity.uid) and nss_wrapper_library() is None:
-        print(
-            f"steward worker: warning: uid {identity.uid} has no passwd entry and"
-            " libnss-wrapper is not installed: tasks that start a JVM (Spark) will fail;"
-            " apt-get install libnss-wrapper, or name users with --task-user",
-            file=sys.stderr,
+    warnings: list[str] = []
+    jvm_problem = jvm_user_name_problem(identity.uid) if identity.switch else None
+    if jvm_problem is not None:
+        warnings.append(
+            f"{jvm_problem}: tasks that start a JVM (Spark) will fail; apt-get install"
+            " libnss-wrapper, or name users with --task-user"
         )
     if failure:
-        raise ValueError(
-            f"task processes (uid {identity.uid}) cannot run {config.task_python} with"
-            f" Steward from {PROJECT_ROOT}: {failure[0]}. Install Steward in a virtualenv"
-            " made from a Python other users can read (e.g. /usr/bin/python3 -m venv"
-            " /opt/steward), or name a user that can with --task-user USER"
-            " (docs/SECURITY.md, 'Task processes')"
+        closed = (
+            closed_to_others(config.task_python, str(PROJECT_ROOT / "clients"))
+            if identity.switch
+            else []
         )
+        raise TaskProcessCheckError(identity.uid, config.task_python, failure[0], closed)
+    return warnings

@@ -11,7 +11,7 @@ full-page screenshot to ``test-artifacts/dashboard.png`` (git-ignored; the path 
 Issue 17: the page's words are the API's (``max_waiting``, ``error``, ``0 (unlimited)``,
 resources with units) and broker names are whole; a task's detail comes into view on a
 fresh load of ``/#task-N``, on a hash change in the open tab and from the keyboard (Tab to
-a task's link, Enter); axe-core, from npm (``.ci/run`` installs it under ``.cache/npm``),
+a task's link, Enter); axe-core, from npm (``scripts/test`` installs it under ``.cache/npm``),
 finds no violation of impact serious or critical. A missing axe-core fails the test.
 """
 

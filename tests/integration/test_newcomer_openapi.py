@@ -7,7 +7,7 @@ test uses only that generated client to submit, read, list and page tasks throug
 follower of a 3-broker cluster, and validates every response it gets against the
 document (jsonschema_rs, which the test extras bring with schemathesis).
 
-11: ``promtool check metrics`` (Debian's ``prometheus`` package; .ci/run installs it) finds
+11: ``promtool check metrics`` (Debian's ``prometheus`` package; scripts/test installs it) finds
 nothing to say about a live broker's ``/metrics``, which has the standard collectors, the
 build info and the HTTP request series.
 """
@@ -183,7 +183,7 @@ def test_promtool_finds_nothing_wrong_with_a_live_brokers_metrics(tmp_path: Path
     unknown type passes ``promtool check metrics`` (names, units, _total counters, help)."""
     promtool = shutil.which("promtool")
     assert promtool is not None, (
-        "promtool is missing: apt-get install prometheus (.ci/run installs it)"
+        "promtool is missing: apt-get install prometheus (./scripts/test installs it)"
     )
     with BrokerProcess(tmp_path / "data", log_path=tmp_path / "broker.log") as broker:
         broker.start()

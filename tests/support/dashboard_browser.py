@@ -4,7 +4,7 @@ test_newcomer_dashboard.py): the ``browser`` fixture (Debian's ``chromium`` driv
 what those tests ask the page: where the task detail is, the keyboard focus, a refresh,
 the console's errors, and axe-core's violations.
 
-axe-core comes from npm: ``.ci/run`` installs it under the git-ignored ``.cache/npm``. A
+axe-core comes from npm: ``scripts/test`` installs it under the git-ignored ``.cache/npm``. A
 test that asks for it fails, never skips, when it is missing.
 """
 
@@ -32,7 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 AXE_CORE = REPO_ROOT / ".cache" / "npm" / "node_modules" / "axe-core" / "axe.min.js"
 AXE_INSTALL = (
     "npm install --prefix .cache/npm --no-save --no-package-lock axe-core@4.14.1"
-    " (what .ci/run does)"
+    " (what scripts/test does)"
 )
 # The issue's window: a task's detail once opened 1,234 px down a 757 px high window.
 SMALL_WINDOW = (1280, 757)
