@@ -8,11 +8,9 @@ import dataclasses
 import errno
 import gc
 import logging
-import os
 import signal
 import socket
 import ssl
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +38,7 @@ from broker.replication.node import (
     Stamp,
 )
 from broker.security.tls import TlsConfig, TlsConfigError, server_context
+from broker.server.child_workers import ChildSpec, ChildWorkers, child_env
 from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
 from log.file import FileLedgerListStore, FileLedgerStore
 from snapshot.store import SnapshotStore
@@ -131,7 +130,10 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
             f"data dir {config.node.data_dir})",
             flush=True,
         )
-        children = await _start_child_workers(config, link.port)
+        children = ChildWorkers(
+            child_worker_specs(config, link.port), child_env(config.workers.token)
+        )
+        await children.start()
         if ready is not None:
             ready.set()
         await asyncio.wait(
@@ -145,7 +147,7 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
             await let_tasks_finish(node, link, children, config.stop_grace_s, hurry)
         await stop_http_server(server, server_task, app)
         await retention.stop()
-        await _stop_children(children)
+        await children.stop()
         await link.stop()
         await node.stop()
     finally:
@@ -310,7 +312,7 @@ def _say(message: str) -> None:
 async def let_tasks_finish(
     node: Node,
     link: WorkerLink,
-    children: list[asyncio.subprocess.Process],
+    children: ChildWorkers,
     grace_s: float,
     hurry: asyncio.Event,
 ) -> None:
@@ -318,9 +320,7 @@ async def let_tasks_finish(
     nothing new, let running tasks finish for up to ``grace_s`` (``hurry``: stop waiting),
     then give the rest back to the queue, not counted as failed attempts."""
     link.draining = True
-    for child in children:  # they stop taking tasks and drain with the same grace
-        if child.returncode is None:
-            child.send_signal(signal.SIGTERM)
+    children.signal(signal.SIGTERM)  # they stop taking tasks and drain with the same grace
     running = len(_running(node))
     if not running:
         return
@@ -367,59 +367,33 @@ async def let_tasks_finish(
         )
 
 
-async def _start_child_workers(
-    config: StandaloneConfig, worker_port: int
-) -> list[asyncio.subprocess.Process]:
-    children = []
-    env = dict(os.environ)
-    if config.workers.token is not None:
-        env["STEWARD_WORKER_TOKEN"] = config.workers.token  # not on the command line
-    # They stop when this process dies, even by kill -9 (clients/worker/config.py,
-    # PARENT_PID_ENV): their own session keeps them out of a process-group kill.
-    env["STEWARD_WORKER_PARENT_PID"] = str(os.getpid())
+def child_worker_specs(config: StandaloneConfig, worker_port: int) -> list[ChildSpec]:
     tls_args: list[str] = []
     if config.tls is not None:
         tls_args.append("--tls")
         if config.tls.ca_path is not None:
             tls_args += ["--tls-ca", str(config.tls.ca_path)]
-    for n in range(config.child_workers):
-        children.append(
-            await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "clients.worker",
+    return [
+        ChildSpec(
+            worker_id,
+            (
                 "--broker",
                 f"{config.workers.host}:{worker_port}",
                 "--http-url",
                 f"{http_scheme(config.tls)}://{config.api.host}:{config.api.port}",
                 "--worker-id",
-                f"{config.node.broker_id}-worker-{n + 1}",
+                worker_id,
                 "--cache-dir",
                 str(config.node.data_dir / "worker-cache"),
                 "--stop-grace-s",
                 str(config.stop_grace_s),
                 *tls_args,
-                env=env,
-                # Their own session: a Ctrl-C in the terminal reaches the broker
-                # only, which passes one SIGTERM on (a second would hurry their stop).
-                start_new_session=True,
-            )
+            ),
         )
-    return children
-
-
-async def _stop_children(children: list[asyncio.subprocess.Process]) -> None:
-    for child in children:
-        if child.returncode is None:
-            child.send_signal(signal.SIGTERM)
-    for child in children:
-        try:
-            # A child still running after the broker's grace gives its tasks back at
-            # once on this second signal; its own bound is for the reports to go out.
-            await asyncio.wait_for(child.wait(), timeout=20)
-        except TimeoutError:
-            child.kill()
-            await child.wait()
+        for worker_id in (
+            f"{config.node.broker_id}-worker-{n + 1}" for n in range(config.child_workers)
+        )
+    ]
 
 
 class HttpServer(uvicorn.Server):
