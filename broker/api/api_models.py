@@ -326,6 +326,9 @@ class WorkerSummary(msgspec.Struct):
     address: str
     running_tasks: int
     resources: dict[str, float]
+    # What it serves, as WorkerView: what `steward submit --wait` tells a waiting task by.
+    task_types: dict[str, int] = {}  # concurrency per task type ("*": any type)
+    tenants: list[str] = []  # tenants served (empty: all)
 
 
 class ClusterSummary(msgspec.Struct):
