@@ -14,10 +14,11 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.integration.test_newcomer_cli import steward
+from tests.integration.test_newcomer_cli import Run, steward
 from tests.support.procs import BrokerProcess, steward_command
 from tests.support.worker_procs import broker_with_worker
 
@@ -123,3 +124,32 @@ def test_ctrl_c_of_submit_wait_names_the_live_tasks_and_how_to_cancel(
     line = err.strip().splitlines()[-1]
     assert line.startswith("steward: stopped waiting; tasks "), err
     assert " go on " in line and "steward cancel" in line, err
+
+
+# --- 3: a Spark error's first line is its message --------------------------------------------
+
+
+def test_a_spark_error_shows_its_message_not_an_empty_line(
+    broker: BrokerProcess, tmp_path: Path
+) -> None:
+    job = tmp_path / "silence_job.py"
+    job.write_text(JOB)
+    upload = steward("--url", broker.url, "code", "upload", str(job))
+    assert upload.code == 0, upload
+    sha = upload.out.strip()
+    run: Run = steward(
+        "--url",
+        broker.url,
+        "submit",
+        CODE_TYPE,
+        "--code",
+        sha,
+        "--wait",
+        "--timeout-s",
+        "60",
+        timeout_s=90,
+    )
+    assert run.code == 1, run
+    assert (
+        "error: ParseException: [PARSE_SYNTAX_ERROR] Syntax error at or near 'SELEC'" in run.out
+    ), run
