@@ -153,3 +153,20 @@ def test_a_spark_error_shows_its_message_not_an_empty_line(
     assert (
         "error: ParseException: [PARSE_SYNTAX_ERROR] Syntax error at or near 'SELEC'" in run.out
     ), run
+
+
+# --- 4: a bad value is one line, without the usage -------------------------------------------
+
+
+def test_a_bad_option_value_is_one_line_without_the_usage() -> None:
+    bad_json = steward("submit", "sleep", "--params", "{seconds: 1}")
+    assert bad_json.code == 2, bad_json
+    assert bad_json.err.count("\n") == 1 and "usage:" not in bad_json.err, bad_json
+    assert bad_json.err.startswith("steward: --params: not valid JSON"), bad_json
+    assert """e.g. '{"seconds": 1}'""" in bad_json.err, bad_json
+    bad_number = steward("submit", "sleep", "--count", "two")
+    assert bad_number.code == 2 and bad_number.err.count("\n") == 1, bad_number
+    assert "--count: invalid int value: 'two'" in bad_number.err, bad_number
+    # A misuse of the command still shows how to use it.
+    unknown = steward("submit", "sleep", "--bogus")
+    assert unknown.code == 2 and "usage:" in unknown.err, unknown
