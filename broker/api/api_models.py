@@ -261,6 +261,16 @@ class WebhookBody(msgspec.Struct, forbid_unknown_fields=True):
     secret: str
 
 
+class WebhookFailing(msgspec.Struct):
+    """The event the leader keeps failing to deliver (docs/API.md, Webhooks)."""
+
+    event: str  # its event id: deliveries after it wait for it
+    failures: int  # failed tries of it so far
+    last_error: str  # "HTTP 503", or the connection error
+    last_failed_at: DateTime
+    next_retry_at: DateTime
+
+
 class WebhookView(msgspec.Struct):
     """A tenant's webhook (never its secret); delivered: the id of the last event the
     receiver acknowledged that the log has recorded (the next delivery comes after it)."""
@@ -268,6 +278,10 @@ class WebhookView(msgspec.Struct):
     tenant: str
     url: str
     delivered: str
+    pending: int = 0  # events in its outbox after `delivered` (replicated: any broker)
+    # Set while the leader's deliveries fail (the leader's own knowledge: null on a
+    # follower, and until the first failed try on a new leader).
+    failing: WebhookFailing | None = None
 
 
 class ArtifactView(msgspec.Struct):

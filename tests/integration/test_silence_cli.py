@@ -16,11 +16,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.integration.test_newcomer_cli import Run, steward
 from tests.support.procs import BrokerProcess, steward_command
-from tests.support.worker_procs import broker_with_worker
+from tests.support.webhook_receiver import Receiver, webhook_receiver
+from tests.support.worker_procs import broker_with_worker, wait_until
 
 CODE_TYPE = "silence_job:parse_error"
 # A task that raises what a Spark Connect session raises for bad SQL: its text starts
@@ -170,3 +172,37 @@ def test_a_bad_option_value_is_one_line_without_the_usage() -> None:
     # A misuse of the command still shows how to use it.
     unknown = steward("submit", "sleep", "--bogus")
     assert unknown.code == 2 and "usage:" in unknown.err, unknown
+
+
+# --- 6: a webhook's GET shows the deliveries that fail ---------------------------------------
+
+
+def test_a_webhook_shows_its_failing_deliveries(broker: BrokerProcess) -> None:
+    receiver = Receiver("silence-secret", refusing=True)
+    with webhook_receiver(receiver) as url, httpx.Client(base_url=broker.url, timeout=10) as http:
+        path = "/api/v1/tenants/hooked/webhook"
+        put = http.put(path, json={"url": url, "secret": "silence-secret"})
+        assert put.status_code == 200, put.text
+        assert put.json()["failing"] is None and put.json()["pending"] == 0, put.text
+        task_id = submit_id(broker.url, "noop", "--tenant", "hooked")
+
+        def failed_twice() -> bool:
+            failing = http.get(path).json()["failing"]
+            return failing is not None and failing["failures"] >= 2
+
+        wait_until(failed_twice, OUTPUT_WAIT_S, "two failed deliveries shown")
+        view = http.get(path).json()
+        assert view["pending"] == 1, view
+        failing = view["failing"]
+        assert failing["last_error"] == "HTTP 503", view
+        assert failing["next_retry_at"] > failing["last_failed_at"], view
+        with receiver.lock:
+            receiver.refusing = False
+
+        def delivered() -> bool:
+            shown = http.get(path).json()
+            return shown["failing"] is None and shown["pending"] == 0
+
+        wait_until(delivered, OUTPUT_WAIT_S, "the delivery shown as done")
+        assert receiver.delivered_ids() == [task_id]
+        assert http.delete(path).status_code == 200
