@@ -74,6 +74,9 @@ class _TaskOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # +-25% jitter. 0: retried at once.
     retry_backoff_s: float = 0
     retry_backoff_max_s: float | None = None
+    # Accept a type no worker is known to run (a ``module:function`` without code: a
+    # program's embedded worker registered it), instead of a 400 (docs/API.md, "Task types").
+    allow_unknown_type: bool = False
 
 
 class TaskSubmission(_TaskOptions, kw_only=True):

@@ -206,3 +206,18 @@ def test_a_webhook_shows_its_failing_deliveries(broker: BrokerProcess) -> None:
         wait_until(delivered, OUTPUT_WAIT_S, "the delivery shown as done")
         assert receiver.delivered_ids() == [task_id]
         assert http.delete(path).status_code == 200
+
+
+# --- 5: a module:function type without code is refused at submit -----------------------------
+
+
+def test_module_function_without_code_is_refused_at_submit(broker: BrokerProcess) -> None:
+    refused = steward("--url", broker.url, "submit", "mymod:run")
+    assert refused.code == 1 and refused.err.count("\n") == 1, refused
+    assert refused.err.startswith("steward: ") and "400" in refused.err, refused
+    assert "steward code upload FILE" in refused.err and "--code" in refused.err, refused
+    batch = steward("--url", broker.url, "submit", "mymod:run", "--count", "2")
+    assert batch.code == 1 and "code artifact" in batch.err, batch
+    # An embedded worker's own name: accepted when the submitter says so.
+    task_id = submit_id(broker.url, "mymod:run", "--allow-unknown-type")
+    assert steward("--url", broker.url, "cancel", str(task_id)).code == 0
