@@ -19,6 +19,7 @@ from clients.cli.waiting import NOTICE_AFTER_S, stopped_waiting_line, waiting_no
 from clients.client import (
     ConnectionFailedError,
     StewardClient,
+    StewardError,
     TaskHandle,
     TaskTimeoutError,
 )
@@ -270,7 +271,10 @@ def _wait_noticed(
     try:
         return wait(NOTICE_AFTER_S), False
     except TaskTimeoutError:
-        hint(waiting_notice(handle.client, handle.info(), tree=tree))
+        try:
+            hint(waiting_notice(handle.client, handle.info(), tree=tree))
+        except StewardError:  # the notice is a courtesy: the wait goes on without it
+            hint(f"steward: waiting for task {handle.id} (Ctrl-C stops waiting, it goes on)")
     remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
     return wait(remaining), True
 
