@@ -74,6 +74,9 @@ class _TaskOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # +-25% jitter. 0: retried at once.
     retry_backoff_s: float = 0
     retry_backoff_max_s: float | None = None
+    # Accept a type no worker is known to run (a ``module:function`` without code: a
+    # program's embedded worker registered it), instead of a 400 (docs/API.md, "Task types").
+    allow_unknown_type: bool = False
 
 
 class TaskSubmission(_TaskOptions, kw_only=True):
@@ -261,6 +264,16 @@ class WebhookBody(msgspec.Struct, forbid_unknown_fields=True):
     secret: str
 
 
+class WebhookFailing(msgspec.Struct):
+    """The event the leader keeps failing to deliver (docs/API.md, Webhooks)."""
+
+    event: str  # its event id: deliveries after it wait for it
+    failures: int  # failed tries of it so far
+    last_error: str  # "HTTP 503", or the connection error
+    last_failed_at: DateTime
+    next_retry_at: DateTime
+
+
 class WebhookView(msgspec.Struct):
     """A tenant's webhook (never its secret); delivered: the id of the last event the
     receiver acknowledged that the log has recorded (the next delivery comes after it)."""
@@ -268,6 +281,10 @@ class WebhookView(msgspec.Struct):
     tenant: str
     url: str
     delivered: str
+    pending: int = 0  # events in its outbox after `delivered` (replicated: any broker)
+    # Set while the leader's deliveries fail (the leader's own knowledge: null on a
+    # follower, and until the first failed try on a new leader).
+    failing: WebhookFailing | None = None
 
 
 class ArtifactView(msgspec.Struct):
@@ -326,6 +343,9 @@ class WorkerSummary(msgspec.Struct):
     address: str
     running_tasks: int
     resources: dict[str, float]
+    # What it serves, as WorkerView: what `steward submit --wait` tells a waiting task by.
+    task_types: dict[str, int] = {}  # concurrency per task type ("*": any type)
+    tenants: list[str] = []  # tenants served (empty: all)
 
 
 class ClusterSummary(msgspec.Struct):

@@ -54,6 +54,8 @@ async def cluster(api: ApiContext, request: Request) -> tuple[int, bytes]:
             address=w.address,
             running_tasks=len(state.running_by_worker.get(w.id, ())),
             resources=w.resources,
+            task_types=w.task_types,
+            tenants=w.tenants,
         )
         for w in state.workers.values()
     ]

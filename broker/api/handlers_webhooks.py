@@ -8,7 +8,14 @@ from typing import Final
 import msgspec
 
 from broker.api import api_models as m
-from broker.api.common import HttpError, Request, decode, json_encoder, rejected_error
+from broker.api.common import (
+    HttpError,
+    Request,
+    decode,
+    iso_ms,
+    json_encoder,
+    rejected_error,
+)
 from broker.api.context import ApiContext
 from broker.api.event_feed import WHOLE_ENTRY
 from broker.api.webhooks import key_text
@@ -29,10 +36,23 @@ def _tenant_name(request: Request) -> str:
     return name
 
 
-def _view(tenant: Tenant) -> bytes:
+def _view(api: ApiContext, tenant: Tenant) -> bytes:
     hook = tenant.webhook
     assert hook is not None
-    return json_encoder.encode(m.WebhookView(tenant.name, hook.url, key_text(hook.delivered)))
+    outbox = api.node.state.webhook_outbox.get(tenant.name, ())
+    pending = sum(1 for key, _ in outbox if key > hook.delivered)
+    failure = api.webhooks.failing.get(tenant.name) if api.node.is_leader else None
+    failing = None
+    if failure is not None:
+        failing = m.WebhookFailing(
+            event=failure.event,
+            failures=failure.failures,
+            last_error=failure.last_error,
+            last_failed_at=iso_ms(failure.last_failed_ms) or "",
+            next_retry_at=iso_ms(failure.next_retry_ms) or "",
+        )
+    view = m.WebhookView(tenant.name, hook.url, key_text(hook.delivered), pending, failing)
+    return json_encoder.encode(view)
 
 
 async def get_webhook(api: ApiContext, request: Request) -> tuple[int, bytes]:
@@ -40,7 +60,7 @@ async def get_webhook(api: ApiContext, request: Request) -> tuple[int, bytes]:
     tenant = api.node.state.tenants.get(name)
     if tenant is None or tenant.webhook is None:
         raise HttpError(404, "not_found", f"tenant {name!r} has no webhook")
-    return 200, _view(tenant)
+    return 200, _view(api, tenant)
 
 
 async def put_webhook(api: ApiContext, request: Request) -> tuple[int, bytes]:
@@ -59,7 +79,7 @@ async def put_webhook(api: ApiContext, request: Request) -> tuple[int, bytes]:
     if isinstance(result, Rejected):
         raise rejected_error(result)
     assert isinstance(result, Tenant)
-    return 200, _view(result)
+    return 200, _view(api, result)
 
 
 async def delete_webhook(api: ApiContext, request: Request) -> tuple[int, bytes]:
@@ -67,7 +87,7 @@ async def delete_webhook(api: ApiContext, request: Request) -> tuple[int, bytes]
     tenant = api.node.state.tenants.get(name)
     if tenant is None or tenant.webhook is None:
         raise HttpError(404, "not_found", f"tenant {name!r} has no webhook")
-    was = _view(tenant)
+    was = _view(api, tenant)
     result = await api.node.propose(
         lambda stamp: e.SetWebhook(time_ms=stamp.now_ms, tenant=name, url=None)
     )

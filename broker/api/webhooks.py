@@ -24,6 +24,8 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import time
+from dataclasses import dataclass
 from typing import Final
 
 import httpx
@@ -58,6 +60,18 @@ def key_text(key: EventKey) -> str:
     return ":".join(map(str, key))
 
 
+@dataclass(slots=True)
+class DeliveryFailure:
+    """The event a tenant's webhook is stuck on, as the leader retrying it knows it (not
+    replicated: a follower, or a new leader before its first try, knows none)."""
+
+    event: str  # its event id
+    failures: int  # failed tries of this event so far
+    last_error: str  # "HTTP 503", or the connection error
+    last_failed_ms: int  # epoch ms of the last failed try
+    next_retry_ms: int  # epoch ms of the next try
+
+
 class WebhookSender:
     """Runs on the leader only: started by the first entry applied while leading with a
     webhook configured (or, with nothing applied, within ``WATCH_S`` of leading), it ends
@@ -69,6 +83,8 @@ class WebhookSender:
         self._look = True
         # Delivered here, not yet logged: tenant -> key.
         self._delivered: dict[str, EventKey] = {}
+        # The event each tenant's delivery fails on now (none once it is delivered).
+        self.failing: dict[str, DeliveryFailure] = {}
         node.listeners.append(self._on_applied)
         self._watch: asyncio.Task[None] | None = None
         # Built outside a loop (a test's app): only entries start it.
@@ -125,6 +141,7 @@ class WebhookSender:
             for task in senders.values():
                 task.cancel()
             self._delivered.clear()
+            self.failing.clear()
             self._task = None
             self._look = True
 
@@ -183,6 +200,7 @@ class WebhookSender:
         while True:
             hook = self._hooks().get(tenant)
             if hook is None:
+                self.failing.pop(tenant, None)
                 return
             headers = {
                 "content-type": "application/json",
@@ -192,6 +210,7 @@ class WebhookSender:
             try:
                 answer = await http.post(hook.url, content=body, headers=headers)
                 if 200 <= answer.status_code < 300:
+                    self.failing.pop(tenant, None)
                     return
                 problem = f"HTTP {answer.status_code}"
             except httpx.HTTPError as exc:
@@ -203,5 +222,14 @@ class WebhookSender:
                 problem,
                 backoff_s,
             )
+            self._failed(tenant, key_text(key), problem, backoff_s)
             await asyncio.sleep(backoff_s)
             backoff_s = min(MAX_BACKOFF_S, backoff_s * 2)
+
+    def _failed(self, tenant: str, event: str, problem: str, backoff_s: float) -> None:
+        now_ms = int(time.time() * 1000)
+        was = self.failing.get(tenant)
+        failures = was.failures + 1 if was is not None and was.event == event else 1
+        self.failing[tenant] = DeliveryFailure(
+            event, failures, problem, now_ms, now_ms + int(backoff_s * 1000)
+        )

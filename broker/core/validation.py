@@ -157,3 +157,18 @@ def validate_builtin_params(type_name: str, params: bytes) -> str | None:
         if not (_is_number(max_rows) and isinstance(max_rows, int) and max_rows >= 0):
             return f"spark.sql params: max_rows must be an integer >= 0, got {max_rows!r}"
     return None
+
+
+def code_type_problem(type_name: str, code: str | None) -> str | None:
+    """Why a task of ``type_name`` could never run, or None: a ``module:function`` type
+    is imported from its code artifact, and no worker imports one from anywhere else
+    (clients/worker/process_runs.py, thread_runs.py). Checked at submit unless the caller
+    sends ``allow_unknown_type`` (a program embedding a worker that registered such a
+    name itself: docs/API.md, "Task types")."""
+    if ":" not in type_name or code is not None:
+        return None
+    return (
+        f"task type {type_name!r} is module:function, imported from a code artifact: upload"
+        " the module (steward code upload FILE) and submit with its code (--code SHA256); for"
+        " a type an embedded worker registered under this name, send allow_unknown_type"
+    )

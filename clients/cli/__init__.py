@@ -2,7 +2,8 @@
 
 Layout: :mod:`.options` (argument types, shared option groups, defaults), :mod:`.parser`
 (every command's options), :mod:`.client_commands` (the commands that call a broker's API),
-:mod:`.output` (how their answers are printed), :mod:`.servers` (``standalone``, ``broker``,
+:mod:`.output` (how their answers are printed), :mod:`.waiting` (what a wait says while
+it waits and on Ctrl-C), :mod:`.servers` (``standalone``, ``broker``,
 ``cluster up``: run here); ``main`` below dispatches and turns errors into exit statuses.
 """
 

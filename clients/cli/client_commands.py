@@ -183,6 +183,7 @@ def _submit(client: StewardClient, args: argparse.Namespace) -> int:
         "track_tree": True if args.track_tree else None,
         "tree_timeout_s": args.tree_timeout_s,
         "after": args.after or None,
+        "allow_unknown_type": True if args.allow_unknown_type else None,
     }
     task.update({k: v for k, v in optional.items() if v is not None})
     if args.count < 1:

@@ -92,6 +92,15 @@ class StewardArgumentParser(argparse.ArgumentParser):
         hint = self.usage_hint or f"see {self.prog} --help"
         self.exit(2, f"{self.prog}: error: {message} ({hint})\n")
 
+    def _get_value(self, action: argparse.Action, arg_string: str) -> Any:
+        """An option's value that does not convert (bad JSON, a word for a number) is a
+        bad value, not a misuse of the command: one line saying what is wrong, no usage."""
+        try:
+            return super()._get_value(action, arg_string)
+        except argparse.ArgumentError as exc:
+            name = exc.argument_name or action.dest
+            self.exit(2, f"steward: {name}: {exc.message} (see {self.prog} --help)\n")
+
 
 def add_client_options(p: argparse.ArgumentParser, *, top: bool = False) -> None:
     """--url, --token, --failover-timeout-s and --ca-file: on the top parser with their
@@ -170,7 +179,10 @@ def _json_value(text: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+        raise argparse.ArgumentTypeError(
+            f"not valid JSON ({exc}): write it in single quotes for the shell, with double"
+            """ quotes inside, e.g. '{"seconds": 1}'"""
+        ) from None
 
 
 def _tenant_list(text: str) -> list[str]:

@@ -15,9 +15,11 @@ import sys
 import time
 from typing import Any, Final
 
+from clients.cli.waiting import NOTICE_AFTER_S, stopped_waiting_line, waiting_notice
 from clients.client import (
     ConnectionFailedError,
     StewardClient,
+    StewardError,
     TaskHandle,
     TaskTimeoutError,
 )
@@ -151,10 +153,15 @@ def _print_logs(client: StewardClient, task_id: int, attempt: int | None, follow
     (Ctrl-C stops it: main() turns KeyboardInterrupt into exit status 130)."""
     offset = 0
     tty = sys.stdout.isatty()
+    notice_at: float | None = time.monotonic() + NOTICE_AFTER_S if follow else None
     while True:
         answer = client.logs(task_id, attempt=attempt, offset=offset)
         if answer["attempt"] >= 1:  # follow the attempt seen first, not a later retry
             attempt = int(answer["attempt"])
+            notice_at = None  # it started: its output is what the reader waits for
+        elif notice_at is not None and time.monotonic() >= notice_at and not answer["complete"]:
+            notice_at = None
+            hint(waiting_notice(client, client.task(task_id)))
         if answer["truncated"]:
             dropped = int(answer["offset"]) - offset
             print(f"[... {dropped} earlier bytes of output dropped ...]", file=sys.stderr)
@@ -215,10 +222,18 @@ def _wait_for(
     many = len(handles) > 1 and sys.stderr.isatty()
     failed = expected - len(handles)
     records = []
+    noticed = False  # one notice per wait: the first task that keeps it waiting
     for done, handle in enumerate(handles, start=1):
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            task = handle.wait_tree(remaining) if tree else handle.wait(remaining)
+            if not noticed:
+                task, noticed = _wait_noticed(handle, deadline, tree)
+            else:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                task = handle.wait_tree(remaining) if tree else handle.wait(remaining)
+        except KeyboardInterrupt:
+            print(file=sys.stderr)  # past the ^C the terminal echoed
+            hint(stopped_waiting_line([h.id for h in handles[done - 1 :]]))
+            raise
         except TaskTimeoutError:
             what = "the tree of task" if tree else "task"
             print(
@@ -242,6 +257,26 @@ def _wait_for(
         states = f"{len(handles) - failed} finished, {failed} failed"
         print(f"{states} in {time.monotonic() - started:.1f} s")
     return 1 if failed else 0
+
+
+def _wait_noticed(
+    handle: TaskHandle, deadline: float | None, tree: bool
+) -> tuple[dict[str, Any], bool]:
+    """Wait for one handle as :func:`_wait_for` does; after ``NOTICE_AFTER_S`` without an
+    end, say on stderr what it waits for (then True: noticed)."""
+    wait = handle.wait_tree if tree else handle.wait
+    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+    if remaining is not None and remaining <= NOTICE_AFTER_S:
+        return wait(remaining), False
+    try:
+        return wait(NOTICE_AFTER_S), False
+    except TaskTimeoutError:
+        try:
+            hint(waiting_notice(handle.client, handle.info(), tree=tree))
+        except StewardError:  # the notice is a courtesy: the wait goes on without it
+            hint(f"steward: waiting for task {handle.id} (Ctrl-C stops waiting, it goes on)")
+    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+    return wait(remaining), True
 
 
 def _duration(secs: float) -> str:

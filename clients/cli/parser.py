@@ -293,6 +293,12 @@ def _add_task_commands(sub: argparse._SubParsersAction[StewardArgumentParser]) -
         help="sha256 of an uploaded code artifact (steward code upload; default: none)",
     )
     p.add_argument(
+        "--allow-unknown-type",
+        action="store_true",
+        help="accept a type no worker is known to run (module:function without --code:"
+        " a name an embedded worker registered itself)",
+    )
+    p.add_argument(
         "--count", type=int, default=1, metavar="N", help="submit this many copies in one batch"
     )
     p.add_argument(

@@ -246,7 +246,9 @@ def run_wordcount(
     done = 0
     progress = Progress(total, started=started) if say is not None else None
     if say is not None:
-        say(f"submitted {total} tasks; the worker starts Spark for the first ones (about 10 s) ...")
+        # No estimate: a JVM's start takes seconds on an idle machine, a minute on a busy
+        # one. The time waited so far shows instead, every PIPE_INTERVAL_S.
+        say(f"submitted {total} tasks; the worker is starting Spark for the first ones ...")
     last_note = started
     finished_s: dict[str, float] = {}
     counts: dict[str, collections.Counter[str]] = {t: collections.Counter() for t in handles}

@@ -539,8 +539,17 @@ def call_task(
 
 
 def error_text(exc: BaseException, max_chars: int = MAX_ERROR_CHARS) -> str:
-    """The message first (what a user reads), then the formatted traceback, capped."""
-    text = f"{type(exc).__name__}: {exc}\n\n{''.join(traceback.format_exception(exc))}"
+    """The message first (what a user reads), then the formatted traceback, capped.
+
+    The first line is ``Type: message``, what ``steward submit --wait`` and the dashboard
+    show: a message that starts with blank lines (Spark's exceptions, whose text begins
+    with a newline: ``\n[PARSE_SYNTAX_ERROR] Syntax error ...``) starts at its first line
+    with words, the rest follows on the next lines."""
+    lines = str(exc).splitlines()
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    message = "\n".join(lines).rstrip()
+    text = f"{type(exc).__name__}: {message}\n\n{''.join(traceback.format_exception(exc))}"
     if len(text) > max_chars:
         # Keep the head (the message) and the tail (where it was raised).
         half = max_chars // 2
