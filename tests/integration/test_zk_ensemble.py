@@ -11,12 +11,20 @@ and following the leader, two workers finishing them.
 - Losing the quorum (two of three stopped): no broker acknowledges a write, clients get a
   503 naming ZooKeeper, ``steward status`` says why; once one member is back (a quorum again)
   writes resume without anyone doing anything.
+- The harness itself: a member whose election port was taken while it was down is launched
+  again, and the ensemble counts as serving only once all three vote (issue 30).
+
+Bounds come from what the module measures (tests/support/zk_ensemble.py): a member's start
+or restart from the ensemble's first start, the wait for a Steward leader after a kill from
+how long ZooKeeper itself took to serve again; what is asserted is unchanged.
 """
 
 from __future__ import annotations
 
 import itertools
+import socket
 import subprocess
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -32,9 +40,14 @@ from tests.support.worker_procs import wait_until
 from tests.support.write_load import WriteLoad, check_acknowledged, fetch_tasks
 from tests.support.zk_ensemble import ZooKeeperEnsemble, started_ensemble
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+# A guard against a hang only: every wait inside is bounded (the ZooKeeper ones by the
+# measured first start), and a test took up to 120 s at load 28 on 2 cores.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SESSION_TIMEOUT_S = 4.0
+#: What a take-over by another broker may add to the session timeout (the broker fail-over
+#: tests' bound).
+TAKE_OVER_S = 2.0
 CLIENTS = 8
 WORKERS = 2
 
@@ -125,25 +138,32 @@ def test_member_failures_under_load(ensemble: ZooKeeperEnsemble, tmp_path: Path)
             role = "leader" if victim == zk_leader else "follower"
             killed_at = time.monotonic()
             ensemble.kill9(victim)
-            new = cluster.wait_for_leader(SESSION_TIMEOUT_S + 10)
+            # ZooKeeper's own outage (an election when its leader died) is not Steward's:
+            # measured, it extends the bound when it outlasts the session timeout.
+            ensemble.wait_serving()
+            zk_back_s = time.monotonic() - killed_at
+            outage_bound_s = max(SESSION_TIMEOUT_S, zk_back_s) + TAKE_OVER_S
+            new = cluster.wait_for_leader(outage_bound_s + SESSION_TIMEOUT_S)
             load.wait_first_ack(killed_at, 30, "a write after the kill", pause_s=0.01)
             load.wait_for_more_acks(30, 15, "writes after the kill")
             outage_s = _longest_write_gap(load, killed_at)
-            restarted_at = time.monotonic()
-            ensemble.restart(victim)
+            back_s = ensemble.restart(victim)
             load.wait_for_more_acks(30, 15, "writes after the restart")
             print(
-                f"kill -9 of ZooKeeper {role} {victim}: Steward leader {leader.broker_id} -> "
-                f"{new.broker_id}, longest time without an acknowledged write {outage_s:.2f} s;"
-                f" member back in {time.monotonic() - restarted_at:.2f} s"
+                f"kill -9 of ZooKeeper {role} {victim}: ZooKeeper serving again after "
+                f"{zk_back_s:.2f} s; Steward leader {leader.broker_id} -> {new.broker_id}, "
+                f"longest time without an acknowledged write {outage_s:.2f} s; member back "
+                f"in {back_s:.2f} s (bound {ensemble.start_timeout_s:.0f} s, first start "
+                f"{ensemble.first_start_s:.1f} s)"
             )
             # The leadership is settled within the session timeout (the elector's rule,
             # docs/DESIGN.md §4); a take-over by another broker adds up to 2 s, as in the
-            # broker fail-over tests.
-            assert outage_s < SESSION_TIMEOUT_S + 2, f"no write acknowledged for {outage_s} s"
+            # broker fail-over tests. Counted from the kill, or from ZooKeeper serving again
+            # if its election outlasted the session timeout.
+            assert outage_s < outage_bound_s, f"no write acknowledged for {outage_s} s"
             leader = new
         print(_check_end(cluster, load, "after the ZooKeeper failures"))
-    print(f"test took {time.monotonic() - started:.1f} s")
+    print(f"test took {time.monotonic() - started:.1f} s; launched again: {ensemble.relaunches}")
 
 
 def _post_noop(url: str) -> httpx.Response:
@@ -208,3 +228,47 @@ def test_quorum_loss_and_heal(ensemble: ZooKeeperEnsemble, tmp_path: Path) -> No
         load.wait_for_more_acks(30, 15, "writes after the heal")
         print(_check_end(cluster, load, "after the heal"))
     print(f"test took {time.monotonic() - started:.1f} s")
+
+
+def test_a_member_whose_election_port_was_taken_is_launched_again(
+    ensemble: ZooKeeperEnsemble,
+) -> None:
+    """Another process holds a stopped member's election port while it restarts: ZooKeeper
+    gives its election listener up after three binds (and would exit); the harness launches
+    it again once the port is free, and the restart returns only when all three vote."""
+    ensemble.start()
+    member_id = ensemble.followers()[0]
+    member = ensemble.member(member_id)
+    ensemble.stop(member_id)
+    log_offset = member.log_path.stat().st_size
+    holder = socket.socket()
+    # Past the stopped member's connections in TIME_WAIT on that port, as ZooKeeper binds.
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", member.election_port))
+    holder.listen()
+
+    def given_up() -> bool:
+        with member.log_path.open("rb") as log:
+            log.seek(log_offset)
+            return b"Leaving listener thread for address" in log.read()
+
+    def free_the_port_once_given_up() -> None:
+        try:
+            wait_until(given_up, ensemble.start_timeout_s, "the election listener given up")
+        finally:
+            holder.close()
+
+    freer = threading.Thread(target=free_the_port_once_given_up)
+    relaunches_before = len(ensemble.relaunches)
+    freer.start()
+    try:
+        back_s = ensemble.restart(member_id)
+    finally:
+        holder.close()
+        freer.join(ensemble.start_timeout_s + 5)
+    print(f"member {member_id} back in {back_s:.2f} s; {ensemble.relaunches[relaunches_before:]}")
+    assert ensemble.relaunches[relaunches_before:], "the member was not launched again"
+    assert sorted(ensemble.modes().values(), key=str) == ["follower", "follower", "leader"]
+    leader = ensemble.leader()
+    assert leader is not None
+    assert ensemble.member(leader).synced_followers() == 2
