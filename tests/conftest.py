@@ -7,6 +7,8 @@
 - ``env`` (the authenticated HTTP API with a token per caller): tests/support/auth_env.py
 - ``browser`` (headless Chromium, for the dashboard): tests/support/dashboard_browser.py
 
+and ``STEWARD_TEST_BUSY_CORE=1`` (one core kept busy for the session): tests/support/busy_core.py
+
 Each starts its server only when a test asks for it. A test module that defines a fixture
 of the same name uses its own.
 """
@@ -32,6 +34,7 @@ pytest_plugins = [
     "tests.support.auth_env",
     "tests.support.http_api",
     "tests.support.dashboard_browser",
+    "tests.support.busy_core",
 ]
 
 

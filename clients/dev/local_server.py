@@ -76,6 +76,7 @@ class LocalServerProcess:
         self._process: subprocess.Popen[bytes] | None = None
         self._paused = False
         self._started_once = False
+        self._launch_log_offset = 0
 
     @property
     def directory(self) -> Path:
@@ -105,6 +106,12 @@ class LocalServerProcess:
     def is_running(self) -> bool:
         """Whether the process exists (it may be paused, or not ready yet)."""
         return self._process is not None and self._process.poll() is None
+
+    @property
+    def exit_code(self) -> int | None:
+        """The status of a process that ended by itself (None: running, or stopped or
+        killed through this object, or never started)."""
+        return self._process.poll() if self._process is not None else None
 
     # -- what subclasses provide ---------------------------------------------------------------
 
@@ -144,6 +151,7 @@ class LocalServerProcess:
     def _launch_and_wait(self, deadline: float) -> None:
         self._write_config()
         log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        self._launch_log_offset = log_offset
         with open(self.log_path, "ab") as log_file:
             self._process = subprocess.Popen(
                 self._command(),
@@ -255,6 +263,10 @@ class LocalServerProcess:
         """The end of the server's log (for error messages)."""
         size = self.log_path.stat().st_size if self.log_path.exists() else 0
         return self._read_log_from(max(0, size - max_bytes), max_bytes)
+
+    def log_since_launch(self, max_bytes: int) -> str:
+        """What the latest start wrote to the log so far (its first ``max_bytes``)."""
+        return self._read_log_from(self._launch_log_offset, max_bytes)
 
     def _read_log_from(self, offset: int, max_bytes: int) -> str:
         with contextlib.suppress(FileNotFoundError), open(self.log_path, "rb") as log_file:

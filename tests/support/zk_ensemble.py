@@ -5,16 +5,28 @@ Each member is a :class:`~clients.dev.zk.ZooKeeperServer` run as
 client-side settings as the single server (tickTime 500 ms, 127.0.0.1 only, ``srvr``/
 ``ruok``/``mntr``, no admin server), ``dataDir/myid``, small ``initLimit``/``syncLimit`` so a
 lost member is noticed within seconds, and ``server.N=127.0.0.1:PEER:ELECTION`` for all three.
-Every port is chosen once and kept across restarts (the others' configs name them).
+Every port is reserved for the ensemble's life (tests/support/reserved_ports.py: outside the
+kernel's ephemeral range, locked against other test processes) and kept across restarts
+(the others' configs name them): a port picked by binding port 0 could be handed to another
+process while its member is down, and a member that cannot bind its election port gives it
+up after three tries and exits (docs/TESTING.md, findings table).
 
-A member is ready when its ``srvr`` answers with a ``Mode:`` line (leader or follower): a
-member without a quorum answers "not currently serving requests". The ensemble starts all
-three JVMs, then waits for all three Modes (5-15 s on a busy machine). Every wait is bounded
-and signals go to each member's pid only; :meth:`ZooKeeperEnsemble.close` stops them all.
+The ensemble serves when every member it started (and did not stop or kill) has a ``Mode:``
+in ``srvr``, has bound its election port (its log says so since its latest start), and the
+one leader's ``mntr`` counts all the others as synced followers: the full voter set, so a
+later kill of one member never takes the quorum with it. A member that exited or gave up its
+election listener meanwhile is launched again, at most :data:`MAX_RELAUNCHES` times per wait.
+
+Bounds: the first start (three JVMs at once) is bounded by :data:`FIRST_START_TIMEOUT_S`
+and measured; every later start or restart is bounded by :data:`LATER_START_FACTOR` times
+that measured time (never less than :data:`LATER_START_MIN_TIMEOUT_S`), so a slower machine
+gets proportionally longer. Signals go to each member's pid only; :meth:`ZooKeeperEnsemble.close`
+kills them all and gives the ports back.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Iterator
@@ -23,17 +35,38 @@ from types import TracebackType
 
 import pytest
 
-from clients.dev.local_server import HOST, free_port
+from clients.dev.local_server import HOST
 from clients.dev.zk import ZooKeeperError, ZooKeeperServer, four_letter_word
+from tests.support.reserved_ports import PortReservation, reserve_port
+
+logger = logging.getLogger(__name__)
 
 SIZE = 3
-START_TIMEOUT_S = 45.0
+#: Bound of the first start, before anything is measured: how long a hopeless start takes
+#: to fail (measured 4.6 s at load 5 on 2 shared cores; 5-15 s at higher loads).
+FIRST_START_TIMEOUT_S = 120.0
+#: Later starts are bounded by this many times the first start's measured time: a member
+#: restarted under a test's load (brokers, workers, clients beside it) took up to 2.2 times
+#: it here, and the load varies.
+LATER_START_FACTOR = 4.0
+#: The floor of that bound (on a fast machine a start of 3 s would give 12 s).
+LATER_START_MIN_TIMEOUT_S = 45.0
+#: How often one wait launches a member again that exited or gave up its election listener.
+MAX_RELAUNCHES = 2
 _QUORUM_MAIN_CLASS = "org.apache.zookeeper.server.quorum.QuorumPeerMain"
 _MODE_RE = re.compile(r"^Mode: (\w+)", re.MULTILINE)
+_SYNCED_FOLLOWERS_RE = re.compile(r"^zk_synced_followers\s+(\d+)", re.MULTILINE)
+# QuorumCnxManager's log lines: its election listener bound the port, or gave it up.
+_LISTENING_MARKER = "is accepting connections now, my election bind port"
+_LISTENER_LEFT_MARKER = "Leaving listener thread for address"
 
 
 class EnsembleMember(ZooKeeperServer):
-    """One member of a :class:`ZooKeeperEnsemble` (``myid`` = ``member_id``)."""
+    """One member of a :class:`ZooKeeperEnsemble` (``myid`` = ``member_id``).
+
+    :meth:`start` only launches it: a lone member has no Mode until a quorum forms, so the
+    ensemble waits (:meth:`ZooKeeperEnsemble.wait_serving`).
+    """
 
     def __init__(
         self,
@@ -46,9 +79,16 @@ class EnsembleMember(ZooKeeperServer):
         super().__init__(directory, port=client_port, stop_with_parent=True)
         self.member_id = member_id
         self._peers = peers  # member id -> (peer port, election port), all members
-        # Launch without waiting for a Mode: a lone member has none until a quorum forms.
-        self.launch_only = False
         self.server_name = f"ZooKeeper member {member_id}"
+        self._listening_since_offset: int | None = None
+
+    @property
+    def peer_port(self) -> int:
+        return self._peers[self.member_id][0]
+
+    @property
+    def election_port(self) -> int:
+        return self._peers[self.member_id][1]
 
     def mode(self) -> str | None:
         """``leader``/``follower`` from ``srvr``; None when down or not serving."""
@@ -61,8 +101,39 @@ class EnsembleMember(ZooKeeperServer):
         match = _MODE_RE.search(answer)
         return match.group(1) if match else None
 
+    def synced_followers(self) -> int | None:
+        """A leader's ``zk_synced_followers`` from ``mntr`` (None: not a leader, or down)."""
+        try:
+            answer = four_letter_word(HOST, self.port, "mntr", timeout_s=1.0)
+        except OSError:
+            return None
+        match = _SYNCED_FOLLOWERS_RE.search(answer)
+        return int(match.group(1)) if match else None
+
+    def election_listener(self) -> str:
+        """``up`` once this start's log says the election port is bound, ``left`` when
+        ZooKeeper gave the listener up (it cannot vote any more), else ``pending``."""
+        if self._listening_since_offset == self._launch_log_offset:
+            return "up"
+        output = self.log_since_launch(self.start_log_bytes)
+        if _LISTENER_LEFT_MARKER in output:
+            return "left"
+        if _LISTENING_MARKER in output:
+            self._listening_since_offset = self._launch_log_offset
+            return "up"
+        return "pending"
+
+    def lost(self) -> str | None:
+        """Why a member that was started is of no use now (None: running, listener not
+        given up)."""
+        if not self.is_running():
+            return f"exited with status {self.exit_code}"
+        if self.election_listener() == "left":
+            return "gave up its election listener"
+        return None
+
     def _ready(self) -> bool:
-        return self.launch_only or self.mode() is not None
+        return True
 
     def _write_config(self) -> None:
         super()._write_config()
@@ -95,64 +166,158 @@ class ZooKeeperEnsemble:
     """Three :class:`EnsembleMember` servers on 127.0.0.1 (ids 1, 2, 3) in ``root``."""
 
     def __init__(self, root: Path) -> None:
-        peers = {n: (free_port(), free_port()) for n in range(1, SIZE + 1)}
+        self._reservations: list[PortReservation] = []
+        try:
+            for _ in range(3 * SIZE):
+                self._reservations.append(reserve_port())
+        except BaseException:
+            self._release_ports()
+            raise
+        ports = iter(r.port for r in self._reservations)
+        peers = {n: (next(ports), next(ports)) for n in range(1, SIZE + 1)}
         self.members = {
-            n: EnsembleMember(root / f"zk{n}", n, peers, client_port=free_port()) for n in peers
+            n: EnsembleMember(root / f"zk{n}", n, peers, client_port=next(ports)) for n in peers
         }
+        # The members started and not stopped or killed since: the voters wait_serving expects.
+        self._up: set[int] = set()
+        #: The first start's measured time (launch of all three to a full voter set).
+        self.first_start_s: float | None = None
+        #: What was launched again and why, for a test's output.
+        self.relaunches: list[str] = []
 
     @property
     def connect_string(self) -> str:
         """All three members, for ``--zookeeper`` and ``KazooClient(hosts=...)``."""
         return ",".join(member.connect_string for member in self.members.values())
 
+    @property
+    def ports(self) -> list[int]:
+        """Every member's client, peer and election port."""
+        return sorted(
+            port
+            for member in self.members.values()
+            for port in (member.port, member.peer_port, member.election_port)
+        )
+
     def member(self, member_id: int) -> EnsembleMember:
         return self.members[member_id]
 
+    @property
+    def start_timeout_s(self) -> float:
+        """The bound of a start or restart: :data:`FIRST_START_TIMEOUT_S` until the first
+        start is measured, then :data:`LATER_START_FACTOR` times its time (at least
+        :data:`LATER_START_MIN_TIMEOUT_S`)."""
+        if self.first_start_s is None:
+            return FIRST_START_TIMEOUT_S
+        return max(LATER_START_MIN_TIMEOUT_S, LATER_START_FACTOR * self.first_start_s)
+
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Start every member that is down and wait until all serve (have a Mode)."""
-        down = [m for m in self.members.values() if not m.is_running()]
-        for member in down:
-            member.launch_only = True
-            try:
-                member.start()
-            finally:
-                member.launch_only = False
+    def start(self, timeout_s: float | None = None) -> float:
+        """Start every member that is down and wait until the ensemble serves with all
+        three voters (:meth:`wait_serving`). Returns the seconds it took; the first start's
+        is kept as :attr:`first_start_s`."""
+        started = time.monotonic()
+        for member_id, member in self.members.items():
+            if not member.is_running():
+                self._launch(member_id)
         self.wait_serving(timeout_s)
+        took_s = time.monotonic() - started
+        if self.first_start_s is None:
+            self.first_start_s = took_s
+        return took_s
 
-    def wait_serving(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Wait until every running member has a Mode and there is exactly one leader."""
-        deadline = time.monotonic() + timeout_s
+    def _launch(self, member_id: int) -> None:
+        self.members[member_id].start()
+        self._up.add(member_id)
+
+    def wait_serving(self, timeout_s: float | None = None) -> float:
+        """Wait until every member started (and not stopped or killed since) serves with
+        its election port bound and the leader counts all the others as synced followers.
+        A member that exited or gave up its election listener meanwhile is launched again
+        (at most :data:`MAX_RELAUNCHES` times). Returns the seconds it took; raises
+        :class:`ZooKeeperError` with what was missing and the members' logs."""
+        bound_s = self.start_timeout_s if timeout_s is None else timeout_s
+        started = time.monotonic()
+        relaunched = 0
         while True:
-            modes = self.modes()
-            running = [n for n, m in self.members.items() if m.is_running()]
-            if all(modes.get(n) for n in running) and list(modes.values()).count("leader") == 1:
-                return
-            if time.monotonic() >= deadline:
-                raise ZooKeeperError(
-                    f"ensemble not serving within {timeout_s:g} s (modes {modes}); "
-                    + "".join(
-                        f"\n--- member {n} ---\n{m.log_tail(1500)}" for n, m in self.members.items()
+            for member_id in sorted(self._up):
+                member = self.members[member_id]
+                why = member.lost()
+                if why is None:
+                    continue
+                if relaunched >= MAX_RELAUNCHES:
+                    raise ZooKeeperError(
+                        f"ZooKeeper member {member_id} {why}, after {relaunched} launches "
+                        f"again (election port {member.election_port}){self.log_tails(3000)}"
                     )
+                note = f"ZooKeeper member {member_id} {why}: launched again"
+                logger.warning(note)
+                self.relaunches.append(note)
+                member.kill9()
+                member.start()
+                relaunched += 1
+            missing = self._not_serving()
+            if not missing:
+                return time.monotonic() - started
+            if time.monotonic() - started >= bound_s:
+                raise ZooKeeperError(
+                    f"ensemble not serving within {bound_s:g} s: {'; '.join(missing)}"
+                    + self.log_tails(1500)
                 )
             time.sleep(0.2)
 
-    def restart(self, member_id: int, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Start a stopped or killed member again (same ports and data) and wait until it
-        serves (it needs a quorum: at least one other member must be up)."""
-        self.members[member_id].start(timeout_s)
+    def _not_serving(self) -> list[str]:
+        """What keeps the started members from serving with all of them voting (empty:
+        nothing)."""
+        missing: list[str] = []
+        modes = {n: self.members[n].mode() for n in sorted(self._up)}
+        for member_id, mode in modes.items():
+            member = self.members[member_id]
+            if mode is None:
+                missing.append(f"member {member_id} has no Mode")
+            elif member.election_listener() != "up":
+                missing.append(f"member {member_id} has not bound its election port yet")
+        leaders = [n for n, mode in modes.items() if mode == "leader"]
+        if len(leaders) != 1:
+            missing.append(f"leaders {leaders}")
+        else:
+            synced = self.members[leaders[0]].synced_followers()
+            if synced != len(self._up) - 1:
+                missing.append(
+                    f"leader {leaders[0]} has {synced} synced followers, not {len(self._up) - 1}"
+                )
+        return missing
+
+    def restart(self, member_id: int, timeout_s: float | None = None) -> float:
+        """Start a stopped or killed member again (same ports and data) and wait until the
+        ensemble serves with it voting (it needs a quorum: at least one other member must
+        be up). Returns the seconds it took."""
+        started = time.monotonic()
+        self._launch(member_id)
+        self.wait_serving(timeout_s)
+        return time.monotonic() - started
 
     def stop(self, member_id: int) -> None:
         """SIGTERM, bounded (then SIGKILL)."""
+        self._up.discard(member_id)
         self.members[member_id].stop()
 
     def kill9(self, member_id: int) -> None:
+        self._up.discard(member_id)
         self.members[member_id].kill9()
 
     def close(self) -> None:
-        for member in self.members.values():
-            member.kill9()
+        self._up.clear()
+        try:
+            for member in self.members.values():
+                member.kill9()
+        finally:
+            self._release_ports()
+
+    def _release_ports(self) -> None:
+        for reservation in self._reservations:
+            reservation.release()
 
     def __enter__(self) -> ZooKeeperEnsemble:
         try:
