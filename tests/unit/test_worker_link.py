@@ -657,6 +657,18 @@ async def test_spawned_children_get_leader_ids_and_complete_the_tree(broker: Bro
     assert tree.state == "completed"
 
 
+async def test_a_spawned_child_keeps_its_own_max_lost(broker: Broker) -> None:
+    worker = broker.worker()
+    await worker.hello()
+    root = await finish_spawning(
+        broker, worker, p.SpawnRequest(type="child", max_lost=0), p.SpawnRequest(type="plain")
+    )
+    [finish] = broker.entries(e.FinishTasks)
+    assert finish.v == e.LOST_ATTEMPTS_VERSION  # an older broker would drop it
+    state = broker.node.state
+    assert [state.tasks[root + i].max_lost for i in (1, 2)] == [0, e.DEFAULT_MAX_LOST]
+
+
 @pytest.mark.parametrize(
     ("request_", "message"),
     [
@@ -664,6 +676,7 @@ async def test_spawned_children_get_leader_ids_and_complete_the_tree(broker: Bro
         (p.SpawnRequest(type="x", tracked=False, anchors=(1,)), "untracked child takes no"),
         (p.SpawnRequest(type="x", anchors=(0,)), "anchors must be task ids"),
         (p.SpawnRequest(type="x", params=b"{nope"), "params are not JSON"),
+        (p.SpawnRequest(type="x", max_lost=101), "max_lost must be between 0 and 100"),
         (p.SpawnRequest(type="x", max_attempts=0), "max_attempts must be"),
         (p.SpawnRequest(type="x", tenant="no tenant"), "tenant must be"),
     ],
