@@ -246,11 +246,11 @@ class RegisterWorker(_Entry, frozen=True, tag="worker_register"):
     credential: str | None = None
 
 
-def lost_attempts_version(holds_tasks: bool) -> int:
-    """The format of a WorkerDead or RegisterWorker entry whose worker, in the leader's
-    state as it builds the entry, ``holds_tasks``: 5, so its running attempts end as lost
-    (docs/DESIGN.md §6, "Lost workers"); else the oldest (nothing to lose)."""
-    return LOST_ATTEMPTS_VERSION if holds_tasks else BASE_ENTRY_FORMAT_VERSION
+def lost_attempts_version(loses_attempts: bool) -> int:
+    """The format of a WorkerDead or RegisterWorker entry that, in the leader's state as it
+    builds the entry, ``loses_attempts`` (its worker runs tasks it dies with, or comes back
+    without): 5, so they end as lost (docs/DESIGN.md §6, "Lost workers"); else the oldest."""
+    return LOST_ATTEMPTS_VERSION if loses_attempts else BASE_ENTRY_FORMAT_VERSION
 
 
 class WorkerDead(_Entry, frozen=True, tag="worker_dead"):

@@ -145,6 +145,30 @@ class WorkersMixin(TasksMixin):
                 lost.append(e.TaskAttempt(task.id, task.attempt))
         return tuple(lost)
 
+    def _reconcile(
+        self, worker_id: str, running: tuple[e.TaskAttempt, ...]
+    ) -> tuple[list[e.TaskAttempt], list[int]]:
+        """The attempts running on ``worker_id`` that a registration reporting ``running``
+        keeps, and the tasks whose attempts it does not report (lost)."""
+        reported = {(r.task_id, r.attempt) for r in running}
+        keep: list[e.TaskAttempt] = []
+        lost: list[int] = []
+        for task_id in sorted(self.running_by_worker.get(worker_id, ())):
+            task = self.tasks[task_id]
+            if (task.id, task.attempt) in reported:
+                keep.append(e.TaskAttempt(task.id, task.attempt))
+            else:
+                lost.append(task.id)
+        return keep, lost
+
+    def registration_loses_attempts(
+        self, worker_id: str, running: tuple[e.TaskAttempt, ...]
+    ) -> bool:
+        """Whether a registration of ``worker_id`` reporting ``running`` would end attempts
+        as lost: a read-only query for the leader, which then writes the RegisterWorker in
+        format 5 (docs/DESIGN.md §6, "Lost workers"); a registration keeping all is not."""
+        return bool(self._reconcile(worker_id, running)[1])
+
     def _register_worker(self, entry: e.RegisterWorker) -> WorkerReconciled | Rejected:
         if not entry.worker_id:
             return Rejected(ErrorCode.INVALID, "worker_id must not be empty")
@@ -164,15 +188,7 @@ class WorkersMixin(TasksMixin):
                 ErrorCode.CONFLICT,
                 f"worker id {entry.worker_id!r} is connected with another credential",
             )
-        reported = {(r.task_id, r.attempt) for r in entry.running}
-        keep: list[e.TaskAttempt] = []
-        lost: list[int] = []
-        for task_id in sorted(self.running_by_worker.get(entry.worker_id, ())):
-            task = self.tasks[task_id]
-            if (task.id, task.attempt) in reported:
-                keep.append(e.TaskAttempt(task.id, task.attempt))
-            else:
-                lost.append(task.id)
+        keep, lost = self._reconcile(entry.worker_id, entry.running)
         for task_id in lost:
             task = self.tasks[task_id]
             # A lost task whose tree failed because of an earlier one is already over.

@@ -254,7 +254,9 @@ class Handshake:
             lambda stamp: e.RegisterWorker(
                 # Attempts it comes back without end as lost, not counted (docs/DESIGN.md
                 # §6, "Lost workers").
-                v=e.lost_attempts_version(bool(node.state.running_by_worker.get(hello.worker_id))),
+                v=e.lost_attempts_version(
+                    node.state.registration_loses_attempts(hello.worker_id, entry_running)
+                ),
                 time_ms=stamp.now_ms,
                 worker_id=hello.worker_id,
                 address=f"{address[0]}:{address[1]}" if address else "",

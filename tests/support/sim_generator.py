@@ -676,7 +676,7 @@ class EntryGenerator(CodeEntries, WorkerEntries):
             task_types=self._task_types(),
             tenants=tuple(self.rng.sample(TENANTS, self.rng.randint(0, 2))),
             running=tuple(running),
-            v=self._lost_version(worker_id),
+            v=self._lost_version(self.view.registration_loses_attempts(worker_id, tuple(running))),
         )
         give_back = give_back_unreceived(self.view, entry)
         if give_back is not None:  # the leader logs it first; the registration follows

@@ -346,6 +346,8 @@ async def test_quick_reconnect_keeps_the_running_task(broker: Broker, drop_first
     await again.expect(p.FinishAck)
     task = broker.task(task_id)
     assert (task.state, task.attempt, task.result) == (TaskState.FINISHED, 1, b"7")
+    # Nothing lost: the registrations stay in the oldest format (an older follower reads it).
+    assert {r.v for r in broker.entries(e.RegisterWorker)} == {e.BASE_ENTRY_FORMAT_VERSION}
 
 
 @pytest.mark.parametrize("max_attempts", [2, 1])
@@ -366,6 +368,7 @@ async def test_restarted_worker_loses_its_tasks(broker: Broker, max_attempts: in
     task = broker.task(task_id)
     assert (task.state, task.lost) == (TaskState.RUNNING, 1)
     assert task.error is not None and "w1 came back without" in task.error
+    assert [r.v for r in broker.entries(e.RegisterWorker)] == [1, e.LOST_ATTEMPTS_VERSION]
 
 
 async def test_reconnect_reporting_a_task_no_longer_running_there_is_told_to_drop_it(
