@@ -10,6 +10,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 # The one task-state enum of the API (a named schema, TaskState, in the OpenAPI document).
+from broker.core.entries import DEFAULT_MAX_LOST
 from broker.core.transitions import TaskState as TaskState
 
 # Integers that travel in log entries must fit msgpack (and most clients' JSON): int64.
@@ -77,6 +78,9 @@ class _TaskOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Accept a type no worker is known to run (a ``module:function`` without code: a
     # program's embedded worker registered it), instead of a 400 (docs/API.md, "Task types").
     allow_unknown_type: bool = False
+    # Attempts it may lose with its worker (the worker died, or came back without it)
+    # before it fails; they do not count against max_attempts (0 to 100, default 3).
+    max_lost: int = DEFAULT_MAX_LOST
 
 
 class TaskSubmission(_TaskOptions, kw_only=True):
@@ -210,6 +214,10 @@ class TaskView(msgspec.Struct):
     # Set when the task retries with a backoff (then a retry's due time is start_after).
     retry_backoff_s: float | None = None
     retry_backoff_max_s: float | None = None
+    # Attempts lost with their worker (not counted against max_attempts), and how many it
+    # may lose before it fails.
+    lost: int = 0
+    max_lost: int = DEFAULT_MAX_LOST
 
 
 class TaskList(msgspec.Struct):
@@ -519,6 +527,7 @@ class ScheduledTask(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_attempts: int = 1
     resources: dict[str, float] = {}
     code: str | None = None
+    max_lost: int = DEFAULT_MAX_LOST  # as a task's
 
 
 class ScheduleCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -345,6 +345,8 @@ def task_view(task: Any, tree: TreeRecord | None = None) -> m.TaskView:
         priority=task.priority,
         retry_backoff_s=task.retry_backoff_ms / 1000 if task.retry_backoff_ms else None,
         retry_backoff_max_s=task.retry_backoff_max_ms / 1000 if task.retry_backoff_ms else None,
+        lost=task.lost,
+        max_lost=task.max_lost,
     )
 
 

@@ -47,6 +47,7 @@ def _view(schedule: Schedule) -> m.ScheduleView:
             max_attempts=spec.max_attempts,
             resources=spec.resources,
             code=spec.code,
+            max_lost=spec.max_lost,
         ),
         missed=schedule.missed,
         grace_s=schedule.grace_ms / 1000,
@@ -85,6 +86,7 @@ def _task_spec(api: ApiContext, tenant: str, task: m.ScheduledTask) -> e.TaskSpe
         max_attempts=task.max_attempts,
         resources=task.resources,
         code=task.code,
+        max_lost=task.max_lost,
     )
     problem = validate_task_spec(spec) or validate_builtin_params(spec.type, spec.params)
     if problem is not None:
@@ -130,6 +132,8 @@ async def create_schedule(api: ApiContext, request: Request) -> tuple[int, bytes
             cron=body.cron,
             missed=body.missed,
             grace_ms=grace_ms,
+            # 5 when the template has its own max_lost (else the type's own, 3).
+            v=e.submit_version((spec,)),
         )
 
     result = await api.node.propose(build)

@@ -73,6 +73,7 @@ def _spec_fields(
         params=params,
         slot=item.slot,
         max_attempts=item.max_attempts,
+        max_lost=item.max_lost,
         deadline_ms=deadline_ms,
         start_after_ms=start_after_ms,
         resources=item.resources,

@@ -43,9 +43,19 @@ class TreeEnded(msgspec.Struct, frozen=True, gc=False):
     root_id: int
 
 
+class AttemptLost(msgspec.Struct, frozen=True, gc=False):
+    """A running attempt was lost with its worker (it died, or came back without it): not
+    counted against max_attempts (docs/DESIGN.md §6, "Lost workers"); the task waits
+    again, or failed past its max_lost."""
+
+    task_id: int
+    worker_id: str
+    attempt: int
+
+
 # StopRunning (a running task was ended by the broker: tell its worker) lives in
 # broker.core.records, where it always was; it is one of the effects.
-Effect = TaskFinal | StopRunning | TreeEnded | TaskAssigned
+Effect = TaskFinal | StopRunning | TreeEnded | TaskAssigned | AttemptLost
 
 
 class Applied(msgspec.Struct, frozen=True, gc=False):
@@ -68,6 +78,11 @@ class Applied(msgspec.Struct, frozen=True, gc=False):
     def stops(self) -> list[StopRunning]:
         """The running tasks the broker ended, in order."""
         return [effect for effect in self.effects if type(effect) is StopRunning]
+
+    @property
+    def lost(self) -> list[AttemptLost]:
+        """The attempts lost with their worker, in order."""
+        return [effect for effect in self.effects if type(effect) is AttemptLost]
 
     @property
     def trees_ended(self) -> list[int]:

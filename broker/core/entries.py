@@ -25,10 +25,19 @@ import msgspec
 #: 4: the entry types WorkerSilent (a worker's silence survives a leader change,
 #:    docs/DESIGN.md §8, "Silence across leader changes") and PauseSchedule (§6,
 #:    "Periodic tasks").
-ENTRY_FORMAT_VERSION: Final = 4
+#: 5: lost attempts (docs/DESIGN.md §6, "Lost workers"): a WorkerDead or RegisterWorker
+#:    written at 5 ends its worker's running attempts as lost (TaskSpec.max_lost bounds them,
+#:    max_attempts does not count them); TaskSpec.max_lost.
+ENTRY_FORMAT_VERSION: Final = 5
 #: The version entries are written with unless they need a newer one, so a broker not
 #: yet upgraded keeps following until a newer feature is actually used.
 BASE_ENTRY_FORMAT_VERSION: Final = 1
+#: The format from which a worker's death or return ends its attempts as lost, not counted
+#: against max_attempts (docs/DESIGN.md §6, "Lost workers"). ``apply`` keys the rule on the
+#: entry's version, so an older leader's entries apply as that leader applied them.
+LOST_ATTEMPTS_VERSION: Final = 5
+#: Default of TaskSpec.max_lost: attempts a task may lose with its worker before it fails.
+DEFAULT_MAX_LOST: Final = 3
 
 #: A code artifact's name: the sha256 of its bytes as 64 lowercase hex digits (use fullmatch).
 #: Here, with the entries that carry such names, so the state machine checks them without
@@ -100,6 +109,10 @@ class TaskSpec(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
     # retry_backoff_max_ms, +-25% deterministic jitter (broker/core/backoff.py); 0: none.
     retry_backoff_ms: int = 0
     retry_backoff_max_ms: int = 3_600_000
+    # Attempts it may lose with its worker (dead, or back without it) before it fails;
+    # they do not count against max_attempts (docs/DESIGN.md §6, "Lost workers"). Last, so
+    # older entries still decode; a spec that changes it is written as version 5.
+    max_lost: int = DEFAULT_MAX_LOST
 
 
 #: Default of TaskSpec.retry_backoff_max_ms.
@@ -137,7 +150,10 @@ class SubmitTasks(_Entry, frozen=True, tag="submit"):
 
 def submit_version(tasks: tuple[TaskSpec, ...]) -> int:
     """The oldest entry format that holds these specs: 3 with dependencies, a priority or
-    a backoff (an older broker would silently ignore them and so fork the state)."""
+    a backoff, 5 with a max_lost other than the default (an older broker would silently
+    ignore them and so fork the state)."""
+    if any(t.max_lost != DEFAULT_MAX_LOST for t in tasks):
+        return LOST_ATTEMPTS_VERSION
     if any(t.after or t.priority or t.retry_backoff_ms for t in tasks):
         return 3
     return BASE_ENTRY_FORMAT_VERSION
@@ -230,6 +246,13 @@ class RegisterWorker(_Entry, frozen=True, tag="worker_register"):
     credential: str | None = None
 
 
+def lost_attempts_version(loses_attempts: bool) -> int:
+    """The format of a WorkerDead or RegisterWorker entry that, in the leader's state as it
+    builds the entry, ``loses_attempts`` (its worker runs tasks it dies with, or comes back
+    without): 5, so they end as lost (docs/DESIGN.md §6, "Lost workers"); else the oldest."""
+    return LOST_ATTEMPTS_VERSION if loses_attempts else BASE_ENTRY_FORMAT_VERSION
+
+
 class WorkerDead(_Entry, frozen=True, tag="worker_dead"):
     worker_id: str = ""
     reason: str = "heartbeat deadline missed"
@@ -292,6 +315,9 @@ def finish_tasks(time_ms: int, outcomes: tuple[TaskOutcome, ...]) -> FinishTasks
     # broker would start it at once, so such a finish needs version 3.
     if any(a != o.task_id for o in outcomes for s in o.spawn for a in s.anchors):
         version = 3
+    # A child with its own max_lost: an older broker would drop it.
+    if any(s.task.max_lost != DEFAULT_MAX_LOST for o in outcomes for s in o.spawn):
+        version = LOST_ATTEMPTS_VERSION
     return FinishTasks(time_ms=time_ms, outcomes=outcomes, v=version)
 
 

@@ -75,10 +75,15 @@ class Task(msgspec.Struct, array_like=True, gc=False):
     priority: int = 0
     retry_backoff_ms: int = 0
     retry_backoff_max_ms: int = 3_600_000
+    # Attempts lost with their worker (it died, or came back without the task), which
+    # max_attempts does not count, and how many it may lose before it fails
+    # (docs/DESIGN.md §6, "Lost workers"). Last, so older snapshots still decode.
+    lost: int = 0
+    max_lost: int = e.DEFAULT_MAX_LOST
 
     def counted_attempts(self) -> int:
-        """Attempts that count against ``max_attempts`` (given-back ones do not)."""
-        return self.attempt - self.released
+        """Attempts that count against ``max_attempts`` (given-back and lost ones do not)."""
+        return self.attempt - self.released - self.lost
 
 
 class TreeState(StrEnum):

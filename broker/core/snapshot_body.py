@@ -10,6 +10,7 @@ from typing import Final
 
 import msgspec
 
+from broker.core.entries import DEFAULT_MAX_LOST
 from broker.core.records import (
     ApiToken,
     Artifact,
@@ -58,7 +59,9 @@ class SnapshotBody(msgspec.Struct):
 #: retry backoff. A body holding none of them is still written as 1 (body_version).
 #: 3: a worker's silent_since_ms (docs/DESIGN.md §8, "Silence across leader changes"), a
 #:    schedule's paused_ms (§6, "Periodic tasks").
-SNAPSHOT_BODY_VERSION: Final = 3
+#: 4: a task's lost attempts or a max_lost other than the default, in a task or a
+#:    schedule's template (§6, "Lost workers").
+SNAPSHOT_BODY_VERSION: Final = 4
 _snapshot_encoder: Final = msgspec.msgpack.Encoder()
 _snapshot_decoder: Final = msgspec.msgpack.Decoder(SnapshotBody)
 #: The oldest body version this code reads (docs/OPERATIONS.md, "Rolling upgrade").
@@ -67,6 +70,10 @@ OLDEST_SNAPSHOT_BODY_VERSION: Final = 1
 
 def body_version(body: SnapshotBody) -> int:
     """The oldest body version whose readers keep everything ``body`` holds."""
+    if any(t.lost or t.max_lost != DEFAULT_MAX_LOST for t in body.tasks) or any(
+        s.task.max_lost != DEFAULT_MAX_LOST for s in body.schedules
+    ):
+        return 4
     if any(w.silent_since_ms is not None for w in body.workers) or any(
         s.paused_ms is not None for s in body.schedules
     ):

@@ -152,6 +152,7 @@ class TasksMixin(TransactionsMixin, TreesMixin, DependenciesMixin):
             priority=spec.priority,
             retry_backoff_ms=spec.retry_backoff_ms,
             retry_backoff_max_ms=spec.retry_backoff_max_ms,
+            max_lost=spec.max_lost,
         )
         check_move(None, task.state)  # created (not in _add_task: snapshot load uses it)
         self._add_task(task)

@@ -84,11 +84,14 @@ TRANSITIONS: Final[Mapping[TaskState | None, Mapping[TaskState | None, Edge]]] =
     _RUNNING: {
         _FINISHED: Edge("finished ok", frozenset({e.FinishTasks})),
         _WAITING: Edge(
-            "an attempt failed with attempts left, was given back by a stopping worker or"
-            " broker, or a root replayed",
+            "an attempt failed with attempts left, was lost with its worker, was given back"
+            " by a stopping worker or broker, or a root replayed",
             ANY_ENTRY,
         ),
-        _ERROR: Edge("deadline exceeded, or its last attempt failed", ANY_ENTRY),
+        _ERROR: Edge(
+            "deadline exceeded, its last attempt failed, or lost more than max_lost times",
+            ANY_ENTRY,
+        ),
         _CANCELLED: Edge("cancelled, or its tree failed", ANY_ENTRY),
         _DELAYED: Edge("an attempt failed with attempts left and a retry backoff", ANY_ENTRY),
     },

@@ -21,6 +21,8 @@ TASK_TYPE_RE: Final = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}\Z")
 MAX_SLOT_CHARS: Final = 256
 MAX_RESOURCES: Final = 32
 MAX_ATTEMPTS_LIMIT: Final = 1000
+#: Upper bound of a task's max_lost (attempts lost with their worker, docs/DESIGN.md §6).
+MAX_LOST_LIMIT: Final = 100
 MAX_TREE_TIMEOUT_MS: Final = 7 * 24 * 3600 * 1000
 IDEMPOTENCY_KEY_RE: Final = re.compile(r"[\x20-\x7e]{1,128}")
 #: Roles a token created through the API may have (the peer secret and the shared worker
@@ -46,6 +48,8 @@ def validate_task_spec(spec: e.TaskSpec) -> str | None:
         return f"slot must be 1-{MAX_SLOT_CHARS} characters"
     if not 1 <= spec.max_attempts <= MAX_ATTEMPTS_LIMIT:
         return f"max_attempts must be between 1 and {MAX_ATTEMPTS_LIMIT}"
+    if not 0 <= spec.max_lost <= MAX_LOST_LIMIT:
+        return f"max_lost must be between 0 and {MAX_LOST_LIMIT}"
     if len(spec.resources) > MAX_RESOURCES:
         return f"at most {MAX_RESOURCES} resources per task"
     for name, amount in spec.resources.items():

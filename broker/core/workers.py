@@ -9,7 +9,7 @@ import math
 
 from broker.core import entries as e
 from broker.core.backoff import retry_delay_ms
-from broker.core.effects import TaskAssigned
+from broker.core.effects import AttemptLost, TaskAssigned
 from broker.core.machine_base import _Timer
 from broker.core.records import (
     ErrorCode,
@@ -145,6 +145,30 @@ class WorkersMixin(TasksMixin):
                 lost.append(e.TaskAttempt(task.id, task.attempt))
         return tuple(lost)
 
+    def _reconcile(
+        self, worker_id: str, running: tuple[e.TaskAttempt, ...]
+    ) -> tuple[list[e.TaskAttempt], list[int]]:
+        """The attempts running on ``worker_id`` that a registration reporting ``running``
+        keeps, and the tasks whose attempts it does not report (lost)."""
+        reported = {(r.task_id, r.attempt) for r in running}
+        keep: list[e.TaskAttempt] = []
+        lost: list[int] = []
+        for task_id in sorted(self.running_by_worker.get(worker_id, ())):
+            task = self.tasks[task_id]
+            if (task.id, task.attempt) in reported:
+                keep.append(e.TaskAttempt(task.id, task.attempt))
+            else:
+                lost.append(task.id)
+        return keep, lost
+
+    def registration_loses_attempts(
+        self, worker_id: str, running: tuple[e.TaskAttempt, ...]
+    ) -> bool:
+        """Whether a registration of ``worker_id`` reporting ``running`` would end attempts
+        as lost: a read-only query for the leader, which then writes the RegisterWorker in
+        format 5 (docs/DESIGN.md §6, "Lost workers"); a registration keeping all is not."""
+        return bool(self._reconcile(worker_id, running)[1])
+
     def _register_worker(self, entry: e.RegisterWorker) -> WorkerReconciled | Rejected:
         if not entry.worker_id:
             return Rejected(ErrorCode.INVALID, "worker_id must not be empty")
@@ -164,21 +188,13 @@ class WorkersMixin(TasksMixin):
                 ErrorCode.CONFLICT,
                 f"worker id {entry.worker_id!r} is connected with another credential",
             )
-        reported = {(r.task_id, r.attempt) for r in entry.running}
-        keep: list[e.TaskAttempt] = []
-        lost: list[int] = []
-        for task_id in sorted(self.running_by_worker.get(entry.worker_id, ())):
-            task = self.tasks[task_id]
-            if (task.id, task.attempt) in reported:
-                keep.append(e.TaskAttempt(task.id, task.attempt))
-            else:
-                lost.append(task.id)
+        keep, lost = self._reconcile(entry.worker_id, entry.running)
         for task_id in lost:
             task = self.tasks[task_id]
             # A lost task whose tree failed because of an earlier one is already over.
             if task.state == TaskState.RUNNING and task.worker == entry.worker_id:
-                self._retry_or_fail(
-                    task, f"worker {entry.worker_id} came back without task {task.id}"
+                self._lost_attempt(
+                    task, f"worker {entry.worker_id} came back without task {task.id}", entry.v
                 )
         if len(lost):
             running = self.running_by_worker.get(entry.worker_id, set())
@@ -222,7 +238,7 @@ class WorkersMixin(TasksMixin):
             task = self.tasks[task_id]
             if task.state != TaskState.RUNNING or task.worker != worker.id:
                 continue  # cancelled or replayed meanwhile: a failed tree of an earlier one
-            self._retry_or_fail(task, f"worker {worker.id} died: {entry.reason}")
+            self._lost_attempt(task, f"worker {worker.id} died: {entry.reason}", entry.v)
         return None
 
     def _worker_silent(self, entry: e.WorkerSilent) -> None:
@@ -257,6 +273,26 @@ class WorkersMixin(TasksMixin):
         self._stop_if_running(task, reason)
         task.error = reason
         task.released += 1
+        self._move(task, TaskState.WAITING)
+
+    def _lost_attempt(self, task: Task, error: str, entry_version: int) -> None:
+        """The running attempt was lost with its worker (it died, or came back without the
+        task): not the task's failure, so it does not count against max_attempts; the task
+        waits again at once (no backoff: nothing went wrong with it), unless it has now
+        lost more than max_lost attempts (docs/DESIGN.md §6, "Lost workers"). An entry
+        older than the rule (an older leader's) applies the rule it was logged under: the
+        attempt counts, as any failure."""
+        if entry_version < e.LOST_ATTEMPTS_VERSION:
+            self._retry_or_fail(task, error)
+            return
+        task.lost += 1
+        self._effects.append(AttemptLost(task.id, task.worker or "", task.attempt))
+        if task.lost > task.max_lost:
+            task.error = f"{error} (lost {task.lost} times, max_lost {task.max_lost})"
+            self._move(task, TaskState.ERROR)
+            self._task_ended(task)
+            return
+        task.error = error
         self._move(task, TaskState.WAITING)
 
     def _retry_or_fail(self, task: Task, error: str) -> None:

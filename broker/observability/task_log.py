@@ -5,7 +5,7 @@ and for the same reason as the task counters in broker/observability/metrics.py:
 event, never again for a follower or a replay). Every line carries ``task_id`` and ``tenant``
 (broker/observability/logs.py shows them in text and JSON). Levels keep the hot path quiet:
 assignments, successful finishes and refused entries are DEBUG (one per task at full rate,
-and ``isEnabledFor`` is checked once per entry); retries, given-back attempts, failures,
+and ``isEnabledFor`` is checked once per entry); retries, given-back and lost attempts, failures,
 cancellations and the end of task trees are INFO (a retry delayed by its backoff too, with
 its delay).
 """
@@ -151,6 +151,22 @@ def log_applied(
             entry.task_id,
             result.message,
             extra=task_fields(entry.task_id, task.tenant if task is not None else ""),
+        )
+    for lost in applied.lost:
+        task = tasks.get(lost.task_id)
+        if task is None or task.state != TaskState.WAITING:
+            continue  # failed past its max_lost: the line below says so
+        logger.info(
+            "task %d attempt %d lost with worker %s (lost %d of max_lost %d, not counted "
+            "against the %d attempts allowed); queued again: %s",
+            task.id,
+            lost.attempt,
+            lost.worker_id,
+            task.lost,
+            task.max_lost,
+            task.max_attempts,
+            _first_line(task.error),
+            extra=task_fields(task.id, task.tenant, attempt=lost.attempt),
         )
     for task_id in applied.final_ids:
         task = tasks.get(task_id)

@@ -136,6 +136,7 @@ def spawn_requests(
             params=request.params,
             slot=request.slot,
             max_attempts=request.max_attempts,
+            max_lost=request.max_lost,
             deadline_ms=request.deadline_ms,
             start_after_ms=request.start_after_ms,
             resources=dict(request.resources),

@@ -249,8 +249,14 @@ class Handshake:
         entry_running = tuple(e.TaskAttempt(r.task_id, r.attempt) for r in hello.running)
         if hello.lists_unacked:
             await self._give_back_unreceived(hello, credential, entry_running)
-        result = await self.node.propose(
+        node = self.node
+        result = await node.propose(
             lambda stamp: e.RegisterWorker(
+                # Attempts it comes back without end as lost, not counted (docs/DESIGN.md
+                # §6, "Lost workers").
+                v=e.lost_attempts_version(
+                    node.state.registration_loses_attempts(hello.worker_id, entry_running)
+                ),
                 time_ms=stamp.now_ms,
                 worker_id=hello.worker_id,
                 address=f"{address[0]}:{address[1]}" if address else "",

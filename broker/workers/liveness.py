@@ -194,7 +194,10 @@ class Liveness:
         )
 
         def build(stamp: Stamp, dead: e.WorkerDead = dead) -> e.Entry:
-            return msgspec.structs.replace(dead, time_ms=stamp.now_ms)
+            # Its running attempts end as lost, not counted (docs/DESIGN.md §6, "Lost workers").
+            holds = bool(self.node.state.running_by_worker.get(worker_id))
+            version = e.lost_attempts_version(holds)
+            return msgspec.structs.replace(dead, time_ms=stamp.now_ms, v=version)
 
         try:
             await self.node.propose(build)

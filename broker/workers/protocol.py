@@ -53,6 +53,9 @@ MAX_OUTPUT_BYTES: Final = 1024 * 1024
 MAX_PROGRESS_CHARS: Final = 200
 #: Most attempts one FetchOutput names.
 MAX_FETCH_OUTPUT: Final = 64
+#: A spawned child's default max_lost: broker/core/entries.py's DEFAULT_MAX_LOST (this
+#: module imports nothing of the project; tests/unit/test_protocol.py holds them equal).
+DEFAULT_MAX_LOST: Final = 3
 _LENGTH: Final = struct.Struct(">I")
 
 
@@ -157,6 +160,10 @@ class SpawnRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkno
     resources: dict[str, float] = {}
     code: str | None = None  # None: the reporting task's code artifact
     anchor_spawns: tuple[int, ...] = ()  # last: an older worker never sends it
+    # Attempts the child may lose with its worker (docs/DESIGN.md §6, "Lost workers"); sent
+    # only when not the default, so a worker talking to an older broker sends it only if
+    # a task asks for it.
+    max_lost: int = DEFAULT_MAX_LOST
 
 
 class TaskReport(msgspec.Struct, frozen=True, omit_defaults=True):

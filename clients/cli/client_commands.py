@@ -175,6 +175,7 @@ def _submit(client: StewardClient, args: argparse.Namespace) -> int:
     optional = {
         "tenant": args.tenant,
         "slot": args.slot,
+        "max_lost": args.max_lost,
         "deadline": _time_option(args.deadline),
         "start_after": _time_option(args.start_after),
         "transaction": args.transaction,
@@ -325,6 +326,7 @@ def _schedule(client: StewardClient, args: argparse.Namespace) -> None:
             missed=args.missed,
             grace_s=args.grace_s,
             max_attempts=args.max_attempts,
+            max_lost=args.max_lost,
         )
         if args.json:
             print_json(created)

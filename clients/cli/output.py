@@ -34,6 +34,8 @@ def _print_task(task: dict[str, Any]) -> None:
         "state",
         "attempt",
         "max_attempts",
+        "lost",
+        "max_lost",
         "slot",
         "transaction",
         "worker",

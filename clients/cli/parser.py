@@ -261,7 +261,15 @@ def _add_task_commands(sub: argparse._SubParsersAction[StewardArgumentParser]) -
         type=int,
         default=1,
         metavar="N",
-        help="run it up to N times when its worker dies (1: no retry)",
+        help="run it up to N times when it fails (1: no retry; attempts lost with a worker "
+        "do not count, see --max-lost)",
+    )
+    p.add_argument(
+        "--max-lost",
+        type=int,
+        metavar="N",
+        help="attempts it may lose with its worker (dead, or back without it) before it fails "
+        "(0-100; default: 3)",
     )
     p.add_argument(
         "--deadline",
@@ -464,6 +472,7 @@ def _add_admin_commands(sub: argparse._SubParsersAction[StewardArgumentParser]) 
         "--grace-s", type=float, metavar="S", help="with skip: a tick later than this is dropped"
     )
     p.add_argument("--max-attempts", type=int, default=1, metavar="N", help="each task's")
+    p.add_argument("--max-lost", type=int, metavar="N", help="each task's (default: 3)")
     add_json_option(p)
     p = _client(schedule_sub, "list", help="list schedules with their runs and next tick")
     p.add_argument("--tenant", help="an admin's filter (a tenant token sees its own)")

@@ -217,12 +217,12 @@ def create_schedule(
     missed: str = "skip",
     grace_s: float | None = None,
     max_attempts: int = 1,
+    max_lost: int | None = None,
 ) -> Request:
-    body: dict[str, Any] = {
-        "name": name,
-        "task": {"type": task_type, "params": params, "max_attempts": max_attempts},
-        "missed": missed,
-    }
+    task: dict[str, Any] = {"type": task_type, "params": params, "max_attempts": max_attempts}
+    if max_lost is not None:  # None: the broker's default
+        task["max_lost"] = max_lost
+    body: dict[str, Any] = {"name": name, "task": task, "missed": missed}
     optional = {"tenant": tenant, "cron": cron, "interval_s": interval_s, "grace_s": grace_s}
     body.update({k: v for k, v in optional.items() if v is not None})
     return Request("POST", "/api/v1/schedules", json=body)

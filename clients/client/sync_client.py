@@ -253,7 +253,7 @@ class StewardClient(_ClientBase):
         idempotency_key: str | None = None,
         **options: Any,
     ) -> TaskHandle:
-        """Submit one task. Options: slot, max_attempts, deadline, start_after,
+        """Submit one task. Options: slot, max_attempts, max_lost, deadline, start_after,
         resources, transaction, code, track_tree, tree_timeout_s, after. Retried safely under
         ``idempotency_key`` (default: 128 new random bits per call)."""
         answer = self._send(calls.submit(type, params, tenant, idempotency_key, options))
@@ -457,7 +457,7 @@ class StewardClient(_ClientBase):
         self, name: str, task_type: str, params: Any = None, **options: Any
     ) -> dict[str, Any]:
         """Create a schedule running ``task_type`` at each tick of ``cron`` (UTC) or every
-        ``interval_s`` (options: tenant, cron, interval_s, missed, grace_s, max_attempts;
+        ``interval_s`` (options: tenant, cron, interval_s, missed, grace_s, max_attempts, max_lost;
         docs/API.md). A retry after a lost answer may see 409 (it exists), never two."""
         result: dict[str, Any] = self._send(
             calls.create_schedule(name, task_type, params, **options)

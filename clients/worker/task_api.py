@@ -34,7 +34,12 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Final
 
-from broker.workers.protocol import MAX_PROGRESS_CHARS, AssignedTask, SpawnRequest
+from broker.workers.protocol import (
+    DEFAULT_MAX_LOST,
+    MAX_PROGRESS_CHARS,
+    AssignedTask,
+    SpawnRequest,
+)
 from clients.worker.config import cpu_count
 
 logger = logging.getLogger(__name__)
@@ -224,6 +229,7 @@ class TaskContext:
         start_after_ms: int | None = None,
         resources: Mapping[str, float] | None = None,
         code: str | None = None,
+        max_lost: int = DEFAULT_MAX_LOST,
     ) -> SpawnedChild:
         """Create a child task when this task finishes successfully.
 
@@ -236,7 +242,9 @@ class TaskContext:
         tree completes only when every path is acked (Storm's multi-anchoring).
         ``tracked=False`` spawns outside the tree (Storm's unanchored emit). Children of
         an untracked task are never tracked. ``tenant`` and ``code`` default to this
-        task's. The broker validates the rest; an invalid child fails this task.
+        task's. ``max_lost``: attempts the child may lose with its worker before it fails
+        (not counted against ``max_attempts``; docs/TASKS.md). The broker validates the rest;
+        an invalid child fails this task.
         """
         if not tracked and anchors:
             raise ValueError("an untracked child takes no anchors")
@@ -271,6 +279,7 @@ class TaskContext:
             resources=dict(resources or {}),
             code=code,
             anchor_spawns=siblings if tracked else (),
+            max_lost=max_lost,
         )
         with self._lock:
             if any(i >= len(self._spawns) for i in siblings):

@@ -3,7 +3,7 @@
 Task types (uploaded as ``fanout_job.py``; children inherit the root's artifact):
 
 ``fanout_job:root`` ``{"rows", "partitions", "out_dir", "engine"?, "child_sleep_s"?,
-"child_max_attempts"?}``
+"child_max_attempts"?, "child_max_lost"?}``
     splits the rows ``0 .. rows-1`` into ``partitions`` ranges, spawns one
     ``partition`` child per range and the ``combine`` child joined to all of them;
     returns where the answer will be (``final``).
@@ -185,6 +185,10 @@ def root(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     child_max_attempts = _int_param(params, "child_max_attempts", 1, default=1)
+    # Attempts a child may lose with its worker (the broker's default when not given).
+    lost: dict[str, int] = {}
+    if "child_max_lost" in params:
+        lost["max_lost"] = _int_param(params, "child_max_lost", 0, 100)
     child_sleep_s = params.get("child_sleep_s", 0.0)
     if isinstance(child_sleep_s, bool) or not isinstance(child_sleep_s, int | float):
         raise ValueError(f"child_sleep_s must be a number, got {child_sleep_s!r}")
@@ -208,13 +212,16 @@ def root(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
             "child_sleep_s": child_sleep_s,
             "child_max_attempts": child_max_attempts,
         }
-        parts.append(ctx.spawn(f"{MODULE}:partition", child, max_attempts=child_max_attempts))
+        parts.append(
+            ctx.spawn(f"{MODULE}:partition", child, max_attempts=child_max_attempts, **lost)
+        )
     # The join: anchored to every partition, it runs once all of them finished.
     ctx.spawn(
         f"{MODULE}:combine",
         {"run_dir": str(run_dir), "partitions": partitions},
         anchors=parts,
         max_attempts=child_max_attempts,
+        **lost,
     )
     ctx.logger.info("fan-out of %d rows over %d partitions in %s", rows, partitions, run_dir)
     return {

@@ -67,6 +67,7 @@ def submit_fanout(
     tree_timeout_s: float = 120.0,
     child_sleep_s: float = 0.0,
     child_max_attempts: int = 1,
+    child_max_lost: int | None = None,
 ) -> TaskHandle:
     """Submit the tracked root; a failed tree is replayed while ``max_attempts`` allow."""
     share_out_dir(out_dir)
@@ -78,6 +79,8 @@ def submit_fanout(
         "child_sleep_s": child_sleep_s,
         "child_max_attempts": child_max_attempts,
     }
+    if child_max_lost is not None:  # None: the broker's default
+        params["child_max_lost"] = child_max_lost
     return client.submit(
         ROOT_TYPE,
         params,

@@ -114,6 +114,8 @@ class TestCommands:
             "cli-slot-1",
             "--max-attempts",
             "3",
+            "--max-lost",
+            "1",
             "--resource",
             "cpu=2",
             "--deadline",
@@ -130,12 +132,18 @@ class TestCommands:
         assert fields["state"] == "waiting"
         assert fields["slot"] == "cli-slot-1"
         assert fields["max_attempts"] == "3"
+        assert (fields["lost"], fields["max_lost"]) == ("0", "1")
         assert json.loads(fields["params"]) == {"n": 1, "s": "x"}
         assert fields["resources"] == "cpu=2"  # a person's notation, not a Python dict
         assert "deadline:" in out and "2100-01-01T00:00:00.000Z" in out
         shown = cli.task_json(task_id)
         assert shown["id"] == task_id
         assert shown["params"] == {"n": 1, "s": "x"}
+
+    def test_a_bad_max_lost_is_one_line_saying_the_range(self, cli: Cli) -> None:
+        stderr = failed(cli("submit", "noop", "--tenant", "cli-show", "--max-lost", "101"), 1)
+        assert stderr.startswith("steward: ") and stderr.count("\n") == 1, stderr
+        assert "max_lost must be between 0 and 100" in stderr
 
     def test_submit_count_prints_every_id(self, cli: Cli) -> None:
         out = ok(cli("submit", "batch-type", "--tenant", "cli-count", "--count", "3"))

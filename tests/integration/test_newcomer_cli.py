@@ -10,58 +10,20 @@ from __future__ import annotations
 
 import http.server
 import json
-import os
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.support.cli_runs import CLI_TIMEOUT_S, one_line_error, steward
 from tests.support.procs import HOST, BrokerProcess, free_port, steward_command
 from tests.support.worker_procs import broker_with_worker
 
-CLI_TIMEOUT_S = 30.0
 # A wrong URL is answered at once (no retry loop): well under the CLI timeout.
 WRONG_URL_BOUND_S = 15.0
-
-
-@dataclass(frozen=True)
-class Run:
-    code: int
-    out: str
-    err: str
-    elapsed_s: float
-
-
-def steward(*args: str, env: dict[str, str] | None = None, timeout_s: float = CLI_TIMEOUT_S) -> Run:
-    clean = {k: v for k, v in os.environ.items() if k not in ("STEWARD_URL", "STEWARD_TOKEN")}
-    started = time.monotonic()
-    done = subprocess.run(
-        [*steward_command(), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env={**clean, **(env or {})},
-        stdin=subprocess.DEVNULL,
-        check=False,
-    )
-    run = Run(done.returncode, done.stdout, done.stderr, time.monotonic() - started)
-    assert "Traceback" not in run.out + run.err, run
-    return run
-
-
-def one_line_error(run: Run, code: int, *words: str) -> str:
-    """The run failed with ``code`` and one ``steward`` line holding every word."""
-    assert run.code == code, run
-    lines = [line for line in run.err.splitlines() if line.strip()]
-    message = lines[-1]
-    assert message.startswith("steward"), run
-    for word in words:
-        assert word in message, (word, run)
-    return message
 
 
 @dataclass(frozen=True)

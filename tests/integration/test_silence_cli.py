@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.test_newcomer_cli import Run, steward
+from tests.support.cli_runs import Run, steward
 from tests.support.procs import BrokerProcess, steward_command
 from tests.support.webhook_receiver import Receiver, webhook_receiver
 from tests.support.worker_procs import broker_with_worker, wait_until

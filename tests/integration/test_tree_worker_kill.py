@@ -149,6 +149,7 @@ def _start_tree(
     tree_timeout_s: float,
     child_sleep_s: float,
     child_max_attempts: int,
+    child_max_lost: int | None = None,
 ) -> tuple[TaskHandle, list[dict[str, Any]]]:
     """The fan-out tree (plain-Python partitions, root max_attempts 2) submitted, and its
     children once they all run."""
@@ -163,6 +164,7 @@ def _start_tree(
         tree_timeout_s=tree_timeout_s,
         child_sleep_s=child_sleep_s,
         child_max_attempts=child_max_attempts,
+        child_max_lost=child_max_lost,
     )
     first: list[dict[str, Any]] = wait_until(
         lambda: _all_children_running(setup, handle.id), 60, "the children to run"
@@ -175,7 +177,7 @@ def _first_run_dir(out_dir: Path, root_id: int) -> Path:
 
 
 def _kill9_mid_tree(
-    setup: Setup, out_dir: Path, *, child_max_attempts: int
+    setup: Setup, out_dir: Path, *, child_max_attempts: int, child_max_lost: int | None = None
 ) -> tuple[TaskHandle, list[dict[str, Any]], str, FanoutOutcome]:
     """Start the tree (children sleep 3 s, the tree may take 120 s), kill -9 the worker
     running its first child, then wait for the tree to end. Returns the root's handle,
@@ -188,6 +190,7 @@ def _kill9_mid_tree(
             tree_timeout_s=120,
             child_sleep_s=3.0,
             child_max_attempts=child_max_attempts,
+            child_max_lost=child_max_lost,
         )
         victim = first[0]["worker"]
         setup.worker(victim).kill9()
@@ -201,7 +204,11 @@ def test_kill9_of_a_worker_mid_tree_fails_the_tree_and_the_replay_is_correct(
     # A dead worker is declared within 1.5 s; the tree itself would wait 120 s.
     setup: Setup = make_setup(heartbeat_timeout_ms=1500)
     out_dir = setup.shared / "out"
-    handle, first, victim, outcome = _kill9_mid_tree(setup, out_dir, child_max_attempts=1)
+    # Children that may lose no attempt with their worker (max_lost 0): the kill fails one
+    # (docs/DESIGN.md §6, "Lost workers"; by default it would run again, the test below).
+    handle, first, victim, outcome = _kill9_mid_tree(
+        setup, out_dir, child_max_attempts=1, child_max_lost=0
+    )
 
     _check_replayed_tree(setup, outcome.root)
     assert outcome.answer == direct_answer(ROWS)
@@ -215,6 +222,7 @@ def test_kill9_of_a_worker_mid_tree_fails_the_tree_and_the_replay_is_correct(
     errors = [t for t in first_run if t["state"] == "error"]
     assert len(errors) == 1, first_run
     assert f"worker {victim} died" in errors[0]["error"], errors
+    assert "(lost 1 times, max_lost 0)" in errors[0]["error"], errors
     assert errors[0]["id"] in {t["id"] for t in first if t["worker"] == victim}
     cancelled = [t for t in first_run if t["state"] == "cancelled"]
     assert all(f"tree of task {handle.id} failed" in t["error"] for t in cancelled), cancelled
@@ -271,12 +279,13 @@ def test_sigstop_of_a_worker_mid_tree_times_the_tree_out_and_the_replay_is_corre
     assert workers[victim.worker_id]["state"] == "connected"
 
 
-def test_kill9_with_child_retries_left_keeps_the_tree_on_its_first_run(make_setup: Any) -> None:
-    # Children with max_attempts=2: the killed worker's children run again (same task
-    # ids) on the other worker, so the tree neither fails nor replays its root.
+def test_kill9_keeps_the_tree_on_its_first_run(make_setup: Any) -> None:
+    # Children with max_attempts=1: their attempts lost with the killed worker do not count
+    # (docs/DESIGN.md §6, "Lost workers"), so they run again (same task ids) on the other
+    # worker, and the tree neither fails nor replays its root.
     setup: Setup = make_setup(heartbeat_timeout_ms=1500)
     out_dir = setup.shared / "out"
-    handle, first, victim, outcome = _kill9_mid_tree(setup, out_dir, child_max_attempts=2)
+    handle, first, victim, outcome = _kill9_mid_tree(setup, out_dir, child_max_attempts=1)
 
     tree = outcome.root["tree"]
     assert tree["state"] == "completed" and tree["attempt"] == 1, (tree, setup.logs())
@@ -286,5 +295,5 @@ def test_kill9_with_child_retries_left_keeps_the_tree_on_its_first_run(make_setu
     by_id = {t["id"]: t for t in setup.tree_tasks(handle.id)}
     assert all(t["state"] == "finished" for t in by_id.values()), by_id
     rerun = [by_id[t["id"]] for t in first if t["worker"] == victim]
-    assert rerun and all(t["attempt"] == 2 for t in rerun), rerun
+    assert rerun and all((t["attempt"], t["lost"]) == (2, 1) for t in rerun), rerun
     assert all(by_id[t["id"]]["attempt"] == 1 for t in first if t["worker"] != victim)

@@ -278,6 +278,8 @@ def test_generator_covers_the_rules() -> None:
         "SetConfig rejected invalid",
         "WorkerDead ok",
         "WorkerDead rejected not_found",
+        "attempt lost with its worker",
+        "task failed past its max_lost",
         "worker silent",
         "worker heard again",
         "txn committed",

@@ -5,7 +5,7 @@ tests/unit/test_format_versions.py proves it on files written by earlier code.
 Run it once per new format version, with the code of that version, into a new directory
 (never over an existing one: those files are what older releases wrote)::
 
-    python -m tests.support.format_samples tests/data/formats/entries-v4-snapshot-v3
+    python -m tests.support.format_samples tests/data/formats/entries-v5-snapshot-v4
 
 It writes ``entries.msgpack`` (a msgpack array of log entries exactly as logged: every entry
 type, of every entry version this code writes), ``state.snap`` (a snapshot file of the state
@@ -158,6 +158,15 @@ def sample_entries() -> list[e.Entry]:
         e.PauseSchedule(time_ms=t + 65_010, tenant="acme", name="every-minute"),
         e.PauseSchedule(time_ms=t + 65_011, tenant="acme", name="every-minute", paused=False),
         e.PauseSchedule(time_ms=t + 65_012, tenant="acme", name="every-minute"),
+        # Entry format 5: a task's own max_lost, and a death that ends its attempt as lost,
+        # not counted (docs/DESIGN.md §6, "Lost workers"; snapshot body version 4).
+        e.SubmitTasks(
+            time_ms=t + 65_013,
+            tasks=(task(9, max_lost=1),),
+            v=e.submit_version((task(9, max_lost=1),)),
+        ),
+        e.AssignTasks(time_ms=t + 65_014, assignments=(e.Assignment(9, "w2"),)),
+        e.WorkerDead(time_ms=t + 65_015, worker_id="w2", v=e.lost_attempts_version(True)),
     ]
 
 
@@ -172,6 +181,11 @@ def observable(machine: StateMachine) -> dict[str, object]:
             w.id: w.silent_since_ms
             for w in machine.workers.values()
             if w.silent_since_ms is not None
+        },
+        "lost_attempts": {
+            str(t.id): [t.lost, t.max_lost]
+            for t in machine.tasks.values()
+            if t.lost or t.max_lost != e.DEFAULT_MAX_LOST
         },
         "code": sorted(machine.artifacts),
         "tokens": sorted(machine.tokens),

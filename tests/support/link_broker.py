@@ -87,6 +87,7 @@ class Broker:
         deadline_in_ms: int | None = None,
         track_tree: bool = False,
         placed: bool = False,
+        max_lost: int = e.DEFAULT_MAX_LOST,
     ) -> list[int]:
         """Submit ``count`` tasks in one entry; ``placed``: as the API's submit does, let the
         link put their assignments into the entry (docs/DESIGN.md §6)."""
@@ -105,12 +106,18 @@ class Broker:
                     max_attempts=max_attempts,
                     deadline_ms=deadline,
                     track_tree=track_tree,
+                    max_lost=max_lost,
                 )
                 for task_id in stamp.task_ids(count)
             )
             if placer is not None:
                 assignments = placer.place(tasks, stamp.now_ms)
-            return e.SubmitTasks(time_ms=stamp.now_ms, tasks=tasks, assignments=assignments)
+            return e.SubmitTasks(
+                time_ms=stamp.now_ms,
+                tasks=tasks,
+                assignments=assignments,
+                v=e.submit_version(tasks),
+            )
 
         try:
             results = await self.node.propose(build)

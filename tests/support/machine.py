@@ -58,7 +58,7 @@ class Machine:
         return e.TaskSpec(type=fields.pop("type", "py"), tenant=tenant, **fields)
 
     def submit(self, *specs: e.TaskSpec) -> list[TaskRef | Rejected]:
-        result = self.apply(e.SubmitTasks(time_ms=self.now, tasks=specs))
+        result = self.apply(e.SubmitTasks(time_ms=self.now, tasks=specs, v=e.submit_version(specs)))
         assert isinstance(result, list)
         return result
 
@@ -80,15 +80,22 @@ class Machine:
         assert self.apply(e.Tick(time_ms=self.at(advance_ms))) is None
 
     def register(
-        self, worker_id: str = "w1", running: tuple[e.TaskAttempt, ...] = ()
+        self,
+        worker_id: str = "w1",
+        running: tuple[e.TaskAttempt, ...] = (),
+        v: int = e.LOST_ATTEMPTS_VERSION,
     ) -> WorkerReconciled:
-        entry = e.RegisterWorker(time_ms=self.now, worker_id=worker_id, running=running)
+        """A registration as today's leader writes it when the worker holds tasks (``v``:
+        an older leader's)."""
+        entry = e.RegisterWorker(time_ms=self.now, worker_id=worker_id, running=running, v=v)
         result = self.apply(entry)
         assert isinstance(result, WorkerReconciled), result
         return result
 
-    def worker_dead(self, worker_id: str = "w1") -> ApplyResult:
-        return self.apply(e.WorkerDead(time_ms=self.now, worker_id=worker_id))
+    def worker_dead(self, worker_id: str = "w1", v: int = e.LOST_ATTEMPTS_VERSION) -> ApplyResult:
+        """A death as today's leader writes it when the worker holds tasks (``v``: an
+        older leader's)."""
+        return self.apply(e.WorkerDead(time_ms=self.now, worker_id=worker_id, v=v))
 
     def assign(self, task_id: int, worker_id: str = "w1") -> TaskRef | Rejected:
         entry = e.AssignTasks(time_ms=self.now, assignments=(e.Assignment(task_id, worker_id),))

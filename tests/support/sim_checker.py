@@ -490,8 +490,10 @@ class Checker(TransitionChecks):
             per_tenant.setdefault(task.tenant, Counter())[state] += 1
             if self.attempts.get(tid) != task.attempt:
                 fail(f"task {tid} attempt changed outside a transition: {task.attempt}")
-            if not 0 <= task.attempt - task.released <= task.max_attempts:
+            if not 0 <= task.counted_attempts() <= task.max_attempts:
                 fail(f"task {tid} attempt {task.attempt} of max {task.max_attempts}")
+            if task.lost != self.lost.get(tid) or task.lost > task.max_lost + 1:
+                fail(f"task {tid} lost {task.lost} attempts, the entries say {self.lost.get(tid)}")
             if state in LIVE and task.slot is not None:
                 slot = (task.tenant, task.slot)
                 if slot in holders:
@@ -501,7 +503,7 @@ class Checker(TransitionChecks):
                 fail(f"live task {tid} past its deadline {task.deadline_ms} (now {now})")
             if state == DELAYED and (task.start_after_ms is None or task.start_after_ms <= now):
                 fail(f"delayed task {tid} past its start_after {task.start_after_ms}")
-            counted = task.attempt - task.released
+            counted = task.counted_attempts()
             if state == WAITING and (task.worker is not None or counted >= task.max_attempts):
                 fail(f"waiting task {tid}: worker {task.worker}, attempt {task.attempt}")
             if state in (WAITING, RUNNING) and (task.start_after_ms or 0) > now:

@@ -96,6 +96,8 @@ class TransitionChecks:
         self.m = machine
         self.mirror: dict[int, str] = {}  # task id -> state, from the transitions alone
         self.attempts: dict[int, int] = {}
+        # Attempts lost with their worker, by task (docs/DESIGN.md §6, "Lost workers").
+        self.lost: dict[int, int] = {}
         self.tenant_of: dict[int, str] = {}
         self.queues: dict[str, dict[int, None]] = {}  # expected FIFO waiting queues
         # Code readiness as the entries say (sha -> ready), and the waiting tasks expected
@@ -167,6 +169,7 @@ class TransitionChecks:
                 self.tenant_of[tid] = task.tenant
                 self.code_of[tid] = task.code
                 self.attempts[tid] = 0
+                self.lost[tid] = 0
             else:
                 if self.mirror.get(tid) != old:
                     fail(f"task {tid} left {old} but the trace had it {self.mirror.get(tid)}")
@@ -174,14 +177,24 @@ class TransitionChecks:
                 expected = previous + 1 if (old, new) == (WAITING, RUNNING) else previous
                 if ev.attempt != expected:
                     fail(f"task {tid} {old}->{new}: attempt {ev.attempt}, expected {expected}")
-                if ev.attempt - task.released > task.max_attempts:
+                if ev.attempt - task.released - task.lost > task.max_attempts:
                     fail(f"task {tid} attempt {ev.attempt} > max_attempts {task.max_attempts}")
+
             # Rules that depend on why the transition happened.
             # (Events hold the task itself: a later change in the entry, e.g. a cancel
             # of the replayed root, shows through.)
             replayed = task.root == tid and (
                 (task.error or "").endswith("; replayed") or task.state != new
             )
+            if (
+                old == RUNNING
+                and (new == WAITING or (new == ERROR and not self._deadline_error(task, now)))
+                and not replayed
+                and self._lost(entry, tid, pre)
+            ):
+                # Lost with its worker: counted apart, and it retries at once or fails.
+                self.lost[tid] += 1
+                self.stats["attempt lost with its worker"] += 1
             if new == CANCELLED:
                 if task.root is not None and (task.error or "").startswith("tree of task"):
                     self.stats["tree task cancelled"] += 1
@@ -216,8 +229,12 @@ class TransitionChecks:
                 if not replayed:
                     fail(f"task {tid} finished then waiting, not a replayed root")
             elif (old, new) == (RUNNING, DELAYED):
-                counted = ev.attempt - task.released
-                if not self._attempt_over(entry, tid, pre) or counted >= task.max_attempts:
+                counted = ev.attempt - task.released - task.lost
+                if (
+                    not self._attempt_over(entry, tid, pre)
+                    or counted >= task.max_attempts
+                    or self._lost(entry, tid, pre)
+                ):
                     fail(f"task {tid} delayed in {kind.__name__} without a failed attempt")
                 # The retry is due retry_backoff * 2^(n-1), capped, +-25% from now.
                 retry = task.counted_attempts()
@@ -231,14 +248,22 @@ class TransitionChecks:
                 if self._given_back(entry, task):
                     # Not counted (docs/DESIGN.md §6): it may run again whatever its attempt.
                     self.stats["lost assignment given back"] += task.error == LOST
-                elif ev.attempt - task.released >= task.max_attempts:
+                elif self._lost(entry, tid, pre):
+                    if task.lost > task.max_lost:
+                        fail(f"task {tid} retried after losing {task.lost} > {task.max_lost}")
+                elif ev.attempt - task.released - task.lost >= task.max_attempts:
                     fail(f"task {tid} retried after its last attempt {ev.attempt}")
             elif new == ERROR and self._dependency_error(task):
                 self.stats["dependant failed with its dependency"] += 1
             elif new == ERROR and not self._deadline_error(task, now):
                 if old != RUNNING or not self._attempt_over(entry, tid, pre):
                     fail(f"task {tid} {old}->error without a reason: {task.error!r}")
-                if ev.attempt - task.released < task.max_attempts:
+                if self._lost(entry, tid, pre):
+                    self.stats["task failed past its max_lost"] += 1
+                    ending = f"(lost {task.lost} times, max_lost {task.max_lost})"
+                    if task.lost <= task.max_lost or not (task.error or "").endswith(ending):
+                        fail(f"task {tid} failed losing {task.lost}: {task.error!r}")
+                elif ev.attempt - task.released - task.lost < task.max_attempts:
                     fail(f"task {tid} failed at attempt {ev.attempt} of {task.max_attempts}")
                 if not task.error:
                     fail(f"task {tid} failed without an error message")
@@ -534,6 +559,16 @@ class TransitionChecks:
             attempt = dict(pre.reported).get(tid)
             return attempt is not None and e.TaskAttempt(tid, attempt) not in entry.running
         return isinstance(entry, e.WorkerDead) and tid in pre.worker_running
+
+    def _lost(self, entry: e.Entry, tid: int, pre: Pre) -> bool:
+        """Whether this entry ends the running attempt of ``tid`` as lost with its worker:
+        not counted against max_attempts, bounded by max_lost (a death or return logged
+        in format 5; an older one counts it as a failure)."""
+        return (
+            isinstance(entry, e.WorkerDead | e.RegisterWorker)
+            and entry.v >= e.LOST_ATTEMPTS_VERSION
+            and self._attempt_over(entry, tid, pre)
+        )
 
     @staticmethod
     def _given_back(entry: e.Entry, task: Task) -> bool:

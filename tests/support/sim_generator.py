@@ -26,6 +26,7 @@ from broker.core.state import (
     WorkerState,
     idempotency_scope,
 )
+from broker.core.validation import MAX_LOST_LIMIT
 from tests.support.sim_generator_code import CodeEntries
 from tests.support.sim_generator_workers import WorkerEntries
 from tests.support.sim_model import (
@@ -222,13 +223,14 @@ class EntryGenerator(CodeEntries, WorkerEntries):
         spec_type = rng.choice(TYPES)
         slot = rng.choice(SLOTS) if rng.random() < self.slot_probability else None
         max_attempts = rng.randint(1, 3)
+        max_lost = rng.choice((0, 1, e.DEFAULT_MAX_LOST, e.DEFAULT_MAX_LOST))
         code = rng.choice(CODE_SHAS) if rng.random() < 0.05 else None
         priority = rng.choice((0, 0, 0, 1, 1, 5, -2))
         backoff_ms = rng.choice((0, 0, 0, 300, 2_000, 20_000))
         backoff_max_ms = rng.choice((3_000, e.DEFAULT_RETRY_BACKOFF_MAX_MS))
         if rng.random() < 0.06:
             bad = True
-            variant = rng.randrange(11)
+            variant = rng.randrange(12)
             if variant == 0:
                 spec_type = rng.choice(BAD_TYPES)
             elif variant == 1:
@@ -249,6 +251,8 @@ class EntryGenerator(CodeEntries, WorkerEntries):
                 priority = rng.choice((-MAX_PRIORITY - 1, MAX_PRIORITY + 1))
             elif variant == 9:
                 backoff_ms = rng.choice((-1, MAX_BACKOFF_MS + 1))
+            elif variant == 10:
+                max_lost = rng.choice((-1, MAX_LOST_LIMIT + 1))
             else:
                 spec_type = "x" * 129
         # Dependencies (issue 18): recent ids, so mostly live tasks of any tenant (another
@@ -266,6 +270,7 @@ class EntryGenerator(CodeEntries, WorkerEntries):
             params=b'{"n": %d}' % rng.randrange(100),
             slot=slot,
             max_attempts=max_attempts,
+            max_lost=max_lost,
             deadline_ms=deadline,
             start_after_ms=start_after,
             resources=resources,
@@ -671,6 +676,7 @@ class EntryGenerator(CodeEntries, WorkerEntries):
             task_types=self._task_types(),
             tenants=tuple(self.rng.sample(TENANTS, self.rng.randint(0, 2))),
             running=tuple(running),
+            v=self._lost_version(self.view.registration_loses_attempts(worker_id, tuple(running))),
         )
         give_back = give_back_unreceived(self.view, entry)
         if give_back is not None:  # the leader logs it first; the registration follows

@@ -37,7 +37,20 @@ class WorkerEntries:
             expect.accept.add(0)
         else:
             expect.reject[0] = NOT_FOUND
-        return e.WorkerDead(time_ms=time_ms, worker_id=worker_id, reason="sim"), expect
+        entry = e.WorkerDead(
+            time_ms=time_ms,
+            worker_id=worker_id,
+            reason="sim",
+            v=self._lost_version(bool(self.view.running_by_worker.get(worker_id))),
+        )
+        return entry, expect
+
+    def _lost_version(self, loses_attempts: bool) -> int:
+        """As a leader writes a death or a return: format 5 (attempts lost, not counted) when
+        it ends running attempts; now and then an older leader's (they count)."""
+        if self.rng.random() < 0.1:
+            return 4
+        return e.lost_attempts_version(loses_attempts)
 
     def _worker_silent(self) -> tuple[e.Entry, Expect]:
         """A leader's batch of silent workers (docs/DESIGN.md §8, "Silence across leader

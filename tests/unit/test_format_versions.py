@@ -297,3 +297,38 @@ def test_a_snapshot_body_is_written_in_the_oldest_version_that_keeps_it(
     paused.apply(e.PauseSchedule(time_ms=2, tenant="t", name="s"))
     with pytest.raises(SnapshotBodyVersionError, match="version 3 is newer than this broker's 2"):
         decode_snapshot_body(paused.encode_snapshot())
+
+
+def test_lost_attempts_need_body_version_4_and_entry_format_5(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs/DESIGN.md §6, "Lost workers": a version-3 reader would drop a task's lost count
+    (and count those attempts against max_attempts) or its max_lost; an older broker would
+    apply a format-5 death as a failure. Both refuse instead, naming the version."""
+    from broker.core import snapshot_body
+
+    machine = StateMachine()
+    machine.apply(e.RegisterWorker(time_ms=1, worker_id="w1"))
+    spec = e.TaskSpec(1, "noop", "t")
+    machine.apply(e.SubmitTasks(time_ms=2, tasks=(spec,)))
+    assert decode_snapshot_body(machine.encode_snapshot()).format_version == 1
+    machine.apply(e.AssignTasks(time_ms=3, assignments=(e.Assignment(1, "w1"),)))
+    dead = e.WorkerDead(time_ms=4, worker_id="w1", v=e.lost_attempts_version(True))
+    assert e.decode_entry(e.encode_entry(dead)).v == 5
+    machine.apply(dead)
+    assert (machine.tasks[1].state, machine.tasks[1].lost) == ("waiting", 1)
+    data = machine.encode_snapshot()
+    assert decode_snapshot_body(data).format_version == 4
+    monkeypatch.setattr(snapshot_body, "SNAPSHOT_BODY_VERSION", 3)
+    with pytest.raises(SnapshotBodyVersionError, match="version 4 is newer than this broker's 3"):
+        decode_snapshot_body(data)
+    monkeypatch.setattr(e, "ENTRY_FORMAT_VERSION", 4)
+    with pytest.raises(e.NewerEntryFormatError, match="version 5 is newer than this broker's 4"):
+        e.decode_entry(e.encode_entry(dead))
+    # Only what needs it: a death with nothing to lose, a default max_lost, stay at 1.
+    assert e.lost_attempts_version(False) == e.BASE_ENTRY_FORMAT_VERSION
+    assert e.submit_version((spec,)) == e.BASE_ENTRY_FORMAT_VERSION
+    assert e.submit_version((e.TaskSpec(2, "noop", "t", max_lost=0),)) == 5
+    child = e.Spawn(e.TaskSpec(0, "noop", "t", max_lost=5))
+    outcome = e.TaskOutcome(task_id=1, worker_id="w1", attempt=2, ok=True, spawn=(child,))
+    assert e.finish_tasks(5, (outcome,)).v == 5

@@ -81,6 +81,22 @@ async def test_priority_and_retry_backoff_shown_back(api: Api) -> None:
     assert (await get_task(api, created["id"]))["retry_backoff_max_s"] == 10.0
 
 
+async def test_max_lost_is_taken_and_shown_with_the_lost_count(api: Api) -> None:
+    """docs/API.md: ``max_lost`` (default 3) bounds the attempts lost with a worker, which
+    ``lost`` counts; not counted against max_attempts (docs/DESIGN.md §6, "Lost workers")."""
+    plain = await get_task(api, (await submit(api, type="a"))["id"])
+    assert (plain["lost"], plain["max_lost"]) == (0, 3)
+    created = await submit(api, type="a", max_lost=0)
+    assert (await get_task(api, created["id"]))["max_lost"] == 0
+    response = await api.post(TASKS, json={"tasks": [{"type": "a", "max_lost": 100}]})
+    assert response.status_code == 200, response.text
+    assert (await get_task(api, response.json()["tasks"][0]["id"]))["max_lost"] == 100
+    for bad in (-1, 101):
+        response = await api.post(TASKS, json={"type": "a", "max_lost": bad})
+        message = error_of(response, 400, "invalid_request")
+        assert message == "max_lost must be between 0 and 100", message
+
+
 async def test_a_huge_backoff_is_a_400_not_a_server_error(api: Api) -> None:
     # Found by the HTTP fuzzer: 1.8e308 s overflowed to inf once in milliseconds.
     for field in ("retry_backoff_s", "retry_backoff_max_s"):

@@ -250,6 +250,33 @@ async def test_a_given_back_attempt_is_logged_as_such_not_as_a_failure(
     assert not [line for line in task_lines if "failed" in line["message"]]
 
 
+async def test_an_attempt_lost_with_its_worker_is_logged_as_not_counted(
+    node: Node, json_log: io.StringIO
+) -> None:
+    def build(stamp: Stamp) -> e.Entry:
+        [task_id] = stamp.task_ids(1)
+        return e.SubmitTasks(
+            time_ms=stamp.now_ms, tasks=(e.TaskSpec(id=task_id, type="noop", tenant="acme"),)
+        )
+
+    await node.propose(build)
+    await node.propose(
+        lambda s: e.RegisterWorker(time_ms=s.now_ms, worker_id="w", task_types={"*": 1})
+    )
+    await node.propose(
+        lambda s: e.AssignTasks(time_ms=s.now_ms, assignments=(e.Assignment(1, "w"),))
+    )
+    await node.propose(lambda s: e.WorkerDead(time_ms=s.now_ms, worker_id="w", reason="gone", v=5))
+
+    task_lines = [line for line in lines_of(json_log) if line["logger"] == "steward.tasks"]
+    [lost] = [line for line in task_lines if line["level"] == "INFO"]
+    assert lost["message"] == (
+        "task 1 attempt 1 lost with worker w (lost 1 of max_lost 3, not counted against the "
+        "1 attempts allowed); queued again: worker w died: gone"
+    )
+    assert (lost["task_id"], lost["tenant"], lost["attempt"]) == (1, "acme", 1)
+
+
 async def test_a_retry_delayed_by_its_backoff_is_logged_with_its_delay(
     node: Node, json_log: io.StringIO
 ) -> None:

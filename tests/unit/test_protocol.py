@@ -265,3 +265,12 @@ def test_newer_than_v2_is_refused() -> None:
     with pytest.raises(p.ProtocolError) as info:
         p.FrameDecoder().feed(frame_of({"type": "heartbeat", "v": p.PROTOCOL_VERSION + 1}))
     assert info.value.code == "unsupported_version"
+
+
+def test_a_spawned_childs_max_lost_defaults_as_a_submitted_tasks() -> None:
+    from broker.core import entries as e
+
+    assert p.DEFAULT_MAX_LOST == e.DEFAULT_MAX_LOST
+    # Sent only when a task sets it: a worker talking to an older broker sends it only then.
+    assert b"max_lost" not in msgspec.msgpack.encode(p.SpawnRequest(type="x"))
+    assert b"max_lost" in msgspec.msgpack.encode(p.SpawnRequest(type="x", max_lost=0))

@@ -192,6 +192,23 @@ def test_schedules_survive_a_snapshot() -> None:
 # --- the leader's loop and the HTTP API (in process) ---------------------------------------
 
 
+async def test_a_schedules_tasks_carry_its_max_lost(api: Api) -> None:
+    body = {"name": "lossy", "task": {"type": "noop", "max_lost": 0}, "interval_s": 1}
+    created = await api.post(SCHEDULES, json=body)
+    assert created.status_code == 201, created.text
+    assert created.json()["task"]["max_lost"] == 0
+    for _ in range(400):  # bounded: 4 s
+        one = (await api.get(f"{SCHEDULES}/lossy")).json()
+        if one["runs"] >= 1:
+            break
+        await asyncio.sleep(0.01)
+    task_id = one["recent"][0]["task_id"]
+    assert (await api.get(f"/api/v1/tasks/{task_id}")).json()["max_lost"] == 0
+    bad = {**body, "name": "bad", "task": {"type": "noop", "max_lost": -1}}
+    message = error_of(await api.post(SCHEDULES, json=bad), 400, "invalid_request")
+    assert "max_lost must be between 0 and 100" in message
+
+
 async def test_api_create_fires_each_tick_and_lists_reads_deletes(api: Api) -> None:
     body = {
         "name": "beat",
@@ -215,6 +232,7 @@ async def test_api_create_fires_each_tick_and_lists_reads_deletes(api: Api) -> N
         "max_attempts": 1,
         "resources": {},
         "code": None,
+        "max_lost": 3,
     }
     conflict = await api.post(SCHEDULES, json=body)
     assert "already exists" in error_of(conflict, 409, "conflict")

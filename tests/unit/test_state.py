@@ -24,7 +24,6 @@ from broker.core.state import (
     Tenant,
     TransactionDone,
     WorkerReconciled,
-    WorkerState,
     validate_task_spec,
 )
 from tests.support.machine import T0, Machine, code
@@ -391,28 +390,6 @@ def test_deadline_does_not_touch_final_tasks(sm: Machine) -> None:
 # --- workers, attempts -----------------------------------------------------------------------
 
 
-def test_dead_worker_requeues_then_fails_after_max_attempts(sm: Machine) -> None:
-    sm.register("w1")
-    sm.register("w2")
-    task_id = sm.add(max_attempts=2)
-    assert sm.assign(task_id, "w1") == TaskRef(task_id, "running")
-    assert sm.m.tasks[task_id].attempt == 1
-    assert sm.worker_dead("w1") is None
-    task = sm.m.tasks[task_id]
-    assert (task.state, task.attempt, task.worker) == ("waiting", 1, None)
-    assert task.error is not None and "w1 died" in task.error
-    assert sm.m.workers["w1"].state == WorkerState.DEAD
-    # A dead worker gets nothing.
-    assert code(sm.assign(task_id, "w1")) == ErrorCode.STALE
-    assert sm.assign(task_id, "w2") == TaskRef(task_id, "running")
-    assert sm.m.tasks[task_id].attempt == 2
-    sm.worker_dead("w2")
-    task = sm.m.tasks[task_id]
-    assert (task.state, task.attempt) == ("error", 2)
-    assert task.error is not None and "attempt 2 of 2" in task.error
-    assert code(sm.worker_dead("nobody")) == ErrorCode.NOT_FOUND
-
-
 def test_reregistered_worker_can_run_again(sm: Machine) -> None:
     sm.register("w1")
     sm.worker_dead("w1")
@@ -424,12 +401,13 @@ def test_reregistered_worker_can_run_again(sm: Machine) -> None:
 
 def test_reconnecting_worker_keeps_reported_tasks_and_loses_the_others(sm: Machine) -> None:
     sm.register("w1")
-    kept, lost, wrong_attempt, last = (sm.add(max_attempts=2) for _ in range(4))
+    kept, lost, wrong_attempt = (sm.add(max_attempts=2) for _ in range(3))
+    last = sm.add(max_attempts=2, max_lost=0)
     for task_id in (kept, lost, wrong_attempt):
         sm.assign(task_id)
     sm.assign(last)
     sm.finish(sm.outcome(last, ok=False))
-    sm.assign(last)  # its second and last attempt
+    sm.assign(last)  # its second attempt; it may lose none
     reported = (
         e.TaskAttempt(kept, 1),
         e.TaskAttempt(wrong_attempt, 2),
@@ -443,10 +421,10 @@ def test_reconnecting_worker_keeps_reported_tasks_and_loses_the_others(sm: Machi
         "waiting",
         "error",
     ]
-    assert sm.m.tasks[lost].attempt == 1
+    assert (sm.m.tasks[lost].attempt, sm.m.tasks[lost].lost) == (1, 1)
     assert sm.m.running_by_worker["w1"] == {kept}
     error = sm.m.tasks[last].error
-    assert error is not None and "came back without" in error and "attempt 2 of 2" in error
+    assert error is not None and "came back without" in error and "max_lost 0" in error
 
 
 def test_register_worker_needs_an_id(sm: Machine) -> None:

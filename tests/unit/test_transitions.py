@@ -79,15 +79,21 @@ def _lifecycle() -> Recorder:
     m.tick(1_000)
     assert m.state(later) == "waiting"
     m.done(waits)  # waiting -> running -> finished
-    retried = m.add(max_attempts=2)
+    retried = m.add(max_attempts=1, max_lost=1)
     m.run(retried)
-    m.worker_dead()  # running -> waiting (an attempt left)
+    m.worker_dead()  # running -> waiting (lost with its worker: not counted)
     assert m.state(retried) == "waiting"
     m.register()
     m.fail(retried)  # running -> error (its last attempt)
     assert m.state(retried) == "error"
+    lost_twice = m.add(max_attempts=5, max_lost=1)
+    for _ in range(2):
+        m.register()
+        m.run(lost_twice)
+        m.worker_dead()  # running -> waiting, then -> error (lost more than max_lost times)
+    assert m.state(lost_twice) == "error"
     m.tick(10_000)  # purge: finished, error -> None
-    assert waits not in m.m.tasks and retried not in m.m.tasks
+    assert waits not in m.m.tasks and retried not in m.m.tasks and lost_twice not in m.m.tasks
     return r
 
 

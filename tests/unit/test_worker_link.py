@@ -253,17 +253,41 @@ async def test_dead_worker_task_is_requeued_to_another_worker(broker: Broker) ->
     assert broker.task(task_id).worker == "w2"
 
 
-async def test_dead_worker_task_errors_when_attempts_are_used_up(broker: Broker) -> None:
+async def test_dead_workers_task_runs_again_without_using_an_attempt(broker: Broker) -> None:
+    """A task of max_attempts 1 whose worker dies is not failed: the attempt was lost, not
+    used (docs/DESIGN.md §6, "Lost workers"); the next worker runs it."""
     w1 = broker.worker("w1")
     await w1.hello()
     [task_id] = await broker.submit(max_attempts=1)
     await w1.expect(p.Assign)
 
     await w1.close()
-    await broker.until(lambda: broker.task(task_id).state == TaskState.ERROR)
+    await broker.until(lambda: broker.task(task_id).state == TaskState.WAITING)
     assert broker.node.state.workers["w1"].state == WorkerState.DEAD
+    task = broker.task(task_id)
+    assert task.error is not None and "w1" in task.error and "died" in task.error
+    assert (task.attempt, task.lost, task.counted_attempts()) == (1, 1, 0)
+    [dead] = broker.entries(e.WorkerDead)
+    assert dead.v == e.LOST_ATTEMPTS_VERSION
+    w2 = broker.worker("w2")
+    await w2.hello()
+    assert attempts(await w2.expect(p.Assign)) == [(task_id, 2)]
+    w2.finish_ok(task_id, 2, b"1")
+    await w2.expect(p.FinishAck)
+    assert broker.task(task_id).state == TaskState.FINISHED
+
+
+async def test_dead_worker_task_errors_past_its_max_lost(broker: Broker) -> None:
+    w1 = broker.worker("w1")
+    await w1.hello()
+    [task_id] = await broker.submit(max_attempts=1, max_lost=0)
+    await w1.expect(p.Assign)
+
+    await w1.close()
+    await broker.until(lambda: broker.task(task_id).state == TaskState.ERROR)
     error = broker.task(task_id).error
     assert error is not None and "w1" in error and "died" in error
+    assert "(lost 1 times, max_lost 0)" in error
 
 
 # --- 5. silent workers ----------------------------------------------------------------------
@@ -322,6 +346,8 @@ async def test_quick_reconnect_keeps_the_running_task(broker: Broker, drop_first
     await again.expect(p.FinishAck)
     task = broker.task(task_id)
     assert (task.state, task.attempt, task.result) == (TaskState.FINISHED, 1, b"7")
+    # Nothing lost: the registrations stay in the oldest format (an older follower reads it).
+    assert {r.v for r in broker.entries(e.RegisterWorker)} == {e.BASE_ENTRY_FORMAT_VERSION}
 
 
 @pytest.mark.parametrize("max_attempts", [2, 1])
@@ -336,14 +362,13 @@ async def test_restarted_worker_loses_its_tasks(broker: Broker, max_attempts: in
     welcome = await restarted.hello(running=[])
     assert welcome.keep == () and welcome.drop == ()
     assert broker.node.state.workers["w1"].process_id == "proc-2"
-    if max_attempts == 2:
-        assert attempts(await restarted.expect(p.Assign)) == [(task_id, 2)]
-        assert broker.task(task_id).state == TaskState.RUNNING
-    else:
-        task = broker.task(task_id)
-        assert task.state == TaskState.ERROR
-        assert task.error is not None and "w1" in task.error
-        await restarted.expect_none(p.Assign, within=0.2)
+    # Lost with the restart, not used: whatever max_attempts, it runs again (docs/DESIGN.md
+    # §6, "Lost workers").
+    assert attempts(await restarted.expect(p.Assign)) == [(task_id, 2)]
+    task = broker.task(task_id)
+    assert (task.state, task.lost) == (TaskState.RUNNING, 1)
+    assert task.error is not None and "w1 came back without" in task.error
+    assert [r.v for r in broker.entries(e.RegisterWorker)] == [1, e.LOST_ATTEMPTS_VERSION]
 
 
 async def test_reconnect_reporting_a_task_no_longer_running_there_is_told_to_drop_it(
@@ -635,6 +660,18 @@ async def test_spawned_children_get_leader_ids_and_complete_the_tree(broker: Bro
     assert tree.state == "completed"
 
 
+async def test_a_spawned_child_keeps_its_own_max_lost(broker: Broker) -> None:
+    worker = broker.worker()
+    await worker.hello()
+    root = await finish_spawning(
+        broker, worker, p.SpawnRequest(type="child", max_lost=0), p.SpawnRequest(type="plain")
+    )
+    [finish] = broker.entries(e.FinishTasks)
+    assert finish.v == e.LOST_ATTEMPTS_VERSION  # an older broker would drop it
+    state = broker.node.state
+    assert [state.tasks[root + i].max_lost for i in (1, 2)] == [0, e.DEFAULT_MAX_LOST]
+
+
 @pytest.mark.parametrize(
     ("request_", "message"),
     [
@@ -642,6 +679,7 @@ async def test_spawned_children_get_leader_ids_and_complete_the_tree(broker: Bro
         (p.SpawnRequest(type="x", tracked=False, anchors=(1,)), "untracked child takes no"),
         (p.SpawnRequest(type="x", anchors=(0,)), "anchors must be task ids"),
         (p.SpawnRequest(type="x", params=b"{nope"), "params are not JSON"),
+        (p.SpawnRequest(type="x", max_lost=101), "max_lost must be between 0 and 100"),
         (p.SpawnRequest(type="x", max_attempts=0), "max_attempts must be"),
         (p.SpawnRequest(type="x", tenant="no tenant"), "tenant must be"),
     ],

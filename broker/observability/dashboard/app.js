@@ -425,6 +425,8 @@ function renderDetail(task) {
     field("tenant", task.tenant),
     field("state", task.state),
     field("attempt", task.attempt + " of " + task.max_attempts),
+    // Attempts lost with a worker do not count against max_attempts (docs/TASKS.md).
+    field("lost", task.lost ? task.lost + " with a worker (max " + task.max_lost + ", not counted)" : null),
     field("worker", task.worker),
     field("created", when(task.created_at)),
     field("updated", when(task.updated_at)),
