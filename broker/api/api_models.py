@@ -208,6 +208,11 @@ class TaskView(msgspec.Struct):
     deadline: DateTime | None = None
     start_after: DateTime | None = None
     finished_at: DateTime | None = None
+    # When the current (or last) attempt started running, and the milliseconds it had
+    # been waiting before (since its submission, commit, start_after or a retry's due
+    # time; the wait for dependencies counts): queue time and run time told apart.
+    started_at: DateTime | None = None
+    queued_ms: int | None = None
     tree: TreeView | None = None  # only for a tracked root
     root: int | None = None  # the tracked root whose tree this task belongs to
     parent: int | None = None  # the task whose finish spawned this one

@@ -274,7 +274,7 @@ async def submit(api: ApiContext, request: Request) -> tuple[int, bytes]:
             tasks=tasks,
             idempotency_key=key,
             assignments=placed,
-            v=e.submit_version(tasks),
+            v=e.submit_version(tasks, placed),
         )
 
     try:

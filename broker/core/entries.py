@@ -25,10 +25,15 @@ import msgspec
 #: 4: the entry types WorkerSilent (a worker's silence survives a leader change,
 #:    docs/DESIGN.md §8, "Silence across leader changes") and PauseSchedule (§6,
 #:    "Periodic tasks").
-ENTRY_FORMAT_VERSION: Final = 4
+#: 5: AssignTasks, and SubmitTasks that place tasks, record when each attempt started and
+#:    how long it was queued (Task.started_ms and queued_ms; docs/API.md, "Task times").
+ENTRY_FORMAT_VERSION: Final = 5
 #: The version entries are written with unless they need a newer one, so a broker not
 #: yet upgraded keeps following until a newer feature is actually used.
 BASE_ENTRY_FORMAT_VERSION: Final = 1
+#: The version from which an entry that starts attempts records their start: an older one
+#: did not, and replaying it must give the state a snapshot of its time holds (no start).
+STARTS_RECORDED_VERSION: Final = 5
 
 #: A code artifact's name: the sha256 of its bytes as 64 lowercase hex digits (use fullmatch).
 #: Here, with the entries that carry such names, so the state machine checks them without
@@ -135,9 +140,12 @@ class SubmitTasks(_Entry, frozen=True, tag="submit"):
     assignments: tuple[Assignment, ...] = ()
 
 
-def submit_version(tasks: tuple[TaskSpec, ...]) -> int:
+def submit_version(tasks: tuple[TaskSpec, ...], assignments: tuple[Assignment, ...] = ()) -> int:
     """The oldest entry format that holds these specs: 3 with dependencies, a priority or
-    a backoff (an older broker would silently ignore them and so fork the state)."""
+    a backoff (an older broker would silently ignore them and so fork the state); 5 when
+    it places tasks (their start is recorded, STARTS_RECORDED_VERSION)."""
+    if assignments:
+        return STARTS_RECORDED_VERSION
     if any(t.after or t.priority or t.retry_backoff_ms for t in tasks):
         return 3
     return BASE_ENTRY_FORMAT_VERSION
@@ -263,6 +271,10 @@ class WorkerSilent(_Entry, frozen=True, tag="worker_silent"):
 
 
 class AssignTasks(_Entry, frozen=True, tag="assign"):
+    """Attempts the leader starts. Written as version STARTS_RECORDED_VERSION (``v`` set
+    by the leader, not ``min_version``: an older entry, logged without ``v``, must still
+    read as the version it was written in)."""
+
     assignments: tuple[Assignment, ...] = ()
 
 

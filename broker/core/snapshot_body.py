@@ -58,7 +58,8 @@ class SnapshotBody(msgspec.Struct):
 #: retry backoff. A body holding none of them is still written as 1 (body_version).
 #: 3: a worker's silent_since_ms (docs/DESIGN.md §8, "Silence across leader changes"), a
 #:    schedule's paused_ms (§6, "Periodic tasks").
-SNAPSHOT_BODY_VERSION: Final = 3
+#: 4: a task's started_ms and queued_ms (docs/API.md, "Task times").
+SNAPSHOT_BODY_VERSION: Final = 4
 _snapshot_encoder: Final = msgspec.msgpack.Encoder()
 _snapshot_decoder: Final = msgspec.msgpack.Decoder(SnapshotBody)
 #: The oldest body version this code reads (docs/OPERATIONS.md, "Rolling upgrade").
@@ -67,6 +68,8 @@ OLDEST_SNAPSHOT_BODY_VERSION: Final = 1
 
 def body_version(body: SnapshotBody) -> int:
     """The oldest body version whose readers keep everything ``body`` holds."""
+    if any(t.started_ms is not None for t in body.tasks):
+        return 4
     if any(w.silent_since_ms is not None for w in body.workers) or any(
         s.paused_ms is not None for s in body.schedules
     ):

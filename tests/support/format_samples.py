@@ -158,6 +158,27 @@ def sample_entries() -> list[e.Entry]:
         e.PauseSchedule(time_ms=t + 65_010, tenant="acme", name="every-minute"),
         e.PauseSchedule(time_ms=t + 65_011, tenant="acme", name="every-minute", paused=False),
         e.PauseSchedule(time_ms=t + 65_012, tenant="acme", name="every-minute"),
+        # Entry format 5: entries that start attempts record their start and queue time
+        # (body version 4 keeps them): a submit that places its task (others are waiting,
+        # so it does not start) and an assignment of it and of task 4.
+        e.RegisterWorker(
+            time_ms=t + 65_013,
+            worker_id="w3",
+            address="127.0.0.1:3",
+            process_id="p3",
+            task_types={"*": 4},
+        ),
+        e.SubmitTasks(
+            time_ms=t + 65_014,
+            tasks=(task(9),),
+            assignments=(e.Assignment(9, "w3"),),
+            v=e.submit_version((task(9),), (e.Assignment(9, "w3"),)),
+        ),
+        e.AssignTasks(
+            time_ms=t + 65_020,
+            assignments=(e.Assignment(9, "w3"), e.Assignment(4, "w3")),
+            v=e.STARTS_RECORDED_VERSION,
+        ),
     ]
 
 
@@ -180,6 +201,11 @@ def observable(machine: StateMachine) -> dict[str, object]:
             f"{s.tenant}/{s.name}": s.paused_ms
             for s in machine.schedules.values()
             if s.paused_ms is not None
+        },
+        "task_starts": {
+            str(t.id): [t.started_ms, t.queued_ms]
+            for t in machine.tasks.values()
+            if t.started_ms is not None
         },
         "webhook_outbox": {
             tenant: [[list(key), task_id] for key, task_id in outbox]
