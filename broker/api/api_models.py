@@ -4,7 +4,7 @@ document and the Python client."""
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Final
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -44,14 +44,13 @@ class ErrorBody(msgspec.Struct):
     error: ErrorDetail
 
 
-class _TaskOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A task's optional fields. ``deadline`` / ``start_after``: RFC 3339 time with
-    a zone, or Unix seconds."""
+class _SharedTaskOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The optional fields of a task that a batch may also set once for all its tasks
+    (docs/API.md, "Batches"). ``deadline`` / ``start_after``: RFC 3339 time with a zone,
+    or Unix seconds."""
 
     # Default: the caller's tenant for a tenant token, else "default".
     tenant: str | UnsetType = UNSET
-    params: msgspec.Raw | UnsetType = UNSET  # any JSON value (default null)
-    slot: str | None = None
     max_attempts: int = 1
     deadline: datetime | float | None = None
     start_after: datetime | float | None = None
@@ -83,6 +82,17 @@ class _TaskOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_lost: int = DEFAULT_MAX_LOST
 
 
+class _TaskOptions(_SharedTaskOptions, kw_only=True):
+    """A task's optional fields: the shared ones and those naming one task only."""
+
+    params: msgspec.Raw | UnsetType = UNSET  # any JSON value (default null)
+    slot: str | None = None
+
+
+#: The fields of one task that a batch may set for all its tasks (SubmitBody, "tasks").
+SHARED_TASK_FIELDS: Final = tuple(f.name for f in msgspec.structs.fields(_SharedTaskOptions))
+
+
 class TaskSubmission(_TaskOptions, kw_only=True):
     """One task."""
 
@@ -90,7 +100,9 @@ class TaskSubmission(_TaskOptions, kw_only=True):
 
 
 class SubmitBody(_TaskOptions, kw_only=True):
-    """Either ``{"tasks": [TaskSubmission, ...]}`` or one TaskSubmission's fields.
+    """Either ``{"tasks": [TaskSubmission, ...]}`` or one TaskSubmission's fields. With
+    ``tasks``, a shared field (SHARED_TASK_FIELDS) given here applies to every task that
+    does not set it; ``params``, ``slot`` and ``type`` name one task and are refused here.
 
     ``idempotency_key`` (or the ``Idempotency-Key`` header; 1-128 printable ASCII
     characters): a retry with the same key creates nothing and gets the first
@@ -109,9 +121,11 @@ class SubmitOneBody(TaskSubmission, kw_only=True):
     idempotency_key: IdempotencyKey | None = None
 
 
-class SubmitBatchBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class SubmitBatchBody(_SharedTaskOptions, kw_only=True):
     """POST /api/v1/tasks with a batch: ``tasks`` (each answered in SubmitBatchResponse,
-    in order). For the OpenAPI document only, like SubmitOneBody."""
+    in order). A field given next to ``tasks`` applies to every task that does not set
+    it; a task naming another ``tenant`` than the batch's is refused (400). For the
+    OpenAPI document only, like SubmitOneBody."""
 
     tasks: Annotated[list[TaskSubmission], msgspec.Meta(min_length=1)]
     idempotency_key: IdempotencyKey | None = None
@@ -201,6 +215,11 @@ class TaskView(msgspec.Struct):
     deadline: DateTime | None = None
     start_after: DateTime | None = None
     finished_at: DateTime | None = None
+    # When the current (or last) attempt started running, and the milliseconds it had
+    # been waiting before (since its submission, commit, start_after or a retry's due
+    # time; the wait for dependencies counts): queue time and run time told apart.
+    started_at: DateTime | None = None
+    queued_ms: int | None = None
     tree: TreeView | None = None  # only for a tracked root
     root: int | None = None  # the tracked root whose tree this task belongs to
     parent: int | None = None  # the task whose finish spawned this one

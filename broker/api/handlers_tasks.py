@@ -7,7 +7,7 @@ import math
 from typing import Final
 
 import msgspec
-from msgspec import UnsetType
+from msgspec import UNSET, UnsetType
 
 from broker.api import api_models as m
 from broker.api.common import (
@@ -46,6 +46,22 @@ from broker.security.auth import Role as CallerRole
 logger = logging.getLogger(__name__)
 
 _submit_decoder: Final = msgspec.json.Decoder(m.SubmitBody)
+
+
+class _BatchKeys(msgspec.Struct):
+    """The names of the fields each task of a batch sets (values left undecoded)."""
+
+    tasks: list[dict[str, msgspec.Raw]]
+
+
+_batch_keys_decoder: Final = msgspec.json.Decoder(_BatchKeys)
+_SHARED_DEFAULTS: Final = {
+    f.name: f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
+    for f in msgspec.structs.fields(m.SubmitBody)
+    if f.name in m.SHARED_TASK_FIELDS
+}
+# Fields of one task only: a batch sets them in each task, never next to "tasks".
+_ONE_TASK_FIELDS: Final = {"params": UNSET, "slot": None}
 # A record's state (a str) as the API's enum: a dict lookup (TaskState(value) costs ~1 us).
 _STATE: Final = {state.value: state for state in m.TaskState}
 
@@ -179,13 +195,57 @@ def _check_submit_rate(api: ApiContext, specs: list[e.TaskSpec]) -> None:
         )
 
 
+def _batch_items(body: m.SubmitBody, raw: bytes) -> list[m.TaskSubmission]:
+    """A batch's tasks with the shared fields given next to ``tasks`` applied to each task
+    that does not set them itself (docs/API.md, "Batches"). A task's own tenant must be
+    the batch's: one body files its tasks for one tenant, or names each task's."""
+    assert body.tasks is not None
+    for name, default in _ONE_TASK_FIELDS.items():
+        if getattr(body, name) != default:
+            raise HttpError(
+                400,
+                "invalid_request",
+                f"{name} names one task: set it in each task of tasks, not next to tasks",
+            )
+    shared = {
+        name: value
+        for name, default in _SHARED_DEFAULTS.items()
+        if (value := getattr(body, name)) != default
+    }
+    if not shared:
+        return body.tasks
+    # Which fields each task sets (its value may equal the default, and still wins).
+    keys = _batch_keys_decoder.decode(raw).tasks
+    tenant = shared.get("tenant")
+    items = []
+    for index, (item, named) in enumerate(zip(body.tasks, keys, strict=True)):
+        if tenant is not None and not isinstance(item.tenant, UnsetType) and item.tenant != tenant:
+            raise HttpError(
+                400,
+                "invalid_request",
+                f"tasks[{index}]: tenant {item.tenant!r} differs from the batch's tenant "
+                f"{tenant!r}: leave it out of the task, or send the tasks in separate batches",
+            )
+        fill = {
+            # A copy each: no two tasks share a mutable value.
+            name: value.copy() if isinstance(value, dict | list) else value
+            for name, value in shared.items()
+            if name not in named
+        }
+        items.append(msgspec.structs.replace(item, **fill) if fill else item)
+    return items
+
+
 async def submit(api: ApiContext, request: Request) -> tuple[int, bytes]:
     body = decode(_submit_decoder, request.body)
     key = idempotency_key(request, body.idempotency_key)
     if body.tasks is not None:
         if body.type is not None:
             raise HttpError(
-                400, "invalid_request", "send either {'tasks': [...]} or one task, not both"
+                400,
+                "invalid_request",
+                "type names one task: send either {'tasks': [...]} with a type in each "
+                "task, or one task, not both",
             )
         if not 0 < len(body.tasks) <= api.config.max_tasks_per_request:
             raise HttpError(
@@ -193,7 +253,8 @@ async def submit(api: ApiContext, request: Request) -> tuple[int, bytes]:
                 "invalid_request",
                 f"tasks must hold 1 to {api.config.max_tasks_per_request} tasks",
             )
-        specs = [_spec_fields(api, request, item, i) for i, item in enumerate(body.tasks)]
+        items = _batch_items(body, request.body)
+        specs = [_spec_fields(api, request, item, i) for i, item in enumerate(items)]
     else:
         specs = [_spec_fields(api, request, body, None)]
 
@@ -216,7 +277,7 @@ async def submit(api: ApiContext, request: Request) -> tuple[int, bytes]:
             tasks=tasks,
             idempotency_key=key,
             assignments=placed,
-            v=e.submit_version(tasks),
+            v=e.submit_version(tasks, placed),
         )
 
     try:

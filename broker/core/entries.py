@@ -27,7 +27,9 @@ import msgspec
 #:    "Periodic tasks").
 #: 5: lost attempts (docs/DESIGN.md §6, "Lost workers"): a WorkerDead or RegisterWorker
 #:    written at 5 ends its worker's running attempts as lost (TaskSpec.max_lost bounds them,
-#:    max_attempts does not count them); TaskSpec.max_lost.
+#:    max_attempts does not count them); TaskSpec.max_lost. AssignTasks, and SubmitTasks
+#:    that place tasks, record when each attempt started and how long it was queued
+#:    (Task.started_ms and queued_ms; docs/API.md, "Task times").
 ENTRY_FORMAT_VERSION: Final = 5
 #: The version entries are written with unless they need a newer one, so a broker not
 #: yet upgraded keeps following until a newer feature is actually used.
@@ -38,6 +40,9 @@ BASE_ENTRY_FORMAT_VERSION: Final = 1
 LOST_ATTEMPTS_VERSION: Final = 5
 #: Default of TaskSpec.max_lost: attempts a task may lose with its worker before it fails.
 DEFAULT_MAX_LOST: Final = 3
+#: The version from which an entry that starts attempts records their start: an older one
+#: did not, and replaying it must give the state a snapshot of its time holds (no start).
+STARTS_RECORDED_VERSION: Final = 5
 
 #: A code artifact's name: the sha256 of its bytes as 64 lowercase hex digits (use fullmatch).
 #: Here, with the entries that carry such names, so the state machine checks them without
@@ -148,10 +153,13 @@ class SubmitTasks(_Entry, frozen=True, tag="submit"):
     assignments: tuple[Assignment, ...] = ()
 
 
-def submit_version(tasks: tuple[TaskSpec, ...]) -> int:
+def submit_version(tasks: tuple[TaskSpec, ...], assignments: tuple[Assignment, ...] = ()) -> int:
     """The oldest entry format that holds these specs: 3 with dependencies, a priority or
-    a backoff, 5 with a max_lost other than the default (an older broker would silently
-    ignore them and so fork the state)."""
+    a backoff, 5 with a max_lost other than the default, or when it places tasks (their
+    start is recorded, STARTS_RECORDED_VERSION): an older broker would silently ignore
+    them and so fork the state."""
+    if assignments:
+        return STARTS_RECORDED_VERSION
     if any(t.max_lost != DEFAULT_MAX_LOST for t in tasks):
         return LOST_ATTEMPTS_VERSION
     if any(t.after or t.priority or t.retry_backoff_ms for t in tasks):
@@ -286,6 +294,10 @@ class WorkerSilent(_Entry, frozen=True, tag="worker_silent"):
 
 
 class AssignTasks(_Entry, frozen=True, tag="assign"):
+    """Attempts the leader starts. Written as version STARTS_RECORDED_VERSION (``v`` set
+    by the leader, not ``min_version``: an older entry, logged without ``v``, must still
+    read as the version it was written in)."""
+
     assignments: tuple[Assignment, ...] = ()
 
 

@@ -80,6 +80,12 @@ class Task(msgspec.Struct, array_like=True, gc=False):
     # (docs/DESIGN.md §6, "Lost workers"). Last, so older snapshots still decode.
     lost: int = 0
     max_lost: int = e.DEFAULT_MAX_LOST
+    # When the current (or last) attempt started running, and how long it had waited
+    # before, since it last became waiting (docs/API.md, "Task times"). Recorded by entries
+    # of format 5 on (entries.STARTS_RECORDED_VERSION): None for an attempt an older entry
+    # started, as in the snapshots of the time. Last, so older snapshots still decode.
+    started_ms: int | None = None
+    queued_ms: int | None = None
 
     def counted_attempts(self) -> int:
         """Attempts that count against ``max_attempts`` (given-back and lost ones do not)."""

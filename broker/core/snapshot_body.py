@@ -60,7 +60,8 @@ class SnapshotBody(msgspec.Struct):
 #: 3: a worker's silent_since_ms (docs/DESIGN.md §8, "Silence across leader changes"), a
 #:    schedule's paused_ms (§6, "Periodic tasks").
 #: 4: a task's lost attempts or a max_lost other than the default, in a task or a
-#:    schedule's template (§6, "Lost workers").
+#:    schedule's template (§6, "Lost workers"); a task's started_ms and queued_ms
+#:    (docs/API.md, "Task times").
 SNAPSHOT_BODY_VERSION: Final = 4
 _snapshot_encoder: Final = msgspec.msgpack.Encoder()
 _snapshot_decoder: Final = msgspec.msgpack.Decoder(SnapshotBody)
@@ -70,9 +71,9 @@ OLDEST_SNAPSHOT_BODY_VERSION: Final = 1
 
 def body_version(body: SnapshotBody) -> int:
     """The oldest body version whose readers keep everything ``body`` holds."""
-    if any(t.lost or t.max_lost != DEFAULT_MAX_LOST for t in body.tasks) or any(
-        s.task.max_lost != DEFAULT_MAX_LOST for s in body.schedules
-    ):
+    if any(
+        t.lost or t.max_lost != DEFAULT_MAX_LOST or t.started_ms is not None for t in body.tasks
+    ) or any(s.task.max_lost != DEFAULT_MAX_LOST for s in body.schedules):
         return 4
     if any(w.silent_since_ms is not None for w in body.workers) or any(
         s.paused_ms is not None for s in body.schedules

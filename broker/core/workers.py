@@ -54,7 +54,7 @@ class WorkersMixin(TasksMixin):
                 and task.id in created
                 and self._may_start(task, worker)
             ):
-                self._start_on(task, worker)
+                self._start_on(task, worker, _records_starts(entry))
         return results
 
     def _may_start(self, task: Task, worker: Worker) -> bool:
@@ -103,7 +103,11 @@ class WorkersMixin(TasksMixin):
                         return False
         return True
 
-    def _start_on(self, task: Task, worker: Worker) -> None:
+    def _start_on(self, task: Task, worker: Worker, record_start: bool) -> None:
+        if record_start:
+            # A waiting task's updated_ms is when it became waiting: moves alone set it.
+            task.queued_ms = self.now_ms - task.updated_ms
+            task.started_ms = self.now_ms
         task.attempt += 1
         task.worker = worker.id
         self._move(task, TaskState.RUNNING)
@@ -337,7 +341,7 @@ class WorkersMixin(TasksMixin):
                     )
                 )
             else:
-                self._start_on(task, worker)
+                self._start_on(task, worker, _records_starts(entry))
                 results.append(TaskRef(task.id, task.state))
         return results
 
@@ -374,3 +378,8 @@ class WorkersMixin(TasksMixin):
                 self._retry_or_fail(task, outcome.error or "task failed")
             results.append(TaskRef(task.id, task.state))
         return results
+
+
+def _records_starts(entry: e.AssignTasks | e.SubmitTasks) -> bool:
+    """Whether ``entry`` records the start of the attempts it starts (format 5 on)."""
+    return entry.v >= e.STARTS_RECORDED_VERSION

@@ -426,7 +426,9 @@ class WorkerLink:
             batch = tuple(assignments)
 
             def build(stamp: Stamp, batch: tuple[e.Assignment, ...] = batch) -> e.Entry:
-                return e.AssignTasks(time_ms=stamp.now_ms, assignments=batch)
+                return e.AssignTasks(
+                    time_ms=stamp.now_ms, assignments=batch, v=e.STARTS_RECORDED_VERSION
+                )
 
             try:
                 await self.node.propose(build)  # its effects push the Assign frames

@@ -43,6 +43,8 @@ def _print_task(task: dict[str, Any]) -> None:
         "updated_at",
         "start_after",
         "deadline",
+        "queued_ms",  # before started_at: waiting, then running (docs/API.md, "Task times")
+        "started_at",
         "finished_at",
         "tree",
         "root",

@@ -167,6 +167,27 @@ def sample_entries() -> list[e.Entry]:
         ),
         e.AssignTasks(time_ms=t + 65_014, assignments=(e.Assignment(9, "w2"),)),
         e.WorkerDead(time_ms=t + 65_015, worker_id="w2", v=e.lost_attempts_version(True)),
+        # Entry format 5: entries that start attempts record their start and queue time
+        # (body version 4 keeps them): a submit that places its task (others are waiting,
+        # so it does not start) and an assignment of it and of task 4.
+        e.RegisterWorker(
+            time_ms=t + 65_016,
+            worker_id="w3",
+            address="127.0.0.1:3",
+            process_id="p3",
+            task_types={"*": 4},
+        ),
+        e.SubmitTasks(
+            time_ms=t + 65_017,
+            tasks=(task(10),),
+            assignments=(e.Assignment(10, "w3"),),
+            v=e.submit_version((task(10),), (e.Assignment(10, "w3"),)),
+        ),
+        e.AssignTasks(
+            time_ms=t + 65_023,
+            assignments=(e.Assignment(10, "w3"), e.Assignment(4, "w3")),
+            v=e.STARTS_RECORDED_VERSION,
+        ),
     ]
 
 
@@ -194,6 +215,11 @@ def observable(machine: StateMachine) -> dict[str, object]:
             f"{s.tenant}/{s.name}": s.paused_ms
             for s in machine.schedules.values()
             if s.paused_ms is not None
+        },
+        "task_starts": {
+            str(t.id): [t.started_ms, t.queued_ms]
+            for t in machine.tasks.values()
+            if t.started_ms is not None
         },
         "webhook_outbox": {
             tenant: [[list(key), task_id] for key, task_id in outbox]

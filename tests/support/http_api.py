@@ -209,7 +209,11 @@ async def run_and_finish(node: Node, task_id: int, *children: str, ok: bool = Tr
         lambda s: e.RegisterWorker(time_ms=s.now_ms, worker_id="w", task_types={"*": 100})
     )
     await node.propose(
-        lambda s: e.AssignTasks(time_ms=s.now_ms, assignments=(e.Assignment(task_id, "w"),))
+        lambda s: e.AssignTasks(
+            time_ms=s.now_ms,
+            assignments=(e.Assignment(task_id, "w"),),
+            v=e.STARTS_RECORDED_VERSION,
+        )
     )
     ids: list[int] = []
 

@@ -97,8 +97,15 @@ class Machine:
         older leader's)."""
         return self.apply(e.WorkerDead(time_ms=self.now, worker_id=worker_id, v=v))
 
-    def assign(self, task_id: int, worker_id: str = "w1") -> TaskRef | Rejected:
-        entry = e.AssignTasks(time_ms=self.now, assignments=(e.Assignment(task_id, worker_id),))
+    def assign(
+        self, task_id: int, worker_id: str = "w1", v: int | None = None
+    ) -> TaskRef | Rejected:
+        """Assign as today's leader writes it (``v``: an older entry's version)."""
+        entry = e.AssignTasks(
+            time_ms=self.now,
+            assignments=(e.Assignment(task_id, worker_id),),
+            v=e.STARTS_RECORDED_VERSION if v is None else v,
+        )
         result = self.apply(entry)
         assert isinstance(result, list) and len(result) == 1
         return result[0]

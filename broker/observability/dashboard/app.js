@@ -430,6 +430,10 @@ function renderDetail(task) {
     field("worker", task.worker),
     field("created", when(task.created_at)),
     field("updated", when(task.updated_at)),
+    // Time queued, then the start of the (last) attempt (docs/API.md, "Task times").
+    field("queued", task.queued_ms === null || task.queued_ms === undefined ? null :
+      (task.queued_ms / 1000).toFixed(3) + " s"),
+    field("started", when(task.started_at)),
     field("finished", when(task.finished_at)),
     field("deadline", when(task.deadline)),
     field("start after", when(task.start_after)),
@@ -441,7 +445,7 @@ function renderDetail(task) {
       " attempt " + tree.attempt + ", timeout " + tree.timeout_s + " s" + (tree.reason ? " — " + tree.reason : "")) : null),
     field("tree root", task.root !== null && task.root !== undefined && task.root !== task.id ? taskLink(task.root) : null),
     field("parent", task.parent !== null && task.parent !== undefined ? taskLink(task.parent) : null),
-    field("progress", task.progress ? progressView(task.progress) : null),
+    field("progress", runningProgress(task)),
     field("priority", task.priority ? String(task.priority) : null),
     field("retry backoff", task.retry_backoff_s ? task.retry_backoff_s + " s × 2^(n-1)" +
       (task.retry_backoff_max_s ? ", at most " + task.retry_backoff_max_s + " s" : "") : null),
@@ -473,6 +477,14 @@ function waitingFor(task) {
   if (deps.length) return h("span", {}, linkList(deps), " to finish");
   if (task.state === "delayed" && task.start_after) return "its start time, " + when(task.start_after);
   return null;
+}
+
+// Progress only while the attempt that reported it runs: a task that failed, finished or
+// waits for a retry keeps its last report in the API, which is no longer progress.
+function runningProgress(task) {
+  const progress = task.progress;
+  if (!progress || task.state !== "running" || progress.attempt !== task.attempt) return null;
+  return progressView(progress);
 }
 
 // A running task's latest ctx.progress: a bar and its message (untrusted text: textContent).
