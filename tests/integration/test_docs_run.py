@@ -203,3 +203,29 @@ def test_the_docs_block_runs(block: DocBlock, docs_broker: DocsBroker) -> None:
     assert code is not None, f"{block.id} did not end within {BLOCK_TIMEOUT_S} s:\n{tail}"
     assert code == 0, f"{block.id} exited {code}:\n{tail}"
     assert not API_ERROR.search(output), f"{block.id} printed an API error answer:\n{tail}"
+
+
+def _all_pages(url: str, path: str, field: str, query: dict[str, str]) -> list[dict[str, object]]:
+    found: list[dict[str, object]] = []
+    after = 0
+    while True:
+        answer = httpx.get(f"{url}{path}", params={**query, "after": str(after)}, timeout=10.0)
+        answer.raise_for_status()
+        page = answer.json()
+        found += page[field]
+        if page.get("next_after") is None:
+            return found
+        after = int(page["next_after"])
+
+
+def test_what_the_blocks_ran_failed_only_where_they_show_a_failure(docs_broker: DocsBroker) -> None:
+    # A block can exit 0 while its task fails (curl prints the task's id either way): the
+    # docs' failures are the `fail` task's, on purpose; no tree of theirs failed.
+    failed = _all_pages(docs_broker.url, "/api/v1/tasks", "tasks", {"state": "error"})
+    unexpected = [
+        (task["id"], task["type"], task["error"]) for task in failed if task["type"] != "fail"
+    ]
+    assert not unexpected, unexpected
+    for state in ("failed", "timed_out"):
+        trees = _all_pages(docs_broker.url, "/api/v1/trees", "trees", {"state": state})
+        assert not trees, trees
