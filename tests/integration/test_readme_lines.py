@@ -22,7 +22,11 @@ def _readme_demo_line() -> str:
     start = readme.index("## The two commands")
     block = re.search(r"```sh\n(.*?)```", readme[start:], re.S)
     assert block is not None
-    lines = [line for line in block.group(1).splitlines() if line.strip()]
+    lines = [  # its excerpt marker left out (tests/integration/test_docs_run.py)
+        line
+        for line in block.group(1).splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     assert len(lines) == 1, lines
     return lines[0]
 

@@ -271,11 +271,16 @@ def test_readme_names_every_service_and_published_port() -> None:
 
 
 def _shell_block_after(text: str, marker: str) -> list[str]:
-    """The command lines of the first ```sh block after ``marker``."""
+    """The command lines of the first ```sh block after ``marker`` (its comments, such as
+    the excerpt marker tests/integration/test_docs_run.py reads, left out)."""
     start = text.index(marker)
     block = re.search(r"```sh\n(.*?)```", text[start:], re.S)
     assert block is not None, f"no ```sh block after {marker!r} in README.md"
-    return [line for line in block.group(1).splitlines() if line.strip()]
+    return [
+        line
+        for line in block.group(1).splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
 
 
 def test_readme_test_command_is_all_that_ci_runs() -> None:
@@ -305,6 +310,8 @@ def test_the_setup_scripts_install_what_the_tests_name() -> None:
         "prometheus:promtool",
         "libnss-wrapper",
         "nftables:nft",
+        "jq:jq",
+        "curl:curl",
         "axe-core@",
         "steward_setup_venv test",
         "steward_setup_traversal",
