@@ -232,6 +232,8 @@ def tenant_uid_range(config: WorkerConfig, worker_uid: int | None = None) -> tup
     """The task uid range left for tenants (a root worker's Spark server takes the last uid)."""
     uid = os.geteuid() if worker_uid is None else worker_uid
     low, high = config.task_uid_range
+    # Kept with per-tenant servers too (spark_servers.py): a shared server made from this
+    # config (spark_identity) never shares a uid with a tenant.
     own_server = config.spark == "connect" and config.spark_remote is None
     if own_server and uid == 0 and config.spark_user is None and high > low:
         return low, high - 1
@@ -260,7 +262,12 @@ def server_defaults(master: str, home: Path, python: str) -> dict[str, str]:
 
 
 def server_command(
-    home_of_spark: str, master: str, port: int, properties_file: Path, parent_pid: int
+    home_of_spark: str,
+    master: str,
+    port: int,
+    properties_file: Path,
+    parent_pid: int,
+    name: str = "steward-spark-connect",
 ) -> list[str]:
     """The launcher (PDEATHSIG, then exec) and spark-submit's arguments: nothing secret."""
     return [
@@ -274,7 +281,7 @@ def server_command(
         "--class",
         SERVER_CLASS,
         "--name",
-        "steward-spark-connect",
+        name,
         "--master",
         master,
         "--conf",
@@ -313,6 +320,7 @@ class SparkConnectServer:
         python: str = sys.executable,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         weights_wait_s: float = 0.0,
+        name: str = "steward-spark-connect",
     ) -> None:
         self.master = master
         self.conf = dict(conf)
@@ -320,6 +328,7 @@ class SparkConnectServer:
         self.home = Path(home)
         self.python = python
         self.start_timeout_s = start_timeout_s
+        self.name = name  # the Spark application's name (its UI, its log)
         self._endpoint = ConnectEndpoint(free_port(), secrets.token_urlsafe(32), identity.uid)
         self._lock = threading.Lock()
         self._popen: subprocess.Popen[bytes] | None = None
@@ -513,7 +522,12 @@ class SparkConnectServer:
                     raise SparkConnectError("the worker is stopping")
                 self._popen = subprocess.Popen(
                     server_command(
-                        spark_home(), self.master, self._endpoint.port, properties, os.getpid()
+                        spark_home(),
+                        self.master,
+                        self._endpoint.port,
+                        properties,
+                        os.getpid(),
+                        self.name,
                     ),
                     env=env,
                     cwd=home,
