@@ -1,32 +1,36 @@
-"""One Spark Connect server per worker, shared by its task processes (docs/SECURITY.md, "Spark").
+"""A Spark Connect server of the worker's, for its task processes (docs/SECURITY.md, "Spark").
 
 Why: a classic SparkSession in every tenant's task process costs a JVM start (seconds) on
-each tenant's first PySpark task and a JVM of memory per process. The worker instead starts
-one Spark Connect server (``SparkConnectServer``, from the jar the pyspark wheel ships) when
-it starts, in the background, and warms it with one trivial query; a task's ``ctx.spark`` is
-then a Spark Connect session of its own (its temp views and conf are its own), made in about
-0.1 s (:func:`connect_session`).
+each tenant's first PySpark task and a JVM of memory per process. The worker instead runs a
+Spark Connect server (``SparkConnectServer``, from the jar the pyspark wheel ships), started
+in the background and warmed with one trivial query; a task's ``ctx.spark`` is then a Spark
+Connect session of its own (its temp views and conf are its own), made in about 0.1 s
+(:func:`connect_session`). A root worker runs one per tenant, under the tenant's task uid
+(``clients/worker/spark_servers.py``); otherwise (not root, or ``--spark-user``) one,
+shared by every tenant, started with the worker. What follows holds for each.
 
 The server:
 
-- listens on 127.0.0.1 on a port the worker picks, and requires a random token made at
-  each worker start, passed to it only through its environment
+- listens on 127.0.0.1 on a port the worker picks, and requires a random token made for
+  it, passed to it only through its environment
   (``SPARK_CONNECT_AUTHENTICATE_TOKEN``), never its command line; the worker's
   ``--spark-conf`` pairs go in a ``0600`` properties file, not on the command line either;
-- runs under a uid of its own, never root: ``--spark-user``, else (a root worker) the last
+- runs under the identity it is given, never root: a tenant's task uid (per-tenant
+  servers), else ``--spark-user``, else (:func:`spark_identity`, a root worker) the last
   uid of ``--task-uid-range``, which no tenant is then given; a worker that is not root
   runs it under its own uid. Its Python UDF workers run under that uid too
   (``spark.python.worker.reuse=false``: one per task, not kept between sessions);
 - is in its own process group, dies with the worker (``PR_SET_PDEATHSIG`` set by a small
   launcher before it execs ``spark-submit``) and is stopped (its whole group) on shutdown.
 
-Fairness: the server runs Spark's FAIR scheduler with a pool per tenant, weighted like the
-tenant (``clients/worker/spark_pools.py``, docs/DESIGN.md §6).
+Fairness: a shared server runs Spark's FAIR scheduler with a pool per tenant, weighted like
+the tenant (``clients/worker/spark_pools.py``, docs/DESIGN.md §6).
 
-A task process gets the port, the token and its session id in the Run frame
-(``clients/worker/task_wire.py``). Before it sends the token anywhere it checks that the
-listening socket on that port belongs to the server's uid (``/proc/net/tcp``), so a tenant
-that binds the port first (the server was not up yet, or died) gets nothing.
+A task process gets the port, the token and its session id in the Run frame, or for a
+tenant's own server in the worker's SparkGranted answer (``clients/worker/task_wire.py``).
+Before it sends the token anywhere it checks that the listening socket on that port belongs
+to the server's uid (``/proc/net/tcp``), so a process of another uid that binds the port
+first (the server was not up yet, or died) gets nothing.
 """
 
 from __future__ import annotations
@@ -262,12 +266,7 @@ def server_defaults(master: str, home: Path, python: str) -> dict[str, str]:
 
 
 def server_command(
-    home_of_spark: str,
-    master: str,
-    port: int,
-    properties_file: Path,
-    parent_pid: int,
-    name: str = "steward-spark-connect",
+    home_of_spark: str, master: str, port: int, properties_file: Path, parent_pid: int
 ) -> list[str]:
     """The launcher (PDEATHSIG, then exec) and spark-submit's arguments: nothing secret."""
     return [
@@ -281,7 +280,7 @@ def server_command(
         "--class",
         SERVER_CLASS,
         "--name",
-        name,
+        "steward-spark-connect",
         "--master",
         master,
         "--conf",
@@ -320,7 +319,6 @@ class SparkConnectServer:
         python: str = sys.executable,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         weights_wait_s: float = 0.0,
-        name: str = "steward-spark-connect",
     ) -> None:
         self.master = master
         self.conf = dict(conf)
@@ -328,7 +326,6 @@ class SparkConnectServer:
         self.home = Path(home)
         self.python = python
         self.start_timeout_s = start_timeout_s
-        self.name = name  # the Spark application's name (its UI, its log)
         self._endpoint = ConnectEndpoint(free_port(), secrets.token_urlsafe(32), identity.uid)
         self._lock = threading.Lock()
         self._popen: subprocess.Popen[bytes] | None = None
@@ -522,12 +519,7 @@ class SparkConnectServer:
                     raise SparkConnectError("the worker is stopping")
                 self._popen = subprocess.Popen(
                     server_command(
-                        spark_home(),
-                        self.master,
-                        self._endpoint.port,
-                        properties,
-                        os.getpid(),
-                        self.name,
+                        spark_home(), self.master, self._endpoint.port, properties, os.getpid()
                     ),
                     env=env,
                     cwd=home,

@@ -282,7 +282,6 @@ def tenant_server_factory(config: WorkerConfig) -> ServerFactory:
             identity=identity,
             home=parent / str(identity.uid),
             python=config.task_python,
-            name=f"steward-spark-{tenant}",
         )
 
     return make
