@@ -228,6 +228,7 @@ class _Host:
             else:
                 done = self.run(run)
             self.cancelled.discard(key)
+            self.spark_granted.clear()  # a late answer for a Run that ended: moot
             if self.cancelled:  # only Cancels for runs still queued stay
                 self.cancelled &= {(r.task_id, r.attempt) for r in self.runs}
             empty_dir(run.workdir)  # the worker checks again when the process goes idle
