@@ -109,3 +109,27 @@ async def test_a_new_tenant_takes_the_idle_servers_place_and_idle_servers_stop(
     await until(lambda: servers.tenants() == {}, IDLE_S + 30)
     await until(lambda: not alive(bob_pid), 30)
     assert f"stopping tenant bob's Spark Connect server: idle for {IDLE_S:.0f} s" in caplog.text
+
+
+async def test_a_tenants_server_that_cannot_start_fails_its_task_saying_why(
+    env: Env, work_root: Path
+) -> None:
+    assert os.geteuid() == 0, "needs a root worker (task uids per tenant); CI runs as root"
+    worker, conn = await env.started(
+        worker_id="bad1",
+        task_isolation="process",
+        task_types={"*": 1},
+        spark_master="local[1]",
+        work_dir=work_root,
+        spark_conf={"spark.driver.memory": "1k"},  # a heap no JVM starts with
+    )
+    servers = worker.spark_server
+    assert isinstance(servers, TenantSparkServers)
+    sha = env.http.add(zip_bytes(JOB))
+    conn.assign(task(1, "pidjob.job:count", tenant="alice", code=sha))
+    report = await conn.report(SPARK_WAIT_S)
+    assert not report.ok
+    error = report.error or ""
+    assert "Spark is not available: the Spark Connect server exited" in error, error
+    assert "server log tail" in error, error  # the JVM's own words come with it
+    assert servers.tenants() == {"alice": 0}  # released: the next task starts a new one
