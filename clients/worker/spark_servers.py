@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 from clients.worker.spark_connect import ConnectEndpoint, SparkConnectError, SparkConnectServer
 from clients.worker.spark_remote import RemoteSpark
@@ -249,9 +249,6 @@ class TenantSparkServers:
         """How long a task waits for the worker's answer: a place, then the server's start
         (the worker's own waits are these two, so it answers first)."""
         return self.busy_wait_s + self.start_timeout_s + 10.0
-
-    def attach(self, session_id: str) -> Any:  # pragma: no cover - no shared session here
-        raise SparkConnectError("per-tenant Spark servers: attach to a tenant's server")
 
 
 def tenant_servers_wanted(config: WorkerConfig, worker_uid: int | None = None) -> bool:
