@@ -29,6 +29,7 @@ from clients.worker.sandbox import make_non_dumpable, set_parent_death_signal
 from clients.worker.spark_connect import SPARK_MODES, spark_identity
 from clients.worker.spark_remote import TOKEN_ENV as REMOTE_TOKEN_ENV
 from clients.worker.spark_remote import with_token
+from clients.worker.spark_servers import tenant_servers_wanted
 from clients.worker.task_env import (
     TaskProcessError,
     WorkDirInUseError,
@@ -147,17 +148,41 @@ def build_parser() -> argparse.ArgumentParser:
         "--spark",
         choices=SPARK_MODES,
         default="connect",
-        help="'connect': one Spark Connect server per worker, started with it, and a session"
-        " per task attempt as ctx.spark (default); 'classic': a SparkSession (a JVM) in each"
-        " task process; 'off': no Spark",
+        help="'connect': a Spark Connect server per tenant (a root worker: under the tenant's"
+        " task uid, started on first use; otherwise one per worker) and a session per task"
+        " attempt as ctx.spark (default); 'classic': a SparkSession (a JVM) in each task"
+        " process; 'off': no Spark",
     )
     spark.add_argument("--spark-master", default="local[*]")
     spark.add_argument("--spark-conf", type=_pair, action="append", default=[], metavar="KEY=VALUE")
     spark.add_argument(
         "--spark-user",
         metavar="USER",
-        help="run the Spark Connect server (and its Python UDFs) as USER (default as root:"
-        " the last uid of --task-uid-range, no tenant's; otherwise the worker's own user)",
+        help="run ONE Spark Connect server (and its Python UDFs) for every tenant as USER;"
+        " default as root: a server per tenant under the tenant's own task uid (its Spark"
+        " files are its own); otherwise the worker's own user",
+    )
+    spark.add_argument(
+        "--spark-max-servers",
+        type=int,
+        default=4,
+        metavar="N",
+        help="a root worker's per-tenant Spark Connect servers at most (the least recently"
+        " used idle one makes room; default 4)",
+    )
+    spark.add_argument(
+        "--spark-server-idle-s",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="stop a tenant's Spark Connect server idle this long (default 300)",
+    )
+    spark.add_argument(
+        "--spark-driver-memory-mb",
+        type=int,
+        default=1024,
+        metavar="MB",
+        help="each Spark Connect server's JVM heap (spark.driver.memory; default 1024)",
     )
     spark.add_argument(
         "--spark-remote",
@@ -375,6 +400,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         spark_master=args.spark_master,
         spark_conf=dict(args.spark_conf),
         spark_remote=spark_remote_url(args),
+        spark_max_servers=args.spark_max_servers,
+        spark_server_idle_s=args.spark_server_idle_s,
+        spark_driver_memory_mb=args.spark_driver_memory_mb,
         cache_dir=args.cache_dir,
         max_cache_bytes=int(args.cache_max_mb * 1024 * 1024),
         max_result_bytes=args.max_result_bytes,
@@ -455,7 +483,8 @@ def _run(
         if config.task_isolation == "process":
             for warning in check_task_processes(config):
                 _warn(warning)
-            if config.spark == "connect" and config.spark_remote is None:
+            shared_spark = config.spark == "connect" and config.spark_remote is None
+            if shared_spark and not tenant_servers_wanted(config):
                 spark_identity(config)  # a usable --spark-user, or a uid of its own
     except ValueError as exc:
         parser.error(str(exc))

@@ -157,6 +157,10 @@ class WorkerConfig:
     allow_classic_spark: bool = False  # ctx.classic_spark in task processes (connect mode)
     # sc://HOST:PORT[/;token=...]: sessions on that server, no server of the worker's own.
     spark_remote: str | None = None
+    # A root worker's Spark Connect server per tenant (clients/worker/spark_servers.py).
+    spark_max_servers: int = 4
+    spark_server_idle_s: float = 300.0
+    spark_driver_memory_mb: int = 1024  # each server's JVM heap (spark.driver.memory)
     cache_dir: Path = field(default_factory=default_cache_dir)
     # Past this the cache evicts its least recently used artifacts (0: unbounded).
     max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES
@@ -250,6 +254,12 @@ class WorkerConfig:
             raise ValueError("task_isolation must be 'process' or 'thread'")
         if self.spark not in ("connect", "classic", "off"):
             raise ValueError("spark must be 'connect', 'classic' or 'off'")
+        if self.spark_max_servers < 1:
+            raise ValueError("--spark-max-servers must be at least 1")
+        if not self.spark_server_idle_s > 0:
+            raise ValueError("--spark-server-idle-s must be positive")
+        if self.spark_driver_memory_mb < 256:
+            raise ValueError("--spark-driver-memory-mb must be at least 256 (a Spark driver)")
         if self.spark_remote is not None:
             from clients.worker.spark_remote import parse_remote
 

@@ -80,7 +80,12 @@ from clients.worker.link_reports import ReportOutbox
 from clients.worker.link_tasks import Assignments
 from clients.worker.runtime import TaskKey, TaskRuntime, released_notice, stopping_notice
 from clients.worker.spark_connect import SparkConnectServer
-from clients.worker.spark_remote import RemoteSpark, SparkBackend
+from clients.worker.spark_remote import RemoteSpark
+from clients.worker.spark_servers import (
+    SparkBackend,
+    tenant_servers,
+    tenant_servers_wanted,
+)
 
 __all__ = [
     "BrokerError",
@@ -145,7 +150,8 @@ class Worker:
     def __init__(self, config: WorkerConfig, *, spark_server: SparkBackend | None = None) -> None:
         self.config = config
         self.process_id = uuid.uuid4().hex  # new per process start: tells restarts apart
-        # One Spark Connect server per worker, started by run() (clients/worker/spark_connect.py);
+        # A Spark Connect server per tenant (a root worker: clients/worker/spark_servers.py) or
+        # one per worker (clients/worker/spark_connect.py), started by run();
         # a given one (tests: one server for many workers) is the caller's to stop.
         self._owns_spark = False
         if (
@@ -155,11 +161,12 @@ class Worker:
             and config.may_run_spark()
         ):
             # --spark-remote: sessions on that server instead (clients/worker/spark_remote.py).
-            spark_server = (
-                RemoteSpark(config.spark_remote)
-                if config.spark_remote
-                else SparkConnectServer.from_config(config)
-            )
+            if config.spark_remote:
+                spark_server = RemoteSpark(config.spark_remote)
+            elif tenant_servers_wanted(config):
+                spark_server = tenant_servers(config)
+            else:
+                spark_server = SparkConnectServer.from_config(config)
             self._owns_spark = True
         self.spark_server = spark_server
         # Register extra task types with worker.runtime.register(name, fn).

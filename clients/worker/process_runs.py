@@ -25,11 +25,13 @@ from clients.worker.artifacts import ArtifactCache
 from clients.worker.attempts import Running, TaskKey, attempt_fields, cancelled_report
 from clients.worker.config import WorkerConfig
 from clients.worker.spark_connect import (
+    SparkConnectError,
     new_session_id,
     tenant_uid_range,
 )
 from clients.worker.spark_pools import pool_name
-from clients.worker.spark_remote import RemoteSpark, SparkBackend
+from clients.worker.spark_remote import RemoteSpark
+from clients.worker.spark_servers import SparkBackend, TenantSparkServers
 from clients.worker.task_api import (
     BUILTIN_TASKS,
     MAX_ERROR_CHARS,
@@ -138,6 +140,8 @@ class ProcessRunner:
         # at most capacity() at once, as the thread pool bounds thread tasks.
         self._process_tasks = 0
         self._waiting: deque[Running] = deque()
+        # Attempts holding their tenant's Spark server (per-tenant servers) -> the tenant.
+        self._spark_holds: dict[TaskKey, str] = {}
         self.closed = False  # set by the runtime's shutdown: waiting tasks stay unbegun
 
     # -- slots (the caller holds the lock) --
@@ -267,8 +271,47 @@ class ProcessRunner:
             run,
             lambda outcome: self._on_outcome(entry, process, run, outcome),
             entry.ctx._record_progress,
+            (lambda: self._spark_wanted(entry, process)) if run.spark_on_request else None,
         )
         return True
+
+    def _spark_wanted(self, entry: Running, process: TaskProcess) -> None:
+        """The running task's ctx.spark asked for its tenant's server (on the dispatcher's
+        thread: the start and the wait go to a thread of their own)."""
+        threading.Thread(
+            target=self._grant_spark, args=(entry, process), name="steward-spark-grant", daemon=True
+        ).start()
+
+    def _grant_spark(self, entry: Running, process: TaskProcess) -> None:
+        """Hold the tenant's server for the attempt (until its outcome) and tell the process
+        where it is, once it is up; or why there is none."""
+        servers = self.spark_server
+        task = entry.task
+        key = (task.task_id, task.attempt)
+        try:
+            if not isinstance(servers, TenantSparkServers):
+                raise SparkConnectError("this worker has no per-tenant Spark servers")
+            server = servers.acquire(task.tenant, process.identity, servers.busy_wait_s)
+        except Exception as exc:
+            process.send_spark_granted(
+                task_wire.SparkGranted(task.task_id, task.attempt, error=str(exc))
+            )
+            return
+        with self._lock:
+            running = entry.process is process
+            if running:
+                self._spark_holds[key] = task.tenant
+        if not running:  # the attempt ended while its server was found
+            servers.release(task.tenant)
+            return
+        try:
+            endpoint = server.wait_ready(servers.start_timeout_s)
+            granted = task_wire.SparkGranted(
+                task.task_id, task.attempt, endpoint.port, endpoint.token, endpoint.uid
+            )
+        except SparkConnectError as exc:
+            granted = task_wire.SparkGranted(task.task_id, task.attempt, error=str(exc))
+        process.send_spark_granted(granted)
 
     def _on_outcome(
         self, entry: Running, process: TaskProcess, run: task_wire.Run, outcome: Outcome
@@ -279,6 +322,7 @@ class ProcessRunner:
         pool = self.processes
         with self._lock:
             entry.process = None
+            spark_held = self._spark_holds.pop((task.task_id, task.attempt), None)
         done = outcome.done
         skipped = outcome.skipped or (done is not None and done.skipped)
         # A task's exception leaves its process fit for the next task; a cancel (of a task
@@ -294,8 +338,10 @@ class ProcessRunner:
             return
         self._keep_output((task.task_id, task.attempt), outcome.output)
         if run.spark_session_id and not skipped and (ctx.cancelled.is_set() or done is None):
-            # Its process stopped, maybe not its queries on the server.
-            self._interrupt_spark_session(entry, run.spark_session_id)
+            # Its process stopped, maybe not its queries on the server (released after).
+            self._interrupt_spark_session(entry, run.spark_session_id, spark_held)
+        elif spark_held is not None:
+            self._release_spark(spark_held)
         if ctx.cancelled.is_set() or skipped:
             note = ""
             if outcome.killed:
@@ -332,6 +378,15 @@ class ProcessRunner:
         if server is None:
             return {"spark_mode": mode, "spark_error": "this worker has no Spark Connect server"}
         pool = pool_name(tenant) or ""
+        if isinstance(server, TenantSparkServers):
+            # The tenant's own server, asked for on first use of ctx.spark; no pools: the
+            # server is the tenant's alone (docs/DESIGN.md §6).
+            return {
+                "spark_mode": mode,
+                "spark_on_request": True,
+                "spark_session_id": new_session_id(),
+                "spark_wait_s": server.wait_left_s(),
+            }
         if isinstance(server, RemoteSpark):
             return {
                 "spark_mode": mode,
@@ -352,16 +407,27 @@ class ProcessRunner:
             "spark_error": server.error() or "",
         }
 
-    def _interrupt_spark_session(self, entry: Running, session_id: str) -> None:
+    def _release_spark(self, tenant: str) -> None:
+        if isinstance(self.spark_server, TenantSparkServers):
+            self.spark_server.release(tenant)
+
+    def _interrupt_spark_session(
+        self, entry: Running, session_id: str, spark_held: str | None
+    ) -> None:
         """The task's process is gone, not its queries: interrupt them on the server (from a
         thread of its own, so the report does not wait for the server)."""
         server = self.spark_server
         if server is None:
             return
+        if isinstance(server, TenantSparkServers) and spark_held is None:
+            return  # it never asked for its tenant's server: no session there
 
         def interrupt() -> None:
             try:
-                server.interrupt(session_id)
+                if isinstance(server, TenantSparkServers):
+                    server.interrupt(entry.task.tenant, session_id)
+                else:
+                    server.interrupt(session_id)
             except Exception as exc:
                 logger.warning(
                     "could not interrupt the Spark session of task %d attempt %d: %s",
@@ -370,6 +436,9 @@ class ProcessRunner:
                     exc,
                     extra=attempt_fields(entry),
                 )
+            finally:
+                if spark_held is not None:
+                    self._release_spark(spark_held)
 
         threading.Thread(target=interrupt, name="steward-spark-interrupt", daemon=True).start()
 

@@ -52,7 +52,7 @@ from clients.worker.process_runs import (
     task_identities,
     task_memory_limit_mb,
 )
-from clients.worker.spark_remote import SparkBackend
+from clients.worker.spark_servers import SparkBackend
 from clients.worker.task_api import (
     BUILTIN_TASKS,
     TaskCancelled,

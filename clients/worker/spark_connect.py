@@ -1,32 +1,36 @@
-"""One Spark Connect server per worker, shared by its task processes (docs/SECURITY.md, "Spark").
+"""A Spark Connect server of the worker's, for its task processes (docs/SECURITY.md, "Spark").
 
 Why: a classic SparkSession in every tenant's task process costs a JVM start (seconds) on
-each tenant's first PySpark task and a JVM of memory per process. The worker instead starts
-one Spark Connect server (``SparkConnectServer``, from the jar the pyspark wheel ships) when
-it starts, in the background, and warms it with one trivial query; a task's ``ctx.spark`` is
-then a Spark Connect session of its own (its temp views and conf are its own), made in about
-0.1 s (:func:`connect_session`).
+each tenant's first PySpark task and a JVM of memory per process. The worker instead runs a
+Spark Connect server (``SparkConnectServer``, from the jar the pyspark wheel ships), started
+in the background and warmed with one trivial query; a task's ``ctx.spark`` is then a Spark
+Connect session of its own (its temp views and conf are its own), made in about 0.1 s
+(:func:`connect_session`). A root worker runs one per tenant, under the tenant's task uid
+(``clients/worker/spark_servers.py``); otherwise (not root, or ``--spark-user``) one,
+shared by every tenant, started with the worker. What follows holds for each.
 
 The server:
 
-- listens on 127.0.0.1 on a port the worker picks, and requires a random token made at
-  each worker start, passed to it only through its environment
+- listens on 127.0.0.1 on a port the worker picks, and requires a random token made for
+  it, passed to it only through its environment
   (``SPARK_CONNECT_AUTHENTICATE_TOKEN``), never its command line; the worker's
   ``--spark-conf`` pairs go in a ``0600`` properties file, not on the command line either;
-- runs under a uid of its own, never root: ``--spark-user``, else (a root worker) the last
+- runs under the identity it is given, never root: a tenant's task uid (per-tenant
+  servers), else ``--spark-user``, else (:func:`spark_identity`, a root worker) the last
   uid of ``--task-uid-range``, which no tenant is then given; a worker that is not root
   runs it under its own uid. Its Python UDF workers run under that uid too
   (``spark.python.worker.reuse=false``: one per task, not kept between sessions);
 - is in its own process group, dies with the worker (``PR_SET_PDEATHSIG`` set by a small
   launcher before it execs ``spark-submit``) and is stopped (its whole group) on shutdown.
 
-Fairness: the server runs Spark's FAIR scheduler with a pool per tenant, weighted like the
-tenant (``clients/worker/spark_pools.py``, docs/DESIGN.md §6).
+Fairness: a shared server runs Spark's FAIR scheduler with a pool per tenant, weighted like
+the tenant (``clients/worker/spark_pools.py``, docs/DESIGN.md §6).
 
-A task process gets the port, the token and its session id in the Run frame
-(``clients/worker/task_wire.py``). Before it sends the token anywhere it checks that the
-listening socket on that port belongs to the server's uid (``/proc/net/tcp``), so a tenant
-that binds the port first (the server was not up yet, or died) gets nothing.
+A task process gets the port, the token and its session id in the Run frame, or for a
+tenant's own server in the worker's SparkGranted answer (``clients/worker/task_wire.py``).
+Before it sends the token anywhere it checks that the listening socket on that port belongs
+to the server's uid (``/proc/net/tcp``), so a process of another uid that binds the port
+first (the server was not up yet, or died) gets nothing.
 """
 
 from __future__ import annotations
@@ -232,6 +236,8 @@ def tenant_uid_range(config: WorkerConfig, worker_uid: int | None = None) -> tup
     """The task uid range left for tenants (a root worker's Spark server takes the last uid)."""
     uid = os.geteuid() if worker_uid is None else worker_uid
     low, high = config.task_uid_range
+    # Kept with per-tenant servers too (spark_servers.py): a shared server made from this
+    # config (spark_identity) never shares a uid with a tenant.
     own_server = config.spark == "connect" and config.spark_remote is None
     if own_server and uid == 0 and config.spark_user is None and high > low:
         return low, high - 1

@@ -1,6 +1,8 @@
 """Spark fair-scheduler pools per tenant (docs/DESIGN.md §6, "Spark fairness").
 
-The worker's Spark Connect server runs ``spark.scheduler.mode=FAIR``; each task's session
+A Spark Connect server shared by a worker's tenants (a worker that is not root, or
+``--spark-user``; per-tenant servers have one tenant each and no pools) runs
+``spark.scheduler.mode=FAIR``; each task's session
 sets ``spark.scheduler.pool`` to its tenant's pool (Spark 4 applies a Connect session's
 ``spark.scheduler.pool`` to the jobs of that session), so the tenants' Spark jobs share the
 server by pool weight, not first come first served.

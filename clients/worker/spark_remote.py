@@ -25,7 +25,6 @@ from typing import Any, Final
 from clients.worker.spark_connect import (
     USER_ID,
     SparkConnectError,
-    SparkConnectServer,
     interrupt_session,
     new_session_id,
     open_session,
@@ -191,7 +190,3 @@ class RemoteSpark:
             self.remote.host, self.remote.port, self.probe_timeout_s, self.remote.address
         )
         interrupt_session(self.attach(session_id))
-
-
-#: Where a worker's Spark Connect sessions are made: its own server or a remote one.
-SparkBackend = SparkConnectServer | RemoteSpark

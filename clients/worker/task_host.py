@@ -121,6 +121,8 @@ class _Host:
         self.decoder = task_wire.ControlDecoder(max_frame_bytes)
         self.runs: deque[task_wire.Run] = deque()
         self.cancelled: set[tuple[int, int]] = set()  # (task_id, attempt) to skip or stop
+        # The worker's answers to SparkWanted (per-tenant Spark servers), by (task_id, attempt).
+        self.spark_granted: dict[tuple[int, int], task_wire.SparkGranted] = {}
         self.control_ended = False
         self.current: TaskContext | None = None
         self.current_key: tuple[int, int] | None = None
@@ -147,8 +149,39 @@ class _Host:
             for message in self.decoder.feed(data):
                 if isinstance(message, task_wire.Run):
                     self.runs.append(message)
+                elif isinstance(message, task_wire.SparkGranted):
+                    self.spark_granted[(message.task_id, message.attempt)] = message
                 else:
                     self.cancelled.add((message.task_id, message.attempt))
+
+    def tenant_spark(self, run: task_wire.Run) -> Any:
+        """``ctx.spark`` on the tenant's own server: ask the worker for it (it starts the
+        server on first use) and wait, bounded, for its answer; then connect as usual."""
+        key = (run.task_id, run.attempt)
+        self.write_event(task_wire.SparkWanted(task_id=run.task_id, attempt=run.attempt))
+        deadline = time.monotonic() + run.spark_wait_s
+        while key not in self.spark_granted:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(
+                    f"Spark is not available: the worker did not start this tenant's Spark"
+                    f" Connect server within {run.spark_wait_s:.0f} s (see the worker's log)"
+                )
+            if self.control_ended:
+                raise RuntimeError("Spark is not available: the worker closed the task's pipe")
+            select.select([self.control_fd], [], [], min(left, 1.0))
+            # Not re-entered by on_sigterm (which reads control too) mid-frame: a SIGTERM
+            # waits for the unblock, then raises TaskCancelled here as anywhere in the task.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            try:
+                self.take_control()
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        granted = self.spark_granted.pop(key)
+        if granted.error:
+            raise RuntimeError(f"Spark is not available: {granted.error}")
+        endpoint = ConnectEndpoint(granted.port, granted.token, granted.uid)
+        return connect_session(endpoint, run.spark_session_id, run.spark_wait_s, run.spark_pool)
 
     def on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         # Runs in the main thread, between bytecodes of the task (or in its blocking call).
@@ -195,6 +228,7 @@ class _Host:
             else:
                 done = self.run(run)
             self.cancelled.discard(key)
+            self.spark_granted.clear()  # a late answer for a Run that ended: moot
             if self.cancelled:  # only Cancels for runs still queued stay
                 self.cancelled &= {(r.task_id, r.attempt) for r in self.runs}
             empty_dir(run.workdir)  # the worker checks again when the process goes idle
@@ -218,7 +252,7 @@ class _Host:
             task,
             spark_factory=lambda: shared_spark(run.spark_master, run.spark_conf),
             max_result_bytes=run.max_result_bytes,
-            **spark_access(run),
+            **spark_access(run, self.tenant_spark),
         )
         ctx._progress_sink = self.progress.sink(run.task_id, run.attempt)
         started = 0.0
@@ -295,8 +329,11 @@ def _with_spark_hint(error: str, session_made: bool) -> str:
     return error
 
 
-def spark_access(run: task_wire.Run) -> dict[str, Any]:
-    """How ``ctx.spark`` and ``ctx.classic_spark`` behave for this Run (TaskContext kwargs)."""
+def spark_access(
+    run: task_wire.Run, tenant_spark: Callable[[task_wire.Run], Any] | None = None
+) -> dict[str, Any]:
+    """How ``ctx.spark`` and ``ctx.classic_spark`` behave for this Run (TaskContext kwargs);
+    ``tenant_spark`` asks the worker for the tenant's own server (``spark_on_request``)."""
     classic_refused = (
         None if run.allow_classic_spark else f"classic Spark is off: {CLASSIC_FLAG_HINT}"
     )
@@ -315,6 +352,16 @@ def spark_access(run: task_wire.Run) -> dict[str, Any]:
             "connect_factory": lambda: remote_session(
                 run.spark_remote, run.spark_session_id, run.spark_pool, run.spark_wait_s
             ),
+            "classic_unavailable": classic_refused,
+        }
+    if run.spark_on_request:
+        if tenant_spark is None:
+            return {
+                "spark_unavailable": "Spark is not available: no way to ask the worker for it",
+                "classic_unavailable": classic_refused,
+            }
+        return {
+            "connect_factory": lambda: tenant_spark(run),
             "classic_unavailable": classic_refused,
         }
     endpoint = ConnectEndpoint(

@@ -155,6 +155,8 @@ class _Pending:
     killed: bool = False
     # Where the Run's ctx.progress reports go (the worker-side TaskContext's recorder).
     on_progress: Callable[[float, str], None] | None = None
+    # Its first ctx.spark asked for the tenant's Spark server (clients/worker/spark_servers.py).
+    on_spark_wanted: Callable[[], None] | None = None
 
 
 class TaskProcess:
@@ -239,13 +241,20 @@ class TaskProcess:
         run: task_wire.Run,
         on_outcome: OutcomeCallback,
         on_progress: Callable[[float, str], None] | None = None,
+        on_spark_wanted: Callable[[], None] | None = None,
     ) -> None:
         """Send one task; ``on_outcome`` is called once with its Done or the process's end,
         on the dispatcher's thread (or the canceller's). Never blocks on the task itself."""
         with self._lock:
             self._claims = max(0, self._claims - 1)
             self._pending.append(
-                _Pending((run.task_id, run.attempt), run.type, on_outcome, on_progress=on_progress)
+                _Pending(
+                    (run.task_id, run.attempt),
+                    run.type,
+                    on_outcome,
+                    on_progress=on_progress,
+                    on_spark_wanted=on_spark_wanted,
+                )
             )
         self.tasks_run += 1
         held: dict[TaskProcess, None] | None = getattr(_held, "processes", None)
@@ -379,6 +388,9 @@ class TaskProcess:
             if isinstance(message, task_wire.Progress):
                 self._on_progress(message)
                 continue
+            if isinstance(message, task_wire.SparkWanted):
+                self._on_spark_wanted(message)
+                continue
             key = (message.task_id, message.attempt)
             with self._lock:
                 if key in self._skipped:  # answered at its cancel
@@ -408,6 +420,23 @@ class TaskProcess:
         key = (message.task_id, message.attempt)
         if running is not None and running.key == key and running.on_progress is not None:
             running.on_progress(message.fraction, message.message)
+
+    def _on_spark_wanted(self, message: task_wire.SparkWanted) -> None:
+        # Only the running Run asks, once (the callback is taken: a repeat is ignored).
+        with self._lock:
+            running = self._pending[0] if self._pending else None
+            wanted = None
+            if running is not None and running.key == (message.task_id, message.attempt):
+                wanted, running.on_spark_wanted = running.on_spark_wanted, None
+        if wanted is not None:
+            wanted()
+
+    def send_spark_granted(self, message: task_wire.SparkGranted) -> None:
+        """Answer a SparkWanted (any thread); a process that is gone needs no answer."""
+        try:
+            self._write_control(message)
+        except OSError as exc:
+            logger.debug("task process %d: Spark answer not sent: %s", self.pid, exc)
 
     def _drain_output(self) -> None:
         for _ in range(64):

@@ -6,6 +6,8 @@ msgpack body. The conversation::
 
     process: Ready -> (worker: Run+ ... process: Done per Run, in the order sent)* -> EOF
     process: Progress (the running Run's latest ctx.progress) any time while it runs
+    process: SparkWanted (the running Run's first ctx.spark, per-tenant Spark servers),
+             worker: SparkGranted for it (the tenant's server, or why there is none)
     worker: Cancel(task) at any time, then SIGTERM (SIGKILL after the grace if it runs on)
 
 The worker may send several Runs before their Dones (pipelining, for tasks that take
@@ -68,6 +70,9 @@ class Run(msgspec.Struct, frozen=True, tag="run", tag_field="kind"):
     spark_remote: str = ""
     # The tenant's fair-scheduler pool (clients/worker/spark_pools.py); "": the default.
     spark_pool: str = ""
+    # A server of the tenant's own (clients/worker/spark_servers.py): no port above; the
+    # first use of ctx.spark asks for it (SparkWanted) and waits for SparkGranted.
+    spark_on_request: bool = False
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel", tag_field="kind"):
@@ -98,8 +103,26 @@ class Progress(msgspec.Struct, frozen=True, tag="progress", tag_field="kind"):
     message: Annotated[str, msgspec.Meta(max_length=MAX_PROGRESS_CHARS)] = ""
 
 
-ToProcess = Run | Cancel
-FromProcess = Ready | Done | Progress
+class SparkWanted(msgspec.Struct, frozen=True, tag="spark_wanted", tag_field="kind"):
+    """The running Run's ctx.spark wants its tenant's Spark Connect server."""
+
+    task_id: int
+    attempt: int
+
+
+class SparkGranted(msgspec.Struct, frozen=True, tag="spark_granted", tag_field="kind"):
+    """The tenant's server for a SparkWanted (port, token, its uid), or why there is none."""
+
+    task_id: int
+    attempt: int
+    port: int = 0
+    token: str = ""
+    uid: int = -1
+    error: str = ""
+
+
+ToProcess = Run | Cancel | SparkGranted
+FromProcess = Ready | Done | Progress | SparkWanted
 
 _Message = TypeVar("_Message", ToProcess, FromProcess)
 

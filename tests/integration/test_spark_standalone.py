@@ -74,12 +74,13 @@ class Setup:
         self.broker = broker
         self.worker = worker
         self.ui = f"http://{HOST}:{ui_port}"  # the driver's (Connect server's) UI
-        self.server_log = work_dir / "spark" / "server.log"  # the driver's
+        self.work_dir = work_dir  # the drivers' logs: spark-tenants/<uid>/server.log
         self.shared = shared
         self.slow_code = slow_code
 
     def logs(self) -> str:
-        driver = log_tail(self.server_log, 3000)
+        logs = sorted(self.work_dir.glob("spark-tenants/*/server.log"))
+        driver = "\n".join(log_tail(log, 3000) for log in logs)
         return f"{self.worker.log_tail()}\n--- driver ---\n{driver}\n{self.cluster.logs()}"
 
 

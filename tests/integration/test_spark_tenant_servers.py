@@ -1,0 +1,135 @@
+"""A root worker's Spark Connect servers per tenant: started on first use, the least recently
+used idle one stopped to make room (``--spark-max-servers``), an idle one stopped after
+``--spark-server-idle-s`` (clients/worker/spark_servers.py). Real JVMs, a worker with room
+for one server; the fake broker and artifact server come from tests/support/worker_harness.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from clients.worker.spark_connect import SparkConnectServer
+from clients.worker.spark_servers import TenantSparkServers
+from tests.support.worker_harness import Env, result_of, task, until, worker_env, zip_bytes
+
+pytestmark = pytest.mark.slow
+
+SPARK_WAIT_S = 240.0  # a tenant's first Spark task starts its server (a JVM)
+IDLE_S = 10.0
+
+JOB = {
+    "pidjob/__init__.py": "",
+    "pidjob/job.py": """
+import os
+
+
+def count(params, ctx):
+    return {"uid": os.getuid(), "rows": ctx.spark.range(3).count()}
+""",
+}
+
+
+@pytest.fixture
+def work_root() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="steward-test-spark-lru-"))
+    os.chmod(root, 0o711)  # task users pass through to their homes
+    try:
+        yield root / "work"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    async with worker_env(tmp_path, stop_timeout_s=1.0, stop_wait_s=30) as environment:
+        yield environment
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def server_pid(servers: TenantSparkServers, tenant: str) -> int:
+    server = servers.server_of(tenant)
+    assert isinstance(server, SparkConnectServer)
+    assert server.pid is not None
+    return server.pid
+
+
+async def test_a_new_tenant_takes_the_idle_servers_place_and_idle_servers_stop(
+    env: Env, work_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert os.geteuid() == 0, "needs a root worker (task uids per tenant); CI runs as root"
+    caplog.set_level(logging.INFO, logger="clients.worker.spark_servers")
+    worker, conn = await env.started(
+        worker_id="lru1",
+        task_isolation="process",
+        task_types={"*": 1},
+        resources={"cpu": 1.0, "memory_mb": 2048.0},
+        spark_master="local[1]",
+        work_dir=work_root,
+        spark_max_servers=1,
+        spark_server_idle_s=IDLE_S,
+        spark_driver_memory_mb=512,
+    )
+    servers = worker.spark_server
+    assert isinstance(servers, TenantSparkServers)
+    assert servers.tenants() == {}  # none started before a task asks
+    sha = env.http.add(zip_bytes(JOB))
+
+    conn.assign(task(1, "pidjob.job:count", tenant="alice", code=sha))
+    alice = result_of(await conn.report(SPARK_WAIT_S))
+    assert alice["rows"] == 3
+    assert servers.tenants() == {"alice": 0}  # kept warm, held by no task
+    alice_pid = server_pid(servers, "alice")
+    assert os.stat(f"/proc/{alice_pid}").st_uid == alice["uid"]  # the tenant's task uid
+
+    conn.assign(task(2, "pidjob.job:count", tenant="bob", code=sha))
+    bob = result_of(await conn.report(SPARK_WAIT_S))
+    assert bob["rows"] == 3 and bob["uid"] != alice["uid"]
+    assert servers.tenants() == {"bob": 0}
+    assert not alive(alice_pid)
+    assert "stopping tenant alice's Spark Connect server (idle; its place goes to tenant bob" in (
+        caplog.text
+    )
+    bob_pid = server_pid(servers, "bob")
+    assert os.stat(f"/proc/{bob_pid}").st_uid == bob["uid"]
+
+    await until(lambda: servers.tenants() == {}, IDLE_S + 30)
+    await until(lambda: not alive(bob_pid), 30)
+    assert f"stopping tenant bob's Spark Connect server: idle for {IDLE_S:.0f} s" in caplog.text
+
+
+async def test_a_tenants_server_that_cannot_start_fails_its_task_saying_why(
+    env: Env, work_root: Path
+) -> None:
+    assert os.geteuid() == 0, "needs a root worker (task uids per tenant); CI runs as root"
+    worker, conn = await env.started(
+        worker_id="bad1",
+        task_isolation="process",
+        task_types={"*": 1},
+        spark_master="local[1]",
+        work_dir=work_root,
+        spark_conf={"spark.driver.memory": "1k"},  # a heap no JVM starts with
+    )
+    servers = worker.spark_server
+    assert isinstance(servers, TenantSparkServers)
+    sha = env.http.add(zip_bytes(JOB))
+    conn.assign(task(1, "pidjob.job:count", tenant="alice", code=sha))
+    report = await conn.report(SPARK_WAIT_S)
+    assert not report.ok
+    error = report.error or ""
+    assert "Spark is not available: the Spark Connect server exited" in error, error
+    assert "server log tail" in error, error  # the JVM's own words come with it
+    assert servers.tenants() == {"alice": 0}  # released: the next task starts a new one
