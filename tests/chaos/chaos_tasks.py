@@ -38,7 +38,8 @@ def record(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
     for index in range(int(params.get("children", 0))):
         key = f"{params['key']}-a{ctx.attempt}-c{index}"
         child = {"key": key, "seconds": params["seconds"], "effects": path}
-        ctx.spawn("chaos_tasks:record", child, max_attempts=int(params["attempts"]))
+        attempts = int(params["attempts"])  # lost with a worker as often as failed (max_lost)
+        ctx.spawn("chaos_tasks:record", child, max_attempts=attempts, max_lost=attempts)
     return {"task": ctx.task_id, "attempt": ctx.attempt, "key": params["key"]}
 
 

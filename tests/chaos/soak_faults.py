@@ -182,6 +182,7 @@ class ExtraFaults:
                 idempotency_key=key,
                 code=self.load.code_sha,
                 max_attempts=config.max_attempts,
+                max_lost=config.max_attempts,
                 priority=ZOMBIE_PRIORITY,
             )
             self.load.acked[key] = Acked(key, handle.id, params, time.monotonic())

@@ -244,7 +244,13 @@ class ChaosLoad:
     ) -> list[int]:
         """Submit one task or a batch (one log entry) under ``key``, retried until
         acknowledged; the acknowledged ids."""
-        options: dict[str, Any] = {"code": self.code_sha, "max_attempts": self.config.max_attempts}
+        # A task may be lost with a killed or paused worker as often as it may fail
+        # (max_lost, docs/DESIGN.md §6, "Lost workers"): the soak kills workers often.
+        options: dict[str, Any] = {
+            "code": self.code_sha,
+            "max_attempts": self.config.max_attempts,
+            "max_lost": self.config.max_attempts,
+        }
         if track_tree:
             options["track_tree"] = True
         while not self._stop.is_set():
@@ -322,6 +328,7 @@ class ChaosLoad:
                         idempotency_key=k,
                         code=self.code_sha,
                         max_attempts=self.config.max_attempts,
+                        max_lost=self.config.max_attempts,
                         transaction=txn,
                     )
                 )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -47,10 +48,15 @@ def generate_client(document: dict[str, Any], into: Path) -> ModuleType:
     assert tool is not None, "openapi-python-client is missing: pip install -e '.[test]'"
     spec = into / "openapi.json"
     spec.write_text(json.dumps(document))
+    # It formats what it writes with ruff, found on PATH: the one installed beside it, as
+    # in an activated virtualenv (the README's test line runs .venv/bin/pytest unactivated).
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")])}
     done = subprocess.run(
         [tool, "generate", "--path", str(spec), "--meta", "none", "--output-path",
          str(into / PACKAGE)],
         capture_output=True, text=True, timeout=GENERATE_TIMEOUT_S, cwd=into, check=False,
+        env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     # The generator warns about every part of the document it could not turn into code.

@@ -171,15 +171,17 @@ def test_kill9_of_a_worker_reruns_its_task_elsewhere(cluster: Cluster) -> None:
     assert workers["k9-a"]["state"] == "dead"
 
 
-def test_kill9_with_max_attempts_1_ends_in_error_naming_the_worker(cluster: Cluster) -> None:
+def test_kill9_with_max_lost_0_ends_in_error_naming_the_worker(cluster: Cluster) -> None:
+    # A lost worker does not use up max_attempts (docs/DESIGN.md §6, "Lost workers"):
+    # a task that may lose no attempt (max_lost 0) ends with its worker, saying which.
     worker = cluster.worker("k9-c", "--tenant", "killonce", "--task-type", "sleep=1")
-    task_id = cluster.submit(type="sleep", tenant="killonce", params={"seconds": 30})
+    task_id = cluster.submit(type="sleep", tenant="killonce", params={"seconds": 30}, max_lost=0)
     cluster.wait_state(task_id, {"running"}, 20)
     worker.kill9()
     task = cluster.wait_final(task_id, timeout_s=30)
     assert task["state"] == "error"
-    assert "k9-c" in task["error"]
-    assert task["attempt"] == 1
+    assert "k9-c" in task["error"] and "max_lost 0" in task["error"]
+    assert (task["attempt"], task["lost"]) == (1, 1)
 
 
 def test_worker_restart_requeues_the_tasks_it_lost(cluster: Cluster) -> None:

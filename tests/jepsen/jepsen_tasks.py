@@ -59,5 +59,6 @@ def tree_root(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
             "effects": params["effects"],
         }
         # As the submitted tasks: an attempt lost with its worker is retried.
-        ctx.spawn("jepsen_tasks:record", child, max_attempts=int(params["max_attempts"]))
+        attempts = int(params["max_attempts"])
+        ctx.spawn("jepsen_tasks:record", child, max_attempts=attempts, max_lost=attempts)
     return result

@@ -137,8 +137,10 @@ class Client:
             "tenant": TENANT,
             "code": self.config.code,
             "params": {"key": key, "seconds": round(seconds, 3), "effects": self.config.effects},
-            # As the chaos soak: an attempt lost with its worker's connection is retried.
+            # As the chaos soak: an attempt lost with its worker's connection is retried, and
+            # so is one lost with the worker (max_lost, docs/DESIGN.md §6, "Lost workers").
             "max_attempts": self.config.max_attempts,
+            "max_lost": self.config.max_attempts,
             "priority": 10 if long_run else 0,
         }
 
