@@ -14,9 +14,7 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
-import tempfile
 import threading
 import time
 import urllib.request
@@ -38,7 +36,7 @@ from tests.support.worker_harness import (
     worker_env,
     zip_bytes,
 )
-from tests.support.worker_procs import task_writable_dir, wait_until
+from tests.support.worker_procs import task_reachable_dir, task_writable_dir, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -128,13 +126,8 @@ def classic_sum(params, ctx):
 
 @pytest.fixture(scope="module")
 def work_root() -> Iterator[Path]:
-    # Not under pytest's tmp: its base is 0700, and task users must reach this.
-    root = Path(tempfile.mkdtemp(prefix="steward-test-sc-"))
-    os.chmod(root, 0o711)
-    try:
+    with task_reachable_dir("steward-test-sc-") as root:
         yield root / "work"
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def worker_config(env: Env, work_dir: Path, **overrides: Any) -> WorkerConfig:

@@ -11,9 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -24,7 +21,15 @@ import pytest
 from clients.worker import Worker, WorkerConfig
 from clients.worker.spark_connect import free_port
 from tests.support.spark_connect_remote import RemoteConnectServer, remote_connect_server
-from tests.support.worker_harness import Env, result_of, task, until, worker_env, zip_bytes
+from tests.support.worker_harness import (
+    Env,
+    result_of,
+    task,
+    until,
+    worker_env,
+    zip_bytes,
+)
+from tests.support.worker_procs import task_reachable_dir
 
 pytestmark = pytest.mark.slow
 
@@ -60,13 +65,8 @@ def peek(params, ctx):
 
 @pytest.fixture(scope="module")
 def work_root() -> Iterator[Path]:
-    # Not under pytest's tmp: its base is 0700, and task users must reach this.
-    root = Path(tempfile.mkdtemp(prefix="steward-test-remote-"))
-    os.chmod(root, 0o711)
-    try:
+    with task_reachable_dir("steward-test-remote-") as root:
         yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

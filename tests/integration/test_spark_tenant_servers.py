@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -17,7 +15,15 @@ import pytest
 
 from clients.worker.spark_connect import SparkConnectServer
 from clients.worker.spark_servers import TenantSparkServers
-from tests.support.worker_harness import Env, result_of, task, until, worker_env, zip_bytes
+from tests.support.worker_harness import (
+    Env,
+    result_of,
+    task,
+    until,
+    worker_env,
+    zip_bytes,
+)
+from tests.support.worker_procs import task_reachable_dir
 
 pytestmark = pytest.mark.slow
 
@@ -38,12 +44,8 @@ def count(params, ctx):
 
 @pytest.fixture
 def work_root() -> Iterator[Path]:
-    root = Path(tempfile.mkdtemp(prefix="steward-test-spark-lru-"))
-    os.chmod(root, 0o711)  # task users pass through to their homes
-    try:
+    with task_reachable_dir("steward-test-spark-lru-") as root:
         yield root / "work"
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

@@ -10,14 +10,19 @@ from tests/support/worker_harness.py.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.worker_harness import Env, result_of, task, worker_env, zip_bytes
+from tests.support.worker_harness import (
+    Env,
+    result_of,
+    task,
+    worker_env,
+    zip_bytes,
+)
+from tests.support.worker_procs import task_reachable_dir
 
 pytestmark = pytest.mark.slow
 
@@ -66,13 +71,8 @@ def poke(params, ctx):
 
 @pytest.fixture
 def work_root() -> Iterator[Path]:
-    # Not under pytest's tmp: its base is 0700, and task users must reach this.
-    root = Path(tempfile.mkdtemp(prefix="steward-test-spark-own-"))
-    os.chmod(root, 0o711)
-    try:
+    with task_reachable_dir("steward-test-spark-own-") as root:
         yield root / "work"
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

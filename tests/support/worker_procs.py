@@ -50,6 +50,18 @@ def task_writable_dir(prefix: str = "steward-test-shared-") -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def task_reachable_dir(prefix: str) -> Iterator[Path]:
+    """A directory task users can pass through (0711, not list or write) to their homes
+    below it, as in a worker's work dir; removed after (task_writable_dir: why not tmp)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        os.chmod(path, 0o711)
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class WorkerProcess(LoggedProcess):
     """One ``steward worker`` subprocess."""
 
