@@ -4,7 +4,7 @@ back to the queue, never failing them for the stop (docs/DESIGN.md §6, "Stoppin
 
 Real processes: ``steward standalone`` and ``steward worker`` subprocesses, SIGTERM'd
 as a service manager would. Every wait is bounded; every process is killed at the end.
-(Friction 6, the demo's progress, is covered by tests/integration/test_demo.py.)
+(Friction 6, the demo's progress, is covered by tests/integration/test_readme_lines.py.)
 """
 
 from __future__ import annotations

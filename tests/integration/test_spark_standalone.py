@@ -5,7 +5,7 @@ A master and two Spark workers from pyspark's own ``spark-class`` on 127.0.0.1
 ``--spark-master spark://127.0.0.1:PORT`` (its Spark Connect server is the cluster's
 driver; executors of 512 MiB, one core each). The demo's word count and the fan-out example
 give the answers a plain-Python computation gives (the answers ``local[*]`` gives in
-test_demo.py and test_example_spark_fanout.py); a Steward cancel kills the task's Spark job
+test_readme_lines.py and test_example_spark_fanout.py); a Steward cancel kills the task's Spark job
 on the cluster (Spark's REST API says so); a Spark worker killed with -9 under a running
 task costs the task nothing but Spark's own retry, and the Steward worker lives on.
 """

@@ -1,7 +1,8 @@
 """Issue 3 end to end: a real standalone broker, real worker processes, real Spark.
 
 Each test uses its own tenants and workers that serve only those tenants, so the
-tests share one broker without taking each other's tasks.
+tests share one broker without taking each other's tasks. The PySpark word count of two
+tenants equal to plain Python's is the demo's, run by tests/integration/test_readme_lines.py.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from typing import Any
 import httpx
 import pytest
 
-from clients.client import StewardClient
-from clients.demo.run import corpus_lines, plain_python_count, run_wordcount
 from tests.support.procs import HOST, BrokerProcess, free_port
 from tests.support.worker_procs import TcpProxy, WorkerProcess, wait_until
 
@@ -104,17 +103,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             worker.stop()
         cluster.http.close()
         broker.kill9()
-
-
-def test_pyspark_word_count_equals_plain_python(cluster: Cluster) -> None:
-    cluster.worker("spark-1", "--tenant", "analytics", "--tenant", "adhoc", spark=True)
-    lines = corpus_lines()[:1500]
-    with StewardClient(cluster.broker.url) as client:
-        outcome = run_wordcount(client, lines)
-    expected = plain_python_count(lines)
-    assert sum(expected.values()) > 10_000
-    for tenant, counts in outcome["counts"].items():
-        assert counts == expected, tenant
 
 
 def _spark_is_free(cluster: Cluster, tenant: str) -> float:
