@@ -7,10 +7,12 @@ second line."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -75,10 +77,16 @@ def _run_timed(command: str, cwd: Path) -> tuple[int, list[tuple[float, str]]]:
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        start_new_session=True,  # its process group: what a failed test kills
     )
     assert proc.stdout is not None
+
+    def kill_group() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
     lines: list[tuple[float, str]] = []
-    timer = threading.Timer(SETUP_AND_DEMO_TIMEOUT_S, proc.kill)  # bounded even if silent
+    timer = threading.Timer(SETUP_AND_DEMO_TIMEOUT_S, kill_group)  # bounded even if silent
     timer.start()
     try:
         for raw in proc.stdout:
@@ -86,9 +94,9 @@ def _run_timed(command: str, cwd: Path) -> tuple[int, list[tuple[float, str]]]:
         code = proc.wait(timeout=30)
     finally:
         timer.cancel()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+        # The demo's broker and worker too, if the test ends early (its own timeout).
+        kill_group()
+        proc.wait(timeout=10)
     return code, lines
 
 
