@@ -4,6 +4,8 @@ Through real processes: tests/integration/test_disconnected_worker.py."""
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 
 from broker.api.common import task_view
@@ -11,6 +13,7 @@ from broker.core import entries as e
 from broker.core.scheduler import schedule
 from broker.core.snapshot_body import decode_snapshot_body
 from broker.core.state import Rejected, StateMachine, TaskRef, TaskState, WorkerState
+from tests.support.link_broker import WAIT_S, BrokerFactory, Monotonic
 from tests.support.machine import Machine
 
 
@@ -151,3 +154,45 @@ def test_the_task_view_shows_a_running_task_of_a_disconnected_worker_lost_suspec
     assert view["lost_suspected_at"] is not None
     waiting = task_view(m.m.tasks[m.add()], None, m.m.workers)
     assert (waiting.worker_state, waiting.lost_suspected_at) == (None, None)
+
+
+# --- the link: the leader logs a close at once ---------------------------------------------
+
+
+async def test_the_leader_logs_a_closed_connection_at_once_with_its_last_frame(
+    make_broker: BrokerFactory,
+) -> None:
+    clock = Monotonic()
+    broker = await make_broker(
+        link_clock=clock, heartbeat_interval_ms=50, heartbeat_timeout_ms=60_000
+    )
+    broker.clock.freeze()  # the stamps' clock moves with the link's
+    worker = broker.worker("w1")
+    await worker.hello(heartbeats=False)
+    hello_ms = broker.node.state.workers["w1"].connected_ms
+    clock.now += 5  # five seconds after its last frame (the hello), its connection closes
+    assert broker.clock.frozen is not None
+    broker.clock.frozen += 5_000
+    await worker.close()
+    await broker.until(lambda: bool(broker.entries(e.WorkerDisconnected)))
+    [closed] = broker.entries(e.WorkerDisconnected)
+    assert closed.workers == (e.DisconnectedWorker("w1", hello_ms, hello_ms),)
+    registered = broker.node.state.workers["w1"]
+    assert (registered.state, registered.silent_since_ms) == (WorkerState.DISCONNECTED, hello_ms)
+    # Back within the timeout: connected again, no death.
+    again = broker.worker("w1")
+    await again.hello(heartbeats=False)
+    assert broker.node.state.workers["w1"].state == WorkerState.CONNECTED
+    assert broker.entries(e.WorkerDead) == []
+
+
+async def test_the_link_stopping_logs_no_close(make_broker: BrokerFactory) -> None:
+    broker = await make_broker()
+    worker = broker.worker("w1")
+    await worker.hello()
+    count = len(broker.applied)
+    await broker.link.stop()
+    await worker.wait_closed_by_peer(wait_s=WAIT_S)
+    await asyncio.sleep(0.1)  # a close it logged would be applied by now
+    assert broker.applied[count:] == []
+    assert broker.node.state.workers["w1"].state == WorkerState.CONNECTED
