@@ -237,6 +237,11 @@ class TaskView(msgspec.Struct):
     # may lose before it fails.
     lost: int = 0
     max_lost: int = DEFAULT_MAX_LOST
+    # A running task's worker's state: "connected", or "disconnected" (its connection
+    # closed: the task is presumed lost until the worker registers again or the heartbeat
+    # timeout declares it dead, docs/DESIGN.md §8, "Closed connections"); null otherwise.
+    worker_state: str | None = None
+    lost_suspected_at: DateTime | None = None  # when its worker disconnected (else null)
 
 
 class TaskList(msgspec.Struct):
@@ -457,7 +462,7 @@ class WorkerView(msgspec.Struct):
     """A worker with its capacities and the tasks running on it."""
 
     id: str
-    state: str  # "connected" or "dead"
+    state: str  # "connected", "disconnected" (not yet back or declared dead) or "dead"
     address: str
     task_types: dict[str, int]  # concurrency per task type ("*": any type)
     resources: dict[str, float]  # resources offered

@@ -7,7 +7,7 @@ import asyncio
 import math
 import re
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, Protocol, TypeVar
@@ -26,6 +26,8 @@ from broker.core.state import (
     Rejected,
     TaskState,
     TreeRecord,
+    Worker,
+    WorkerState,
     validate_idempotency_key,
 )
 from broker.security.auth import ANONYMOUS_ADMIN, AuthConfig, Principal
@@ -316,7 +318,21 @@ def tree_view(tree: TreeRecord | None) -> m.TreeView | None:
     )
 
 
-def task_view(task: Any, tree: TreeRecord | None = None) -> m.TaskView:
+def task_view(
+    task: Any, tree: TreeRecord | None, workers: Mapping[str, Worker] | None = None
+) -> m.TaskView:
+    """The task as the API shows it; ``workers`` (the state's) tells whether the worker of a
+    running task is still connected (docs/DESIGN.md §8, "Closed connections")."""
+    worker = (
+        workers.get(task.worker)
+        if workers is not None and task.worker is not None and task.state == TaskState.RUNNING
+        else None
+    )
+    disconnected_ms = (
+        worker.updated_ms  # a disconnected worker's last change: its disconnection
+        if worker is not None and worker.state == WorkerState.DISCONNECTED
+        else None
+    )
     return m.TaskView(
         id=task.id,
         type=task.type,
@@ -349,6 +365,8 @@ def task_view(task: Any, tree: TreeRecord | None = None) -> m.TaskView:
         retry_backoff_max_s=task.retry_backoff_max_ms / 1000 if task.retry_backoff_ms else None,
         lost=task.lost,
         max_lost=task.max_lost,
+        worker_state=worker.state if worker is not None else None,
+        lost_suspected_at=iso_ms(disconnected_ms),
     )
 
 

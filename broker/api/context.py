@@ -108,7 +108,7 @@ class TaskEvents:
         for task_id in task_ids:
             task = state.tasks[task_id]
             if task.state in FINAL_STATES:
-                view = json_encoder.encode(task_view(task, state.tree(task_id)))
+                view = json_encoder.encode(task_view(task, state.tree(task_id), state.workers))
                 subscription.ready.append(task_event(view, None))
             else:
                 self.watchers.setdefault(task_id, []).append(subscription)
@@ -150,7 +150,7 @@ class TaskEvents:
             task = state.tasks.get(task_id) if watching else None
             if watching is None or task is None:
                 continue
-            view = json_encoder.encode(task_view(task, state.tree(task_id)))
+            view = json_encoder.encode(task_view(task, state.tree(task_id), state.workers))
             event = task_event(view, (ledger_id, entry_id, index))
             for subscription in watching:
                 subscription.ready.append(event)

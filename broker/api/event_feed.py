@@ -151,7 +151,9 @@ class EventFeed:
     def _view(self, event: _Event) -> bytes:
         if event.view is None:
             state = self._node.state
-            event.view = json_encoder.encode(task_view(event.task, state.tree(event.task.id)))
+            event.view = json_encoder.encode(
+                task_view(event.task, state.tree(event.task.id), state.workers)
+            )
         return event.view
 
     def _chunk(self, event: _Event) -> bytes:

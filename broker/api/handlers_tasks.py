@@ -314,7 +314,7 @@ def _task_view(api: ApiContext, task_id: int, principal: Principal = ANONYMOUS_A
     # Another tenant's task answers like a missing one: its existence is not shown.
     if task is None or not principal.may_see_tenant(task.tenant):
         raise HttpError(404, "not_found", f"task {task_id} does not exist")
-    view = task_view(task, api.node.state.tree(task_id))
+    view = task_view(task, api.node.state.tree(task_id), api.node.state.workers)
     progress = api.outputs.progress.get(task_id)
     if progress is not None:
         view.progress = m.TaskProgress(
@@ -410,7 +410,10 @@ async def list_tasks(api: ApiContext, request: Request) -> tuple[int, bytes]:
     )
     next_after = tasks[-1].id if len(tasks) == limit else None
     return 200, json_encoder.encode(
-        m.TaskList([task_view(t, api.node.state.tree(t.id)) for t in tasks], next_after)
+        m.TaskList(
+            [task_view(t, api.node.state.tree(t.id), api.node.state.workers) for t in tasks],
+            next_after,
+        )
     )
 
 
@@ -428,7 +431,7 @@ async def recent_tasks(api: ApiContext, request: Request) -> tuple[int, bytes]:
         limit=limit,
         newest_first=True,
     )
-    found = [task_view(task, state.tree(task.id)) for task in tasks]
+    found = [task_view(task, state.tree(task.id), state.workers) for task in tasks]
     next_before = found[-1].id if len(found) == limit else None
     return 200, json_encoder.encode(m.RecentTaskList(found, next_before))
 

@@ -172,7 +172,9 @@ class WebhookSender:
             task = state.tasks.get(task_id)
             if task is None:  # purged since (finished-task retention): nothing to show
                 continue
-            found.append((key, json_encoder.encode(task_view(task, state.tree(task_id)))))
+            found.append(
+                (key, json_encoder.encode(task_view(task, state.tree(task_id), state.workers)))
+            )
             if len(found) == BATCH:
                 break
         return found

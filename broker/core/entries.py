@@ -29,7 +29,9 @@ import msgspec
 #:    written at 5 ends its worker's running attempts as lost (TaskSpec.max_lost bounds them,
 #:    max_attempts does not count them); TaskSpec.max_lost. AssignTasks, and SubmitTasks
 #:    that place tasks, record when each attempt started and how long it was queued
-#:    (Task.started_ms and queued_ms; docs/API.md, "Task times").
+#:    (Task.started_ms and queued_ms; docs/API.md, "Task times"). The entry type
+#:    WorkerDisconnected (a closed connection shows at once, docs/DESIGN.md §8, "Closed
+#:    connections").
 ENTRY_FORMAT_VERSION: Final = 5
 #: The version entries are written with unless they need a newer one, so a broker not
 #: yet upgraded keeps following until a newer feature is actually used.
@@ -293,6 +295,31 @@ class WorkerSilent(_Entry, frozen=True, tag="worker_silent"):
     workers: tuple[SilentWorker, ...] = ()
 
 
+class DisconnectedWorker(msgspec.Struct, frozen=True, array_like=True):
+    """A worker whose connection to the leader closed, as registered at ``connected_ms`` (a
+    later registration wins, as for WorkerDead); ``last_seen_ms``: its last frame, in state
+    time (the heartbeat timeout runs from then)."""
+
+    worker_id: str
+    last_seen_ms: int
+    connected_ms: int
+
+
+#: At most this many workers in one WorkerDisconnected entry.
+MAX_DISCONNECTED_BATCH: Final = 1000
+
+
+class WorkerDisconnected(_Entry, frozen=True, tag="worker_disconnected"):
+    """Connected workers whose connection to the leader closed (docs/DESIGN.md §8, "Closed
+    connections"): each is ``disconnected`` (assigned nothing; its running tasks stay
+    running, presumed lost) until it registers again or the heartbeat timeout, counted from
+    its last frame, declares it dead. Written as format 5."""
+
+    min_version: ClassVar[int] = 5
+
+    workers: tuple[DisconnectedWorker, ...] = ()
+
+
 class AssignTasks(_Entry, frozen=True, tag="assign"):
     """Attempts the leader starts. Written as version STARTS_RECORDED_VERSION (``v`` set
     by the leader, not ``min_version``: an older entry, logged without ``v``, must still
@@ -486,6 +513,7 @@ Entry = (
     | WebhookProgress
     | WorkerSilent
     | PauseSchedule
+    | WorkerDisconnected
 )
 
 

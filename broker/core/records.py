@@ -25,7 +25,14 @@ QUEUED_STATES: Final = frozenset({TaskState.PENDING, TaskState.DELAYED, TaskStat
 
 class WorkerState(StrEnum):
     CONNECTED = "connected"
+    # Its connection closed; not yet judged dead, not assigned to (docs/DESIGN.md §8,
+    # "Closed connections"). Snapshot body version 4.
+    DISCONNECTED = "disconnected"
     DEAD = "dead"
+
+
+#: Worker states whose running tasks stay running: a worker not (yet) judged dead.
+TASK_HOLDING_WORKER_STATES: Final = frozenset({WorkerState.CONNECTED, WorkerState.DISCONNECTED})
 
 
 class ErrorCode(StrEnum):
@@ -181,7 +188,8 @@ class Worker(msgspec.Struct, array_like=True, gc=False):
     credential: str | None = None
     # State time since which it has been silent to the leaders (a WorkerSilent entry; the
     # earliest kept): a new leader judges it from then (docs/DESIGN.md §8, "Silence across
-    # leader changes"). None: not known silent; a registration or its death clears it.
+    # leader changes"); a disconnected worker's is its last frame. None: not known
+    # silent; a registration or its death clears it.
     silent_since_ms: int | None = None
 
 

@@ -21,6 +21,7 @@ from broker.core.records import (
     Transaction,
     TreeRecord,
     Worker,
+    WorkerState,
 )
 from broker.core.schedules import Schedule
 
@@ -61,7 +62,8 @@ class SnapshotBody(msgspec.Struct):
 #:    schedule's paused_ms (§6, "Periodic tasks").
 #: 4: a task's lost attempts or a max_lost other than the default, in a task or a
 #:    schedule's template (§6, "Lost workers"); a task's started_ms and queued_ms
-#:    (docs/API.md, "Task times").
+#:    (docs/API.md, "Task times"); a disconnected worker (§8, "Closed connections"): a
+#:    version-3 reader would count its running tasks on a dead worker.
 SNAPSHOT_BODY_VERSION: Final = 4
 _snapshot_encoder: Final = msgspec.msgpack.Encoder()
 _snapshot_decoder: Final = msgspec.msgpack.Decoder(SnapshotBody)
@@ -74,6 +76,8 @@ def body_version(body: SnapshotBody) -> int:
     if any(
         t.lost or t.max_lost != DEFAULT_MAX_LOST or t.started_ms is not None for t in body.tasks
     ) or any(s.task.max_lost != DEFAULT_MAX_LOST for s in body.schedules):
+        return 4
+    if any(w.state == WorkerState.DISCONNECTED for w in body.workers):
         return 4
     if any(w.silent_since_ms is not None for w in body.workers) or any(
         s.paused_ms is not None for s in body.schedules

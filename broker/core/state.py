@@ -50,6 +50,7 @@ from broker.core.machine_base import _Timer
 from broker.core.records import FINAL_STATES as FINAL_STATES
 from broker.core.records import LIVE_STATES as LIVE_STATES
 from broker.core.records import QUEUED_STATES as QUEUED_STATES
+from broker.core.records import TASK_HOLDING_WORKER_STATES as TASK_HOLDING_WORKER_STATES
 from broker.core.records import ApiToken as ApiToken
 from broker.core.records import ApplyResult as ApplyResult
 from broker.core.records import Artifact as Artifact
@@ -120,6 +121,7 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
             e.RegisterWorker: self._register_worker,
             e.WorkerDead: self._worker_dead,
             e.WorkerSilent: self._worker_silent,
+            e.WorkerDisconnected: self._worker_disconnected,
             e.AssignTasks: self._assign,
             e.FinishTasks: self._finish,
             e.AddCode: self._add_code,
@@ -363,8 +365,8 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
                 else:
                     running.setdefault(task.worker, set()).add(task.id)
                     worker = self.workers.get(task.worker)
-                    if worker is None or worker.state != WorkerState.CONNECTED:
-                        fail(f"task {task.id} runs on a worker that is not connected")
+                    if worker is None or worker.state not in TASK_HOLDING_WORKER_STATES:
+                        fail(f"task {task.id} runs on a worker that is dead or unknown")
                 if not 1 <= task.counted_attempts() <= task.max_attempts:
                     fail(f"running task {task.id} has attempt {task.attempt}")
             if task.state == TaskState.PENDING:
@@ -434,10 +436,12 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
         for worker in self.workers.values():
             since_ms = worker.silent_since_ms
             if since_ms is not None and (
-                worker.state != WorkerState.CONNECTED
+                worker.state not in TASK_HOLDING_WORKER_STATES
                 or not worker.connected_ms <= since_ms <= self.now_ms
             ):
                 fail(f"worker {worker.id} silent since {since_ms}, {worker.state}")
+            if worker.state == WorkerState.DISCONNECTED and since_ms is None:
+                fail(f"disconnected worker {worker.id} has no last contact")
         self._check_tree_invariants(fail)
         if (problem := self._check_schedule_invariants()) is not None:
             fail(problem)

@@ -12,6 +12,7 @@ from broker.core.backoff import retry_delay_ms
 from broker.core.effects import AttemptLost, TaskAssigned
 from broker.core.machine_base import _Timer
 from broker.core.records import (
+    TASK_HOLDING_WORKER_STATES,
     ErrorCode,
     Rejected,
     ReplayedResults,
@@ -30,8 +31,8 @@ _EPSILON = 1e-9
 
 
 class WorkersMixin(TasksMixin):
-    """RegisterWorker, WorkerDead, WorkerSilent, AssignTasks, SubmitTasks' assignments and
-    FinishTasks."""
+    """RegisterWorker, WorkerDead, WorkerSilent, WorkerDisconnected, AssignTasks, SubmitTasks'
+    assignments and FinishTasks."""
 
     def _submit_placed(self, entry: e.SubmitTasks) -> list[TaskRef | Rejected]:
         """A submit, then the assignments the leader placed in it: each starts only if no
@@ -134,7 +135,7 @@ class WorkersMixin(TasksMixin):
             or not process_id
             or worker.process_id != process_id
             or worker.credential != credential
-            or worker.state != WorkerState.CONNECTED
+            or worker.state not in TASK_HOLDING_WORKER_STATES
         ):
             return ()  # another process (a restart) cannot tell what this one received
         held = {(ta.task_id, ta.attempt) for ta in listed}
@@ -183,7 +184,7 @@ class WorkersMixin(TasksMixin):
         known = self.workers.get(entry.worker_id)
         if (
             known is not None
-            and known.state == WorkerState.CONNECTED
+            and known.state in TASK_HOLDING_WORKER_STATES
             and known.credential != entry.credential
         ):
             # A worker id belongs to the credential it connected with until it is declared
@@ -265,6 +266,27 @@ class WorkersMixin(TasksMixin):
             since_ms = max(worker.connected_ms, min(silent.since_ms, self.now_ms))
             if worker.silent_since_ms is None or since_ms < worker.silent_since_ms:
                 worker.silent_since_ms = since_ms
+
+    def _worker_disconnected(self, entry: e.WorkerDisconnected) -> None:
+        """Each still connected worker of the registration the leader saw is disconnected:
+        assigned nothing, its running tasks left running (presumed lost) until it registers
+        again or is declared dead (docs/DESIGN.md §8, "Closed connections"); its last frame
+        is kept as its silence, bounded as WorkerSilent's, so any leader judges it from
+        then. Others are skipped: registered again, already disconnected, or dead since."""
+        for closed in entry.workers:
+            worker = self.workers.get(closed.worker_id)
+            if (
+                worker is None
+                or worker.state != WorkerState.CONNECTED
+                or worker.connected_ms != closed.connected_ms
+            ):
+                continue
+            worker.state = WorkerState.DISCONNECTED.value
+            worker.updated_ms = self.now_ms
+            last_seen_ms = max(worker.connected_ms, min(closed.last_seen_ms, self.now_ms))
+            if worker.silent_since_ms is None or last_seen_ms < worker.silent_since_ms:
+                worker.silent_since_ms = last_seen_ms
+            self._worker_changed(worker)
 
     def _release(self, task: Task, reason: str) -> None:
         """A stopping worker or broker gives the attempt back (docs/DESIGN.md §6,

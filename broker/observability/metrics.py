@@ -574,6 +574,14 @@ class _Collector(Collector):
             [], sum(1 for w in state.workers.values() if w.state == WorkerState.CONNECTED)
         )
         yield workers
+        disconnected = GaugeMetricFamily(
+            "steward_workers_disconnected",
+            "Workers whose connection closed, not yet back or declared dead",
+        )
+        disconnected.add_metric(
+            [], sum(1 for w in state.workers.values() if w.state == WorkerState.DISCONNECTED)
+        )
+        yield disconnected
         pending = GaugeMetricFamily(
             "steward_trees_pending", "Tracked task trees pending (waiting for acks)",
             labels=["tenant"],

@@ -4,19 +4,21 @@ Every interval the leader sends each connection a Heartbeat and closes the ones 
 the timeout; a worker the state counts as connected that has had no connection for that
 long is declared dead through the log (its tasks are re-queued when the entry applies).
 A silence of half the timeout is logged (WorkerSilent), so that a new leader judges the
-worker from its start, not from its own (docs/DESIGN.md §8, "Silence across leader changes").
+worker from its start, not from its own (docs/DESIGN.md §8, "Silence across leader changes");
+a closed connection is logged at once (WorkerDisconnected, §8, "Closed connections").
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Final
 
 import msgspec
 
 from broker.core import entries as e
-from broker.core.state import WorkerState
+from broker.core.state import TASK_HOLDING_WORKER_STATES, WorkerState
 from broker.replication.node import BrokerUnavailableError, Node, Stamp
 from broker.workers import protocol as p
 from broker.workers.session import Clock, Session
@@ -47,6 +49,14 @@ class Liveness:
         self.last_contact: dict[str, float] = {}
         self._declaring_dead: set[str] = set()
         self._logging_silence: set[str] = set()  # in a WorkerSilent being written
+        # Closed connections to log (worker id -> its registration's connected_ms and its
+        # last frame), and the task logging them; one entry per batch.
+        self._closed: dict[str, tuple[int, float]] = {}
+        self._logging_closed: asyncio.Task[None] | None = None
+        # Workers the state counts disconnected, as of the last beat: welcomed with the
+        # timing of their time and back within it, they still count for today's timing.
+        self._disconnected_workers = 0
+        self._stopping = False  # the link closes every connection itself: log none
         self._started = clock()
         # Code artifacts deleted lately (sha -> when), told to workers in heartbeats.
         self._deleted_code: dict[str, float] = {}
@@ -71,10 +81,68 @@ class Liveness:
     def restart(self) -> None:
         """The link (re)starts: workers without contact are judged from now."""
         self._started = self.clock()
+        self._stopping = False
 
     def contact(self, worker_id: str, at: float | None = None) -> None:
         """Heard from ``worker_id`` now, or ``at`` (its last frame, on a disconnect)."""
         self.last_contact[worker_id] = self.clock() if at is None else at
+
+    def closed(self, worker_id: str, last_seen: float) -> None:
+        """The current connection of ``worker_id`` closed, its last frame at ``last_seen``:
+        log the worker disconnected (docs/DESIGN.md §8, "Closed connections"), batched with
+        the others closed meanwhile."""
+        worker = self.node.state.workers.get(worker_id)
+        if (
+            self._stopping
+            or not self.node.writable
+            or worker is None
+            or worker.state != WorkerState.CONNECTED
+        ):
+            return
+        self._closed[worker_id] = (worker.connected_ms, last_seen)
+        if self._logging_closed is None or self._logging_closed.done():
+            self._logging_closed = asyncio.create_task(
+                self._log_closed(), name="steward-disconnected"
+            )
+
+    async def stop(self) -> None:
+        """The link stops: log no more closed connections."""
+        self._stopping = True
+        self._closed.clear()
+        task, self._logging_closed = self._logging_closed, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _log_closed(self) -> None:
+        while self._closed:
+            ids = list(self._closed)[: e.MAX_DISCONNECTED_BATCH]
+            batch = [(worker_id, *self._closed.pop(worker_id)) for worker_id in ids]
+
+            def build(stamp: Stamp, batch: list[tuple[str, int, float]] = batch) -> e.Entry:
+                at = self.clock()
+                return e.WorkerDisconnected(
+                    time_ms=stamp.now_ms,
+                    workers=tuple(
+                        e.DisconnectedWorker(
+                            worker_id, stamp.now_ms - int((at - last) * 1000), connected_ms
+                        )
+                        for worker_id, connected_ms, last in batch
+                        # Connected again meanwhile: its registration has superseded this.
+                        if worker_id not in self.sessions
+                    ),
+                )
+
+            try:
+                await self.node.propose(build)
+            except BrokerUnavailableError:
+                self._closed.clear()  # no longer the leader: the next one judges them
+                return
+            except Exception:
+                logger.exception("logging disconnected workers failed")
+                self._closed.clear()  # the heartbeat timeout still judges them
+                return
 
     def live_session(self, worker_id: str) -> Session | None:
         """The open connection of this worker id that still heartbeats, if any.
@@ -99,7 +167,7 @@ class Liveness:
         budget = self.config.heartbeats_per_s
         if budget <= 0:
             return interval, timeout
-        connected = self.node.state.capacity().connected_workers
+        connected = self.node.state.capacity().connected_workers + self._disconnected_workers
         workers = max(len(self.sessions) + welcoming, connected)
         wanted = -(-workers * 1000 // budget)  # ceil: ms so that workers / interval <= budget
         if wanted <= interval:
@@ -141,6 +209,9 @@ class Liveness:
                 session.last_beat = session.last_sent = now
                 session.send_frame(heartbeat, frame)
                 session.frames_seen = session.frames_sent
+        self._disconnected_workers = sum(
+            1 for w in self.node.state.workers.values() if w.state == WorkerState.DISCONNECTED
+        )
         if self.node.writable:
             try:
                 await self._declare_dead_workers(now, self.timing_ms()[1])
@@ -156,7 +227,7 @@ class Liveness:
         state_now_ms = max(self.node.clock_ms(), self.node.state.now_ms)
         changes: list[tuple[str, int, float | None]] = []  # (id, connected_ms, last or heard)
         for worker in list(self.node.state.workers.values()):
-            if worker.state != WorkerState.CONNECTED or worker.id in self._declaring_dead:
+            if worker.state not in TASK_HOLDING_WORKER_STATES or worker.id in self._declaring_dead:
                 continue
             session = self.sessions.get(worker.id)
             inherited = worker.silent_since_ms
@@ -170,8 +241,8 @@ class Liveness:
                     if not await self._declare_dead(worker.id, worker.connected_ms, timeout_ms):
                         return
                     continue
-            if worker.id in self._logging_silence:
-                continue
+            if worker.id in self._logging_silence or worker.state != WorkerState.CONNECTED:
+                continue  # a disconnected worker's silence is its last frame, logged
             # A connection is judged by the timeout its Welcome named (its worker beats at
             # that Welcome's interval), a worker without one by today's.
             half_s = (timeout_s if session is None else session.heartbeat_timeout_s) / 2

@@ -183,6 +183,7 @@ class WorkerLink:
         )
 
     async def stop(self) -> None:
+        await self.liveness.stop()  # closing every connection below is not their workers'
         with contextlib.suppress(ValueError):
             self.node.listeners.remove(self._on_applied)
         if self.outputs.fetcher == self._fetch_output:
@@ -299,6 +300,9 @@ class WorkerLink:
                     # its silence is then dead once the timeout has passed since it last
                     # spoke, not a second timeout later.
                     self.liveness.contact(session.worker_id, session.last_seen)
+                    # Shown disconnected at once, on every broker (docs/DESIGN.md §8,
+                    # "Closed connections"); the timeout still decides its death.
+                    self.liveness.closed(session.worker_id, session.last_seen)
                     logger.info("worker %s disconnected", session.worker_id)
             else:
                 writer.close()

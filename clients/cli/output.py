@@ -39,6 +39,8 @@ def _print_task(task: dict[str, Any]) -> None:
         "slot",
         "transaction",
         "worker",
+        "worker_state",  # "disconnected": presumed lost (docs/API.md, "Lost workers")
+        "lost_suspected_at",
         "created_at",
         "updated_at",
         "start_after",

@@ -188,6 +188,12 @@ def sample_entries() -> list[e.Entry]:
             assignments=(e.Assignment(10, "w3"), e.Assignment(4, "w3")),
             v=e.STARTS_RECORDED_VERSION,
         ),
+        # Entry format 5: w3's connection closed; it is disconnected, its tasks still running
+        # (docs/DESIGN.md §8, "Closed connections"; body version 4 keeps the state).
+        e.WorkerDisconnected(
+            time_ms=t + 65_024,
+            workers=(e.DisconnectedWorker("w3", t + 65_023, t + 65_016),),
+        ),
     ]
 
 

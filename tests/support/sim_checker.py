@@ -11,6 +11,7 @@ import msgspec
 
 from broker.core import entries as e
 from broker.core.state import (
+    TASK_HOLDING_WORKER_STATES,
     ApplyResult,
     Artifact,
     CancelCount,
@@ -242,10 +243,42 @@ class Checker(TransitionChecks):
                 fail(f"artifact {entry.sha256} deleted by retention before it was due")
         elif isinstance(entry, e.WorkerSilent):
             self._check_silent(entry)
+        elif isinstance(entry, e.WorkerDisconnected):
+            self._check_disconnected(entry, pre)
         elif isinstance(entry, e.WorkerDead) and result is None:
             worker = m.workers[entry.worker_id]
             if worker.state != WorkerState.DEAD or m.running_by_worker.get(worker.id):
                 fail(f"dead worker {worker.id} is {worker.state} or still runs tasks")
+
+    def _check_disconnected(self, entry: e.WorkerDisconnected, pre: Pre) -> None:
+        """Each connected worker of the registration named is disconnected, its running
+        tasks left running, silent since at most its last frame (bounded by its
+        registration and now); others are left as they were."""
+        m = self.m
+        for closed in entry.workers:
+            worker = m.workers.get(closed.worker_id)
+            if worker is None:
+                continue
+            was = pre.worker_states.get(worker.id)
+            if was != WorkerState.CONNECTED or worker.connected_ms != closed.connected_ms:
+                if worker.state != was:
+                    fail(f"worker {worker.id} went from {was} to {worker.state}: not its close")
+                continue
+            if worker.state != WorkerState.DISCONNECTED:
+                fail(f"worker {worker.id} closed its connection but is {worker.state}")
+            bound = max(worker.connected_ms, min(closed.last_seen_ms, m.now_ms))
+            since = worker.silent_since_ms
+            if since is None or since > bound:
+                fail(f"disconnected worker {worker.id} silent since {since}, its close {bound}")
+            self.stats["worker disconnected"] += 1
+            for tid in m.running_by_worker.get(worker.id, ()):
+                if tid not in pre.running_lost:
+                    fail(f"task {tid} started on worker {worker.id} as it disconnected")
+                self.stats["task lost? with its disconnected worker"] += 1
+        for tid, lost in pre.running_lost.items():
+            task = m.tasks.get(tid)
+            if task is not None and task.lost != lost:
+                fail(f"task {tid} counted lost when its worker disconnected")
 
     def _check_silent(self, entry: e.WorkerSilent) -> None:
         """Each connected worker of the registration named keeps the earliest silence, at
@@ -512,7 +545,11 @@ class Checker(TransitionChecks):
                 fail(f"running task {tid} uses code {task.code} that is not ready")
             if state == RUNNING:
                 worker = m.workers.get(task.worker or "")
-                if worker is None or worker.state != WorkerState.CONNECTED or task.attempt < 1:
+                if (
+                    worker is None
+                    or worker.state not in TASK_HOLDING_WORKER_STATES
+                    or task.attempt < 1
+                ):
                     fail(f"running task {tid} on {task.worker} at attempt {task.attempt}")
             if state == PENDING:
                 txn = m.transactions.get(task.transaction or 0)

@@ -6,7 +6,7 @@ independent model of task trees, code readiness and idempotency keys.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import msgspec
@@ -68,6 +68,7 @@ RESULT_TYPES: Final[dict[type, tuple[type, ...]]] = {
     e.DeleteCode: (Artifact, Rejected),
     e.WorkerDead: (type(None), Rejected),
     e.WorkerSilent: (type(None),),
+    e.WorkerDisconnected: (type(None),),
     e.SetWebhook: (Tenant, Rejected),
     e.WebhookProgress: (type(None),),
 }
@@ -85,6 +86,9 @@ class Pre:
     reported: frozenset[tuple[int, int]] = frozenset()
     # SubmitTasks: no task of any tenant was waiting (placements in it may start).
     idle: bool = False
+    # WorkerDisconnected: the named workers' states, and their running tasks' lost counts.
+    worker_states: dict[str, str] = field(default_factory=dict)
+    running_lost: dict[int, int] = field(default_factory=dict)
 
 
 class TransitionChecks:
@@ -141,6 +145,13 @@ class TransitionChecks:
                 pre.txn_tasks = list(txn.task_ids)
         elif isinstance(entry, e.SubmitTasks):
             pre.idle = not any(m.waiting.values())
+        elif isinstance(entry, e.WorkerDisconnected):
+            for closed in entry.workers:
+                worker = m.workers.get(closed.worker_id)
+                if worker is not None:
+                    pre.worker_states[worker.id] = worker.state
+                    for tid in m.running_by_worker.get(worker.id, ()):
+                        pre.running_lost[tid] = m.tasks[tid].lost
         elif isinstance(entry, e.WorkerDead | e.RegisterWorker):
             pre.worker_running = frozenset(m.running_by_worker.get(entry.worker_id, ()))
             pre.reported = frozenset((tid, m.tasks[tid].attempt) for tid in pre.worker_running)

@@ -126,6 +126,7 @@ class EntryGenerator(CodeEntries, WorkerEntries):
             (self._register_random, 3),
             (self._worker_dead, 2),
             (self._worker_silent, 1),
+            (self._worker_disconnected, 1),
             (self._config_random, 0.3),
             (self._add_code, 0.5),
             (self._code_ready, 0.3),

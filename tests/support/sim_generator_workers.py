@@ -1,5 +1,5 @@
-"""The simulation's worker-liveness entries (WorkerDead, WorkerSilent): a part of
-tests/support/sim_generator.py's EntryGenerator, which supplies ``rng``, ``view``,
+"""The simulation's worker-liveness entries (WorkerDead, WorkerSilent, WorkerDisconnected):
+a part of tests/support/sim_generator.py's EntryGenerator, which supplies ``rng``, ``view``,
 ``_time`` and ``_connected``."""
 
 from __future__ import annotations
@@ -72,3 +72,22 @@ class WorkerEntries:
                 since_ms = None
             silent.append(e.SilentWorker(worker_id, since_ms, connected_ms))
         return e.WorkerSilent(time_ms=time_ms, workers=tuple(silent)), Expect()
+
+    def _worker_disconnected(self) -> tuple[e.Entry, Expect]:
+        """A leader's batch of closed connections (docs/DESIGN.md §8, "Closed connections"):
+        connected workers mostly, sometimes one of an earlier registration, a disconnected,
+        dead or unknown one (skipped), a last frame before its registration or ahead of the
+        entry (bounded by apply)."""
+        time_ms = self._time()
+        rng = self.rng
+        closed: list[e.DisconnectedWorker] = []
+        for worker_id in rng.sample((*WORKERS, "ghost"), rng.randint(1, 2)):
+            worker = self.view.workers.get(worker_id)
+            connected_ms = worker.connected_ms if worker is not None else 0
+            if rng.random() < 0.1:
+                connected_ms -= 1  # registered again since the leader saw it close
+            last_seen_ms = time_ms - rng.choice((0, 1, 5_000, 10**9))
+            if rng.random() < 0.1:
+                last_seen_ms = time_ms + 1_000
+            closed.append(e.DisconnectedWorker(worker_id, last_seen_ms, connected_ms))
+        return e.WorkerDisconnected(time_ms=time_ms, workers=tuple(closed)), Expect()

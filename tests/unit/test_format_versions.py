@@ -197,6 +197,7 @@ FORMAT_3_TYPES = {
 
 # The entry types added in format 4: a broker of format 3 does not know their tags.
 FORMAT_4_TYPES = {e.WorkerSilent, e.PauseSchedule}
+FORMAT_5_TYPES = {e.WorkerDisconnected}
 
 
 def test_each_entry_is_written_in_the_oldest_format_that_knows_its_type() -> None:
@@ -207,6 +208,8 @@ def test_each_entry_is_written_in_the_oldest_format_that_knows_its_type() -> Non
             assert version == 3, entry
         elif type(entry) in FORMAT_4_TYPES:
             assert version == 4, entry
+        elif type(entry) in FORMAT_5_TYPES:
+            assert version == 5, entry
         else:  # what its fields need, never raised by the type
             assert version == entry.v, entry
         # Decodes as it was made, but for the version it was written in.
@@ -261,6 +264,30 @@ def test_a_broker_of_format_3_refuses_a_format_4_entry_type_naming_the_version(
             applier.apply_logged(LedgerEntry(4, 9, last_add_confirmed=-1, data=data))
         refused.add(type(entry))
     assert refused == FORMAT_4_TYPES
+
+
+def test_a_broker_of_format_4_refuses_a_format_5_entry_type_naming_the_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from broker.replication.applier import Applier
+    from log.api import LedgerEntry
+
+    known = tuple(t for t in e.Entry.__args__ if t not in FORMAT_5_TYPES)  # type: ignore[attr-defined]
+    monkeypatch.setattr(e, "ENTRY_FORMAT_VERSION", 4)
+    older = msgspec.msgpack.Decoder(Union[(e.Confirm, *known)])  # type: ignore[valid-type]
+    monkeypatch.setattr(e, "_record_decoder", older)
+    applier = Applier(None)  # type: ignore[arg-type]  # the entry is refused before use
+    refused: set[type] = set()
+    for entry in sample_entries():
+        if type(entry) not in FORMAT_5_TYPES:
+            continue
+        data = e.encode_entry(entry)
+        with pytest.raises(
+            NewerFormatError, match="format version 5 is newer than this broker's 4"
+        ):
+            applier.apply_logged(LedgerEntry(4, 9, last_add_confirmed=-1, data=data))
+        refused.add(type(entry))
+    assert refused == FORMAT_5_TYPES
 
 
 def test_a_snapshot_body_is_written_in_the_oldest_version_that_keeps_it(

@@ -112,6 +112,7 @@ REQUIRED_FAMILIES = {
     "steward_queue_length": "gauge",
     "steward_tasks": "gauge",
     "steward_workers_connected": "gauge",
+    "steward_workers_disconnected": "gauge",
     "steward_log_append_latency_seconds": "histogram",
     "steward_log_group_commit_entries": "histogram",
     "steward_follower_lag_seconds": "gauge",

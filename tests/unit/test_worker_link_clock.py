@@ -27,7 +27,7 @@ async def test_silence_is_judged_by_the_injected_clock(make_broker: BrokerFactor
     await broker.until(lambda: "silent" not in broker.link.sessions)
     # Silent past the timeout since its last frame: declared dead through the log, not a
     # second timeout after the close.
-    await broker.until(lambda: broker.node.state.workers["silent"].state != WorkerState.CONNECTED)
+    await broker.until(lambda: broker.node.state.workers["silent"].state == WorkerState.DEAD)
 
 
 async def test_a_worker_that_spoke_just_before_its_connection_dropped_gets_the_timeout(
@@ -46,9 +46,9 @@ async def test_a_worker_that_spoke_just_before_its_connection_dropped_gets_the_t
     await broker.until(lambda: "chatty" not in broker.link.sessions)
     clock.now += 30  # 80 s since the hello, 30 s since it last spoke: time to reconnect
     await asyncio.sleep(0.3)
-    assert broker.node.state.workers["chatty"].state == WorkerState.CONNECTED
+    assert broker.node.state.workers["chatty"].state == WorkerState.DISCONNECTED  # not dead
     clock.now += 31  # 61 s since it last spoke
-    await broker.until(lambda: broker.node.state.workers["chatty"].state != WorkerState.CONNECTED)
+    await broker.until(lambda: broker.node.state.workers["chatty"].state == WorkerState.DEAD)
 
 
 async def test_the_leader_beats_after_half_the_timeout_of_sending_nothing(

@@ -74,7 +74,7 @@ async def test_a_connection_is_judged_by_the_timeout_its_welcome_named(
     # by the configured 600 ms.
     await last.close()
     await asyncio.sleep(0.8)
-    assert broker.node.state.workers["w3"].state == WorkerState.CONNECTED
+    assert broker.node.state.workers["w3"].state == WorkerState.DISCONNECTED  # not dead yet
     await broker.until(lambda: broker.node.state.workers["w3"].state == WorkerState.DEAD)
     assert any("1200 ms" in dead.reason for dead in broker.entries(e.WorkerDead))
     for worker in workers[:3]:

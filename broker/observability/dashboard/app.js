@@ -70,6 +70,16 @@ function badge(text, kind) {
   return h("span", { class: "badge " + (kind || text) }, text);
 }
 
+// A task's state, and "lost?" while its worker's connection is closed: it is presumed lost
+// until the worker registers again or the heartbeat timeout declares it dead
+// (docs/DESIGN.md §8, "Closed connections").
+function taskBadges(t) {
+  if (t.worker_state !== "disconnected") return badge(t.state);
+  const title = "worker " + t.worker + " disconnected " + when(t.lost_suspected_at) +
+    ": lost unless it reconnects before the heartbeat timeout";
+  return h("span", { title: title }, badge(t.state), " ", badge("lost?", "lost"));
+}
+
 function duration(seconds) {
   if (seconds === null || seconds === undefined) return "—";
   const s = Math.floor(seconds);
@@ -259,7 +269,7 @@ function renderWorkers(workers) {
       { "data-worker": w.id },
       h("td", {}, h("b", {}, w.id), h("div", { class: "muted mono" }, w.address),
         w.tenants && w.tenants.length ? h("div", { class: "muted" }, "tenants: " + w.tenants.join(", ")) : null),
-      h("td", { title: w.reason || "connected " + when(w.connected_at) }, badge(w.state)),
+      h("td", { title: w.reason || (w.state === "disconnected" ? "disconnected " + when(w.updated_at) : "connected " + when(w.connected_at)) }, badge(w.state)),
       h("td", {}, chips(w.task_types, capacityText)),
       h("td", {}, chips(w.resources, resourceText)),
       h("td", {}, h("b", {}, w.running_tasks), " ", h("div", { class: "chips" }, shown), more),
@@ -385,7 +395,7 @@ function renderTasks(list) {
       h("td", { class: "mono" }, taskLink(t.id, null, "open task " + t.id)),
       h("td", { class: "mono" }, t.type),
       h("td", {}, t.tenant),
-      h("td", {}, badge(t.state)),
+      h("td", {}, taskBadges(t)),
       h("td", {}, t.attempt + " / " + t.max_attempts),
       h("td", {}, t.worker || h("span", { class: "muted" }, "—")),
       timeCell(t.created_at),
@@ -418,7 +428,7 @@ function taskLink(id, cls, label) {
 function renderDetail(task) {
   $("task-detail").hidden = false;
   $("task-detail").dataset.task = String(task.id);
-  $("detail-title").replaceChildren("Task #" + task.id + " ", badge(task.state));
+  $("detail-title").replaceChildren("Task #" + task.id + " ", taskBadges(task));
   const tree = task.tree;
   const fields = [
     field("type", h("span", { class: "mono" }, task.type)),
@@ -427,7 +437,8 @@ function renderDetail(task) {
     field("attempt", task.attempt + " of " + task.max_attempts),
     // Attempts lost with a worker do not count against max_attempts (docs/TASKS.md).
     field("lost", task.lost ? task.lost + " with a worker (max " + task.max_lost + ", not counted)" : null),
-    field("worker", task.worker),
+    field("worker", task.worker && task.worker_state === "disconnected" ?
+      task.worker + " (disconnected " + when(task.lost_suspected_at) + ")" : task.worker),
     field("created", when(task.created_at)),
     field("updated", when(task.updated_at)),
     // Time queued, then the start of the (last) attempt (docs/API.md, "Task times").
