@@ -183,6 +183,10 @@ class Worker(msgspec.Struct, array_like=True, gc=False):
     # earliest kept): a new leader judges it from then (docs/DESIGN.md §8, "Silence across
     # leader changes"). None: not known silent; a registration or its death clears it.
     silent_since_ms: int | None = None
+    # It listed the task types it serves at its last registration (an older worker does not:
+    # while it lives, its tenants' submits are not checked; docs/DESIGN.md §6, "Served task
+    # types").
+    lists_task_names: bool = False
 
 
 class ArtifactUpload(msgspec.Struct, array_like=True, gc=False):
