@@ -11,6 +11,7 @@ from broker.core.snapshot_body import body_version, decode_snapshot_body
 from broker.core.state import StateMachine, WorkerState
 from broker.core.validation import unknown_type_problem
 from broker.workers import protocol as p
+from tests.support.link_broker import Broker
 from tests.support.machine import Machine
 
 BUILTINS = ("fail", "noop", "sleep", "spark.sql")
@@ -126,3 +127,27 @@ def test_a_registration_listing_types_is_written_as_format_5_and_the_caps_agree(
     # A Hello without the field decodes as an older worker's: nothing listed.
     hello = p.Hello(worker_id="w", task_types={"*": 1})
     assert p.encode_message(hello, p.DEFAULT_MAX_FRAME_BYTES).find(b"task_names") == -1
+
+
+async def test_the_leader_logs_a_hellos_names_and_refuses_a_list_over_the_cap(
+    broker: Broker,
+) -> None:
+    listing = broker.worker("lists", task_types={"*": 1})
+    await listing.connect()
+    listing.send(
+        p.Hello(worker_id="lists", task_types={"*": 1}, task_names=("etl.load", "not valid!"))
+    )
+    await listing.expect(p.Welcome)
+    (entry,) = broker.entries(e.RegisterWorker)
+    assert entry.task_names == ("etl.load",) and entry.v == e.SERVED_TYPES_VERSION
+    assert broker.node.state.type_served("acme", "etl.load") is True
+    assert broker.node.state.type_served("acme", "etl.lod") is False
+
+    greedy = broker.worker("greedy", task_types={"*": 1})
+    await greedy.connect()
+    names = tuple(f"t{n}" for n in range(p.MAX_HELLO_TASK_NAMES + 1))
+    greedy.send(p.Hello(worker_id="greedy", task_types={"*": 1}, task_names=names))
+    error = await greedy.expect(p.Error)
+    assert error.code == "bad_handshake" and "over the limit of 1000" in error.message
+    await greedy.wait_closed_by_peer()
+    assert "greedy" not in broker.node.state.workers
