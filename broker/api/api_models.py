@@ -74,8 +74,9 @@ class _SharedTaskOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     # +-25% jitter. 0: retried at once.
     retry_backoff_s: float = 0
     retry_backoff_max_s: float | None = None
-    # Accept a type no worker is known to run (a ``module:function`` without code: a
-    # program's embedded worker registered it), instead of a 400 (docs/API.md, "Task types").
+    # Accept a type no worker is known to run (a plain name no worker serving the tenant
+    # registered yet, or a ``module:function`` without code) and queue it until one does,
+    # instead of a 400 (docs/API.md, "Task types").
     allow_unknown_type: bool = False
     # Attempts it may lose with its worker (the worker died, or came back without it)
     # before it fails; they do not count against max_attempts (0 to 100, default 3).

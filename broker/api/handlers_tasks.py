@@ -38,7 +38,7 @@ from broker.core.state import (
     TreeState,
     validate_task_spec,
 )
-from broker.core.validation import code_type_problem, validate_builtin_params
+from broker.core.validation import unknown_type_problem, validate_builtin_params
 from broker.replication.node import Stamp
 from broker.security.auth import ANONYMOUS_ADMIN, Principal
 from broker.security.auth import Role as CallerRole
@@ -108,7 +108,8 @@ def _spec_fields(
     )
     problem = validate_task_spec(spec) or validate_builtin_params(spec.type, spec.params)
     if problem is None and not item.allow_unknown_type:
-        problem = code_type_problem(spec.type, spec.code)
+        served = api.node.state.type_served(tenant, spec.type)
+        problem = unknown_type_problem(spec.type, spec.code, tenant, served)
     if problem is not None:
         raise HttpError(400, "invalid_request", where + problem)
     if spec.code is not None and not _may_use_code(api, request, spec.code, tenant):

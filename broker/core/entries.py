@@ -31,7 +31,8 @@ import msgspec
 #:    that place tasks, record when each attempt started and how long it was queued
 #:    (Task.started_ms and queued_ms; docs/API.md, "Task times"). The entry type
 #:    WorkerDisconnected (a closed connection shows at once, docs/DESIGN.md §8, "Closed
-#:    connections").
+#:    connections"). RegisterWorker.task_names (the task types a worker serves,
+#:    docs/DESIGN.md §6, "Served task types").
 ENTRY_FORMAT_VERSION: Final = 5
 #: The version entries are written with unless they need a newer one, so a broker not
 #: yet upgraded keeps following until a newer feature is actually used.
@@ -45,6 +46,9 @@ DEFAULT_MAX_LOST: Final = 3
 #: The version from which an entry that starts attempts records their start: an older one
 #: did not, and replaying it must give the state a snapshot of its time holds (no start).
 STARTS_RECORDED_VERSION: Final = 5
+#: The version of a RegisterWorker listing its worker's task types (``task_names``): an older
+#: broker would drop them and so fork its record of served types.
+SERVED_TYPES_VERSION: Final = 5
 
 #: A code artifact's name: the sha256 of its bytes as 64 lowercase hex digits (use fullmatch).
 #: Here, with the entries that carry such names, so the state machine checks them without
@@ -254,6 +258,9 @@ class RegisterWorker(_Entry, frozen=True, tag="worker_register"):
     # The id of the API worker credential it authenticated with; None: the shared
     # worker token (or authentication off).
     credential: str | None = None
+    # The task type names the worker can run (its registry); None: not listed (an older
+    # worker, or one over the cap). Written as SERVED_TYPES_VERSION (register_version).
+    task_names: tuple[str, ...] | None = None
 
 
 def lost_attempts_version(loses_attempts: bool) -> int:
@@ -261,6 +268,13 @@ def lost_attempts_version(loses_attempts: bool) -> int:
     builds the entry, ``loses_attempts`` (its worker runs tasks it dies with, or comes back
     without): 5, so they end as lost (docs/DESIGN.md §6, "Lost workers"); else the oldest."""
     return LOST_ATTEMPTS_VERSION if loses_attempts else BASE_ENTRY_FORMAT_VERSION
+
+
+def register_version(loses_attempts: bool, task_names: tuple[str, ...] | None) -> int:
+    """The format of a RegisterWorker: lost_attempts_version's, and at least
+    SERVED_TYPES_VERSION when it lists its worker's task types."""
+    version = lost_attempts_version(loses_attempts)
+    return version if task_names is None else max(version, SERVED_TYPES_VERSION)
 
 
 class WorkerDead(_Entry, frozen=True, tag="worker_dead"):

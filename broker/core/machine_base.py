@@ -239,6 +239,11 @@ class MachineBase:
         # not yet logged as delivered, so any broker that loads this state delivers them,
         # whatever it replayed (docs/API.md, Webhooks). Only tenants with a webhook.
         self.webhook_outbox: dict[str, deque[tuple[tuple[int, int, int], int]]] = {}
+        # The task type names workers ever listed, by the tenant they serve ("" for workers
+        # serving every tenant), first listed first; and the tenants ("" too) over the cap,
+        # whose submits are no longer checked (broker/core/served_types.py).
+        self.served_types: dict[str, dict[str, None]] = {}
+        self.served_types_full: set[str] = set()
         # The log position of the entry being applied (the applier sets it): the first two
         # parts of the outbox's event keys. Not state: every replica applies each entry at
         # the same position.

@@ -191,6 +191,10 @@ class Worker(msgspec.Struct, array_like=True, gc=False):
     # leader changes"); a disconnected worker's is its last frame. None: not known
     # silent; a registration or its death clears it.
     silent_since_ms: int | None = None
+    # It listed the task types it serves at its last registration (an older worker does not:
+    # while it lives, its tenants' submits are not checked; docs/DESIGN.md §6, "Served task
+    # types").
+    lists_task_names: bool = False
 
 
 class ArtifactUpload(msgspec.Struct, array_like=True, gc=False):

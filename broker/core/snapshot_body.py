@@ -52,6 +52,11 @@ class SnapshotBody(msgspec.Struct):
     # Each webhook's undelivered events, (key, task id) in log order, by tenant (the
     # default reads older snapshots).
     webhook_outbox: dict[str, list[tuple[tuple[int, int, int], int]]] = {}
+    # The task type names workers listed, by the tenant they serve ("": every tenant), and
+    # the tenants over the cap (broker/core/served_types.py; the defaults read older
+    # snapshots: nothing listed).
+    served_types: dict[str, list[str]] = {}
+    served_types_full: list[str] = []
 
 
 #: The newest body version this code writes and reads. 2: what a version-1 reader would
@@ -63,7 +68,8 @@ class SnapshotBody(msgspec.Struct):
 #: 4: a task's lost attempts or a max_lost other than the default, in a task or a
 #:    schedule's template (§6, "Lost workers"); a task's started_ms and queued_ms
 #:    (docs/API.md, "Task times"); a disconnected worker (§8, "Closed connections"): a
-#:    version-3 reader would count its running tasks on a dead worker.
+#:    version-3 reader would count its running tasks on a dead worker; the served task types
+#:    and the workers that list theirs (docs/DESIGN.md §6, "Served task types").
 SNAPSHOT_BODY_VERSION: Final = 4
 _snapshot_encoder: Final = msgspec.msgpack.Encoder()
 _snapshot_decoder: Final = msgspec.msgpack.Decoder(SnapshotBody)
@@ -77,7 +83,11 @@ def body_version(body: SnapshotBody) -> int:
         t.lost or t.max_lost != DEFAULT_MAX_LOST or t.started_ms is not None for t in body.tasks
     ) or any(s.task.max_lost != DEFAULT_MAX_LOST for s in body.schedules):
         return 4
-    if any(w.state == WorkerState.DISCONNECTED for w in body.workers):
+    if (
+        any(w.state == WorkerState.DISCONNECTED for w in body.workers)
+        or body.served_types
+        or any(w.lists_task_names for w in body.workers)
+    ):
         return 4
     if any(w.silent_since_ms is not None for w in body.workers) or any(
         s.paused_ms is not None for s in body.schedules

@@ -271,6 +271,8 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
             tokens=list(self.tokens.values()),
             schedules=list(self.schedules.values()),
             webhook_outbox={name: list(box) for name, box in sorted(self.webhook_outbox.items())},
+            served_types={name: list(names) for name, names in sorted(self.served_types.items())},
+            served_types_full=sorted(self.served_types_full),
         )
         # In the oldest version that keeps it all (docs/OPERATIONS.md, "Rolling upgrade").
         body.format_version = body_version(body)
@@ -318,6 +320,10 @@ class StateMachine(SchedulesMixin, WorkersMixin, TenantsMixin, CodeArtifactsMixi
             for t in body.tenants
             if t.webhook is not None
         }
+        machine.served_types = {
+            name: dict.fromkeys(names) for name, names in body.served_types.items()
+        }
+        machine.served_types_full = set(body.served_types_full)
         return machine
 
     def _legacy_scope(self, record: SubmissionRecord) -> str:

@@ -163,16 +163,31 @@ def validate_builtin_params(type_name: str, params: bytes) -> str | None:
     return None
 
 
-def code_type_problem(type_name: str, code: str | None) -> str | None:
-    """Why a task of ``type_name`` could never run, or None: a ``module:function`` type
-    is imported from its code artifact, and no worker imports one from anywhere else
-    (clients/worker/process_runs.py, thread_runs.py). Checked at submit unless the caller
-    sends ``allow_unknown_type`` (a program embedding a worker that registered such a
-    name itself: docs/API.md, "Task types")."""
-    if ":" not in type_name or code is not None:
+def unknown_type_problem(
+    type_name: str, code: str | None, tenant: str, served: bool | None
+) -> str | None:
+    """Why a task of ``type_name`` for ``tenant`` would not run, or None; ``served`` is
+    whether a worker serving the tenant ever listed the type (None: the cluster cannot tell,
+    StateMachine.type_served). A ``module:function`` type is imported from its code
+    artifact, and no worker imports one from anywhere else (clients/worker/process_runs.py,
+    thread_runs.py) unless it registered that very name; a plain name runs only on a worker
+    that registered it (docs/DESIGN.md §6, "Served task types"). Checked at submit unless
+    the caller sends ``allow_unknown_type`` (docs/API.md, "Task types")."""
+    if code is not None or served:
         return None
+    if ":" in type_name:
+        return (
+            f"task type {type_name!r} is module:function, imported from a code artifact:"
+            " upload the module (steward code upload FILE) and submit with its code (--code"
+            " SHA256); for a type an embedded worker registered under this name, send"
+            " allow_unknown_type"
+        )
+    if served is None:
+        return None
+    # Says nothing of what other tenants' workers serve: the same words either way.
     return (
-        f"task type {type_name!r} is module:function, imported from a code artifact: upload"
-        " the module (steward code upload FILE) and submit with its code (--code SHA256); for"
-        " a type an embedded worker registered under this name, send allow_unknown_type"
+        f"task type {type_name!r} is not served: no worker serving tenant {tenant!r} has"
+        " registered it (a typo? built-in types: noop, sleep, fail, spark.sql); start a"
+        " worker that registers it, or send allow_unknown_type (steward submit"
+        " --allow-unknown-type) to submit it anyway, for a worker that will"
     )

@@ -22,6 +22,7 @@ from broker.core.records import (
     WorkerReconciled,
     WorkerState,
 )
+from broker.core.served_types import ServedTypesMixin
 from broker.core.tasks import TasksMixin
 from broker.core.transitions import TaskState
 
@@ -30,9 +31,9 @@ from broker.core.transitions import TaskState
 _EPSILON = 1e-9
 
 
-class WorkersMixin(TasksMixin):
-    """RegisterWorker, WorkerDead, WorkerSilent, WorkerDisconnected, AssignTasks, SubmitTasks'
-    assignments and FinishTasks."""
+class WorkersMixin(TasksMixin, ServedTypesMixin):
+    """RegisterWorker (with the task types it serves), WorkerDead, WorkerSilent,
+    WorkerDisconnected, AssignTasks, SubmitTasks' assignments and FinishTasks."""
 
     def _submit_placed(self, entry: e.SubmitTasks) -> list[TaskRef | Rejected]:
         """A submit, then the assignments the leader placed in it: each starts only if no
@@ -225,6 +226,8 @@ class WorkersMixin(TasksMixin):
         worker.reason = None
         worker.credential = entry.credential
         worker.silent_since_ms = None  # heard from again
+        worker.lists_task_names = entry.task_names is not None
+        self._record_served_types(entry)
         self._worker_changed(worker)
         return WorkerReconciled(entry.worker_id, tuple(keep), tuple(lost))
 

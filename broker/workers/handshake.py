@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from broker.core import entries as e
-from broker.core.state import NAME_RE, ErrorCode, Rejected, WorkerReconciled
+from broker.core.state import NAME_RE, TASK_TYPE_RE, ErrorCode, Rejected, WorkerReconciled
 from broker.replication.node import Node
 from broker.security.auth import Role as CallerRole
 from broker.security.auth import hash_token
@@ -164,6 +164,12 @@ class Handshake:
             not (a >= 0) for a in hello.resources.values()
         ):
             raise p.ProtocolError("bad_handshake", "capacities and resources must be >= 0")
+        if hello.task_names is not None and len(hello.task_names) > p.MAX_HELLO_TASK_NAMES:
+            raise p.ProtocolError(
+                "bad_handshake",
+                f"task_names lists {len(hello.task_names)} types, over the limit of "
+                f"{p.MAX_HELLO_TASK_NAMES}: a worker with more lists none",
+            )
         tenants = tuple(hello.tenants)
         if scope is not None:
             # A scoped credential serves its tenants only: "all" narrows to them, anything
@@ -247,6 +253,12 @@ class Handshake:
         self.liveness.contact(hello.worker_id)
         address = writer.get_extra_info("peername")
         entry_running = tuple(e.TaskAttempt(r.task_id, r.attempt) for r in hello.running)
+        # The names a submit could use (the state machine skips any other too).
+        task_names = (
+            None
+            if hello.task_names is None
+            else tuple(n for n in hello.task_names if TASK_TYPE_RE.match(n))
+        )
         if hello.lists_unacked:
             await self._give_back_unreceived(hello, credential, entry_running)
         node = self.node
@@ -254,8 +266,9 @@ class Handshake:
             lambda stamp: e.RegisterWorker(
                 # Attempts it comes back without end as lost, not counted (docs/DESIGN.md
                 # §6, "Lost workers").
-                v=e.lost_attempts_version(
-                    node.state.registration_loses_attempts(hello.worker_id, entry_running)
+                v=e.register_version(
+                    node.state.registration_loses_attempts(hello.worker_id, entry_running),
+                    task_names,
                 ),
                 time_ms=stamp.now_ms,
                 worker_id=hello.worker_id,
@@ -266,6 +279,7 @@ class Handshake:
                 tenants=tenants,
                 running=entry_running,
                 credential=credential,
+                task_names=task_names,
             )
         )
         if isinstance(result, Rejected):

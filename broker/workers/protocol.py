@@ -11,7 +11,7 @@ peer answers with an :class:`Error` frame and closes that one connection.
 
 Conversation::
 
-    worker -> Hello (id, capacities, resources, tenants, tasks it still runs)
+    worker -> Hello (id, capacities, resources, tenants, tasks it still runs, types it serves)
     broker -> Welcome (heartbeat timing, which reported tasks to keep / drop, tenant weights)
     both   -> Heartbeat (every interval; a peer silent past the timeout is dead)
     broker -> Assign (tasks, already logged as running)     worker -> Finish (batched)
@@ -53,6 +53,10 @@ MAX_OUTPUT_BYTES: Final = 1024 * 1024
 MAX_PROGRESS_CHARS: Final = 200
 #: Most attempts one FetchOutput names.
 MAX_FETCH_OUTPUT: Final = 64
+#: Most task type names a Hello lists (``task_names``): a worker that registered more lists
+#: none (the broker then checks no submit against it); the broker refuses a longer list.
+#: broker/core/served_types.py's MAX_TASK_NAMES_PER_WORKER (tests hold them equal).
+MAX_HELLO_TASK_NAMES: Final = 1000
 #: A spawned child's default max_lost: broker/core/entries.py's DEFAULT_MAX_LOST (this
 #: module imports nothing of the project; tests/unit/test_protocol.py holds them equal).
 DEFAULT_MAX_LOST: Final = 3
@@ -93,6 +97,10 @@ class Hello(_Message, frozen=True, tag="hello"):
     # assigned to this same process and missing from it never reached it (docs/DESIGN.md
     # §6, "Lost assignments"). An older worker leaves it False.
     lists_unacked: bool = False
+    # The task type names it can run (built-in and registered ones), sorted, so a submit of
+    # a type no worker serves is refused (docs/DESIGN.md §6, "Served task types"); None: not
+    # listed (an older worker, or over MAX_HELLO_TASK_NAMES). An older broker ignores it.
+    task_names: tuple[str, ...] | None = None
 
 
 class Welcome(_Message, frozen=True, tag="welcome"):

@@ -303,8 +303,9 @@ def _add_task_commands(sub: argparse._SubParsersAction[StewardArgumentParser]) -
     p.add_argument(
         "--allow-unknown-type",
         action="store_true",
-        help="accept a type no worker is known to run (module:function without --code:"
-        " a name an embedded worker registered itself)",
+        help="submit a type no worker is known to run: a plain name no worker serving the"
+        " tenant registered yet, or module:function without --code (a name an embedded worker"
+        " registers itself)",
     )
     p.add_argument(
         "--count", type=int, default=1, metavar="N", help="submit this many copies in one batch"

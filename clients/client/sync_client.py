@@ -254,8 +254,10 @@ class StewardClient(_ClientBase):
         **options: Any,
     ) -> TaskHandle:
         """Submit one task. Options: slot, max_attempts, max_lost, deadline, start_after,
-        resources, transaction, code, track_tree, tree_timeout_s, after. Retried safely under
-        ``idempotency_key`` (default: 128 new random bits per call)."""
+        resources, transaction, code, track_tree, tree_timeout_s, after, priority,
+        retry_backoff_s, retry_backoff_max_s, allow_unknown_type (submit a type no worker
+        serving the tenant registered yet instead of a 400: docs/API.md, "Task types").
+        Retried safely under ``idempotency_key`` (default: 128 new random bits per call)."""
         answer = self._send(calls.submit(type, params, tenant, idempotency_key, options))
         return TaskHandle(self, int(answer["id"]), str(answer["state"]))
 

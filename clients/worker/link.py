@@ -48,6 +48,7 @@ from typing import Any
 
 from broker.workers.conversation import Conversation, Role
 from broker.workers.protocol import (
+    MAX_HELLO_TASK_NAMES,
     Assign,
     Cancel,
     Error,
@@ -387,7 +388,20 @@ class Worker:
             token=c.token,
             output=True,
             lists_unacked=True,  # held() lists unacknowledged reports too
+            task_names=self._task_names(),
         )
+
+    def _task_names(self) -> tuple[str, ...] | None:
+        names = self.runtime.task_names()
+        if len(names) <= MAX_HELLO_TASK_NAMES:
+            return tuple(names)
+        logger.warning(
+            "this worker registered %d task types, over the %d a Hello lists: it lists none,"
+            " so the broker does not refuse submits of types no worker serves",
+            len(names),
+            MAX_HELLO_TASK_NAMES,
+        )
+        return None
 
     async def _read_welcome(
         self,

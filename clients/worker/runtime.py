@@ -193,6 +193,12 @@ class TaskRuntime:
         """Add or replace a task type run in this process (the embedder's own code)."""
         self._threads.register(type_name, fn)
 
+    def task_names(self) -> list[str]:
+        """The task type names this worker runs besides ``module:function`` of code
+        artifacts (built-in and registered), as its Hello lists them (docs/DESIGN.md §6,
+        "Served task types"); register types before the worker connects."""
+        return self._threads.task_names()
+
     def batched(self) -> contextlib.AbstractContextManager[None]:
         """Start several tasks inside: each task process gets its Runs in one write."""
         return batched_writes()

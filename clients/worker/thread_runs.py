@@ -50,6 +50,10 @@ class ThreadRunner:
     def is_registered(self, type_name: str) -> bool:
         return type_name in self._registered
 
+    def task_names(self) -> list[str]:
+        """The plain type names this worker runs: the built-in and the registered ones."""
+        return sorted(self._registry)
+
     def run(self, entry: Running) -> None:
         """A pool thread's work: run the attempt, then hand over its report."""
         try:

@@ -163,7 +163,9 @@ def test_bulk_cancel_by_filter_from_the_cli(setup: Setup) -> None:
     sleeper = {"type": "sleep", "tenant": "bulk", "params": {"seconds": 30}}
     running = setup.http.post("/api/v1/tasks", json=sleeper).json()["id"]
     setup.wait_state(running, {"running"}, 30)
-    batch = [{"type": "noop", "tenant": "bulk"}] * 1500 + [{"type": "noop", "tenant": "keep"}]
+    # No worker serves "keep": its task waits (allow_unknown_type), never refused or run.
+    keep = {"type": "noop", "tenant": "keep", "allow_unknown_type": True}
+    batch = [{"type": "noop", "tenant": "bulk"}] * 1500 + [keep]
     submitted = setup.http.post("/api/v1/tasks", json={"tasks": batch})
     assert submitted.status_code == 200, submitted.text
     ids = [item["id"] for item in submitted.json()["tasks"]]

@@ -194,6 +194,18 @@ def sample_entries() -> list[e.Entry]:
             time_ms=t + 65_024,
             workers=(e.DisconnectedWorker("w3", t + 65_023, t + 65_016),),
         ),
+        # Entry format 5: a worker serving one tenant lists the task types it serves
+        # (docs/DESIGN.md §6, "Served task types"; body version 4 keeps the record).
+        e.RegisterWorker(
+            time_ms=t + 65_025,
+            worker_id="w4",
+            address="127.0.0.1:4",
+            process_id="p4",
+            task_types={"*": 2},
+            tenants=("acme",),
+            task_names=("etl.load", "noop"),
+            v=e.register_version(False, ("etl.load", "noop")),
+        ),
     ]
 
 
@@ -204,6 +216,9 @@ def observable(machine: StateMachine) -> dict[str, object]:
         "tasks": {str(t.id): [str(t.state), t.attempt, t.worker] for t in machine.tasks.values()},
         "tenants": sorted(machine.tenants),
         "workers": {w.id: str(w.state) for w in machine.workers.values()},
+        "served_types": {
+            scope or "*": sorted(names) for scope, names in sorted(machine.served_types.items())
+        },
         "silent_workers": {
             w.id: w.silent_since_ms
             for w in machine.workers.values()
