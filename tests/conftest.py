@@ -67,17 +67,6 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object
 _ONE_AT_A_TIME = ("integration", "chaos", "jepsen", "security")
 # Modules whose last test reads what the others did (the fuzz tests' input count): one unit.
 _WHOLE_MODULES = ("tests/unit/test_fuzz_protocol.py",)
-# Modules that start only a server of their own, on fresh ports, sharing no name with any
-# other test, and spend their time in the test process (schemathesis generating requests,
-# one shard): one unit, run last, in whichever process is free, so beside the real-process
-# tests (a busy core to them, as STEWARD_TEST_BUSY_CORE=1 makes one) rather than after them.
-_BESIDE_MODULES = ("tests/integration/test_fuzz_http.py",)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules run beside the others last (their order is otherwise kept): the unit and
-    simulation tests come first in the process that is not running real processes."""
-    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] in _BESIDE_MODULES)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
@@ -87,12 +76,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         """A unit of work per test, but one unit for every test that starts real processes."""
 
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            if module in _BESIDE_MODULES or module in _WHOLE_MODULES:
-                return module
             parts = nodeid.split("/", 2)
             if len(parts) == 3 and parts[0] == "tests" and parts[1] in _ONE_AT_A_TIME:
                 return "real-processes"
-            return nodeid
+            module = nodeid.split("::", 1)[0]
+            return module if module in _WHOLE_MODULES else nodeid
 
     return RealProcessesOneAtATime(config, log)

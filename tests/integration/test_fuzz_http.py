@@ -38,7 +38,7 @@ MIN_REQUESTS = 10_000
 # Examples per operation and phase in the default run: enough for MIN_REQUESTS.
 DEFAULT_EXAMPLES = 900
 EXAMPLES = int(os.environ.get("STEWARD_FUZZ_EXAMPLES", DEFAULT_EXAMPLES))
-SHARDS = 1  # it runs beside the real-process tests (tests/conftest.py): one busy core
+SHARDS = 2
 RUN_TIMEOUT_S = 600.0
 SEED = int(os.environ.get("STEWARD_FUZZ_SEED", 20261122))
 # A request unanswered this long counts as a hang (long polls are capped at 60 s
