@@ -256,19 +256,13 @@ class WorkersMixin(TasksMixin, ServedTypesMixin):
         [connected_ms, now_ms]: it was heard at its registration, and a silence cannot start
         in the future."""
         for silent in entry.workers:
-            worker = self.workers.get(silent.worker_id)
-            if (
-                worker is None
-                or worker.state != WorkerState.CONNECTED
-                or worker.connected_ms != silent.connected_ms
-            ):
+            worker = self._connected_as(silent.worker_id, silent.connected_ms)
+            if worker is None:
                 continue
             if silent.since_ms is None:
                 worker.silent_since_ms = None
                 continue
-            since_ms = max(worker.connected_ms, min(silent.since_ms, self.now_ms))
-            if worker.silent_since_ms is None or since_ms < worker.silent_since_ms:
-                worker.silent_since_ms = since_ms
+            self._keep_earliest_silence(worker, silent.since_ms)
 
     def _worker_disconnected(self, entry: e.WorkerDisconnected) -> None:
         """Each still connected worker of the registration the leader saw is disconnected:
@@ -277,19 +271,33 @@ class WorkersMixin(TasksMixin, ServedTypesMixin):
         is kept as its silence, bounded as WorkerSilent's, so any leader judges it from
         then. Others are skipped: registered again, already disconnected, or dead since."""
         for closed in entry.workers:
-            worker = self.workers.get(closed.worker_id)
-            if (
-                worker is None
-                or worker.state != WorkerState.CONNECTED
-                or worker.connected_ms != closed.connected_ms
-            ):
+            worker = self._connected_as(closed.worker_id, closed.connected_ms)
+            if worker is None:
                 continue
             worker.state = WorkerState.DISCONNECTED.value
             worker.updated_ms = self.now_ms
-            last_seen_ms = max(worker.connected_ms, min(closed.last_seen_ms, self.now_ms))
-            if worker.silent_since_ms is None or last_seen_ms < worker.silent_since_ms:
-                worker.silent_since_ms = last_seen_ms
+            self._keep_earliest_silence(worker, closed.last_seen_ms)
             self._worker_changed(worker)
+
+    def _connected_as(self, worker_id: str, connected_ms: int) -> Worker | None:
+        """The worker, if still connected by the registration of ``connected_ms`` (the one
+        the leader saw when it built the entry): a later registration wins, a dead or
+        disconnected worker has nothing more to change."""
+        worker = self.workers.get(worker_id)
+        if (
+            worker is None
+            or worker.state != WorkerState.CONNECTED
+            or worker.connected_ms != connected_ms
+        ):
+            return None
+        return worker
+
+    def _keep_earliest_silence(self, worker: Worker, since_ms: int) -> None:
+        """The earliest silence the log names, bounded to [connected_ms, now_ms]: it was
+        heard at its registration, and a silence cannot start in the future."""
+        since_ms = max(worker.connected_ms, min(since_ms, self.now_ms))
+        if worker.silent_since_ms is None or since_ms < worker.silent_since_ms:
+            worker.silent_since_ms = since_ms
 
     def _release(self, task: Task, reason: str) -> None:
         """A stopping worker or broker gives the attempt back (docs/DESIGN.md §6,
