@@ -388,20 +388,8 @@ class Worker:
             token=c.token,
             output=True,
             lists_unacked=True,  # held() lists unacknowledged reports too
-            task_names=self._task_names(),
+            task_names=hello_task_names(self.runtime.task_names()),
         )
-
-    def _task_names(self) -> tuple[str, ...] | None:
-        names = self.runtime.task_names()
-        if len(names) <= MAX_HELLO_TASK_NAMES:
-            return tuple(names)
-        logger.warning(
-            "this worker registered %d task types, over the %d a Hello lists: it lists none,"
-            " so the broker does not refuse submits of types no worker serves",
-            len(names),
-            MAX_HELLO_TASK_NAMES,
-        )
-        return None
 
     async def _read_welcome(
         self,
@@ -594,3 +582,17 @@ def run_worker(config: WorkerConfig) -> None:
         asyncio.run(main())
     else:
         uvloop.run(main())
+
+
+def hello_task_names(names: list[str]) -> tuple[str, ...] | None:
+    """The task types a Hello lists (docs/DESIGN.md §6, "Served task types"): none past
+    the limit, said in the log."""
+    if len(names) <= MAX_HELLO_TASK_NAMES:
+        return tuple(names)
+    logger.warning(
+        "this worker registered %d task types, over the %d a Hello lists: it lists none,"
+        " so the broker does not refuse submits of types no worker serves",
+        len(names),
+        MAX_HELLO_TASK_NAMES,
+    )
+    return None
