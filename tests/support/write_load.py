@@ -199,7 +199,14 @@ class WriteLoad:
         rotation: itertools.cycle[int],
     ) -> str:
         """Send one submission until acknowledged (or given up); returns the next target."""
-        body = {"type": self.task_type, "tenant": self.tenant, "params": params}
+        # Writes only: no worker serves their tenant or type, which a broker that has seen
+        # workers list their types refuses unless asked (docs/API.md, "Task types").
+        body = {
+            "type": self.task_type,
+            "tenant": self.tenant,
+            "params": params,
+            "allow_unknown_type": True,
+        }
         headers = {"Idempotency-Key": key} if self.idempotent else {}
         while not self._stop.is_set():
             sent_at = time.monotonic()
