@@ -127,6 +127,12 @@ class ProcessRunner:
                 max_rss_mb=config.task_process_max_rss_mb,
                 max_output_bytes=config.max_output_bytes,
                 max_frame_bytes=2 * config.max_result_bytes + 1024 * 1024,
+                # A spare per tenant while its own Spark server is kept warm (task_procs.py).
+                spare_idle_s=(
+                    config.spark_server_idle_s
+                    if isinstance(spark_server, TenantSparkServers)
+                    else 0.0
+                ),
             ),
             WorkArea(config.work_dir),
             python=config.task_python,
@@ -312,6 +318,8 @@ class ProcessRunner:
         except SparkConnectError as exc:
             granted = task_wire.SparkGranted(task.task_id, task.attempt, error=str(exc))
         process.send_spark_granted(granted)
+        if not granted.error:  # its next task in a new process should not wait for imports
+            self.processes.keep_spare(task.tenant, process.identity)
 
     def _on_outcome(
         self, entry: Running, process: TaskProcess, run: task_wire.Run, outcome: Outcome

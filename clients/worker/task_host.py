@@ -4,7 +4,9 @@ Started by ``clients/worker/task_procs.py`` with ``python -m clients.worker.task
 already under the tenant's uid, with a scrubbed environment and no descriptors but its
 pipes (see docs/SECURITY.md). Before any tenant code it makes itself non-dumpable, forbids
 new privileges and applies its memory limit (``RLIMIT_AS``, hard, so task code cannot
-raise it). Then it speaks ``clients/worker/task_wire.py``: Ready, then a Done for each Run.
+raise it): at start, or, for a spare (``--spare``: started ahead of need, its limit not
+known yet; ``clients/worker/task_procs.py``), from the Limit frame that must come before
+its first Run. Then it speaks ``clients/worker/task_wire.py``: Ready, then a Done for each Run.
 
 Its stdout and stderr (one pipe, read by the worker) are the task's captured output;
 ``ctx.logger`` writes there too; after each task the process writes ``--output-marker``
@@ -113,7 +115,13 @@ class _ProgressSender:
 
 class _Host:
     def __init__(
-        self, control_fd: int, events_fd: int, max_frame_bytes: int, output_marker: bytes
+        self,
+        control_fd: int,
+        events_fd: int,
+        max_frame_bytes: int,
+        output_marker: bytes,
+        *,
+        limit_pending: bool = False,
     ) -> None:
         self.control_fd = control_fd
         self.events_fd = events_fd
@@ -124,6 +132,7 @@ class _Host:
         # The worker's answers to SparkWanted (per-tenant Spark servers), by (task_id, attempt).
         self.spark_granted: dict[tuple[int, int], task_wire.SparkGranted] = {}
         self.control_ended = False
+        self.limit_pending = limit_pending  # a spare: no Run before its Limit
         self.current: TaskContext | None = None
         self.current_key: tuple[int, int] | None = None
         self.artifacts: dict[str, Any] = {}
@@ -148,9 +157,16 @@ class _Host:
                 return
             for message in self.decoder.feed(data):
                 if isinstance(message, task_wire.Run):
+                    if self.limit_pending:
+                        raise task_wire.WireError("a Run came before the spare's Limit")
                     self.runs.append(message)
                 elif isinstance(message, task_wire.SparkGranted):
                     self.spark_granted[(message.task_id, message.attempt)] = message
+                elif isinstance(message, task_wire.Limit):
+                    if not self.limit_pending:
+                        raise task_wire.WireError("a Limit came to a process that has one")
+                    _limit_memory(message.memory_limit_mb)
+                    self.limit_pending = False
                 else:
                     self.cancelled.add((message.task_id, message.attempt))
 
@@ -390,18 +406,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--output-marker", required=True)
     parser.add_argument("--preload-spark", action="store_true")
+    parser.add_argument("--spare", action="store_true")
     args = parser.parse_args(argv)
     sandbox.die_with_parent(args.parent_pid)
     sandbox.make_non_dumpable()
     sandbox.forbid_new_privileges()
-    _limit_memory(args.memory_limit_mb)
+    if not args.spare:  # a spare's comes in a Limit frame, before its first Run
+        _limit_memory(args.memory_limit_mb)
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     host = _Host(
-        args.control, args.events, args.max_frame_bytes, task_wire.output_marker(args.output_marker)
+        args.control,
+        args.events,
+        args.max_frame_bytes,
+        task_wire.output_marker(args.output_marker),
+        limit_pending=args.spare,
     )
     signal.signal(signal.SIGTERM, host.on_sigterm)
     if args.preload_spark:

@@ -339,12 +339,29 @@ class TaskProcess:
             self._exited.wait(REAP_TIMEOUT_S)
 
     def rss_mb(self) -> float:
+        return self._statm_mb(1)
+
+    def address_space_mb(self) -> float:
+        """Its virtual memory (what ``RLIMIT_AS`` caps); 0 when it cannot be read."""
+        return self._statm_mb(0)
+
+    def _statm_mb(self, field: int) -> float:
         try:
             with open(f"/proc/{self.pid}/statm") as f:
-                pages = int(f.read().split()[1])
+                pages = int(f.read().split()[field])
         except (OSError, ValueError, IndexError):
             return 0.0
         return pages * os.sysconf("SC_PAGE_SIZE") / (1024 * 1024)
+
+    def set_memory_limit(self, memory_limit_mb: int) -> bool:
+        """Give a spare its memory limit (before its first Run); False if it is gone."""
+        try:
+            self._write_control(task_wire.Limit(memory_limit_mb))
+        except OSError as exc:
+            logger.warning("task process %d could not be given its limit: %s", self.pid, exc)
+            self.kill()
+            return False
+        return True
 
     def _signal(self, sig: signal.Signals) -> None:
         if self._exited.is_set():

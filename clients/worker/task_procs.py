@@ -19,6 +19,18 @@ retired to make room. A process is retired after ``max_tasks`` tasks, when its r
 memory passes ``max_rss_mb``, after any cancel, crash or protocol error, and when idle for
 ``idle_s``. Every process is in its own session: retiring kills its whole process group.
 
+Spares (with per-tenant Spark servers, ``spare_idle_s`` > 0). A tenant whose Spark was just
+granted keeps one spare process: started ahead of need, its Spark Connect client imported
+in the background, no task run and no memory limit yet. A task of that tenant that finds no
+idle process of its key takes the spare instead of starting one (the limit is sent in a
+Limit frame before its Run and applied before any tenant code, as at a start; a spare
+already over that limit is left for another task); the tenant's next Spark grant starts a
+new spare. So a tenant's first PySpark task in a new process (another memory limit, a
+second task at once, a process retired) pays a session and its query, not the ~0.8 s
+import (docs/BENCHMARKS.md, issue 30). A spare counts against ``capacity``, is started
+only when there is room, is retired like any idle process to make room, and after
+``spare_idle_s`` without a grant of its tenant's Spark (the server's own idle time).
+
 Files (under the work root, ``0711``, the worker's): ``attempts/<uid>-<rand>`` (``0700``,
 the task user's; one per process, every attempt's cwd and TMPDIR, found empty by each
 attempt: see :meth:`TaskProcessPool.release`; removed with the process), ``homes/<uid>``
@@ -70,6 +82,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: The memory limit in a spare's key: not known until a task takes it (module docstring).
+SPARE_LIMIT: Final = -1
+
 
 #: grpc reads it when it is first imported; "0": no fork handlers (grpc's own advice for a
 #: process that only forks to exec).
@@ -89,6 +104,7 @@ _START_TIMEOUT_S: Final = 60.0
 class PoolLimits:
     capacity: int
     idle_s: float = 60.0
+    spare_idle_s: float = 0.0  # 0: no spares (module docstring)
     max_tasks: int = 1000
     max_rss_mb: float = 0.0  # 0: no limit
     max_output_bytes: int = 1024 * 1024
@@ -119,6 +135,7 @@ class TaskProcessPool:
         self._idle: dict[tuple[str, int], list[TaskProcess]] = {}
         self._busy: set[TaskProcess] = set()
         self._busy_by_key: dict[tuple[str, int], set[TaskProcess]] = {}
+        self._spares_starting: set[str] = set()  # tenants
         # Mean run time (microseconds, moving average) per (tenant, task type).
         self._run_us: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
@@ -132,8 +149,8 @@ class TaskProcessPool:
         self._reaper.start()
 
     def idle_process(self, tenant: str, memory_limit_mb: int) -> TaskProcess | None:
-        """A warm idle process of that key, claimed for one Run, or None (never starts one,
-        never blocks)."""
+        """A warm idle process of that key, else the tenant's spare (given that limit now),
+        claimed for one Run, or None (never starts one, never blocks)."""
         with self._lock:
             if self._closed:
                 raise TaskProcessError("the worker is stopping")
@@ -144,6 +161,59 @@ class TaskProcessPool:
                     self._mark_busy(process)
                     process.claim()
                     return process
+            spare = self._take_spare(tenant, memory_limit_mb)
+        if spare is None or spare.set_memory_limit(memory_limit_mb):
+            return spare
+        self.unclaim(spare)  # gone: retired as it exited
+        return None
+
+    def keep_spare(self, tenant: str, identity: TaskIdentity) -> None:
+        """``tenant``'s Spark was just granted: keep a spare process for it (module
+        docstring). Starts one (blocks while it starts) unless it has one, one is starting,
+        or the worker has no room; else its spare's idle time starts again."""
+        if not self.limits.spare_idle_s:
+            return
+        key = (tenant, SPARE_LIMIT)
+        with self._lock:
+            if self._closed or tenant in self._spares_starting:
+                return
+            spares = self._idle.get(key)
+            if spares:
+                for spare in spares:
+                    spare.last_used = time.monotonic()
+                return
+            if self._live() >= self.limits.capacity:
+                return
+            self._spares_starting.add(tenant)
+        process: TaskProcess | None = None
+        try:
+            process = self._start(key, identity)
+        except Exception as exc:  # a spare is an optimisation: the task that needs one starts it
+            logger.warning("no spare task process for tenant %s: %s", tenant, exc)
+        with self._lock:
+            self._spares_starting.discard(tenant)
+            kept = process is not None and not self._closed
+            if kept:
+                assert process is not None
+                self._idle.setdefault(key, []).append(process)
+        if process is not None and not kept:
+            process.retire()
+
+    def _take_spare(self, tenant: str, memory_limit_mb: int) -> TaskProcess | None:
+        """(Under the lock.) The tenant's spare, keyed and claimed for that limit, unless it
+        already uses more address space than the limit allows."""
+        spares = self._idle.get((tenant, SPARE_LIMIT))
+        while spares:
+            spare = spares.pop()
+            if not spare.alive:
+                continue
+            if memory_limit_mb and spare.address_space_mb() > memory_limit_mb:
+                spares.append(spare)  # a process of its own for this task
+                return None
+            spare.key = (tenant, memory_limit_mb)
+            self._mark_busy(spare)
+            spare.claim()
+            return spare
         return None
 
     def pipeline_process(
@@ -300,7 +370,8 @@ class TaskProcessPool:
     # -- internals --
 
     def _live(self) -> int:
-        return len(self._busy) + sum(len(idle) for idle in self._idle.values())
+        idle = sum(len(processes) for processes in self._idle.values())
+        return len(self._busy) + idle + len(self._spares_starting)
 
     def _oldest_idle(self) -> TaskProcess | None:
         oldest: TaskProcess | None = None
@@ -352,8 +423,7 @@ class TaskProcessPool:
             str(events_w),
             "--max-frame-bytes",
             str(self.limits.max_frame_bytes),
-            "--memory-limit-mb",
-            str(key[1]),
+            *(["--spare"] if key[1] == SPARE_LIMIT else ["--memory-limit-mb", str(key[1])]),
             "--parent-pid",
             str(os.getpid()),
             "--output-marker",
@@ -405,9 +475,12 @@ class TaskProcessPool:
             now = time.monotonic()
             stale: list[TaskProcess] = []
             with self._lock:
-                for idle in self._idle.values():
+                for key, idle in self._idle.items():
+                    idle_s = (
+                        self.limits.spare_idle_s if key[1] == SPARE_LIMIT else self.limits.idle_s
+                    )
                     for process in list(idle):
-                        if not process.alive or now - process.last_used > self.limits.idle_s:
+                        if not process.alive or now - process.last_used > idle_s:
                             idle.remove(process)
                             stale.append(process)
             for process in stale:

@@ -121,7 +121,14 @@ class SparkGranted(msgspec.Struct, frozen=True, tag="spark_granted", tag_field="
     error: str = ""
 
 
-ToProcess = Run | Cancel | SparkGranted
+class Limit(msgspec.Struct, frozen=True, tag="limit", tag_field="kind"):
+    """A spare process's memory limit (0: none), sent once, before its first Run
+    (``clients/worker/task_procs.py``, spares): it applies it before any tenant code."""
+
+    memory_limit_mb: Annotated[int, msgspec.Meta(ge=0)]
+
+
+ToProcess = Run | Cancel | SparkGranted | Limit
 FromProcess = Ready | Done | Progress | SparkWanted
 
 _Message = TypeVar("_Message", ToProcess, FromProcess)
