@@ -14,11 +14,17 @@ of the same name uses its own.
 """
 
 import logging
+import os
 from collections.abc import Generator
 
 import pytest
 
 from clients.worker.task_procs import disable_grpc_fork_handlers
+from tests.support.tmp_dirs import use_own_tmpdir
+
+# Two test processes run real-process tests at once (the lanes below): each its own TMPDIR.
+if (_xdist_process := os.environ.get("PYTEST_XDIST_WORKER")) is not None:
+    use_own_tmpdir(_xdist_process)
 
 # Test workers run in this process beside the Spark Connect tests (grpc loaded): as a
 # worker process does, keep grpc's fork handlers out of its task processes' forks.
@@ -59,12 +65,43 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object
 
 
 # Tests that start real servers and processes (ZooKeeper, brokers, workers, Spark, network
-# namespaces) run one at a time, in one xdist process, in file order: they share fixed names
-# (worker ids and so their work dirs, the harness's namespaces), and their timing bounds
-# assume no second cluster beside them. Unit and simulation tests (in-process) run beside
-# them, in the other process. A scheduler of our own rather than xdist_group marks: pytest
-# 9.2 dropped the node-id suffix that --dist loadgroup reads (pytest-xdist issue 1386).
+# namespaces) run in two lanes, each one test at a time in file order, the two lanes in the
+# two xdist processes at once (each process its own TMPDIR: tests/support/tmp_dirs.py), the
+# unit and simulation tests (in-process) filling in around them. The outage lane holds the
+# tests whose bounds are about outages (kills, partitions, elections, a cluster under
+# load): they never run beside one another, only beside one functional test. The tests
+# of a lane share fixed names (the partition harness's namespaces; ports: locked). A
+# scheduler of our own rather than xdist_group marks: pytest 9.2 dropped the node-id
+# suffix that --dist loadgroup reads (pytest-xdist issue 1386).
 _ONE_AT_A_TIME = ("integration", "chaos", "jepsen", "security")
+_OUTAGE_DIRS = ("chaos", "jepsen")
+_OUTAGE_MODULES = frozenset(
+    f"tests/integration/test_{name}.py"
+    for name in (
+        "cluster_auth",
+        "cluster_code",
+        "cluster_failover",
+        "cluster_up",
+        "code_replication",
+        "deposed_leader",
+        "disconnected_worker",
+        "durability",
+        "joins_after",
+        "ledger_pulsar",
+        "lost_worker",
+        "newcomer_cluster_view",
+        "producer_brokers",
+        "recovery",
+        "schedules",
+        "standalone_workers_restart",
+        "take_over_zk_client",
+        "tls",
+        "tree_worker_kill",
+        "webhooks_cluster",
+        "zk_ensemble",
+        "zookeeper",
+    )
+)
 # Modules whose last test reads what the others did (the fuzz tests' input count): one unit.
 _WHOLE_MODULES = ("tests/unit/test_fuzz_protocol.py",)
 
@@ -73,13 +110,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     from xdist.scheduler import LoadScopeScheduling
 
     class RealProcessesOneAtATime(LoadScopeScheduling):
-        """A unit of work per test, but one unit for every test that starts real processes."""
+        """A unit of work per test, but one unit per lane of tests that start real processes."""
 
         def _split_scope(self, nodeid: str) -> str:
             parts = nodeid.split("/", 2)
-            if len(parts) == 3 and parts[0] == "tests" and parts[1] in _ONE_AT_A_TIME:
-                return "real-processes"
             module = nodeid.split("::", 1)[0]
+            if len(parts) == 3 and parts[0] == "tests" and parts[1] in _ONE_AT_A_TIME:
+                outage = parts[1] in _OUTAGE_DIRS or module in _OUTAGE_MODULES
+                return "real-processes-outages" if outage else "real-processes-functional"
             return module if module in _WHOLE_MODULES else nodeid
 
     return RealProcessesOneAtATime(config, log)

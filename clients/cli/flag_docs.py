@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -42,8 +43,10 @@ def _commands(
 
 def _cell(text: str) -> str:
     text = " ".join(text.split()).replace("|", "\\|")
-    # The same document on every machine: no home directory or uid of whoever renders it.
+    # The same document on every machine: no home directory, uid or TMPDIR of whoever
+    # renders it.
     text = text.replace(os.path.expanduser("~"), "~")
+    text = text.replace(tempfile.gettempdir().rstrip("/") + "/", "/tmp/")
     return text.replace(f"steward-worker-{os.getuid()}", "steward-worker-UID")
 
 

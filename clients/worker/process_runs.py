@@ -318,7 +318,7 @@ class ProcessRunner:
         except SparkConnectError as exc:
             granted = task_wire.SparkGranted(task.task_id, task.attempt, error=str(exc))
         process.send_spark_granted(granted)
-        if not granted.error:  # its next task in a new process should not wait for imports
+        if not granted.error:  # the tenant's next task in a new process: no imports to wait for
             self.processes.keep_spare(task.tenant, process.identity)
 
     def _on_outcome(
@@ -418,6 +418,8 @@ class ProcessRunner:
     def _release_spark(self, tenant: str) -> None:
         if isinstance(self.spark_server, TenantSparkServers):
             self.spark_server.release(tenant)
+            # The server's idle time starts now: the tenant's spare's too.
+            self.processes.keep_spare(tenant, self.identities.for_tenant(tenant))
 
     def _interrupt_spark_session(
         self, entry: Running, session_id: str, spark_held: str | None

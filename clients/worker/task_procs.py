@@ -144,6 +144,9 @@ class TaskProcessPool:
         # Removes working directories (what tasks leave, those of ended processes) so
         # that neither the dispatcher nor the caller waits on a big tree.
         self._cleaner = ThreadPoolExecutor(1, thread_name_prefix="steward-cleaner")
+        # Starts spares. A thread that lives as long as the pool: a task process dies with
+        # the thread that started it (PR_SET_PDEATHSIG follows the parent thread).
+        self._spare_starter = ThreadPoolExecutor(1, thread_name_prefix="steward-spare")
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="steward-reaper", daemon=True)
         self._reaper.start()
@@ -168,9 +171,9 @@ class TaskProcessPool:
         return None
 
     def keep_spare(self, tenant: str, identity: TaskIdentity) -> None:
-        """``tenant``'s Spark was just granted: keep a spare process for it (module
-        docstring). Starts one (blocks while it starts) unless it has one, one is starting,
-        or the worker has no room; else its spare's idle time starts again."""
+        """``tenant`` just used its Spark (a grant, an attempt's end): its spare's idle time
+        starts again; without one, one starts on a thread of its own if there is room
+        (module docstring). Never blocks."""
         if not self.limits.spare_idle_s:
             return
         key = (tenant, SPARE_LIMIT)
@@ -185,16 +188,21 @@ class TaskProcessPool:
             if self._live() >= self.limits.capacity:
                 return
             self._spares_starting.add(tenant)
+            # Under the lock: close() shuts the starter down only after it set _closed.
+            self._spare_starter.submit(self._start_spare, key, identity)
+
+    def _start_spare(self, key: tuple[str, int], identity: TaskIdentity) -> None:
         process: TaskProcess | None = None
         try:
             process = self._start(key, identity)
         except Exception as exc:  # a spare is an optimisation: the task that needs one starts it
-            logger.warning("no spare task process for tenant %s: %s", tenant, exc)
+            logger.warning("no spare task process for tenant %s: %s", key[0], exc)
         with self._lock:
-            self._spares_starting.discard(tenant)
+            self._spares_starting.discard(key[0])
             kept = process is not None and not self._closed
             if kept:
                 assert process is not None
+                process.last_used = time.monotonic()  # its idle time starts once it is up
                 self._idle.setdefault(key, []).append(process)
         if process is not None and not kept:
             process.retire()
@@ -351,6 +359,7 @@ class TaskProcessPool:
         self._stop.set()
         for process in processes:
             process.retire()
+        self._spare_starter.shutdown(wait=True)  # a spare that starts now is retired
         self._dispatcher.close()
         self._cleaner.shutdown(wait=True)
 

@@ -1,7 +1,9 @@
 """A root worker's Spark Connect servers per tenant: started on first use, the least recently
 used idle one stopped to make room (``--spark-max-servers``), an idle one stopped after
-``--spark-server-idle-s`` (clients/worker/spark_servers.py). Real JVMs, a worker with room
-for one server; the fake broker and artifact server come from tests/support/worker_harness.py.
+``--spark-server-idle-s`` (clients/worker/spark_servers.py); the spare task process a tenant
+whose Spark was granted keeps (clients/worker/task_procs.py, "Spares"). Real JVMs, a worker
+with room for one server; the fake broker and artifact server come from
+tests/support/worker_harness.py.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from clients.worker.spark_connect import SparkConnectServer
@@ -34,10 +37,12 @@ JOB = {
     "pidjob/__init__.py": "",
     "pidjob/job.py": """
 import os
+import resource
 
 
 def count(params, ctx):
-    return {"uid": os.getuid(), "rows": ctx.spark.range(3).count()}
+    return {"uid": os.getuid(), "rows": ctx.spark.range(3).count(), "pid": os.getpid(),
+            "as": list(resource.getrlimit(resource.RLIMIT_AS))}
 """,
 }
 
@@ -62,6 +67,26 @@ def alive(pid: int) -> bool:
     return True
 
 
+def spare_pids(uid: int) -> list[int]:
+    """Task processes started as spares under ``uid`` (their command line says so)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit():
+                continue
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"clients.worker.task_host" not in argv or b"--spare" not in argv:
+                continue
+            # Not the directory's owner: a non-dumpable process's /proc entry is root's.
+            status = (entry / "status").read_text()
+        except OSError:  # it exited meanwhile
+            continue
+        real_uid = next(line.split()[1] for line in status.splitlines() if line.startswith("Uid:"))
+        if int(real_uid) == uid:
+            pids.append(int(entry.name))
+    return pids
+
+
 def server_pid(servers: TenantSparkServers, tenant: str) -> int:
     server = servers.server_of(tenant)
     assert isinstance(server, SparkConnectServer)
@@ -77,8 +102,8 @@ async def test_a_new_tenant_takes_the_idle_servers_place_and_idle_servers_stop(
     worker, conn = await env.started(
         worker_id="lru1",
         task_isolation="process",
-        task_types={"*": 1},
-        resources={"cpu": 1.0, "memory_mb": 2048.0},
+        task_types={"*": 2},  # room for a task process and the tenant's spare
+        resources={"cpu": 1.0, "memory_mb": 4096.0},
         spark_master="local[1]",
         work_dir=work_root,
         spark_max_servers=1,
@@ -96,6 +121,19 @@ async def test_a_new_tenant_takes_the_idle_servers_place_and_idle_servers_stop(
     assert servers.tenants() == {"alice": 0}  # kept warm, held by no task
     alice_pid = server_pid(servers, "alice")
     assert os.stat(f"/proc/{alice_pid}").st_uid == alice["uid"]  # the tenant's task uid
+
+    # Its Spark granted, alice keeps a spare process; alice's next task that finds no idle
+    # process of its key (here: another memory limit) runs in it, with that limit.
+    await until(lambda: len(spare_pids(alice["uid"])) == 1, 60)
+    [spare] = spare_pids(alice["uid"])
+    assert spare != alice["pid"]
+    limited = msgspec.structs.replace(
+        task(3, "pidjob.job:count", tenant="alice", code=sha), resources={"memory_mb": 3000.0}
+    )
+    conn.assign(limited)
+    again = result_of(await conn.report(SPARK_WAIT_S))
+    assert again["rows"] == 3 and again["pid"] == spare
+    assert again["as"] == [3000 * 1024 * 1024] * 2
 
     conn.assign(task(2, "pidjob.job:count", tenant="bob", code=sha))
     bob = result_of(await conn.report(SPARK_WAIT_S))

@@ -48,9 +48,11 @@ def _spare(rt: Runtime, tenant: str) -> int:
     pool = rt.runtime.processes
     identities = rt.runtime.identities
     assert pool is not None and identities is not None
-    pool.keep_spare(tenant, identities.for_tenant(tenant))
-    pids = pool.idle_pids(tenant)
-    assert len(pids) == 1, pids
+    pool.keep_spare(tenant, identities.for_tenant(tenant))  # starts it on a thread
+    deadline = time.monotonic() + WAIT_S
+    while not (pids := pool.idle_pids(tenant)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(pids) == 1, f"no spare for {tenant} within {WAIT_S} s: {pids}"
     return pids[0]
 
 

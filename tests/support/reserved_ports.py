@@ -25,14 +25,14 @@ import fcntl
 import os
 import random
 import socket
-import tempfile
 from pathlib import Path
 from typing import IO
 
 from clients.dev.local_server import HOST
+from tests.support.tmp_dirs import shared_tmpdir
 
 #: Where the lock files live (one per reserved port), shared by every test process here.
-LOCK_DIR = Path(tempfile.gettempdir()) / "steward-test-ports"
+LOCK_DIR = shared_tmpdir() / "steward-test-ports"
 #: Used when the ephemeral range leaves no room below it (and above it, none either).
 _LOWEST_PORT = 20000
 _EPHEMERAL_RANGE_PATH = Path("/proc/sys/net/ipv4/ip_local_port_range")
