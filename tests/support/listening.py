@@ -3,6 +3,7 @@ to 127.0.0.1 only."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 
 
@@ -25,10 +26,18 @@ def listening_addresses(pid: int) -> list[str]:
                 local, state, inode = fields[1], fields[3], fields[9]
                 if state == "0A" and inode in inodes:  # 0A: LISTEN
                     address_hex, port_hex = local.split(":")
-                    if len(address_hex) == 8:
-                        octets = bytes.fromhex(address_hex)[::-1]
-                        address = ".".join(str(octet) for octet in octets)
-                    else:
-                        address = address_hex
-                    found.append(f"{address}:{int(port_hex, 16)}")
+                    found.append(f"{_address(address_hex)}:{int(port_hex, 16)}")
     return found
+
+
+def _address(address_hex: str) -> str:
+    """An address of /proc/net/tcp(6): 32-bit words in host (little-endian) order. An IPv6
+    socket bound to an IPv4 address (``::ffff:127.0.0.1``, as Java binds) reads as that IPv4
+    address; ``::`` is every interface, as ``0.0.0.0`` is."""
+    raw = b"".join(
+        bytes.fromhex(address_hex[i : i + 8])[::-1] for i in range(0, len(address_hex), 8)
+    )
+    if len(raw) == 4:
+        return str(ipaddress.IPv4Address(raw))
+    address = ipaddress.IPv6Address(raw)
+    return str(address.ipv4_mapped or address)

@@ -7,8 +7,8 @@ from the jars of the engines cache (tests/engines/pom.xml, filled by scripts/set
 configuration), with ``-nfw`` (no functions worker) and ``-nss`` (no stream storage):
 
 - Everything on 127.0.0.1: ``bindAddress`` and ``advertisedAddress``; the bookie listens on
-  the loopback interface (the standalone sets it, with ``allowLoopback``). The broker, web
-  and bookie ports are reserved (tests/support/reserved_ports.py) for the server's life.
+  the loopback interface (``listeningInterface=lo``, ``allowLoopback``). The broker, web and
+  bookie ports are reserved (tests/support/reserved_ports.py) for the server's life.
 - Metadata: the standalone's default since Pulsar 2.11, a RocksDB metadata store in the
   data directory, in the same JVM. Not ZooKeeper: ``PULSAR_STANDALONE_USE_ZOOKEEPER=1``
   starts an in-process ZooKeeper that binds every interface (its port has no address
@@ -295,8 +295,12 @@ class PulsarStandalone(LocalServerProcess):
             "managedLedgerDefaultEnsembleSize=1",
             "managedLedgerDefaultWriteQuorum=1",
             "managedLedgerDefaultAckQuorum=1",
-            # The bookie (this file is its configuration too).
+            # The bookie (this file is its configuration too): on the loopback interface
+            # only (else it binds 0.0.0.0), on the port given (--bookkeeper-port; without
+            # allowEphemeralPorts the standalone picks a free one of its own).
             "allowLoopback=true",
+            "listeningInterface=lo",
+            "allowEphemeralPorts=true",
             "journalSyncData=true",
             "httpServerEnabled=false",
             "ledgerStorageClass=org.apache.bookkeeper.bookie.storage.ldb.DbLedgerStorage",
