@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -38,6 +37,7 @@ from log.pulsar import (
     encode_message,
 )
 from log.zk_list import ZooKeeperLedgerIdAllocator
+from tests.support.listening import listening_addresses
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,34 +85,6 @@ async def read_all(reader: LedgerReader) -> list[bytes]:
 
 
 # -- the launcher ------------------------------------------------------------------------------
-
-
-def listening_addresses(pid: int) -> list[str]:
-    """``address:port`` of every TCP socket the process listens on (from /proc)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except FileNotFoundError:
-            continue  # closed meanwhile (RocksDB opens and closes files all the time)
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as rows:
-            next(rows)
-            for row in rows:
-                fields = row.split()
-                local, state, inode = fields[1], fields[3], fields[9]
-                if state == "0A" and inode in inodes:  # 0A: LISTEN
-                    address_hex, port_hex = local.split(":")
-                    if len(address_hex) == 8:
-                        octets = bytes.fromhex(address_hex)[::-1]
-                        address = ".".join(str(octet) for octet in octets)
-                    else:
-                        address = address_hex
-                    found.append(f"{address}:{int(port_hex, 16)}")
-    return found
 
 
 def test_launcher_listens_on_loopback_only(pulsar_lite: PulsarLiteServer) -> None:

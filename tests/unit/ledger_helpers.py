@@ -9,6 +9,7 @@ contract against another backend, subclass :class:`LedgerBackend` and add it to
 
 from __future__ import annotations
 
+import os
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -26,8 +27,11 @@ from log.memory import MemoryLedgerCluster, MemoryLedgerListStore, MemoryLedgerS
 from log.pulsar import PulsarConfig, PulsarLedgerStore
 from log.zk_list import ZooKeeperLedgerIdAllocator, ZooKeeperLedgerListStore, ledger_list_path
 from snapshot.store import SnapshotStore
+from tests.support.pulsar_standalone import PulsarStandalone
 
 ZK_CONNECT_TIMEOUT_S = 15.0
+#: ``1``: the contract runs on real Apache Pulsar too (a standalone JVM: slower).
+REAL_PULSAR_ENV = "STEWARD_TEST_REAL_PULSAR"
 
 
 class LedgerBackend(ABC):
@@ -121,11 +125,65 @@ class PulsarBackend(LedgerBackend):
             self.zk.close()
 
 
+class MemoryLedgerIds:
+    """Ledger ids and their catalog (``LedgerCatalog``) in memory, shared by the stores of
+    one backend: :class:`ApachePulsarBackend` runs without a ZooKeeper JVM beside Pulsar's."""
+
+    def __init__(self) -> None:
+        self._last = 0
+        self._ids: set[int] = set()
+
+    async def __call__(self) -> int:
+        self._last += 1
+        self._ids.add(self._last)
+        return self._last
+
+    async def exists(self, ledger_id: int) -> bool:
+        return ledger_id in self._ids
+
+    async def list_ids(self) -> list[int]:
+        return sorted(self._ids)
+
+    async def remove(self, ledger_id: int) -> None:
+        self._ids.discard(ledger_id)
+
+
+class ApachePulsarBackend(LedgerBackend):
+    """Real Apache Pulsar (a standalone for the session: tests/support/pulsar_standalone.py)
+    with ``PulsarConfig.for_apache_pulsar``: ExclusiveWithFencing, batching, LZ4, a reader
+    queue of 1000, the admin API. Ids, catalog and ledger list in memory (the ZooKeeper ones
+    are the pulsar backend's). In BACKENDS only with ``STEWARD_TEST_REAL_PULSAR=1``
+    (docs/TESTING.md, "Real Apache Pulsar")."""
+
+    fixtures = ("pulsar_standalone",)
+    fences = True
+
+    def __init__(self, tmp_path: Path, *, pulsar_standalone: PulsarStandalone) -> None:
+        super().__init__(tmp_path)
+        self.config = PulsarConfig.for_apache_pulsar(
+            pulsar_standalone.service_url,
+            pulsar_standalone.admin_url,
+            cluster=f"t{uuid.uuid4().hex[:12]}",
+            operation_timeout_s=10.0,
+            send_timeout_ms=10_000,
+        )
+        self.ids = MemoryLedgerIds()
+        self.list_store = MemoryLedgerListStore()
+
+    def _make_store(self) -> LedgerStore:
+        return PulsarLedgerStore(self.config, self.ids)
+
+    def new_list_store(self) -> LedgerListStore:
+        return self.list_store
+
+
 BACKENDS: dict[str, type[LedgerBackend]] = {
     "memory": MemoryBackend,
     "file": FileBackend,
     "pulsar": PulsarBackend,
 }
+if os.environ.get(REAL_PULSAR_ENV) == "1":
+    BACKENDS["apache-pulsar"] = ApachePulsarBackend
 
 
 def cluster_node(backend: LedgerBackend, tmp_path: Path, name: str, cluster_id: str) -> Node:

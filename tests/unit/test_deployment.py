@@ -312,13 +312,15 @@ def test_the_setup_scripts_install_what_the_tests_name() -> None:
         "nftables:nft",
         "jq:jq",
         "curl:curl",
+        "maven:mvn",
         "axe-core@",
         "steward_setup_venv test",
         "steward_setup_traversal",
+        "steward_setup_engines",
         'exec .venv/bin/pytest "$@"',
     ):
         assert needed in script, f"scripts/test does not set up {needed!r}"
-    for name in ("setup", "demo", "test"):
+    for name in ("setup", "demo", "test", "fetch-engines"):
         result = subprocess.run(
             ["bash", "-n", str(ROOT / "scripts" / name)], capture_output=True, text=True
         )
