@@ -127,12 +127,11 @@ class ProcessRunner:
                 max_rss_mb=config.task_process_max_rss_mb,
                 max_output_bytes=config.max_output_bytes,
                 max_frame_bytes=2 * config.max_result_bytes + 1024 * 1024,
-                # A spare per tenant while its own Spark server is kept warm (task_procs.py).
-                spare_idle_s=(
-                    config.spark_server_idle_s
-                    if isinstance(spark_server, TenantSparkServers)
-                    else 0.0
+                # A spare per tenant whose Spark server may be warm (task_procs.py, "Spares").
+                max_spares=(
+                    config.spark_max_servers if isinstance(spark_server, TenantSparkServers) else 0
                 ),
+                spare_idle_s=config.spark_server_idle_s,
             ),
             WorkArea(config.work_dir),
             python=config.task_python,

@@ -19,17 +19,20 @@ retired to make room. A process is retired after ``max_tasks`` tasks, when its r
 memory passes ``max_rss_mb``, after any cancel, crash or protocol error, and when idle for
 ``idle_s``. Every process is in its own session: retiring kills its whole process group.
 
-Spares (with per-tenant Spark servers, ``spare_idle_s`` > 0). A tenant whose Spark was just
-granted keeps one spare process: started ahead of need, its Spark Connect client imported
-in the background, no task run and no memory limit yet. A task of that tenant that finds no
+Spares (with per-tenant Spark servers: ``max_spares`` > 0). A tenant whose Spark was just
+used keeps one spare process: started ahead of need, its Spark Connect client imported in
+the background, no task run and no memory limit yet. A task of that tenant that finds no
 idle process of its key takes the spare instead of starting one (the limit is sent in a
 Limit frame before its Run and applied before any tenant code, as at a start; a spare
-already over that limit is left for another task); the tenant's next Spark grant starts a
-new spare. So a tenant's first PySpark task in a new process (another memory limit, a
+already over that limit is left for another task); the tenant's next use of Spark starts
+a new spare. So a tenant's first PySpark task in a new process (another memory limit, a
 second task at once, a process retired) pays a session and its query, not the ~0.8 s
-import (docs/BENCHMARKS.md, issue 30). A spare counts against ``capacity``, is started
-only when there is room, is retired like any idle process to make room, and after
-``spare_idle_s`` without a grant of its tenant's Spark (the server's own idle time).
+import (docs/BENCHMARKS.md, issue 30). Spares take no slot: like the tenants' Spark
+servers they are bounded apart, at most ``max_spares`` (the worker's ``--spark-max-servers``:
+one per server it may run, ~140 MB each beside a server's heap), the least recently used
+retired for a new tenant's, each ended after ``spare_idle_s`` without its tenant using
+Spark (the server's own idle time). A spare taken by a task becomes a process of that key
+and takes a slot: the oldest idle process is retired if the slots are then over.
 
 Files (under the work root, ``0711``, the worker's): ``attempts/<uid>-<rand>`` (``0700``,
 the task user's; one per process, every attempt's cwd and TMPDIR, found empty by each
@@ -58,6 +61,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -104,7 +108,8 @@ _START_TIMEOUT_S: Final = 60.0
 class PoolLimits:
     capacity: int
     idle_s: float = 60.0
-    spare_idle_s: float = 0.0  # 0: no spares (module docstring)
+    max_spares: int = 0  # 0: no spares (module docstring)
+    spare_idle_s: float = 300.0
     max_tasks: int = 1000
     max_rss_mb: float = 0.0  # 0: no limit
     max_output_bytes: int = 1024 * 1024
@@ -135,7 +140,9 @@ class TaskProcessPool:
         self._idle: dict[tuple[str, int], list[TaskProcess]] = {}
         self._busy: set[TaskProcess] = set()
         self._busy_by_key: dict[tuple[str, int], set[TaskProcess]] = {}
-        self._spares_starting: set[str] = set()  # tenants
+        # Spares by tenant, least recently used first, and the tenants whose spare starts.
+        self._spares: OrderedDict[str, TaskProcess] = OrderedDict()
+        self._spares_starting: set[str] = set()
         # Mean run time (microseconds, moving average) per (tenant, task type).
         self._run_us: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
@@ -165,6 +172,10 @@ class TaskProcessPool:
                     process.claim()
                     return process
             spare = self._take_spare(tenant, memory_limit_mb)
+            over = spare is not None and self._live() > self.limits.capacity
+            victim = self._oldest_idle() if over else None
+        if victim is not None:
+            victim.retire(wait=False)
         if spare is None or spare.set_memory_limit(memory_limit_mb):
             return spare
         self.unclaim(spare)  # gone: retired as it exited
@@ -172,57 +183,64 @@ class TaskProcessPool:
 
     def keep_spare(self, tenant: str, identity: TaskIdentity) -> None:
         """``tenant`` just used its Spark (a grant, an attempt's end): its spare's idle time
-        starts again; without one, one starts on a thread of its own if there is room
-        (module docstring). Never blocks."""
-        if not self.limits.spare_idle_s:
+        starts again; without one, one starts on a thread of its own, the least recently
+        used spare retired if there are ``max_spares`` (module docstring). Never blocks."""
+        if not self.limits.max_spares:
             return
-        key = (tenant, SPARE_LIMIT)
+        evicted: TaskProcess | None = None
         with self._lock:
             if self._closed or tenant in self._spares_starting:
                 return
-            spares = self._idle.get(key)
-            if spares:
-                for spare in spares:
-                    spare.last_used = time.monotonic()
+            spare = self._spares.get(tenant)
+            if spare is not None:
+                spare.last_used = time.monotonic()
+                self._spares.move_to_end(tenant)
                 return
-            if self._live() >= self.limits.capacity:
-                return
+            if self._spares and len(self._spares) + len(self._spares_starting) >= (
+                self.limits.max_spares
+            ):
+                _, evicted = self._spares.popitem(last=False)
             self._spares_starting.add(tenant)
             # Under the lock: close() shuts the starter down only after it set _closed.
-            self._spare_starter.submit(self._start_spare, key, identity)
+            self._spare_starter.submit(self._start_spare, tenant, identity)
+        if evicted is not None:
+            evicted.retire(wait=False)
 
-    def _start_spare(self, key: tuple[str, int], identity: TaskIdentity) -> None:
+    def _start_spare(self, tenant: str, identity: TaskIdentity) -> None:
         process: TaskProcess | None = None
         try:
-            process = self._start(key, identity)
+            process = self._start((tenant, SPARE_LIMIT), identity)
         except Exception as exc:  # a spare is an optimisation: the task that needs one starts it
-            logger.warning("no spare task process for tenant %s: %s", key[0], exc)
+            logger.warning("no spare task process for tenant %s: %s", tenant, exc)
         with self._lock:
-            self._spares_starting.discard(key[0])
-            kept = process is not None and not self._closed
+            self._spares_starting.discard(tenant)
+            kept = process is not None and not self._closed and tenant not in self._spares
             if kept:
                 assert process is not None
                 process.last_used = time.monotonic()  # its idle time starts once it is up
-                self._idle.setdefault(key, []).append(process)
+                self._spares[tenant] = process
         if process is not None and not kept:
             process.retire()
+
+    def spare_pid(self, tenant: str) -> int | None:
+        """The pid of ``tenant``'s spare, if it has one."""
+        with self._lock:
+            spare = self._spares.get(tenant)
+            return spare.pid if spare is not None else None
 
     def _take_spare(self, tenant: str, memory_limit_mb: int) -> TaskProcess | None:
         """(Under the lock.) The tenant's spare, keyed and claimed for that limit, unless it
         already uses more address space than the limit allows."""
-        spares = self._idle.get((tenant, SPARE_LIMIT))
-        while spares:
-            spare = spares.pop()
-            if not spare.alive:
-                continue
-            if memory_limit_mb and spare.address_space_mb() > memory_limit_mb:
-                spares.append(spare)  # a process of its own for this task
-                return None
-            spare.key = (tenant, memory_limit_mb)
-            self._mark_busy(spare)
-            spare.claim()
-            return spare
-        return None
+        spare = self._spares.get(tenant)
+        if spare is None or not spare.alive:
+            return None
+        if memory_limit_mb and spare.address_space_mb() > memory_limit_mb:
+            return None  # a process of its own for this task
+        del self._spares[tenant]
+        spare.key = (tenant, memory_limit_mb)
+        self._mark_busy(spare)
+        spare.claim()
+        return spare
 
     def pipeline_process(
         self, tenant: str, memory_limit_mb: int, type_name: str
@@ -355,7 +373,9 @@ class TaskProcessPool:
                 return
             self._closed = True
             processes = [p for idle in self._idle.values() for p in idle] + list(self._busy)
+            processes += self._spares.values()
             self._idle.clear()
+            self._spares.clear()
         self._stop.set()
         for process in processes:
             process.retire()
@@ -379,8 +399,8 @@ class TaskProcessPool:
     # -- internals --
 
     def _live(self) -> int:
-        idle = sum(len(processes) for processes in self._idle.values())
-        return len(self._busy) + idle + len(self._spares_starting)
+        """Processes that take a slot (spares do not)."""
+        return len(self._busy) + sum(len(idle) for idle in self._idle.values())
 
     def _oldest_idle(self) -> TaskProcess | None:
         oldest: TaskProcess | None = None
@@ -484,12 +504,13 @@ class TaskProcessPool:
             now = time.monotonic()
             stale: list[TaskProcess] = []
             with self._lock:
-                for key, idle in self._idle.items():
-                    idle_s = (
-                        self.limits.spare_idle_s if key[1] == SPARE_LIMIT else self.limits.idle_s
-                    )
+                for tenant, spare in list(self._spares.items()):
+                    if not spare.alive or now - spare.last_used > self.limits.spare_idle_s:
+                        del self._spares[tenant]
+                        stale.append(spare)
+                for idle in self._idle.values():
                     for process in list(idle):
-                        if not process.alive or now - process.last_used > idle_s:
+                        if not process.alive or now - process.last_used > self.limits.idle_s:
                             idle.remove(process)
                             stale.append(process)
             for process in stale:

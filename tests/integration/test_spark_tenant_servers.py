@@ -102,7 +102,7 @@ async def test_a_new_tenant_takes_the_idle_servers_place_and_idle_servers_stop(
     worker, conn = await env.started(
         worker_id="lru1",
         task_isolation="process",
-        task_types={"*": 2},  # room for a task process and the tenant's spare
+        task_types={"*": 1},
         resources={"cpu": 1.0, "memory_mb": 4096.0},
         spark_master="local[1]",
         work_dir=work_root,

@@ -36,10 +36,10 @@ LIMITS_JOB = textwrap.dedent(
 )
 
 
-def _with_spares(rt: Runtime, spare_idle_s: float = 30.0) -> TaskProcessPool:
+def _with_spares(rt: Runtime, max_spares: int = 4, spare_idle_s: float = 30.0) -> TaskProcessPool:
     pool = rt.runtime.processes
     assert pool is not None
-    pool.limits = dataclasses.replace(pool.limits, spare_idle_s=spare_idle_s)
+    pool.limits = dataclasses.replace(pool.limits, max_spares=max_spares, spare_idle_s=spare_idle_s)
     return pool
 
 
@@ -50,10 +50,17 @@ def _spare(rt: Runtime, tenant: str) -> int:
     assert pool is not None and identities is not None
     pool.keep_spare(tenant, identities.for_tenant(tenant))  # starts it on a thread
     deadline = time.monotonic() + WAIT_S
-    while not (pids := pool.idle_pids(tenant)) and time.monotonic() < deadline:
+    while (pid := pool.spare_pid(tenant)) is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert len(pids) == 1, f"no spare for {tenant} within {WAIT_S} s: {pids}"
-    return pids[0]
+    assert pid is not None, f"no spare for {tenant} within {WAIT_S} s"
+    return pid
+
+
+def _gone(pid: int) -> bool:
+    deadline = time.monotonic() + WAIT_S
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not Path(f"/proc/{pid}").exists()
 
 
 @pytest.fixture
@@ -93,7 +100,7 @@ def test_a_spare_serves_only_its_own_tenant(rt: Runtime) -> None:
     rt.start(1, "job:limits", tenant="bob")
     bob = rt.result(1)
     assert bob["pid"] != spare_pid
-    assert pool.idle_pids("alice") == [spare_pid]  # still alice's, untouched
+    assert pool.spare_pid("alice") == spare_pid  # still alice's, untouched
     rt.start(2, "job:limits", tenant="alice")
     alice = rt.result(2)
     assert alice["pid"] == spare_pid
@@ -106,21 +113,33 @@ def test_a_spare_over_a_tasks_limit_is_left_for_another_task(rt: Runtime) -> Non
     # 1 MB: less address space than any started Python uses, so the spare cannot honour it
     # as a process started with that limit would have.
     assert pool.idle_process("alice", 1) is None
-    assert pool.idle_pids("alice") == [spare_pid]
+    assert pool.spare_pid("alice") == spare_pid
 
 
-def test_no_spare_without_room_for_it(tmp_path: Path) -> None:
+def test_spares_take_no_slot(tmp_path: Path) -> None:
     rt = Runtime(tmp_path, task_types={"*": 1})
     try:
+        rt.sha = rt._install(LIMITS_JOB.encode())
         pool = _with_spares(rt)
-        _spare(rt, "alice")  # the one process the worker has room for
-        identities = rt.runtime.identities
-        assert identities is not None
-        pool.keep_spare("bob", identities.for_tenant("bob"))
-        assert pool.idle_pids("bob") == []
-        assert pool.live() == 1
+        spare_pid = _spare(rt, "alice")
+        rt.start(1, "job:limits", tenant="bob")  # the one slot: no room is made for it
+        assert rt.result(1)["pid"] != spare_pid
+        assert pool.spare_pid("alice") == spare_pid
+        assert pool.live() == 1  # bob's; the spare counts apart
     finally:
         rt.close()
+
+
+def test_spares_are_bounded_the_least_recently_used_retired(rt: Runtime) -> None:
+    pool = _with_spares(rt, max_spares=2)
+    alice, bob = _spare(rt, "alice"), _spare(rt, "bob")
+    identities = rt.runtime.identities
+    assert identities is not None
+    pool.keep_spare("alice", identities.for_tenant("alice"))  # used again: bob's is older
+    carol = _spare(rt, "carol")
+    assert _gone(bob)
+    assert pool.spare_pid("bob") is None
+    assert (pool.spare_pid("alice"), pool.spare_pid("carol")) == (alice, carol)
 
 
 def test_a_spare_is_ended_after_its_idle_time(tmp_path: Path) -> None:
@@ -128,11 +147,8 @@ def test_a_spare_is_ended_after_its_idle_time(tmp_path: Path) -> None:
     try:
         pool = _with_spares(rt, spare_idle_s=0.5)
         spare_pid = _spare(rt, "alice")
-        deadline = time.monotonic() + 10.0
-        while pool.live() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert pool.live() == 0
-        assert not Path(f"/proc/{spare_pid}").exists()
+        assert _gone(spare_pid)
+        assert pool.spare_pid("alice") is None
     finally:
         rt.close()
 
