@@ -86,6 +86,8 @@ _OUTAGE_MODULES = frozenset(
         "deposed_leader",
         "disconnected_worker",
         "durability",
+        # Not an outage test: the longest (schemathesis' CPU), here to even the lanes out.
+        "fuzz_http",
         "joins_after",
         "ledger_pulsar",
         "lost_worker",

@@ -231,18 +231,20 @@ def run_broker(args: argparse.Namespace) -> int:
         tls=_tls_config(args),
         code_retention_ms=_code_retention_ms(args),
     )
+    exit_code = 0
     try:
         uvloop.run(serve_broker(config))
     except BrokerStartupError as exc:
         print(f"steward: cannot start: {exc}", file=sys.stderr)
-        return 2
-    # Everything is closed and flushed (ledger, snapshot, ZooKeeper sessions). Leave without
-    # the interpreter's teardown: pulsar-client's C++ threads can abort the process in
-    # static destructors at exit ("terminate called without an active exception").
+        exit_code = 2
+    # Everything is closed and flushed (ledger, snapshot, ZooKeeper sessions), also after a
+    # refused start. Leave without the interpreter's teardown: pulsar-client's C++ threads
+    # can abort the process in static destructors at exit ("terminate called without an
+    # active exception", exit -6 instead of 2: seen after the fencing check's refusal).
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(exit_code)
 
 
 def run_cluster_up(args: argparse.Namespace) -> int:

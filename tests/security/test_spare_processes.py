@@ -1,9 +1,9 @@
 """Spare task processes (clients/worker/task_procs.py, "Spares"): one per tenant, started
 ahead of need, given its memory limit only when a task of its tenant takes it.
 
-Real processes through the real TaskRuntime (tests/security/test_task_processes.py's
-``Runtime``); spares are turned on in its pool as a worker with per-tenant Spark servers
-does (the path from a Spark grant to a spare: tests/integration/test_spark_tenant_servers.py).
+Real processes through the real TaskRuntime (tests/support/task_runtime.py); spares are
+turned on in its pool as a worker with per-tenant Spark servers does (the path from a Spark
+grant to a spare: tests/integration/test_spark_tenant_servers.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 
 from clients.worker import task_wire
 from clients.worker.task_procs import TaskProcessPool
-from tests.security.test_task_processes import Runtime
+from tests.support.task_runtime import Runtime
 
 WAIT_S = 20.0
 
@@ -65,8 +65,7 @@ def _gone(pid: int) -> bool:
 
 @pytest.fixture
 def rt(tmp_path: Path) -> Iterator[Runtime]:
-    runtime = Runtime(tmp_path)
-    runtime.sha = runtime._install(LIMITS_JOB.encode())
+    runtime = Runtime(tmp_path, LIMITS_JOB)
     yield runtime
     runtime.close()
 
@@ -117,9 +116,8 @@ def test_a_spare_over_a_tasks_limit_is_left_for_another_task(rt: Runtime) -> Non
 
 
 def test_spares_take_no_slot(tmp_path: Path) -> None:
-    rt = Runtime(tmp_path, task_types={"*": 1})
+    rt = Runtime(tmp_path, LIMITS_JOB, task_types={"*": 1})
     try:
-        rt.sha = rt._install(LIMITS_JOB.encode())
         pool = _with_spares(rt)
         spare_pid = _spare(rt, "alice")
         rt.start(1, "job:limits", tenant="bob")  # the one slot: no room is made for it
@@ -143,7 +141,7 @@ def test_spares_are_bounded_the_least_recently_used_retired(rt: Runtime) -> None
 
 
 def test_a_spare_is_ended_after_its_idle_time(tmp_path: Path) -> None:
-    rt = Runtime(tmp_path)
+    rt = Runtime(tmp_path, LIMITS_JOB)
     try:
         pool = _with_spares(rt, spare_idle_s=0.5)
         spare_pid = _spare(rt, "alice")

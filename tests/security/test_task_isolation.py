@@ -21,6 +21,7 @@ import hashlib
 import os
 import pwd
 import secrets
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -259,9 +260,11 @@ def test_another_tenants_running_task_is_out_of_reach(cluster: Cluster) -> None:
 
 def _holder_pid(cluster: Cluster, t0: float) -> int | None:
     # The holder writes its pid into its working directory; the worker's default work dir
-    # is /tmp/steward-worker-<uid>-<worker id>/attempts/<uid>-<random>/pid (root can read).
+    # is $TMPDIR/steward-worker-<uid>-<worker id>/attempts/<uid>-<random>/pid (root can
+    # read; the worker inherits this test process's TMPDIR: tests/support/tmp_dirs.py).
     # Other tests' workers left theirs: only a file written since t0 counts.
-    for path in Path("/tmp").glob(f"steward-worker-{os.geteuid()}-*/attempts/*/pid"):
+    work_dirs = Path(tempfile.gettempdir()).glob(f"steward-worker-{os.geteuid()}-*")
+    for path in (pid for work_dir in work_dirs for pid in work_dir.glob("attempts/*/pid")):
         try:
             if path.stat().st_mtime < t0 - 1:
                 continue

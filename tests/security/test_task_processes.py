@@ -8,15 +8,12 @@ their asserts, not with skips. Every wait is bounded.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import stat
 import sys
-import tempfile
 import textwrap
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,13 +21,11 @@ from typing import Any
 
 import pytest
 
-from broker.workers.protocol import AssignedTask, TaskReport
 from clients.worker import WorkerConfig
-from clients.worker.runtime import TaskRuntime
 from clients.worker.task_identity import DEFAULT_TASK_UID_RANGE, TaskIdentities, TaskUserError
 from clients.worker.task_procs import check_task_processes
+from tests.support.task_runtime import WAIT_S, Runtime, work_root
 
-WAIT_S = 20.0
 IS_ROOT = os.geteuid() == 0
 
 JOB = textwrap.dedent(
@@ -109,98 +104,9 @@ JOB = textwrap.dedent(
 )
 
 
-def _work_root(tmp: Path) -> Path:
-    root = Path(tempfile.mkdtemp(prefix="steward-test-work-"))
-    os.chmod(root, 0o711)
-    (tmp / "work-root").write_text(str(root))  # for cleanup
-    return root / "work"
-
-
-class Runtime:
-    """A TaskRuntime with task processes and a collecting on_report."""
-
-    def __init__(self, tmp: Path, **overrides: Any) -> None:
-        settings: dict[str, Any] = {
-            "broker": "127.0.0.1:1",
-            "http_url": "http://127.0.0.1:1",
-            "task_types": {"*": 4},
-            "cache_dir": tmp / "cache",
-            # Not under tmp: pytest makes its base 0700, and task users must reach this.
-            "work_dir": _work_root(tmp),
-            "cancel_grace_s": 1.0,
-            "task_process_idle_s": 30.0,
-        }
-        settings.update(overrides)
-        self.config = WorkerConfig(**settings)
-        self.reports: dict[tuple[int, int], TaskReport] = {}
-        self._cond = threading.Condition()
-        self.runtime = TaskRuntime(self.config, self._on_report)
-        self.sha = self._install(JOB.encode())
-
-    def ready_path(self, task_id: int) -> str:
-        """Where a task says it runs: a directory task users can write, like /tmp."""
-        ready = self.config.work_dir.parent / "ready"
-        ready.mkdir(exist_ok=True)
-        os.chmod(ready, 0o1777)
-        return str(ready / str(task_id))
-
-    def _install(self, code: bytes) -> str:
-        sha = hashlib.sha256(code).hexdigest()
-        self.config.cache_dir.mkdir(parents=True, exist_ok=True)
-        (self.config.cache_dir / f"{sha}.py").write_bytes(code)
-        return sha
-
-    def _on_report(self, report: TaskReport) -> None:
-        with self._cond:
-            self.reports[report.task_id, report.attempt] = report
-            self._cond.notify_all()
-        self.runtime.forget((report.task_id, report.attempt))
-
-    def start(
-        self,
-        task_id: int,
-        fn: str,
-        params: Any = None,
-        *,
-        tenant: str = "alice",
-        resources: dict[str, float] | None = None,
-    ) -> None:
-        code = self.sha if ":" in fn else None
-        self.runtime.start(
-            AssignedTask(
-                task_id=task_id,
-                attempt=1,
-                type=fn,
-                tenant=tenant,
-                params=json.dumps(params).encode(),
-                code=code,
-                resources=resources or {},
-            )
-        )
-
-    def wait(self, task_id: int, timeout_s: float = WAIT_S) -> TaskReport:
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while (task_id, 1) not in self.reports:
-                left = deadline - time.monotonic()
-                assert left > 0, f"task {task_id} did not report within {timeout_s} s"
-                self._cond.wait(left)
-            return self.reports[task_id, 1]
-
-    def result(self, task_id: int) -> Any:
-        report = self.wait(task_id)
-        assert report.ok, report.error
-        assert report.result is not None
-        return json.loads(report.result)
-
-    def close(self) -> None:
-        self.runtime.shutdown()
-        shutil.rmtree(self.config.work_dir.parent, ignore_errors=True)
-
-
 @pytest.fixture
 def rt(tmp_path: Path) -> Iterator[Runtime]:
-    runtime = Runtime(tmp_path)
+    runtime = Runtime(tmp_path, JOB)
     yield runtime
     runtime.close()
 
@@ -254,7 +160,7 @@ def test_the_environment_is_scrubbed_and_the_worker_token_is_not_passed(
 ) -> None:
     monkeypatch.setenv("STEWARD_WORKER_TOKEN", "s3cret-worker-token")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cret-aws")
-    rt = Runtime(tmp_path, token="s3cret-worker-token")
+    rt = Runtime(tmp_path, JOB, token="s3cret-worker-token")
     try:
         rt.start(1, "job:whoami")
         env = rt.result(1)["env"]
@@ -357,7 +263,7 @@ def test_stdout_stderr_and_the_task_logger_are_captured_per_attempt(rt: Runtime)
 
 
 def test_output_is_bounded_to_its_last_bytes(tmp_path: Path) -> None:
-    rt = Runtime(tmp_path, max_output_bytes=1000)
+    rt = Runtime(tmp_path, JOB, max_output_bytes=1000)
     try:
         rt.start(1, "job:chatty", "x" * 50_000)
         rt.result(1)
@@ -369,7 +275,7 @@ def test_output_is_bounded_to_its_last_bytes(tmp_path: Path) -> None:
 
 
 def test_a_process_is_recycled_after_max_tasks(tmp_path: Path) -> None:
-    rt = Runtime(tmp_path, task_process_max_tasks=2, task_types={"*": 1})
+    rt = Runtime(tmp_path, JOB, task_process_max_tasks=2, task_types={"*": 1})
     try:
         pids = []
         for task_id in range(1, 6):
@@ -382,7 +288,7 @@ def test_a_process_is_recycled_after_max_tasks(tmp_path: Path) -> None:
 
 
 def test_idle_processes_are_ended_after_the_idle_timeout(tmp_path: Path) -> None:
-    rt = Runtime(tmp_path, task_process_idle_s=0.5)
+    rt = Runtime(tmp_path, JOB, task_process_idle_s=0.5)
     try:
         rt.start(1, "job:whoami")
         pid = rt.result(1)["pid"]
@@ -457,7 +363,7 @@ def test_the_worker_says_at_start_when_task_users_cannot_run_its_python(tmp_path
     config = WorkerConfig(
         broker="127.0.0.1:1",
         http_url="http://127.0.0.1:1",
-        work_dir=_work_root(tmp_path),
+        work_dir=work_root(tmp_path),
         task_python=str(python),
     )
     try:
@@ -493,7 +399,7 @@ def _start_batch(rt: Runtime, tasks: list[tuple[int, str, Any]]) -> None:
 
 
 def test_quick_tasks_are_pipelined_and_each_keeps_its_own_output(tmp_path: Path) -> None:
-    rt = Runtime(tmp_path, task_types={"*": 16})
+    rt = Runtime(tmp_path, JOB, task_types={"*": 16})
     try:
         _learn(rt, 1, "job:echo")
         ids = list(range(2, 14))
@@ -564,9 +470,9 @@ def _python_that_crashes_once(root: Path) -> tuple[Path, Path]:
 
 
 def test_a_task_process_that_dies_while_starting_is_replaced_once(tmp_path: Path) -> None:
-    work_root = _work_root(tmp_path)
-    python, marker = _python_that_crashes_once(work_root.parent / "bin")
-    rt = Runtime(tmp_path, work_dir=work_root, task_python=str(python))
+    work_dir = work_root(tmp_path)
+    python, marker = _python_that_crashes_once(work_dir.parent / "bin")
+    rt = Runtime(tmp_path, JOB, work_dir=work_dir, task_python=str(python))
     try:
         rt.start(1, "job:whoami")
         assert rt.result(1)["tenant"] == "alice"
