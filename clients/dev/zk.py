@@ -54,7 +54,8 @@ _DEBIAN_DEPENDENCY_PATTERNS = (
     "metrics-core*.jar",
     "snappy-java*.jar",
 )
-_LOG4J2_CONFIG = """\
+#: Log4j 2 to the console (stdout, kept as the server's log); the Pulsar harness uses it too.
+LOG4J2_CONSOLE_CONFIG = """\
 status = warn
 appender.console.type = Console
 appender.console.name = console
@@ -238,7 +239,7 @@ class ZooKeeperServer(LocalServerProcess):
             lines.append(f"maxSessionTimeout={self._max_session_timeout_ms}")
         self.config_path.write_text("\n".join(lines) + "\n")
         # Without a config log4j2 logs errors only; INFO makes failed test runs explainable.
-        (self._directory / "log4j2.properties").write_text(_LOG4J2_CONFIG)
+        (self._directory / "log4j2.properties").write_text(LOG4J2_CONSOLE_CONFIG)
 
     def _command(self) -> list[str]:
         return [

@@ -47,7 +47,7 @@ import httpx
 import pytest
 
 from clients.dev.local_server import HOST, LocalServerProcess
-from clients.dev.zk import ZooKeeperError, find_java
+from clients.dev.zk import LOG4J2_CONSOLE_CONFIG, ZooKeeperError, find_java
 from tests.support.reserved_ports import PortReservation, reserve_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,15 +77,6 @@ _JVM_OPENS = (
     "java.management/sun.management",
     "jdk.management/com.sun.management.internal",
 )
-_LOG4J2_CONFIG = """\
-status = warn
-appender.console.type = Console
-appender.console.name = console
-appender.console.layout.type = PatternLayout
-appender.console.layout.pattern = %d{ISO8601} %-5p [%t] %c{1}: %m%n
-rootLogger.level = info
-rootLogger.appenderRef.console.ref = console
-"""
 _VERSION_RE = re.compile(r"<pulsar\.version>([^<]+)</pulsar\.version>")
 
 
@@ -316,7 +307,7 @@ class PulsarStandalone(LocalServerProcess):
             "loadBalancerOverrideBrokerNicSpeedGbps=1",
         ]
         self.config_path.write_text("\n".join(lines) + "\n")
-        (self._directory / "log4j2.properties").write_text(_LOG4J2_CONFIG)
+        (self._directory / "log4j2.properties").write_text(LOG4J2_CONSOLE_CONFIG)
 
     def _command(self) -> list[str]:
         return [
