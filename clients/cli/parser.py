@@ -159,7 +159,7 @@ def _add_server_commands(sub: argparse._SubParsersAction[StewardArgumentParser])
         "--pulsar-flavor",
         choices=["pulsar", "pulsar-lite"],
         default="pulsar",
-        help="one of %(choices)s: pulsar: Apache Pulsar >= 2.11 (fencing, batching); "
+        help="one of %(choices)s: pulsar: Apache Pulsar >= 2.11 (fencing, LZ4); "
         "pulsar-lite: its safe settings",
     )
     _add_listen_options(

@@ -6,12 +6,13 @@ tests/conftest.py loads these fixtures for every test.
   free loopback port in a temporary directory, stopped after the session. Tests sharing it
   use their own topic prefix (``PulsarConfig.cluster``) and ledger ids.
 - ``pulsar_lite_factory``: starts private brokers for tests that kill or restart one.
-- ``pulsar_standalone`` (session scope): real Apache Pulsar, a started
-  :class:`~tests.support.pulsar_standalone.PulsarStandalone` from the engines cache, killed
-  (its process group) after the session; only started when a test asks for it.
 
-There is no skip: without the pulsar-lite wheel (or pulsar-client), or without Java or the
-cached Pulsar jars, the fixtures fail with the reason.
+Real Apache Pulsar is no session fixture here: a module that needs it starts one standalone
+for the module (``tests.support.pulsar_standalone.started_standalone`` in a module-scoped
+fixture), so its JVM is stopped when the module ends rather than held through the session.
+
+There is no skip: without the pulsar-lite wheel (or pulsar-client) the fixtures fail with the
+reason.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from clients.dev.pulsar_lite import PulsarLiteServer
-from tests.support.pulsar_standalone import PulsarStandalone, started_standalone
 from tests.support.server_fixtures import in_temp_dir, one_server, server_factory
 
 
@@ -36,8 +36,3 @@ def pulsar_lite_factory(
 ) -> Iterator[Callable[[], PulsarLiteServer]]:
     """Call it to get another started server; every one is stopped after the test."""
     yield from server_factory(in_temp_dir(PulsarLiteServer, tmp_path_factory, "pulsar-lite"))
-
-
-@pytest.fixture(scope="session")
-def pulsar_standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PulsarStandalone]:
-    yield from started_standalone(tmp_path_factory)

@@ -9,7 +9,6 @@ contract against another backend, subclass :class:`LedgerBackend` and add it to
 
 from __future__ import annotations
 
-import os
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -30,8 +29,6 @@ from snapshot.store import SnapshotStore
 from tests.support.pulsar_standalone import PulsarStandalone
 
 ZK_CONNECT_TIMEOUT_S = 15.0
-#: ``1``: the contract runs on real Apache Pulsar too (a standalone JVM: slower).
-REAL_PULSAR_ENV = "STEWARD_TEST_REAL_PULSAR"
 
 
 class LedgerBackend(ABC):
@@ -83,32 +80,16 @@ class FileBackend(LedgerBackend):
         return FileLedgerListStore(self.tmp_path / "ledgers.json")
 
 
-class PulsarBackend(LedgerBackend):
-    """pulsar-lite (one per session) with ledger ids and the ledger list in ZooKeeper, the
-    way a cluster runs it; every test gets its own cluster name (topics, znodes)."""
+class PulsarZooKeeperBackend(LedgerBackend):
+    """A Pulsar server with ledger ids and the ledger list in ZooKeeper, the way a cluster
+    runs it: stores in other processes share them (``config.cluster`` names the topics and
+    the znodes)."""
 
-    # pulsar-lite 0.2.0 ignores producer access modes (no ExclusiveWithFencing), so its
-    # stores cannot fence (PulsarConfig.fencing is False there): the ZooKeeper check of
-    # docs/DESIGN.md §4 protects acknowledged writes instead, and recovery's SEAL keeps a deposed
-    # writer's late appends from every reader (assert_recovered_end_is_final).
-    fixtures = ("pulsar_lite", "zookeeper")
-    fences = False
-
-    def __init__(
-        self, tmp_path: Path, *, pulsar_lite: PulsarLiteServer, zookeeper: ZooKeeperServer
-    ) -> None:
+    def __init__(self, tmp_path: Path, config: PulsarConfig, zookeeper_connect: str) -> None:
         super().__init__(tmp_path)
-        # Topic prefix and ZooKeeper cluster name: tests sharing the servers never meet.
-        self.cluster = f"t{uuid.uuid4().hex[:12]}"
-        self.config = PulsarConfig.for_pulsar_lite(
-            pulsar_lite.service_url,
-            tenant="steward",
-            namespace="tests",
-            cluster=self.cluster,
-            operation_timeout_s=10.0,
-            send_timeout_ms=10_000,
-        )
-        self.zk = KazooClient(hosts=zookeeper.connect_string, timeout=4.0)
+        self.config = config
+        self.cluster = config.cluster
+        self.zk = KazooClient(hosts=zookeeper_connect, timeout=4.0)
         self.zk.start(timeout=ZK_CONNECT_TIMEOUT_S)
 
     def _make_store(self) -> LedgerStore:
@@ -125,9 +106,50 @@ class PulsarBackend(LedgerBackend):
             self.zk.close()
 
 
+class PulsarBackend(PulsarZooKeeperBackend):
+    """pulsar-lite (one per session) with ledger ids and the ledger list in ZooKeeper; every
+    test gets its own cluster name (topics, znodes), so tests sharing the servers never meet."""
+
+    # pulsar-lite 0.2.0 ignores producer access modes (no ExclusiveWithFencing), so its
+    # stores cannot fence (PulsarConfig.fencing is False there): the ZooKeeper check of
+    # docs/DESIGN.md §4 protects acknowledged writes instead, and recovery's SEAL keeps a deposed
+    # writer's late appends from every reader (assert_recovered_end_is_final).
+    fixtures = ("pulsar_lite", "zookeeper")
+    fences = False
+
+    def __init__(
+        self, tmp_path: Path, *, pulsar_lite: PulsarLiteServer, zookeeper: ZooKeeperServer
+    ) -> None:
+        config = pulsar_lite_config(pulsar_lite, f"t{uuid.uuid4().hex[:12]}")
+        super().__init__(tmp_path, config, zookeeper.connect_string)
+
+
+def pulsar_lite_config(server: PulsarLiteServer, cluster: str) -> PulsarConfig:
+    """``PulsarConfig.for_pulsar_lite`` as the tests use it (bounded operations)."""
+    return PulsarConfig.for_pulsar_lite(
+        server.service_url,
+        tenant="steward",
+        namespace="tests",
+        cluster=cluster,
+        operation_timeout_s=10.0,
+        send_timeout_ms=10_000,
+    )
+
+
+def apache_pulsar_config(server: PulsarStandalone, cluster: str) -> PulsarConfig:
+    """``PulsarConfig.for_apache_pulsar`` as the tests use it (bounded operations)."""
+    return PulsarConfig.for_apache_pulsar(
+        server.service_url,
+        server.admin_url,
+        cluster=cluster,
+        operation_timeout_s=10.0,
+        send_timeout_ms=10_000,
+    )
+
+
 class MemoryLedgerIds:
     """Ledger ids and their catalog (``LedgerCatalog``) in memory, shared by the stores of
-    one backend: :class:`ApachePulsarBackend` runs without a ZooKeeper JVM beside Pulsar's."""
+    one backend: :class:`PulsarMemoryListBackend` runs without a ZooKeeper JVM beside Pulsar."""
 
     def __init__(self) -> None:
         self._last = 0
@@ -148,25 +170,13 @@ class MemoryLedgerIds:
         self._ids.discard(ledger_id)
 
 
-class ApachePulsarBackend(LedgerBackend):
-    """Real Apache Pulsar (a standalone for the session: tests/support/pulsar_standalone.py)
-    with ``PulsarConfig.for_apache_pulsar``: ExclusiveWithFencing, batching, LZ4, a reader
-    queue of 1000, the admin API. Ids, catalog and ledger list in memory (the ZooKeeper ones
-    are the pulsar backend's). In BACKENDS only with ``STEWARD_TEST_REAL_PULSAR=1``
-    (docs/TESTING.md, "Real Apache Pulsar")."""
+class PulsarMemoryListBackend(LedgerBackend):
+    """A Pulsar server with ledger ids, catalog and ledger list in memory, shared by the
+    stores of one backend (no ZooKeeper JVM beside the server): for in-process nodes."""
 
-    fixtures = ("pulsar_standalone",)
-    fences = True
-
-    def __init__(self, tmp_path: Path, *, pulsar_standalone: PulsarStandalone) -> None:
+    def __init__(self, tmp_path: Path, config: PulsarConfig) -> None:
         super().__init__(tmp_path)
-        self.config = PulsarConfig.for_apache_pulsar(
-            pulsar_standalone.service_url,
-            pulsar_standalone.admin_url,
-            cluster=f"t{uuid.uuid4().hex[:12]}",
-            operation_timeout_s=10.0,
-            send_timeout_ms=10_000,
-        )
+        self.config = config
         self.ids = MemoryLedgerIds()
         self.list_store = MemoryLedgerListStore()
 
@@ -177,18 +187,53 @@ class ApachePulsarBackend(LedgerBackend):
         return self.list_store
 
 
+class ApachePulsarBackend(PulsarMemoryListBackend):
+    """Real Apache Pulsar (a standalone JVM: tests/support/pulsar_standalone.py) with
+    ``PulsarConfig.for_apache_pulsar`` (ExclusiveWithFencing, the admin API, its measured
+    defaults). Not in :data:`BACKENDS`: a JVM belongs in a real-process test module, so the
+    contract runs on it from tests/integration/test_ledger_real_pulsar.py, which gives the
+    ``pulsar_standalone`` fixture (one standalone per module; docs/TESTING.md, "Real Apache
+    Pulsar")."""
+
+    fixtures = ("pulsar_standalone",)
+    fences = True
+
+    def __init__(self, tmp_path: Path, *, pulsar_standalone: PulsarStandalone) -> None:
+        super().__init__(
+            tmp_path, apache_pulsar_config(pulsar_standalone, f"t{uuid.uuid4().hex[:12]}")
+        )
+
+
 BACKENDS: dict[str, type[LedgerBackend]] = {
     "memory": MemoryBackend,
     "file": FileBackend,
     "pulsar": PulsarBackend,
 }
-if os.environ.get(REAL_PULSAR_ENV) == "1":
-    BACKENDS["apache-pulsar"] = ApachePulsarBackend
 
 
-def cluster_node(backend: LedgerBackend, tmp_path: Path, name: str, cluster_id: str) -> Node:
+def cluster_node(
+    backend: LedgerBackend,
+    tmp_path: Path,
+    name: str,
+    cluster_id: str,
+    *,
+    zookeeper_confirmation: bool = True,
+) -> Node:
     """A cluster-mode Node over ``backend`` (timers and snapshots out of the way) whose
-    elector view always says it leads: only the ledgers and the ledger list can depose it."""
+    elector view always says it leads: only the ledgers and the ledger list can depose it.
+
+    ``zookeeper_confirmation=False`` is a TEST-ONLY switch (it exists nowhere else): it
+    takes Steward's own ZooKeeper confirmation out of the way, so that only the ledger
+    engine can stop a deposed leader (tests/integration/test_ledger_real_pulsar.py). The
+    node's store is then treated as one that fences (``can_fence`` forced True), so its
+    leader neither confirms each durable batch in ZooKeeper nor caps the LAC it stamps
+    (docs/DESIGN.md §4); with the stale elector view above, nothing of Steward's checks
+    whether it still leads. On a backend that really fences that changes nothing; on
+    pulsar-lite it leaves the late appends of a deposed leader unguarded.
+    """
+    ledgers = backend.new_store()
+    if not zookeeper_confirmation:
+        ledgers.can_fence = True
     node = Node(
         NodeConfig(
             data_dir=tmp_path / name,
@@ -197,7 +242,7 @@ def cluster_node(backend: LedgerBackend, tmp_path: Path, name: str, cluster_id: 
             snapshot_interval_s=3600.0,
             timer_poll_interval_s=3600.0,
         ),
-        ledgers=backend.new_store(),
+        ledgers=ledgers,
         ledger_list=backend.new_list_store(),
         snapshots=SnapshotStore(tmp_path / name / "snapshots"),
     )

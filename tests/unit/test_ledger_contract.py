@@ -1,4 +1,6 @@
-"""The ledger contract (log/api.py, docs/DESIGN.md §3), run against every backend in BACKENDS."""
+"""The ledger contract (log/api.py, docs/DESIGN.md §3), run against every backend in BACKENDS
+(in-process ones and pulsar-lite). tests/integration/test_ledger_real_pulsar.py runs these
+same tests on real Apache Pulsar (a JVM: a real-process module) with its own ``backend``."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from ledger_helpers import BACKENDS, LedgerBackend
 
 from log.api import (
     LedgerClosedError,
@@ -24,6 +25,7 @@ from log.api import (
     NoSuchLedgerError,
 )
 from tests.support.ledger_lists import check_compare_and_set, one_winner
+from tests.unit.ledger_helpers import BACKENDS, LedgerBackend
 
 pytestmark = pytest.mark.timeout(60)
 # The pulsar backend runs against a real pulsar-lite, with ids and the list in ZooKeeper.
