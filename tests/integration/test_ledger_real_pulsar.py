@@ -5,12 +5,12 @@ One Pulsar standalone for the module (tests/support/pulsar_standalone.py: a JVM,
 by the first test that needs it, its process group killed when the module ends, whatever
 happened). Every wait is bounded.
 
-- The contract: every test of tests/unit/test_ledger_contract.py (imported, not copied) runs
-  here with this module's ``backend``: :class:`~tests.unit.ledger_helpers.ApachePulsarBackend`,
+- The contract: every test of tests/support/ledger_contract.py (imported, not copied) runs
+  here with this module's ``backend``: :class:`~tests.support.ledger_backends.ApachePulsarBackend`,
   ``PulsarConfig.for_apache_pulsar`` (ExclusiveWithFencing, its measured defaults).
   pulsar-lite keeps its own run of the contract there (in-process beside a cheap server).
 - A deposed leader on real Pulsar: the take-over tests of
-  tests/integration/test_deposed_leader.py (imported) run on this backend too, and the
+  tests/support/deposed_leader.py (imported) run on this backend too, and the
   broker's start-up check (``verify_fencing``) finds fencing enforced.
 - The engine alone fences a paused leader: a leader node in a process of its own
   (tests/support/leader_process.py; ledger ids and list in the suite's ZooKeeper) leads and
@@ -34,14 +34,12 @@ from pathlib import Path
 import pulsar  # type: ignore[import-untyped]
 import pytest
 
-import tests.integration.test_deposed_leader as deposed_leader_tests
-import tests.unit.test_ledger_contract as contract_tests
 from broker.replication.node import Node
 from clients.dev.zk import ZooKeeperServer
 from log.pulsar import PulsarLedgerStore
+from tests.support.deposed_leader import take_over_tests
 from tests.support.leader_process import LeaderProcess, lead, tagged_task, task_tags
-from tests.support.pulsar_standalone import PulsarStandalone, started_standalone
-from tests.unit.ledger_helpers import (
+from tests.support.ledger_backends import (
     ApachePulsarBackend,
     LedgerBackend,
     PulsarZooKeeperBackend,
@@ -49,6 +47,8 @@ from tests.unit.ledger_helpers import (
     cluster_node,
     pulsar_lite_config,
 )
+from tests.support.ledger_contract import contract_tests
+from tests.support.pulsar_standalone import PulsarStandalone, started_standalone
 
 # The first test's set-up starts the standalone (bounded by FIRST_START_TIMEOUT_S, 180 s).
 pytestmark = pytest.mark.timeout(300)
@@ -75,20 +75,14 @@ async def backend(
 
 
 # The contract's tests and its ``store`` fixture (which takes ``backend``, the one above).
-store = contract_tests.store
+globals().update(contract_tests())
+# The take-over tests that take ``backend`` (its unfenced_backend one is pulsar-lite's).
 globals().update(
-    {name: test for name, test in vars(contract_tests).items() if name.startswith("test_")}
-)
-# The take-over tests that take ``backend`` (its unfenced_backend ones are pulsar-lite's).
-globals().update(
-    {
-        name: getattr(deposed_leader_tests, name)
-        for name in (
-            "test_deposed_leader_never_gets_a_write_acknowledged",
-            "test_writes_racing_a_take_over_are_acknowledged_only_if_the_new_leader_has_them",
-            "test_a_fencing_backend_leader_asks_zookeeper_nothing_per_batch",
-        )
-    }
+    take_over_tests(
+        "test_deposed_leader_never_gets_a_write_acknowledged",
+        "test_writes_racing_a_take_over_are_acknowledged_only_if_the_new_leader_has_them",
+        "test_a_fencing_backend_leader_asks_zookeeper_nothing_per_batch",
+    )
 )
 
 

@@ -3,7 +3,7 @@ node takes over (tests/integration/test_ledger_real_pulsar.py, the engine-fencin
 
 The process runs one cluster-mode :class:`~broker.replication.node.Node` on the pulsar ledger
 backend, ledger ids and list in ZooKeeper
-(:class:`~tests.unit.ledger_helpers.PulsarZooKeeperBackend`), built by
+(:class:`~tests.support.ledger_backends.PulsarZooKeeperBackend`), built by
 ``cluster_node(..., zookeeper_confirmation=False)``: the TEST-ONLY switch that takes
 Steward's own ZooKeeper confirmation out of the way (its elector view always says "leader"
 and it never confirms a batch in ZooKeeper), so only the ledger engine can stop it.
@@ -182,7 +182,7 @@ async def _propose(node: Node, tag: str, count: int) -> dict[str, Any]:
 
 
 async def _serve(spec: dict[str, Any]) -> None:
-    from tests.unit.ledger_helpers import PulsarZooKeeperBackend, cluster_node
+    from tests.support.ledger_backends import PulsarZooKeeperBackend, cluster_node
 
     config = PulsarConfig(**spec["config"])
     directory = Path(spec["directory"])

@@ -1,4 +1,4 @@
-"""Ledger-list checks shared by the ledger contract (tests/unit/test_ledger_contract.py) and
+"""Ledger-list checks shared by the ledger contract (tests/support/ledger_contract.py) and
 the ZooKeeper list store's own tests (tests/integration/test_zookeeper.py)."""
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from broker.api.http_api import ApiApp, ApiConfig
 from broker.core import entries as e
 from broker.observability.metrics import BUILTIN_TASK_TYPES
 from broker.replication.node import VERSION, Node, Stamp
+from tests.support.ledger_backends import MemoryBackend, cluster_node
 from tests.support.memory_node import memory_node
-from tests.unit.ledger_helpers import MemoryBackend, cluster_node
 
 WAIT_S = 30.0
 

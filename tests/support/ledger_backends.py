@@ -1,4 +1,4 @@
-"""Backends for the ledger contract tests (tests/unit/test_ledger_contract.py).
+"""Backends for the ledger contract tests (tests/support/ledger_contract.py).
 
 A backend hands out any number of stores (and ledger-list stores) over the *same*
 storage, so tests can restart a store, or fence a writer from a second store. To run the
