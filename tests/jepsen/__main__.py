@@ -1,4 +1,5 @@
-"""``python -m tests.jepsen --seed N --faults K [--ledger file|pulsar]``: one Jepsen run
+"""``python -m tests.jepsen --seed N --faults K [--ledger file|pulsar|apache-pulsar]
+[--kinds K1,K2]``: one Jepsen run
 (``--check DIR``: re-check a kept run's history; ``--ci``: the CI-sized configuration, one
 run per ledger backend, :data:`CI_FAULTS` faults each).
 
@@ -21,8 +22,9 @@ from pathlib import Path
 
 from tests.jepsen.checker import check, report
 from tests.jepsen.history import History
+from tests.jepsen.nemesis import ALL_KINDS
 from tests.jepsen.netns import Network, NetworkError
-from tests.jepsen.run import NODES
+from tests.jepsen.run import LEDGERS, NODES
 
 # Most of one round of the schedule each (tests/jepsen/nemesis.py: every network kind
 # twice, every other kind once, interleaved in proportion): 15 network and 11 process or
@@ -50,9 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", type=int, default=10, help="faults injected (default 10)")
     parser.add_argument(
         "--ledger",
-        choices=["file", "pulsar"],
+        choices=LEDGERS,
         default="file",
-        help="the brokers' ledger backend (pulsar: pulsar-lite in a namespace of its own)",
+        help="the brokers' ledger backend (pulsar: pulsar-lite in a namespace of its own; "
+        "apache-pulsar: an Apache Pulsar standalone there, from ./scripts/fetch-engines)",
+    )
+    parser.add_argument(
+        "--kinds",
+        default="",
+        metavar="K1,K2",
+        help="only these fault kinds (default: every kind; tests/jepsen/nemesis.py names them)",
     )
     parser.add_argument(
         "--ci",
@@ -75,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--seed is required (or --check DIR)")
     if args.faults < 0 or args.timeout_s <= 0 or args.max_attempts < 1:
         parser.error("--faults must be >= 0, --timeout-s > 0 and --max-attempts >= 1")
+    unknown = set(args.kinds.split(",")) - set(ALL_KINDS) if args.kinds else set()
+    if unknown:
+        parser.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(ALL_KINDS)}")
     directory = args.dir or Path(tempfile.mkdtemp(prefix="steward-jepsen-"))
     if not args.ci:
         return one_run(args, directory, args.ledger, args.faults)
@@ -105,6 +117,7 @@ def one_run(args: argparse.Namespace, directory: Path, ledger: str, faults: int)
                 "--duration-s", str(args.timeout_s),
                 "--session-timeout-ms", str(args.session_timeout_ms),
                 "--max-attempts", str(args.max_attempts),
+                *(["--kinds", args.kinds] if args.kinds else []),
             ]  # fmt: skip
             try:
                 return subprocess.run(command, timeout=args.timeout_s, check=False).returncode

@@ -30,9 +30,12 @@ from clients.dev.zk import ZooKeeperServer, four_letter_word
 from tests.jepsen.netns import Network
 from tests.support.logged_process import LoggedProcess
 from tests.support.procs import steward_command
+from tests.support.pulsar_standalone import PulsarStandalone
 
 ZK_PORT = 2181
 PULSAR_PORT = 6650
+PULSAR_ADMIN_PORT = 8080
+BOOKIE_PORT = 3181
 HTTP_PORT = 8080
 WORKER_PORT = 7070
 PROBE_TIMEOUT_S = 1.0
@@ -101,6 +104,50 @@ class NamespacedPulsarLite(PulsarLiteServer):
 
     def _ready(self) -> bool:
         return accepts_connections(self.ip, PULSAR_PORT, timeout_s=0.5)
+
+
+class NamespacedPulsarStandalone(PulsarStandalone):
+    """Real Apache Pulsar (the suite's standalone: a broker and a bookie in one JVM, its
+    bookie journalling with fsync) in the ``pl`` namespace (the ``apache-pulsar`` ledger):
+    the broker on the namespace's address, the bookie on the namespace's own loopback (only
+    its broker reaches it). Its fixed ports are the namespace's own, so the host's port
+    reservations the harness makes are given back at once."""
+
+    def __init__(self, net: Network, directory: Path) -> None:
+        super().__init__(directory, stop_with_parent=True)
+        self._release_ports()
+        self._reservations = []
+        self._port = PULSAR_PORT
+        self.web_port = PULSAR_ADMIN_PORT
+        self.bookie_port = BOOKIE_PORT
+        self.net = net
+        self.ip = net.address["pl"]
+
+    @property
+    def service_url(self) -> str:
+        return f"pulsar://{self.ip}:{PULSAR_PORT}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{self.ip}:{PULSAR_ADMIN_PORT}"
+
+    @property
+    def address(self) -> str:
+        return self.service_url
+
+    def _write_config(self) -> None:
+        super()._write_config()
+        text = self.config_path.read_text()
+        for key in ("bindAddress", "advertisedAddress"):
+            text = text.replace(f"{key}=127.0.0.1", f"{key}={self.ip}")
+        self.config_path.write_text(text)
+
+    def _command(self) -> list[str]:
+        return [*self.net.exec_prefix("pl"), *super()._command()]
+
+    def kill(self) -> None:
+        """kill -9 of the JVM (the nemesis's name for it, as pulsar-lite's)."""
+        self.kill9()
 
 
 class Node(LoggedProcess):
@@ -200,7 +247,11 @@ class Cluster:
         self.ledger_dir.mkdir(exist_ok=True)
         self.zookeeper = NamespacedZooKeeper(net, root / "zookeeper")
         self.ledger = ledger
-        self.pulsar = NamespacedPulsarLite(net, root / "pulsar") if ledger == "pulsar" else None
+        self.pulsar: NamespacedPulsarLite | NamespacedPulsarStandalone | None = None
+        if ledger == "pulsar":
+            self.pulsar = NamespacedPulsarLite(net, root / "pulsar")
+        elif ledger == "apache-pulsar":
+            self.pulsar = NamespacedPulsarStandalone(net, root / "pulsar")
         self.session_timeout_ms = session_timeout_ms
         self.brokers = {name: Broker(net, name, root, self._broker_args(name)) for name in brokers}
         urls = ",".join(b.url for b in self.brokers.values())
@@ -221,6 +272,13 @@ class Cluster:
     def _ledger_args(self) -> list[str]:
         if self.pulsar is None:
             return ["--ledger-dir", str(self.ledger_dir)]
+        if isinstance(self.pulsar, NamespacedPulsarStandalone):
+            # The standalone's own namespace (Steward's topics under the cluster's name).
+            return [
+                "--ledgers", "pulsar", "--pulsar-url", self.pulsar.service_url,
+                "--pulsar-admin-url", self.pulsar.admin_url, "--pulsar-flavor", "pulsar",
+                "--pulsar-tenant", "public", "--pulsar-namespace", "default",
+            ]  # fmt: skip
         return [
             "--ledgers", "pulsar", "--pulsar-url", self.pulsar.service_url,
             "--pulsar-flavor", "pulsar-lite",
@@ -272,7 +330,9 @@ class Cluster:
         for node in [*self.workers.values(), *self.brokers.values()]:
             node.kill9()
         self.zookeeper.kill9()
-        if self.pulsar is not None:
+        if isinstance(self.pulsar, NamespacedPulsarStandalone):
+            self.pulsar.close()
+        elif self.pulsar is not None:
             self.pulsar.kill()
 
     def ledger_writer(self, client: Any) -> tuple[str, int] | None:
@@ -304,7 +364,7 @@ class Cluster:
     def log_tails(self, max_bytes: int = 3000) -> str:
         parts = []
         if self.pulsar is not None:
-            parts.append(f"----- pulsar-lite ({self.pulsar.log_path}) -----\n"
+            parts.append(f"----- {self.pulsar.server_name} ({self.pulsar.log_path}) -----\n"
                          f"{self.pulsar.log_tail()}")  # fmt: skip
         for node in [*self.brokers.values(), *self.workers.values()]:
             parts.append(f"----- {node.name} ({node.log_path}) -----\n{node.log_tail(max_bytes)}")

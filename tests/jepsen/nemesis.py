@@ -51,6 +51,8 @@ PULSAR_NETWORK = ("leader-from-ledger",)
 PULSAR_PROCESS = ("kill-pulsar", "stop-pulsar")
 CLOCK = ("clock-forward-small", "clock-back-small", "clock-forward-big", "clock-back-big")
 FAULTS = (*NETWORK, *PROCESS, *CLOCK)
+#: Every kind a run may be limited to (``--kinds``): the pulsar ones need a pulsar ledger.
+ALL_KINDS = (*FAULTS, *PULSAR_NETWORK, *PULSAR_PROCESS)
 NETWORK_FAULTS = frozenset((*NETWORK, *PULSAR_NETWORK))
 # "bounded": the cluster must take writes again within the outage bound while the fault
 # still holds (a new leader takes over), see checker.long_outages.
@@ -87,9 +89,17 @@ class Draw:
 
 class Nemesis:
     def __init__(
-        self, net: Network, cluster: Cluster, history: History, seed: int, session_timeout_s: float
+        self,
+        net: Network,
+        cluster: Cluster,
+        history: History,
+        seed: int,
+        session_timeout_s: float,
+        kinds: frozenset[str] | None = None,
     ) -> None:
         self.net = net
+        # None: every kind; else only these (a run aimed at one part, such as the ledger).
+        self.kinds = kinds
         self.cluster = cluster
         self.history = history
         self.rng = random.Random(seed)
@@ -143,6 +153,9 @@ class Nemesis:
         if self.cluster.pulsar is not None:
             network += [*PULSAR_NETWORK, *PULSAR_NETWORK]
             others += PULSAR_PROCESS
+        if self.kinds is not None:
+            network = [kind for kind in network if kind in self.kinds]
+            others = [kind for kind in others if kind in self.kinds]
         self.rng.shuffle(network)
         self.rng.shuffle(others)
         order: list[str] = []

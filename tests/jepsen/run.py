@@ -34,13 +34,15 @@ from tests.jepsen.history import (
     RunInfo,
     read_executions,
 )
-from tests.jepsen.nemesis import NETWORK_FAULTS, Nemesis
+from tests.jepsen.nemesis import ALL_KINDS, NETWORK_FAULTS, Nemesis
 from tests.jepsen.netns import NETNS_DIR, Network
 
 TASK_MODULE = Path(__file__).with_name("jepsen_tasks.py")
 BROKERS = ["b1", "b2", "b3"]
 WORKERS = ["w1", "w2"]
-NODES = ["zk", *BROKERS, *WORKERS, "cl", "pl"]  # pl: pulsar-lite (with --ledger pulsar)
+# pl: the ledger engine (--ledger pulsar: pulsar-lite; --ledger apache-pulsar: Apache Pulsar).
+NODES = ["zk", *BROKERS, *WORKERS, "cl", "pl"]
+LEDGERS = ("file", "pulsar", "apache-pulsar")
 OUTAGE_MARGIN_S = 6.0  # over the session timeout: election, ledger recovery, a client retry
 
 
@@ -152,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     os.chmod(root / "effects", 0o1777)
     effects = root / "effects" / "effects.jsonl"
     watcher = ClaimWatcher(cluster, history)
-    nemesis = Nemesis(net, cluster, history, args.seed, session_s)
+    kinds = frozenset(args.kinds.split(",")) if args.kinds else None
+    nemesis = Nemesis(net, cluster, history, args.seed, session_s, kinds)
     try:
         cluster.start()
         leader = wait_for(cluster.leaders, 60, "a leader")[0]
@@ -292,12 +295,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", required=True)
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--faults", type=int, required=True)
-    parser.add_argument("--ledger", choices=["file", "pulsar"], default="file")
+    parser.add_argument("--ledger", choices=LEDGERS, default="file")
+    parser.add_argument("--kinds", default="", help="only these fault kinds (comma-separated)")
     parser.add_argument("--duration-s", type=float, required=True)
     parser.add_argument("--session-timeout-ms", type=int, default=4000)
     parser.add_argument("--max-attempts", type=int, default=10)
+    args = parser.parse_args(argv)
+    unknown = set(args.kinds.split(",")) - set(ALL_KINDS) if args.kinds else set()
+    if unknown:
+        parser.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(ALL_KINDS)}")
     try:
-        sys.exit(run(parser.parse_args(argv)))
+        sys.exit(run(args))
     except (TimeoutError, AssertionError, OSError, httpx.HTTPError) as exc:
         print(f"the run failed: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)

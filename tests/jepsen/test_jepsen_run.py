@@ -1,9 +1,11 @@
-"""One short Jepsen run (docs/TESTING.md, "Partitions"): the file ledger, a handful of
-network, process and clock faults, and the checker passes. ``STEWARD_JEPSEN_SEED`` picks the
+"""Short Jepsen runs (docs/TESTING.md, "Partitions"): the file ledger with a handful of
+network, process and clock faults, and real Apache Pulsar with faults of the ledger engine
+and the leader; the checker passes. ``STEWARD_JEPSEN_SEED`` picks the
 seed, ``STEWARD_JEPSEN_FAULTS`` the number of faults; ``STEWARD_JEPSEN_CI=1`` makes it the
 CI-sized configuration instead (``python -m tests.jepsen --ci``: both ledger backends, 52
 faults, under 10 minutes), which also asserts the fault mix, ledger rolls, snapshot
-downloads and a zombie per paused worker."""
+downloads and a zombie per paused worker. ``STEWARD_JEPSEN_PULSAR_FAULTS`` sets the number
+of faults of the real-Pulsar run."""
 
 from __future__ import annotations
 
@@ -70,3 +72,53 @@ def test_a_short_run_passes_the_checker() -> None:
         assert "checker passed" in output
         assert len(faults_seen) == int(faults), output[-5000:]
     shutil.rmtree(directory)  # kept when the run failed: its logs and history.jsonl
+
+
+# The faults that reach the ledger engine or make a leader lose it: partitions of the leader
+# from Pulsar, Pulsar killed and paused, the leader paused (the engine fences its late
+# appends), killed, or cut off in a minority.
+PULSAR_KINDS = (
+    "leader-from-ledger,kill-pulsar,stop-pulsar,stop-leader,kill-leader,leader-in-minority"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_short_run_on_apache_pulsar_passes_the_checker() -> None:
+    """Issue 31, item 5: Steward's brokers on a real Apache Pulsar standalone (broker and
+    bookie, journal fsync on) in a namespace of its own, with ``--pulsar-flavor pulsar``
+    (the engine fences a deposed leader's producer)."""
+    seed = os.environ.get("STEWARD_JEPSEN_SEED", "5")
+    faults = os.environ.get("STEWARD_JEPSEN_PULSAR_FAULTS", "8")
+    directory = Path(tempfile.mkdtemp(prefix="steward-jepsen-"))
+    command = [
+        sys.executable, "-m", "tests.jepsen", "--seed", seed, "--faults", faults,
+        "--ledger", "apache-pulsar", "--kinds", PULSAR_KINDS, "--timeout-s", "480",
+        "--dir", str(directory),
+    ]  # fmt: skip
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=540,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    for line in output.splitlines():
+        if line.startswith(("seed ", "checker passed", "jepsen")):
+            print(line)
+    assert result.returncode == 0, output[-20_000:]
+    assert "checker passed" in output and "ledger apache-pulsar" in output, output[-5000:]
+    faults_seen = [
+        line.split()[2]
+        for line in output.splitlines()
+        if line.startswith("nemesis") and line.split()[2] not in NOT_FAULTS
+    ]
+    assert len(faults_seen) == int(faults), output[-5000:]
+    assert set(faults_seen) <= set(PULSAR_KINDS.split(",")), faults_seen
+    if int(faults) >= 8:
+        # One round (8 faults) holds every aimed kind: each engine fault ran.
+        assert {"leader-from-ledger", "kill-pulsar", "stop-pulsar"} <= set(faults_seen)
+    shutil.rmtree(directory)
