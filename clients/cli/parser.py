@@ -156,6 +156,26 @@ def _add_server_commands(sub: argparse._SubParsersAction[StewardArgumentParser])
         help="pulsar backend: auth token (env STEWARD_PULSAR_TOKEN; default: none)",
     )
     p.add_argument(
+        "--pulsar-tls-ca-file",
+        type=Path,
+        metavar="PATH",
+        help="pulsar backend: CA certificates (PEM) to verify pulsar+ssl:// and https:// "
+        "admin URLs with (default: the usual trusted CAs)",
+    )
+    p.add_argument(
+        "--pulsar-tls-cert-file",
+        type=Path,
+        metavar="PATH",
+        help="pulsar backend: client certificate (PEM) for Pulsar requiring mutual TLS; "
+        "with --pulsar-tls-key-file",
+    )
+    p.add_argument(
+        "--pulsar-tls-key-file",
+        type=Path,
+        metavar="PATH",
+        help="pulsar backend: the client certificate's private key (PEM)",
+    )
+    p.add_argument(
         "--pulsar-flavor",
         choices=["pulsar", "pulsar-lite"],
         default="pulsar",

@@ -7,7 +7,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from clients.cli.options import UsageError, _tls_config
 
@@ -158,13 +158,25 @@ def _pulsar_config(args: argparse.Namespace) -> PulsarConfig | None:
 
     if args.ledgers != "pulsar":
         return None
-    settings = {
+    tls_files = {
+        "tls_trust_certs_file": ("--pulsar-tls-ca-file", args.pulsar_tls_ca_file),
+        "tls_certificate_file": ("--pulsar-tls-cert-file", args.pulsar_tls_cert_file),
+        "tls_private_key_file": ("--pulsar-tls-key-file", args.pulsar_tls_key_file),
+    }
+    for flag, path in tls_files.values():
+        if path is not None and not path.is_file():
+            raise UsageError(f"{flag} {path}: no such file")
+    if (args.pulsar_tls_cert_file is None) != (args.pulsar_tls_key_file is None):
+        raise UsageError("give --pulsar-tls-cert-file and --pulsar-tls-key-file together")
+    settings: dict[str, Any] = {
         "admin_url": args.pulsar_admin_url,
         "tenant": args.pulsar_tenant,
         "namespace": args.pulsar_namespace,
         "cluster": args.cluster,
         "auth_token": args.pulsar_token,
     }
+    for name, (_, path) in tls_files.items():
+        settings[name] = str(path) if path is not None else None
     try:
         if args.pulsar_flavor == "pulsar-lite":
             return PulsarConfig.for_pulsar_lite(args.pulsar_url, **settings)

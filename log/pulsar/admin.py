@@ -3,6 +3,7 @@ ledgers' topics, check and set the namespace's policies (package docstring)."""
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 import httpx
@@ -35,20 +36,11 @@ class PulsarAdmin:
             headers = {}
             if config.auth_token:
                 headers["Authorization"] = f"Bearer {config.auth_token}"
-            verify: bool | str = True
-            if config.tls_allow_insecure_connection:
-                verify = False
-            elif config.tls_trust_certs_file:
-                verify = config.tls_trust_certs_file
-            cert = None
-            if config.tls_certificate_file and config.tls_private_key_file:
-                cert = (config.tls_certificate_file, config.tls_private_key_file)
             self._http = httpx.AsyncClient(
                 base_url=config.admin_url.rstrip("/"),
                 headers=headers,
                 timeout=config.operation_timeout_s,
-                verify=verify,
-                cert=cert,
+                verify=_tls_context(config),
                 transport=self._transport,
             )
         return self._http
@@ -140,12 +132,26 @@ class PulsarAdmin:
         try:
             response = await self._client().request(method, path, json=body)
         except httpx.HTTPError as exc:
+            if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+                raise PulsarPolicyError(
+                    f"cannot {what}: the admin API's TLS certificate is not trusted ({exc}); "
+                    "give the CA that signed it (--pulsar-tls-ca-file, "
+                    "PulsarConfig.tls_trust_certs_file)"
+                ) from exc
             raise PulsarPolicyError(f"cannot {what}: admin API unreachable: {exc}") from exc
         if response.status_code in (401, 403):
+            reason = _reason(response)
+            if not self.config.auth_token:
+                hint = (
+                    "Pulsar wants an auth token: give one (--pulsar-token or STEWARD_PULSAR_TOKEN)"
+                )
+            else:
+                hint = (
+                    "give a token Pulsar accepts whose role has admin rights on tenant "
+                    f"{self.config.tenant}, or apply the policy by hand (log/pulsar/__init__.py)"
+                )
             raise PulsarPolicyError(
-                f"cannot {what}: the admin API refused ({response.status_code}); the token "
-                "needs admin rights on the tenant, or apply the policy by hand "
-                "(log/pulsar/__init__.py)"
+                f"cannot {what}: the admin API refused ({response.status_code}: {reason}); {hint}"
             )
         if response.status_code == 404:
             raise PulsarPolicyError(
@@ -162,3 +168,32 @@ class PulsarAdmin:
             return response.json()
         except ValueError as exc:
             raise PulsarPolicyError(f"cannot {what}: the answer is not JSON") from exc
+
+
+def _tls_context(config: PulsarConfig) -> ssl.SSLContext | bool:
+    """How the admin client verifies ``https://`` (and which client certificate it shows)."""
+    if config.tls_allow_insecure_connection:
+        return False
+    client_cert = config.tls_certificate_file and config.tls_private_key_file
+    if not (config.tls_trust_certs_file or client_cert) and config.tls_validate_hostname:
+        return True  # httpx's own default
+    try:
+        context = ssl.create_default_context(cafile=config.tls_trust_certs_file)
+        context.check_hostname = config.tls_validate_hostname
+        if config.tls_certificate_file and config.tls_private_key_file:
+            context.load_cert_chain(config.tls_certificate_file, config.tls_private_key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise PulsarPolicyError(f"cannot load the TLS files for the admin API: {exc}") from exc
+    return context
+
+
+def _reason(response: httpx.Response) -> str:
+    """Pulsar's ``{"reason": ...}`` of an error answer, else the HTTP reason phrase (its
+    authentication filter answers an HTML page), on one line."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    reason = body.get("reason") if isinstance(body, dict) else None
+    text = str(reason) if reason else response.reason_phrase
+    return " ".join(text.split())[:200]

@@ -167,7 +167,15 @@ class PulsarLedgerStore(LedgerStore):
         create = functools.partial(
             self.client.create_producer, topic, batching_enabled=False, access_mode=fencing_mode
         )
-        first = await self.blocking("create a fencing-check producer", create)
+        try:
+            first = await self.blocking("create a fencing-check producer", create)
+        except LedgerError as exc:
+            # The first contact: without a token (or with one Pulsar rejects) the client
+            # only times out; with an untrusted certificate it fails to connect.
+            raise LedgerError(
+                f"{exc} (check the service URL {self.config.service_url}, the auth token "
+                "(--pulsar-token) and, with pulsar+ssl://, the CA (--pulsar-tls-ca-file))"
+            ) from exc
         try:
             second = await self.blocking("create a second fencing-check producer", create)
             await self.close_quietly(second, "fencing-check producer")

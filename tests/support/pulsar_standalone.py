@@ -18,6 +18,11 @@ configuration), with ``-nfw`` (no functions worker) and ``-nss`` (no stream stor
   journals with ``journalSyncData=true`` and DbLedgerStorage's caches are sized down.
 - A small JVM: :data:`HEAP_MB` heap, :data:`DIRECT_MEMORY_MB` direct memory.
 
+Token authentication and TLS, both off by default (``token_auth=``, ``tls=``): their
+settings are in tests/support/pulsar_security.py. With TLS, two more reserved ports
+(:attr:`PulsarStandalone.tls_service_url`, :attr:`PulsarStandalone.tls_admin_url`); the plain
+ports stay, and the readiness check below uses them with a super-user token.
+
 Ready means the admin health check (``/admin/v2/brokers/health``: a write and read on a
 heartbeat topic) answers ``ok`` and the ``public/default`` namespace, which the standalone
 creates after its broker starts, exists. The first start is bounded by
@@ -48,7 +53,9 @@ import pytest
 
 from clients.dev.local_server import HOST, LocalServerProcess
 from clients.dev.zk import LOG4J2_CONSOLE_CONFIG, ZooKeeperError, find_java
+from tests.support.pulsar_security import PulsarTokenAuth, tls_config_lines
 from tests.support.reserved_ports import PortReservation, reserve_port
+from tests.support.tls_certs import TlsFiles
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINES_POM = ROOT / "tests" / "engines" / "pom.xml"
@@ -118,7 +125,16 @@ class PulsarStandalone(LocalServerProcess):
     ready_poll_s = 0.5
     port_taken_markers = ("Address already in use", "BindException")
 
-    def __init__(self, directory: str | os.PathLike[str], *, stop_with_parent: bool = True) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        stop_with_parent: bool = True,
+        token_auth: PulsarTokenAuth | None = None,
+        tls: TlsFiles | None = None,
+    ) -> None:
+        self.token_auth = token_auth
+        self.tls = tls
         self._lib = engines_lib()
         try:
             self._java = find_java()
@@ -126,12 +142,15 @@ class PulsarStandalone(LocalServerProcess):
             raise PulsarStandaloneError(str(exc)) from None
         self._reservations: list[PortReservation] = []
         try:
-            for _ in range(3):
+            for _ in range(5 if tls is not None else 3):
                 self._reservations.append(reserve_port())
         except BaseException:
             self._release_ports()
             raise
-        broker, web, bookie = (r.port for r in self._reservations)
+        broker, web, bookie = (r.port for r in self._reservations[:3])
+        #: The TLS ports (binary protocol, web service); None without ``tls``.
+        self.tls_port: int | None = self._reservations[3].port if tls else None
+        self.tls_web_port: int | None = self._reservations[4].port if tls else None
         super().__init__(directory, port=broker, stop_with_parent=stop_with_parent)
         self.web_port = web
         self.bookie_port = bookie
@@ -150,6 +169,23 @@ class PulsarStandalone(LocalServerProcess):
     @property
     def admin_url(self) -> str:
         return f"http://{HOST}:{self.web_port}"
+
+    @property
+    def tls_service_url(self) -> str:
+        assert self.tls_port is not None, "started without tls="
+        return f"pulsar+ssl://{HOST}:{self.tls_port}"
+
+    @property
+    def tls_admin_url(self) -> str:
+        assert self.tls_web_port is not None, "started without tls="
+        return f"https://{HOST}:{self.tls_web_port}"
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """The admin API's headers: a super-user token with ``token_auth``, else none."""
+        if self.token_auth is None:
+            return {}
+        return {"Authorization": f"Bearer {self.token_auth.token()}"}
 
     @property
     def config_path(self) -> Path:
@@ -185,10 +221,15 @@ class PulsarStandalone(LocalServerProcess):
 
     def _ready(self) -> bool:
         try:
-            health = httpx.get(f"{self.admin_url}/admin/v2/brokers/health", timeout=5.0)
+            headers = self.admin_headers
+            health = httpx.get(
+                f"{self.admin_url}/admin/v2/brokers/health", headers=headers, timeout=5.0
+            )
             if health.status_code != 200 or health.text.strip() != "ok":
                 return False
-            namespaces = httpx.get(f"{self.admin_url}/admin/v2/namespaces/public", timeout=5.0)
+            namespaces = httpx.get(
+                f"{self.admin_url}/admin/v2/namespaces/public", headers=headers, timeout=5.0
+            )
         except httpx.HTTPError:
             return False
         return namespaces.status_code == 200 and "public/default" in namespaces.json()
@@ -306,6 +347,11 @@ class PulsarStandalone(LocalServerProcess):
             # No NIC speed in a container's /sys: the load manager would log errors.
             "loadBalancerOverrideBrokerNicSpeedGbps=1",
         ]
+        if self.token_auth is not None:
+            lines += self.token_auth.config_lines()
+        if self.tls is not None:
+            assert self.tls_port is not None and self.tls_web_port is not None
+            lines += tls_config_lines(self.tls, self.tls_port, self.tls_web_port)
         self.config_path.write_text("\n".join(lines) + "\n")
         (self._directory / "log4j2.properties").write_text(LOG4J2_CONSOLE_CONFIG)
 

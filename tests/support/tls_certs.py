@@ -1,7 +1,9 @@
 """A certificate authority and a broker certificate generated at test time (trustme).
 
 The certificate covers 127.0.0.1 and localhost, where test brokers listen; the CA's
-PEM file is what clients, workers and brokers verify it with.
+PEM file is what clients, workers and brokers verify it with. ``for_java=True`` makes RSA
+keys and writes the private key as PKCS#8, the one PEM key form Java servers (the Pulsar
+standalone, tests/support/pulsar_security.py) read.
 """
 
 from __future__ import annotations
@@ -11,6 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import trustme
+from cryptography.hazmat.primitives.serialization import (
+    Encoding,
+    NoEncryption,
+    PrivateFormat,
+    load_pem_private_key,
+)
 
 from broker.security.tls import client_context
 
@@ -38,12 +46,17 @@ class TlsFiles:
 
 
 def make_tls_files(
-    directory: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")
+    directory: Path,
+    hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
+    *,
+    for_java: bool = False,
 ) -> TlsFiles:
-    """A fresh CA and a certificate for ``hosts`` it signed, as PEM files in ``directory``."""
+    """A fresh CA and a certificate for ``hosts`` it signed, as PEM files in ``directory``
+    (``for_java``: RSA keys, the private key as PKCS#8)."""
     directory.mkdir(parents=True, exist_ok=True)
-    ca = trustme.CA()
-    cert = ca.issue_cert(*hosts)
+    key_type = trustme.KeyType.RSA if for_java else trustme.KeyType.ECDSA
+    ca = trustme.CA(key_type=key_type)
+    cert = ca.issue_cert(*hosts, key_type=key_type)
     files = TlsFiles(
         ca_path=directory / "ca.pem",
         cert_path=directory / "broker-cert.pem",
@@ -53,5 +66,10 @@ def make_tls_files(
     cert.cert_chain_pems[0].write_to_path(str(files.cert_path))
     for extra in cert.cert_chain_pems[1:]:
         extra.write_to_path(str(files.cert_path), append=True)
-    cert.private_key_pem.write_to_path(str(files.key_path))
+    if for_java:
+        key = load_pem_private_key(cert.private_key_pem.bytes(), password=None)
+        pkcs8 = key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
+        files.key_path.write_bytes(pkcs8)
+    else:
+        cert.private_key_pem.write_to_path(str(files.key_path))
     return files

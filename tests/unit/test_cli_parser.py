@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -17,6 +19,9 @@ from clients.cli.options import TASK_STATES, StewardArgumentParser
 from clients.cli.output import cell
 from clients.cli.parser import build_parser
 from clients.worker.task_api import BUILTIN_TASKS
+
+if TYPE_CHECKING:
+    from log.pulsar import PulsarConfig
 
 URL_A = "http://127.0.0.1:1"
 URL_B = "http://127.0.0.1:2"
@@ -159,3 +164,33 @@ def test_cancel_takes_an_id_or_filters() -> None:
     assert bulk.id is None and (bulk.tenant, bulk.state) == ("acme", "waiting")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["cancel", "--state", "finished"])  # not a live state
+
+
+def test_the_broker_hands_pulsar_tls_files_to_the_client_and_checks_them(
+    tmp_path: Path,
+) -> None:
+    from clients.cli.options import UsageError
+    from clients.cli.servers import _pulsar_config
+
+    files = {name: tmp_path / f"{name}.pem" for name in ("ca", "cert", "key")}
+    for path in files.values():
+        path.write_text("PEM")
+    base = ["broker", "--zookeeper", "zk:2181", "--broker-id", "b", "--data-dir", str(tmp_path)]
+    base += ["--ledgers", "pulsar"]
+    base += ["--pulsar-url", "pulsar+ssl://pulsar:6651"]
+
+    def config(*extra: str) -> PulsarConfig | None:
+        return _pulsar_config(build_parser().parse_args([*base, *extra]))
+
+    tls = ["--pulsar-tls-ca-file", str(files["ca"]), "--pulsar-tls-cert-file", str(files["cert"])]
+    chosen = config(*tls, "--pulsar-tls-key-file", str(files["key"]))
+    assert chosen is not None
+    assert chosen.tls_trust_certs_file == str(files["ca"])
+    assert chosen.tls_certificate_file == str(files["cert"])
+    assert chosen.tls_private_key_file == str(files["key"])
+    plain = config()
+    assert plain is not None and plain.tls_trust_certs_file is None
+    with pytest.raises(UsageError, match=r"--pulsar-tls-ca-file .*: no such file"):
+        config("--pulsar-tls-ca-file", str(tmp_path / "missing.pem"))
+    with pytest.raises(UsageError, match="together"):
+        config(*tls)

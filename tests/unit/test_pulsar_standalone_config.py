@@ -1,17 +1,24 @@
 """The Pulsar standalone harness's files and command, without starting it (the real start:
 tests/integration/test_pulsar_real.py): all on 127.0.0.1 on reserved ports, one bookie's
 quorums, small memory, no functions worker or stream storage, the metadata choice fixed;
-and a missing cache named with what to run."""
+a missing cache named with what to run; token authentication and TLS off by default, and
+complete when on (the real start with both: tests/integration/test_pulsar_admin_real.py)."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
+import json
 from pathlib import Path
 
 import pytest
 
 import tests.support.pulsar_standalone as harness
+from tests.support.pulsar_security import PulsarTokenAuth, hs256_token
 from tests.support.pulsar_standalone import PulsarStandalone, PulsarStandaloneError
 from tests.support.reserved_ports import reservable_ports
+from tests.support.tls_certs import make_tls_files
 
 
 def config_of(server: PulsarStandalone) -> dict[str, str]:
@@ -86,3 +93,55 @@ def test_a_missing_cache_names_the_fetch_command(
         harness.engines_lib()
     with pytest.raises(PulsarStandaloneError, match=r"run \./scripts/fetch-engines"):
         PulsarStandalone(tmp_path / "pulsar")
+
+
+def test_token_auth_and_tls_are_off_by_default_and_complete_when_on(
+    tmp_path: Path, fake_lib: Path
+) -> None:
+    plain = PulsarStandalone(tmp_path / "plain")
+    try:
+        plain._write_config()
+        assert not {"authenticationEnabled", "brokerServicePortTls"} & set(config_of(plain))
+        assert plain.admin_headers == {} and plain.tls_port is None
+    finally:
+        plain.close()
+    tls = make_tls_files(tmp_path / "tls", for_java=True)
+    auth = PulsarTokenAuth.generate()
+    server = PulsarStandalone(tmp_path / "secured", token_auth=auth, tls=tls)
+    try:
+        server._write_config()
+        config = config_of(server)
+    finally:
+        server.close()
+    ports = {server.port, server.web_port, server.bookie_port, server.tls_port, server.tls_web_port}
+    assert len(ports) == 5 and all(port in reservable_ports() for port in ports)
+    assert config["authenticationEnabled"] == config["authorizationEnabled"] == "true"
+    assert config["authenticationProviders"].endswith("AuthenticationProviderToken")
+    assert config["superUserRoles"] == auth.super_user_role
+    secret = config["tokenSecretKey"].removeprefix("data:;base64,")
+    assert base64.b64decode(secret) == auth.secret
+    # The standalone's own client talks to itself as the super user.
+    assert config["brokerClientAuthenticationParameters"] == f"token:{auth.token()}"
+    assert server.admin_headers == {"Authorization": f"Bearer {auth.token()}"}
+    assert config["brokerServicePortTls"] == str(server.tls_port)
+    assert config["webServicePortTls"] == str(server.tls_web_port)
+    assert config["tlsCertificateFilePath"] == str(tls.cert_path)
+    assert config["tlsKeyFilePath"] == str(tls.key_path)
+    assert config["tlsTrustCertsFilePath"] == str(tls.ca_path)
+    assert tls.key_path.read_text().startswith("-----BEGIN PRIVATE KEY-----")  # PKCS#8
+    assert server.tls_service_url == f"pulsar+ssl://127.0.0.1:{server.tls_port}"
+    assert server.tls_admin_url == f"https://127.0.0.1:{server.tls_web_port}"
+
+
+def test_tokens_are_hs256_jwts_of_their_role() -> None:
+    token = hs256_token(b"secret", "role-a")
+    header, claims, signature = token.split(".")
+
+    def decoded(part: str) -> bytes:
+        return base64.urlsafe_b64decode(part + "=" * (-len(part) % 4))
+
+    assert json.loads(decoded(header)) == {"alg": "HS256"}
+    assert json.loads(decoded(claims)) == {"sub": "role-a"}
+    expected = hmac.new(b"secret", f"{header}.{claims}".encode(), hashlib.sha256).digest()
+    assert decoded(signature) == expected
+    assert hs256_token(b"other", "role-a") != token
