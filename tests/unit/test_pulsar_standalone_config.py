@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import tests.support.pulsar_standalone as harness
-from tests.support.pulsar_standalone import PulsarStandalone, PulsarStandaloneError
+import clients.dev.pulsar_standalone as harness
+from clients.dev.pulsar_standalone import PulsarStandalone, PulsarStandaloneError
+from tests.support.pulsar_fixture import reserved_standalone
 from tests.support.reserved_ports import reservable_ports
 
 
@@ -29,7 +30,7 @@ def fake_lib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_config_and_command(tmp_path: Path, fake_lib: Path) -> None:
-    server = PulsarStandalone(tmp_path / "pulsar")
+    server = reserved_standalone(tmp_path / "pulsar")
     try:
         server._write_config()
         config = config_of(server)
@@ -59,13 +60,13 @@ def test_config_and_command(tmp_path: Path, fake_lib: Path) -> None:
 
 
 def test_close_gives_the_ports_back(tmp_path: Path, fake_lib: Path) -> None:
-    server = PulsarStandalone(tmp_path / "pulsar")
+    server = reserved_standalone(tmp_path / "pulsar")
     server.close()
     assert all(not reservation.held for reservation in server._reservations)
 
 
 def test_start_bound_follows_the_measured_first_start(tmp_path: Path, fake_lib: Path) -> None:
-    server = PulsarStandalone(tmp_path / "pulsar")
+    server = reserved_standalone(tmp_path / "pulsar")
     server.close()
     assert server.start_timeout_s == harness.FIRST_START_TIMEOUT_S
     server.first_start_s = 30.0

@@ -1,6 +1,6 @@
-"""A real Apache Pulsar standalone for tests (issue 31): one JVM with a broker and one bookie,
-from the jars of the engines cache (tests/engines/pom.xml, filled by scripts/setup's
-``steward_setup_engines``; docs/TESTING.md, "The engines cache").
+"""A real Apache Pulsar standalone for tests and ``steward cluster up`` (issue 31): one JVM
+with a broker and one bookie, from the jars of the engines cache (tests/engines/pom.xml,
+filled by scripts/setup's ``steward_setup_engines``; docs/TESTING.md, "The engines cache").
 
 ``org.apache.pulsar.PulsarStandaloneStarter`` runs with ``java -cp '<cache>/lib/*'`` and a
 ``standalone.conf`` written here (it is read as the broker's and the bookie's
@@ -39,16 +39,15 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
+from typing import Protocol, Self
 
 import httpx
-import pytest
 
-from clients.dev.local_server import HOST, LocalServerProcess
+from clients.dev.local_server import HOST, LocalServerProcess, free_port
 from clients.dev.zk import LOG4J2_CONSOLE_CONFIG, ZooKeeperError, find_java
-from tests.support.reserved_ports import PortReservation, reserve_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINES_POM = ROOT / "tests" / "engines" / "pom.xml"
@@ -84,6 +83,29 @@ class PulsarStandaloneError(RuntimeError):
     """The Pulsar standalone could not be found, started or stopped (details in the message)."""
 
 
+class HeldPort(Protocol):
+    """A port chosen for the server, held (or not) until :meth:`release`."""
+
+    port: int
+
+    def release(self) -> None: ...
+
+
+@dataclass
+class FreePort:
+    """A port that was free a moment ago (``bind`` to port 0); nothing holds it."""
+
+    port: int
+
+    def release(self) -> None:
+        """Nothing to give back."""
+
+
+def any_free_port() -> HeldPort:
+    """The default port source: a free port, not held."""
+    return FreePort(free_port())
+
+
 def pulsar_version() -> str:
     """The Pulsar version tests/engines/pom.xml pins (its one definition)."""
     match = _VERSION_RE.search(ENGINES_POM.read_text())
@@ -108,8 +130,9 @@ def engines_lib() -> Path:
 class PulsarStandalone(LocalServerProcess):
     """One Pulsar standalone (broker + bookie, RocksDB metadata) on 127.0.0.1 in ``directory``.
 
-    Ports are reserved at construction and kept across restarts; :meth:`close` stops the
-    server and gives them back. Use it as a context manager or call :meth:`close`.
+    Ports are chosen at construction (``port_source``) and kept across restarts;
+    :meth:`close` stops the server and gives them back. Use it as a context manager or call
+    :meth:`close`.
     """
 
     server_name = "Apache Pulsar standalone"
@@ -118,16 +141,22 @@ class PulsarStandalone(LocalServerProcess):
     ready_poll_s = 0.5
     port_taken_markers = ("Address already in use", "BindException")
 
-    def __init__(self, directory: str | os.PathLike[str], *, stop_with_parent: bool = True) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        port_source: Callable[[], HeldPort] = any_free_port,
+        stop_with_parent: bool = True,
+    ) -> None:
         self._lib = engines_lib()
         try:
             self._java = find_java()
         except ZooKeeperError as exc:
             raise PulsarStandaloneError(str(exc)) from None
-        self._reservations: list[PortReservation] = []
+        self._reservations: list[HeldPort] = []
         try:
             for _ in range(3):
-                self._reservations.append(reserve_port())
+                self._reservations.append(port_source())
         except BaseException:
             self._release_ports()
             raise
@@ -276,7 +305,7 @@ class PulsarStandalone(LocalServerProcess):
     def _write_config(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         lines = [
-            "# Written by tests/support/pulsar_standalone.py at every start; edits are lost.",
+            "# Written by clients/dev/pulsar_standalone.py at every start; edits are lost.",
             f"clusterName={CLUSTER_NAME}",
             f"bindAddress={HOST}",
             f"advertisedAddress={HOST}",
@@ -341,10 +370,3 @@ class PulsarStandalone(LocalServerProcess):
 
     def __repr__(self) -> str:
         return f"PulsarStandalone({self.service_url}, pid={self.pid}, dir={self._directory})"
-
-
-def started_standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PulsarStandalone]:
-    """A fixture body: a started standalone, closed (process group killed, ports given back)
-    when the fixture ends, whatever happened."""
-    with PulsarStandalone(tmp_path_factory.mktemp("pulsar-standalone")) as server:
-        yield server
