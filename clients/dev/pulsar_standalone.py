@@ -1,6 +1,8 @@
 """A real Apache Pulsar standalone for tests and ``steward cluster up`` (issue 31): one JVM
 with a broker and one bookie, from the jars of the engines cache (tests/engines/pom.xml,
-filled by scripts/setup's ``steward_setup_engines``; docs/TESTING.md, "The engines cache").
+filled by scripts/setup's ``steward_setup_engines``; docs/TESTING.md, "The engines cache"):
+``$STEWARD_ENGINES_DIR``, else the checkout's ``.cache/engines``. Without the jars,
+:func:`engines_lib` raises saying what to run.
 
 ``org.apache.pulsar.PulsarStandaloneStarter`` runs with ``java -cp '<cache>/lib/*'`` and a
 ``standalone.conf`` written here (it is read as the broker's and the bookie's
@@ -8,7 +10,10 @@ configuration), with ``-nfw`` (no functions worker) and ``-nss`` (no stream stor
 
 - Everything on 127.0.0.1: ``bindAddress`` and ``advertisedAddress``; the bookie listens on
   the loopback interface (``listeningInterface=lo``, ``allowLoopback``). The broker, web and
-  bookie ports are reserved (tests/support/reserved_ports.py) for the server's life.
+  bookie ports come from the ``port_source`` given: free ones by default; the tests reserve
+  them for the server's life (tests/support/reserved_ports.py); ``steward cluster up`` takes
+  the ones recorded in the directory's :data:`PORTS_FILE` by the last start
+  (:func:`kept_ports`), since the bookie's data names its port.
 - Metadata: the standalone's default since Pulsar 2.11, a RocksDB metadata store in the
   data directory, in the same JVM. Not ZooKeeper: ``PULSAR_STANDALONE_USE_ZOOKEEPER=1``
   starts an in-process ZooKeeper that binds every interface (its port has no address
@@ -34,6 +39,7 @@ tail.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -51,6 +57,10 @@ from clients.dev.zk import LOG4J2_CONSOLE_CONFIG, ZooKeeperError, find_java
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINES_POM = ROOT / "tests" / "engines" / "pom.xml"
+#: Environment variable naming the engines cache (default: the checkout's ``.cache/engines``).
+ENGINES_DIR_ENV = "STEWARD_ENGINES_DIR"
+#: The ports a standalone used, written at each start (read back by :func:`kept_ports`).
+PORTS_FILE = "ports.json"
 #: Bound of the first start, before one is measured.
 FIRST_START_TIMEOUT_S = 180.0
 #: Later starts: this many times the first start's measured time...
@@ -108,23 +118,56 @@ def any_free_port() -> HeldPort:
 
 def pulsar_version() -> str:
     """The Pulsar version tests/engines/pom.xml pins (its one definition)."""
-    match = _VERSION_RE.search(ENGINES_POM.read_text())
+    try:
+        pom = ENGINES_POM.read_text()
+    except OSError:
+        raise PulsarStandaloneError(
+            f"no {ENGINES_POM}: Apache Pulsar's version is pinned there, in a steward checkout; "
+            "run steward from one"
+        ) from None
+    match = _VERSION_RE.search(pom)
     if match is None:
         raise PulsarStandaloneError(f"{ENGINES_POM} names no <pulsar.version>")
     return match.group(1)
 
 
+def engines_dir() -> Path:
+    """The engines cache: ``$STEWARD_ENGINES_DIR``, else the checkout's ``.cache/engines``
+    (where ./scripts/fetch-engines puts the jars)."""
+    override = os.environ.get(ENGINES_DIR_ENV)
+    return Path(override) if override else ROOT / ".cache" / "engines"
+
+
 def engines_lib() -> Path:
-    """The cached jars (``.cache/engines/pulsar-VERSION/lib``); raises, saying how to fetch
+    """The cached jars (``<engines cache>/pulsar-VERSION/lib``); raises, saying how to fetch
     them, when they are not there."""
     version = pulsar_version()
-    lib = ROOT / ".cache" / "engines" / f"pulsar-{version}" / "lib"
+    lib = engines_dir() / f"pulsar-{version}" / "lib"
     if not (lib / f"pulsar-broker-{version}.jar").is_file():
         raise PulsarStandaloneError(
-            f"no Apache Pulsar {version} jars in {lib}: run ./scripts/fetch-engines "
-            "(./scripts/test does it before the suite)"
+            f"no Apache Pulsar {version} jars in {lib}: run ./scripts/fetch-engines in the "
+            f"steward checkout {ROOT} (./scripts/test does it before the suite), or point "
+            f"{ENGINES_DIR_ENV} at a cache holding pulsar-{version}/lib"
         )
     return lib
+
+
+def kept_ports(directory: str | os.PathLike[str]) -> Callable[[], HeldPort]:
+    """A port source for a standalone whose data outlives it (``steward cluster up``): the
+    ports the last standalone in ``directory`` used, in order, else free ones. The bookie's
+    cookie and every ledger's ensemble name the bookie by address and port, so a restart on
+    another port would lose the data."""
+    try:
+        recorded = [int(port) for port in json.loads((Path(directory) / PORTS_FILE).read_text())]
+    except (OSError, ValueError, TypeError):
+        recorded = []
+    remaining = iter(recorded)
+
+    def next_port() -> HeldPort:
+        port = next(remaining, None)
+        return FreePort(port) if port is not None else any_free_port()
+
+    return next_port
 
 
 class PulsarStandalone(LocalServerProcess):
@@ -221,6 +264,21 @@ class PulsarStandalone(LocalServerProcess):
         except httpx.HTTPError:
             return False
         return namespaces.status_code == 200 and "public/default" in namespaces.json()
+
+    def create_namespace(self, namespace: str, timeout_s: float = 30.0) -> None:
+        """Create ``TENANT/NAMESPACE`` (Steward's default is ``public/steward``) through the
+        admin API; one that exists already is fine. The brokers apply its retention policy
+        themselves (docs/OPERATIONS.md, "Ledgers: Pulsar on BookKeeper")."""
+        url = f"{self.admin_url}/admin/v2/namespaces/{namespace}"
+        try:
+            response = httpx.put(url, json={}, timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            raise PulsarStandaloneError(f"cannot create namespace {namespace}: {exc}") from None
+        if response.status_code not in (204, 409):  # 409: it exists
+            raise PulsarStandaloneError(
+                f"cannot create namespace {namespace}: the admin API answered "
+                f"{response.status_code}: {response.text[:200]}"
+            )
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM to the process group, wait up to ``timeout_s``, then SIGKILL to the group."""
@@ -336,6 +394,8 @@ class PulsarStandalone(LocalServerProcess):
             "loadBalancerOverrideBrokerNicSpeedGbps=1",
         ]
         self.config_path.write_text("\n".join(lines) + "\n")
+        ports = [self.port, self.web_port, self.bookie_port]
+        (self._directory / PORTS_FILE).write_text(json.dumps(ports) + "\n")
         (self._directory / "log4j2.properties").write_text(LOG4J2_CONSOLE_CONFIG)
 
     def _command(self) -> list[str]:

@@ -87,3 +87,33 @@ def test_a_missing_cache_names_the_fetch_command(
         harness.engines_lib()
     with pytest.raises(PulsarStandaloneError, match=r"run \./scripts/fetch-engines"):
         PulsarStandalone(tmp_path / "pulsar")
+
+
+def test_the_engines_cache_can_be_named_in_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    version = harness.pulsar_version()
+    monkeypatch.setenv(harness.ENGINES_DIR_ENV, str(tmp_path))
+    with pytest.raises(PulsarStandaloneError, match=harness.ENGINES_DIR_ENV) as missing:
+        harness.engines_lib()
+    assert str(tmp_path / f"pulsar-{version}" / "lib") in str(missing.value)
+    lib = tmp_path / f"pulsar-{version}" / "lib"
+    lib.mkdir(parents=True)
+    (lib / f"pulsar-broker-{version}.jar").write_bytes(b"")
+    assert harness.engines_lib() == lib
+
+
+def test_a_standalone_on_kept_data_gets_its_ports_again(tmp_path: Path, fake_lib: Path) -> None:
+    # The bookie's cookie names its port: `cluster up` on the same DIR must reuse it.
+    directory = tmp_path / "pulsar"
+    first = PulsarStandalone(directory, port_source=harness.kept_ports(directory))
+    first._write_config()
+    first.close()
+    again = PulsarStandalone(directory, port_source=harness.kept_ports(directory))
+    again.close()
+    ports = (again.port, again.web_port, again.bookie_port)
+    assert ports == (first.port, first.web_port, first.bookie_port)
+    assert len(set(ports)) == 3
+    fresh = PulsarStandalone(tmp_path / "other", port_source=harness.kept_ports(tmp_path / "other"))
+    fresh.close()
+    assert len({fresh.port, fresh.web_port, fresh.bookie_port}) == 3
