@@ -4,7 +4,7 @@ Apache Pulsar (its bookie journalling with fsync), with the settings Steward use
 Usage: python bench/bench_ledger_engines.py [--rounds 3] [--seconds-per-case 2]
 [--entry-bytes 200] [--dir DIR]
 
-Starts pulsar-lite and the Pulsar standalone of the test suite (tests/support/pulsar_standalone.py:
+Starts pulsar-lite and the Pulsar standalone of the test suite (clients/dev/pulsar_standalone.py:
 one JVM, one bookie with ``journalSyncData=true``; jars from ``./scripts/fetch-engines``) on
 free loopback ports, and writes file ledgers in a temporary directory on the same disk. Each
 round runs every engine's cases in turn (the engines interleaved, so that a change in the
@@ -32,10 +32,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ledger_load import closed_loop_appends
 
 from clients.dev.pulsar_lite import PulsarLiteServer
+from clients.dev.pulsar_standalone import PulsarStandalone
 from log.api import LedgerStore
 from log.file import FileLedgerStore
 from log.pulsar import PulsarConfig, PulsarLedgerStore
-from tests.support.pulsar_standalone import PulsarStandalone
 
 CONCURRENCIES = (1, 32, 1000)
 #: (appends/s, p50 ms, p99 ms) of one case in one round.

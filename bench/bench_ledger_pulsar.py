@@ -6,7 +6,7 @@ Usage: python bench/bench_ledger_pulsar.py [--engine pulsar-lite|apache-pulsar]
 
 Starts a server on free loopback ports (unless ``--service-url`` names a running one):
 pulsar-lite, or with ``--engine apache-pulsar`` the Pulsar standalone of the test suite
-(tests/support/pulsar_standalone.py: one JVM, one bookie with ``journalSyncData=true``, jars
+(clients/dev/pulsar_standalone.py: one JVM, one bookie with ``journalSyncData=true``, jars
 from ``./scripts/fetch-engines``). Then, like bench/bench_ledger.py for the file backend:
 1, 32 and 1000 concurrent appenders, each awaiting its append and issuing the next (durable
 appends/s, p50/p99), and a burst of 1,000 appends issued at once (time until the last one is
@@ -202,7 +202,7 @@ def started_server(engine: str, directory: str) -> Iterator[tuple[str, str | Non
             print(f"pulsar-lite at {lite.service_url}")
             yield lite.service_url, None
         return
-    from tests.support.pulsar_standalone import PulsarStandalone
+    from clients.dev.pulsar_standalone import PulsarStandalone
 
     with PulsarStandalone(directory) as standalone:
         print(

@@ -599,8 +599,16 @@ def _add_cluster_commands(sub: argparse._SubParsersAction[StewardArgumentParser]
         "--ledgers",
         choices=["file", "pulsar"],
         default="file",
-        help="one of %(choices)s: file ledgers in DIR/ledgers, or pulsar: a pulsar-lite "
-        "broker beside ZooKeeper",
+        help="one of %(choices)s: file ledgers in DIR/ledgers, or pulsar: a Pulsar server "
+        "beside ZooKeeper (--pulsar-flavor)",
+    )
+    p.add_argument(
+        "--pulsar-flavor",
+        choices=["pulsar", "pulsar-lite"],
+        default="pulsar",
+        help="with --ledgers pulsar, one of %(choices)s: pulsar: an Apache Pulsar standalone "
+        "from the engines cache (./scripts/fetch-engines in a checkout, or env "
+        "STEWARD_ENGINES_DIR); pulsar-lite: the light one",
     )
     p.add_argument(
         "--admin-token-file",

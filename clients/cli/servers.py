@@ -275,6 +275,8 @@ def run_cluster_up(args: argparse.Namespace) -> int:
         raise UsageError("need --broker-count >= 1 and --workers >= 0")
     if not 1000 <= args.session_timeout_ms <= 60_000:
         raise UsageError("--session-timeout-ms must be in [1000, 60000]")
+    if args.pulsar_flavor != "pulsar" and args.ledgers != "pulsar":
+        raise UsageError(f"--pulsar-flavor {args.pulsar_flavor} needs --ledgers pulsar")
     config = LocalClusterConfig(
         data_dir=args.data_dir,
         brokers=args.broker_count,
@@ -284,6 +286,7 @@ def run_cluster_up(args: argparse.Namespace) -> int:
         log_format=args.log_format,
         min_replication=args.min_replication,
         ledgers=args.ledgers,
+        pulsar_flavor=args.pulsar_flavor,
         tls=_tls_config(args),
         admin_token_file=args.admin_token_file,
     )

@@ -1,8 +1,10 @@
 """``steward cluster up``: a highly available cluster on one machine, for trying HA.
 
 A real ZooKeeper server (from the jars pyspark ships), N ``steward broker`` processes
-sharing one file-ledger directory, and M workers that find the leader through the
-brokers' HTTP API. Everything binds to 127.0.0.1 and lives under ``--data-dir``; a
+sharing one file-ledger directory (or, with ``--ledgers pulsar``, writing their ledgers to an
+Apache Pulsar standalone started from the engines cache, clients/dev/pulsar_standalone.py, or
+to pulsar-lite with ``--pulsar-flavor pulsar-lite``), and M workers that find the leader
+through the brokers' HTTP API. Everything binds to 127.0.0.1 and lives under ``--data-dir``; a
 second ``cluster up`` on the same directory resumes the same cluster. Ctrl-C or
 SIGTERM stops the workers, then the followers, then the leader (a clean hand-over
 each time), then ZooKeeper.
@@ -29,6 +31,11 @@ from broker.security.auth import bearer_headers, read_secret
 from broker.security.tls import TlsConfig
 from clients.dev.local_server import free_port
 from clients.dev.pulsar_lite import PulsarLiteServer
+from clients.dev.pulsar_standalone import (
+    PulsarStandalone,
+    PulsarStandaloneError,
+    kept_ports,
+)
 from clients.dev.zk import ZooKeeperServer
 
 HOST = "127.0.0.1"
@@ -37,6 +44,8 @@ _READY_TIMEOUT_S = 90.0
 _PORT_TAKEN_MARKER = "could not serve HTTP on"
 _MAX_RESPAWNS = 5
 _LOG_SCAN_BYTES = 1 << 20
+#: The brokers' Pulsar namespace (their ``--pulsar-namespace`` default), made at start.
+PULSAR_NAMESPACE = "public/steward"
 
 
 @dataclass(frozen=True)
@@ -52,7 +61,9 @@ class LocalClusterConfig:
     log_level: str = "INFO"
     # Of brokers and workers: "text" or "json" (broker/observability/logs.py).
     log_format: str = "text"
-    ledgers: str = "file"  # "file" (a shared directory) or "pulsar" (a pulsar-lite broker)
+    ledgers: str = "file"  # "file" (a shared directory) or "pulsar"
+    # With ledgers "pulsar": "pulsar" (an Apache Pulsar standalone) or "pulsar-lite".
+    pulsar_flavor: str = "pulsar"
     # Brokers serve HTTPS and TLS to workers with this certificate (it must name
     # 127.0.0.1); workers, the brokers' peer calls and this launcher verify with its CA.
     tls: TlsConfig | None = None
@@ -87,9 +98,9 @@ class LocalCluster:
             port=config.zookeeper_port,
             max_session_timeout_ms=max(10_000, config.session_timeout_ms * 2),
         )
-        self.pulsar = (
-            PulsarLiteServer(self.data_dir / "pulsar") if config.ledgers == "pulsar" else None
-        )
+        self.pulsar: PulsarLiteServer | PulsarStandalone | None = None
+        if config.ledgers == "pulsar":
+            self.pulsar = self._pulsar_server()
         self.brokers: list[_Child] = []
         self.workers: list[_Child] = []
         tls = config.tls
@@ -107,6 +118,19 @@ class LocalCluster:
                 "STEWARD_CLUSTER_TOKEN": secrets.token_urlsafe(32),
             }
 
+    def _pulsar_server(self) -> PulsarLiteServer | PulsarStandalone:
+        if self.config.pulsar_flavor == "pulsar-lite":
+            return PulsarLiteServer(self.data_dir / "pulsar")
+        directory = self.data_dir / "apache-pulsar"
+        try:
+            return PulsarStandalone(
+                directory, port_source=kept_ports(directory), stop_with_parent=False
+            )
+        except PulsarStandaloneError as exc:
+            raise PulsarStandaloneError(
+                f"{exc}; or run the light one: --pulsar-flavor pulsar-lite"
+            ) from None
+
     def _auth_args(self) -> list[str]:
         file = self.config.admin_token_file
         return ["--admin-token-file", str(file)] if file is not None else []
@@ -121,14 +145,10 @@ class LocalCluster:
     def _ledger_args(self) -> list[str]:
         if self.pulsar is None:
             return ["--ledger-dir", str(self.data_dir / "ledgers")]
-        return [
-            "--ledgers",
-            "pulsar",
-            "--pulsar-url",
-            self.pulsar.service_url,
-            "--pulsar-flavor",
-            "pulsar-lite",
-        ]
+        pulsar = ["--ledgers", "pulsar", "--pulsar-url", self.pulsar.service_url]
+        if isinstance(self.pulsar, PulsarLiteServer):
+            return [*pulsar, "--pulsar-flavor", "pulsar-lite"]
+        return [*pulsar, "--pulsar-flavor", "pulsar", "--pulsar-admin-url", self.pulsar.admin_url]
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> _Child:
         log_path = self._log_path(name)
@@ -157,7 +177,15 @@ class LocalCluster:
         config = self.config
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.zookeeper.start()
-        if self.pulsar is not None:
+        if isinstance(self.pulsar, PulsarStandalone):
+            print(
+                f"starting Apache Pulsar {self.pulsar.version} (a JVM: tens of seconds, "
+                f"at most {self.pulsar.start_timeout_s:g} s); its log: {self.pulsar.log_path}",
+                flush=True,
+            )
+            self.pulsar.start()
+            self.pulsar.create_namespace(PULSAR_NAMESPACE)
+        elif self.pulsar is not None:
             self.pulsar.start()
         for n in range(1, config.brokers + 1):
             port = config.first_http_port + n - 1 if config.first_http_port else free_port()
@@ -189,7 +217,10 @@ class LocalCluster:
         """Every process with its role and pid, and the commands to use the cluster: a
         failover is tried by killing the leader's pid, so it is printed (issue 17)."""
         rows = [("zookeeper", "zookeeper", self.zookeeper.pid, self.zookeeper.connect_string)]
-        if self.pulsar is not None:
+        if isinstance(self.pulsar, PulsarStandalone):
+            rows.append(("pulsar", "ledgers", self.pulsar.pid, self.pulsar.service_url))
+            rows.append(("pulsar", "admin", self.pulsar.pid, self.pulsar.admin_url))
+        elif self.pulsar is not None:
             rows.append(("pulsar-lite", "ledgers", self.pulsar.pid, self.pulsar.service_url))
         for broker in self.brokers:
             role = "leader" if broker.name == leader else "follower"

@@ -8,8 +8,6 @@ wait. Rerun one seed with ``STEWARD_TEST_SEED=<seed>``.
 
 from __future__ import annotations
 
-import os
-import random
 import re
 import time
 from collections import Counter
@@ -23,10 +21,19 @@ import pytest
 
 from clients.dev.pulsar_lite import PulsarLiteServer
 from clients.dev.zk import ZooKeeperServer
-from tests.support.cluster_procs import BrokerNode, ClusterProcesses, ClusterWorker
+from tests.support.cluster_procs import BrokerNode, ClusterProcesses
+from tests.support.leader_failover import (
+    CLIENTS,
+    FAILOVER_LIMIT_S,
+    SESSION_TIMEOUT_S,
+    kill9_leader_under_load,
+    seeded_rng,
+    submit_task,
+    take_over,
+    task_of,
+)
 from tests.support.worker_procs import wait_until
 from tests.support.write_load import (
-    Ack,
     WriteLoad,
     check_acknowledged,
     fetch_tasks,
@@ -49,47 +56,6 @@ def pulsar_url(request: pytest.FixtureRequest) -> str | None:
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
-SESSION_TIMEOUT_S = 4.0
-# The acceptance criterion: a follower takes writes within session timeout + 2 s.
-FAILOVER_LIMIT_S = SESSION_TIMEOUT_S + 2.0
-CLIENTS = 32
-LONG_TASK_S = 12.0
-
-
-def _seed(name: str) -> random.Random:
-    seed = int(os.environ.get("STEWARD_TEST_SEED", random.SystemRandom().randrange(2**32)))
-    print(f"\n{name} seed: {seed} (rerun with STEWARD_TEST_SEED={seed})")
-    return random.Random(seed)
-
-
-def _submit(node: BrokerNode, **task: Any) -> int:
-    response = httpx.post(node.url + "/api/v1/tasks", json=task, timeout=10)
-    assert response.status_code == 201, response.text
-    return int(response.json()["id"])
-
-
-def _take_over(
-    cluster: ClusterProcesses, load: WriteLoad, old: BrokerNode, since: float
-) -> tuple[BrokerNode, Ack]:
-    """A leader other than ``old`` is elected, and the first write it acknowledged after
-    ``since`` (monotonic), each within 3 x FAILOVER_LIMIT_S."""
-    new = cluster.wait_for_leader(3 * FAILOVER_LIMIT_S, excluding=[old.broker_id])
-    first = load.wait_first_ack(
-        since,
-        3 * FAILOVER_LIMIT_S,
-        "the first acknowledged write on the new leader",
-        excluding_url=old.url,
-        pause_s=0.01,
-    )
-    return new, first
-
-
-def _task(node: BrokerNode, task_id: int) -> dict[str, Any]:
-    response = httpx.get(f"{node.url}/api/v1/tasks/{task_id}", timeout=10)
-    response.raise_for_status()
-    task: dict[str, Any] = response.json()
-    return task
-
 
 def test_follower_redirects_writes_and_serves_reads(
     zookeeper: ZooKeeperServer, tmp_path: Path
@@ -98,7 +64,9 @@ def test_follower_redirects_writes_and_serves_reads(
         leader = cluster.wait_for_leader(30)
         followers = [node for node in cluster.live() if node is not leader]
         assert len(followers) == 2
-        ids = [_submit(leader, type="demo.job", tenant="reads", params={"n": n}) for n in range(20)]
+        ids = [
+            submit_task(leader, type="demo.job", tenant="reads", params={"n": n}) for n in range(20)
+        ]
         for follower in followers:
             health = follower.health()
             assert health is not None
@@ -122,7 +90,7 @@ def test_follower_redirects_writes_and_serves_reads(
 
             wait_until(visible, 10, f"tasks on follower {follower.broker_id}")
             for task_id, n in zip(ids, range(20), strict=True):
-                task = _task(follower, task_id)
+                task = task_of(follower, task_id)
                 assert (task["type"], task["params"], task["state"]) == (
                     "demo.job",
                     {"n": n},
@@ -140,127 +108,13 @@ def test_follower_redirects_writes_and_serves_reads(
 def test_kill9_leader_under_load(
     zookeeper: ZooKeeperServer, tmp_path: Path, pulsar_url: str | None
 ) -> None:
-    rng = _seed("kill9")
+    rng = seeded_rng("kill9")
     with ClusterProcesses(zookeeper.connect_string, tmp_path, pulsar_url=pulsar_url) as cluster:
-        started = time.monotonic()
-        old = cluster.wait_for_leader(30)
-        idempotent = probe_idempotency(old, "load")
-        workers = [
-            # DEBUG: each worker logs every attempt it runs ("task N attempt A running"),
-            # the record of what actually ran, whatever attempt numbers the broker handed out.
-            cluster.start_worker(
-                f"w{i}", "--tenant", "sleepers", "--task-type", "sleep=6", "--log-level", "DEBUG"
-            )
-            for i in range(2)
-        ]
-        cluster.wait_workers_connected([w.worker_id for w in workers], 30)
-        print(
-            f"leader {old.broker_id}; idempotency keys honoured: {idempotent}; "
-            "workers use --brokers"
-        )
-        # Long tasks first: they still run when the workers reach the new leader (its
-        # Welcome must keep them); the short ones end while the workers are cut off
-        # (their reports are delivered after the reconnect). max_attempts 3: a task the
-        # broker re-ran would end with attempt 2.
-        seconds = [LONG_TASK_S] * 4 + [round(rng.uniform(1.0, 2.0), 2) for _ in range(16)]
-        sleeps = {
-            _submit(old, type="sleep", tenant="sleepers", params={"seconds": s}, max_attempts=3): s
-            for s in seconds
-        }
-        load = WriteLoad(cluster.urls(), clients=CLIENTS, idempotent=idempotent).start()
-        time.sleep(rng.uniform(1.0, 2.0))
-
-        def running_now() -> dict[int, str]:
-            tasks = fetch_tasks(old, tenant="sleepers")
-            return {i: t["worker"] for i, t in tasks.items() if t["state"] == "running"}
-
-        running = wait_until(running_now, 10, "sleep tasks running")
-        acked_before = load.acked_count()
-        killed_at = cluster.kill9(old.broker_id)
-        new, first = _take_over(cluster, load, old, killed_at)
-        failover_s = first.at - killed_at
-        load.wait_for_more_acks(200, 15, "load on new leader")
-        record = load.stop()
-        print(
-            f"kill -9 of {old.broker_id} with {len(running)} sleep tasks running; "
-            f"{new.broker_id} took the first write {failover_s:.3f} s after the kill "
-            f"(limit {FAILOVER_LIMIT_S:.1f} s); {acked_before} acked before, "
-            f"{len(record.acked)} in total ({sum(a.replayed for a in record.acked.values())} "
-            f"answered as replays of a retried key); statuses {dict(record.statuses)}"
-        )
-        assert not record.unexpected, record.unexpected[:5]
-        assert failover_s < FAILOVER_LIMIT_S
-
-        mine = check_acknowledged(new, load, where="on the new leader", expect_unique=idempotent)
-        print(f"{len(mine)} load tasks on {new.broker_id}, every acknowledged one intact")
-
-        def all_final() -> dict[int, dict[str, Any]] | None:
-            tasks = {i: _task(new, i) for i in sleeps}
-            done = all(t["state"] in ("finished", "error", "cancelled") for t in tasks.values())
-            return tasks if done else None
-
-        final = wait_until(all_final, 40, "sleep tasks to finish on the new leader", 0.2)
-        runs = _attempts_run(workers)
-        problems = [
-            f"task {i}: {t['state']} attempt {t['attempt']} on {t['worker']} {t.get('error')}"
-            for i, t in final.items()
-            if t["state"] != "finished"
-        ]
-        # Exactly once: one run in all, and it is the attempt that finished. An attempt
-        # above 1 is right only when the earlier one never reached a worker: the old
-        # leader committed the assignment but died before sending it, and the worker's
-        # Hello to the new leader, without that task, had it re-queued.
-        problems += [
-            f"task {i}: finished attempt {t['attempt']} on {t['worker']}, "
-            f"but the workers ran {sorted(runs.get(i, []))} (worker, attempt)"
-            for i, t in final.items()
-            if runs.get(i, []) != [(t["worker"], t["attempt"])]
-        ]
-        # Running at the kill: the new leader's Welcome kept them on their worker.
-        problems += [
-            f"task {i} was running on {worker} at the kill, finished on {final[i]['worker']} "
-            f"attempt {final[i]['attempt']}"
-            for i, worker in running.items()
-            if (final[i]["worker"], final[i]["attempt"]) != (worker, 1)
-        ]
-        # The killed broker comes back on its data dir as a follower and catches up.
-        cluster.restart(old.broker_id)
-        health = old.health()
-        assert health is not None and health["role"] == "follower", health
-        digest = cluster.wait_for_equal_digests(30)
-        print(
-            f"{len(final) - len(problems)} of {len(final)} sleep tasks finished exactly once "
-            f"({len(running)} were running at the kill); 3 brokers (the killed one restarted) "
-            f"agree on digest "
-            f"{digest[:16]}; {time.monotonic() - started:.1f} s"
-        )
-        # Evidence for a failure: what the workers brought back and what the leader kept.
-        logs = [new.log_text(), *(w.log_tail(20_000) for w in workers)]
-        evidence = [
-            line
-            for text in logs
-            for line in text.splitlines()
-            if re.search(r"keeps \d+ tasks, lost \d+|reports to resend", line)
-        ]
-        assert not problems, (
-            "tasks re-executed after the fail-over:\n"
-            + "\n".join(problems)
-            + "\nreconnections:\n"
-            + "\n".join(evidence)
-        )
-
-
-def _attempts_run(workers: list[ClusterWorker]) -> dict[int, list[tuple[str, int]]]:
-    """Task id -> the (worker, attempt) runs the workers' DEBUG logs record, in log order."""
-    runs: dict[int, list[tuple[str, int]]] = {}
-    for worker in workers:
-        for match in re.finditer(r"task (\d+) attempt (\d+) running", worker.log_text()):
-            runs.setdefault(int(match[1]), []).append((worker.worker_id, int(match[2])))
-    return runs
+        kill9_leader_under_load(cluster, rng)
 
 
 def test_sigstop_leader(zookeeper: ZooKeeperServer, tmp_path: Path, pulsar_url: str | None) -> None:
-    rng = _seed("sigstop")
+    rng = seeded_rng("sigstop")
     with ClusterProcesses(zookeeper.connect_string, tmp_path, pulsar_url=pulsar_url) as cluster:
         old = cluster.wait_for_leader(30)
         idempotent = probe_idempotency(old, "load")
@@ -278,7 +132,7 @@ def test_sigstop_leader(zookeeper: ZooKeeperServer, tmp_path: Path, pulsar_url: 
         # batch holding its segment's flock (recovery fences with a marker instead).
         holding = flocks_held(old.pid, cluster.ledger_dir)
         frozen_s = SESSION_TIMEOUT_S + rng.uniform(1.0, 2.0)
-        new, first = _take_over(cluster, through, old, stopped_at)
+        new, first = take_over(cluster, through, old, stopped_at)
         took_over = (
             f"took writes {first.at - stopped_at:.3f} s after the SIGSTOP "
             f"(frozen {'holding the flock of ' + str(holding) if holding else 'outside a batch'})"
@@ -397,13 +251,13 @@ def test_new_broker_joins_after_retention(
         assert after["digest"] == digest, (after, digest)
         check_acknowledged(newcomer, load, where="on the new broker", expect_unique=idempotent)
         # It takes writes of its own.
-        _submit(newcomer, type="demo.job", tenant="load", params={"after": "retention"})
+        submit_task(newcomer, type="demo.job", tenant="load", params={"after": "retention"})
 
 
 def test_zookeeper_restart(
     zookeeper_factory: Callable[[], ZooKeeperServer], tmp_path: Path
 ) -> None:
-    rng = _seed("zookeeper restart")
+    rng = seeded_rng("zookeeper restart")
     zookeeper = zookeeper_factory()
     with ClusterProcesses(zookeeper.connect_string, tmp_path) as cluster:
         leader = cluster.wait_for_leader(30)
@@ -451,7 +305,7 @@ def test_pulsar_lite_restart(
     # The ledger store itself dies (kill -9) under load and comes back on the same data:
     # brokers reconnect (whoever leads then recovers the open ledger), writes resume,
     # nothing acknowledged is lost.
-    rng = _seed("pulsar-lite restart")
+    rng = seeded_rng("pulsar-lite restart")
     pulsar = pulsar_lite_factory()
     with ClusterProcesses(
         zookeeper.connect_string, tmp_path, pulsar_url=pulsar.service_url

@@ -1,7 +1,7 @@
 """The ledger contract and a deposed leader's fencing on real Apache Pulsar (issue 31, items 2
 and 3; docs/DESIGN.md §3, §4; docs/TESTING.md, "Real Apache Pulsar").
 
-One Pulsar standalone for the module (tests/support/pulsar_standalone.py: a JVM, started
+One Pulsar standalone for the module (clients/dev/pulsar_standalone.py: a JVM, started
 by the first test that needs it, its process group killed when the module ends, whatever
 happened). Every wait is bounded.
 
@@ -35,6 +35,7 @@ import pulsar  # type: ignore[import-untyped]
 import pytest
 
 from broker.replication.node import Node
+from clients.dev.pulsar_standalone import PulsarStandalone
 from clients.dev.zk import ZooKeeperServer
 from log.pulsar import PulsarLedgerStore
 from tests.support.deposed_leader import take_over_tests
@@ -48,7 +49,7 @@ from tests.support.ledger_backends import (
     pulsar_lite_config,
 )
 from tests.support.ledger_contract import contract_tests
-from tests.support.pulsar_standalone import PulsarStandalone, started_standalone
+from tests.support.pulsar_fixture import started_standalone
 
 # The first test's set-up starts the standalone (bounded by FIRST_START_TIMEOUT_S, 180 s).
 pytestmark = pytest.mark.timeout(300)

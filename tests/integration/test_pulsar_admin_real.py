@@ -1,7 +1,7 @@
 """The Pulsar admin API for real, and token authentication and TLS to Pulsar (issue 31, item
 4; docs/OPERATIONS.md, "Ledgers: Pulsar on BookKeeper"; docs/TESTING.md, "Real Apache Pulsar").
 
-ONE Apache Pulsar standalone for the module (tests/support/pulsar_standalone.py), with token
+ONE Apache Pulsar standalone for the module (clients/dev/pulsar_standalone.py), with token
 authentication and authorization on and TLS ports (tests/support/pulsar_security.py): each
 standalone costs about 20 s, so every test here shares this one. Steward always reaches it
 over ``pulsar+ssl://`` and an ``https://`` admin URL with the test CA
@@ -39,7 +39,8 @@ from tests.support.cluster_procs import ClusterProcesses
 from tests.support.ledger_backends import MemoryLedgerIds
 from tests.support.procs import HOST, free_port, steward_command
 from tests.support.pulsar_security import PulsarTokenAuth, hs256_token
-from tests.support.pulsar_standalone import PulsarStandalone
+from clients.dev.pulsar_standalone import PulsarStandalone
+from tests.support.pulsar_fixture import reserved_standalone
 from tests.support.tls_certs import TlsFiles, make_tls_files
 from tests.support.worker_procs import wait_until
 
@@ -70,7 +71,7 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredPulsar]
     tls = make_tls_files(root / "tls", for_java=True)
     other = make_tls_files(root / "other-tls", for_java=True)
     auth = PulsarTokenAuth.generate()
-    with PulsarStandalone(root / "pulsar", token_auth=auth, tls=tls) as server:
+    with reserved_standalone(root / "pulsar", token_auth=auth, tls=tls) as server:
         yield SecuredPulsar(server, auth, tls, other.ca_path)
 
 

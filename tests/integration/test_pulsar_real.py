@@ -1,5 +1,5 @@
 """Real Apache Pulsar (issue 31, first step): the standalone harness of
-tests/support/pulsar_standalone.py, and the engine's own fencing, which pulsar-lite lacks.
+clients/dev/pulsar_standalone.py, and the engine's own fencing, which pulsar-lite lacks.
 
 A producer with access mode ``ExclusiveWithFencing`` writes; a second one with the same mode
 takes the topic over; the first one's next send fails with ``pulsar.ProducerFenced`` and the
@@ -21,8 +21,9 @@ import pulsar  # type: ignore[import-untyped]
 import pytest
 
 from clients.dev.pulsar_lite import PulsarLiteServer
+from clients.dev.pulsar_standalone import PulsarStandalone
 from tests.support.listening import listening_addresses
-from tests.support.pulsar_standalone import PulsarStandalone, started_standalone
+from tests.support.pulsar_fixture import started_standalone
 
 logger = logging.getLogger(__name__)
 

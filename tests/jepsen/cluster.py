@@ -26,11 +26,11 @@ from typing import Any
 import httpx
 
 from clients.dev.pulsar_lite import PulsarLiteServer, accepts_connections
+from clients.dev.pulsar_standalone import PulsarStandalone
 from clients.dev.zk import ZooKeeperServer, four_letter_word
 from tests.jepsen.netns import Network
 from tests.support.logged_process import LoggedProcess
 from tests.support.procs import steward_command
-from tests.support.pulsar_standalone import PulsarStandalone
 
 ZK_PORT = 2181
 PULSAR_PORT = 6650

@@ -246,6 +246,7 @@ class ClusterProcesses:
         tls: TlsFiles | None = None,
         extra_args: tuple[str, ...] = (),
         pulsar_url: str | None = None,
+        pulsar_admin_url: str | None = None,
         admin_token: str | None = None,
         extra_env: dict[str, str] | None = None,
     ) -> None:
@@ -254,8 +255,10 @@ class ClusterProcesses:
         self.extra_env = extra_env or {}
         # Authentication on (the brokers' extra_args name an admin token): probes send it.
         self.http_headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
-        # None: the file backend in root/ledgers; else the pulsar backend on pulsar-lite.
+        # None: the file backend in root/ledgers; else the pulsar backend: on real Apache
+        # Pulsar (--pulsar-flavor pulsar) with its admin URL, on pulsar-lite without one.
         self.pulsar_url = pulsar_url
+        self.pulsar_admin_url = pulsar_admin_url
         self.root = root
         self.name = name or f"c{uuid.uuid4().hex[:8]}"
         self.session_timeout_ms = session_timeout_ms
@@ -274,14 +277,10 @@ class ClusterProcesses:
     def ledger_args(self) -> list[str]:
         if self.pulsar_url is None:
             return ["--ledger-dir", str(self.ledger_dir)]
-        return [
-            "--ledgers",
-            "pulsar",
-            "--pulsar-url",
-            self.pulsar_url,
-            "--pulsar-flavor",
-            "pulsar-lite",
-        ]
+        pulsar = ["--ledgers", "pulsar", "--pulsar-url", self.pulsar_url]
+        if self.pulsar_admin_url is None:
+            return [*pulsar, "--pulsar-flavor", "pulsar-lite"]
+        return [*pulsar, "--pulsar-flavor", "pulsar", "--pulsar-admin-url", self.pulsar_admin_url]
 
     def ledger_ids(self) -> list[int]:
         """The ledger ids in the cluster's ledger list (read from ZooKeeper)."""

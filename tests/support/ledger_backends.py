@@ -19,6 +19,7 @@ from kazoo.client import KazooClient  # type: ignore[import-untyped]
 from broker.observability.node_observer import observe_node
 from broker.replication.node import Node, NodeConfig
 from clients.dev.pulsar_lite import PulsarLiteServer
+from clients.dev.pulsar_standalone import PulsarStandalone
 from clients.dev.zk import ZooKeeperServer
 from log.api import LedgerListStore, LedgerStore
 from log.file import FileLedgerListStore, FileLedgerStore
@@ -26,7 +27,6 @@ from log.memory import MemoryLedgerCluster, MemoryLedgerListStore, MemoryLedgerS
 from log.pulsar import PulsarConfig, PulsarLedgerStore
 from log.zk_list import ZooKeeperLedgerIdAllocator, ZooKeeperLedgerListStore, ledger_list_path
 from snapshot.store import SnapshotStore
-from tests.support.pulsar_standalone import PulsarStandalone
 
 ZK_CONNECT_TIMEOUT_S = 15.0
 
@@ -188,7 +188,7 @@ class PulsarMemoryListBackend(LedgerBackend):
 
 
 class ApachePulsarBackend(PulsarMemoryListBackend):
-    """Real Apache Pulsar (a standalone JVM: tests/support/pulsar_standalone.py) with
+    """Real Apache Pulsar (a standalone JVM: clients/dev/pulsar_standalone.py) with
     ``PulsarConfig.for_apache_pulsar`` (ExclusiveWithFencing, the admin API, its measured
     defaults). Not in :data:`BACKENDS`: a JVM belongs in a real-process test module, so the
     contract runs on it from tests/integration/test_ledger_real_pulsar.py, which gives the

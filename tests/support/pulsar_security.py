@@ -1,6 +1,5 @@
-"""Token authentication and TLS for the Pulsar standalone (tests/support/pulsar_standalone.py;
-issue 31 item 4): what ``PulsarStandalone(..., token_auth=..., tls=...)`` adds to its
-``standalone.conf``.
+"""Token authentication for the Pulsar standalone (clients/dev/pulsar_standalone.py; issue 31
+item 4): what ``PulsarStandalone(..., token_auth=...)`` adds to its ``standalone.conf``.
 
 Token authentication (:class:`PulsarTokenAuth`): Pulsar's ``AuthenticationProviderToken``
 with an HS256 secret (``tokenSecretKey``), authorization on, one super-user role
@@ -10,11 +9,10 @@ with an HS256 secret (``tokenSecretKey``), authorization on, one super-user role
 but refused: nothing grants it permissions. Tokens are HS256 JWTs with a ``sub`` claim, what
 ``bin/pulsar tokens create --secret-key ... --subject ROLE`` makes (:func:`hs256_token`).
 
-TLS (:func:`tls_config_lines`): the broker's binary protocol and its web service also on TLS
-ports of their own (``brokerServicePortTls``, ``webServicePortTls``), with a certificate of
-tests/support/tls_certs.py (``make_tls_files(..., for_java=True)``: RSA, a PKCS#8 key). The
-plain ports stay open (with the same authentication), so the harness's readiness check does
-not depend on TLS.
+TLS (``tls=``, ``tls_config_lines`` in the harness): the broker's binary protocol and its web
+service also on TLS ports of their own, with a certificate of tests/support/tls_certs.py
+(``make_tls_files(..., for_java=True)``: RSA, a PKCS#8 key). The plain ports stay open (with
+the same authentication), so the harness's readiness check does not depend on TLS.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ import json
 import secrets
 from dataclasses import dataclass
 
-from tests.support.tls_certs import TlsFiles
 
 #: The role of the standalone's own client and of the tests' admin token.
 SUPER_USER_ROLE = "steward-admin"
@@ -76,17 +73,3 @@ class PulsarTokenAuth:
             f"brokerClientAuthenticationPlugin={TOKEN_CLIENT_PLUGIN}",
             f"brokerClientAuthenticationParameters=token:{self.token()}",
         ]
-
-
-def tls_config_lines(tls: TlsFiles, broker_tls_port: int, web_tls_port: int) -> list[str]:
-    """The broker and web service on TLS ports too, with ``tls``'s certificate."""
-    return [
-        f"brokerServicePortTls={broker_tls_port}",
-        f"webServicePortTls={web_tls_port}",
-        f"tlsCertificateFilePath={tls.cert_path}",
-        f"tlsKeyFilePath={tls.key_path}",
-        f"tlsTrustCertsFilePath={tls.ca_path}",
-        # Clients need no certificate of their own (token authentication says who they are).
-        "tlsRequireTrustedClientCertOnConnect=false",
-        "tlsAllowInsecureConnection=false",
-    ]

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from clients import cli
+from clients.dev.pulsar_standalone import pulsar_version
 from clients.worker.__main__ import build_parser as build_worker_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,6 +190,14 @@ def test_spark_versions_match() -> None:
     assert _default(services["spark-master"]["image"]) == compose_version
     match = re.search(r"^ARG PYSPARK_VERSION=(\S+)$", DOCKERFILE.read_text(), re.MULTILINE)
     assert match and match.group(1) == compose_version
+
+
+def test_pulsar_image_is_the_version_the_suite_tests() -> None:
+    """Both Pulsar services run the version tests/engines/pom.xml pins (its one definition),
+    the one the real-Pulsar tests start from Maven Central's jars."""
+    services = _services()
+    images = {services[name]["image"] for name in ("pulsar", "pulsar-init")}
+    assert images == {f"apachepulsar/pulsar:{pulsar_version()}"}, images
 
 
 def test_worker_commands_parse_with_the_real_cli() -> None:

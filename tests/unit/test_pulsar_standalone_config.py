@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-import tests.support.pulsar_standalone as harness
+import clients.dev.pulsar_standalone as harness
+from clients.dev.pulsar_standalone import PulsarStandalone, PulsarStandaloneError
+from tests.support.pulsar_fixture import reserved_standalone
 from tests.support.pulsar_security import PulsarTokenAuth, hs256_token
-from tests.support.pulsar_standalone import PulsarStandalone, PulsarStandaloneError
 from tests.support.reserved_ports import reservable_ports
 from tests.support.tls_certs import make_tls_files
 
@@ -36,7 +37,7 @@ def fake_lib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_config_and_command(tmp_path: Path, fake_lib: Path) -> None:
-    server = PulsarStandalone(tmp_path / "pulsar")
+    server = reserved_standalone(tmp_path / "pulsar")
     try:
         server._write_config()
         config = config_of(server)
@@ -66,13 +67,13 @@ def test_config_and_command(tmp_path: Path, fake_lib: Path) -> None:
 
 
 def test_close_gives_the_ports_back(tmp_path: Path, fake_lib: Path) -> None:
-    server = PulsarStandalone(tmp_path / "pulsar")
+    server = reserved_standalone(tmp_path / "pulsar")
     server.close()
     assert all(not reservation.held for reservation in server._reservations)
 
 
 def test_start_bound_follows_the_measured_first_start(tmp_path: Path, fake_lib: Path) -> None:
-    server = PulsarStandalone(tmp_path / "pulsar")
+    server = reserved_standalone(tmp_path / "pulsar")
     server.close()
     assert server.start_timeout_s == harness.FIRST_START_TIMEOUT_S
     server.first_start_s = 30.0
@@ -98,7 +99,7 @@ def test_a_missing_cache_names_the_fetch_command(
 def test_token_auth_and_tls_are_off_by_default_and_complete_when_on(
     tmp_path: Path, fake_lib: Path
 ) -> None:
-    plain = PulsarStandalone(tmp_path / "plain")
+    plain = reserved_standalone(tmp_path / "plain")
     try:
         plain._write_config()
         assert not {"authenticationEnabled", "brokerServicePortTls"} & set(config_of(plain))
@@ -107,7 +108,7 @@ def test_token_auth_and_tls_are_off_by_default_and_complete_when_on(
         plain.close()
     tls = make_tls_files(tmp_path / "tls", for_java=True)
     auth = PulsarTokenAuth.generate()
-    server = PulsarStandalone(tmp_path / "secured", token_auth=auth, tls=tls)
+    server = reserved_standalone(tmp_path / "secured", token_auth=auth, tls=tls)
     try:
         server._write_config()
         config = config_of(server)
@@ -145,3 +146,33 @@ def test_tokens_are_hs256_jwts_of_their_role() -> None:
     expected = hmac.new(b"secret", f"{header}.{claims}".encode(), hashlib.sha256).digest()
     assert decoded(signature) == expected
     assert hs256_token(b"other", "role-a") != token
+
+
+def test_the_engines_cache_can_be_named_in_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    version = harness.pulsar_version()
+    monkeypatch.setenv(harness.ENGINES_DIR_ENV, str(tmp_path))
+    with pytest.raises(PulsarStandaloneError, match=harness.ENGINES_DIR_ENV) as missing:
+        harness.engines_lib()
+    assert str(tmp_path / f"pulsar-{version}" / "lib") in str(missing.value)
+    lib = tmp_path / f"pulsar-{version}" / "lib"
+    lib.mkdir(parents=True)
+    (lib / f"pulsar-broker-{version}.jar").write_bytes(b"")
+    assert harness.engines_lib() == lib
+
+
+def test_a_standalone_on_kept_data_gets_its_ports_again(tmp_path: Path, fake_lib: Path) -> None:
+    # The bookie's cookie names its port: `cluster up` on the same DIR must reuse it.
+    directory = tmp_path / "pulsar"
+    first = PulsarStandalone(directory, port_source=harness.kept_ports(directory))
+    first._write_config()
+    first.close()
+    again = PulsarStandalone(directory, port_source=harness.kept_ports(directory))
+    again.close()
+    ports = (again.port, again.web_port, again.bookie_port)
+    assert ports == (first.port, first.web_port, first.bookie_port)
+    assert len(set(ports)) == 3
+    fresh = PulsarStandalone(tmp_path / "other", port_source=harness.kept_ports(tmp_path / "other"))
+    fresh.close()
+    assert len({fresh.port, fresh.web_port, fresh.bookie_port}) == 3

@@ -1,6 +1,8 @@
-"""A real Apache Pulsar standalone for tests (issue 31): one JVM with a broker and one bookie,
-from the jars of the engines cache (tests/engines/pom.xml, filled by scripts/setup's
-``steward_setup_engines``; docs/TESTING.md, "The engines cache").
+"""A real Apache Pulsar standalone for tests and ``steward cluster up`` (issue 31): one JVM
+with a broker and one bookie, from the jars of the engines cache (tests/engines/pom.xml,
+filled by scripts/setup's ``steward_setup_engines``; docs/TESTING.md, "The engines cache"):
+``$STEWARD_ENGINES_DIR``, else the checkout's ``.cache/engines``. Without the jars,
+:func:`engines_lib` raises saying what to run.
 
 ``org.apache.pulsar.PulsarStandaloneStarter`` runs with ``java -cp '<cache>/lib/*'`` and a
 ``standalone.conf`` written here (it is read as the broker's and the bookie's
@@ -8,7 +10,10 @@ configuration), with ``-nfw`` (no functions worker) and ``-nss`` (no stream stor
 
 - Everything on 127.0.0.1: ``bindAddress`` and ``advertisedAddress``; the bookie listens on
   the loopback interface (``listeningInterface=lo``, ``allowLoopback``). The broker, web and
-  bookie ports are reserved (tests/support/reserved_ports.py) for the server's life.
+  bookie ports come from the ``port_source`` given: free ones by default; the tests reserve
+  them for the server's life (tests/support/reserved_ports.py); ``steward cluster up`` takes
+  the ones recorded in the directory's :data:`PORTS_FILE` by the last start
+  (:func:`kept_ports`), since the bookie's data names its port.
 - Metadata: the standalone's default since Pulsar 2.11, a RocksDB metadata store in the
   data directory, in the same JVM. Not ZooKeeper: ``PULSAR_STANDALONE_USE_ZOOKEEPER=1``
   starts an in-process ZooKeeper that binds every interface (its port has no address
@@ -18,10 +23,12 @@ configuration), with ``-nfw`` (no functions worker) and ``-nss`` (no stream stor
   journals with ``journalSyncData=true`` and DbLedgerStorage's caches are sized down.
 - A small JVM: :data:`HEAP_MB` heap, :data:`DIRECT_MEMORY_MB` direct memory.
 
-Token authentication and TLS, both off by default (``token_auth=``, ``tls=``): their
-settings are in tests/support/pulsar_security.py. With TLS, two more reserved ports
+Token authentication and TLS, both off by default (``token_auth=``, ``tls=``: any objects
+with the shapes of :class:`TokenAuth` and :class:`TlsCertificates`; the tests' are in
+tests/support/pulsar_security.py and tests/support/tls_certs.py). With TLS, two more ports
 (:attr:`PulsarStandalone.tls_service_url`, :attr:`PulsarStandalone.tls_admin_url`); the plain
-ports stay, and the readiness check below uses them with a super-user token.
+ports stay, and the readiness check below uses them, with a super-user token under
+``token_auth``.
 
 Ready means the admin health check (``/admin/v2/brokers/health``: a write and read on a
 heartbeat topic) answers ``ok`` and the ``public/default`` namespace, which the standalone
@@ -39,26 +46,28 @@ tail.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
+from typing import Protocol, Self
 
 import httpx
-import pytest
 
-from clients.dev.local_server import HOST, LocalServerProcess
+from clients.dev.local_server import HOST, LocalServerProcess, free_port
 from clients.dev.zk import LOG4J2_CONSOLE_CONFIG, ZooKeeperError, find_java
-from tests.support.pulsar_security import PulsarTokenAuth, tls_config_lines
-from tests.support.reserved_ports import PortReservation, reserve_port
-from tests.support.tls_certs import TlsFiles
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINES_POM = ROOT / "tests" / "engines" / "pom.xml"
+#: Environment variable naming the engines cache (default: the checkout's ``.cache/engines``).
+ENGINES_DIR_ENV = "STEWARD_ENGINES_DIR"
+#: The ports a standalone used, written at each start (read back by :func:`kept_ports`).
+PORTS_FILE = "ports.json"
 #: Bound of the first start, before one is measured.
 FIRST_START_TIMEOUT_S = 180.0
 #: Later starts: this many times the first start's measured time...
@@ -91,32 +100,125 @@ class PulsarStandaloneError(RuntimeError):
     """The Pulsar standalone could not be found, started or stopped (details in the message)."""
 
 
+class TokenAuth(Protocol):
+    """Token authentication's settings: its ``standalone.conf`` lines (the standalone's own
+    client included) and a super-user token (``role=None``) for the readiness check."""
+
+    def config_lines(self) -> list[str]: ...
+
+    def token(self, role: str | None = None) -> str: ...
+
+
+class TlsCertificates(Protocol):
+    """The broker's certificate, its key (PKCS#8, which Java reads) and the CA (PEM files)."""
+
+    @property
+    def cert_path(self) -> Path: ...
+
+    @property
+    def key_path(self) -> Path: ...
+
+    @property
+    def ca_path(self) -> Path: ...
+
+
+def tls_config_lines(tls: TlsCertificates, broker_tls_port: int, web_tls_port: int) -> list[str]:
+    """The broker and web service on TLS ports too, with ``tls``'s certificate."""
+    return [
+        f"brokerServicePortTls={broker_tls_port}",
+        f"webServicePortTls={web_tls_port}",
+        f"tlsCertificateFilePath={tls.cert_path}",
+        f"tlsKeyFilePath={tls.key_path}",
+        f"tlsTrustCertsFilePath={tls.ca_path}",
+        # Clients need no certificate of their own (token authentication says who they are).
+        "tlsRequireTrustedClientCertOnConnect=false",
+        "tlsAllowInsecureConnection=false",
+    ]
+
+
+class HeldPort(Protocol):
+    """A port chosen for the server, held (or not) until :meth:`release`."""
+
+    port: int
+
+    def release(self) -> None: ...
+
+
+@dataclass
+class FreePort:
+    """A port that was free a moment ago (``bind`` to port 0); nothing holds it."""
+
+    port: int
+
+    def release(self) -> None:
+        """Nothing to give back."""
+
+
+def any_free_port() -> HeldPort:
+    """The default port source: a free port, not held."""
+    return FreePort(free_port())
+
+
 def pulsar_version() -> str:
     """The Pulsar version tests/engines/pom.xml pins (its one definition)."""
-    match = _VERSION_RE.search(ENGINES_POM.read_text())
+    try:
+        pom = ENGINES_POM.read_text()
+    except OSError:
+        raise PulsarStandaloneError(
+            f"no {ENGINES_POM}: Apache Pulsar's version is pinned there, in a steward checkout; "
+            "run steward from one"
+        ) from None
+    match = _VERSION_RE.search(pom)
     if match is None:
         raise PulsarStandaloneError(f"{ENGINES_POM} names no <pulsar.version>")
     return match.group(1)
 
 
+def engines_dir() -> Path:
+    """The engines cache: ``$STEWARD_ENGINES_DIR``, else the checkout's ``.cache/engines``
+    (where ./scripts/fetch-engines puts the jars)."""
+    override = os.environ.get(ENGINES_DIR_ENV)
+    return Path(override) if override else ROOT / ".cache" / "engines"
+
+
 def engines_lib() -> Path:
-    """The cached jars (``.cache/engines/pulsar-VERSION/lib``); raises, saying how to fetch
+    """The cached jars (``<engines cache>/pulsar-VERSION/lib``); raises, saying how to fetch
     them, when they are not there."""
     version = pulsar_version()
-    lib = ROOT / ".cache" / "engines" / f"pulsar-{version}" / "lib"
+    lib = engines_dir() / f"pulsar-{version}" / "lib"
     if not (lib / f"pulsar-broker-{version}.jar").is_file():
         raise PulsarStandaloneError(
-            f"no Apache Pulsar {version} jars in {lib}: run ./scripts/fetch-engines "
-            "(./scripts/test does it before the suite)"
+            f"no Apache Pulsar {version} jars in {lib}: run ./scripts/fetch-engines in the "
+            f"steward checkout {ROOT} (./scripts/test does it before the suite), or point "
+            f"{ENGINES_DIR_ENV} at a cache holding pulsar-{version}/lib"
         )
     return lib
+
+
+def kept_ports(directory: str | os.PathLike[str]) -> Callable[[], HeldPort]:
+    """A port source for a standalone whose data outlives it (``steward cluster up``): the
+    ports the last standalone in ``directory`` used, in order, else free ones. The bookie's
+    cookie and every ledger's ensemble name the bookie by address and port, so a restart on
+    another port would lose the data."""
+    try:
+        recorded = [int(port) for port in json.loads((Path(directory) / PORTS_FILE).read_text())]
+    except (OSError, ValueError, TypeError):
+        recorded = []
+    remaining = iter(recorded)
+
+    def next_port() -> HeldPort:
+        port = next(remaining, None)
+        return FreePort(port) if port is not None else any_free_port()
+
+    return next_port
 
 
 class PulsarStandalone(LocalServerProcess):
     """One Pulsar standalone (broker + bookie, RocksDB metadata) on 127.0.0.1 in ``directory``.
 
-    Ports are reserved at construction and kept across restarts; :meth:`close` stops the
-    server and gives them back. Use it as a context manager or call :meth:`close`.
+    Ports are chosen at construction (``port_source``) and kept across restarts;
+    :meth:`close` stops the server and gives them back. Use it as a context manager or call
+    :meth:`close`.
     """
 
     server_name = "Apache Pulsar standalone"
@@ -129,9 +231,10 @@ class PulsarStandalone(LocalServerProcess):
         self,
         directory: str | os.PathLike[str],
         *,
+        port_source: Callable[[], HeldPort] = any_free_port,
         stop_with_parent: bool = True,
-        token_auth: PulsarTokenAuth | None = None,
-        tls: TlsFiles | None = None,
+        token_auth: TokenAuth | None = None,
+        tls: TlsCertificates | None = None,
     ) -> None:
         self.token_auth = token_auth
         self.tls = tls
@@ -140,20 +243,20 @@ class PulsarStandalone(LocalServerProcess):
             self._java = find_java()
         except ZooKeeperError as exc:
             raise PulsarStandaloneError(str(exc)) from None
-        self._reservations: list[PortReservation] = []
+        self._reservations: list[HeldPort] = []
         try:
             for _ in range(5 if tls is not None else 3):
-                self._reservations.append(reserve_port())
+                self._reservations.append(port_source())
         except BaseException:
             self._release_ports()
             raise
         broker, web, bookie = (r.port for r in self._reservations[:3])
-        #: The TLS ports (binary protocol, web service); None without ``tls``.
-        self.tls_port: int | None = self._reservations[3].port if tls else None
-        self.tls_web_port: int | None = self._reservations[4].port if tls else None
         super().__init__(directory, port=broker, stop_with_parent=stop_with_parent)
         self.web_port = web
         self.bookie_port = bookie
+        #: The TLS ports (binary protocol, web service); None without ``tls``.
+        self.tls_port: int | None = self._reservations[3].port if tls else None
+        self.tls_web_port: int | None = self._reservations[4].port if tls else None
         self.version = pulsar_version()
         #: The first start's measured time (launch to ready), seconds.
         self.first_start_s: float | None = None
@@ -233,6 +336,21 @@ class PulsarStandalone(LocalServerProcess):
         except httpx.HTTPError:
             return False
         return namespaces.status_code == 200 and "public/default" in namespaces.json()
+
+    def create_namespace(self, namespace: str, timeout_s: float = 30.0) -> None:
+        """Create ``TENANT/NAMESPACE`` (Steward's default is ``public/steward``) through the
+        admin API; one that exists already is fine. The brokers apply its retention policy
+        themselves (docs/OPERATIONS.md, "Ledgers: Pulsar on BookKeeper")."""
+        url = f"{self.admin_url}/admin/v2/namespaces/{namespace}"
+        try:
+            response = httpx.put(url, json={}, headers=self.admin_headers, timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            raise PulsarStandaloneError(f"cannot create namespace {namespace}: {exc}") from None
+        if response.status_code not in (204, 409):  # 409: it exists
+            raise PulsarStandaloneError(
+                f"cannot create namespace {namespace}: the admin API answered "
+                f"{response.status_code}: {response.text[:200]}"
+            )
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM to the process group, wait up to ``timeout_s``, then SIGKILL to the group."""
@@ -317,7 +435,7 @@ class PulsarStandalone(LocalServerProcess):
     def _write_config(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         lines = [
-            "# Written by tests/support/pulsar_standalone.py at every start; edits are lost.",
+            "# Written by clients/dev/pulsar_standalone.py at every start; edits are lost.",
             f"clusterName={CLUSTER_NAME}",
             f"bindAddress={HOST}",
             f"advertisedAddress={HOST}",
@@ -353,6 +471,8 @@ class PulsarStandalone(LocalServerProcess):
             assert self.tls_port is not None and self.tls_web_port is not None
             lines += tls_config_lines(self.tls, self.tls_port, self.tls_web_port)
         self.config_path.write_text("\n".join(lines) + "\n")
+        ports = [self.port, self.web_port, self.bookie_port]
+        (self._directory / PORTS_FILE).write_text(json.dumps(ports) + "\n")
         (self._directory / "log4j2.properties").write_text(LOG4J2_CONSOLE_CONFIG)
 
     def _command(self) -> list[str]:
@@ -387,10 +507,3 @@ class PulsarStandalone(LocalServerProcess):
 
     def __repr__(self) -> str:
         return f"PulsarStandalone({self.service_url}, pid={self.pid}, dir={self._directory})"
-
-
-def started_standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PulsarStandalone]:
-    """A fixture body: a started standalone, closed (process group killed, ports given back)
-    when the fixture ends, whatever happened."""
-    with PulsarStandalone(tmp_path_factory.mktemp("pulsar-standalone")) as server:
-        yield server
