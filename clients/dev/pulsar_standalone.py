@@ -369,6 +369,11 @@ class PulsarStandalone(LocalServerProcess):
         """SIGKILL to the process group (a crash). No-op when not running."""
         self._kill_group()
 
+    def kill(self) -> None:
+        """The same crash under pulsar-lite's name for it (``PulsarLiteServer.kill``), so
+        fault injectors take either engine."""
+        self._kill_group()
+
     def _kill_process(self) -> None:
         # The base class's start() calls this when the server is not ready in time.
         self._kill_group()

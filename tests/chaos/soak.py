@@ -32,7 +32,8 @@ which broker leads at that moment depend on the run's timing.
 
 The long version::
 
-    python -m tests.chaos.soak --seed 7 --faults 500 [--ledgers file|pulsar] [--keep DIR]
+    python -m tests.chaos.soak --seed 7 --faults 500 [--ledgers file|pulsar|apache-pulsar]
+        [--keep DIR]
 
 The configuration, fault draw, fault log and client load are in tests/chaos/soak_parts.py.
 """
@@ -84,6 +85,7 @@ from tests.chaos.soak_checks import (
 from tests.chaos.soak_faults import ExtraFaults, _Pausable
 from tests.chaos.soak_parts import (
     FINAL_STATES,
+    LEDGERS,
     MAX_START_FAILURES,
     TASK_MODULE,
     ChaosLoad,
@@ -101,6 +103,7 @@ from tests.support.cluster_procs import (
     ClusterProcesses,
     ClusterWorker,
 )
+from tests.support.pulsar_fixture import reserved_standalone
 from tests.support.worker_procs import wait_until
 from tests.support.write_load import fetch_tasks
 
@@ -116,14 +119,19 @@ class ChaosSoak(ExtraFaults):
         root: Path,
         *,
         pulsar_url: str | None = None,
+        pulsar_admin_url: str | None = None,
         pulsar: _Pausable | None = None,
     ) -> None:
-        if config.ledgers == "pulsar" and pulsar_url is None:
-            raise ValueError("the pulsar ledger backend needs pulsar_url")
+        if config.on_pulsar and pulsar_url is None:
+            raise ValueError("the pulsar ledger backends need pulsar_url")
+        if (config.ledgers == "apache-pulsar") != (pulsar_admin_url is not None):
+            raise ValueError("pulsar_admin_url: for apache-pulsar (and only for it)")
         self.config = config
         self.zookeeper = zookeeper
         self.root = root
-        self.pulsar_url = pulsar_url if config.ledgers == "pulsar" else None
+        self.pulsar_url = pulsar_url if config.on_pulsar else None
+        # Apache Pulsar: brokers with --pulsar-flavor pulsar (ClusterProcesses).
+        self.pulsar_admin_url = pulsar_admin_url
         self.rng = random.Random(config.seed)
         self.log = FaultLog(config.seed)
         # Tasks run under uids of their own (docs/SECURITY.md, "Task processes"): their
@@ -144,7 +152,7 @@ class ChaosSoak(ExtraFaults):
         self._worker_args = ("--task-type", f"*={config.worker_slots}")
         self.cluster: ClusterProcesses | None = None
         self.load: ChaosLoad | None = None
-        self.pulsar = pulsar if config.ledgers == "pulsar" else None
+        self.pulsar = pulsar if config.on_pulsar else None
         self.leader_faults: list[tuple[str, float, bool]] = []  # (kind, when, nothing else down)
         self.other_faults: list[float] = []  # when other brokers or ZooKeeper went down
         self.zombie_thread: threading.Thread | None = None
@@ -172,6 +180,7 @@ class ChaosSoak(ExtraFaults):
                 str(self.config.ledger_retention_h),
             ),
             pulsar_url=self.pulsar_url,
+            pulsar_admin_url=self.pulsar_admin_url,
         )
         with cluster:
             self.cluster = cluster
@@ -692,10 +701,15 @@ class ChaosSoak(ExtraFaults):
         return []
 
 
+#: Steward's default Pulsar namespace (``--pulsar-namespace``), made as an admin would.
+PULSAR_NAMESPACE = "public/steward"
+
+
 def run_soak(
     config: SoakConfig, root: Path, *, zookeeper: ZooKeeperServer | None = None
 ) -> SoakResult:
-    """Start what the soak needs (ZooKeeper, pulsar-lite) under ``root`` unless given."""
+    """Start what the soak needs (ZooKeeper; pulsar-lite or an Apache Pulsar standalone with
+    Steward's namespace) under ``root`` unless given."""
     with ExitStack() as stack:
         if zookeeper is None:
             zookeeper = stack.enter_context(
@@ -710,12 +724,23 @@ def run_soak(
             )
             pulsar_url = pulsar.service_url
             return ChaosSoak(config, zookeeper, root, pulsar_url=pulsar_url, pulsar=pulsar).run()
+        if config.ledgers == "apache-pulsar":
+            standalone = stack.enter_context(reserved_standalone(root / "pulsar-standalone"))
+            standalone.create_namespace(PULSAR_NAMESPACE)
+            return ChaosSoak(
+                config,
+                zookeeper,
+                root,
+                pulsar_url=standalone.service_url,
+                pulsar_admin_url=standalone.admin_url,
+                pulsar=standalone,
+            ).run()
         return ChaosSoak(config, zookeeper, root).run()
 
 
 def _stop_on_sigterm(signum: int, frame: object) -> None:
     """SIGTERM ends the soak as Ctrl-C does: the with-blocks on the way out stop the
-    cluster's brokers and workers, ZooKeeper and pulsar-lite (nothing else would: the
+    cluster's brokers and workers, ZooKeeper and the Pulsar engine (nothing else would: the
     default action leaves them running). A second one is ignored while they stop."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt(f"signal {signum}")
@@ -727,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=None, help="default: a random one (printed)")
     parser.add_argument("--faults", type=int, default=500, help="default %(default)s")
-    parser.add_argument("--ledgers", choices=("file", "pulsar"), default="file")
+    parser.add_argument("--ledgers", choices=LEDGERS, default="file")
     parser.add_argument("--clients", type=int, default=SoakConfig.clients)
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=SoakConfig.heartbeat_timeout_ms)
     parser.add_argument("--keep", type=Path, default=None, help="keep data and logs in DIR")

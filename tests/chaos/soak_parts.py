@@ -42,15 +42,20 @@ FAULT_WEIGHTS: dict[str, float] = {
     # A broker killed while it starts (replaying, joining the election).
     "kill_starting_broker": 0.7,
 }
-# Only with the pulsar ledger backend: faults of pulsar-lite itself.
+# Only with a pulsar ledger backend: faults of the engine itself (pulsar-lite, or the Apache
+# Pulsar standalone's JVM: its broker and bookie together).
 PULSAR_FAULT_WEIGHTS: dict[str, float] = {"kill_pulsar": 1.0, "stop_pulsar": 1.0}
+
+
+#: The soak's ledger backends: the file ledger, pulsar-lite, a real Apache Pulsar standalone.
+LEDGERS = ("file", "pulsar", "apache-pulsar")
 
 
 @dataclass(frozen=True)
 class SoakConfig:
     seed: int
     faults: int = 50
-    ledgers: str = "file"  # or "pulsar" (pulsar-lite)
+    ledgers: str = "file"  # or "pulsar" (pulsar-lite), or "apache-pulsar" (LEDGERS)
     brokers: int = 3
     workers: int = 2
     clients: int = 4
@@ -88,8 +93,13 @@ class SoakConfig:
     txn_fraction: float = 0.1
     tree_fraction: float = 0.1
 
+    @property
+    def on_pulsar(self) -> bool:
+        """Whether the ledgers are in a Pulsar engine (either kind) the soak runs and faults."""
+        return self.ledgers in ("pulsar", "apache-pulsar")
+
     def fault_weights(self) -> dict[str, float]:
-        extra = PULSAR_FAULT_WEIGHTS if self.ledgers == "pulsar" else {}
+        extra = PULSAR_FAULT_WEIGHTS if self.on_pulsar else {}
         return {**FAULT_WEIGHTS, **extra}
 
 

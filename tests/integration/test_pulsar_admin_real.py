@@ -32,15 +32,15 @@ from typing import Any
 import httpx
 import pytest
 
+from clients.dev.pulsar_standalone import PulsarStandalone
 from clients.dev.zk import ZooKeeperServer
 from log.api import LedgerError
 from log.pulsar import PulsarConfig, PulsarLedgerStore
 from tests.support.cluster_procs import ClusterProcesses
 from tests.support.ledger_backends import MemoryLedgerIds
 from tests.support.procs import HOST, free_port, steward_command
-from tests.support.pulsar_security import PulsarTokenAuth, hs256_token
-from clients.dev.pulsar_standalone import PulsarStandalone
 from tests.support.pulsar_fixture import reserved_standalone
+from tests.support.pulsar_security import PulsarTokenAuth, hs256_token
 from tests.support.tls_certs import TlsFiles, make_tls_files
 from tests.support.worker_procs import wait_until
 

@@ -145,10 +145,6 @@ class NamespacedPulsarStandalone(PulsarStandalone):
     def _command(self) -> list[str]:
         return [*self.net.exec_prefix("pl"), *super()._command()]
 
-    def kill(self) -> None:
-        """kill -9 of the JVM (the nemesis's name for it, as pulsar-lite's)."""
-        self.kill9()
-
 
 class Node(LoggedProcess):
     """A steward broker or worker process in namespace ``name``."""

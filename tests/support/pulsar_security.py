@@ -24,7 +24,6 @@ import json
 import secrets
 from dataclasses import dataclass
 
-
 #: The role of the standalone's own client and of the tests' admin token.
 SUPER_USER_ROLE = "steward-admin"
 TOKEN_PROVIDER = "org.apache.pulsar.broker.authentication.AuthenticationProviderToken"
