@@ -18,6 +18,7 @@ import msgspec
 from broker.api import api_models as m
 from broker.api.edges import HttpEdgeConfig
 from broker.artifacts.code_store import ArtifactLimits
+from broker.core.admission import MAX_PARAMS_BYTES, Inadmissible, Refusal
 from broker.core.state import (
     FINAL_STATES,
     ApiToken,
@@ -79,7 +80,7 @@ class ApiConfig:
     event_history: int = 100_000
     max_event_backlog: int = 10_000
     max_tasks_per_request: int = 10_000
-    max_params_bytes: int = 64 * 1024
+    max_params_bytes: int = MAX_PARAMS_BYTES
     max_list_limit: int = 1_000
     # Replicas an uploaded artifact needs before tasks using it may run (docs/DESIGN.md §7). Above
     # 1 the upload is logged not ready; the leader's ReplicationMonitor readies it.
@@ -208,6 +209,20 @@ class ClusterView(Protocol):
 def error_code(code: ErrorCode) -> str:
     # The API says "invalid_request" for every invalid input, wherever it is caught.
     return "invalid_request" if code is ErrorCode.INVALID else code.value
+
+
+_STATUS_BY_REFUSAL: Final = {
+    Refusal.INVALID: (400, "invalid_request"),
+    Refusal.TOO_LARGE: (413, "too_large"),
+    Refusal.UNKNOWN_CODE: (404, "not_found"),
+}
+
+
+def admission_error(problem: Inadmissible, where: str) -> HttpError:
+    """The answer to a new task the admission rule refuses (broker/core/admission.py);
+    ``where`` names the task in the request ("tasks[2]: ")."""
+    status, code = _STATUS_BY_REFUSAL[problem.refusal]
+    return HttpError(status, code, where + problem.message)
 
 
 def rejected_error(rejected: Rejected) -> HttpError:

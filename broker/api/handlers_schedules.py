@@ -13,6 +13,7 @@ from broker.api import api_models as m
 from broker.api.common import (
     HttpError,
     Request,
+    admission_error,
     decode,
     iso_ms,
     json_encoder,
@@ -20,6 +21,7 @@ from broker.api.common import (
 )
 from broker.api.context import ApiContext
 from broker.core import entries as e
+from broker.core.admission import admission_problem
 from broker.core.schedules import (
     MAX_INTERVAL_MS,
     MIN_INTERVAL_MS,
@@ -28,8 +30,7 @@ from broker.core.schedules import (
     cron_problem,
     tick_after,
 )
-from broker.core.state import NAME_RE, Rejected, validate_task_spec
-from broker.core.validation import validate_builtin_params
+from broker.core.state import NAME_RE, Rejected
 from broker.replication.node import Stamp
 from broker.security.auth import Role as CallerRole
 
@@ -76,8 +77,6 @@ def _seconds_ms(value: float, field: str, low_ms: int, high_ms: int) -> int:
 
 def _task_spec(api: ApiContext, tenant: str, task: m.ScheduledTask) -> e.TaskSpec:
     params = b"null" if isinstance(task.params, UnsetType) else bytes(task.params)
-    if len(params) > api.config.max_params_bytes:
-        raise HttpError(413, "too_large", f"task.params over {api.config.max_params_bytes} bytes")
     spec = e.TaskSpec(
         id=0,
         type=task.type,
@@ -88,14 +87,15 @@ def _task_spec(api: ApiContext, tenant: str, task: m.ScheduledTask) -> e.TaskSpe
         code=task.code,
         max_lost=task.max_lost,
     )
-    problem = validate_task_spec(spec) or validate_builtin_params(spec.type, spec.params)
+    problem = admission_problem(
+        api.node.state,
+        spec,
+        max_params_bytes=api.config.max_params_bytes,
+        code_owners_enforced=api.config.auth.enabled,
+        code_must_exist=True,
+    )
     if problem is not None:
-        raise HttpError(400, "invalid_request", f"task: {problem}")
-    if spec.code is not None:
-        artifact = api.node.state.artifacts.get(spec.code)
-        owners = artifact.owners if artifact is not None else ()
-        if artifact is None or (api.config.auth.enabled and owners and tenant not in owners):
-            raise HttpError(404, "not_found", f"task: code artifact {spec.code} was never uploaded")
+        raise admission_error(problem, "task: ")
     return spec
 
 

@@ -15,6 +15,7 @@ from broker.api.common import (
     TASK_STATES,
     HttpError,
     Request,
+    admission_error,
     bool_param,
     decode,
     error_code,
@@ -30,15 +31,14 @@ from broker.api.common import (
 from broker.api.context import ApiContext
 from broker.api.output_store import PROXIED_HEADER, LogsError, logs_answer, logs_from_leader
 from broker.core import entries as e
+from broker.core.admission import admission_problem
 from broker.core.state import (
     MAX_TREE_TIMEOUT_MS,
     Rejected,
     ReplayedResults,
     TaskRef,
     TreeState,
-    validate_task_spec,
 )
-from broker.core.validation import unknown_type_problem, validate_builtin_params
 from broker.replication.node import Stamp
 from broker.security.auth import ANONYMOUS_ADMIN, Principal
 from broker.security.auth import Role as CallerRole
@@ -74,8 +74,6 @@ def _spec_fields(
     if item.type is None:
         raise HttpError(400, "invalid_request", f"{where}type is required")
     params = b"null" if isinstance(item.params, UnsetType) else bytes(item.params)
-    if len(params) > api.config.max_params_bytes:
-        raise HttpError(413, "too_large", f"{where}params over {api.config.max_params_bytes} bytes")
     try:
         deadline_ms = to_epoch_ms(item.deadline, "deadline")
         start_after_ms = to_epoch_ms(item.start_after, "start_after")
@@ -106,28 +104,18 @@ def _spec_fields(
             else _seconds_ms(item.retry_backoff_max_s, "retry_backoff_max_s", where)
         ),
     )
-    problem = validate_task_spec(spec) or validate_builtin_params(spec.type, spec.params)
-    if problem is None and not item.allow_unknown_type:
-        served = api.node.state.type_served(tenant, spec.type)
-        problem = unknown_type_problem(spec.type, spec.code, tenant, served)
+    problem = admission_problem(
+        api.node.state,
+        spec,
+        max_params_bytes=api.config.max_params_bytes,
+        code_owners_enforced=api.config.auth.enabled,
+        check_served_type=not item.allow_unknown_type,
+    )
     if problem is not None:
-        raise HttpError(400, "invalid_request", where + problem)
-    if spec.code is not None and not _may_use_code(api, request, spec.code, tenant):
-        raise HttpError(404, "not_found", f"{where}code artifact {spec.code} was never uploaded")
+        raise admission_error(problem, where)
     if spec.transaction is not None and not _owns_transaction(api, request, spec.transaction):
         raise HttpError(404, "not_found", f"{where}transaction {spec.transaction} is not open")
     return spec
-
-
-def _may_use_code(api: ApiContext, request: Request, sha256: str, tenant: str) -> bool:
-    """Whether tasks of ``tenant`` may run this artifact (a tenant's own or a shared
-    one). Unknown artifacts pass: the state machine's answer names them."""
-    if not api.config.auth.enabled:
-        return True
-    artifact = api.node.state.artifacts.get(sha256)
-    if artifact is None or not artifact.owners:
-        return True
-    return tenant in artifact.owners
 
 
 def _owns_transaction(api: ApiContext, request: Request, txn_id: int) -> bool:
@@ -284,6 +272,8 @@ async def submit(api: ApiContext, request: Request) -> tuple[int, bytes]:
     try:
         results = await api.node.propose(build)
     finally:
+        # The placements are this submit's to give back, once its entry is settled
+        # (applied or never to be); the placer counts them in flight until then.
         if placer is not None and placed:
             placer.release(placed)
     assert isinstance(results, list)

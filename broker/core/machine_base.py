@@ -16,6 +16,7 @@ from collections.abc import Collection, Iterator, Mapping
 from enum import IntEnum
 
 from broker.core.effects import Effect, TaskFinal
+from broker.core.fit import ANY_TYPE, pool_of
 from broker.core.records import (
     FINAL_STATES,
     LIVE_STATES,
@@ -34,9 +35,6 @@ from broker.core.records import (
     WorkerState,
 )
 from broker.core.transitions import TaskState, check_move
-
-# The pool shared by every task type a worker does not list by name.
-ANY_TYPE = "*"
 
 
 class CapacityIndex:
@@ -104,7 +102,7 @@ class CapacityIndex:
         self.slots_total += sum(max(0, n) for n in worker.task_types.values())
         pools = self.free[wid] = dict(worker.task_types)
         for task_id in running:
-            used = self._pool(pools, tasks[task_id].type)
+            used = pool_of(pools, tasks[task_id].type)
             if used is not None:
                 pools[used] -= 1
         for pool, free in pools.items():
@@ -130,17 +128,10 @@ class CapacityIndex:
         star = self.order.get(ANY_TYPE) if task_type != ANY_TYPE else None
         if star:
             free = self.free
-            sources.append(key for key in star if task_type not in free[key[1]])
+            sources.append(key for key in star if pool_of(free[key[1]], task_type) == ANY_TYPE)
         if len(sources) == 1:
             return sources[0]
         return heapq.merge(*sources)
-
-    @staticmethod
-    def _pool(pools: Mapping[str, int], task_type: str) -> str | None:
-        # A type listed by name uses its own capacity (even 0), never the "*" pool.
-        if task_type in pools:
-            return task_type
-        return ANY_TYPE if ANY_TYPE in pools else None
 
     def started(self, worker_id: str, task: Task) -> None:
         self._take(worker_id, task, -1)
@@ -155,7 +146,7 @@ class CapacityIndex:
         pools = self.free.get(worker_id)
         if pools is None:
             return  # not connected: indexed again when it registers
-        pool = self._pool(pools, task.type)
+        pool = pool_of(pools, task.type)
         if pool is not None:
             old = pools[pool]
             pools[pool] = old + delta

@@ -44,15 +44,11 @@ from collections.abc import Collection, Iterator
 from typing import Final
 
 from broker.core.entries import Assignment
-from broker.core.machine_base import ANY_TYPE
+from broker.core.fit import fits, pool_of, resources_left, within_global_limits
 from broker.core.state import StateMachine, Task, TaskState
 
 DEFAULT_MAX_ASSIGNMENTS: Final = 1000
 DEFAULT_LOOKAHEAD: Final = 16
-
-# Absorbs float rounding when fractional asks add up exactly to a capacity
-# (ten tasks of 0.1 cpu on a 1-cpu worker); far below any meaningful amount.
-_EPSILON: Final = 1e-9
 
 
 class _Pool:
@@ -68,15 +64,15 @@ class _Pool:
 class _Worker:
     __slots__ = ("free", "id", "pools", "tenants")
 
-    def __init__(self, worker_id: str, tenants: list[str], resources: dict[str, float]) -> None:
+    def __init__(self, worker_id: str, tenants: list[str], free: dict[str, float]) -> None:
         self.id = worker_id
         self.tenants = frozenset(tenants) if tenants else None  # None: serves everyone
-        self.free = dict(resources)  # resources left after running tasks
+        self.free = free  # resources left after running tasks
         self.pools: dict[str, _Pool] = {}
 
     def pool_for(self, task_type: str) -> _Pool | None:
-        # A type listed by name uses its own capacity (even 0), never the "*" pool.
-        return self.pools.get(task_type, self.pools.get(ANY_TYPE))
+        name = pool_of(self.pools, task_type)
+        return None if name is None else self.pools[name]
 
 
 class _Tenant:
@@ -210,16 +206,14 @@ class _Round:
         if view is not None:
             return view
         worker = self.state.workers[worker_id]
-        view = self.views[worker_id] = _Worker(worker_id, worker.tenants, worker.resources)
-        for pool_name, free in self.capacity.free[worker_id].items():
-            view.pools[pool_name] = _Pool(view, free)
+        free: dict[str, float] = {}
         if worker.resources:
-            free_left = view.free
             tasks = self.tasks
-            for task_id in sorted(self.state.running_by_worker.get(worker_id, ())):
-                for name, amount in tasks[task_id].resources.items():
-                    if name in free_left:
-                        free_left[name] -= amount
+            running = sorted(self.state.running_by_worker.get(worker_id, ()))
+            free = resources_left(worker.resources, (tasks[i] for i in running))
+        view = self.views[worker_id] = _Worker(worker_id, worker.tenants, free)
+        for pool_name, slots in self.capacity.free[worker_id].items():
+            view.pools[pool_name] = _Pool(view, slots)
         return view
 
     def _dominant_share(self, tenant: _Tenant) -> float:
@@ -304,15 +298,7 @@ class _Round:
         return pool
 
     def _within_limits(self, asks: dict[str, float]) -> bool:
-        limits = self.limits
-        if not limits:
-            return True
-        used = self.global_used
-        for name, amount in asks.items():
-            limit = limits.get(name)
-            if limit is not None and amount > 0 and used[name] + amount > limit + _EPSILON:
-                return False
-        return True
+        return not self.limits or within_global_limits(asks, self.limits, self.global_used)
 
     def _best_pool(self, task: Task) -> _Pool | None:
         candidates = self.by_type.get(task.type)
@@ -337,7 +323,7 @@ class _Round:
                 heapq.heappop(heap)  # full for the rest of the round
             elif -neg_free != pool.free:  # stale key: re-file under the current count
                 heapq.heapreplace(heap, (-pool.free, worker_id, pool))
-            elif self._accepts(pool.worker, task):
+            elif self._accepts(pool, task):
                 chosen = pool
                 break
             else:
@@ -355,14 +341,6 @@ class _Round:
         return (key for key in merged if key[1] in eligible)
 
     @staticmethod
-    def _accepts(worker: _Worker, task: Task) -> bool:
-        if worker.tenants is not None and task.tenant not in worker.tenants:
-            return False
-        free = worker.free
-        for name, amount in task.resources.items():
-            if amount > 0:
-                left = free.get(name)
-                # A resource the worker does not have at all never fits a non-zero ask.
-                if left is None or amount > left + _EPSILON:
-                    return False
-        return True
+    def _accepts(pool: _Pool, task: Task) -> bool:
+        worker = pool.worker
+        return fits(worker.tenants, task.tenant, pool.free, worker.free, task.resources)

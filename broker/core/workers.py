@@ -10,6 +10,14 @@ import math
 from broker.core import entries as e
 from broker.core.backoff import retry_delay_ms
 from broker.core.effects import AttemptLost, TaskAssigned
+from broker.core.fit import (
+    ANY_TYPE,
+    fits,
+    pool_of,
+    resources_held,
+    resources_left,
+    within_global_limits,
+)
 from broker.core.machine_base import _Timer
 from broker.core.records import (
     TASK_HOLDING_WORKER_STATES,
@@ -25,10 +33,6 @@ from broker.core.records import (
 from broker.core.served_types import ServedTypesMixin
 from broker.core.tasks import TasksMixin
 from broker.core.transitions import TaskState
-
-# Absorbs float rounding when fractional asks add up exactly to a capacity (as the
-# scheduler's own epsilon).
-_EPSILON = 1e-9
 
 
 class WorkersMixin(TasksMixin, ServedTypesMixin):
@@ -60,50 +64,36 @@ class WorkersMixin(TasksMixin, ServedTypesMixin):
         return results
 
     def _may_start(self, task: Task, worker: Worker) -> bool:
-        """What the scheduler checks before it places ``task`` on ``worker``."""
+        """What the scheduler checks before it places ``task`` on ``worker``: the head of
+        its tenant's queue, within the tenant's max_running, and the fit rule
+        (broker/core/fit.py) on the state's counts."""
         if task.state != TaskState.WAITING or worker.state != WorkerState.CONNECTED:
             return False
         if self.queue_head(task.tenant) != task.id:
             return False  # not the head of its queue (or parked: code not ready)
-        if worker.tenants and task.tenant not in worker.tenants:
-            return False
         tenant = self.tenants.get(task.tenant)
         running_now = self._counts(task.tenant)[TaskState.RUNNING]
         if tenant is not None and 0 < tenant.max_running <= running_now:
             return False
         types = worker.task_types
-        pool = task.type if task.type in types else "*"
-        capacity = types.get(pool)
-        if capacity is None:
+        pool = pool_of(types, task.type)
+        if pool is None:
             return False
-        running = [self.tasks[i] for i in self.running_by_worker.get(worker.id, ())]
-        if len(types) == 1 and pool == "*":
-            in_pool = len(running)  # the common case: one pool for every type
-        elif pool == "*":
-            in_pool = sum(1 for t in running if t.type not in types)
-        else:
-            in_pool = sum(1 for t in running if t.type == pool)
-        if in_pool >= capacity:
+        running = [self.tasks[i] for i in sorted(self.running_by_worker.get(worker.id, ()))]
+        in_pool = sum(1 for t in running if pool_of(types, t.type) == pool)
+        free = resources_left(worker.resources, running)
+        if not fits(worker.tenants, task.tenant, types[pool] - in_pool, free, task.resources):
             return False
-        asks = {name: amount for name, amount in task.resources.items() if amount > 0}
-        if asks:
-            for name, amount in asks.items():
-                total = worker.resources.get(name)
-                used = sum(t.resources.get(name, 0.0) for t in running)
-                if total is None or used + amount > total + _EPSILON:
-                    return False
-            limits = self.config.global_limits
-            for name, amount in asks.items():
-                limit = limits.get(name)
-                if limit is not None:
-                    used = sum(
-                        self.tasks[i].resources.get(name, 0.0)
-                        for ids in self.running_by_worker.values()
-                        for i in ids
-                    )
-                    if used + amount > limit + _EPSILON:
-                        return False
+        limits = self.config.global_limits
+        if limits and any(amount > 0 and name in limits for name, amount in task.resources.items()):
+            used = resources_held(self._running_tasks(), limits)
+            return within_global_limits(task.resources, limits, used)
         return True
+
+    def _running_tasks(self) -> list[Task]:
+        """Every running task, by worker and task id (so float sums are the same everywhere)."""
+        by_worker = self.running_by_worker
+        return [self.tasks[i] for w in sorted(by_worker) for i in sorted(by_worker[w])]
 
     def _start_on(self, task: Task, worker: Worker, record_start: bool) -> None:
         if record_start:
@@ -305,7 +295,7 @@ class WorkersMixin(TasksMixin, ServedTypesMixin):
         max_attempts, and the worker, which is stopping, is assigned nothing more."""
         worker = self.workers.get(task.worker) if task.worker is not None else None
         if worker is not None:
-            worker.task_types = {"*": 0}  # until it registers again
+            worker.task_types = {ANY_TYPE: 0}  # until it registers again
             self._worker_changed(worker)
         self._stop_if_running(task, reason)
         task.error = reason

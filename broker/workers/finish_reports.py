@@ -1,8 +1,9 @@
 """Turning a worker's finish report into the outcome the leader logs.
 
 A report's result must be JSON within the size limit, and the children it spawns must be
-valid task specs within the limits (and, with tenant isolation, in the task's own tenant
-using code that tenant may use); otherwise the task fails with the reason, rather than the
+admitted as a submit's tasks are (broker/core/admission.py: valid specs within the limits,
+built-in params included, using code the tenant may use) and, with tenant isolation, in the
+task's own tenant; otherwise the task fails with the reason, rather than the
 connection (its worker would resend the same report after reconnecting). Children get
 their ids when the leader makes the entry (:func:`stamp_ids`).
 
@@ -19,7 +20,8 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from broker.core import entries as e
-from broker.core.state import StateMachine, validate_task_spec
+from broker.core.admission import admission_problem
+from broker.core.state import StateMachine
 from broker.observability.logs import task_fields
 from broker.workers import protocol as p
 
@@ -115,20 +117,9 @@ def spawn_requests(
                 f"{where}: anchor {foreign[0]} is not a task of this task's tree "
                 f"(root {parent.root})"
             )
-        if len(request.params) > config.max_params_bytes:
-            raise InvalidSpawn(f"{where}: params over {config.max_params_bytes} bytes")
-        try:
-            msgspec.json.decode(request.params)
-        except msgspec.DecodeError:
-            raise InvalidSpawn(f"{where}: params are not JSON") from None
         tenant = request.tenant if request.tenant is not None else parent.tenant
-        code = request.code if request.code is not None else parent.code
-        if config.tenant_isolation:
-            if tenant != parent.tenant:
-                raise InvalidSpawn(f"{where}: a task spawns children in its own tenant only")
-            artifact = state.artifacts.get(code) if code is not None else None
-            if artifact is not None and artifact.owners and tenant not in artifact.owners:
-                raise InvalidSpawn(f"{where}: code artifact {code} was never uploaded")
+        if config.tenant_isolation and tenant != parent.tenant:
+            raise InvalidSpawn(f"{where}: a task spawns children in its own tenant only")
         spec = e.TaskSpec(
             id=0,
             type=request.type,
@@ -140,11 +131,12 @@ def spawn_requests(
             deadline_ms=request.deadline_ms,
             start_after_ms=request.start_after_ms,
             resources=dict(request.resources),
-            code=code,
+            code=request.code if request.code is not None else parent.code,
         )
-        problem = validate_task_spec(spec)
+        # The same rule as a submit's, built-in params included (broker/core/admission.py).
+        problem = admission_problem(state, spec, code_owners_enforced=config.tenant_isolation)
         if problem is not None:
-            raise InvalidSpawn(f"{where}: {problem}")
+            raise InvalidSpawn(f"{where}: {problem.message}")
         anchors: tuple[int, ...] = ()
         if request.tracked:
             own = (report.task_id,) if request.anchor_self else ()

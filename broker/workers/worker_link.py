@@ -77,9 +77,9 @@ class WorkerLinkConfig:
     max_result_bytes: int = 1024 * 1024
     max_assignments_per_round: int = 2000
     max_reports_per_entry: int = 5000
-    # Children one finish report may spawn, and the params size of each (like the API's).
+    # Children one finish report may spawn (each admitted as a submit's task is:
+    # broker/core/admission.py, params within its MAX_PARAMS_BYTES).
     max_spawns_per_report: int = 10_000
-    max_params_bytes: int = 64 * 1024
     # The shared worker token (legacy, unscoped): any worker holding it may connect.
     token: str | None = None
     # Authentication on: a task may spawn children only in its own tenant, using code
@@ -212,8 +212,6 @@ class WorkerLink:
             # Anything else may have freed capacity or queued work (or left a task the
             # leader placed in a submit waiting: apply refused the placement).
             self._dirty.set()
-        if isinstance(entry, e.SubmitTasks) and entry.assignments:
-            self.placement.release(entry.assignments)
         if applied.effects:
             self._push_assignments(applied)
         # One Cancel per (worker, reason): an entry may stop tasks for different reasons
@@ -409,7 +407,7 @@ class WorkerLink:
                 continue
             if self.placement.busy:
                 # Placements in submits are in flight: a round now would not count their
-                # slots. The last one applied wakes this loop (broker/workers/placement.py).
+                # slots. The applied submit wakes this loop (broker/workers/placement.py).
                 self.placement.deferred = True
                 continue
             state = self.node.state
