@@ -5,6 +5,12 @@ failover and hand-over times, follower lag, and the cost of replication.
     python bench/bench_cluster.py --scenario load --seconds 10
     python bench/bench_cluster.py --scenario load --ledgers pulsar   # on pulsar-lite
     python bench/bench_cluster.py --scenario backends --seconds 10   # file and pulsar, one run
+    python bench/bench_cluster.py --scenario failover-engines --runs 5
+
+failover-engines: the failover scenario (kill -9 only) on the file ledger, pulsar-lite and
+real Apache Pulsar (clients/dev/pulsar_standalone.py, jars from ./scripts/fetch-engines;
+brokers with --pulsar-flavor pulsar, so the new leader fences the old one in the engine),
+the three clusters one after the other in one run.
 
 failover: kill -9 of the leader while one client writes, time from the kill to the first
 write acknowledged by the new leader (the killed broker restarts between runs); then
@@ -48,6 +54,7 @@ from bench_submit import (
 )
 
 from clients.dev.pulsar_lite import PulsarLiteServer
+from clients.dev.pulsar_standalone import PulsarStandalone
 from clients.dev.zk import ZooKeeperServer
 
 SESSION_TIMEOUT_MS = 4000
@@ -55,24 +62,28 @@ SESSION_TIMEOUT_MS = 4000
 
 class Cluster:
     def __init__(
-        self, root: Path, zookeeper: str, brokers: int = 3, pulsar_url: str | None = None
+        self,
+        root: Path,
+        zookeeper: str,
+        brokers: int = 3,
+        pulsar_url: str | None = None,
+        pulsar_admin_url: str | None = None,
     ) -> None:
         self.root = root
         self.zookeeper = zookeeper
-        self.ledger_args = (
-            ["--ledger-dir", str(root / "ledgers")]
-            if pulsar_url is None
-            else [
-                "--ledgers",
-                "pulsar",
-                "--pulsar-url",
-                pulsar_url,
-                "--pulsar-flavor",
-                "pulsar-lite",
-            ]
-        )
-        # One ZooKeeper serves both clusters of the backends scenario: distinct names.
-        self.name = "bench-pulsar" if pulsar_url is not None else "bench-file"
+        pulsar = ["--ledgers", "pulsar", "--pulsar-url", str(pulsar_url)]
+        if pulsar_url is None:
+            self.ledger_args = ["--ledger-dir", str(root / "ledgers")]
+            self.name = "bench-file"
+        elif pulsar_admin_url is None:
+            self.ledger_args = [*pulsar, "--pulsar-flavor", "pulsar-lite"]
+            self.name = "bench-pulsar"
+        else:  # Apache Pulsar: fencing on, the namespace's policies applied at start
+            self.ledger_args = [
+                *pulsar, "--pulsar-flavor", "pulsar", "--pulsar-admin-url", pulsar_admin_url,
+            ]  # fmt: skip
+            self.name = "bench-apache-pulsar"
+        # One ZooKeeper serves every cluster of a run: distinct names.
         self.ports = [free_port() for _ in range(brokers)]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * brokers
 
@@ -190,6 +201,38 @@ def measure_leader_loss(cluster: Cluster, runs: int, how: str) -> list[float]:
     return took_s
 
 
+def scenario_failover_engines(root: Path, zookeeper: str, pulsar_lite_url: str, runs: int) -> None:
+    """kill -9 of the leader on the file ledger, pulsar-lite and Apache Pulsar, one run."""
+    times_s: dict[str, list[float]] = {}
+    with PulsarStandalone(root / "pulsar-standalone") as standalone:
+        standalone.create_namespace("public/steward")
+        print(
+            f"Apache Pulsar {standalone.version} standalone up in {standalone.first_start_s:.1f} s"
+        )
+        engines: dict[str, tuple[str | None, str | None]] = {
+            "file": (None, None),
+            "pulsar-lite": (pulsar_lite_url, None),
+            "apache-pulsar": (standalone.service_url, standalone.admin_url),
+        }
+        for name, (url, admin_url) in engines.items():
+            cluster_root = root / f"failover-{name}"
+            cluster_root.mkdir()
+            cluster = Cluster(cluster_root, zookeeper, pulsar_url=url, pulsar_admin_url=admin_url)
+            try:
+                for index in range(3):
+                    cluster.start(index)
+                cluster.leader()
+                print(f"-- {name}", flush=True)
+                times_s[name] = measure_leader_loss(cluster, runs, "kill")
+            finally:
+                cluster.stop()
+    for name, took_s in times_s.items():
+        print(
+            f"failover on {name} (kill -9, session timeout {SESSION_TIMEOUT_MS} ms): median "
+            f"{statistics.median(took_s):.3f} s, max {max(took_s):.3f} s over {runs} runs"
+        )
+
+
 def scenario_failover(cluster: Cluster, runs: int) -> None:
     kills = measure_leader_loss(cluster, runs, "kill")
     graceful = measure_leader_loss(cluster, runs, "term")
@@ -296,7 +339,9 @@ def cluster_load(cluster: Cluster, seconds: float, label: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--scenario", choices=["failover", "load", "backends", "all"], default="all"
+        "--scenario",
+        choices=["failover", "load", "backends", "failover-engines", "all"],
+        default="all",
     )
     parser.add_argument(
         "--ledgers", choices=["file", "pulsar"], default="file", help="load / failover"
@@ -311,9 +356,14 @@ def main() -> None:
         zookeeper.start()
         pulsar = PulsarLiteServer(root / "pulsar")
         pulsar.start()
-        if args.scenario == "backends":
+        if args.scenario in ("backends", "failover-engines"):
             try:
-                run_backends(root, zookeeper.connect_string, pulsar.service_url, args.seconds)
+                if args.scenario == "backends":
+                    run_backends(root, zookeeper.connect_string, pulsar.service_url, args.seconds)
+                else:
+                    scenario_failover_engines(
+                        root, zookeeper.connect_string, pulsar.service_url, args.runs
+                    )
             finally:
                 pulsar.stop()
                 zookeeper.stop()
