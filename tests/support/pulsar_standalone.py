@@ -39,7 +39,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Self
 
@@ -105,73 +105,74 @@ def engines_lib() -> Path:
     return lib
 
 
-class PulsarStandalone(LocalServerProcess):
-    """One Pulsar standalone (broker + bookie, RocksDB metadata) on 127.0.0.1 in ``directory``.
+def jvm_command(
+    java: str,
+    lib: Path,
+    directory: Path,
+    *,
+    heap_mb: int,
+    direct_memory_mb: int,
+    main_class: str,
+    extra_options: Sequence[str] = (),
+) -> list[str]:
+    """``java ... -cp '<lib>/*' MAIN_CLASS`` for a Pulsar or BookKeeper JVM of the engines
+    cache: a fixed heap, bounded direct memory, the JDK internals Pulsar's own ``bin/pulsar``
+    opens, log4j2 from ``directory/log4j2.properties`` (written by the caller). The one
+    definition for the standalone and the cluster harness (tests/support/pulsar_cluster.py)."""
+    return [
+        java,
+        f"-Xms{heap_mb}m",
+        f"-Xmx{heap_mb}m",
+        f"-XX:MaxDirectMemorySize={direct_memory_mb}m",
+        *extra_options,
+        *(f"--add-opens={module}=ALL-UNNAMED" for module in _JVM_OPENS),
+        "-Dio.netty.tryReflectionSetAccessible=true",
+        f"-Dlog4j2.configurationFile={directory / 'log4j2.properties'}",
+        f"-Dpulsar.log.dir={directory}",
+        "-cp",
+        str(lib / "*"),
+        main_class,
+    ]
 
-    Ports are reserved at construction and kept across restarts; :meth:`close` stops the
-    server and gives them back. Use it as a context manager or call :meth:`close`.
-    """
 
-    server_name = "Apache Pulsar standalone"
-    error_type = PulsarStandaloneError
-    start_log_bytes = 4 * 1024 * 1024
-    ready_poll_s = 0.5
-    port_taken_markers = ("Address already in use", "BindException")
+def find_java_or_fail(error_type: type[Exception]) -> str:
+    """``java`` (clients/dev/zk.py's search), or ``error_type`` saying how to get it."""
+    try:
+        return find_java()
+    except ZooKeeperError as exc:
+        raise error_type(str(exc)) from None
 
-    def __init__(self, directory: str | os.PathLike[str], *, stop_with_parent: bool = True) -> None:
-        self._lib = engines_lib()
-        try:
-            self._java = find_java()
-        except ZooKeeperError as exc:
-            raise PulsarStandaloneError(str(exc)) from None
-        self._reservations: list[PortReservation] = []
-        try:
-            for _ in range(3):
-                self._reservations.append(reserve_port())
-        except BaseException:
-            self._release_ports()
-            raise
-        broker, web, bookie = (r.port for r in self._reservations)
-        super().__init__(directory, port=broker, stop_with_parent=stop_with_parent)
-        self.web_port = web
-        self.bookie_port = bookie
-        self.version = pulsar_version()
+
+class GroupJvmProcess(LocalServerProcess):
+    """A JVM of the engines cache in a process group of its own: :meth:`stop`, :meth:`kill9`
+    and :meth:`close` signal the whole group. Subclasses hold the ports they reserved in
+    ``_reservations`` (given back by :meth:`close`)."""
+
+    error_type: type[Exception] = PulsarStandaloneError
+    #: Bound of the first start, before one is measured.
+    first_start_timeout_s = FIRST_START_TIMEOUT_S
+    _reservations: list[PortReservation]
+
+    def __init__(
+        self, directory: str | os.PathLike[str], *, port: int, stop_with_parent: bool
+    ) -> None:
+        super().__init__(directory, port=port, stop_with_parent=stop_with_parent)
         #: The first start's measured time (launch to ready), seconds.
         self.first_start_s: float | None = None
         #: Every start's measured time, seconds.
         self.start_times_s: list[float] = []
 
-    # -- addresses ------------------------------------------------------------------------------
-
-    @property
-    def service_url(self) -> str:
-        return f"pulsar://{HOST}:{self.port}"
-
-    @property
-    def admin_url(self) -> str:
-        return f"http://{HOST}:{self.web_port}"
-
-    @property
-    def config_path(self) -> Path:
-        return self._directory / "standalone.conf"
-
-    @property
-    def log_path(self) -> Path:
-        return self._directory / "pulsar.log"
-
     @property
     def start_timeout_s(self) -> float:  # type: ignore[override]  # a class attribute there
-        """:data:`FIRST_START_TIMEOUT_S` until a start is measured, then
+        """:attr:`first_start_timeout_s` until a start is measured, then
         :data:`LATER_START_FACTOR` times the first (at least :data:`LATER_START_MIN_TIMEOUT_S`)."""
         if self.first_start_s is None:
-            return FIRST_START_TIMEOUT_S
+            return self.first_start_timeout_s
         return max(LATER_START_MIN_TIMEOUT_S, LATER_START_FACTOR * self.first_start_s)
 
-    # -- lifecycle ------------------------------------------------------------------------------
-
     def start(self, timeout_s: float | None = None) -> None:
-        """Launch and wait until ready (bounded; see the module docstring). A failed start
-        leaves no process behind."""
+        """Launch and wait until ready (bounded by :attr:`start_timeout_s` unless given);
+        the time is measured. A failed start leaves no process behind."""
         started = time.monotonic()
         try:
             super().start(timeout_s)
@@ -182,16 +183,6 @@ class PulsarStandalone(LocalServerProcess):
         self.start_times_s.append(took_s)
         if self.first_start_s is None:
             self.first_start_s = took_s
-
-    def _ready(self) -> bool:
-        try:
-            health = httpx.get(f"{self.admin_url}/admin/v2/brokers/health", timeout=5.0)
-            if health.status_code != 200 or health.text.strip() != "ok":
-                return False
-            namespaces = httpx.get(f"{self.admin_url}/admin/v2/namespaces/public", timeout=5.0)
-        except httpx.HTTPError:
-            return False
-        return namespaces.status_code == 200 and "public/default" in namespaces.json()
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM to the process group, wait up to ``timeout_s``, then SIGKILL to the group."""
@@ -222,7 +213,7 @@ class PulsarStandalone(LocalServerProcess):
         try:
             process.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            raise PulsarStandaloneError(
+            raise self.error_type(
                 f"{self.server_name} pid {process.pid} survived SIGKILL"
             ) from None
         self._process = None
@@ -259,17 +250,75 @@ class PulsarStandalone(LocalServerProcess):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # -- measurements ---------------------------------------------------------------------------
-
     def rss_mb(self) -> float:
         """The JVM's resident memory now (VmRSS), MB."""
         if self.pid is None:
-            raise PulsarStandaloneError(f"{self.server_name} is not running")
+            raise self.error_type(f"{self.server_name} is not running")
         status = Path(f"/proc/{self.pid}/status").read_text()
         match = re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)
         if match is None:
-            raise PulsarStandaloneError(f"no VmRSS in /proc/{self.pid}/status")
+            raise self.error_type(f"no VmRSS in /proc/{self.pid}/status")
         return int(match.group(1)) / 1024
+
+
+class PulsarStandalone(GroupJvmProcess):
+    """One Pulsar standalone (broker + bookie, RocksDB metadata) on 127.0.0.1 in ``directory``.
+
+    Ports are reserved at construction and kept across restarts; :meth:`close` stops the
+    server and gives them back. Use it as a context manager or call :meth:`close`.
+    """
+
+    server_name = "Apache Pulsar standalone"
+    error_type = PulsarStandaloneError
+    start_log_bytes = 4 * 1024 * 1024
+    ready_poll_s = 0.5
+    port_taken_markers = ("Address already in use", "BindException")
+
+    def __init__(self, directory: str | os.PathLike[str], *, stop_with_parent: bool = True) -> None:
+        self._lib = engines_lib()
+        self._java = find_java_or_fail(PulsarStandaloneError)
+        self._reservations: list[PortReservation] = []
+        try:
+            for _ in range(3):
+                self._reservations.append(reserve_port())
+        except BaseException:
+            self._release_ports()
+            raise
+        broker, web, bookie = (r.port for r in self._reservations)
+        super().__init__(directory, port=broker, stop_with_parent=stop_with_parent)
+        self.web_port = web
+        self.bookie_port = bookie
+        self.version = pulsar_version()
+
+    # -- addresses ------------------------------------------------------------------------------
+
+    @property
+    def service_url(self) -> str:
+        return f"pulsar://{HOST}:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{HOST}:{self.web_port}"
+
+    @property
+    def config_path(self) -> Path:
+        return self._directory / "standalone.conf"
+
+    @property
+    def log_path(self) -> Path:
+        return self._directory / "pulsar.log"
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def _ready(self) -> bool:
+        try:
+            health = httpx.get(f"{self.admin_url}/admin/v2/brokers/health", timeout=5.0)
+            if health.status_code != 200 or health.text.strip() != "ok":
+                return False
+            namespaces = httpx.get(f"{self.admin_url}/admin/v2/namespaces/public", timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return namespaces.status_code == 200 and "public/default" in namespaces.json()
 
     # -- files and command ----------------------------------------------------------------------
 
@@ -316,17 +365,14 @@ class PulsarStandalone(LocalServerProcess):
             "env",
             "-u",
             "PULSAR_STANDALONE_USE_ZOOKEEPER",
-            self._java,
-            f"-Xms{HEAP_MB}m",
-            f"-Xmx{HEAP_MB}m",
-            f"-XX:MaxDirectMemorySize={DIRECT_MEMORY_MB}m",
-            *(f"--add-opens={module}=ALL-UNNAMED" for module in _JVM_OPENS),
-            "-Dio.netty.tryReflectionSetAccessible=true",
-            f"-Dlog4j2.configurationFile={self._directory / 'log4j2.properties'}",
-            f"-Dpulsar.log.dir={self._directory}",
-            "-cp",
-            str(self._lib / "*"),
-            _MAIN_CLASS,
+            *jvm_command(
+                self._java,
+                self._lib,
+                self._directory,
+                heap_mb=HEAP_MB,
+                direct_memory_mb=DIRECT_MEMORY_MB,
+                main_class=_MAIN_CLASS,
+            ),
             "--config",
             str(self.config_path),
             "--bookkeeper-port",
