@@ -27,7 +27,8 @@ replacing the failed bookie in the ledger's ensemble by one outside it, so the e
 be smaller than the number of bookies. :data:`DEFAULT_QUORUMS` is ensemble 2, write and ack
 quorum 2 on three bookies: every entry on two bookies, both acknowledge, one spare. With an
 ensemble of 3 on three bookies there is no spare and, with an ack quorum of 2, writes stop
-when one bookie dies (tests/integration/test_pulsar_cluster_faults.py shows both).
+once the dead bookie's ZooKeeper session expired
+(tests/integration/test_pulsar_cluster_faults.py shows both).
 
 Every JVM runs in a process group of its own (tests/support/pulsar_cluster_members.py: a
 ``GroupJvmProcess`` of the standalone harness, whose JVM flags and engines lookup it shares
@@ -55,6 +56,7 @@ from typing import Any, Self
 
 import httpx
 import pytest
+from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
 from clients.dev.local_server import HOST
 from clients.dev.zk import LOG4J2_CONSOLE_CONFIG, ZooKeeperError, ZooKeeperServer
@@ -353,6 +355,20 @@ class PulsarCluster:
                 if broker.service_url == url:
                     return broker
         return None
+
+    def available_bookies(self) -> set[str]:
+        """The bookie ids BookKeeper lists as available (``/ledgers/available`` in ZooKeeper:
+        a killed bookie stays there until its ZooKeeper session expires, and brokers keep
+        placing ledgers on it until then)."""
+        assert self.zookeeper is not None
+        client = KazooClient(hosts=self.zookeeper.connect_string, timeout=10.0)
+        client.start(timeout=10.0)
+        try:
+            children: list[str] = client.get_children("/ledgers/available")
+        finally:
+            client.stop()
+            client.close()
+        return {child for child in children if child != "readonly"}
 
     def ledger_ensembles(self, topic: str) -> list[list[str]]:
         """The bookie ensembles of the topic's current (last) BookKeeper ledger, oldest

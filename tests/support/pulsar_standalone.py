@@ -12,7 +12,8 @@ configuration), with ``-nfw`` (no functions worker) and ``-nss`` (no stream stor
 - Metadata: the standalone's default since Pulsar 2.11, a RocksDB metadata store in the
   data directory, in the same JVM. Not ZooKeeper: ``PULSAR_STANDALONE_USE_ZOOKEEPER=1``
   starts an in-process ZooKeeper that binds every interface (its port has no address
-  setting), and the real cluster harness (issue 31, 1b) gets the suite's own ZooKeeper.
+  setting), and the real cluster harness (tests/support/pulsar_cluster.py) runs a
+  ZooKeeper server of its own.
   The variable is removed from the server's environment so the choice holds.
 - One bookie: the managed ledger's ensemble, write and ack quorums are 1; the bookie
   journals with ``journalSyncData=true`` and DbLedgerStorage's caches are sized down.
@@ -24,8 +25,10 @@ creates after its broker starts, exists. The first start is bounded by
 :data:`FIRST_START_TIMEOUT_S` and measured (:attr:`PulsarStandalone.first_start_s`); later
 starts by :data:`LATER_START_FACTOR` times that (at least :data:`LATER_START_MIN_TIMEOUT_S`).
 
-The JVM runs in a process group of its own; :meth:`PulsarStandalone.stop`,
-:meth:`PulsarStandalone.kill9` and :meth:`PulsarStandalone.close` signal the whole group, and
+The JVM runs in a process group of its own (:class:`GroupJvmProcess`, which the cluster
+harness's members share with :func:`jvm_command` and :func:`engines_lib`);
+:meth:`~GroupJvmProcess.stop`, :meth:`~GroupJvmProcess.kill9` and
+:meth:`~GroupJvmProcess.close` signal the whole group, and
 the kernel sends it SIGTERM if the thread that started it ends (``stop_with_parent``). Its
 output is kept in ``pulsar.log`` in the server's directory; a failed start raises with its
 tail.
