@@ -93,6 +93,7 @@ _OUTAGE_MODULES = frozenset(
         "lost_worker",
         "newcomer_cluster_view",
         "producer_brokers",
+        "pulsar_cluster_faults",
         "recovery",
         "schedules",
         "standalone_workers_restart",

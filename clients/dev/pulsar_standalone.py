@@ -33,11 +33,12 @@ ports stay, and the readiness check below uses them, with a super-user token und
 Ready means the admin health check (``/admin/v2/brokers/health``: a write and read on a
 heartbeat topic) answers ``ok`` and the ``public/default`` namespace, which the standalone
 creates after its broker starts, exists. The first start is bounded by
-:data:`FIRST_START_TIMEOUT_S` and measured (:attr:`PulsarStandalone.first_start_s`); later
-starts by :data:`LATER_START_FACTOR` times that (at least :data:`LATER_START_MIN_TIMEOUT_S`).
+``FIRST_START_TIMEOUT_S`` and measured (:attr:`PulsarStandalone.first_start_s`); later
+starts by ``LATER_START_FACTOR`` times that (clients/dev/engine_jvm.py).
 
-The JVM runs in a process group of its own; :meth:`PulsarStandalone.stop`,
-:meth:`PulsarStandalone.kill9` and :meth:`PulsarStandalone.close` signal the whole group, and
+The JVM runs in a process group of its own (clients/dev/engine_jvm.py's
+:class:`~clients.dev.engine_jvm.GroupJvmProcess`, which the tests' cluster harness shares);
+``stop``, ``kill9`` and ``close`` signal the whole group, and
 the kernel sends it SIGTERM if the thread that started it ends (``stop_with_parent``). Its
 output is kept in ``pulsar.log`` in the server's directory; a failed start raises with its
 tail.
@@ -45,22 +46,26 @@ tail.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
-import subprocess
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Self
+from typing import Protocol
 
 import httpx
 
-from clients.dev.local_server import HOST, LocalServerProcess, free_port
-from clients.dev.zk import LOG4J2_CONSOLE_CONFIG, ZooKeeperError, find_java
+from clients.dev.engine_jvm import (
+    EngineError,
+    FreePort,
+    GroupJvmProcess,
+    HeldPort,
+    any_free_port,
+    find_java_or_fail,
+    jvm_command,
+)
+from clients.dev.local_server import HOST
+from clients.dev.zk import LOG4J2_CONSOLE_CONFIG
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINES_POM = ROOT / "tests" / "engines" / "pom.xml"
@@ -68,35 +73,16 @@ ENGINES_POM = ROOT / "tests" / "engines" / "pom.xml"
 ENGINES_DIR_ENV = "STEWARD_ENGINES_DIR"
 #: The ports a standalone used, written at each start (read back by :func:`kept_ports`).
 PORTS_FILE = "ports.json"
-#: Bound of the first start, before one is measured.
-FIRST_START_TIMEOUT_S = 180.0
-#: Later starts: this many times the first start's measured time...
-LATER_START_FACTOR = 4.0
-#: ...and never less than this.
-LATER_START_MIN_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 20.0
 HEAP_MB = 512
 DIRECT_MEMORY_MB = 256
 #: The bookie's DbLedgerStorage caches (MB; Pulsar's defaults are a quarter of direct memory).
 BOOKIE_CACHE_MB = 16
 CLUSTER_NAME = "standalone"
 _MAIN_CLASS = "org.apache.pulsar.PulsarStandaloneStarter"
-# What Pulsar's own bin/pulsar gives Java 17: Netty and the broker's metrics reach into
-# these JDK internals.
-_JVM_OPENS = (
-    "java.base/java.lang",
-    "java.base/java.io",
-    "java.base/java.nio",
-    "java.base/java.util",
-    "java.base/sun.net",
-    "java.base/jdk.internal.misc",
-    "java.management/sun.management",
-    "jdk.management/com.sun.management.internal",
-)
 _VERSION_RE = re.compile(r"<pulsar\.version>([^<]+)</pulsar\.version>")
 
 
-class PulsarStandaloneError(RuntimeError):
+class PulsarStandaloneError(EngineError):
     """The Pulsar standalone could not be found, started or stopped (details in the message)."""
 
 
@@ -134,29 +120,6 @@ def tls_config_lines(tls: TlsCertificates, broker_tls_port: int, web_tls_port: i
         "tlsRequireTrustedClientCertOnConnect=false",
         "tlsAllowInsecureConnection=false",
     ]
-
-
-class HeldPort(Protocol):
-    """A port chosen for the server, held (or not) until :meth:`release`."""
-
-    port: int
-
-    def release(self) -> None: ...
-
-
-@dataclass
-class FreePort:
-    """A port that was free a moment ago (``bind`` to port 0); nothing holds it."""
-
-    port: int
-
-    def release(self) -> None:
-        """Nothing to give back."""
-
-
-def any_free_port() -> HeldPort:
-    """The default port source: a free port, not held."""
-    return FreePort(free_port())
 
 
 def pulsar_version() -> str:
@@ -213,7 +176,7 @@ def kept_ports(directory: str | os.PathLike[str]) -> Callable[[], HeldPort]:
     return next_port
 
 
-class PulsarStandalone(LocalServerProcess):
+class PulsarStandalone(GroupJvmProcess):
     """One Pulsar standalone (broker + bookie, RocksDB metadata) on 127.0.0.1 in ``directory``.
 
     Ports are chosen at construction (``port_source``) and kept across restarts;
@@ -239,10 +202,7 @@ class PulsarStandalone(LocalServerProcess):
         self.token_auth = token_auth
         self.tls = tls
         self._lib = engines_lib()
-        try:
-            self._java = find_java()
-        except ZooKeeperError as exc:
-            raise PulsarStandaloneError(str(exc)) from None
+        self._java = find_java_or_fail(PulsarStandaloneError)
         self._reservations: list[HeldPort] = []
         try:
             for _ in range(5 if tls is not None else 3):
@@ -258,10 +218,6 @@ class PulsarStandalone(LocalServerProcess):
         self.tls_port: int | None = self._reservations[3].port if tls else None
         self.tls_web_port: int | None = self._reservations[4].port if tls else None
         self.version = pulsar_version()
-        #: The first start's measured time (launch to ready), seconds.
-        self.first_start_s: float | None = None
-        #: Every start's measured time, seconds.
-        self.start_times_s: list[float] = []
 
     # -- addresses ------------------------------------------------------------------------------
 
@@ -298,29 +254,7 @@ class PulsarStandalone(LocalServerProcess):
     def log_path(self) -> Path:
         return self._directory / "pulsar.log"
 
-    @property
-    def start_timeout_s(self) -> float:  # type: ignore[override]  # a class attribute there
-        """:data:`FIRST_START_TIMEOUT_S` until a start is measured, then
-        :data:`LATER_START_FACTOR` times the first (at least :data:`LATER_START_MIN_TIMEOUT_S`)."""
-        if self.first_start_s is None:
-            return FIRST_START_TIMEOUT_S
-        return max(LATER_START_MIN_TIMEOUT_S, LATER_START_FACTOR * self.first_start_s)
-
     # -- lifecycle ------------------------------------------------------------------------------
-
-    def start(self, timeout_s: float | None = None) -> None:
-        """Launch and wait until ready (bounded; see the module docstring). A failed start
-        leaves no process behind."""
-        started = time.monotonic()
-        try:
-            super().start(timeout_s)
-        except BaseException:
-            self._kill_group()
-            raise
-        took_s = time.monotonic() - started
-        self.start_times_s.append(took_s)
-        if self.first_start_s is None:
-            self.first_start_s = took_s
 
     def _ready(self) -> bool:
         try:
@@ -351,89 +285,6 @@ class PulsarStandalone(LocalServerProcess):
                 f"cannot create namespace {namespace}: the admin API answered "
                 f"{response.status_code}: {response.text[:200]}"
             )
-
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """SIGTERM to the process group, wait up to ``timeout_s``, then SIGKILL to the group."""
-        process = self._process
-        if process is None:
-            return
-        if process.poll() is None:
-            self._signal_group(signal.SIGTERM)
-            if self._paused:
-                self._signal_group(signal.SIGCONT)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=timeout_s)
-        self._kill_group()
-
-    def kill9(self) -> None:
-        """SIGKILL to the process group (a crash). No-op when not running."""
-        self._kill_group()
-
-    def kill(self) -> None:
-        """The same crash under pulsar-lite's name for it (``PulsarLiteServer.kill``), so
-        fault injectors take either engine."""
-        self._kill_group()
-
-    def _kill_process(self) -> None:
-        # The base class's start() calls this when the server is not ready in time.
-        self._kill_group()
-
-    def _kill_group(self) -> None:
-        process = self._process
-        if process is None:
-            return
-        self._signal_group(signal.SIGKILL)
-        try:
-            process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise PulsarStandaloneError(
-                f"{self.server_name} pid {process.pid} survived SIGKILL"
-            ) from None
-        self._process = None
-        self._paused = False
-
-    def _signal_group(self, signum: signal.Signals) -> None:
-        process = self._process
-        if process is None:
-            return
-        # start_new_session: the JVM leads its own group, whose id is its pid.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signum)
-
-    def close(self) -> None:
-        """Stop (the whole process group) and give the ports back."""
-        try:
-            self.stop()
-        finally:
-            self._release_ports()
-
-    def _release_ports(self) -> None:
-        for reservation in self._reservations:
-            reservation.release()
-
-    def __enter__(self) -> Self:
-        try:
-            if not self.is_running():
-                self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    # -- measurements ---------------------------------------------------------------------------
-
-    def rss_mb(self) -> float:
-        """The JVM's resident memory now (VmRSS), MB."""
-        if self.pid is None:
-            raise PulsarStandaloneError(f"{self.server_name} is not running")
-        status = Path(f"/proc/{self.pid}/status").read_text()
-        match = re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)
-        if match is None:
-            raise PulsarStandaloneError(f"no VmRSS in /proc/{self.pid}/status")
-        return int(match.group(1)) / 1024
 
     # -- files and command ----------------------------------------------------------------------
 
@@ -487,17 +338,14 @@ class PulsarStandalone(LocalServerProcess):
             "env",
             "-u",
             "PULSAR_STANDALONE_USE_ZOOKEEPER",
-            self._java,
-            f"-Xms{HEAP_MB}m",
-            f"-Xmx{HEAP_MB}m",
-            f"-XX:MaxDirectMemorySize={DIRECT_MEMORY_MB}m",
-            *(f"--add-opens={module}=ALL-UNNAMED" for module in _JVM_OPENS),
-            "-Dio.netty.tryReflectionSetAccessible=true",
-            f"-Dlog4j2.configurationFile={self._directory / 'log4j2.properties'}",
-            f"-Dpulsar.log.dir={self._directory}",
-            "-cp",
-            str(self._lib / "*"),
-            _MAIN_CLASS,
+            *jvm_command(
+                self._java,
+                self._lib,
+                self._directory,
+                heap_mb=HEAP_MB,
+                direct_memory_mb=DIRECT_MEMORY_MB,
+                main_class=_MAIN_CLASS,
+            ),
             "--config",
             str(self.config_path),
             "--bookkeeper-port",

@@ -16,12 +16,13 @@ import httpx
 import pytest
 
 from clients.client import StewardClient
-from clients.dev.pulsar_standalone import FIRST_START_TIMEOUT_S, pulsar_version
+from clients.dev.engine_jvm import FIRST_START_TIMEOUT_S
+from clients.dev.pulsar_standalone import pulsar_version
 from tests.support.cluster_up import ClusterUpOutput, descendants
 from tests.support.procs import steward_command
 
 START_TIMEOUT_S = 120.0
-# Apache Pulsar's JVM first (bounded by FIRST_START_TIMEOUT_S in clients/dev/pulsar_standalone.py).
+# Apache Pulsar's JVM first (bounded by FIRST_START_TIMEOUT_S in clients/dev/engine_jvm.py).
 APACHE_PULSAR_START_TIMEOUT_S = FIRST_START_TIMEOUT_S + START_TIMEOUT_S
 STOP_TIMEOUT_S = 90.0
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import clients.dev.engine_jvm as engine_jvm
 import clients.dev.pulsar_standalone as harness
 from clients.dev.pulsar_standalone import PulsarStandalone, PulsarStandaloneError
 from tests.support.pulsar_fixture import reserved_standalone
@@ -75,11 +76,11 @@ def test_close_gives_the_ports_back(tmp_path: Path, fake_lib: Path) -> None:
 def test_start_bound_follows_the_measured_first_start(tmp_path: Path, fake_lib: Path) -> None:
     server = reserved_standalone(tmp_path / "pulsar")
     server.close()
-    assert server.start_timeout_s == harness.FIRST_START_TIMEOUT_S
+    assert server.start_timeout_s == engine_jvm.FIRST_START_TIMEOUT_S
     server.first_start_s = 30.0
-    assert server.start_timeout_s == harness.LATER_START_FACTOR * 30.0
+    assert server.start_timeout_s == engine_jvm.LATER_START_FACTOR * 30.0
     server.first_start_s = 1.0
-    assert server.start_timeout_s == harness.LATER_START_MIN_TIMEOUT_S
+    assert server.start_timeout_s == engine_jvm.LATER_START_MIN_TIMEOUT_S
 
 
 def test_a_missing_cache_names_the_fetch_command(
