@@ -183,7 +183,7 @@ def _unavailable_reason(api: ApiContext) -> str:
     view = api.cluster_view
     problem = view.coordination_problem() if view is not None else None
     return (
-        problem if problem is not None and not api.node.closing else api.node._unavailable_reason()
+        problem if problem is not None and not api.node.closing else api.node.unavailable_reason()
     )
 
 

@@ -283,7 +283,7 @@ class ApiApp:
                 leader_url=leader_url,
                 retryable=True,
             )
-        raise BrokerUnavailableError(self.node._unavailable_reason())
+        raise BrokerUnavailableError(self.node.unavailable_reason())
 
     async def _read_body(
         self, headers: Sequence[tuple[bytes, bytes]], receive: Receive, limit: int

@@ -227,7 +227,7 @@ class Node:
         self._duty = Follower(self, deposed=reason if leader.deposed is None else leader.deposed)
         await leader.step_down(reason)
 
-    def _depose(self, reason: str) -> None:
+    def depose(self, reason: str) -> None:
         """This leader lost its leadership (the elector says so, or a fenced append)."""
         if self._duty is not None:
             self._duty.depose(reason)
@@ -256,6 +256,7 @@ class Node:
         return BrokerUnavailableError(self.unavailable_reason())
 
     def unavailable_reason(self) -> str:
+        """Why this broker takes no writes now: the message of its 503s and of ``/healthz``."""
         if self.failure is not None:
             return f"the broker's log failed ({self.failure}); restart it"
         if self.closing:
@@ -267,8 +268,6 @@ class Node:
         if self.role == Role.CANDIDATE:
             return "this broker is taking over as leader; retry shortly"
         return "the broker is not ready"
-
-    _unavailable_reason = unavailable_reason  # the name the API and the servers use
 
 
 class DataDirLock:

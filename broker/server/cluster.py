@@ -427,7 +427,7 @@ class ClusterBroker:
             self.metrics.leader_changes.inc()
         if not status.is_leader and self.node.role in (Role.LEADER, Role.CANDIDATE):
             # Stop acknowledging at once, before the manager task gets to run.
-            self.node._depose(self.elector.connection_problem() or "lost the election")
+            self.node.depose(self.elector.connection_problem() or "lost the election")
         self._changed.set()
 
     def _on_deposed(self, reason: str) -> None:

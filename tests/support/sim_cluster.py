@@ -301,7 +301,7 @@ class ReplicaCluster:
         replica.elector_says_leader = False
         node = replica.node
         if node is not None and node.role in (Role.LEADER, Role.CANDIDATE):
-            node._depose("lost the election or the ZooKeeper connection")
+            node.depose("lost the election or the ZooKeeper connection")
         replica.changed.set()
 
     def _session_expired(self, replica: Replica, node: Node) -> None:
