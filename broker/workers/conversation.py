@@ -9,15 +9,15 @@ Error frame and closes, as for an undecodable frame). docs/DESIGN.md §8 (worker
     state           worker may send                  broker may send
     AWAIT_HELLO     Hello                            Error
     AWAIT_WELCOME   (nothing)                        Welcome, Error
-    ACTIVE          Heartbeat, Finish, Output, Error Heartbeat, Assign, FinishAck,
-                                                     Cancel, FetchOutput, Error
+    ACTIVE          Heartbeat, Finish, Output,       Heartbeat, Assign, FinishAck,
+                    Progress, Error                  Cancel, FetchOutput, Error
     CLOSED          (nothing)                        (nothing)
 
 Transitions: Hello moves AWAIT_HELLO to AWAIT_WELCOME, Welcome moves AWAIT_WELCOME to
 ACTIVE, an Error (either side, any state) moves to CLOSED. Sending an Error is always
 allowed: it is how a side answers the other's breach. Which optional frames a peer takes
-(Output, FetchOutput: the ``output`` flags of Hello and Welcome) is the sides' business,
-not the table's.
+(Output, FetchOutput: the ``output`` flags of Hello and Welcome; Progress: the ``progress``
+flag of Welcome) is the sides' business, not the table's.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import typing
 
 import pytest
 
+from broker.workers import conversation as conversation_module
 from broker.workers import protocol as p
 from broker.workers.conversation import (
     ALLOWED,
@@ -59,6 +60,29 @@ def test_every_frame_type_of_the_protocol_is_in_the_table() -> None:
     pairs = {(role, state) for role in Role for state in State}
     assert set(ALLOWED) == pairs
     assert set(REFUSALS) == pairs
+
+
+def test_the_module_docstring_draws_the_table_as_it_is() -> None:
+    """The table in conversation.py's docstring (the one a reader sees first) names, per
+    state, exactly the frames ALLOWED lets each side send."""
+    lines = (conversation_module.__doc__ or "").splitlines()
+    header = next(i for i, line in enumerate(lines) if line.strip().startswith("state "))
+    broker_column = lines[header].index("broker may send")
+    worker_column = lines[header].index("worker may send")
+    drawn: dict[tuple[Role, State], set[str]] = {}
+    state = State.AWAIT_HELLO
+    for line in lines[header + 1 :]:
+        if not line.strip():
+            break
+        if line[:worker_column].strip():
+            state = State[line[:worker_column].strip()]
+        for role, cell in (
+            (Role.WORKER, line[worker_column:broker_column]),
+            (Role.BROKER, line[broker_column:]),
+        ):
+            names = {name.strip() for name in cell.split(",")} - {"", "(nothing)"}
+            drawn.setdefault((role, state), set()).update(names)
+    assert drawn == {pair: {kind.__name__ for kind in kinds} for pair, kinds in ALLOWED.items()}
 
 
 def test_each_frame_type_has_one_sender_except_heartbeat_and_error() -> None:
