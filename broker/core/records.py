@@ -1,7 +1,8 @@
 """The state machine's data: task, tenant, worker, transaction, artifact and token
 records, the results ``apply`` returns, and the remembered idempotency submissions.
 
-Moved out of ``broker/core/state.py`` (which re-exports every name); pure like it.
+Pure like the state machine (no IO, no clock); ``broker/core/state.py`` re-exports every
+name, so other modules import them from one place.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The snapshot body: the whole replicated state as stored in snapshots and hashed by
 ``StateMachine.digest()``, with its msgpack encoder and decoder.
 
-Moved out of ``broker/core/state.py`` (which re-exports every name); pure like it.
+Pure like the state machine (no IO, no clock); ``broker/core/state.py`` re-exports every
+name, so other modules import them from one place.
 """
 
 from __future__ import annotations

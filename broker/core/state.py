@@ -83,7 +83,7 @@ from broker.core.snapshot_body import SNAPSHOT_BODY_VERSION as SNAPSHOT_BODY_VER
 from broker.core.snapshot_body import SnapshotBody as SnapshotBody
 from broker.core.snapshot_body import _snapshot_encoder, body_version, decode_snapshot_body
 from broker.core.tenants import TenantsMixin
-from broker.core.transitions import TaskState as TaskState  # re-exported: its old home
+from broker.core.transitions import TaskState as TaskState
 from broker.core.validation import IDEMPOTENCY_KEY_RE as IDEMPOTENCY_KEY_RE
 from broker.core.validation import IDEMPOTENCY_MIN_RETENTION_MS as IDEMPOTENCY_MIN_RETENTION_MS
 from broker.core.validation import MAX_ATTEMPTS_LIMIT as MAX_ATTEMPTS_LIMIT

@@ -1,6 +1,7 @@
 """Validation shared by the API (before logging) and ``apply`` (the authority).
 
-Moved out of ``broker/core/state.py`` (which re-exports every name); pure like it.
+Pure like the state machine (no IO, no clock); ``broker/core/state.py`` re-exports every
+name, so other modules import them from one place.
 """
 
 from __future__ import annotations

@@ -63,7 +63,8 @@ class Principal:
         return self.role is Role.ADMIN or (self.role is Role.TENANT and self.tenant == tenant)
 
 
-#: The caller when authentication is off: it may do everything, as before.
+#: The caller when authentication is off: it may do everything (with no tokens configured,
+#: the operator trusts whoever reaches the port).
 ANONYMOUS_ADMIN: Final = Principal(Role.ADMIN)
 
 

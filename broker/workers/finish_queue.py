@@ -23,7 +23,7 @@ from broker.workers.session import Session
 if TYPE_CHECKING:
     from broker.workers.worker_link import WorkerLinkConfig
 
-# The worker link's logger: these warnings were always logged under its name.
+# One logger for all of the worker link's parts (operators and tests filter on this name).
 logger = logging.getLogger("broker.workers.worker_link")
 
 

@@ -7,8 +7,8 @@ task's own tenant; otherwise the task fails with the reason, rather than the
 connection (its worker would resend the same report after reconnecting). Children get
 their ids when the leader makes the entry (:func:`stamp_ids`).
 
-The asyncio side (batching, logging through the node, acknowledging) stays in
-:mod:`broker.workers.worker_link`.
+The asyncio side (queueing, logging in batches through the node, acknowledging) is
+:mod:`broker.workers.finish_queue`; this module stays pure so it is tested without a loop.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from broker.replication.node import Stamp
     from broker.workers.worker_link import WorkerLinkConfig
 
-# The worker link's logger: these warnings were always logged under its name.
+# One logger for all of the worker link's parts (operators and tests filter on this name).
 logger = logging.getLogger("broker.workers.worker_link")
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from broker.workers import protocol as p
 from broker.workers.conversation import Conversation, Role
 
-# The worker link's logger: these warnings were always logged under its name.
+# One logger for all of the worker link's parts (operators and tests filter on this name).
 logger = logging.getLogger("broker.workers.worker_link")
 
 #: The worker link's one clock (seconds, monotonic); tests inject their own.

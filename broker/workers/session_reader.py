@@ -18,7 +18,7 @@ from collections.abc import Callable
 from broker.workers import protocol as p
 from broker.workers.session import Clock, Session, send_error
 
-# The worker link's logger: these warnings were always logged under its name.
+# One logger for all of the worker link's parts (operators and tests filter on this name).
 logger = logging.getLogger("broker.workers.worker_link")
 
 #: What the link does with one received message (may close the session).

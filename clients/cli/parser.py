@@ -561,7 +561,8 @@ def _add_cluster_commands(sub: argparse._SubParsersAction[StewardArgumentParser]
     p.add_argument(
         "--broker-count", type=int, default=3, metavar="N", help="how many brokers to start"
     )
-    # The old name, kept for scripts: --brokers means broker URLs everywhere else.
+    # Hidden and still accepted (with a warning) so scripts that pass a count keep running;
+    # not documented because --brokers means broker URLs everywhere else.
     p.add_argument("--brokers", type=int, dest="brokers_deprecated", help=argparse.SUPPRESS)
     p.add_argument(
         "--workers", type=int, default=2, metavar="N", help="how many workers to start (0: none)"

@@ -119,7 +119,7 @@ def parse_broker_option(text: str) -> tuple[str, list[str]]:
 
     An ``http(s)://`` URL, or a comma-separated list of them (any brokers of a cluster),
     means "find the leader's worker endpoint there"; ``HOST:PORT`` names a worker endpoint
-    to connect to directly (the old meaning). ValueError, saying what to write, otherwise.
+    to connect to directly. ValueError, saying what to write, otherwise.
     """
     if "://" in text:
         return "", parse_http_urls(text)

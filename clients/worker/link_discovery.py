@@ -30,7 +30,7 @@ from broker.workers.protocol import ProtocolError
 from clients.worker.artifacts import ArtifactCache
 from clients.worker.config import WorkerConfig, parse_host_port
 
-# The link's logger: these lines were always logged under its name.
+# One logger for all of the link's parts (operators and tests filter on this name).
 logger = logging.getLogger("clients.worker.link")
 
 _TOKEN_HINT = (

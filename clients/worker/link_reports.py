@@ -22,7 +22,7 @@ from clients.worker.runtime import TaskKey
 if TYPE_CHECKING:
     from clients.worker.link import _Connection
 
-# The link's logger: these lines were always logged under its name.
+# One logger for all of the link's parts (operators and tests filter on this name).
 logger = logging.getLogger("clients.worker.link")
 
 _REPORT_OVERHEAD_BYTES: Final = 64  # msgpack framing of one report besides its payload

@@ -15,7 +15,7 @@ from broker.workers.protocol import AssignedTask, TaskAttempt, TaskReport, Welco
 from clients.worker.link_reports import ReportOutbox
 from clients.worker.runtime import TaskKey, TaskRuntime
 
-# The link's logger: these lines were always logged under its name.
+# One logger for all of the link's parts (operators and tests filter on this name).
 logger = logging.getLogger("clients.worker.link")
 
 

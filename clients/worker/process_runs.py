@@ -44,7 +44,7 @@ from clients.worker.task_identity import TaskIdentities, TaskIdentity
 from clients.worker.task_process import Outcome, TaskProcess
 from clients.worker.task_procs import PoolLimits, TaskProcessPool
 
-# The runtime's logger: these lines were always logged under its name.
+# One logger for all of the runtime's parts (operators filter on this name).
 logger = logging.getLogger("clients.worker.runtime")
 
 _KEPT_OUTPUTS: Final = 256  # attempts whose captured output the worker keeps

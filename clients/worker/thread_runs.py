@@ -20,7 +20,7 @@ from clients.worker.attempts import Running, attempt_fields, cancelled_report
 from clients.worker.config import WorkerConfig
 from clients.worker.task_api import BUILTIN_TASKS, TaskFn, call_task, error_text
 
-# The runtime's logger: these lines were always logged under its name.
+# One logger for all of the runtime's parts (operators filter on this name).
 logger = logging.getLogger("clients.worker.runtime")
 
 _SPARK_RECANCEL_S: Final = 0.5

@@ -2,7 +2,7 @@
 docs/OPERATIONS.md, "Boot rules" and "Rolling upgrade"):
 
 - a negative ``--max-replication-wait-ms`` other than -1 is refused at start in one line;
-  -1 waits for the replicas however long it takes (the take-over it once crashed works);
+  -1 waits for the replicas however long it takes (the take-over with it must not crash);
 - a broker that must load a snapshot and finds no source within ``--snapshot-source-wait-s``
   exits non-zero naming the peers it asked and its snapshots directory;
 - a snapshot of a newer release stops the broker at start, naming the version;

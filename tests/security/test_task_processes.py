@@ -454,7 +454,7 @@ def test_tasks_queued_behind_a_crash_run_elsewhere(rt: Runtime) -> None:
 
 def _python_that_crashes_once(root: Path) -> tuple[Path, Path]:
     """A task python whose first start dies before it is ready (as a gRPC abort in the
-    background Spark import once did), and every later one is the real python."""
+    background Spark import can), and every later one is the real python."""
     root.mkdir(mode=0o755)
     shared = root / "shared"
     shared.mkdir()

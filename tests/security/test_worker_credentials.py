@@ -409,8 +409,8 @@ async def test_reports_are_accepted_only_from_the_attempts_connection(
     assert any("refused a report" in r.getMessage() for r in caplog.records)
     assert any("127.0.0.1" in r.getMessage() for r in caplog.records)
 
-    # A second connection claiming the owner's id (which used to take the live one over and
-    # then report as it) is refused before it can report; a Finish without a Hello too.
+    # A second connection claiming the owner's id (let in, it would take the live one over
+    # and report as it) is refused before it can report; a Finish without a Hello too.
     thief = broker.worker("w1", token=secret, process_id="proc-thief")
     await thief.connect()
     hello(thief, running=((task_id, 1),))
