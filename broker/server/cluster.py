@@ -374,7 +374,7 @@ class ClusterBroker:
                 await ledgers.ensure_namespace_retention()
                 if ledgers.can_fence:
                     # Refuse a "fencing" setting the broker does not honour (pulsar-lite).
-                    await ledgers.verify_fencing()
+                    await ledgers.verify_fencing(self.node.config.broker_id)
             except LedgerError as exc:
                 raise BrokerStartupError(f"Pulsar not usable: {exc}") from None
         await self.node.boot()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -33,6 +34,8 @@ from log.pulsar.wire import Kind, encode_message
 from log.pulsar.writer import PulsarLedgerWriter
 
 _T = TypeVar("_T")
+# What a Pulsar topic name may not hold (a checker's name is made safe with it).
+_TOPIC_UNSAFE = re.compile(r"[^A-Za-z0-9_.=-]")
 
 
 class PulsarLedgerStore(LedgerStore):
@@ -154,15 +157,18 @@ class PulsarLedgerStore(LedgerStore):
         finally:
             await self.close_quietly(producer, f"{kind.name} producer of ledger {ledger_id}")
 
-    async def verify_fencing(self) -> bool:
-        """Whether the broker enforces ``ExclusiveWithFencing``, tried on a scratch topic.
+    async def verify_fencing(self, checker: str) -> bool:
+        """Whether the broker enforces ``ExclusiveWithFencing``, tried on a scratch topic of
+        ``checker``'s own (a broker passes its id).
 
         Raises :class:`LedgerError` when ``PulsarConfig.fencing`` is set and the broker does
         not enforce it (pulsar-lite): ``can_fence`` would be a lie there. A start-up check.
+        One topic per checker: brokers of a cluster start at once, and two checks on one topic
+        fence each other's producers, so that one of them could read "not enforced".
         """
         self._check_open()
         topic = f"persistent://{self.config.tenant}/{self.config.namespace}/"
-        topic += f"{self.config.cluster}-fencing-check"
+        topic += f"{self.config.cluster}-fencing-check-{_TOPIC_UNSAFE.sub('_', checker)}"
         fencing_mode = pulsar.ProducerAccessMode.ExclusiveWithFencing
         create = functools.partial(
             self.client.create_producer, topic, batching_enabled=False, access_mode=fencing_mode

@@ -334,7 +334,7 @@ async def test_the_binary_protocol_refuses_bad_credentials(
     store = PulsarLedgerStore(config, MemoryLedgerIds())
     try:
         with pytest.raises(LedgerError) as refused:
-            await store.verify_fencing()
+            await store.verify_fencing("test")
     finally:
         await store.close()
     message = str(refused.value)
@@ -355,7 +355,7 @@ async def test_the_right_token_and_ca_append_and_read_over_tls(secured: SecuredP
     )
     store = PulsarLedgerStore(config, MemoryLedgerIds())
     try:
-        assert await store.verify_fencing()
+        assert await store.verify_fencing("test")
         writer = await store.create_ledger()
         for n in range(3):
             await writer.append(b"entry %d" % n)
