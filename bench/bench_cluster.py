@@ -204,7 +204,7 @@ def measure_leader_loss(cluster: Cluster, runs: int, how: str) -> list[float]:
 def scenario_failover_engines(root: Path, zookeeper: str, pulsar_lite_url: str, runs: int) -> None:
     """kill -9 of the leader on the file ledger, pulsar-lite and Apache Pulsar, one run."""
     times_s: dict[str, list[float]] = {}
-    with PulsarStandalone(root / "pulsar-standalone") as standalone:
+    with PulsarStandalone(root / "pulsar-standalone", jvm_options=()) as standalone:
         standalone.create_namespace("public/steward")
         print(
             f"Apache Pulsar {standalone.version} standalone up in {standalone.first_start_s:.1f} s"

@@ -70,7 +70,7 @@ async def measure(store: LedgerStore, appenders: int, args: argparse.Namespace) 
 async def run(args: argparse.Namespace, directory: str) -> None:
     with (
         PulsarLiteServer(os.path.join(directory, "lite")) as lite,
-        PulsarStandalone(os.path.join(directory, "standalone")) as standalone,
+        PulsarStandalone(os.path.join(directory, "standalone"), jvm_options=()) as standalone,
     ):
         print(f"pulsar-lite at {lite.service_url}")
         print(

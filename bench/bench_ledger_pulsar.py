@@ -204,7 +204,7 @@ def started_server(engine: str, directory: str) -> Iterator[tuple[str, str | Non
         return
     from clients.dev.pulsar_standalone import PulsarStandalone
 
-    with PulsarStandalone(directory) as standalone:
+    with PulsarStandalone(directory, jvm_options=()) as standalone:
         print(
             f"Apache Pulsar {standalone.version} standalone at {standalone.service_url} "
             f"(started in {standalone.first_start_s:.1f} s)"

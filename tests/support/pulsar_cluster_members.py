@@ -14,7 +14,7 @@ import httpx
 from clients.dev.engine_jvm import GroupJvmProcess, find_java_or_fail, jvm_command
 from clients.dev.local_server import HOST
 from clients.dev.pulsar_standalone import PulsarStandaloneError, engines_lib
-from clients.dev.zk import LOG4J2_CONSOLE_CONFIG
+from clients.dev.zk import DEFAULT_JVM_OPTIONS, LOG4J2_CONSOLE_CONFIG
 from tests.support.reserved_ports import PortReservation, reserve_port
 
 CLUSTER_NAME = "steward-test"
@@ -33,7 +33,7 @@ BOOKIE_CACHE_MB = 16
 SESSION_TIMEOUT_MS = 6000
 #: Beyond the shared flags: the serial collector and the client compiler only, which start a
 #: small JVM faster on 2 busy cores (clients/dev/zk.py measured it for ZooKeeper).
-JVM_OPTIONS = ("-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1")
+JVM_OPTIONS = DEFAULT_JVM_OPTIONS  # the development ZooKeeper's lean JVM (clients/dev/zk.py)
 _BOOKIE_MAIN_CLASS = "org.apache.bookkeeper.server.Main"
 _BROKER_MAIN_CLASS = "org.apache.pulsar.PulsarBrokerStarter"
 
