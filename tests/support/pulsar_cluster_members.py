@@ -249,6 +249,11 @@ class Broker(ClusterMember):
             "loadBalancerOverrideBrokerNicSpeedGbps=1",
             "functionsWorkerEnabled=false",
             "transactionCoordinatorEnabled=false",
+            # Steward sets namespace policies only. Topic-level policies live in a system topic
+            # whose reader a crash can leave unrecoverable ("Failed to recover Transaction
+            # Buffer"): every topic of the namespace then fails to load after the restart.
+            "topicLevelPoliciesEnabled=false",
+            "systemTopicEnabled=false",
             "brokerShutdownTimeoutMs=5000",
             "managedLedgerCacheSizeMB=32",
             "numIOThreads=2",
