@@ -85,6 +85,24 @@ _MAIN_CLASS = "org.apache.pulsar.PulsarStandaloneStarter"
 _VERSION_RE = re.compile(r"<pulsar\.version>([^<]+)</pulsar\.version>")
 
 
+#: A Pulsar broker's settings beside its addresses and quorums, for the standalone and the
+#: tests' cluster brokers (tests/support/pulsar_cluster_members.py).
+LEAN_BROKER_SETTINGS = (
+    # Nothing Steward does not use, a quick shutdown.
+    "functionsWorkerEnabled=false",
+    "transactionCoordinatorEnabled=false",
+    # Steward sets namespace policies only. Topic-level policies live in a system topic whose
+    # reader a crash can leave unrecoverable ("Failed to recover Transaction Buffer"): every
+    # topic of the namespace then fails to load after the restart.
+    "topicLevelPoliciesEnabled=false",
+    "systemTopicEnabled=false",
+    "brokerShutdownTimeoutMs=5000",
+    "managedLedgerCacheSizeMB=32",
+    # No NIC speed in a container's /sys: the load manager would log errors.
+    "loadBalancerOverrideBrokerNicSpeedGbps=1",
+)
+
+
 class PulsarStandaloneError(EngineError):
     """The Pulsar standalone could not be found, started or stopped (details in the message)."""
 
@@ -321,18 +339,7 @@ class PulsarStandalone(GroupJvmProcess):
             f"dbStorage_writeCacheMaxSizeMb={BOOKIE_CACHE_MB}",
             f"dbStorage_readAheadCacheMaxSizeMb={BOOKIE_CACHE_MB}",
             f"dbStorage_rocksDB_blockCacheSize={BOOKIE_CACHE_MB * 1024 * 1024}",
-            # The broker: nothing the tests do not use, a quick shutdown.
-            "functionsWorkerEnabled=false",
-            "transactionCoordinatorEnabled=false",
-            # Steward sets namespace policies only. Topic-level policies live in a system topic
-            # whose reader a crash can leave unrecoverable ("Failed to recover Transaction
-            # Buffer"): every topic of the namespace then fails to load after the restart.
-            "topicLevelPoliciesEnabled=false",
-            "systemTopicEnabled=false",
-            "brokerShutdownTimeoutMs=5000",
-            "managedLedgerCacheSizeMB=32",
-            # No NIC speed in a container's /sys: the load manager would log errors.
-            "loadBalancerOverrideBrokerNicSpeedGbps=1",
+            *LEAN_BROKER_SETTINGS,
         ]
         if self.token_auth is not None:
             lines += self.token_auth.config_lines()

@@ -13,7 +13,11 @@ import httpx
 
 from clients.dev.engine_jvm import GroupJvmProcess, find_java_or_fail, jvm_command
 from clients.dev.local_server import HOST
-from clients.dev.pulsar_standalone import PulsarStandaloneError, engines_lib
+from clients.dev.pulsar_standalone import (
+    LEAN_BROKER_SETTINGS,
+    PulsarStandaloneError,
+    engines_lib,
+)
 from clients.dev.zk import DEFAULT_JVM_OPTIONS, LOG4J2_CONSOLE_CONFIG
 from tests.support.reserved_ports import PortReservation, reserve_port
 
@@ -245,17 +249,7 @@ class Broker(ClusterMember):
             f"managedLedgerDefaultAckQuorum={self.quorums.ack}",
             # A topic moves between brokers only when a test makes it.
             "loadBalancerSheddingEnabled=false",
-            # No NIC speed in a container's /sys: the load manager would log errors.
-            "loadBalancerOverrideBrokerNicSpeedGbps=1",
-            "functionsWorkerEnabled=false",
-            "transactionCoordinatorEnabled=false",
-            # Steward sets namespace policies only. Topic-level policies live in a system topic
-            # whose reader a crash can leave unrecoverable ("Failed to recover Transaction
-            # Buffer"): every topic of the namespace then fails to load after the restart.
-            "topicLevelPoliciesEnabled=false",
-            "systemTopicEnabled=false",
-            "brokerShutdownTimeoutMs=5000",
-            "managedLedgerCacheSizeMB=32",
+            *LEAN_BROKER_SETTINGS,
             "numIOThreads=2",
             "numHttpServerThreads=4",
         ]
