@@ -252,7 +252,10 @@ def double_slots(history: History) -> list[Violation]:
 
 def partial_transactions(history: History) -> list[Violation]:
     """A committed transaction is all-or-nothing: all of its tasks exist after healing, or
-    (when its commit certainly failed) none; an unknown commit either way."""
+    (when its commit certainly failed) none made runnable: a commit refused before it reached
+    a leader (a follower's 307) leaves the transaction open, its tasks ``pending`` and never
+    run until it expires, which may come after the final read; an unknown commit either way."""
+    ran = {execution.task for execution in history.executions}
     out = []
     for invoke, done in history.pairs():
         if invoke.f != "txn" or done is None:
@@ -262,7 +265,9 @@ def partial_transactions(history: History) -> list[Violation]:
         if done.type == "ok" and len(present) != len(ids):
             missing = sorted(set(ids) - set(present))
             message = f"committed transaction #{done.op_id} lost tasks {missing}"
-        elif done.type == "fail" and present:
+        elif done.type == "fail" and any(
+            history.final.tasks[i].get("state") != "pending" or i in ran for i in present
+        ):
             message = f"failed transaction #{done.op_id} left tasks {present}"
         elif done.type == "info" and present and len(present) != len(ids):
             message = f"transaction #{done.op_id} (unknown) applied partly: {present} of {ids}"

@@ -166,6 +166,17 @@ def test_a_committed_transaction_missing_a_task() -> None:
     assert kinds(s) == ["partial-txn", "partial-txn"]
 
 
+def test_a_failed_commit_may_leave_its_open_transaction_s_tasks_pending() -> None:
+    # The commit reached only a follower (307): the transaction stays open until it expires,
+    # its task pending and never run; a task of it that ran would be a violation.
+    s = clean()
+    s.task(7, state="pending")
+    s.op("txn", {"ids": [7]}, 5.0, 5.5, type_="fail")
+    assert check(s.history) == []
+    s.history.executions.append(Execution(7, 1, "w1", 6.0, 6.5))
+    assert "partial-txn" in kinds(s)
+
+
 def test_an_unknown_transaction_is_all_or_nothing_too() -> None:
     s = clean()
     s.op("txn", {"ids": [1, 2]}, 5.0, 5.5, type_="info")
