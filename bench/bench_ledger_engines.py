@@ -18,42 +18,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import os
 import statistics
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ledger_load import closed_loop_appends
+from ledger_load import closed_loop_appends, pulsar_store, unique_cluster
 
 from clients.dev.pulsar_lite import PulsarLiteServer
 from clients.dev.pulsar_standalone import PulsarStandalone
 from log.api import LedgerStore
 from log.file import FileLedgerStore
-from log.pulsar import PulsarConfig, PulsarLedgerStore
+from log.pulsar import PulsarConfig
 
 CONCURRENCIES = (1, 32, 1000)
 #: (appends/s, p50 ms, p99 ms) of one case in one round.
 Figures = tuple[float, float, float]
-
-
-def pulsar_store(config: PulsarConfig) -> PulsarLedgerStore:
-    counter = itertools.count(1)
-
-    async def ledger_ids() -> int:
-        return next(counter)
-
-    return PulsarLedgerStore(config, ledger_ids)
-
-
-def unique_cluster() -> str:
-    # A topic prefix per store: each store's ids start at 1.
-    return f"bench{os.getpid()}x{time.time_ns()}"
 
 
 async def measure(store: LedgerStore, appenders: int, args: argparse.Namespace) -> Figures:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import os
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ledger_load import closed_loop_appends, rate_line
+from ledger_load import closed_loop_appends, pulsar_store, rate_line, unique_cluster
 
 from clients.dev.pulsar_lite import PulsarLiteServer
 from log.pulsar import PulsarConfig, PulsarLedgerStore
@@ -55,15 +54,6 @@ WRITE_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
 )
 #: Apache Pulsar: the reader receive queues compared.
 READER_QUEUES = (1, 100, 1000)
-
-
-def make_store(config: PulsarConfig) -> PulsarLedgerStore:
-    counter = itertools.count(1)
-
-    async def ledger_ids() -> int:
-        return next(counter)
-
-    return PulsarLedgerStore(config, ledger_ids)
 
 
 async def run_case(store: PulsarLedgerStore, appenders: int, duration_s: float, size: int) -> None:
@@ -126,7 +116,7 @@ async def run_visible(store: PulsarLedgerStore, reading: PulsarLedgerStore, size
 
 
 async def run_writes(config: PulsarConfig, args: argparse.Namespace) -> None:
-    store = make_store(config)
+    store = pulsar_store(config)
     try:
         for appenders in CONCURRENCIES:
             await run_case(store, appenders, args.seconds_per_case, args.entry_bytes)
@@ -136,7 +126,7 @@ async def run_writes(config: PulsarConfig, args: argparse.Namespace) -> None:
 
 
 async def run_reads(config: PulsarConfig, args: argparse.Namespace) -> None:
-    store, reading = make_store(config), make_store(config)
+    store, reading = pulsar_store(config), pulsar_store(config)
     try:
         await run_tail(store, args.entry_bytes)
         await run_visible(store, reading, args.entry_bytes)
@@ -145,16 +135,12 @@ async def run_reads(config: PulsarConfig, args: argparse.Namespace) -> None:
         await reading.close()
 
 
-def cluster_name() -> str:
-    return f"bench{os.getpid()}x{time.time_ns()}"
-
-
 async def main_async(args: argparse.Namespace, service_url: str, admin_url: str | None) -> None:
     if args.engine == "pulsar-lite":
         # A topic prefix per store's id counter: ids restart at 1 for each.
         for run in (run_writes, run_reads):
             config = PulsarConfig.for_pulsar_lite(
-                service_url, tenant="bench", cluster=cluster_name()
+                service_url, tenant="bench", cluster=unique_cluster()
             )
             await run(config, args)
         return
@@ -165,8 +151,8 @@ async def main_async(args: argparse.Namespace, service_url: str, admin_url: str 
     )
     # The JVM compiles its hot paths during the first seconds of load: warm it up first, so
     # the first variant is not measured on a cold broker.
-    warm_up = make_store(
-        PulsarConfig.for_apache_pulsar(service_url, admin_url, cluster=cluster_name())
+    warm_up = pulsar_store(
+        PulsarConfig.for_apache_pulsar(service_url, admin_url, cluster=unique_cluster())
     )
     try:
         writer = await warm_up.create_ledger()
@@ -180,7 +166,7 @@ async def main_async(args: argparse.Namespace, service_url: str, admin_url: str 
         print(f"-- writes, {label}")
         await run_writes(
             PulsarConfig.for_apache_pulsar(
-                service_url, admin_url, cluster=cluster_name(), **overrides
+                service_url, admin_url, cluster=unique_cluster(), **overrides
             ),
             args,
         )
@@ -188,7 +174,7 @@ async def main_async(args: argparse.Namespace, service_url: str, admin_url: str 
         print(f"-- reads, reader_queue_size={queue}")
         await run_reads(
             PulsarConfig.for_apache_pulsar(
-                service_url, admin_url, cluster=cluster_name(), reader_queue_size=queue
+                service_url, admin_url, cluster=unique_cluster(), reader_queue_size=queue
             ),
             args,
         )

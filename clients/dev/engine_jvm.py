@@ -119,6 +119,10 @@ class GroupJvmProcess(LocalServerProcess):
     error_type: type[Exception] = EngineError
     #: Bound of the first start, before one is measured.
     first_start_timeout_s = FIRST_START_TIMEOUT_S
+    # A JVM's start logs a lot; its readiness checks are HTTP or TCP round trips.
+    start_log_bytes = 4 * 1024 * 1024
+    ready_poll_s = 0.5
+    port_taken_markers = ("Address already in use", "BindException")
     _reservations: list[HeldPort]
 
     def __init__(

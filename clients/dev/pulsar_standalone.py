@@ -207,9 +207,6 @@ class PulsarStandalone(GroupJvmProcess):
 
     server_name = "Apache Pulsar standalone"
     error_type = PulsarStandaloneError
-    start_log_bytes = 4 * 1024 * 1024
-    ready_poll_s = 0.5
-    port_taken_markers = ("Address already in use", "BindException")
 
     def __init__(
         self,

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from clients.dev.engine_jvm import FreePort
 from clients.dev.pulsar_lite import PulsarLiteServer, accepts_connections
 from clients.dev.pulsar_standalone import PulsarStandalone
 from clients.dev.zk import ZooKeeperServer, four_letter_word
@@ -110,16 +111,11 @@ class NamespacedPulsarStandalone(PulsarStandalone):
     """Real Apache Pulsar (the suite's standalone: a broker and a bookie in one JVM, its
     bookie journalling with fsync) in the ``pl`` namespace (the ``apache-pulsar`` ledger):
     the broker on the namespace's address, the bookie on the namespace's own loopback (only
-    its broker reaches it). Its fixed ports are the namespace's own, so the host's port
-    reservations the harness makes are given back at once."""
+    its broker reaches it), on fixed ports: the namespace's own, nobody else's."""
 
     def __init__(self, net: Network, directory: Path) -> None:
-        super().__init__(directory, stop_with_parent=True)
-        self._release_ports()
-        self._reservations = []
-        self._port = PULSAR_PORT
-        self.web_port = PULSAR_ADMIN_PORT
-        self.bookie_port = BOOKIE_PORT
+        ports = iter((PULSAR_PORT, PULSAR_ADMIN_PORT, BOOKIE_PORT))
+        super().__init__(directory, port_source=lambda: FreePort(next(ports)))
         self.net = net
         self.ip = net.address["pl"]
 

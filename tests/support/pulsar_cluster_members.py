@@ -83,9 +83,6 @@ class ClusterMember(GroupJvmProcess):
     """A bookie or a broker: a JVM of the engines cache with reserved ports."""
 
     error_type = PulsarClusterError
-    start_log_bytes = 4 * 1024 * 1024
-    ready_poll_s = 0.5
-    port_taken_markers = ("Address already in use", "BindException")
 
     def __init__(
         self,
