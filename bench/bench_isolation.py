@@ -1,6 +1,7 @@
 """What running tasks in task processes costs per task, against running them on threads.
 
-Drives the worker's real TaskRuntime (clients/worker/runtime.py) without a broker: N no-op
+Drives the worker's real TaskRuntime (clients/worker/runtime/task_runtime.py) without a broker: N
+no-op
 tasks (the built-in ``noop``, and a one-line code artifact) one after another on one slot,
 then N at once on SLOTS slots, once with ``task_isolation="thread"`` (the function called
 on a worker thread) and once with ``"process"`` (a Run frame to a warm task process and a
@@ -27,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from broker.workers.protocol import AssignedTask, TaskReport
 from clients.worker.config import WorkerConfig
-from clients.worker.runtime import TaskRuntime
+from clients.worker.runtime.task_runtime import TaskRuntime
+from wire.worker_protocol import AssignedTask, TaskReport
 
 JOB = b"def noop(params, ctx):\n    return None\n"
 

@@ -2,7 +2,7 @@
 
 Starts a real ``steward standalone`` subprocess (file ledger, fsync group commit) and
 connects N workers to it from this one process, each a TCP connection speaking the real
-worker protocol (broker/workers/protocol.py) with one slot, heartbeating at the interval
+worker protocol (wire/worker_protocol.py) with one slot, heartbeating at the interval
 its Welcome names and finishing every task the moment it is assigned. For each N it
 measures, on the broker process (/proc/<pid>/stat and /proc/<pid>/status):
 
@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_peers.harness import free_port, standalone_argv
 
-from broker.workers import protocol as p
+from wire import worker_protocol as p
 
 TICK_S = 0.05  # the fleet's heartbeat timer
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

@@ -19,7 +19,7 @@ from collections.abc import Generator
 
 import pytest
 
-from clients.worker.task_procs import disable_grpc_fork_handlers
+from clients.worker.task_processes.pool import disable_grpc_fork_handlers
 from tests.support.tmp_dirs import use_own_tmpdir
 
 # Two test processes run real-process tests at once (the lanes below): each its own TMPDIR.

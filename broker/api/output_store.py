@@ -1,7 +1,7 @@
 """Task output on the leader: what each attempt wrote to stdout, stderr and ``ctx.logger``.
 
 Workers capture an attempt's output in its task process (the last 1 MiB) and ship it over
-the worker link (``broker/workers/protocol.py`` Output frames): new bytes about once a second while
+the worker link (``wire/worker_protocol.py`` Output frames): new bytes about once a second while
 the attempt runs, its whole kept tail when it ends. Output is not state: it never enters
 the replicated log, and this store lives in the leader's memory only, bounded per attempt
 (``max_attempt_bytes``, the last bytes win) and in total (``max_total_bytes`` and

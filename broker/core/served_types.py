@@ -16,7 +16,7 @@ from broker.core.validation import TASK_TYPE_RE
 
 #: The key of the names listed by workers serving every tenant (no tenant name is empty).
 ALL_TENANTS: Final = ""
-#: Most names one registration lists (broker/workers/protocol.py's MAX_HELLO_TASK_NAMES:
+#: Most names one registration lists (wire/worker_protocol.py's MAX_HELLO_TASK_NAMES:
 #: a worker with more lists none; tests/unit/test_served_types.py holds them equal).
 MAX_TASK_NAMES_PER_WORKER: Final = 1000
 #: Most names recorded over all tenants. A name that does not fit leaves its tenant (or

@@ -170,10 +170,11 @@ def unknown_type_problem(
     """Why a task of ``type_name`` for ``tenant`` would not run, or None; ``served`` is
     whether a worker serving the tenant ever listed the type (None: the cluster cannot tell,
     StateMachine.type_served). A ``module:function`` type is imported from its code
-    artifact, and no worker imports one from anywhere else (clients/worker/process_runs.py,
-    thread_runs.py) unless it registered that very name; a plain name runs only on a worker
-    that registered it (docs/DESIGN.md §6, "Served task types"). Checked at submit unless
-    the caller sends ``allow_unknown_type`` (docs/API.md, "Task types")."""
+    artifact, and no worker imports one from anywhere else
+    (clients/worker/runtime/process_runs.py, clients/worker/runtime/thread_runs.py) unless it
+    registered that very name; a plain name runs only on a worker that registered it
+    (docs/DESIGN.md §6, "Served task types"). Checked at submit unless the caller sends
+    ``allow_unknown_type`` (docs/API.md, "Task types")."""
     if code is not None or served:
         return None
     if ":" in type_name:

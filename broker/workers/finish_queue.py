@@ -16,9 +16,9 @@ from broker.core import entries as e
 from broker.core.state import TaskState
 from broker.observability.logs import task_fields
 from broker.replication.node import BrokerUnavailableError, Node, Stamp
-from broker.workers import protocol as p
 from broker.workers.finish_reports import outcome, stamp_ids
 from broker.workers.session import Session
+from wire import worker_protocol as p
 
 if TYPE_CHECKING:
     from broker.workers.worker_link import WorkerLinkConfig

@@ -23,7 +23,7 @@ from broker.core import entries as e
 from broker.core.admission import admission_problem
 from broker.core.state import StateMachine
 from broker.observability.logs import task_fields
-from broker.workers import protocol as p
+from wire import worker_protocol as p
 
 if TYPE_CHECKING:
     from broker.replication.node import Stamp

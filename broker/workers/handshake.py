@@ -20,10 +20,10 @@ from broker.core.state import NAME_RE, TASK_TYPE_RE, ErrorCode, Rejected, Worker
 from broker.replication.node import Node
 from broker.security.auth import Role as CallerRole
 from broker.security.auth import hash_token
-from broker.workers import protocol as p
-from broker.workers.conversation import Conversation
 from broker.workers.liveness import Liveness
 from broker.workers.session import Session
+from wire import worker_protocol as p
+from wire.conversation import Conversation
 
 if TYPE_CHECKING:
     from broker.workers.worker_link import WorkerLinkConfig

@@ -20,8 +20,8 @@ import msgspec
 from broker.core import entries as e
 from broker.core.state import TASK_HOLDING_WORKER_STATES, WorkerState
 from broker.replication.node import BrokerUnavailableError, Node, Stamp
-from broker.workers import protocol as p
 from broker.workers.session import Clock, Session
+from wire import worker_protocol as p
 
 if TYPE_CHECKING:
     from broker.workers.worker_link import WorkerLinkConfig

@@ -7,8 +7,8 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from broker.workers import protocol as p
-from broker.workers.conversation import Conversation, Role
+from wire import worker_protocol as p
+from wire.conversation import Conversation, Role
 
 # One logger for all of the worker link's parts (operators and tests filter on this name).
 logger = logging.getLogger("broker.workers.worker_link")

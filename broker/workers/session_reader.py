@@ -15,8 +15,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from broker.workers import protocol as p
 from broker.workers.session import Clock, Session, send_error
+from wire import worker_protocol as p
 
 # One logger for all of the worker link's parts (operators and tests filter on this name).
 logger = logging.getLogger("broker.workers.worker_link")

@@ -6,8 +6,8 @@ assignments of a scheduling round, batches of finish reports, and a worker
 declared dead after missing its heartbeat deadline. Workers are told only
 after the entry is applied.
 
-The protocol itself (frames, messages) lives in :mod:`broker.workers.protocol` and which
-frame may come when in :mod:`broker.workers.conversation`; this module is the asyncio
+The protocol itself (frames, messages) lives in :mod:`wire.worker_protocol` and which
+frame may come when in :mod:`wire.conversation`; this module is the asyncio
 wrapper around them. Its collaborators (docs/DESIGN.md §8, §9): :mod:`~broker.workers.handshake`
 (Hello to Welcome), :mod:`~broker.workers.liveness` (heartbeats, dead workers) and
 :mod:`~broker.workers.finish_queue` (finish reports); scheduling rounds and task output
@@ -33,14 +33,14 @@ from broker.core.scheduler import schedule
 from broker.core.state import Rejected, TaskState
 from broker.replication.node import BrokerStartupError, BrokerUnavailableError, Node, Stamp
 from broker.security.tls import TlsConfig, TlsConfigError, server_context
-from broker.workers import protocol as p
-from broker.workers.conversation import Conversation, Role
 from broker.workers.finish_queue import FinishQueue
 from broker.workers.handshake import Handshake
 from broker.workers.liveness import Liveness
 from broker.workers.placement import SubmitPlacement
 from broker.workers.session import Clock, Session, peer_address, send_error
 from broker.workers.session_reader import SessionReader
+from wire import worker_protocol as p
+from wire.conversation import Conversation, Role
 
 logger = logging.getLogger(__name__)  # task events: broker/observability/task_log.py
 

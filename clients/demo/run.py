@@ -294,10 +294,10 @@ def preflight_problem() -> str | None:
 
 
 def _task_users_problem(config: WorkerConfig, setup: str) -> str | None:
-    from clients.worker.spark_connect import spark_identity
+    from clients.worker.spark.connect_server import spark_identity
     from clients.worker.task_env import jvm_user_name_problem
     from clients.worker.task_identity import TaskUserError
-    from clients.worker.task_procs import TaskProcessCheckError, check_task_processes
+    from clients.worker.task_processes.pool import TaskProcessCheckError, check_task_processes
 
     try:
         check_task_processes(config)

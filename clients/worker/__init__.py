@@ -5,7 +5,7 @@ Start one with ``python -m clients.worker --broker HOST:PORT --http-url URL`` or
     worker = Worker(WorkerConfig(broker="127.0.0.1:7070", http_url="http://127.0.0.1:8080"))
     await worker.run()  # until await worker.stop()
 
-The names below are imported on first use: a task process (``task_host``) imports this
+The names below are imported on first use: a task process (``task_processes.child``) imports this
 package too and must not pay for the worker's link (asyncio, httpx) at every start.
 """
 
@@ -16,18 +16,18 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from clients.worker.config import WorkerConfig
-    from clients.worker.link import Worker, run_worker
-    from clients.worker.runtime import TaskCancelled, TaskContext, TaskRuntime
+    from clients.worker.link.worker_link import Worker, run_worker
+    from clients.worker.runtime.task_runtime import TaskCancelled, TaskContext, TaskRuntime
 
 __all__ = ["TaskCancelled", "TaskContext", "TaskRuntime", "Worker", "WorkerConfig", "run_worker"]
 
 _HOMES = {
     "WorkerConfig": "clients.worker.config",
-    "Worker": "clients.worker.link",
-    "run_worker": "clients.worker.link",
+    "Worker": "clients.worker.link.worker_link",
+    "run_worker": "clients.worker.link.worker_link",
     "TaskCancelled": "clients.worker.task_api",
     "TaskContext": "clients.worker.task_api",
-    "TaskRuntime": "clients.worker.runtime",
+    "TaskRuntime": "clients.worker.runtime.task_runtime",
 }
 
 

@@ -24,12 +24,12 @@ from clients.worker.config import (
     parse_broker_option,
     parse_http_urls,
 )
-from clients.worker.link import LinkMisconfiguredError, run_worker
+from clients.worker.link.worker_link import LinkMisconfiguredError, run_worker
 from clients.worker.sandbox import make_non_dumpable, set_parent_death_signal
-from clients.worker.spark_connect import SPARK_MODES, spark_identity
-from clients.worker.spark_remote import TOKEN_ENV as REMOTE_TOKEN_ENV
-from clients.worker.spark_remote import with_token
-from clients.worker.spark_servers import tenant_servers_wanted
+from clients.worker.spark.connect_server import SPARK_MODES, spark_identity
+from clients.worker.spark.tenant_servers import tenant_servers_wanted
+from clients.worker.spark_remote_url import TOKEN_ENV as REMOTE_TOKEN_ENV
+from clients.worker.spark_remote_url import with_token
 from clients.worker.task_env import (
     TaskProcessError,
     WorkDirInUseError,
@@ -37,7 +37,7 @@ from clients.worker.task_env import (
     remove_work_dir,
 )
 from clients.worker.task_identity import DEFAULT_TASK_UID_RANGE
-from clients.worker.task_procs import check_task_processes, disable_grpc_fork_handlers
+from clients.worker.task_processes.pool import check_task_processes, disable_grpc_fork_handlers
 
 
 def _pair(text: str) -> tuple[str, str]:
@@ -427,7 +427,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    disable_grpc_fork_handlers()  # first: before anything imports grpc (task_procs.py)
+    disable_grpc_fork_handlers()  # first: before anything imports grpc (task_processes/pool.py)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -603,7 +603,7 @@ class ArtifactCache:
     def verified_copy(self, sha: str) -> Path:
         """The artifact's verified ``<sha>.py`` file or extracted directory, fetched if missing.
 
-        Task processes import from a copy of this (``clients/worker/task_procs.py``).
+        Task processes import from a copy of this (``clients/worker/task_processes/pool.py``).
         """
         self.check_sha(sha)
         with self._sha_lock(sha):

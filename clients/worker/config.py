@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Final
 
 from broker.security.tls import TlsConfigError, client_context
-from broker.workers.protocol import DEFAULT_MAX_FRAME_BYTES
+from clients.worker.spark_remote_url import parse_remote
 from clients.worker.task_identity import DEFAULT_TASK_UID_RANGE
+from wire.worker_protocol import DEFAULT_MAX_FRAME_BYTES
 
 DEFAULT_MAX_RESULT_BYTES = 1024 * 1024
 
@@ -153,11 +154,11 @@ class WorkerConfig:
     # "classic": a SparkSession (a JVM) in each task process; "off": no Spark. With
     # task_isolation "thread", ctx.spark is the worker process's classic session.
     spark: str = "connect"
-    spark_user: str | None = None  # who runs the Connect server (default: spark_connect.py)
+    spark_user: str | None = None  # who runs the Connect server (default: spark/connect_server.py)
     allow_classic_spark: bool = False  # ctx.classic_spark in task processes (connect mode)
     # sc://HOST:PORT[/;token=...]: sessions on that server, no server of the worker's own.
     spark_remote: str | None = None
-    # A root worker's Spark Connect server per tenant (clients/worker/spark_servers.py).
+    # A root worker's Spark Connect server per tenant (clients/worker/spark/tenant_servers.py).
     spark_max_servers: int = 4
     spark_server_idle_s: float = 300.0
     spark_driver_memory_mb: int = 1024  # each server's JVM heap (spark.driver.memory)
@@ -261,8 +262,6 @@ class WorkerConfig:
         if self.spark_driver_memory_mb < 256:
             raise ValueError("--spark-driver-memory-mb must be at least 256 (a Spark driver)")
         if self.spark_remote is not None:
-            from clients.worker.spark_remote import parse_remote
-
             parse_remote(self.spark_remote)  # ValueError saying what is wrong
             if self.spark != "connect" or self.task_isolation != "process":
                 raise ValueError(

@@ -1,11 +1,11 @@
 """What task code sees: the task context, the built-in task types, result encoding.
 
 Shared by the worker process (types registered in-process, and report building) and the
-task processes (``clients/worker/task_host.py``) that run tenant code; see
+task processes (``clients/worker/task_processes/child.py``) that run tenant code; see
 docs/SECURITY.md for why tenant code never runs in the worker process.
 
 Spark. With the worker's Spark Connect server (``--spark connect``, the default with task
-processes; ``clients/worker/spark_connect.py``), ``ctx.spark`` is a Spark Connect session
+processes; ``clients/worker/spark/connect_server.py``), ``ctx.spark`` is a Spark Connect session
 of the attempt's own, made on first use, its operations tagged ``steward-<task_id>-<attempt>``
 (``addTag``, per thread), released when the attempt ends. It has no ``sparkContext``: the
 classic API (RDDs) is ``ctx.classic_spark``, where the worker allows it.
@@ -34,13 +34,13 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Final
 
-from broker.workers.protocol import (
+from clients.worker.config import cpu_count
+from wire.worker_protocol import (
     DEFAULT_MAX_LOST,
     MAX_PROGRESS_CHARS,
     AssignedTask,
     SpawnRequest,
 )
-from clients.worker.config import cpu_count
 
 logger = logging.getLogger(__name__)
 task_logger_parent: Final = logging.getLogger("steward.task")

@@ -30,7 +30,7 @@ from typing import Final
 import clients
 from clients.worker.task_identity import TaskIdentity
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("clients.worker.task_processes")
 
 #: Variables a task process inherits from the worker; nothing else (no credentials).
 PASSED_ENV: Final = ("PATH", "LANG", "LC_ALL", "TZ", "JAVA_HOME", "SPARK_HOME")

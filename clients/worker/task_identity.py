@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("clients.worker.task_processes")
 
 #: systemd's DynamicUser range (docs: "61184-65519"), unlikely to hold real accounts.
 DEFAULT_TASK_UID_RANGE: Final = (61184, 65519)

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from clients.client import StewardClient
-from clients.worker.spark_connect import DEFAULT_START_TIMEOUT_S
+from clients.worker.spark.connect_server import DEFAULT_START_TIMEOUT_S
 from examples.spark_fanout import fanout_job
 from examples.spark_fanout.run import direct_answer, run_fanout
 from tests.support.procs import HOST, BrokerProcess, fetch_all_tasks, free_port

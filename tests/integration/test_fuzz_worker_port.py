@@ -27,9 +27,9 @@ import httpx
 import msgspec
 import pytest
 
-from broker.workers import protocol as p
 from tests.support.fake_worker import FakeWorker
 from tests.support.procs import HOST, BrokerProcess, free_port
+from wire import worker_protocol as p
 
 MIN_INPUTS = 10_000
 CONNECTIONS = int(os.environ.get("STEWARD_FUZZ_CONNECTIONS", 800))
@@ -42,7 +42,7 @@ CONNECTION_TIMEOUT_S = 30.0
 TASKS_DONE_TIMEOUT_S = 120.0
 GOOD_TYPE = "good"
 GOOD_TENANT = "good"
-# Codes the broker may answer with (broker/workers/protocol.py and broker/workers/worker_link.py).
+# Codes the broker may answer with (wire/worker_protocol.py and broker/workers/worker_link.py).
 ERROR_CODES = {
     "frame_too_large",
     "bad_frame",

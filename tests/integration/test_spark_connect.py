@@ -24,9 +24,8 @@ from typing import Any
 
 import pytest
 
-from broker.workers.protocol import Cancel, TaskAttempt
 from clients.worker import Worker, WorkerConfig
-from clients.worker.spark_connect import SparkConnectServer, free_port, new_session_id
+from clients.worker.spark.connect_server import SparkConnectServer, free_port, new_session_id
 from tests.support.worker_harness import (
     WAIT_S,
     Env,
@@ -37,6 +36,7 @@ from tests.support.worker_harness import (
     zip_bytes,
 )
 from tests.support.worker_procs import task_reachable_dir, task_writable_dir, wait_until
+from wire.worker_protocol import Cancel, TaskAttempt
 
 pytestmark = pytest.mark.slow
 

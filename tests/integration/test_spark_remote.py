@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from clients.worker import Worker, WorkerConfig
-from clients.worker.spark_connect import free_port
+from clients.worker.spark.connect_server import free_port
 from tests.support.spark_connect_remote import RemoteConnectServer, remote_connect_server
 from tests.support.worker_harness import (
     Env,
@@ -119,7 +119,7 @@ async def test_tasks_run_on_the_remote_server_in_sessions_of_their_own(
 async def test_an_unreachable_remote_fails_the_task_clearly(
     env: Env, work_root: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="clients.worker.spark_remote")
+    caplog.set_level(logging.ERROR, logger="clients.worker.spark")
     conn, sha = await start_worker(env, work_root, f"sc://localhost:{free_port()}")
     # The worker says so when it starts, before any task...
     await until(lambda: "is not usable" in caplog.text, ERROR_WAIT_S)

@@ -1,7 +1,7 @@
 """A root worker's Spark Connect servers per tenant: started on first use, the least recently
 used idle one stopped to make room (``--spark-max-servers``), an idle one stopped after
-``--spark-server-idle-s`` (clients/worker/spark_servers.py); the spare task process a tenant
-whose Spark was granted keeps (clients/worker/task_procs.py, "Spares"). Real JVMs, a worker
+``--spark-server-idle-s`` (clients/worker/spark/tenant_servers.py); the spare task process a tenant
+whose Spark was granted keeps (clients/worker/task_processes/pool.py, "Spares"). Real JVMs, a worker
 with room for one server; the fake broker and artifact server come from
 tests/support/worker_harness.py.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from clients.worker.spark_connect import SparkConnectServer
-from clients.worker.spark_servers import TenantSparkServers
+from clients.worker.spark.connect_server import SparkConnectServer
+from clients.worker.spark.tenant_servers import TenantSparkServers
 from tests.support.worker_harness import (
     Env,
     result_of,
@@ -75,7 +75,7 @@ def spare_pids(uid: int) -> list[int]:
             if not entry.name.isdigit():
                 continue
             argv = (entry / "cmdline").read_bytes().split(b"\0")
-            if b"clients.worker.task_host" not in argv or b"--spare" not in argv:
+            if b"clients.worker.task_processes.child" not in argv or b"--spare" not in argv:
                 continue
             # Not the directory's owner: a non-dumpable process's /proc entry is root's.
             status = (entry / "status").read_text()
@@ -98,7 +98,7 @@ async def test_a_new_tenant_takes_the_idle_servers_place_and_idle_servers_stop(
     env: Env, work_root: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     assert os.geteuid() == 0, "needs a root worker (task uids per tenant); CI runs as root"
-    caplog.set_level(logging.INFO, logger="clients.worker.spark_servers")
+    caplog.set_level(logging.INFO, logger="clients.worker.spark")
     worker, conn = await env.started(
         worker_id="lru1",
         task_isolation="process",

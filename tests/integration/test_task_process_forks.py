@@ -4,7 +4,7 @@
 so the parent's ``pthread_atfork`` handlers run in each child before its exec; grpc's made
 about one child in a hundred die (SIGSEGV, SIGBUS) once grpc had a channel, as a worker's
 has after it attached to a Spark Connect session to interrupt it. The worker turns them
-off first thing (clients/worker/task_procs.py, "Forks"). Each case runs in a fresh Python
+off first thing (clients/worker/task_processes/pool.py, "Forks"). Each case runs in a fresh Python
 (grpc reads the switch once, at its import): 2,000 children of a process with a live grpc
 channel, forked by four threads at once, each switching to uid 65534 (needs root, as CI
 and the developers' machines run). Without the switch (``children_that_died("plain")``,

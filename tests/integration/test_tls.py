@@ -30,7 +30,6 @@ from typing import Any
 import httpx
 import pytest
 
-from broker.workers import protocol as p
 from clients.client import CertificateVerifyError, StewardClient
 from clients.dev.zk import ZooKeeperServer
 from tests.support.cluster_procs import BrokerNode, ClusterProcesses
@@ -39,6 +38,7 @@ from tests.support.procs import HOST, BrokerProcess, free_port, steward_command
 from tests.support.tls_certs import TlsFiles, make_tls_files
 from tests.support.worker_procs import WorkerProcess, wait_until
 from tests.support.write_load import fetch_tasks
+from wire import worker_protocol as p
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -16,10 +16,9 @@ from typing import Any
 
 import pytest
 
-from broker.workers.protocol import Cancel, TaskAttempt
 from clients.worker import TaskContext
-from clients.worker import runtime as worker_runtime
-from clients.worker.runtime import shared_spark
+from clients.worker.runtime import task_runtime as worker_runtime
+from clients.worker.runtime.task_runtime import shared_spark
 from tests.support.worker_harness import (
     Env,
     result_of,
@@ -28,6 +27,7 @@ from tests.support.worker_harness import (
     worker_env,
     zip_bytes,
 )
+from wire.worker_protocol import Cancel, TaskAttempt
 
 pytestmark = pytest.mark.slow
 

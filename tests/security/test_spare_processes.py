@@ -1,4 +1,4 @@
-"""Spare task processes (clients/worker/task_procs.py, "Spares"): one per tenant, started
+"""Spare task processes (clients/worker/task_processes/pool.py, "Spares"): one per tenant, started
 ahead of need, given its memory limit only when a task of its tenant takes it.
 
 Real processes through the real TaskRuntime (tests/support/task_runtime.py); spares are
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from clients.worker import task_wire
-from clients.worker.task_procs import TaskProcessPool
+from clients.worker.task_processes import pipe_protocol
+from clients.worker.task_processes.pool import TaskProcessPool
 from tests.support.task_runtime import Runtime
 
 WAIT_S = 20.0
@@ -158,7 +158,7 @@ def test_a_spare_refuses_a_run_before_its_limit() -> None:
     args = [
         sys.executable,
         "-m",
-        "clients.worker.task_host",
+        "clients.worker.task_processes.child",
         *("--control", str(control_r), "--events", str(events_w)),
         *("--max-frame-bytes", "65536", "--parent-pid", str(os.getpid())),
         *("--output-marker", "end", "--spare"),
@@ -169,11 +169,11 @@ def test_a_spare_refuses_a_run_before_its_limit() -> None:
     os.close(control_r)
     os.close(events_w)
     try:
-        run = task_wire.Run(
+        run = pipe_protocol.Run(
             task_id=1, attempt=1, tenant="t", type="noop", params=b"null", workdir="/nonexistent",
             max_result_bytes=1024,
         )  # fmt: skip
-        task_wire.write_frame(control_w, run)
+        pipe_protocol.write_frame(control_w, run)
         output, _ = host.communicate(timeout=WAIT_S)
     finally:
         host.kill()

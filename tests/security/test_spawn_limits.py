@@ -13,10 +13,10 @@ import msgspec
 
 from broker.core import entries as e
 from broker.core.state import StateMachine, TaskRef, TaskState, TreeState
-from broker.workers import protocol as p
 from tests.support.fake_worker import FakeWorker
 from tests.support.link_broker import Broker
 from tests.support.machine import Machine
+from wire import worker_protocol as p
 
 WAITING = TaskState.WAITING.value
 

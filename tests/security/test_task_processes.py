@@ -1,4 +1,4 @@
-"""Tasks in task processes (clients/worker/task_procs.py) through the real TaskRuntime.
+"""Tasks in task processes (clients/worker/task_processes/pool.py) through the real TaskRuntime.
 
 Real processes, real signals; code artifacts are placed in the worker's cache as the
 download would leave them (the cache verifies their hash before use). CI runs as root, so
@@ -23,7 +23,7 @@ import pytest
 
 from clients.worker import WorkerConfig
 from clients.worker.task_identity import DEFAULT_TASK_UID_RANGE, TaskIdentities, TaskUserError
-from clients.worker.task_procs import check_task_processes
+from clients.worker.task_processes.pool import check_task_processes
 from tests.support.task_runtime import WAIT_S, Runtime, work_root
 
 IS_ROOT = os.geteuid() == 0

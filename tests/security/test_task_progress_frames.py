@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from broker.workers import protocol as p
 from tests.support.secured_link import SecuredBroker, assigned_attempt, frames_broker
+from wire import worker_protocol as p
 
 
 @pytest.fixture

@@ -26,7 +26,6 @@ from pathlib import Path
 import pytest
 
 from broker.core.state import TaskState, WorkerState
-from broker.workers import protocol as p
 from clients import cli
 from clients.worker.__main__ import build_parser, worker_token
 from tests.support.fake_worker import FakeWorker
@@ -36,6 +35,7 @@ from tests.support.secured_link import (
     secured_broker,
 )
 from tests.support.worker_procs import WorkerProcess
+from wire import worker_protocol as p
 
 ADMIN = "admin-secret-for-the-credentials-test"
 SHARED = "shared-worker-token-for-the-test"

@@ -19,10 +19,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from broker.workers import protocol as p
 from tests.support.edge_probes import AttackWatch, connect, read_until_closed, send_ignoring_close
 from tests.support.fake_worker import FakeWorker
 from tests.support.procs import HOST, BrokerProcess, free_port
+from wire import worker_protocol as p
 
 TOKEN = "worker-port-edges-token"
 HELLO_TIMEOUT_S = 1.0

@@ -1,4 +1,4 @@
-"""A scriptable fake worker for tests: one asyncio TCP connection speaking broker.workers.protocol.
+"""A scriptable fake worker for tests: one asyncio TCP connection speaking wire.worker_protocol.
 
 It does only what a test tells it to (send Hello, Heartbeats, Finish reports,
 raw bytes) and records everything the broker sends. Every read is bounded by
@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-from broker.workers import protocol as p
+from wire import worker_protocol as p
 
 DEFAULT_TIMEOUT_S = 3.0
 

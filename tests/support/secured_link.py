@@ -23,10 +23,10 @@ from broker.api.output_store import OutputStore
 from broker.artifacts.code_store import CodeStore
 from broker.replication.node import Node
 from broker.security.auth import AuthConfig
-from broker.workers import protocol as p
 from broker.workers.worker_link import WorkerLink, WorkerLinkConfig
 from tests.support.fake_worker import FakeWorker
 from tests.support.memory_node import memory_node
+from wire import worker_protocol as p
 
 INTERVAL_MS = 100
 # Long enough that a worker whose connection dropped is not declared dead mid-test.

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from clients.worker.spark_connect import spark_home
+from clients.worker.spark.connect_server import spark_home
 from tests.support.logged_process import log_tail, open_log
 from tests.support.procs import HOST, free_port
 

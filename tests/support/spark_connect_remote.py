@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from clients.worker.spark_connect import SERVER_CLASS, TOKEN_ENV, free_port, spark_home
+from clients.worker.spark.connect_server import SERVER_CLASS, TOKEN_ENV, free_port, spark_home
 from tests.support.logged_process import log_tail, open_log
 
 START_TIMEOUT_S = 120.0

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from broker.workers.protocol import AssignedTask, TaskReport
 from clients.worker import WorkerConfig
-from clients.worker.runtime import TaskRuntime
+from clients.worker.runtime.task_runtime import TaskRuntime
+from wire.worker_protocol import AssignedTask, TaskReport
 
 WAIT_S = 20.0
 

@@ -1,4 +1,4 @@
-"""The worker's test harness: a fake broker speaking broker.workers.protocol on 127.0.0.1:0
+"""The worker's test harness: a fake broker speaking wire.worker_protocol on 127.0.0.1:0
 that lets each test decide what to answer, an artifact server (a real HTTP server on
 127.0.0.1:0), the :class:`Env` holding both and the workers a test starts, and helpers to
 build assignments and read reports. Used by tests/unit/test_worker.py and the Spark tests
@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from broker.workers.protocol import (
+from clients.worker import Worker, WorkerConfig
+from wire.worker_protocol import (
     Assign,
     AssignedTask,
     Finish,
@@ -38,7 +39,6 @@ from broker.workers.protocol import (
     Welcome,
     encode_message,
 )
-from clients.worker import Worker, WorkerConfig
 
 WAIT_S = 5.0
 M = TypeVar("M", bound=Message)

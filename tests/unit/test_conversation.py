@@ -1,4 +1,4 @@
-"""The worker protocol's conversation table (broker/workers/conversation.py)."""
+"""The worker protocol's conversation table (wire/conversation.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import typing
 
 import pytest
 
-from broker.workers import conversation as conversation_module
-from broker.workers import protocol as p
-from broker.workers.conversation import (
+from wire import conversation as conversation_module
+from wire import worker_protocol as p
+from wire.conversation import (
     ALLOWED,
     REFUSALS,
     Conversation,

@@ -1,4 +1,4 @@
-"""Fuzzing the sans-IO worker protocol decoder (broker/workers/protocol.py) with hypothesis.
+"""Fuzzing the sans-IO worker protocol decoder (wire/worker_protocol.py) with hypothesis.
 
 Inputs: random bytes, valid frames that are then flipped, truncated, cut, given a
 wrong length or an oversized one, well-formed msgpack of the wrong shape under a
@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker.workers import protocol as p
+from wire import worker_protocol as p
 
 MIN_INPUTS = 10_000
 MAX_FRAME_BYTES = 4096

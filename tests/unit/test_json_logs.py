@@ -21,7 +21,7 @@ from broker.observability.node_observer import observe_node
 from broker.replication.node import Node, NodeConfig, Stamp
 from clients import cli
 from clients.worker import __main__ as worker_main
-from clients.worker.runtime import make_task_logger
+from clients.worker.runtime.task_runtime import make_task_logger
 from log.memory import MemoryLedgerListStore, MemoryLedgerStore
 from snapshot.store import SnapshotStore
 

@@ -17,10 +17,9 @@ Boundaries the table keeps, in words:
   IO, clock, randomness or concurrency module: no asyncio, socket, ssl, selectors,
   subprocess, threading, os, time, random, uuid, kazoo, uvicorn, httpx, pulsar,
   prometheus_client (so no metrics).
-- broker.workers.protocol (the wire protocol both sides speak) and broker.security (tokens,
-  TLS: used by brokers and every client) import nothing from the project;
-  broker.workers.conversation (the protocol's conversation table, also shared) only the
-  protocol.
+- wire/ (the worker wire protocol and its conversation table, which both sides speak) and
+  broker.security (tokens, TLS: used by brokers and every client) import nothing from the
+  project.
 - broker.replication (the node) imports only core, log/ and snapshot/: nothing from
   broker.observability (no metrics, no task log) and no prometheus_client; it reports to
   an injected ReplicationMetrics and to listeners that broker.observability attaches.
@@ -30,12 +29,16 @@ Boundaries the table keeps, in words:
   from clients/cli/servers.py, tests and bench only).
 - clients.dev (development launchers) imports only broker.security and the prctl helpers of
   clients.worker.sandbox.
-- clients/ imports from broker/ only: the wire protocol and its conversation table, the API
+- clients/ imports wire/ and, from broker/, only: the API
   models the worker reads (ClusterSummary), broker.security, the structured-log setup, the
   artifact checks and the artifact-name pattern (broker.core.entries.SHA256_RE) the worker
   shares with the broker;
   clients/cli/servers.py additionally the broker launch entry points it runs for `steward
   broker` / `steward standalone` (listed in its rule).
+- The worker's rooms (WORKER_ROOMS) each import only the rooms below them: spark, then
+  task_processes, runtime, link; the worker's base modules (config, task_api, artifacts,
+  sandbox, task_env, task_identity, spark_remote_url) import no room, only the package's
+  entry points (``clients.worker``, ``clients.worker.__main__``) take from every room.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PROJECT_PACKAGES = ("broker", "log", "snapshot", "clients", "examples")
+PROJECT_PACKAGES = ("broker", "log", "snapshot", "clients", "examples", "wire")
 
 # Nothing with IO, a clock, randomness or threads: apply must be deterministic and replayable.
 _IMPURE = (
@@ -71,8 +74,6 @@ _IMPURE = (
 )
 _NETWORK = ("asyncio", "socket", "subprocess", "kazoo", "uvicorn", "httpx", "prometheus_client")
 _BROKER_SHARED_WITH_CLIENTS = (
-    "broker.workers.protocol",
-    "broker.workers.conversation",
     "broker.api.api_models",
     "broker.security",
     "broker.observability.logs",
@@ -99,10 +100,6 @@ RULES: tuple[Rule, ...] = (
     Rule("broker.core", (), _IMPURE,
          "the pure state machine: same result on leader, followers and snapshot load"),
     Rule("broker.security", (), why="tokens and TLS, shared by brokers and every client"),
-    Rule("broker.workers.protocol", (), _NETWORK,
-         "the worker wire protocol: both sides import it, so it imports neither"),
-    Rule("broker.workers.conversation", ("broker.workers.protocol",), _NETWORK,
-         "the worker protocol's conversation table: both sides import it, it only the protocol"),
     Rule("broker.artifacts", ("broker.core.entries", "log.private_fs"),
          why="the artifact store and checks: used by the API, HA and the worker"),
     # No metrics, task log or logs setup: the node reports to the instruments it is given (a
@@ -119,7 +116,7 @@ RULES: tuple[Rule, ...] = (
           "broker.observability.dashboard", "broker.observability.metrics", "snapshot.peer"),
          why="the HTTP API: above the node, beside workers and HA, below the server"),
     Rule("broker.workers",
-         ("broker.workers.protocol", "broker.core", "broker.replication", "broker.security",
+         ("wire", "broker.core", "broker.replication", "broker.security",
           "broker.api.edges", "broker.api.output_store", "broker.observability.logs"),
          why="the worker link: above the node; shares the API's edges and output store"),
     Rule("broker.ha",
@@ -128,6 +125,10 @@ RULES: tuple[Rule, ...] = (
          why="election and code replication: above the node, not the API or workers"),
     Rule("broker.server", ("broker", "log", "snapshot"),
          why="the process entry points wire every broker package together"),
+    # --- wire/ ------------------------------------------------------------------------------
+    Rule("wire", (), _NETWORK,
+         "the worker wire protocol and its conversation table: both sides import it, so it"
+         " imports neither"),
     # --- log/ and snapshot/ ----------------------------------------------------------------
     Rule("log", (), why="the write-ahead log backends know nothing of the broker"),
     Rule("log.pulsar", ("log.api",),
@@ -141,18 +142,18 @@ RULES: tuple[Rule, ...] = (
     Rule("clients.client", ("broker.security", "broker.api.api_models"),
          why="the Python client speaks HTTP; it shares credentials, TLS and the API's "
              "request models (the producer checks a task as the broker decodes it)"),
-    Rule("clients.worker", (*_BROKER_SHARED_WITH_CLIENTS, "log.private_fs"),
+    Rule("clients.worker", ("wire", *_BROKER_SHARED_WITH_CLIENTS, "log.private_fs"),
          why="a worker shares the wire protocol and checks with the broker, nothing else"),
     Rule("clients.dev", ("broker.security", "clients.worker.sandbox"),
          why="development launchers start brokers as processes, never import them"),
     Rule("clients.cli",
-         (*_BROKER_SHARED_WITH_CLIENTS, "clients.client", "clients.progress",
+         ("wire", *_BROKER_SHARED_WITH_CLIENTS, "clients.client", "clients.progress",
           "clients.worker.__main__", "clients.demo.run"),
          why="the CLI: a client; `steward worker` and `steward demo` hand over to theirs"),
     # `steward broker` / `steward standalone` run a broker in this process, `cluster up` a
     # local cluster: only this module of the CLI imports their launch entry points.
     Rule("clients.cli.servers",
-         (*_BROKER_SHARED_WITH_CLIENTS, "clients.cli", "clients.dev",
+         ("wire", *_BROKER_SHARED_WITH_CLIENTS, "clients.cli", "clients.dev",
           "broker.server", "broker.api.http_api", "broker.api.edges",
           "broker.replication.node", "broker.workers.worker_link", "log.pulsar"),
          why="the CLI's broker launch entry points: `steward broker|standalone|cluster up`"),
@@ -282,10 +283,63 @@ def test_every_package_is_listed_for_the_wheel() -> None:
     )
     on_disk = {
         module_name(init, ROOT)
-        for top in ("broker", "log", "snapshot", "clients")
+        for top in ("broker", "log", "snapshot", "clients", "wire")
         for init in (ROOT / top).rglob("__init__.py")
     }
     assert on_disk - listed == set(), f"packages missing from pyproject.toml: {on_disk - listed}"
+
+
+#: The worker's rooms, bottom up, each with the rooms it may import (docs/DESIGN.md §9).
+WORKER_ROOMS: dict[str, tuple[str, ...]] = {
+    "clients.worker.spark": (),
+    "clients.worker.task_processes": ("clients.worker.spark",),
+    "clients.worker.runtime": ("clients.worker.spark", "clients.worker.task_processes"),
+    "clients.worker.link": ("clients.worker.spark", "clients.worker.runtime"),
+}
+_WORKER_ENTRY_POINTS = ("clients.worker", "clients.worker.__main__")
+
+
+def worker_room_problems(root: Path) -> list[str]:
+    """Imports between the worker's rooms against WORKER_ROOMS, one line each."""
+
+    def room_of(module: str) -> str | None:
+        return next((room for room in WORKER_ROOMS if _within(module, room)), None)
+
+    problems: list[str] = []
+    for path in sorted((root / "clients" / "worker").rglob("*.py")):
+        module = module_name(path, root)
+        if module in _WORKER_ENTRY_POINTS:
+            continue
+        own = room_of(module)
+        allowed = WORKER_ROOMS[own] if own else ()
+        for line, imported, names in imports_of(path, module):
+            targets = [imported] if room_of(imported) else [f"{imported}.{n}" for n in names]
+            for target in targets:
+                room = room_of(target)
+                if room is not None and room != own and room not in allowed:
+                    where = f"room {own}" if own else "a base module of the worker"
+                    problems.append(f"{module}:{line} imports {target}: {where} may not")
+    return problems
+
+
+def test_the_worker_rooms_keep_their_order() -> None:
+    problems = worker_room_problems(ROOT)
+    assert not problems, "worker room violations:\n" + "\n".join(problems)
+
+
+def test_the_room_check_names_a_room_importing_one_above_it(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "clients/worker/spark/x.py": "from clients.worker.runtime import task_runtime\n",
+            "clients/worker/config.py": "from clients.worker.link.worker_link import Worker\n",
+            "clients/worker/link/y.py": "from clients.worker.runtime.task_runtime import T\n",
+        },
+    )
+    problems = worker_room_problems(tmp_path)
+    assert len(problems) == 2, problems
+    assert any("clients.worker.spark.x:1 imports clients.worker.runtime" in p for p in problems)
+    assert any("clients.worker.config:1" in p and "base module" in p for p in problems)
 
 
 # --- the checker itself ---------------------------------------------------------------------

@@ -10,9 +10,9 @@ import pytest
 
 from broker.core import entries as e
 from broker.core.state import Rejected, TaskRef, TaskState, WorkerReconciled
-from broker.workers import protocol as p
 from tests.support.link_broker import Broker
 from tests.support.machine import Machine
+from wire import worker_protocol as p
 
 
 def _register(sm: Machine, process_id: str, running: tuple[e.TaskAttempt, ...] = ()) -> None:

@@ -13,12 +13,12 @@ from broker.api.http_api import ApiApp, ApiConfig
 from broker.api.output_store import LogsError, OutputStore, logs_answer, logs_from_leader
 from broker.core.state import Task, TaskState
 from broker.security.auth import ANONYMOUS_ADMIN, Principal, Role
-from broker.workers import protocol as p
 from clients.client import NotFoundError, StewardClient
-from clients.worker.runtime import split_dropped_note
+from clients.worker.runtime.task_runtime import split_dropped_note
 from tests.support.asgi_server import serve, unserve
 from tests.support.http_api import run_and_finish
 from tests.support.memory_node import memory_node
+from wire import worker_protocol as p
 
 MIB = 1024 * 1024
 

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from broker.api.progress_store import ProgressStore
-from broker.workers.protocol import AssignedTask, Progress, TaskAttempt
 from clients.worker import TaskContext
 from tests.support.worker_harness import WAIT_S, Env, task, worker_env
+from wire.worker_protocol import AssignedTask, Progress, TaskAttempt
 
 
 def _ctx() -> TaskContext:

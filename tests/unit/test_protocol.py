@@ -1,4 +1,4 @@
-"""The worker protocol's framing and messages (broker/workers/protocol.py)."""
+"""The worker protocol's framing and messages (wire/worker_protocol.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.workers import protocol as p
+from wire import worker_protocol as p
 
 # Each message with the exact map it must encode to (the wire contract).
 TABLE: list[tuple[p.Message, dict[str, object]]] = [

@@ -10,9 +10,9 @@ from broker.core import served_types
 from broker.core.snapshot_body import body_version, decode_snapshot_body
 from broker.core.state import StateMachine, WorkerState
 from broker.core.validation import unknown_type_problem
-from broker.workers import protocol as p
 from tests.support.link_broker import Broker
 from tests.support.machine import Machine
+from wire import worker_protocol as p
 
 BUILTINS = ("fail", "noop", "sleep", "spark.sql")
 

@@ -13,11 +13,11 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from broker.workers import protocol as p
-from broker.workers.conversation import Conversation, Role, State
 from broker.workers.session import Session
 from broker.workers.session_reader import SessionReader
 from tests.support.worker_harness import until
+from wire import worker_protocol as p
+from wire.conversation import Conversation, Role, State
 
 WAIT_S = 5.0
 

@@ -10,12 +10,10 @@ from typing import Any
 
 import pytest
 
-from broker.workers.protocol import AssignedTask
 from clients.worker.__main__ import build_parser, config_from_args
 from clients.worker.config import WorkerConfig, default_work_dir
-from clients.worker.link import Worker
-from clients.worker.runtime import task_identities
-from clients.worker.spark_connect import (
+from clients.worker.link.worker_link import Worker
+from clients.worker.spark.connect_server import (
     TOKEN_ENV,
     ConnectEndpoint,
     SparkConnectError,
@@ -27,9 +25,11 @@ from clients.worker.spark_connect import (
     wait_listening,
 )
 from clients.worker.task_api import TaskContext
-from clients.worker.task_host import spark_access
 from clients.worker.task_identity import TaskUserError
-from clients.worker.task_wire import Run
+from clients.worker.task_processes.child import spark_access
+from clients.worker.task_processes.pipe_protocol import Run
+from clients.worker.task_processes.pool import task_identities
+from wire.worker_protocol import AssignedTask
 
 
 def config(**overrides: Any) -> WorkerConfig:

@@ -1,4 +1,4 @@
-"""Spark fair pools per tenant and --spark-remote URLs (clients/worker/spark_pools.py,
+"""Spark fair pools per tenant and --spark-remote URLs (clients/worker/spark/pools.py,
 spark_remote.py): the allocation file Spark reads and the URLs a task process gets."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from clients.worker.__main__ import build_parser, config_from_args
-from clients.worker.spark_pools import allocation_xml, pool_name, spark_weight
-from clients.worker.spark_remote import TOKEN_ENV, parse_remote, with_token
+from clients.worker.spark.pools import allocation_xml, pool_name, spark_weight
+from clients.worker.spark_remote_url import TOKEN_ENV, parse_remote, with_token
 
 
 def test_pools_are_named_by_tenant_and_only_weights_other_than_one_are_declared() -> None:

@@ -1,4 +1,4 @@
-"""The per-tenant Spark Connect servers' bookkeeping (clients/worker/spark_servers.py): start
+"""The per-tenant Spark Connect servers' bookkeeping (clients/worker/spark/tenant_servers.py): start
 on first use, one per tenant, at most N with the least recently used idle one evicted, a held
 server never stopped, a bounded wait when all are held, idle stop. Fake servers, fake clock."""
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from clients.worker import WorkerConfig
-from clients.worker.spark_connect import ConnectEndpoint, SparkConnectError
-from clients.worker.spark_servers import TenantSparkServers, tenant_servers_wanted
+from clients.worker.spark.connect_server import ConnectEndpoint, SparkConnectError
+from clients.worker.spark.tenant_servers import TenantSparkServers, tenant_servers_wanted
 from clients.worker.task_identity import TaskIdentity
 
 

@@ -9,11 +9,11 @@ import pytest
 
 from broker.core import entries as e
 from broker.core.state import TaskState
-from broker.workers import protocol as p
-from broker.workers.protocol import AssignedTask
 from clients.worker.task_api import SpawnedChild, TaskContext
 from tests.support.fake_worker import FakeWorker
 from tests.support.link_broker import Broker
+from wire import worker_protocol as p
+from wire.worker_protocol import AssignedTask
 
 
 async def _finish_spawning(broker: Broker, worker: FakeWorker, *spawn: p.SpawnRequest) -> int:

@@ -1,6 +1,6 @@
 """The worker (clients/worker) against a fake broker over real TCP, in one event loop.
 
-The fake broker speaks broker.workers.protocol on 127.0.0.1:0 and lets each test decide what
+The fake broker speaks wire.worker_protocol on 127.0.0.1:0 and lets each test decide what
 to answer; artifacts come from a real HTTP server on 127.0.0.1:0. No Spark here (see
 tests/integration/test_worker_spark.py). Every wait is bounded.
 """
@@ -22,19 +22,10 @@ import msgspec
 import pytest
 
 from broker.api.api_models import ClusterSummary
-from broker.workers.protocol import (
-    AssignedTask,
-    Cancel,
-    Error,
-    Finish,
-    FinishAck,
-    SpawnRequest,
-    TaskAttempt,
-)
 from clients.worker import TaskContext, WorkerConfig
 from clients.worker.config import parse_host_port
-from clients.worker.link import LeaderUnknownError, find_leader
-from clients.worker.runtime import encode_result, error_text
+from clients.worker.link.worker_link import LeaderUnknownError, find_leader
+from clients.worker.runtime.task_runtime import encode_result, error_text
 from tests.support.worker_harness import (
     WAIT_S,
     Env,
@@ -46,6 +37,15 @@ from tests.support.worker_harness import (
     until,
     worker_env,
     zip_bytes,
+)
+from wire.worker_protocol import (
+    AssignedTask,
+    Cancel,
+    Error,
+    Finish,
+    FinishAck,
+    SpawnRequest,
+    TaskAttempt,
 )
 
 

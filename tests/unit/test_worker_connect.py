@@ -20,8 +20,7 @@ from broker.replication.node import BrokerStartupError
 from broker.server.standalone import HTTP_PORT, WORKER_PORT, check_port_free
 from clients.cli.options import _host_port
 from clients.worker.config import WorkerConfig, parse_broker_option, parse_host_port
-from clients.worker.link import Worker
-from clients.worker.link_discovery import (
+from clients.worker.link.discovery import (
     BrokerError,
     LeaderUnknownError,
     LinkMisconfiguredError,
@@ -30,6 +29,7 @@ from clients.worker.link_discovery import (
     refusal,
     sniff_answer,
 )
+from clients.worker.link.worker_link import Worker
 
 WAIT_S = 20.0
 

@@ -1,4 +1,4 @@
-"""The worker's side of the conversation table (broker/workers/conversation.py): a frame
+"""The worker's side of the conversation table (wire/conversation.py): a frame
 the broker may not send now ends the connection with an Error frame, then a reconnect."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from broker.workers.protocol import Assign, Error, Hello
 from tests.support.worker_harness import WAIT_S, Env, worker_env
+from wire.worker_protocol import Assign, Error, Hello
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ import pytest
 from broker.core import entries as e
 from broker.core.state import ApplyResult, TaskState, WorkerState
 from broker.replication.node import Stamp
-from broker.workers import protocol as p
 from tests.support.fake_worker import FakeWorker
 from tests.support.link_broker import (
     BROKER_ID,
@@ -27,6 +26,7 @@ from tests.support.link_broker import (
     Broker,
     BrokerFactory,
 )
+from wire import worker_protocol as p
 
 
 def attempts(message: p.Assign | p.FinishAck | p.Cancel) -> list[tuple[int, int]]:
@@ -68,7 +68,7 @@ async def test_handshake_welcome_and_registration(broker: Broker) -> None:
 
 
 async def test_welcome_carries_the_weights_of_tenants_not_weighing_one(broker: Broker) -> None:
-    # The worker's Spark fair pools take them (clients/worker/spark_pools.py).
+    # The worker's Spark fair pools take them (clients/worker/spark/pools.py).
     for name, weight in (("heavy", 3.0), ("plain", 1.0)):
 
         def build(stamp: Stamp, name: str = name, weight: float = weight) -> e.Entry:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 
 from broker.core.state import WorkerState
-from broker.workers import protocol as p
 from tests.support.link_broker import WAIT_S, BrokerFactory, Monotonic
+from wire import worker_protocol as p
 
 
 async def test_silence_is_judged_by_the_injected_clock(make_broker: BrokerFactory) -> None:

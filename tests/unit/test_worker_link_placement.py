@@ -12,8 +12,8 @@ import asyncio
 from broker.core import entries as e
 from broker.core.state import TaskState
 from broker.replication.node import Stamp
-from broker.workers import protocol as p
 from tests.support.link_broker import Broker
+from wire import worker_protocol as p
 
 
 def placed_in_submits(broker: Broker) -> list[int]:

@@ -13,8 +13,8 @@ import contextlib
 
 from broker.core import entries as e
 from broker.core.state import WorkerState
-from broker.workers import protocol as p
 from tests.support.link_broker import BrokerFactory
+from wire import worker_protocol as p
 
 
 async def test_welcome_interval_grows_with_the_workers_and_is_kept(

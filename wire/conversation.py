@@ -1,9 +1,9 @@
 """The conversation table of one worker connection (h11's ``_state.py`` shape).
 
-Sans-IO like :mod:`broker.workers.protocol`: both sides keep one :class:`Conversation` per
+Sans-IO like :mod:`wire.worker_protocol`: both sides keep one :class:`Conversation` per
 connection and feed it every frame they send (:meth:`Conversation.send`) and receive
 (:meth:`Conversation.receive`). A frame the table does not allow in the current state is
-a :class:`~broker.workers.protocol.ProtocolError` (the receiving side answers it with an
+a :class:`~wire.worker_protocol.ProtocolError` (the receiving side answers it with an
 Error frame and closes, as for an undecodable frame). docs/DESIGN.md §8 (worker protocol)::
 
     state           worker may send                  broker may send
@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 from typing import Final
 
-from broker.workers import protocol as p
+from wire import worker_protocol as p
 
 
 class Role(enum.Enum):

@@ -1,9 +1,11 @@
 """One task process seen from the worker: its pipes, the Runs it was sent, its output.
 
-A :class:`TaskProcess` is started by ``clients/worker/task_procs.py`` (the pools) and speaks
-``clients/worker/task_wire.py`` with ``clients/worker/task_host.py`` (the process itself).
+A :class:`TaskProcess` is started by ``clients/worker/task_processes/pool.py`` (the pools) and
+speaks
+``clients/worker/task_processes/pipe_protocol.py`` with ``clients/worker/task_processes/child.py``
+(the process itself).
 Runs are answered in the order sent; several may be outstanding (pipelining, see
-:meth:`clients.worker.task_procs.TaskProcessPool.pipeline_process`). The one
+:meth:`clients.worker.task_processes.pool.TaskProcessPool.pipeline_process`). The one
 :class:`Dispatcher` thread of a pool reads every process's pipes and delivers outcomes
 (no thread per process or per task). A process's output pipe is cut into attempts at the
 marker the process writes after each Run (:class:`_OutputTail`).
@@ -24,10 +26,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final
 
-from clients.worker import task_wire
 from clients.worker.task_identity import TaskIdentity
+from clients.worker.task_processes import pipe_protocol
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("clients.worker.task_processes")
 
 _READ_BYTES: Final = 64 * 1024
 REAP_TIMEOUT_S: Final = 5.0
@@ -47,7 +49,7 @@ def describe_exit(returncode: int) -> str:
 class Outcome:
     """How one Run ended: a Done, or the process's end (``done`` None)."""
 
-    done: task_wire.Done | None = None
+    done: pipe_protocol.Done | None = None
     exit_description: str = ""
     output: bytes = b""
     killed: bool = False  # the worker killed it (cancel past its grace)
@@ -155,7 +157,8 @@ class _Pending:
     killed: bool = False
     # Where the Run's ctx.progress reports go (the worker-side TaskContext's recorder).
     on_progress: Callable[[float, str], None] | None = None
-    # Its first ctx.spark asked for the tenant's Spark server (clients/worker/spark_servers.py).
+    # Its first ctx.spark asked for the tenant's Spark server
+    # (clients/worker/spark/tenant_servers.py).
     on_spark_wanted: Callable[[], None] | None = None
 
 
@@ -193,7 +196,7 @@ class TaskProcess:
         self.events_fd = events_fd
         assert popen.stdout is not None
         self.output_fd = popen.stdout.fileno()
-        self._decoder = task_wire.EventDecoder(max_frame_bytes)
+        self._decoder = pipe_protocol.EventDecoder(max_frame_bytes)
         self._output = _OutputTail(max_output_bytes, output_marker)
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -238,7 +241,7 @@ class TaskProcess:
 
     def start_run(
         self,
-        run: task_wire.Run,
+        run: pipe_protocol.Run,
         on_outcome: OutcomeCallback,
         on_progress: Callable[[float, str], None] | None = None,
         on_spark_wanted: Callable[[], None] | None = None,
@@ -260,7 +263,7 @@ class TaskProcess:
         held: dict[TaskProcess, None] | None = getattr(_held, "processes", None)
         if held is not None:
             with self._control_lock:
-                self._outbox.append(task_wire.encode(run))
+                self._outbox.append(pipe_protocol.encode(run))
             held[self] = None
             return
         try:
@@ -278,7 +281,7 @@ class TaskProcess:
                 if data:
                     if self._control_fd < 0:
                         raise BrokenPipeError("the task process's control pipe is closed")
-                    task_wire.write_all(self._control_fd, data)
+                    pipe_protocol.write_all(self._control_fd, data)
         except OSError as exc:
             logger.warning("task process %d could not be given tasks: %s", self.pid, exc)
             self.kill()
@@ -289,7 +292,7 @@ class TaskProcess:
         (skipped); the running one's process is killed if it has not ended after the grace.
         """
         with contextlib.suppress(OSError):
-            self._write_control(task_wire.Cancel(reason=reason, task_id=key[0], attempt=key[1]))
+            self._write_control(pipe_protocol.Cancel(reason=reason, task_id=key[0], attempt=key[1]))
         with self._lock:
             found = next((p for p in self._pending if p.key == key), None)
             queued = found is not None and found is not self._pending[0]
@@ -317,13 +320,13 @@ class TaskProcess:
     def kill(self) -> None:
         self._signal(signal.SIGKILL)
 
-    def _write_control(self, message: task_wire.ToProcess) -> None:
+    def _write_control(self, message: pipe_protocol.ToProcess) -> None:
         with self._control_lock:
             if self._control_fd < 0:
                 raise BrokenPipeError("the task process's control pipe is closed")
             # Held-back Runs first: frames reach the process in the order they were sent.
             data, self._outbox = b"".join(self._outbox), []
-            task_wire.write_all(self._control_fd, data + task_wire.encode(message))
+            pipe_protocol.write_all(self._control_fd, data + pipe_protocol.encode(message))
 
     def _close_control(self) -> None:
         with self._control_lock:
@@ -356,7 +359,7 @@ class TaskProcess:
     def set_memory_limit(self, memory_limit_mb: int) -> bool:
         """Give a spare its memory limit (before its first Run); False if it is gone."""
         try:
-            self._write_control(task_wire.Limit(memory_limit_mb))
+            self._write_control(pipe_protocol.Limit(memory_limit_mb))
         except OSError as exc:
             logger.warning("task process %d could not be given its limit: %s", self.pid, exc)
             self.kill()
@@ -393,19 +396,19 @@ class TaskProcess:
             return False
         try:
             messages = self._decoder.feed(data)
-        except task_wire.WireError as exc:
+        except pipe_protocol.WireError as exc:
             logger.warning("task process %d broke the protocol (%s); killing it", self.pid, exc)
             self.kill()
             return False
         drained = False
         for message in messages:
-            if isinstance(message, task_wire.Ready):
+            if isinstance(message, pipe_protocol.Ready):
                 self._ready.set()
                 continue
-            if isinstance(message, task_wire.Progress):
+            if isinstance(message, pipe_protocol.Progress):
                 self._on_progress(message)
                 continue
-            if isinstance(message, task_wire.SparkWanted):
+            if isinstance(message, pipe_protocol.SparkWanted):
                 self._on_spark_wanted(message)
                 continue
             key = (message.task_id, message.attempt)
@@ -430,7 +433,7 @@ class TaskProcess:
                 _deliver(pending.on_outcome, Outcome(done=message, output=output))
         return True
 
-    def _on_progress(self, message: task_wire.Progress) -> None:
+    def _on_progress(self, message: pipe_protocol.Progress) -> None:
         # Only the running Run reports (the first outstanding); a late one is moot.
         with self._lock:
             running = self._pending[0] if self._pending else None
@@ -438,7 +441,7 @@ class TaskProcess:
         if running is not None and running.key == key and running.on_progress is not None:
             running.on_progress(message.fraction, message.message)
 
-    def _on_spark_wanted(self, message: task_wire.SparkWanted) -> None:
+    def _on_spark_wanted(self, message: pipe_protocol.SparkWanted) -> None:
         # Only the running Run asks, once (the callback is taken: a repeat is ignored).
         with self._lock:
             running = self._pending[0] if self._pending else None
@@ -448,7 +451,7 @@ class TaskProcess:
         if wanted is not None:
             wanted()
 
-    def send_spark_granted(self, message: task_wire.SparkGranted) -> None:
+    def send_spark_granted(self, message: pipe_protocol.SparkGranted) -> None:
         """Answer a SparkWanted (any thread); a process that is gone needs no answer."""
         try:
             self._write_control(message)

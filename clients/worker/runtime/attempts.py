@@ -1,8 +1,8 @@
 """An attempt the task runtime holds, and the report of a cancelled one.
 
-Shared by the runtime (``clients/worker/runtime.py``) and its two runners: tasks on
-threads (``clients/worker/thread_runs.py``) and tasks in task processes
-(``clients/worker/process_runs.py``).
+Shared by the runtime (``clients/worker/runtime/task_runtime.py``) and its two runners: tasks on
+threads (``clients/worker/runtime/thread_runs.py``) and tasks in task processes
+(``clients/worker/runtime/process_runs.py``).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.observability.logs import task_fields
-from broker.workers.protocol import AssignedTask, TaskReport
 from clients.worker.task_api import TaskContext
-from clients.worker.task_process import TaskProcess
+from clients.worker.task_processes.process_handle import TaskProcess
+from wire.worker_protocol import AssignedTask, TaskReport
 
 TaskKey = tuple[int, int]  # (task_id, attempt)
 

@@ -1,4 +1,4 @@
-"""Task reports on their way to the broker (see ``clients/worker/link.py``).
+"""Task reports on their way to the broker (see ``clients/worker/link/worker_link.py``).
 
 Finished tasks' reports are coalesced (those arriving together, or for
 ``finish_batch_ms`` when set) into one Finish frame and kept until a FinishAck names
@@ -14,13 +14,13 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Final
 
-from broker.workers.protocol import Finish, TaskAttempt, TaskReport
 from clients.worker.config import WorkerConfig
-from clients.worker.link_output import TaskOutputs
-from clients.worker.runtime import TaskKey
+from clients.worker.link.output import TaskOutputs
+from clients.worker.runtime.task_runtime import TaskKey
+from wire.worker_protocol import Finish, TaskAttempt, TaskReport
 
 if TYPE_CHECKING:
-    from clients.worker.link import _Connection
+    from clients.worker.link.connection import Connection
 
 # One logger for all of the link's parts (operators and tests filter on this name).
 logger = logging.getLogger("clients.worker.link")
@@ -36,7 +36,7 @@ class ReportOutbox:
         self,
         config: WorkerConfig,
         outputs: TaskOutputs,
-        connection: Callable[[], _Connection | None],
+        connection: Callable[[], Connection | None],
     ) -> None:
         self.config = config
         self._outputs = outputs
@@ -64,7 +64,7 @@ class ReportOutbox:
                 else self.loop.call_soon(self.flush)
             )
 
-    def acked(self, conn: _Connection, tasks: Iterable[TaskAttempt]) -> None:
+    def acked(self, conn: Connection, tasks: Iterable[TaskAttempt]) -> None:
         """A FinishAck: the broker holds these reports."""
         for ta in tasks:
             key = (ta.task_id, ta.attempt)

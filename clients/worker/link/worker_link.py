@@ -29,9 +29,9 @@ All protocol state lives on the event loop's thread; task threads only hand repo
 over with ``call_soon_threadsafe``.
 
 :class:`Worker` here owns the reconnect loop, the handshake, the frames read and the
-heartbeats; its collaborators own the rest: where to connect (``link_discovery.py``),
-assigned tasks, deadlines and reports' hand-over (``link_tasks.py``), reports until
-acknowledged (``link_reports.py``) and task output (``link_output.py``).
+heartbeats; its collaborators own the rest: where to connect (``discovery.py``),
+assigned tasks, deadlines and reports' hand-over (``assignments.py``), reports until
+acknowledged (``reports.py``) and task output (``output.py``).
 """
 
 from __future__ import annotations
@@ -46,8 +46,38 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from broker.workers.conversation import Conversation, Role
-from broker.workers.protocol import (
+from clients.worker.artifacts import CodeDrops
+from clients.worker.config import WorkerConfig
+from clients.worker.link.assignments import Assignments
+from clients.worker.link.connection import Connection
+from clients.worker.link.discovery import (
+    BrokerError,
+    BrokerLocator,
+    Leader,
+    LeaderUnknownError,
+    LinkMisconfiguredError,
+    Problems,
+    find_leader,
+    refusal,
+    sniff_answer,
+)
+from clients.worker.link.output import TaskOutputs
+from clients.worker.link.reports import ReportOutbox
+from clients.worker.runtime.task_runtime import (
+    TaskKey,
+    TaskRuntime,
+    released_notice,
+    stopping_notice,
+)
+from clients.worker.spark.connect_server import SparkConnectServer
+from clients.worker.spark.remote import RemoteSpark
+from clients.worker.spark.tenant_servers import (
+    SparkBackend,
+    tenant_servers,
+    tenant_servers_wanted,
+)
+from wire.conversation import Conversation, Role
+from wire.worker_protocol import (
     MAX_HELLO_TASK_NAMES,
     Assign,
     Cancel,
@@ -63,30 +93,6 @@ from broker.workers.protocol import (
     Welcome,
     encode_message,
 )
-from clients.worker.artifacts import CodeDrops
-from clients.worker.config import WorkerConfig
-from clients.worker.link_discovery import (
-    BrokerError,
-    BrokerLocator,
-    Leader,
-    LeaderUnknownError,
-    LinkMisconfiguredError,
-    Problems,
-    find_leader,
-    refusal,
-    sniff_answer,
-)
-from clients.worker.link_output import TaskOutputs
-from clients.worker.link_reports import ReportOutbox
-from clients.worker.link_tasks import Assignments
-from clients.worker.runtime import TaskKey, TaskRuntime, released_notice, stopping_notice
-from clients.worker.spark_connect import SparkConnectServer
-from clients.worker.spark_remote import RemoteSpark
-from clients.worker.spark_servers import (
-    SparkBackend,
-    tenant_servers,
-    tenant_servers_wanted,
-)
 
 __all__ = [
     "BrokerError",
@@ -98,51 +104,9 @@ __all__ = [
     "run_worker",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("clients.worker.link")
 
 _READ_BYTES = 256 * 1024
-
-
-class _Connection:
-    """One welcomed connection: a writer plus the timing the broker asked for."""
-
-    def __init__(
-        self,
-        writer: asyncio.StreamWriter,
-        welcome: Welcome,
-        max_frame_bytes: int,
-        conversation: Conversation,
-    ) -> None:
-        self.writer = writer
-        self.conversation = conversation  # docs/DESIGN.md §8: which frame may come when
-        self.max_frame_bytes = max_frame_bytes
-        self.heartbeat_interval_s = max(0.01, welcome.heartbeat_interval_ms / 1000)
-        self.heartbeat_timeout_s = max(
-            self.heartbeat_interval_s, welcome.heartbeat_timeout_ms / 1000
-        )
-        self.broker_id = welcome.broker_id
-        self.seq = 0
-        self.closed = False
-        self.takes_output = welcome.output  # the broker accepts Output frames
-        # Per attempt, the end offset of the output already sent on this connection, and
-        # the attempts whose final output was sent (each connection starts afresh: a new
-        # leader holds nothing).
-        self.output_sent: dict[TaskKey, int] = {}
-        self.final_output_sent: set[TaskKey] = set()
-        self.takes_progress = welcome.progress  # the broker accepts Progress frames
-        # Per running attempt, the count of its ctx.progress reports last sent here.
-        self.progress_sent: dict[TaskKey, int] = {}
-
-    def send(self, message: Message) -> bool:
-        """Queue a frame on the transport (flow control: see the heartbeat loop's drain)."""
-        if self.writer.is_closing() or self.conversation.closed:
-            return False
-        self.conversation.send(message)
-        self.writer.write(encode_message(message, self.max_frame_bytes))
-        return True
-
-    def abort(self) -> None:
-        self.writer.transport.abort()
 
 
 class Worker:
@@ -151,8 +115,9 @@ class Worker:
     def __init__(self, config: WorkerConfig, *, spark_server: SparkBackend | None = None) -> None:
         self.config = config
         self.process_id = uuid.uuid4().hex  # new per process start: tells restarts apart
-        # A Spark Connect server per tenant (a root worker: clients/worker/spark_servers.py) or
-        # one per worker (clients/worker/spark_connect.py), started by run();
+        # A Spark Connect server per tenant (a root worker: clients/worker/spark/tenant_servers.py)
+        # or
+        # one per worker (clients/worker/spark/connect_server.py), started by run();
         # a given one (tests: one server for many workers) is the caller's to stop.
         self._owns_spark = False
         if (
@@ -161,7 +126,7 @@ class Worker:
             and config.task_isolation == "process"
             and config.may_run_spark()
         ):
-            # --spark-remote: sessions on that server instead (clients/worker/spark_remote.py).
+            # --spark-remote: sessions on that server instead (clients/worker/spark/remote.py).
             if config.spark_remote:
                 spark_server = RemoteSpark(config.spark_remote)
             elif tenant_servers_wanted(config):
@@ -176,7 +141,7 @@ class Worker:
         )
         self.sessions = 0  # Welcomes received, for tests and metrics
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._conn: _Connection | None = None
+        self._conn: Connection | None = None
         self._writer: asyncio.StreamWriter | None = None  # of the current connection
         # Its collaborators: task output, reports until acknowledged, assigned tasks.
         self._outputs = TaskOutputs(self.runtime)
@@ -353,7 +318,7 @@ class Worker:
             conversation.send(hello)
             writer.write(encode_message(hello, self.config.max_frame_bytes))
             welcome, rest = await self._read_welcome(reader, writer, decoder, conversation)
-            conn = _Connection(writer, welcome, self.config.max_frame_bytes, conversation)
+            conn = Connection(writer, welcome, self.config.max_frame_bytes, conversation)
             self._welcomed = True
             self._on_welcome(conn, welcome)
             heartbeats = asyncio.ensure_future(self._heartbeat_loop(conn))
@@ -431,9 +396,9 @@ class Worker:
                 assert isinstance(first, Welcome)
                 return first, rest
 
-    def _on_welcome(self, conn: _Connection, welcome: Welcome) -> None:
+    def _on_welcome(self, conn: Connection, welcome: Welcome) -> None:
         self._tasks.reconcile(welcome)
-        if self.spark_server is not None:  # its tenants' fair pools (spark_pools.py)
+        if self.spark_server is not None:  # its tenants' fair pools (spark/pools.py)
             self.spark_server.set_tenant_weights(welcome.tenant_weights)
         self._conn = conn
         self.sessions += 1
@@ -451,7 +416,7 @@ class Worker:
 
     async def _serve(
         self,
-        conn: _Connection,
+        conn: Connection,
         reader: asyncio.StreamReader,
         decoder: FrameDecoder,
         pending: list[Message],
@@ -480,7 +445,7 @@ class Worker:
                 self._send_error(conn.writer, exc.code, exc.message)
                 return
 
-    async def _heartbeat_loop(self, conn: _Connection) -> None:
+    async def _heartbeat_loop(self, conn: Connection) -> None:
         loop = asyncio.get_running_loop()
         while not conn.closed:
             try:
@@ -503,7 +468,7 @@ class Worker:
 
     # -- messages from the broker --
 
-    def _handle(self, conn: _Connection, message: Message) -> bool:
+    def _handle(self, conn: Connection, message: Message) -> bool:
         """Act on one message; False ends the connection."""
         try:
             conn.conversation.receive(message)

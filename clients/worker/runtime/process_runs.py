@@ -1,5 +1,5 @@
 """Tasks run in task processes: the process slots, sending a task to a process, and
-turning the process's outcome into a report (see ``clients/worker/runtime.py``).
+turning the process's outcome into a report (see ``clients/worker/runtime/task_runtime.py``).
 
 A task for a task process holds one of ``capacity()`` process slots from when it is begun
 (preparing, sent, or running) until its report; more wait in order for a slot. When a
@@ -19,19 +19,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from broker.workers.protocol import AssignedTask, TaskReport
-from clients.worker import task_wire
 from clients.worker.artifacts import ArtifactCache
-from clients.worker.attempts import Running, TaskKey, attempt_fields, cancelled_report
 from clients.worker.config import WorkerConfig
-from clients.worker.spark_connect import (
+from clients.worker.runtime.attempts import Running, TaskKey, attempt_fields, cancelled_report
+from clients.worker.spark.connect_server import (
     SparkConnectError,
     new_session_id,
-    tenant_uid_range,
 )
-from clients.worker.spark_pools import pool_name
-from clients.worker.spark_remote import RemoteSpark
-from clients.worker.spark_servers import SparkBackend, TenantSparkServers
+from clients.worker.spark.pools import pool_name
+from clients.worker.spark.remote import RemoteSpark
+from clients.worker.spark.tenant_servers import SparkBackend, TenantSparkServers
 from clients.worker.task_api import (
     BUILTIN_TASKS,
     MAX_ERROR_CHARS,
@@ -40,24 +37,16 @@ from clients.worker.task_api import (
     task_logger_parent,
 )
 from clients.worker.task_env import WorkArea
-from clients.worker.task_identity import TaskIdentities, TaskIdentity
-from clients.worker.task_process import Outcome, TaskProcess
-from clients.worker.task_procs import PoolLimits, TaskProcessPool
+from clients.worker.task_identity import TaskIdentity
+from clients.worker.task_processes import pipe_protocol
+from clients.worker.task_processes.pool import PoolLimits, TaskProcessPool, task_identities
+from clients.worker.task_processes.process_handle import Outcome, TaskProcess
+from wire.worker_protocol import AssignedTask, TaskReport
 
 # One logger for all of the runtime's parts (operators filter on this name).
 logger = logging.getLogger("clients.worker.runtime")
 
 _KEPT_OUTPUTS: Final = 256  # attempts whose captured output the worker keeps
-
-
-def task_identities(config: WorkerConfig) -> TaskIdentities:
-    """Who runs each tenant's task processes (TaskUserError when the config is unusable)."""
-    return TaskIdentities(
-        task_user=config.task_user,
-        tenant_users=config.tenant_users,
-        uid_range=tenant_uid_range(config),
-        allow_root=config.allow_root_tasks,
-    )
 
 
 def task_memory_limit_mb(task: AssignedTask, default_mb: int) -> int:
@@ -127,7 +116,8 @@ class ProcessRunner:
                 max_rss_mb=config.task_process_max_rss_mb,
                 max_output_bytes=config.max_output_bytes,
                 max_frame_bytes=2 * config.max_result_bytes + 1024 * 1024,
-                # A spare per tenant whose Spark server may be warm (task_procs.py, "Spares").
+                # A spare per tenant whose Spark server may be warm (task_processes/pool.py,
+                # "Spares").
                 max_spares=(
                     config.spark_max_servers if isinstance(spark_server, TenantSparkServers) else 0
                 ),
@@ -247,7 +237,7 @@ class ProcessRunner:
                 entry.process = None
             pool.unclaim(process)
             return cancelled_report(entry)
-        run = task_wire.Run(
+        run = pipe_protocol.Run(
             task_id=task.task_id,
             attempt=task.attempt,
             tenant=task.tenant,
@@ -299,7 +289,7 @@ class ProcessRunner:
             server = servers.acquire(task.tenant, process.identity, servers.busy_wait_s)
         except Exception as exc:
             process.send_spark_granted(
-                task_wire.SparkGranted(task.task_id, task.attempt, error=str(exc))
+                pipe_protocol.SparkGranted(task.task_id, task.attempt, error=str(exc))
             )
             return
         with self._lock:
@@ -311,17 +301,17 @@ class ProcessRunner:
             return
         try:
             endpoint = server.wait_ready(servers.start_timeout_s)
-            granted = task_wire.SparkGranted(
+            granted = pipe_protocol.SparkGranted(
                 task.task_id, task.attempt, endpoint.port, endpoint.token, endpoint.uid
             )
         except SparkConnectError as exc:
-            granted = task_wire.SparkGranted(task.task_id, task.attempt, error=str(exc))
+            granted = pipe_protocol.SparkGranted(task.task_id, task.attempt, error=str(exc))
         process.send_spark_granted(granted)
         if not granted.error:  # the tenant's next task in a new process: no imports to wait for
             self.processes.keep_spare(task.tenant, process.identity)
 
     def _on_outcome(
-        self, entry: Running, process: TaskProcess, run: task_wire.Run, outcome: Outcome
+        self, entry: Running, process: TaskProcess, run: pipe_protocol.Run, outcome: Outcome
     ) -> None:
         """A task process's Done or end, on the dispatcher's thread (or the canceller's, for
         a task cancelled while queued): must not block."""

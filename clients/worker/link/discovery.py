@@ -3,7 +3,8 @@
 With ``brokers`` (HTTP URLs of a broker or of any brokers of a cluster) set, each
 connection attempt first asks them in turn for ``GET /api/v1/cluster`` and connects to the
 leader's ``leader_worker_address``; no leader known yet counts as a failed attempt (see
-``clients/worker/link.py``). Without, it connects to the ``broker`` endpoint it was given.
+``clients/worker/link/worker_link.py``). Without, it connects to the ``broker`` endpoint it was
+given.
 
 Failures are of two kinds: those retrying may heal (a broker down or restarting, an
 election) and misconfigurations it cannot (an HTTP port given as the worker endpoint, a
@@ -26,9 +27,9 @@ import msgspec
 
 from broker.api.api_models import ClusterSummary
 from broker.security.auth import bearer_headers
-from broker.workers.protocol import ProtocolError
 from clients.worker.artifacts import ArtifactCache
 from clients.worker.config import WorkerConfig, parse_host_port
+from wire.worker_protocol import ProtocolError
 
 # One logger for all of the link's parts (operators and tests filter on this name).
 logger = logging.getLogger("clients.worker.link")

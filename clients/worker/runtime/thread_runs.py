@@ -1,5 +1,5 @@
 """Tasks run on the worker's own threads: types the embedding program registered, and
-everything with ``task_isolation="thread"`` (see ``clients/worker/runtime.py``).
+everything with ``task_isolation="thread"`` (see ``clients/worker/runtime/task_runtime.py``).
 
 A cancel of a task on a thread cancels its Spark job group, again every 0.5 s while the
 task runs (a job submitted just after a cancel is not covered by the earlier one); a
@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-from broker.workers.protocol import AssignedTask, TaskReport
 from clients.worker.artifacts import ArtifactCache
-from clients.worker.attempts import Running, attempt_fields, cancelled_report
 from clients.worker.config import WorkerConfig
+from clients.worker.runtime.attempts import Running, attempt_fields, cancelled_report
 from clients.worker.task_api import BUILTIN_TASKS, TaskFn, call_task, error_text
+from wire.worker_protocol import AssignedTask, TaskReport
 
 # One logger for all of the runtime's parts (operators filter on this name).
 logger = logging.getLogger("clients.worker.runtime")

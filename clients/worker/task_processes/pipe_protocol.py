@@ -11,7 +11,7 @@ msgpack body. The conversation::
     worker: Cancel(task) at any time, then SIGTERM (SIGKILL after the grace if it runs on)
 
 The worker may send several Runs before their Dones (pipelining, for tasks that take
-well under a millisecond; ``clients/worker/task_procs.py``); the process runs them one at a
+well under a millisecond; ``clients/worker/task_processes/pool.py``); the process runs them one at a
 time in order. A Cancel for a Run not started yet makes the process skip it (a Done with
 ``skipped``); for the running one, the SIGTERM that follows raises ``TaskCancelled`` in it.
 After each Run the process writes ``--output-marker`` to its output pipe, so the worker
@@ -30,7 +30,7 @@ from typing import Annotated, Final, Generic, TypeVar
 
 import msgspec
 
-from broker.workers.protocol import MAX_PROGRESS_CHARS, SpawnRequest
+from wire.worker_protocol import MAX_PROGRESS_CHARS, SpawnRequest
 
 _LENGTH: Final = struct.Struct(">I")
 
@@ -55,7 +55,7 @@ class Run(msgspec.Struct, frozen=True, tag="run", tag_field="kind"):
     resources: dict[str, float] = {}
     spark_master: str = "local[*]"
     spark_conf: dict[str, str] = {}
-    # Spark (clients/worker/spark_connect.py): "connect", "classic" or "off". With
+    # Spark (clients/worker/spark/connect_server.py): "connect", "classic" or "off". With
     # "connect", the worker's server (port, token, its uid) and this attempt's session id;
     # spark_error says why the server is unavailable, spark_wait_s how long to wait for it.
     spark_mode: str = "classic"
@@ -68,9 +68,9 @@ class Run(msgspec.Struct, frozen=True, tag="run", tag_field="kind"):
     allow_classic_spark: bool = True
     # --spark-remote: the remote server's sc:// URL (its token too) instead of the port.
     spark_remote: str = ""
-    # The tenant's fair-scheduler pool (clients/worker/spark_pools.py); "": the default.
+    # The tenant's fair-scheduler pool (clients/worker/spark/pools.py); "": the default.
     spark_pool: str = ""
-    # A server of the tenant's own (clients/worker/spark_servers.py): no port above; the
+    # A server of the tenant's own (clients/worker/spark/tenant_servers.py): no port above; the
     # first use of ctx.spark asks for it (SparkWanted) and waits for SparkGranted.
     spark_on_request: bool = False
 
@@ -95,7 +95,7 @@ class Done(msgspec.Struct, frozen=True, tag="done", tag_field="kind"):
 
 
 class Progress(msgspec.Struct, frozen=True, tag="progress", tag_field="kind"):
-    """The running task's latest ctx.progress (at most one per interval: task_host.py)."""
+    """The running task's latest ctx.progress (at most one per interval: child.py)."""
 
     task_id: int
     attempt: int
@@ -123,7 +123,7 @@ class SparkGranted(msgspec.Struct, frozen=True, tag="spark_granted", tag_field="
 
 class Limit(msgspec.Struct, frozen=True, tag="limit", tag_field="kind"):
     """A spare process's memory limit (0: none), sent once, before its first Run
-    (``clients/worker/task_procs.py``, spares): it applies it before any tenant code."""
+    (``clients/worker/task_processes/pool.py``, spares): it applies it before any tenant code."""
 
     memory_limit_mb: Annotated[int, msgspec.Meta(ge=0)]
 

@@ -1,12 +1,14 @@
 """A task process: runs one tenant's tasks, one at a time, for the worker that started it.
 
-Started by ``clients/worker/task_procs.py`` with ``python -m clients.worker.task_host``,
+Started by ``clients/worker/task_processes/pool.py`` with ``python -m
+clients.worker.task_processes.child``,
 already under the tenant's uid, with a scrubbed environment and no descriptors but its
 pipes (see docs/SECURITY.md). Before any tenant code it makes itself non-dumpable, forbids
 new privileges and applies its memory limit (``RLIMIT_AS``, hard, so task code cannot
 raise it): at start, or, for a spare (``--spare``: started ahead of need, its limit not
-known yet; ``clients/worker/task_procs.py``), from the Limit frame that must come before
-its first Run. Then it speaks ``clients/worker/task_wire.py``: Ready, then a Done for each Run.
+known yet; ``clients/worker/task_processes/pool.py``), from the Limit frame that must come before
+its first Run. Then it speaks ``clients/worker/task_processes/pipe_protocol.py``: Ready, then a
+Done for each Run.
 
 Its stdout and stderr (one pipe, read by the worker) are the task's captured output;
 ``ctx.logger`` writes there too; after each task the process writes ``--output-marker``
@@ -43,15 +45,14 @@ from typing import Any, Final
 
 import msgspec
 
-from broker.workers.protocol import AssignedTask
-from clients.worker import sandbox, task_wire
-from clients.worker.spark_connect import (
+from clients.worker import sandbox
+from clients.worker.spark.connect_server import (
     CLASSIC_FLAG_HINT,
     ConnectEndpoint,
     connect_session,
     preload_spark_client,
 )
-from clients.worker.spark_remote import remote_session
+from clients.worker.spark.remote import remote_session
 from clients.worker.task_api import (
     BUILTIN_TASKS,
     TaskCancelled,
@@ -62,6 +63,8 @@ from clients.worker.task_api import (
     shared_spark,
 )
 from clients.worker.task_env import empty_dir
+from clients.worker.task_processes import pipe_protocol
+from wire.worker_protocol import AssignedTask
 
 _READ_BYTES: Final = 64 * 1024
 # A task process writes at most this many Progress frames a second (the worker sends the
@@ -72,10 +75,10 @@ _PROGRESS_INTERVAL_S: Final = 0.2
 class _ProgressSender:
     """Writes the running task's latest ctx.progress on the events pipe, off its thread."""
 
-    def __init__(self, write: Callable[[task_wire.FromProcess], None]) -> None:
+    def __init__(self, write: Callable[[pipe_protocol.FromProcess], None]) -> None:
         self._write = write
         self._lock = threading.Lock()
-        self._pending: task_wire.Progress | None = None
+        self._pending: pipe_protocol.Progress | None = None
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -84,7 +87,7 @@ class _ProgressSender:
 
         def report(fraction: float, message: str) -> None:
             with self._lock:
-                self._pending = task_wire.Progress(task_id, attempt, fraction, message)
+                self._pending = pipe_protocol.Progress(task_id, attempt, fraction, message)
                 if self._thread is None:
                     self._thread = threading.Thread(
                         target=self._run, name="steward-progress", daemon=True
@@ -126,11 +129,11 @@ class _Host:
         self.control_fd = control_fd
         self.events_fd = events_fd
         self.output_marker = output_marker
-        self.decoder = task_wire.ControlDecoder(max_frame_bytes)
-        self.runs: deque[task_wire.Run] = deque()
+        self.decoder = pipe_protocol.ControlDecoder(max_frame_bytes)
+        self.runs: deque[pipe_protocol.Run] = deque()
         self.cancelled: set[tuple[int, int]] = set()  # (task_id, attempt) to skip or stop
         # The worker's answers to SparkWanted (per-tenant Spark servers), by (task_id, attempt).
-        self.spark_granted: dict[tuple[int, int], task_wire.SparkGranted] = {}
+        self.spark_granted: dict[tuple[int, int], pipe_protocol.SparkGranted] = {}
         self.control_ended = False
         self.limit_pending = limit_pending  # a spare: no Run before its Limit
         self.current: TaskContext | None = None
@@ -141,9 +144,9 @@ class _Host:
         self.progress = _ProgressSender(self.write_event)
         os.set_blocking(control_fd, False)
 
-    def write_event(self, message: task_wire.FromProcess) -> None:
+    def write_event(self, message: pipe_protocol.FromProcess) -> None:
         with self._events_lock:
-            task_wire.write_frame(self.events_fd, message)
+            pipe_protocol.write_frame(self.events_fd, message)
 
     def take_control(self) -> None:
         """Take every frame the worker sent so far; never blocks."""
@@ -156,25 +159,25 @@ class _Host:
                 self.control_ended = True
                 return
             for message in self.decoder.feed(data):
-                if isinstance(message, task_wire.Run):
+                if isinstance(message, pipe_protocol.Run):
                     if self.limit_pending:
-                        raise task_wire.WireError("a Run came before the spare's Limit")
+                        raise pipe_protocol.WireError("a Run came before the spare's Limit")
                     self.runs.append(message)
-                elif isinstance(message, task_wire.SparkGranted):
+                elif isinstance(message, pipe_protocol.SparkGranted):
                     self.spark_granted[(message.task_id, message.attempt)] = message
-                elif isinstance(message, task_wire.Limit):
+                elif isinstance(message, pipe_protocol.Limit):
                     if not self.limit_pending:
-                        raise task_wire.WireError("a Limit came to a process that has one")
+                        raise pipe_protocol.WireError("a Limit came to a process that has one")
                     _limit_memory(message.memory_limit_mb)
                     self.limit_pending = False
                 else:
                     self.cancelled.add((message.task_id, message.attempt))
 
-    def tenant_spark(self, run: task_wire.Run) -> Any:
+    def tenant_spark(self, run: pipe_protocol.Run) -> Any:
         """``ctx.spark`` on the tenant's own server: ask the worker for it (it starts the
         server on first use) and wait, bounded, for its answer; then connect as usual."""
         key = (run.task_id, run.attempt)
-        self.write_event(task_wire.SparkWanted(task_id=run.task_id, attempt=run.attempt))
+        self.write_event(pipe_protocol.SparkWanted(task_id=run.task_id, attempt=run.attempt))
         deadline = time.monotonic() + run.spark_wait_s
         while key not in self.spark_granted:
             left = deadline - time.monotonic()
@@ -206,7 +209,7 @@ class _Host:
             return  # between tasks: the main loop reads the Cancel that came first
         try:
             self.take_control()  # the worker wrote the Cancel before it signalled
-        except (OSError, task_wire.WireError):
+        except (OSError, pipe_protocol.WireError):
             os._exit(3)
         if self.current_key not in self.cancelled:
             return  # a Cancel for a task still queued here: it will be skipped
@@ -219,11 +222,11 @@ class _Host:
 
     def serve(self) -> None:
         """Ready, then a Done for each Run in order, all on this (the main) thread."""
-        self.write_event(task_wire.Ready(pid=os.getpid()))
+        self.write_event(pipe_protocol.Ready(pid=os.getpid()))
         while True:
             try:
                 self.take_control()
-            except (OSError, task_wire.WireError) as exc:
+            except (OSError, pipe_protocol.WireError) as exc:
                 print(f"steward task process: control pipe: {exc}", file=sys.stderr, flush=True)
                 return
             if not self.runs:
@@ -234,7 +237,7 @@ class _Host:
             run = self.runs.popleft()
             key = (run.task_id, run.attempt)
             if key in self.cancelled:
-                done = task_wire.Done(
+                done = pipe_protocol.Done(
                     ok=False,
                     error="cancelled before it started",
                     task_id=run.task_id,
@@ -250,10 +253,10 @@ class _Host:
             empty_dir(run.workdir)  # the worker checks again when the process goes idle
             sys.stdout.flush()
             sys.stderr.flush()
-            task_wire.write_all(1, self.output_marker)
+            pipe_protocol.write_all(1, self.output_marker)
             self.write_event(done)
 
-    def run(self, run: task_wire.Run) -> task_wire.Done:
+    def run(self, run: pipe_protocol.Run) -> pipe_protocol.Done:
         task = AssignedTask(
             task_id=run.task_id,
             attempt=run.attempt,
@@ -282,12 +285,14 @@ class _Host:
             fn = self.resolve(run)  # the first run imports its code: not the task's time
             started = time.perf_counter()
             result = call_task(ctx, run.params, lambda: fn, run.max_result_bytes)
-            done = task_wire.Done(ok=True, result=result, spawn=ctx.spawned)
+            done = pipe_protocol.Done(ok=True, result=result, spawn=ctx.spawned)
         except BaseException as exc:  # every failure of task code (even SystemExit) is a report
             error = error_text(exc)
             if run.spark_mode == "connect":
                 error = _with_spark_hint(error, ctx.uses_spark)
-            done = task_wire.Done(ok=False, error=error, out_of_memory=isinstance(exc, MemoryError))
+            done = pipe_protocol.Done(
+                ok=False, error=error, out_of_memory=isinstance(exc, MemoryError)
+            )
         finally:
             self.current = None
             self.current_key = None
@@ -299,7 +304,7 @@ class _Host:
             done, task_id=run.task_id, attempt=run.attempt, elapsed_us=elapsed_us
         )
 
-    def resolve(self, run: task_wire.Run) -> TaskFn:
+    def resolve(self, run: pipe_protocol.Run) -> TaskFn:
         fn = BUILTIN_TASKS.get(run.type)
         if fn is not None:
             return fn
@@ -346,7 +351,7 @@ def _with_spark_hint(error: str, session_made: bool) -> str:
 
 
 def spark_access(
-    run: task_wire.Run, tenant_spark: Callable[[task_wire.Run], Any] | None = None
+    run: pipe_protocol.Run, tenant_spark: Callable[[pipe_protocol.Run], Any] | None = None
 ) -> dict[str, Any]:
     """How ``ctx.spark`` and ``ctx.classic_spark`` behave for this Run (TaskContext kwargs);
     ``tenant_spark`` asks the worker for the tenant's own server (``spark_on_request``)."""
@@ -422,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.control,
         args.events,
         args.max_frame_bytes,
-        task_wire.output_marker(args.output_marker),
+        pipe_protocol.output_marker(args.output_marker),
         limit_pending=args.spare,
     )
     signal.signal(signal.SIGTERM, host.on_sigterm)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Final
 
-from broker.workers.protocol import MAX_OUTPUT_BYTES, FetchOutput, Output, Progress
-from clients.worker.runtime import TaskKey, TaskRuntime, split_dropped_note
+from clients.worker.runtime.task_runtime import TaskKey, TaskRuntime, split_dropped_note
+from wire.worker_protocol import MAX_OUTPUT_BYTES, FetchOutput, Output, Progress
 
 if TYPE_CHECKING:
-    from clients.worker.link import _Connection
+    from clients.worker.link.connection import Connection
 
 _OUTPUT_INTERVAL_S: Final = 1.0  # running attempts' new output goes out at most this often
 
@@ -29,7 +29,7 @@ class TaskOutputs:
     def __init__(self, runtime: TaskRuntime) -> None:
         self._runtime = runtime
 
-    async def loop(self, conn: _Connection) -> None:
+    async def loop(self, conn: Connection) -> None:
         """Send running attempts' new output, at most once per interval each."""
         if not conn.takes_output and not conn.takes_progress:
             return
@@ -45,7 +45,7 @@ class TaskOutputs:
             if conn.takes_progress:
                 self.send_progress(conn, running)
 
-    def send_progress(self, conn: _Connection, running: set[TaskKey]) -> None:
+    def send_progress(self, conn: Connection, running: set[TaskKey]) -> None:
         """Send each running attempt's latest progress report, if not sent here yet."""
         for key in [k for k in conn.progress_sent if k not in running]:
             del conn.progress_sent[key]
@@ -58,7 +58,7 @@ class TaskOutputs:
             conn.send(Progress(task_id=key[0], attempt=key[1], fraction=fraction, message=message))
             conn.progress_sent[key] = count
 
-    def send_live(self, conn: _Connection, key: TaskKey) -> bool:
+    def send_live(self, conn: Connection, key: TaskKey) -> bool:
         """Send what is new of a running attempt's output; False: it has none here."""
         sent = conn.output_sent.get(key)
         live = self._runtime.live_output(key, since=sent or 0)
@@ -74,7 +74,7 @@ class TaskOutputs:
         conn.output_sent[key] = end
         return True
 
-    def send_final(self, conn: _Connection, key: TaskKey, *, before_report: bool = True) -> bool:
+    def send_final(self, conn: Connection, key: TaskKey, *, before_report: bool = True) -> bool:
         """Send an ended attempt's whole kept output; False: the worker holds none.
         ``before_report``: remembered until the report's FinishAck (not resent)."""
         output = self._runtime.output(key)
@@ -90,7 +90,7 @@ class TaskOutputs:
         conn.output_sent.pop(key, None)
         return True
 
-    def on_fetch(self, conn: _Connection, message: FetchOutput) -> None:
+    def on_fetch(self, conn: Connection, message: FetchOutput) -> None:
         for ta in message.tasks:
             key = (ta.task_id, ta.attempt)
             if self.send_final(conn, key, before_report=False):

@@ -8,7 +8,7 @@ becomes the task's JSON result.
 
 Where tasks run. With ``task_isolation="process"`` (the default) the built-in types and
 every code artifact, i.e. everything a tenant supplies, run in task processes
-(``clients/worker/task_procs.py``): one tenant per process, under a uid that is not the
+(``clients/worker/task_processes/pool.py``): one tenant per process, under a uid that is not the
 worker's, and a cancel ends the process. Types registered with :meth:`TaskRuntime.register`
 are the embedding program's own code and run in the worker process, on a thread, as does
 everything with ``task_isolation="thread"`` (trusted single-tenant setups and tests).
@@ -42,17 +42,16 @@ from typing import Any
 
 import msgspec
 
-from broker.workers.protocol import AssignedTask, TaskAttempt, TaskReport
 from clients.worker.artifacts import ArtifactCache
-from clients.worker.attempts import Running, TaskKey, attempt_fields, cancelled_report
 from clients.worker.config import WorkerConfig
-from clients.worker.process_runs import (
+from clients.worker.runtime.attempts import Running, TaskKey, attempt_fields, cancelled_report
+from clients.worker.runtime.process_runs import (
     ProcessRunner,
     outcome_report,
-    task_identities,
     task_memory_limit_mb,
 )
-from clients.worker.spark_servers import SparkBackend
+from clients.worker.runtime.thread_runs import ThreadRunner
+from clients.worker.spark.tenant_servers import SparkBackend
 from clients.worker.task_api import (
     BUILTIN_TASKS,
     TaskCancelled,
@@ -65,9 +64,9 @@ from clients.worker.task_api import (
     spark_defaults,
 )
 from clients.worker.task_identity import TaskIdentities
-from clients.worker.task_process import batched_writes
-from clients.worker.task_procs import TaskProcessPool
-from clients.worker.thread_runs import ThreadRunner
+from clients.worker.task_processes.pool import TaskProcessPool
+from clients.worker.task_processes.process_handle import batched_writes
+from wire.worker_protocol import AssignedTask, TaskAttempt, TaskReport
 
 __all__ = [
     "BUILTIN_TASKS",
@@ -85,13 +84,12 @@ __all__ = [
     "spark_defaults",
     "split_dropped_note",
     "stopping_notice",
-    "task_identities",
     "task_memory_limit_mb",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("clients.worker.runtime")
 
-# task_procs.py puts this line before an attempt's output when it kept only the tail.
+# task_processes/pool.py puts this line before an attempt's output when it kept only the tail.
 _DROPPED_NOTE = re.compile(rb"\A\[\.\.\. (\d{1,18}) earlier bytes of output dropped \.\.\.\]\n")
 
 

@@ -10,7 +10,8 @@ processes get (``clients/worker/task_identity.py``), so Spark's files are the te
 The pool (:class:`TenantSparkServers`):
 
 - starts a tenant's server on first use: a task's ``ctx.spark`` asks the worker for it
-  (a ``SparkWanted`` frame, ``clients/worker/task_wire.py``) and waits, bounded, for the
+  (a ``SparkWanted`` frame, ``clients/worker/task_processes/pipe_protocol.py``) and waits, bounded,
+  for the
   answer (the server's port, token and uid, or the reason there is none);
 - holds it for that task until the task's attempt ends (a held server is never stopped);
 - keeps it warm after: an idle server stops after ``idle_s`` (``--spark-server-idle-s``);
@@ -18,7 +19,7 @@ The pool (:class:`TenantSparkServers`):
   the least recently used idle one; when every server is held, the asking task waits for one
   to be released (bounded by ``wait_s``), then fails saying so.
 
-Each server keeps the protections of the shared one (``clients/worker/spark_connect.py``):
+Each server keeps the protections of the shared one (``clients/worker/spark/connect_server.py``):
 127.0.0.1, its own token in its environment only, a task checks that the listener on the
 port is its tenant's uid before it sends the token, own process group, dies with the worker.
 """
@@ -34,14 +35,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, Protocol
 
-from clients.worker.spark_connect import ConnectEndpoint, SparkConnectError, SparkConnectServer
-from clients.worker.spark_remote import RemoteSpark
+from clients.worker.spark.connect_server import (
+    ConnectEndpoint,
+    SparkConnectError,
+    SparkConnectServer,
+)
+from clients.worker.spark.remote import RemoteSpark
 from clients.worker.task_identity import TaskIdentity
 
 if TYPE_CHECKING:
     from clients.worker.config import WorkerConfig
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("clients.worker.spark")
 
 DEFAULT_MAX_SERVERS: Final = 4
 DEFAULT_IDLE_S: Final = 300.0

@@ -6,7 +6,7 @@ Spark Connect server (``SparkConnectServer``, from the jar the pyspark wheel shi
 in the background and warmed with one trivial query; a task's ``ctx.spark`` is then a Spark
 Connect session of its own (its temp views and conf are its own), made in about 0.1 s
 (:func:`connect_session`). A root worker runs one per tenant, under the tenant's task uid
-(``clients/worker/spark_servers.py``); otherwise (not root, or ``--spark-user``) one,
+(``clients/worker/spark/tenant_servers.py``); otherwise (not root, or ``--spark-user``) one,
 shared by every tenant, started with the worker. What follows holds for each.
 
 The server:
@@ -24,10 +24,11 @@ The server:
   launcher before it execs ``spark-submit``) and is stopped (its whole group) on shutdown.
 
 Fairness: a shared server runs Spark's FAIR scheduler with a pool per tenant, weighted like
-the tenant (``clients/worker/spark_pools.py``, docs/DESIGN.md §6).
+the tenant (``clients/worker/spark/pools.py``, docs/DESIGN.md §6).
 
 A task process gets the port, the token and its session id in the Run frame, or for a
-tenant's own server in the worker's SparkGranted answer (``clients/worker/task_wire.py``).
+tenant's own server in the worker's SparkGranted answer
+(``clients/worker/task_processes/pipe_protocol.py``).
 Before it sends the token anywhere it checks that the listening socket on that port belongs
 to the server's uid (``/proc/net/tcp``), so a process of another uid that binds the port
 first (the server was not up yet, or died) gets nothing.
@@ -52,20 +53,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from clients.worker import sandbox
-from clients.worker.spark_pools import allocation_xml
+from clients.worker.spark.pools import allocation_xml
+from clients.worker.spark_remote_url import USER_ID
 from clients.worker.task_env import _passwd_view, has_passwd_entry, scrubbed_env
 from clients.worker.task_identity import TaskIdentity, TaskUserError, resolve_user
 
 if TYPE_CHECKING:
     from clients.worker.config import WorkerConfig
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("clients.worker.spark")
 
 #: ``--spark``: a Connect server per worker, a classic session per task process, or none.
 SPARK_MODES: Final = ("connect", "classic", "off")
 TOKEN_ENV: Final = "SPARK_CONNECT_AUTHENTICATE_TOKEN"
-#: The Spark Connect user id of every session (a session is found by user id and session id).
-USER_ID: Final = "steward"
 SERVER_CLASS: Final = "org.apache.spark.sql.connect.service.SparkConnectServer"
 DEFAULT_START_TIMEOUT_S: Final = 180.0
 #: How long the server's start waits for the broker's tenant weights (its first Welcome).
@@ -236,7 +236,7 @@ def tenant_uid_range(config: WorkerConfig, worker_uid: int | None = None) -> tup
     """The task uid range left for tenants (a root worker's Spark server takes the last uid)."""
     uid = os.geteuid() if worker_uid is None else worker_uid
     low, high = config.task_uid_range
-    # Kept with per-tenant servers too (spark_servers.py): a shared server made from this
+    # Kept with per-tenant servers too (tenant_servers.py): a shared server made from this
     # config (spark_identity) never shares a uid with a tenant.
     own_server = config.spark == "connect" and config.spark_remote is None
     if own_server and uid == 0 and config.spark_user is None and high > low:
@@ -257,7 +257,7 @@ def server_defaults(master: str, home: Path, python: str) -> dict[str, str]:
             "spark.sql.warehouse.dir": str(home / "warehouse"),
             "spark.local.dir": str(home / "tmp"),
             "spark.driver.extraJavaOptions": f"-Djava.io.tmpdir={home / 'tmp'}",
-            # A pool per tenant (clients/worker/spark_pools.py).
+            # A pool per tenant (clients/worker/spark/pools.py).
             "spark.scheduler.mode": "FAIR",
             "spark.scheduler.allocation.file": str(home / ALLOCATION_FILE),
         }
@@ -272,7 +272,7 @@ def server_command(
     return [
         sys.executable,
         "-m",
-        "clients.worker.spark_connect",
+        "clients.worker.spark.connect_server",
         "--parent-pid",
         str(parent_pid),
         "--",
@@ -626,7 +626,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The launcher: die with the worker, then become spark-submit (the same pid)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 4 or args[0] != "--parent-pid" or args[2] != "--":
-        print("usage: python -m clients.worker.spark_connect --parent-pid PID -- COMMAND...")
+        print("usage: python -m clients.worker.spark.connect_server --parent-pid PID -- COMMAND...")
         return 2
     sandbox.die_with_parent(int(args[1]))
     command = args[3:]

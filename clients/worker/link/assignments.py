@@ -1,5 +1,6 @@
 """Assigned tasks on the worker's side of the link: what the Hello lists, the Welcome's
-drops, starting them, their deadlines and their reports (see ``clients/worker/link.py``).
+drops, starting them, their deadlines and their reports (see
+``clients/worker/link/worker_link.py``).
 Everything here runs on the event loop's thread but :meth:`Assignments.report_from_thread`.
 """
 
@@ -11,9 +12,9 @@ import time
 from collections.abc import Iterable
 
 from broker.observability.logs import task_fields
-from broker.workers.protocol import AssignedTask, TaskAttempt, TaskReport, Welcome
-from clients.worker.link_reports import ReportOutbox
-from clients.worker.runtime import TaskKey, TaskRuntime
+from clients.worker.link.reports import ReportOutbox
+from clients.worker.runtime.task_runtime import TaskKey, TaskRuntime
+from wire.worker_protocol import AssignedTask, TaskAttempt, TaskReport, Welcome
 
 # One logger for all of the link's parts (operators and tests filter on this name).
 logger = logging.getLogger("clients.worker.link")

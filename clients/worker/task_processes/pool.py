@@ -11,7 +11,8 @@ uid with a chosen environment (they inherit the parent's), and each treats the d
 one child as the death of the pool (``BrokenProcessPool``), while here killing a task's
 process is the normal way to cancel it. ``subprocess.Popen`` does the exec with
 ``user``/``group``/``extra_groups``/``env``/``umask``/``pass_fds``; the protocol is
-``clients/worker/task_wire.py``. Measured cost per no-op task: docs/BENCHMARKS.md.
+``clients/worker/task_processes/pipe_protocol.py``. Measured cost per no-op task:
+docs/BENCHMARKS.md.
 
 Pools. Processes are keyed by (tenant, memory limit) and reused most-recently-used first;
 at most ``capacity`` (the worker's slots) live at once, an idle process of another key is
@@ -47,7 +48,8 @@ and a worker loads grpc once it attaches to a Spark Connect session to interrupt
 one child in a hundred then died in them (SIGSEGV or SIGBUS) before its exec. The worker
 turns them off before grpc is imported (:func:`disable_grpc_fork_handlers`).
 
-Threads. One :class:`Dispatcher` thread (``clients/worker/task_process.py``, with the
+Threads. One :class:`Dispatcher` thread (``clients/worker/task_processes/process_handle.py``, with
+the
 process's side of things) reads every process's pipes and delivers outcomes (no thread per
 process or per task); a cleaner thread removes what tasks leave behind.
 """
@@ -66,7 +68,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from clients.worker import task_wire
+from clients.worker.spark.connect_server import tenant_uid_range
 from clients.worker.task_env import (
     PROJECT_ROOT,
     TaskProcessError,
@@ -75,8 +77,9 @@ from clients.worker.task_env import (
     jvm_user_name_problem,
     scrubbed_env,
 )
-from clients.worker.task_identity import TaskIdentity
-from clients.worker.task_process import (
+from clients.worker.task_identity import TaskIdentities, TaskIdentity
+from clients.worker.task_processes import pipe_protocol
+from clients.worker.task_processes.process_handle import (
     Dispatcher,
     TaskProcess,
 )
@@ -84,7 +87,7 @@ from clients.worker.task_process import (
 if TYPE_CHECKING:
     from clients.worker.config import WorkerConfig
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("clients.worker.task_processes")
 
 #: The memory limit in a spare's key: not known until a task takes it (module docstring).
 SPARE_LIMIT: Final = -1
@@ -445,7 +448,7 @@ class TaskProcessPool:
         args = [
             self.python,
             "-m",
-            "clients.worker.task_host",
+            "clients.worker.task_processes.child",
             "--control",
             str(control_r),
             "--events",
@@ -492,7 +495,7 @@ class TaskProcessPool:
             control_w,
             events_r,
             workdir=workdir,
-            output_marker=task_wire.output_marker(marker_token),
+            output_marker=pipe_protocol.output_marker(marker_token),
             max_frame_bytes=self.limits.max_frame_bytes,
             max_output_bytes=self.limits.max_output_bytes,
         )
@@ -564,6 +567,16 @@ def closed_to_others(*paths: str) -> list[str]:
     return closed
 
 
+def task_identities(config: WorkerConfig) -> TaskIdentities:
+    """Who runs each tenant's task processes (TaskUserError when the config is unusable)."""
+    return TaskIdentities(
+        task_user=config.task_user,
+        tenant_users=config.tenant_users,
+        uid_range=tenant_uid_range(config),
+        allow_root=config.allow_root_tasks,
+    )
+
+
 def check_task_processes(config: WorkerConfig) -> list[str]:
     """Fail at start, with what to do, when task users could not run a task process.
 
@@ -571,14 +584,12 @@ def check_task_processes(config: WorkerConfig) -> list[str]:
     TaskProcessCheckError (a ValueError, with the reason) when it cannot start or import the
     task host. Returns warnings: what would fail later, for some tasks only.
     """
-    from clients.worker.runtime import task_identities
-
     identity = task_identities(config).for_tenant("steward-probe")
     work = WorkArea(config.work_dir)
     home = work.home(identity)
     try:
         probe = subprocess.run(
-            [config.task_python, "-c", "import clients.worker.task_host"],
+            [config.task_python, "-c", "import clients.worker.task_processes.child"],
             env=scrubbed_env(home, identity),
             cwd=home,
             stdin=subprocess.DEVNULL,
