@@ -22,9 +22,9 @@ from pathlib import Path
 
 from tests.jepsen.checker import check, report
 from tests.jepsen.history import History
-from tests.jepsen.nemesis import ALL_KINDS
+from tests.jepsen.nemesis import ALL_KINDS, KINDS_NEEDING
 from tests.jepsen.netns import Network, NetworkError
-from tests.jepsen.run import LEDGERS, NODES
+from tests.jepsen.run import LEDGERS, nodes
 
 # Most of one round of the schedule each (tests/jepsen/nemesis.py: every network kind
 # twice, every other kind once, interleaved in proportion): 15 network and 11 process or
@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=LEDGERS,
         default="file",
         help="the brokers' ledger backend (pulsar: pulsar-lite in a namespace of its own; "
-        "apache-pulsar: an Apache Pulsar standalone there, from ./scripts/fetch-engines)",
+        "apache-pulsar: a real Apache Pulsar cluster, its broker and three bookies each in a "
+        "namespace of its own, from ./scripts/fetch-engines)",
     )
     parser.add_argument(
         "--kinds",
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.kinds.split(",")) - set(ALL_KINDS) if args.kinds else set()
     if unknown:
         parser.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(ALL_KINDS)}")
+    for kind in args.kinds.split(",") if args.kinds and not args.ci else ():
+        if args.ledger not in KINDS_NEEDING.get(kind, LEDGERS):
+            parser.error(f"fault kind {kind} needs --ledger {' or '.join(KINDS_NEEDING[kind])}")
     directory = args.dir or Path(tempfile.mkdtemp(prefix="steward-jepsen-"))
     if not args.ci:
         return one_run(args, directory, args.ledger, args.faults)
@@ -109,7 +113,7 @@ def one_run(args: argparse.Namespace, directory: Path, ledger: str, faults: int)
     directory.mkdir(parents=True, exist_ok=True)
     print(f"jepsen seed {args.seed} ({ledger}): logs and history in {directory}", flush=True)
     try:
-        with Network(NODES) as net:
+        with Network(nodes(ledger)) as net:
             command = [
                 *net.exec_prefix("ctl"), sys.executable, "-m", "tests.jepsen.run",
                 "--dir", str(directory), "--seed", str(args.seed),

@@ -8,6 +8,9 @@ the network's teardown kills whatever is left in the namespaces.
 
 The file ledger's directory is shared by every broker through the one filesystem: a
 partition never cuts a broker from its ledger, only from ZooKeeper, its peers and clients.
+With ``--ledger pulsar`` the ledger is pulsar-lite in the ``pl`` namespace; with
+``--ledger apache-pulsar`` a real Apache Pulsar cluster (:class:`NamespacedPulsarCluster`):
+the Pulsar broker in ``pl``, three bookies in ``bk1``..``bk3``.
 
 Brokers run under tests/jepsen/clock_shift.py: the nemesis jumps a broker's wall clock
 (only; the monotonic clock never jumps) by writing an offset to its control file.
@@ -19,24 +22,42 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from clients.dev.engine_jvm import FreePort
+from clients.dev.engine_jvm import FreePort, HeldPort, find_java_or_fail
 from clients.dev.pulsar_lite import PulsarLiteServer, accepts_connections
-from clients.dev.pulsar_standalone import PulsarStandalone
+from clients.dev.pulsar_standalone import engines_lib, pulsar_version
 from clients.dev.zk import ZooKeeperServer, four_letter_word
 from tests.jepsen.netns import Network
 from tests.support.logged_process import LoggedProcess
 from tests.support.procs import steward_command
+from tests.support.pulsar_cluster import (
+    DEFAULT_QUORUMS,
+    Bookie,
+    ClusterMember,
+    PulsarCluster,
+    PulsarClusterError,
+)
+from tests.support.pulsar_cluster import (
+    Broker as PulsarBroker,
+)
 
 ZK_PORT = 2181
 PULSAR_PORT = 6650
 PULSAR_ADMIN_PORT = 8080
 BOOKIE_PORT = 3181
+#: The bookies' namespaces (--ledger apache-pulsar); the Pulsar broker's is ``pl``.
+BOOKIE_NODES = ("bk1", "bk2", "bk3")
+PULSAR_BROKER_NODE = "pl"
+#: The Pulsar broker's bound of a write to a bookie (Pulsar's default: 30): a bookie cut off
+#: or paused longer is replaced in the ledger's ensemble while the fault holds.
+BOOKIE_WRITE_TIMEOUT_S = 4
 HTTP_PORT = 8080
 WORKER_PORT = 7070
 PROBE_TIMEOUT_S = 1.0
@@ -107,39 +128,160 @@ class NamespacedPulsarLite(PulsarLiteServer):
         return accepts_connections(self.ip, PULSAR_PORT, timeout_s=0.5)
 
 
-class NamespacedPulsarStandalone(PulsarStandalone):
-    """Real Apache Pulsar (the suite's standalone: a broker and a bookie in one JVM, its
-    bookie journalling with fsync) in the ``pl`` namespace (the ``apache-pulsar`` ledger):
-    the broker on the namespace's address, the bookie on the namespace's own loopback (only
-    its broker reaches it), on fixed ports: the namespace's own, nobody else's."""
+def fixed_ports(*ports: int) -> Callable[[], HeldPort]:
+    """A port source handing out ``ports`` in order: a namespace's ports are its own."""
+    remaining = iter(ports)
+    return lambda: FreePort(next(remaining))
 
-    def __init__(self, net: Network, directory: Path) -> None:
-        ports = iter((PULSAR_PORT, PULSAR_ADMIN_PORT, BOOKIE_PORT))
-        super().__init__(directory, port_source=lambda: FreePort(next(ports)))
+
+class NamespacedBookie(Bookie):
+    """A bookie of the real cluster in namespace ``name``, on its ``eth0`` address (its
+    bookie id ``10.77.0.N:3181``)."""
+
+    def __init__(self, net: Network, name: str, directory: Path, zookeeper_connect: str) -> None:
+        # Not stopped with the thread that started it (bookies start in parallel threads):
+        # the network's teardown kills whatever is left in the namespace.
+        super().__init__(
+            directory, name=name, zookeeper_connect=zookeeper_connect,
+            host=net.address[name], interface="eth0",
+            port_source=fixed_ports(BOOKIE_PORT), stop_with_parent=False,
+        )  # fmt: skip
         self.net = net
-        self.ip = net.address["pl"]
-
-    @property
-    def service_url(self) -> str:
-        return f"pulsar://{self.ip}:{PULSAR_PORT}"
-
-    @property
-    def admin_url(self) -> str:
-        return f"http://{self.ip}:{PULSAR_ADMIN_PORT}"
-
-    @property
-    def address(self) -> str:
-        return self.service_url
-
-    def _write_config(self) -> None:
-        super()._write_config()
-        text = self.config_path.read_text()
-        for key in ("bindAddress", "advertisedAddress"):
-            text = text.replace(f"{key}=127.0.0.1", f"{key}={self.ip}")
-        self.config_path.write_text(text)
 
     def _command(self) -> list[str]:
-        return [*self.net.exec_prefix("pl"), *super()._command()]
+        return [*self.net.exec_prefix(self.name), *super()._command()]
+
+
+class NamespacedPulsarBroker(PulsarBroker):
+    """The real cluster's Pulsar broker in namespace ``name`` on its address."""
+
+    def __init__(self, net: Network, name: str, directory: Path, zookeeper_connect: str) -> None:
+        super().__init__(
+            directory, name=name, zookeeper_connect=zookeeper_connect, quorums=DEFAULT_QUORUMS,
+            host=net.address[name], port_source=fixed_ports(PULSAR_PORT, PULSAR_ADMIN_PORT),
+            stop_with_parent=False,
+            extra_settings=[f"bookkeeperClientTimeoutInSeconds={BOOKIE_WRITE_TIMEOUT_S}"],
+        )  # fmt: skip
+        self.net = net
+
+    def _command(self) -> list[str]:
+        return [*self.net.exec_prefix(self.name), *super()._command()]
+
+
+class NamespacedPulsarCluster(PulsarCluster):
+    """Real Apache Pulsar on real BookKeeper for ``--ledger apache-pulsar``: the harness's
+    cluster (tests/support/pulsar_cluster.py: bookies with ``journalSyncData=true``, ledgers
+    of ensemble 2, write and ack quorum 2 on three bookies, one spare for an ensemble change)
+    with every member in a namespace of its own: the bookies in ``bk1``..``bk3``, one Pulsar
+    broker in ``pl``.
+
+    Its metadata (Pulsar's and BookKeeper's ``/ledgers``) is in the run's own ZooKeeper in
+    ``zk``, beside Steward's ``/steward`` (one JVM less to start): a fault of that ZooKeeper
+    (``kill-zookeeper``, ``zk-down-at-broker-start``) is one of Pulsar's metadata store too,
+    and a partition of Steward's leader from ZooKeeper is not one of Pulsar's. The metadata is
+    set up from the driver's namespace (``ctl``), over the bridge.
+
+    Steward's brokers talk to the Pulsar broker only; only the Pulsar broker talks to the
+    bookies (and ZooKeeper does).
+    """
+
+    def __init__(self, net: Network, directory: Path, zookeeper: ZooKeeperServer) -> None:
+        # Not PulsarCluster.__init__: that one makes a ZooKeeper of its own and members on
+        # 127.0.0.1 on reserved ports; the methods used here need only these attributes.
+        self._directory = directory.resolve()
+        self._directory.mkdir(parents=True, exist_ok=True)
+        self.version = pulsar_version()
+        self._lib = engines_lib()
+        self._java = find_java_or_fail(PulsarClusterError)
+        self.quorums = DEFAULT_QUORUMS
+        self.zookeeper = zookeeper
+        connect = zookeeper.connect_string
+        self.bookies = [
+            NamespacedBookie(net, name, self._directory / name, connect) for name in BOOKIE_NODES
+        ]
+        self.brokers = [
+            NamespacedPulsarBroker(
+                net, PULSAR_BROKER_NODE, self._directory / PULSAR_BROKER_NODE, connect
+            )
+        ]
+        self.start_s: float | None = None
+        self.server_name = "Apache Pulsar cluster"
+
+    @property
+    def broker(self) -> PulsarBroker:
+        """The one Pulsar broker (``kill-pulsar`` and ``stop-pulsar`` hit it)."""
+        return self.brokers[0]
+
+    def setup_args(self) -> list[str]:
+        args = super().setup_args()
+        at = args.index("--web-service-url")
+        args[at + 1] = f"http://{self.broker.host}:{self.broker.web_port}"
+        return args
+
+    def start(self) -> None:
+        """The metadata, then the bookies and the broker together (the broker's JVM starts
+        while the bookies do; it is ready once its health check's write went to them); the
+        run's ZooKeeper must be up. Bounded by each member's start bound."""
+        started = time.monotonic()
+        try:
+            self._set_up_metadata()
+            start_together(self.members())
+        except BaseException:
+            self.close()
+            raise
+        self.start_s = time.monotonic() - started
+
+    def close(self) -> None:
+        """Kill every member (the ZooKeeper is the run's, stopped by the run)."""
+        for member in reversed(self.members()):
+            member.close()
+
+    def bookie_named(self, bookie_id: str) -> Bookie | None:
+        return next((b for b in self.bookies if b.bookie_id == bookie_id), None)
+
+    def newest_ensemble(self, cluster_name: str) -> list[Bookie]:
+        """The bookies holding the newest ledger of Steward's newest ledger topic (Pulsar's
+        admin API, bounded); empty when it does not answer."""
+        try:
+            answer = httpx.get(
+                f"{self.broker.admin_url}/admin/v2/persistent/public/default", timeout=5.0
+            )
+            answer.raise_for_status()
+            topics = sorted(t for t in answer.json() if f"/{cluster_name}-ledger-" in t)
+            ensembles = self.ledger_ensembles(topics[-1]) if topics else []
+        except (httpx.HTTPError, ValueError):
+            return []
+        found = (self.bookie_named(b) for b in ensembles[-1]) if ensembles else ()
+        return [bookie for bookie in found if bookie is not None]
+
+    def log_tail(self) -> str:
+        return "\n".join(
+            f"-- {member.name} ({member.log_path}) --\n{member.log_tail()}"
+            for member in self.members()
+        )
+
+    @property
+    def log_path(self) -> Path:
+        return self._directory
+
+
+def start_together(members: Iterable[ClusterMember]) -> None:
+    """Start ``members`` in parallel threads; raises the first failure after all ended."""
+    errors: list[BaseException] = []
+
+    def start(member: ClusterMember) -> None:
+        try:
+            member.start()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(m,), daemon=True) for m in members]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()  # each start is bounded
+    if errors:
+        raise errors[0]
 
 
 class Node(LoggedProcess):
@@ -239,11 +381,11 @@ class Cluster:
         self.ledger_dir.mkdir(exist_ok=True)
         self.zookeeper = NamespacedZooKeeper(net, root / "zookeeper")
         self.ledger = ledger
-        self.pulsar: NamespacedPulsarLite | NamespacedPulsarStandalone | None = None
+        self.pulsar: NamespacedPulsarLite | NamespacedPulsarCluster | None = None
         if ledger == "pulsar":
             self.pulsar = NamespacedPulsarLite(net, root / "pulsar")
         elif ledger == "apache-pulsar":
-            self.pulsar = NamespacedPulsarStandalone(net, root / "pulsar")
+            self.pulsar = NamespacedPulsarCluster(net, root / "pulsar", self.zookeeper)
         self.session_timeout_ms = session_timeout_ms
         self.brokers = {name: Broker(net, name, root, self._broker_args(name)) for name in brokers}
         urls = ",".join(b.url for b in self.brokers.values())
@@ -264,11 +406,11 @@ class Cluster:
     def _ledger_args(self) -> list[str]:
         if self.pulsar is None:
             return ["--ledger-dir", str(self.ledger_dir)]
-        if isinstance(self.pulsar, NamespacedPulsarStandalone):
-            # The standalone's own namespace (Steward's topics under the cluster's name).
+        if isinstance(self.pulsar, NamespacedPulsarCluster):
+            # The namespace the metadata setup made (Steward's topics under its cluster name).
             return [
                 "--ledgers", "pulsar", "--pulsar-url", self.pulsar.service_url,
-                "--pulsar-admin-url", self.pulsar.admin_url, "--pulsar-flavor", "pulsar",
+                "--pulsar-admin-url", self.pulsar.broker.admin_url, "--pulsar-flavor", "pulsar",
                 "--pulsar-tenant", "public", "--pulsar-namespace", "default",
             ]  # fmt: skip
         return [
@@ -298,10 +440,18 @@ class Cluster:
     def urls(self) -> list[str]:
         return [b.url for b in self.brokers.values()]
 
+    @property
+    def pulsar_server(self) -> NamespacedPulsarLite | PulsarBroker:
+        """What ``kill-pulsar`` and ``stop-pulsar`` hit: pulsar-lite, or the Pulsar broker."""
+        assert self.pulsar is not None, "a pulsar ledger only"
+        if isinstance(self.pulsar, NamespacedPulsarCluster):
+            return self.pulsar.broker
+        return self.pulsar
+
     def start(self) -> None:
+        self.zookeeper.start()  # first: the real Pulsar cluster's metadata is there too
         if self.pulsar is not None:
             self.pulsar.start()
-        self.zookeeper.start()
         for broker in self.brokers.values():
             broker.start()
 
@@ -321,11 +471,11 @@ class Cluster:
     def stop(self) -> None:
         for node in [*self.workers.values(), *self.brokers.values()]:
             node.kill9()
-        self.zookeeper.kill9()
-        if isinstance(self.pulsar, NamespacedPulsarStandalone):
+        if isinstance(self.pulsar, NamespacedPulsarCluster):
             self.pulsar.close()
         elif self.pulsar is not None:
             self.pulsar.kill()
+        self.zookeeper.kill9()
 
     def ledger_writer(self, client: Any) -> tuple[str, int] | None:
         """Who writes the ledger list and its newest ledger id (read with ``client``, a
@@ -341,9 +491,17 @@ class Cluster:
         return str(body["writer"]), max(int(info["ledger_id"]) for info in ledgers)
 
     def log_counts(self) -> dict[str, int]:
-        """Ledger rolls, retention deletions and snapshot downloads, from the brokers' logs."""
+        """Ledger rolls, retention deletions and snapshot downloads, from the brokers' logs;
+        with the real Pulsar cluster, its ensemble changes (a bookie replaced in a ledger's
+        ensemble), from the Pulsar broker's log."""
         text = "".join(b.log_text() for b in self.brokers.values())
+        engine: dict[str, int] = {}
+        if isinstance(self.pulsar, NamespacedPulsarCluster):
+            # BookKeeper's LedgerHandle logs "New Ensemble: [...] for ledger: N" per change.
+            pulsar_log = self.pulsar.broker.log_path.read_text(errors="replace")
+            engine["ensemble changes"] = pulsar_log.count("New Ensemble: [")
         return {
+            **engine,
             "ledger rolls": text.count("rolled from ledger"),
             "retention deletions": text.count("retention deleted ledgers"),
             "snapshot downloads": text.count("downloading a snapshot from")

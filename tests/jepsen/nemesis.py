@@ -5,6 +5,16 @@ for a while then healed, every fault and heal logged in the history with its tim
 One ``random.Random(seed)`` draws every choice in a fixed order (each round's order of the
 kinds, then per fault its target index, hold and gap), so a seed gives the same schedule of
 draws; which broker a "leader" fault hits is the one leading at that moment.
+
+With the real Pulsar cluster (``--ledger apache-pulsar``, tests/jepsen/cluster.py), the
+Pulsar broker (``pl``) is partitioned from Steward's leader (``leader-from-ledger``), killed
+or paused; a bookie is partitioned (``bookie-from-pulsar``), killed or paused. Steward's
+leader never talks to a bookie, only the Pulsar broker does: a partitioned bookie is cut
+from the Pulsar broker, and from Steward's leader too, which changes nothing. The bookie hit
+is one holding the newest ledger of Steward's newest topic (so the fault meets the writes;
+ledgers of ensemble 2 on three bookies: the broker replaces it by the spare), else the
+drawn one. The heal restarts what was killed (same ports and data) and resumes what was
+paused; a member of the Pulsar cluster found exited by itself is restarted too, and logged.
 """
 
 from __future__ import annotations
@@ -20,9 +30,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tests.jepsen.cluster import HEARTBEAT_TIMEOUT_MS, Broker, Cluster, Node
+from tests.jepsen.cluster import (
+    HEARTBEAT_TIMEOUT_MS,
+    PULSAR_BROKER_NODE,
+    Broker,
+    Cluster,
+    NamespacedPulsarCluster,
+    Node,
+)
 from tests.jepsen.history import History, NemesisEvent
 from tests.jepsen.netns import NETNS_DIR, Network, kill_namespace_processes
+from tests.support.pulsar_cluster import Bookie
 
 # Every kind once per round (a network kind twice), in a seeded order: a short run covers
 # as many kinds as it has faults.
@@ -49,11 +67,20 @@ PROCESS = (
 # With the pulsar ledger only (the file ledger is the brokers' shared filesystem).
 PULSAR_NETWORK = ("leader-from-ledger",)
 PULSAR_PROCESS = ("kill-pulsar", "stop-pulsar")
+# With the real Pulsar cluster only (--ledger apache-pulsar).
+BOOKIE_NETWORK = ("bookie-from-pulsar",)
+BOOKIE_PROCESS = ("kill-bookie", "stop-bookie")
 CLOCK = ("clock-forward-small", "clock-back-small", "clock-forward-big", "clock-back-big")
 FAULTS = (*NETWORK, *PROCESS, *CLOCK)
-#: Every kind a run may be limited to (``--kinds``): the pulsar ones need a pulsar ledger.
-ALL_KINDS = (*FAULTS, *PULSAR_NETWORK, *PULSAR_PROCESS)
-NETWORK_FAULTS = frozenset((*NETWORK, *PULSAR_NETWORK))
+#: Every kind a run may be limited to (``--kinds``): the pulsar ones need a pulsar ledger,
+#: the bookie ones the real Pulsar cluster (:data:`KINDS_NEEDING`).
+ALL_KINDS = (*FAULTS, *PULSAR_NETWORK, *PULSAR_PROCESS, *BOOKIE_NETWORK, *BOOKIE_PROCESS)
+NETWORK_FAULTS = frozenset((*NETWORK, *PULSAR_NETWORK, *BOOKIE_NETWORK))
+#: The ledgers (``--ledger``) a kind needs; any ledger for the kinds not named.
+KINDS_NEEDING = {
+    **{kind: ("pulsar", "apache-pulsar") for kind in (*PULSAR_NETWORK, *PULSAR_PROCESS)},
+    **{kind: ("apache-pulsar",) for kind in (*BOOKIE_NETWORK, *BOOKIE_PROCESS)},
+}
 # "bounded": the cluster must take writes again within the outage bound while the fault
 # still holds (a new leader takes over), see checker.long_outages.
 BOUNDED = frozenset(
@@ -115,6 +142,8 @@ class Nemesis:
         self.zookeeper_down = False
         self.pulsar_down = False
         self.pulsar_paused = False
+        self.bookies_killed: list[Bookie] = []
+        self.bookies_paused: list[Bookie] = []
         self.counts: dict[str, int] = {}
         self.crashes = 0  # brokers found exited at a heal without being killed
 
@@ -153,6 +182,9 @@ class Nemesis:
         if self.cluster.pulsar is not None:
             network += [*PULSAR_NETWORK, *PULSAR_NETWORK]
             others += PULSAR_PROCESS
+        if isinstance(self.cluster.pulsar, NamespacedPulsarCluster):
+            network += [*BOOKIE_NETWORK, *BOOKIE_NETWORK]
+            others += BOOKIE_PROCESS
         if self.kinds is not None:
             network = [kind for kind in network if kind in self.kinds]
             others = [kind for kind in others if kind in self.kinds]
@@ -210,15 +242,25 @@ class Nemesis:
             self.cluster.zookeeper.kill9()  # restarted (same data) at the heal
             self.zookeeper_down = True
         elif kind == "leader-from-ledger":
-            self.net.block(leader.name, ["pl"])
+            self.net.block(leader.name, [PULSAR_BROKER_NODE])
         elif kind in ("kill-pulsar", "stop-pulsar"):
-            assert self.cluster.pulsar is not None
             if kind == "kill-pulsar":
-                self.cluster.pulsar.kill()  # restarted (same data) at the heal
+                self.cluster.pulsar_server.kill()  # restarted (same data) at the heal
                 self.pulsar_down = True
             else:
-                self.cluster.pulsar.pause()
+                self.cluster.pulsar_server.pause()
                 self.pulsar_paused = True
+        elif kind in (*BOOKIE_NETWORK, *BOOKIE_PROCESS):
+            bookie, in_ensemble = self.bookie(draw.index)
+            detail.update(bookie=bookie.name, in_newest_ensemble=in_ensemble)
+            if kind == "bookie-from-pulsar":
+                self.net.block(bookie.name, [PULSAR_BROKER_NODE, leader.name])
+            elif kind == "kill-bookie":
+                bookie.kill9()
+                self.bookies_killed.append(bookie)
+            else:
+                bookie.pause()
+                self.bookies_paused.append(bookie)
         elif kind == "term-leader":
             leader.signal(signal.SIGTERM)  # hands leadership over, then exits
             self.terminated.append(leader)
@@ -265,6 +307,15 @@ class Nemesis:
         self.counts[kind] = self.counts.get(kind, 0) + 1
         detail["hold_s"] = draw.hold_s
         self.log(kind, detail, bounded=kind in BOUNDED)
+
+    def bookie(self, index: int) -> tuple[Bookie, bool]:
+        """The bookie a bookie fault hits, and whether it holds the newest ledger."""
+        pulsar = self.cluster.pulsar
+        assert isinstance(pulsar, NamespacedPulsarCluster), "the real Pulsar cluster only"
+        ensemble = pulsar.newest_ensemble(self.cluster.name)
+        if ensemble:
+            return ensemble[index % len(ensemble)], True
+        return pulsar.bookies[index % len(pulsar.bookies)], False
 
     def _effects(self, last: int = 400) -> list[dict[str, Any]]:
         """The task code's latest records (tests/jepsen/jepsen_tasks.py), from the file's
@@ -347,12 +398,16 @@ class Nemesis:
         if self.zookeeper_down:
             self.cluster.zookeeper.start()
             self.zookeeper_down = False
-        if self.cluster.pulsar is not None and self.pulsar_down:
-            self.cluster.pulsar.start()
-            self.pulsar_down = False
-        if self.cluster.pulsar is not None and self.pulsar_paused:
-            self.cluster.pulsar.resume()
+        if self.pulsar_paused:
+            self.cluster.pulsar_server.resume()
             self.pulsar_paused = False
+        for bookie in self.bookies_paused:
+            bookie.resume()
+        # The bookies first: the Pulsar broker's health check writes a ledger.
+        pulsar_exited = self._restart_pulsar_members()
+        if self.pulsar_down:
+            self.cluster.pulsar_server.start()
+            self.pulsar_down = False
         for broker in self.stopped:
             broker.signal(signal.SIGCONT)
         for pid in self.paused:
@@ -384,10 +439,32 @@ class Nemesis:
         if crashed:
             detail["exited_by_themselves"] = [b.name for b in crashed]
             self.crashes += len(crashed)
-        for collection in (self.killed, self.stopped, self.terminated, self.paused, self.jumped):
+        if self.bookies_killed or self.bookies_paused:
+            detail["bookies_restarted"] = [b.name for b in self.bookies_killed]
+            detail["bookies_resumed"] = [b.name for b in self.bookies_paused]
+        if pulsar_exited:
+            detail["pulsar_exited_by_themselves"] = pulsar_exited
+            self.crashes += len(pulsar_exited)
+        for collection in (
+            self.killed, self.stopped, self.terminated, self.paused, self.jumped,
+            self.bookies_killed, self.bookies_paused,
+        ):  # fmt: skip
             collection.clear()
         self.zombie = None
         self.log("heal", detail)
+
+    def _restart_pulsar_members(self) -> list[str]:
+        """Start the killed bookies again, and any bookie or Pulsar broker found exited
+        without being killed here (the broker killed by ``kill-pulsar`` is started by the
+        caller); the names of the latter."""
+        pulsar = self.cluster.pulsar
+        if not isinstance(pulsar, NamespacedPulsarCluster):
+            return []
+        killed = [*self.bookies_killed, *([pulsar.broker] if self.pulsar_down else [])]
+        exited = [m for m in pulsar.members() if not m.is_running() and m not in killed]
+        for member in [*self.bookies_killed, *exited]:
+            member.start()
+        return [m.name for m in exited]
 
     def wait_for_leader(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

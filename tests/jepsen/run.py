@@ -25,7 +25,7 @@ import httpx
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
 from tests.jepsen.checker import check, outages, report, task_ids, zombie_attempts
-from tests.jepsen.cluster import Broker, Cluster
+from tests.jepsen.cluster import BOOKIE_NODES, Broker, Cluster, NamespacedPulsarCluster
 from tests.jepsen.history import (
     FINAL_STATES,
     Claim,
@@ -40,10 +40,16 @@ from tests.jepsen.netns import NETNS_DIR, Network
 TASK_MODULE = Path(__file__).with_name("jepsen_tasks.py")
 BROKERS = ["b1", "b2", "b3"]
 WORKERS = ["w1", "w2"]
-# pl: the ledger engine (--ledger pulsar: pulsar-lite; --ledger apache-pulsar: Apache Pulsar).
+# pl: the ledger engine (--ledger pulsar: pulsar-lite; --ledger apache-pulsar: the Apache
+# Pulsar broker, with the bookies in BOOKIE_NODES).
 NODES = ["zk", *BROKERS, *WORKERS, "cl", "pl"]
 LEDGERS = ("file", "pulsar", "apache-pulsar")
 OUTAGE_MARGIN_S = 6.0  # over the session timeout: election, ledger recovery, a client retry
+
+
+def nodes(ledger: str) -> list[str]:
+    """The namespaces of a run on ``ledger`` (the control namespace is added by Network)."""
+    return [*NODES, *BOOKIE_NODES] if ledger == "apache-pulsar" else NODES
 
 
 def wait_for(check: Any, timeout_s: float, what: str) -> Any:
@@ -138,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         started=time.monotonic(),
     )
     history = History(info)
-    net = Network(NODES)  # made by the parent: addresses and names only
+    net = Network(nodes(args.ledger))  # made by the parent: addresses and names only
     cluster = Cluster(
         net,
         root,
@@ -240,6 +246,11 @@ def run(args: argparse.Namespace) -> int:
                 except httpx.HTTPError as exc:
                     found[broker.name] = (0, f"unreachable: {exc}")
         history.final.digests = found
+        if isinstance(cluster.pulsar, NamespacedPulsarCluster):
+            # Each member's memory now (the JVMs' heaps are fixed: close to their peak).
+            rss = {name: round(mb) for name, mb in cluster.pulsar.rss_mb().items()}
+            print(f"jepsen pulsar cluster: started in {cluster.pulsar.start_s:.1f} s, "
+                  f"RSS MB {rss}", flush=True)  # fmt: skip
     except BaseException:
         print(cluster.log_tails(), flush=True)
         raise

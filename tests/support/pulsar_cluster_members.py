@@ -1,17 +1,23 @@
 """The members of the real Pulsar cluster of tests/support/pulsar_cluster.py (read its
 docstring): a bookie and a broker, each a JVM of the engines cache in a process group of its
 own, on 127.0.0.1 on ports reserved for the member's life, with the files written at every
-start; and the brokers' quorums."""
+start; and the brokers' quorums.
+
+The partition harness (tests/jepsen/cluster.py) runs the same members in network namespaces
+of their own: ``host`` (the address they bind and advertise; a bookie's ``interface``, the
+one its address is on), ``port_source`` (its fixed ports) and ``stop_with_parent`` are for
+it; the defaults are this harness's."""
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from clients.dev.engine_jvm import GroupJvmProcess, find_java_or_fail, jvm_command
+from clients.dev.engine_jvm import GroupJvmProcess, HeldPort, find_java_or_fail, jvm_command
 from clients.dev.local_server import HOST
 from clients.dev.pulsar_standalone import (
     LEAN_BROKER_SETTINGS,
@@ -19,7 +25,7 @@ from clients.dev.pulsar_standalone import (
     engines_lib,
 )
 from clients.dev.zk import DEFAULT_JVM_OPTIONS, LOG4J2_CONSOLE_CONFIG
-from tests.support.reserved_ports import PortReservation, reserve_port
+from tests.support.reserved_ports import reserve_port
 
 CLUSTER_NAME = "steward-test"
 #: Bound of a bookie's first start (then the standalone harness's factor of the measured one).
@@ -60,11 +66,11 @@ class Quorums:
             raise ValueError(f"need 1 <= ack <= write <= ensemble, got {self}")
 
 
-def _reserve(count: int) -> list[PortReservation]:
-    reservations: list[PortReservation] = []
+def _reserve(count: int, port_source: Callable[[], HeldPort]) -> list[HeldPort]:
+    reservations: list[HeldPort] = []
     try:
         for _ in range(count):
-            reservations.append(reserve_port())
+            reservations.append(port_source())
     except BaseException:
         for reservation in reservations:
             reservation.release()
@@ -93,17 +99,31 @@ class ClusterMember(GroupJvmProcess):
         zookeeper_connect: str,
         heap_mb: int,
         direct_memory_mb: int,
+        host: str = HOST,
+        port_source: Callable[[], HeldPort] = reserve_port,
+        stop_with_parent: bool = True,
     ) -> None:
         self._lib = engines_lib()
         self._java = find_java_or_fail(PulsarClusterError)
-        self._reservations = _reserve(ports)
-        super().__init__(directory, port=self._reservations[0].port, stop_with_parent=True)
+        self._host = host
+        self._reservations = _reserve(ports, port_source)
+        super().__init__(
+            directory, port=self._reservations[0].port, stop_with_parent=stop_with_parent
+        )
         self._directory.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.server_name = name
         self.zookeeper_connect = zookeeper_connect
         self.heap_mb = heap_mb
         self.direct_memory_mb = direct_memory_mb
+
+    @property
+    def host(self) -> str:
+        return self._host
+
+    @property
+    def address(self) -> str:
+        return f"{self._host}:{self.port}"
 
     @property
     def config_path(self) -> Path:
@@ -150,7 +170,17 @@ class Bookie(ClusterMember):
     first_start_timeout_s = BOOKIE_FIRST_START_TIMEOUT_S
     _main_class = _BOOKIE_MAIN_CLASS
 
-    def __init__(self, directory: Path, *, name: str, zookeeper_connect: str) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        name: str,
+        zookeeper_connect: str,
+        host: str = HOST,
+        interface: str = "lo",
+        port_source: Callable[[], HeldPort] = reserve_port,
+        stop_with_parent: bool = True,
+    ) -> None:
         super().__init__(
             directory,
             name=name,
@@ -158,19 +188,26 @@ class Bookie(ClusterMember):
             zookeeper_connect=zookeeper_connect,
             heap_mb=BOOKIE_HEAP_MB,
             direct_memory_mb=BOOKIE_DIRECT_MEMORY_MB,
+            host=host,
+            port_source=port_source,
+            stop_with_parent=stop_with_parent,
         )
+        self.interface = interface
 
     @property
     def bookie_id(self) -> str:
-        """How BookKeeper names this bookie (in ledger ensembles): ``127.0.0.1:PORT``."""
-        return f"{HOST}:{self.port}"
+        """How BookKeeper names this bookie (in ledger ensembles): ``HOST:PORT``."""
+        return f"{self.host}:{self.port}"
 
     def _config_lines(self) -> list[str]:
         return [
             f"bookiePort={self.port}",
-            # On the loopback interface only (BookKeeper refuses it without allowLoopback),
-            # named by its address (the id ledger ensembles carry).
-            "listeningInterface=lo",
+            # On the loopback interface only by default (BookKeeper refuses it without
+            # allowLoopback), named by its address (the id ledger ensembles carry).
+            f"listeningInterface={self.interface}",
+            # Its id's address, said outright: BookKeeper derives it from the interface's
+            # host name otherwise, and a name it cannot resolve becomes 127.0.0.1.
+            f"advertisedAddress={self.host}",
             "allowLoopback=true",
             "useHostNameAsBookieID=false",
             f"metadataServiceUri=zk+hierarchical://{self.zookeeper_connect}/ledgers",
@@ -197,7 +234,7 @@ class Bookie(ClusterMember):
 
     def _ready(self) -> bool:
         try:
-            with socket.create_connection((HOST, self.port), timeout=1.0):
+            with socket.create_connection((self.host, self.port), timeout=1.0):
                 return True
         except OSError:
             return False
@@ -210,7 +247,16 @@ class Broker(ClusterMember):
     _main_class = _BROKER_MAIN_CLASS
 
     def __init__(
-        self, directory: Path, *, name: str, zookeeper_connect: str, quorums: Quorums
+        self,
+        directory: Path,
+        *,
+        name: str,
+        zookeeper_connect: str,
+        quorums: Quorums,
+        host: str = HOST,
+        port_source: Callable[[], HeldPort] = reserve_port,
+        stop_with_parent: bool = True,
+        extra_settings: Sequence[str] = (),
     ) -> None:
         super().__init__(
             directory,
@@ -219,17 +265,22 @@ class Broker(ClusterMember):
             zookeeper_connect=zookeeper_connect,
             heap_mb=BROKER_HEAP_MB,
             direct_memory_mb=BROKER_DIRECT_MEMORY_MB,
+            host=host,
+            port_source=port_source,
+            stop_with_parent=stop_with_parent,
         )
         self.web_port = self._reservations[1].port
         self.quorums = quorums
+        #: ``key=value`` lines after the others (a later key wins).
+        self.extra_settings = tuple(extra_settings)
 
     @property
     def service_url(self) -> str:
-        return f"pulsar://{HOST}:{self.port}"
+        return f"pulsar://{self.host}:{self.port}"
 
     @property
     def admin_url(self) -> str:
-        return f"http://{HOST}:{self.web_port}"
+        return f"http://{self.host}:{self.web_port}"
 
     def _config_lines(self) -> list[str]:
         return [
@@ -237,8 +288,8 @@ class Broker(ClusterMember):
             f"metadataStoreUrl=zk:{self.zookeeper_connect}",
             f"configurationMetadataStoreUrl=zk:{self.zookeeper_connect}",
             f"metadataStoreSessionTimeoutMillis={SESSION_TIMEOUT_MS}",
-            f"bindAddress={HOST}",
-            f"advertisedAddress={HOST}",
+            f"bindAddress={self.host}",
+            f"advertisedAddress={self.host}",
             f"brokerServicePort={self.port}",
             f"webServicePort={self.web_port}",
             f"managedLedgerDefaultEnsembleSize={self.quorums.ensemble}",
@@ -249,6 +300,7 @@ class Broker(ClusterMember):
             *LEAN_BROKER_SETTINGS,
             "numIOThreads=2",
             "numHttpServerThreads=4",
+            *self.extra_settings,
         ]
 
     def _main_args(self) -> list[str]:
