@@ -27,8 +27,9 @@ replacing the failed bookie in the ledger's ensemble by one outside it, so the e
 be smaller than the number of bookies. :data:`DEFAULT_QUORUMS` is ensemble 2, write and ack
 quorum 2 on three bookies: every entry on two bookies, both acknowledge, one spare. With an
 ensemble of 3 on three bookies there is no spare and, with an ack quorum of 2, writes stop
-once the dead bookie's ZooKeeper session expired
-(tests/integration/test_pulsar_cluster_faults.py shows both).
+once the dead bookie's ZooKeeper session expired (the bookie test of
+tests/integration/test_pulsar_cluster_faults.py passes with the first and fails with the
+second).
 
 Every JVM runs in a process group of its own (tests/support/pulsar_cluster_members.py: a
 ``GroupJvmProcess`` of the standalone harness, whose JVM flags and engines lookup it shares

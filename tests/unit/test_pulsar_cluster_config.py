@@ -1,7 +1,9 @@
 """The Pulsar cluster harness's files and commands, without starting anything (the real
 start: tests/integration/test_pulsar_cluster_faults.py): every member on 127.0.0.1 on its
-own reserved ports, the bookies' durability and loopback settings, the brokers' quorums and
-metadata store, the shared JVM flags, and a missing cache or Java named with what to do."""
+own reserved ports, the metadata store a 3-server ZooKeeper ensemble on the engines' jars
+(every member named to the bookies and brokers), the bookies' durability and loopback
+settings, the brokers' quorums, the shared JVM flags, and a missing cache or Java named with
+what to do."""
 
 from __future__ import annotations
 
