@@ -236,6 +236,11 @@ class NamespacedPulsarCluster(PulsarCluster):
         for member in reversed(self.members()):
             member.close()
 
+    def rss_mb(self) -> dict[str, float]:
+        """Each running bookie's and Pulsar broker's resident memory now, MB (the ZooKeeper
+        is the run's, not one of this cluster's members)."""
+        return {member.name: member.rss_mb() for member in self.members() if member.is_running()}
+
     def bookie_named(self, bookie_id: str) -> Bookie | None:
         return next((b for b in self.bookies if b.bookie_id == bookie_id), None)
 

@@ -1,14 +1,14 @@
-"""A real Apache Pulsar cluster for tests (issue 31, 1b): ZooKeeper, three bookies and one or
-two brokers, each a JVM of its own on 127.0.0.1, from the engines cache (tests/engines/pom.xml;
-docs/TESTING.md, "A real Pulsar cluster").
+"""A real Apache Pulsar cluster for tests (issue 31, 1b): a 3-server ZooKeeper ensemble, three
+bookies and one or two brokers, each a JVM of its own on 127.0.0.1, from the engines cache
+(tests/engines/pom.xml; docs/TESTING.md, "A real Pulsar cluster").
 
 What runs, in start order (everything under the cluster's directory, one sub-directory each):
 
-- **ZooKeeper**: one :class:`clients.dev.zk.ZooKeeperServer` (``ZooKeeperServerMain`` from the
-  engines cache's own ZooKeeper 3.9 jars) holds the brokers' and the bookies' metadata. One
-  server, not the 3-server ensemble of tests/support/zk_ensemble.py: the faults tested here
-  are the bookies' and the brokers', the ensemble's own are tested there, and two more JVMs
-  (about 2 x 100 MB and a few seconds of a 2-core machine's start) buy nothing for them.
+- **ZooKeeper**: the 3-server ensemble of tests/support/zk_ensemble.py
+  (:class:`~tests.support.zk_ensemble.ZooKeeperEnsemble`, ``QuorumPeerMain`` on the engines
+  cache's own ZooKeeper 3.9 jars) holds the brokers' and the bookies' metadata; every
+  broker, bookie and the metadata set-up is given all three members, so the cluster lives
+  through the loss of any one (tests/integration/test_pulsar_cluster_faults.py kills one).
 - **Cluster metadata**: ``org.apache.pulsar.PulsarClusterMetadataSetup`` once, bounded by
   :data:`SETUP_TIMEOUT_S`; it writes the Pulsar cluster's metadata (cluster, ``public/default``)
   and formats BookKeeper's (``/ledgers``, the instance id the bookies check at start).
@@ -27,14 +27,15 @@ replacing the failed bookie in the ledger's ensemble by one outside it, so the e
 be smaller than the number of bookies. :data:`DEFAULT_QUORUMS` is ensemble 2, write and ack
 quorum 2 on three bookies: every entry on two bookies, both acknowledge, one spare. With an
 ensemble of 3 on three bookies there is no spare and, with an ack quorum of 2, writes stop
-once the dead bookie's ZooKeeper session expired
-(tests/integration/test_pulsar_cluster_faults.py shows both).
+once the dead bookie's ZooKeeper session expired (the bookie test of
+tests/integration/test_pulsar_cluster_faults.py passes with the first and fails with the
+second).
 
 Every JVM runs in a process group of its own (tests/support/pulsar_cluster_members.py: a
 ``GroupJvmProcess`` of the standalone harness, whose JVM flags and engines lookup it shares
-too); the kernel
-sends it SIGTERM when the thread that started it ends, :meth:`PulsarCluster.close` kills every
-group and gives the reserved ports back (tests/support/reserved_ports.py; kept across
+too; the ensemble's members are signalled by pid); the kernel sends each SIGTERM when the
+thread that started it ends, :meth:`PulsarCluster.close` kills every JVM and gives the
+reserved ports back (tests/support/reserved_ports.py; kept across
 restarts, so a restarted member has its old address). A missing jar or Java raises at
 construction, saying what to run. The first start of each member is bounded and measured,
 later starts by a multiple of it (as the standalone's); a failed start raises with the tail
@@ -61,7 +62,7 @@ from kazoo.client import KazooClient  # type: ignore[import-untyped]
 from clients.dev.engine_jvm import find_java_or_fail, jvm_command
 from clients.dev.local_server import HOST
 from clients.dev.pulsar_standalone import engines_lib, pulsar_version
-from clients.dev.zk import LOG4J2_CONSOLE_CONFIG, ZooKeeperError, ZooKeeperServer
+from clients.dev.zk import LOG4J2_CONSOLE_CONFIG, ZooKeeperError
 from tests.support.pulsar_cluster_members import (
     CLUSTER_NAME,
     JVM_OPTIONS,
@@ -72,7 +73,7 @@ from tests.support.pulsar_cluster_members import (
     PulsarClusterError,
     Quorums,
 )
-from tests.support.reserved_ports import reserve_port
+from tests.support.zk_ensemble import ZooKeeperEnsemble
 
 __all__ = [
     "BOOKIES",
@@ -100,7 +101,8 @@ _ENSEMBLE_RE = re.compile(r"\d+=\[([^\]]*)\]")
 
 
 class PulsarCluster:
-    """ZooKeeper, :data:`BOOKIES` bookies and ``brokers`` brokers on 127.0.0.1 in ``directory``.
+    """A ZooKeeper ensemble, :data:`BOOKIES` bookies and ``brokers`` brokers on 127.0.0.1 in
+    ``directory``.
 
     Use it as a context manager (or call :meth:`start` and :meth:`close`): whatever happens,
     :meth:`close` kills every JVM's process group and gives the ports back.
@@ -123,18 +125,15 @@ class PulsarCluster:
         self._lib = engines_lib()
         self._java = find_java_or_fail(PulsarClusterError)
         self.quorums = quorums
-        self._zookeeper_port = reserve_port()
-        self.zookeeper: ZooKeeperServer | None = None
+        self.zookeeper: ZooKeeperEnsemble | None = None
         self.bookies: list[Bookie] = []
         self.brokers: list[Broker] = []
         try:
-            self.zookeeper = ZooKeeperServer(
+            self.zookeeper = ZooKeeperEnsemble(
                 self._directory / "zookeeper",
-                port=self._zookeeper_port.port,
                 max_session_timeout_ms=4 * SESSION_TIMEOUT_MS,
                 classpath=str(self._lib / "*"),
                 java=self._java,
-                stop_with_parent=True,
             )
             connect = self.zookeeper.connect_string
             for index in range(BOOKIES):
@@ -159,6 +158,8 @@ class PulsarCluster:
             raise
         #: Measured: launch of ZooKeeper to every broker healthy, seconds.
         self.start_s: float | None = None
+        #: Measured: launch of the ZooKeeper ensemble to all three members serving, seconds.
+        self.zookeeper_start_s: float | None = None
 
     # -- addresses ----------------------------------------------------------------------------
 
@@ -190,12 +191,12 @@ class PulsarCluster:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """ZooKeeper, the metadata, the bookies, the brokers; each start bounded. A failed
-        start leaves no process behind."""
+        """The ZooKeeper ensemble, the metadata, the bookies, the brokers; each start bounded.
+        A failed start leaves no process behind."""
         started = time.monotonic()
         try:
             assert self.zookeeper is not None
-            self.zookeeper.start()
+            self.zookeeper_start_s = self.zookeeper.start()
             self._set_up_metadata()
             for member in self.members():
                 member.start()
@@ -301,7 +302,8 @@ class PulsarCluster:
         ]
 
     def close(self) -> None:
-        """Kill every member's process group and ZooKeeper, give every port back."""
+        """Kill every member's process group and every ZooKeeper member, give every port
+        back."""
         errors: list[BaseException] = []
         for member in reversed(self.members()):
             try:
@@ -310,10 +312,9 @@ class PulsarCluster:
                 errors.append(exc)
         if self.zookeeper is not None:
             try:
-                self.zookeeper.stop()
+                self.zookeeper.close()
             except ZooKeeperError as exc:
                 errors.append(exc)
-        self._zookeeper_port.release()
         if errors:
             raise PulsarClusterError(f"could not stop everything: {errors}")
 
@@ -330,6 +331,20 @@ class PulsarCluster:
         self.close()
 
     # -- what the tests ask -------------------------------------------------------------------
+
+    def create_namespace(self, namespace: str, timeout_s: float = 30.0) -> None:
+        """Create ``TENANT/NAMESPACE`` (Steward's default is ``public/steward``) through the
+        admin API of a running broker, as an operator would; one that exists is fine."""
+        url = f"{self.admin_url}/admin/v2/namespaces/{namespace}"
+        try:
+            response = httpx.put(url, json={}, timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            raise PulsarClusterError(f"cannot create namespace {namespace}: {exc}") from None
+        if response.status_code not in (204, 409):  # 409: it exists
+            raise PulsarClusterError(
+                f"cannot create namespace {namespace}: the admin API answered "
+                f"{response.status_code}: {response.text[:200]}"
+            )
 
     def owner_of(self, topic: str) -> Broker | None:
         """The broker that owns ``topic`` (``persistent://tenant/ns/name``) by the lookup
@@ -383,10 +398,13 @@ class PulsarCluster:
         return _ensembles_of(str(ledgers[-1].get("metadata", "")))
 
     def rss_mb(self) -> dict[str, float]:
-        """Every running JVM's resident memory now, MB (``zookeeper`` and each member)."""
+        """Every running JVM's resident memory now, MB (``zookeeper-N`` for each ensemble
+        member, and each bookie and broker)."""
         sizes: dict[str, float] = {}
-        if self.zookeeper is not None and self.zookeeper.pid is not None:
-            sizes["zookeeper"] = _rss_mb(self.zookeeper.pid)
+        if self.zookeeper is not None:
+            for member_id, server in self.zookeeper.members.items():
+                if server.is_running() and server.pid is not None:
+                    sizes[f"zookeeper-{member_id}"] = _rss_mb(server.pid)
         for member in self.members():
             if member.is_running():
                 sizes[member.name] = member.rss_mb()

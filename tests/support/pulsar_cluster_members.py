@@ -210,7 +210,9 @@ class Bookie(ClusterMember):
             f"advertisedAddress={self.host}",
             "allowLoopback=true",
             "useHostNameAsBookieID=false",
-            f"metadataServiceUri=zk+hierarchical://{self.zookeeper_connect}/ledgers",
+            # BookKeeper's URI separates ZooKeeper servers with ';' (a ',' is Pulsar's).
+            "metadataServiceUri=zk+hierarchical://"
+            f"{self.zookeeper_connect.replace(',', ';')}/ledgers",
             f"zkTimeout={SESSION_TIMEOUT_MS}",
             f"journalDirectories={self.data_dir / 'journal'}",
             f"ledgerDirectories={self.data_dir / 'ledgers'}",

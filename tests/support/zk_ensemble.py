@@ -75,8 +75,18 @@ class EnsembleMember(ZooKeeperServer):
         peers: dict[int, tuple[int, int]],
         *,
         client_port: int,
+        max_session_timeout_ms: int | None = None,
+        classpath: str | None = None,
+        java: str | None = None,
     ) -> None:
-        super().__init__(directory, port=client_port, stop_with_parent=True)
+        super().__init__(
+            directory,
+            port=client_port,
+            max_session_timeout_ms=max_session_timeout_ms,
+            classpath=classpath,
+            java=java,
+            stop_with_parent=True,
+        )
         self.member_id = member_id
         self._peers = peers  # member id -> (peer port, election port), all members
         self.server_name = f"ZooKeeper member {member_id}"
@@ -163,9 +173,21 @@ class EnsembleMember(ZooKeeperServer):
 
 
 class ZooKeeperEnsemble:
-    """Three :class:`EnsembleMember` servers on 127.0.0.1 (ids 1, 2, 3) in ``root``."""
+    """Three :class:`EnsembleMember` servers on 127.0.0.1 (ids 1, 2, 3) in ``root``.
 
-    def __init__(self, root: Path) -> None:
+    ``max_session_timeout_ms``, ``classpath`` and ``java`` go to every member as to a
+    :class:`~clients.dev.zk.ZooKeeperServer` (the real Pulsar cluster of
+    tests/support/pulsar_cluster.py runs its ensemble on the engines cache's ZooKeeper jars).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        max_session_timeout_ms: int | None = None,
+        classpath: str | None = None,
+        java: str | None = None,
+    ) -> None:
         self._reservations: list[PortReservation] = []
         try:
             for _ in range(3 * SIZE):
@@ -175,9 +197,22 @@ class ZooKeeperEnsemble:
             raise
         ports = iter(r.port for r in self._reservations)
         peers = {n: (next(ports), next(ports)) for n in range(1, SIZE + 1)}
-        self.members = {
-            n: EnsembleMember(root / f"zk{n}", n, peers, client_port=next(ports)) for n in peers
-        }
+        try:
+            self.members = {
+                n: EnsembleMember(
+                    root / f"zk{n}",
+                    n,
+                    peers,
+                    client_port=next(ports),
+                    max_session_timeout_ms=max_session_timeout_ms,
+                    classpath=classpath,
+                    java=java,
+                )
+                for n in peers
+            }
+        except BaseException:
+            self._release_ports()
+            raise
         # The members started and not stopped or killed since: the voters wait_serving expects.
         self._up: set[int] = set()
         #: The first start's measured time (launch of all three to a full voter set).

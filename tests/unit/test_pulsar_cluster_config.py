@@ -1,7 +1,9 @@
 """The Pulsar cluster harness's files and commands, without starting anything (the real
 start: tests/integration/test_pulsar_cluster_faults.py): every member on 127.0.0.1 on its
-own reserved ports, the bookies' durability and loopback settings, the brokers' quorums and
-metadata store, the shared JVM flags, and a missing cache or Java named with what to do."""
+own reserved ports, the metadata store a 3-server ZooKeeper ensemble on the engines' jars
+(every member named to the bookies and brokers), the bookies' durability and loopback
+settings, the brokers' quorums, the shared JVM flags, and a missing cache or Java named with
+what to do."""
 
 from __future__ import annotations
 
@@ -48,13 +50,13 @@ def cluster(tmp_path: Path, fake_lib: Path) -> PulsarCluster:
 
 def test_every_member_has_its_own_reserved_ports(cluster: PulsarCluster) -> None:
     assert cluster.zookeeper is not None
-    ports = [cluster.zookeeper.port]
+    ports = list(cluster.zookeeper.ports)  # each member's client, peer and election port
     for bookie in cluster.bookies:
         ports.append(bookie.port)
     for broker in cluster.brokers:
         ports.extend((broker.port, broker.web_port))
     assert len(cluster.bookies) == BOOKIES and len(cluster.brokers) == 2
-    assert len(set(ports)) == len(ports) == 1 + BOOKIES + 2 * 2
+    assert len(set(ports)) == len(ports) == 3 * 3 + BOOKIES + 2 * 2
     assert all(port in reservable_ports() for port in ports)
     assert cluster.service_url == (
         f"pulsar://127.0.0.1:{cluster.brokers[0].port},127.0.0.1:{cluster.brokers[1].port}"
@@ -64,7 +66,30 @@ def test_every_member_has_its_own_reserved_ports(cluster: PulsarCluster) -> None
 def test_close_gives_every_port_back(cluster: PulsarCluster) -> None:
     for member in cluster.members():
         assert all(not reservation.held for reservation in member._reservations)
-    assert not cluster._zookeeper_port.held
+    assert cluster.zookeeper is not None
+    assert all(not reservation.held for reservation in cluster.zookeeper._reservations)
+
+
+def test_the_metadata_store_is_a_three_server_ensemble_on_the_engines_jars(
+    cluster: PulsarCluster, fake_lib: Path
+) -> None:
+    assert cluster.zookeeper is not None
+    members = list(cluster.zookeeper.members.values())
+    assert len(members) == 3
+    connect = cluster.zookeeper.connect_string
+    assert connect.split(",") == [member.connect_string for member in members]
+    for member in members:
+        member._write_config()
+        config = config_of(member.config_path)
+        command = member._command()
+        assert command[command.index("-cp") + 1] == str(fake_lib / "*")
+        assert "org.apache.zookeeper.server.quorum.QuorumPeerMain" in command
+        assert [key for key in config if key.startswith("server.")] == [
+            "server.1",
+            "server.2",
+            "server.3",
+        ]
+        assert config["maxSessionTimeout"] == str(4 * member_harness.SESSION_TIMEOUT_MS)
 
 
 def test_bookie_config_and_command(cluster: PulsarCluster, fake_lib: Path) -> None:
@@ -77,9 +102,10 @@ def test_bookie_config_and_command(cluster: PulsarCluster, fake_lib: Path) -> No
     assert bookie.bookie_id == f"127.0.0.1:{bookie.port}"
     assert config["listeningInterface"] == "lo" and config["allowLoopback"] == "true"
     assert config["journalSyncData"] == "true"
-    assert config["metadataServiceUri"] == (
-        f"zk+hierarchical://{cluster.zookeeper.connect_string}/ledgers"
-    )
+    # Every ensemble member, separated as BookKeeper's URIs want.
+    servers = cluster.zookeeper.connect_string.split(",")
+    assert len(servers) == 3
+    assert config["metadataServiceUri"] == f"zk+hierarchical://{';'.join(servers)}/ledgers"
     assert int(config["dbStorage_writeCacheMaxSizeMb"]) <= 64
     assert Path(config["journalDirectories"]).is_relative_to(bookie.directory)
     assert command[command.index("-cp") + 1] == str(fake_lib / "*")
