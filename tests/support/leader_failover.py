@@ -1,7 +1,7 @@
 """The kill -9 of a leader under load (issue 4), shared by the fail-over modules: on the
-file and pulsar-lite ledgers (tests/integration/test_cluster_failover.py) and on real Apache
-Pulsar (tests/integration/test_cluster_failover_apache_pulsar.py), with the helpers those
-modules share.
+file and pulsar-lite ledgers (tests/integration/test_cluster_failover.py) and on a real
+Apache Pulsar cluster of several bookies (tests/integration/test_pulsar_cluster_faults.py),
+with the helpers those modules share.
 
 :func:`kill9_leader_under_load` runs on a started :class:`ClusterProcesses`: two workers
 with long and short sleep tasks, a write load of :data:`CLIENTS` clients with idempotency
