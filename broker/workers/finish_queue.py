@@ -21,7 +21,7 @@ from broker.workers.finish_reports import outcome, stamp_ids
 from broker.workers.session import Session
 
 if TYPE_CHECKING:
-    from broker.workers.worker_link import WorkerLinkConfig
+    from broker.workers.link_config import WorkerLinkConfig
 
 # One logger for all of the worker link's parts (operators and tests filter on this name).
 logger = logging.getLogger("broker.workers.worker_link")
