@@ -1,5 +1,5 @@
-"""What every part of the replication core shares: errors, roles, configuration, stats and
-the ledger list edits (docs/DESIGN.md §3, §4)."""
+"""What every part of the replication core shares: errors, roles, configuration, stats, the
+election's hooks and the ledger list edits (docs/DESIGN.md §3, §4)."""
 
 from __future__ import annotations
 
@@ -89,10 +89,23 @@ class NodeStats:
     last_snapshot_ms: int | None = None
 
 
+@dataclass(slots=True)
+class Election:
+    """Cluster mode's hooks into the elector, set by the server before the node follows
+    (both None: standalone, where durable entries are applied at once)."""
+
+    # The elector's synchronous "am I the leader right now" (connected and lowest in the
+    # queue).
+    leadership_check: Callable[[], bool] | None = None
+    # Called (on the loop) when this leader finds it was deposed; the owner steps down.
+    on_deposed: Callable[[str], None] | None = None
+
+
 ApplyListener = Callable[[e.Entry, Applied], None]
 """Called after an applied entry: (entry, its result and effects as values,
 broker.core.effects). ``Node.listeners`` hear of every applied entry, ``Node.leader_listeners``
-of those the leader wrote. Must not block; runs on the event loop."""
+of those the leader wrote (both lists are the applier's). Must not block; runs on the event
+loop."""
 
 
 async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:

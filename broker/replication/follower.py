@@ -4,13 +4,10 @@ leader confirmed (last-add-confirmed carried by the entries, or the ledger's clo
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from broker.replication.common import READ_CHUNK_ENTRIES, Role
+from broker.replication.context import RoleContext
 from log.api import LedgerEntry, LedgerState
-
-if TYPE_CHECKING:
-    from broker.replication.node import Node
 
 
 class Follower:
@@ -20,8 +17,8 @@ class Follower:
     writable = False
     failure: BaseException | None = None
 
-    def __init__(self, node: Node, *, deposed: str | None = None) -> None:
-        self._node = node
+    def __init__(self, context: RoleContext, *, deposed: str | None = None) -> None:
+        self._context = context
         # Why the leader this node was stopped taking writes (kept for its 503s).
         self.deposed = deposed
 
@@ -36,21 +33,22 @@ class Follower:
 
     async def run(self) -> None:
         """Apply what the leader confirms, until cancelled (see :meth:`Node.follow`)."""
-        node = self._node
-        poll_s = node.config.follower_list_poll_s
+        context = self._context
+        poll_s = context.config.follower_list_poll_s
         done_through = -1  # highest closed ledger fully applied
         while True:
-            ledger_list, _ = await node.ledger_list.get()
-            node.history.check(ledger_list)
+            ledger_list, _ = await context.ledger_list.get()
+            context.history.check(ledger_list)
             tailed = False
             for info in ledger_list.ledgers:
-                if info.ledger_id < node.position[0] or info.ledger_id <= done_through:
+                position = context.applier.position
+                if info.ledger_id < position[0] or info.ledger_id <= done_through:
                     continue
                 if info.state == LedgerState.CLOSED:
                     last = info.last_entry_id if info.last_entry_id is not None else -1
-                    reader = await node.ledgers.open_ledger(info.ledger_id, recovery=False)
+                    reader = await context.ledgers.open_ledger(info.ledger_id, recovery=False)
                     try:
-                        await node.history.read_to(reader, last, self._note_progress)
+                        await context.history.read_to(reader, last, self._note_progress)
                     finally:
                         await reader.close()
                     done_through = info.ledger_id
@@ -62,22 +60,24 @@ class Follower:
                 await asyncio.sleep(poll_s)
 
     def _note_progress(self, pending_entries: int) -> None:
-        node = self._node
+        context = self._context
         # Wall clocks of leader and follower: fine on one host or with NTP.
-        lag_ms = max(0, node.clock.now_ms() - node.applier.last_logged_time_ms)
-        node.metrics.follower_lag_seconds.set(lag_ms / 1000)
-        node.metrics.follower_lag_entries.set(pending_entries)
+        lag_ms = max(0, context.clock.now_ms() - context.applier.last_logged_time_ms)
+        context.metrics.follower_lag_seconds.set(lag_ms / 1000)
+        context.metrics.follower_lag_entries.set(pending_entries)
 
     async def _tail(self, ledger_id: int) -> None:
         """Follow one open ledger until the list says it is closed (or it is gone)."""
-        node = self._node
-        clock = node.clock
-        poll_s = node.config.follower_list_poll_s
-        reader = await node.ledgers.open_ledger(ledger_id, recovery=False)
+        context = self._context
+        applier = context.applier
+        clock = context.clock
+        poll_s = context.config.follower_list_poll_s
+        reader = await context.ledgers.open_ledger(ledger_id, recovery=False)
         try:
             pending: list[LedgerEntry] = []  # read, not yet confirmed
             confirmed = -1  # highest LAC seen
-            next_id = node.position[1] + 1 if node.position[0] == ledger_id else 0
+            position = applier.position
+            next_id = position[1] + 1 if position[0] == ledger_id else 0
             list_checked_at = clock.monotonic_s()
             while True:
                 batch = await reader.read(next_id, READ_CHUNK_ENTRIES)
@@ -88,7 +88,7 @@ class Follower:
                     next_id = batch[-1].entry_id + 1
                 applied = 0
                 while applied < len(pending) and pending[applied].entry_id <= confirmed:
-                    node.applier.apply_logged(pending[applied])
+                    applier.apply_logged(pending[applied])
                     applied += 1
                 del pending[:applied]
                 if applied or batch:
@@ -98,7 +98,7 @@ class Follower:
                 if clock.monotonic_s() - list_checked_at < poll_s:
                     continue
                 list_checked_at = clock.monotonic_s()
-                ledger_list, _ = await node.ledger_list.get()
+                ledger_list, _ = await context.ledger_list.get()
                 info = next((i for i in ledger_list.ledgers if i.ledger_id == ledger_id), None)
                 if info is None:
                     return  # deleted: the caller re-reads the list (and finds the gap)
@@ -107,8 +107,8 @@ class Follower:
                     last = info.last_entry_id if info.last_entry_id is not None else -1
                     for ledger_entry in pending:
                         if ledger_entry.entry_id <= last:
-                            node.applier.apply_logged(ledger_entry)
-                    await node.history.read_to(reader, last, self._note_progress)
+                            applier.apply_logged(ledger_entry)
+                    await context.history.read_to(reader, last, self._note_progress)
                     return
         finally:
             await reader.close()

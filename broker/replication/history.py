@@ -7,13 +7,16 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
+from broker.replication.applier import Applier
+from broker.replication.clock import NodeClock
 from broker.replication.common import (
     READ_CHUNK_ENTRIES,
     BrokerStartupError,
+    Election,
     HistoryGapError,
     LeadershipLostError,
+    NodeConfig,
     logger,
     with_ledger_closed,
     with_ledger_state,
@@ -23,18 +26,57 @@ from log.api import (
     LedgerError,
     LedgerInfo,
     LedgerList,
+    LedgerListStore,
     LedgerReader,
     LedgerState,
+    LedgerStore,
     LedgerWriter,
 )
+from snapshot.store import SnapshotStore
 
-if TYPE_CHECKING:
-    from broker.replication.node import Node
+
+def check_continues(ledger_list: LedgerList, position: tuple[int, int]) -> None:
+    """Raise :class:`HistoryGapError` unless the listed ledgers continue a state at
+    ``position`` (the history after it, or from the start when there is no state)."""
+    ids = [info.ledger_id for info in ledger_list.ledgers]
+    position_ledger = position[0]
+    if position_ledger >= 0 and position_ledger not in ids:
+        raise HistoryGapError(
+            f"this broker's state is at ledger {position_ledger}, which is no longer "
+            f"in the ledger list {ids}: the history after it is gone",
+            needed_position=(ids[0], -1) if ids else None,
+        )
+    first = ledger_list.first_ledger_id
+    if position_ledger < 0 and ids and first is not None and ids[0] != first:
+        # Retention deleted the start of the history: replaying what is left would
+        # silently build a state that lacks everything before ledger ids[0].
+        raise HistoryGapError(
+            f"no usable snapshot, and the ledgers from {first} to before {ids[0]} were "
+            "deleted by retention: the history cannot be replayed from its start; "
+            "restore a snapshot into the snapshots directory",
+            needed_position=(ids[0], -1),
+        )
 
 
 class LedgerHistory:
-    def __init__(self, node: Node) -> None:
-        self._node = node
+    def __init__(
+        self,
+        *,
+        config: NodeConfig,
+        ledgers: LedgerStore,
+        ledger_list: LedgerListStore,
+        snapshots: SnapshotStore,
+        applier: Applier,
+        clock: NodeClock,
+        election: Election,
+    ) -> None:
+        self._config = config
+        self._ledgers = ledgers
+        self._ledger_list = ledger_list
+        self._snapshots = snapshots
+        self._applier = applier  # replay applies through it
+        self._clock = clock
+        self._election = election
         self.list_version = -1  # the ledger list version this node last read or wrote
         # Ledger list updates are read-modify-CAS sequences: a roll and retention must
         # not interleave theirs (the loser would fail the node).
@@ -43,52 +85,38 @@ class LedgerHistory:
     async def read_list(self) -> LedgerList:
         """Read the list and remember its version (a take-over's starting point)."""
         async with self.lock:
-            ledger_list, self.list_version = await self._node.ledger_list.get()
+            ledger_list, self.list_version = await self._ledger_list.get()
         return ledger_list
 
     async def update(self, change: Callable[[LedgerList], LedgerList]) -> None:
-        node = self._node
+        in_cluster = self._election.leadership_check is not None
         async with self.lock:
-            current, version = await node.ledger_list.get()
+            current, version = await self._ledger_list.get()
             if version != self.list_version:
                 message = (
                     f"the ledger list changed behind this broker (version {version}, "
                     f"expected {self.list_version}): another broker is writing this history"
                 )
-                if node.leadership_check is not None:
+                if in_cluster:
                     raise LeadershipLostError(message)
                 # Standalone: one broker owns the data dir (flock), so the list was
                 # changed behind our back: stop rather than overwrite it.
                 raise BrokerStartupError(message)
             try:
-                self.list_version = await node.ledger_list.compare_and_set(change(current), version)
+                self.list_version = await self._ledger_list.compare_and_set(
+                    change(current), version
+                )
             except BadVersionError as exc:
-                if node.leadership_check is not None:
+                if in_cluster:
                     raise LeadershipLostError(str(exc)) from exc
                 raise
 
     def check(self, ledger_list: LedgerList) -> None:
-        ids = [info.ledger_id for info in ledger_list.ledgers]
-        position_ledger = self._node.position[0]
-        if position_ledger >= 0 and position_ledger not in ids:
-            raise HistoryGapError(
-                f"this broker's state is at ledger {position_ledger}, which is no longer "
-                f"in the ledger list {ids}: the history after it is gone",
-                needed_position=(ids[0], -1) if ids else None,
-            )
-        first = ledger_list.first_ledger_id
-        if position_ledger < 0 and ids and first is not None and ids[0] != first:
-            # Retention deleted the start of the history: replaying what is left would
-            # silently build a state that lacks everything before ledger ids[0].
-            raise HistoryGapError(
-                f"no usable snapshot, and the ledgers from {first} to before {ids[0]} were "
-                "deleted by retention: the history cannot be replayed from its start; "
-                "restore a snapshot into the snapshots directory",
-                needed_position=(ids[0], -1),
-            )
+        """The listed ledgers continue this node's state (else :class:`HistoryGapError`)."""
+        check_continues(ledger_list, self._applier.position)
 
     async def replay_ledger(self, info: LedgerInfo) -> None:
-        ledgers = self._node.ledgers
+        ledgers = self._ledgers
         if info.state == LedgerState.CLOSED:
             reader = await ledgers.open_ledger(info.ledger_id, recovery=False)
             last_entry_id = info.last_entry_id if info.last_entry_id is not None else -1
@@ -115,9 +143,9 @@ class LedgerHistory:
         on_progress: Callable[[int], None] | None = None,
     ) -> None:
         """Apply the entries after our position up to ``last_entry_id`` (all committed)."""
-        node = self._node
+        applier = self._applier
         ledger_id = reader.ledger_id
-        next_id = node.position[1] + 1 if node.position[0] == ledger_id else 0
+        next_id = applier.position[1] + 1 if applier.position[0] == ledger_id else 0
         while next_id <= last_entry_id:
             count = min(READ_CHUNK_ENTRIES, last_entry_id - next_id + 1)
             batch = await reader.read(next_id, count)
@@ -127,20 +155,15 @@ class LedgerHistory:
                     f"list says it holds entries up to {last_entry_id}"
                 )
             for ledger_entry in batch:
-                node.applier.apply_logged(ledger_entry)
+                applier.apply_logged(ledger_entry)
             next_id = batch[-1].entry_id + 1
             if on_progress is not None:
                 on_progress(0)
-        if node.position[0] != ledger_id and last_entry_id < 0:
-            return
-        if node.position < (ledger_id, last_entry_id):
-            node.position = (ledger_id, last_entry_id)
 
     async def open_ledger(self) -> tuple[LedgerWriter, int]:
         """A leader's new ledger, CAS'd into the list as open: (its writer, created ms)."""
-        node = self._node
-        writer = await node.ledgers.create_ledger()
-        created_ms = node.clock.now_ms()
+        writer = await self._ledgers.create_ledger()
+        created_ms = self._clock.now_ms()
 
         def add(ledger_list: LedgerList) -> LedgerList:
             first = ledger_list.first_ledger_id
@@ -151,7 +174,7 @@ class LedgerHistory:
                     LedgerInfo(writer.ledger_id, created_ms, LedgerState.OPEN),
                 ),
                 first_ledger_id=writer.ledger_id if first is None else first,
-                writer=node.config.broker_id,
+                writer=self._config.broker_id,
             )
 
         try:
@@ -160,7 +183,7 @@ class LedgerHistory:
             with contextlib.suppress(LedgerError):
                 await writer.close()
             raise
-        if node.leadership_check is not None and not node.ledgers.can_fence:
+        if self._election.leadership_check is not None and not self._ledgers.can_fence:
             # Entries carry as LAC only what this leader confirmed in ZooKeeper, so the
             # late appends of a deposed leader never make followers apply anything beyond
             # the history the next leader recovers. A fencing backend makes those appends
@@ -171,14 +194,13 @@ class LedgerHistory:
 
     async def apply_retention(self) -> None:
         """Delete the closed ledgers no kept snapshot needs, once past the retention."""
-        node = self._node
-        snapshots = await asyncio.to_thread(node.snapshots.list)
+        snapshots = await asyncio.to_thread(self._snapshots.list)
         if not snapshots:
             return
         # Keep every ledger some kept snapshot may still need to replay from.
         oldest_needed = min(info.header.ledger_id for info in snapshots)
-        horizon_ms = node.clock.now_ms() - node.config.ledger_retention_ms
-        ledger_list, _ = await node.ledger_list.get()
+        horizon_ms = self._clock.now_ms() - self._config.ledger_retention_ms
+        ledger_list, _ = await self._ledger_list.get()
         # A prefix of the list only: leaders' clocks differ, so a ledger may look younger
         # than the next one; deleting around it would leave a hole in the history that a
         # replica at a position in it would replay straight over (check passes).
@@ -199,5 +221,5 @@ class LedgerHistory:
             )
         )
         for ledger_id in expired:
-            await node.ledgers.delete_ledger(ledger_id)
+            await self._ledgers.delete_ledger(ledger_id)
         logger.info("retention deleted ledgers %s", expired)

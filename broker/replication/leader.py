@@ -22,7 +22,6 @@ import copy
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -37,31 +36,10 @@ from broker.replication.common import (
     logger,
     with_ledger_closed,
 )
+from broker.replication.context import RoleContext
 from broker.replication.schedule_loop import fire_schedules_loop
+from broker.replication.stamp import IdCounters, Stamp
 from log.api import LedgerError, LedgerWriter
-
-if TYPE_CHECKING:
-    from broker.replication.node import Node
-
-
-class Stamp:
-    """What the leader chooses for one entry before it is logged: time and ids."""
-
-    __slots__ = ("_leader", "now_ms")
-
-    def __init__(self, leader: Leader, now_ms: int) -> None:
-        self._leader = leader
-        self.now_ms = now_ms
-
-    def task_ids(self, count: int) -> range:
-        first = self._leader.next_task_id
-        self._leader.next_task_id += count
-        return range(first, first + count)
-
-    def transaction_id(self) -> int:
-        ident = self._leader.next_transaction_id
-        self._leader.next_transaction_id += 1
-        return ident
 
 
 @dataclass(slots=True)
@@ -77,8 +55,8 @@ class Leader:
     step-down. Owns the open ledger, the writes in flight and the term's loops (timers;
     in cluster mode the confirmation and the idle marker), and rolls the ledger."""
 
-    def __init__(self, node: Node, role: Role) -> None:
-        self._node = node
+    def __init__(self, context: RoleContext, role: Role) -> None:
+        self._context = context
         # STANDALONE; or CANDIDATE (taking over) until open_for_writes in cluster mode.
         self.role = role
         self.writer: LedgerWriter | None = None
@@ -87,8 +65,7 @@ class Leader:
         self.gate: asyncio.Event | None = None  # set while rolling: proposals wait
         self.failure: BaseException | None = None
         self.deposed: str | None = None
-        self.next_task_id = 1
-        self.next_transaction_id = 1
+        self.ids = IdCounters()
         self._last_time_ms = 0
         self.tasks: list[asyncio.Task[None]] = []
         self.roll_task: asyncio.Task[None] | None = None
@@ -103,43 +80,43 @@ class Leader:
     async def recover_log(self) -> None:
         """Replay every ledger after our position, fencing and recovering a ledger left
         open (by a dead or deposed leader)."""
-        node = self._node
-        ledger_list = await node.history.read_list()
-        node.history.check(ledger_list)
+        history = self._context.history
+        applier = self._context.applier
+        ledger_list = await history.read_list()
+        history.check(ledger_list)
         for info in ledger_list.ledgers:
-            if info.ledger_id < node.position[0]:
+            if info.ledger_id < applier.position[0]:
                 continue
-            await node.history.replay_ledger(info)
+            await history.replay_ledger(info)
         logger.info(
             "replayed the log up to %s (%d entries applied)",
-            node.position,
-            node.state.entries_applied,
+            applier.position,
+            applier.state.entries_applied,
         )
 
     async def open_for_writes(self) -> None:
         """Open our own ledger, CAS it into the list, accept writes."""
-        node = self._node
-        self.writer, self._writer_created_ms = await self._node.history.open_ledger()
-        self.next_task_id = node.state.max_task_id + 1
-        self.next_transaction_id = node.state.max_transaction_id + 1
-        self._last_time_ms = node.state.now_ms
-        node.closing = False
+        context = self._context
+        self.writer, self._writer_created_ms = await context.history.open_ledger()
+        state = context.applier.state
+        self.ids = IdCounters(state.max_task_id + 1, state.max_transaction_id + 1)
+        self._last_time_ms = state.now_ms
         self.tasks = [
             asyncio.create_task(self._timer_loop(), name="steward-timers"),
-            asyncio.create_task(fire_schedules_loop(node, self), name="steward-schedules"),
+            asyncio.create_task(fire_schedules_loop(context, self), name="steward-schedules"),
         ]
-        node.metrics.follower_lag_seconds.set(0)
-        node.metrics.follower_lag_entries.set(0)
-        if node.leadership_check is not None:
+        context.metrics.follower_lag_seconds.set(0)
+        context.metrics.follower_lag_entries.set(0)
+        if context.election.leadership_check is not None:
             self.tasks.append(asyncio.create_task(self._marker_loop(), name="steward-lac-marker"))
-            if not node.ledgers.can_fence:
+            if not context.ledgers.can_fence:
                 self.tasks.append(asyncio.create_task(self._confirm_loop(), name="steward-confirm"))
             self.role = Role.LEADER
         logger.info(
             "broker %s leads at position %s with %d tasks",
-            node.config.broker_id,
-            node.position,
-            len(node.state.tasks),
+            context.config.broker_id,
+            context.applier.position,
+            len(state.tasks),
         )
 
     async def drain(self, timeout_s: float) -> None:
@@ -157,7 +134,7 @@ class Leader:
         if writer is not None and self.failure is None and self.deposed is None:
             try:
                 last_entry_id = await writer.close()
-                await self._node.history.update(
+                await self._context.history.update(
                     lambda ll: with_ledger_closed(ll, writer.ledger_id, last_entry_id)
                 )
             except (LedgerError, BrokerUnavailableError):
@@ -196,21 +173,21 @@ class Leader:
             and (self.writer is not None or self.gate is not None)
             and self.failure is None
             and self.deposed is None
-            and not self._node.closing
+            and not self._context.closing()
         )
 
     # --- write path -------------------------------------------------------------------------
 
     async def propose(self, build: Callable[[Stamp], e.Entry]) -> ApplyResult:
-        node = self._node
-        while self.gate is not None and not node.closing:
+        context = self._context
+        while self.gate is not None and not context.closing():
             await self.gate.wait()
         if not self.writable:  # (a term that stepped down stays unwritable)
-            raise node.unavailable_error()
+            raise context.unavailable_error()
         # No await between stamping and append: ids and time reach the log in order.
-        now_ms = max(node.clock.now_ms(), self._last_time_ms)
+        now_ms = max(context.clock.now_ms(), self._last_time_ms)
         self._last_time_ms = now_ms
-        answer = self._append(e.encode_entry(build(Stamp(self, now_ms))))
+        answer = self._append(e.encode_entry(build(Stamp(self.ids, now_ms))))
         result: ApplyResult = await answer
         return result
 
@@ -224,9 +201,9 @@ class Leader:
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[ApplyResult] = loop.create_future()
         self.inflight.append(_InFlight(entry, writer.ledger_id, durable, answer))
-        now = self._node.clock.monotonic_s()
+        now = self._context.clock.monotonic_s()
         durable.add_done_callback(functools.partial(self._on_durable, now))
-        self._node.stats.entries_appended += 1
+        self._context.stats.entries_appended += 1
         self._last_append_time = now
         return answer
 
@@ -235,15 +212,15 @@ class Leader:
             # (exception() also marks a failure retrieved: it is read through inflight,
             # or dropped once deposed, so no "never retrieved" noise.)
             loop = asyncio.get_running_loop()
-            self._node.metrics.append_latency.observe(self._node.clock.monotonic_s() - appended_at)
+            context = self._context
+            context.metrics.append_latency.observe(context.clock.monotonic_s() - appended_at)
             self._durable_in_batch += 1
             if self._durable_in_batch == 1:
                 # A group commit resolves its futures together, so their callbacks are
                 # queued back to back: this one runs after the last of them.
                 loop.call_soon(self._flush_batch_size)
-        node = self._node
-        check = node.leadership_check
-        if check is not None and not node.ledgers.can_fence:
+        check = self._context.election.leadership_check
+        if check is not None and not self._context.ledgers.can_fence:
             self._durable_ready.set()  # the confirm loop asks ZooKeeper first (§4)
             return
         inflight = self.inflight
@@ -258,7 +235,7 @@ class Leader:
         self._apply_durable_head(len(inflight))
 
     def _flush_batch_size(self) -> None:
-        self._node.metrics.observe_batch(self._durable_in_batch)
+        self._context.metrics.observe_batch(self._durable_in_batch)
         self._durable_in_batch = 0
 
     def _apply_durable_head(self, limit: int) -> None:
@@ -274,11 +251,11 @@ class Leader:
             position = (item.ledger_id, item.durable.result())
             entry = item.entry
             if isinstance(entry, e.Confirm):
-                self._node.position = position
+                self._context.applier.pass_marker(position)
                 if not item.answer.done():
                     item.answer.set_result(None)
                 continue
-            result = self._node.applier.apply_written(entry, position)
+            result = self._context.applier.apply_written(entry, position)
             self.last_real_position = position
             if not item.answer.done():
                 item.answer.set_result(_detached(result))
@@ -308,42 +285,43 @@ class Leader:
                 return
             self._apply_durable_head(count)
             writer = self.writer
-            position = self._node.position
+            position = self._context.applier.position
             if writer is not None and position[0] == writer.ledger_id:
                 writer.confirm(position[1])  # the LAC followers may apply up to (§3)
             if self.inflight and self.inflight[0].durable.done():
                 self._durable_ready.set()
 
     async def _leadership_lost_reason(self) -> str | None:
-        node = self._node
-        check = node.leadership_check
+        context = self._context
+        check = context.election.leadership_check
         if check is not None and not check():
             return "lost the election or the ZooKeeper connection"
         try:
-            async with node.history.lock:
-                version = await node.ledger_list.confirmed_version()
+            async with context.history.lock:
+                version = await context.ledger_list.confirmed_version()
         except LedgerError as exc:
             return f"cannot confirm leadership in ZooKeeper: {exc}"
-        if version != node.history.list_version:
+        if version != context.history.list_version:
             return (
                 f"the ledger list changed to version {version} (this leader wrote "
-                f"{node.history.list_version}): another broker took over"
+                f"{context.history.list_version}): another broker took over"
             )
         return None
 
     def depose(self, reason: str) -> None:
         if self.deposed is not None:
             return
-        node = self._node
-        logger.error("broker %s was deposed: %s", node.config.broker_id, reason)
+        context = self._context
+        logger.error("broker %s was deposed: %s", context.config.broker_id, reason)
         self.deposed = reason
         self._fail_inflight(LeadershipLostError(f"this broker is no longer the leader: {reason}"))
-        if node.on_deposed is not None:
-            node.on_deposed(reason)
+        on_deposed = context.election.on_deposed
+        if on_deposed is not None:
+            on_deposed(reason)
 
     def _fail(self, failure: BaseException, first: _InFlight) -> None:
         # After a failed append nothing later may be applied: the log may have a hole.
-        if self._node.leadership_check is not None:
+        if self._context.election.leadership_check is not None:
             # In a cluster a failed append means fenced (another leader) or a broken
             # store: give the leadership up; a new leader recovers the ledger.
             self.inflight.appendleft(first)
@@ -353,7 +331,7 @@ class Leader:
             logger.critical("ledger append failed, refusing writes: %s", failure)
             self.failure = failure
         self.inflight.appendleft(first)
-        self._fail_inflight(BrokerUnavailableError(self._node.unavailable_reason()))
+        self._fail_inflight(self._context.unavailable_error())
 
     def _fail_inflight(self, error: BrokerUnavailableError) -> None:
         for item in self.inflight:
@@ -365,8 +343,8 @@ class Leader:
 
     async def _marker_loop(self) -> None:
         """Write a Confirm marker once the log is idle, so followers catch up fully."""
-        node = self._node
-        idle_s = node.config.confirm_idle_ms / 1000
+        context = self._context
+        idle_s = context.config.confirm_idle_ms / 1000
         while True:
             await asyncio.sleep(idle_s)
             if (
@@ -374,28 +352,30 @@ class Leader:
                 or self.gate is not None
                 or not self.writable
                 or self.last_real_position == self.marked_position
-                or node.clock.monotonic_s() - self._last_append_time < idle_s
+                or context.clock.monotonic_s() - self._last_append_time < idle_s
             ):
                 continue
             self.marked_position = self.last_real_position
-            now_ms = max(node.clock.now_ms(), self._last_time_ms)
+            now_ms = max(context.clock.now_ms(), self._last_time_ms)
             self._append(e.encode_entry(e.Confirm(time_ms=now_ms)))
 
     # --- ledger rolls ------------------------------------------------------------------------
 
     def _maybe_roll(self) -> None:
-        node = self._node
+        context = self._context
         writer = self.writer
         if (
             writer is None
             or self.gate is not None
-            or node.closing
+            or context.closing()
             or self.failure
             or self.deposed is not None
         ):
             return
-        too_big = writer.size_bytes >= node.config.ledger_roll_bytes
-        too_old = node.clock.now_ms() - self._writer_created_ms >= node.config.ledger_roll_age_ms
+        too_big = writer.size_bytes >= context.config.ledger_roll_bytes
+        too_old = (
+            context.clock.now_ms() - self._writer_created_ms >= context.config.ledger_roll_age_ms
+        )
         if too_big or too_old:
             self.gate = asyncio.Event()
             self.roll_task = asyncio.create_task(self._roll(writer), name="steward-roll")
@@ -404,17 +384,17 @@ class Leader:
         gate = self.gate
         try:
             last_entry_id = await old.close()
-            await self._node.history.update(
+            await self._context.history.update(
                 lambda ll: with_ledger_closed(ll, old.ledger_id, last_entry_id)
             )
             self.writer = None
-            self.writer, self._writer_created_ms = await self._node.history.open_ledger()
-            self._node.stats.ledgers_rolled += 1
+            self.writer, self._writer_created_ms = await self._context.history.open_ledger()
+            self._context.stats.ledgers_rolled += 1
             logger.info("rolled from ledger %d to %d", old.ledger_id, self._writer_id())
         except LeadershipLostError as exc:
             self.depose(str(exc))
         except (LedgerError, BrokerStartupError) as exc:
-            if self._node.leadership_check is not None:
+            if self._context.election.leadership_check is not None:
                 self.depose(f"ledger roll failed: {exc}")
             elif self.failure is None:
                 logger.critical("ledger roll failed, refusing writes: %s", exc)
@@ -432,18 +412,18 @@ class Leader:
     # --- timers and retention --------------------------------------------------------------
 
     async def _timer_loop(self) -> None:
-        node = self._node
+        context = self._context
         while True:
-            await asyncio.sleep(node.config.timer_poll_interval_s)
-            due_ms = node.state.next_timer_ms()
-            if due_ms is None or due_ms > node.clock.now_ms() or self.inflight:
+            await asyncio.sleep(context.config.timer_poll_interval_s)
+            due_ms = context.applier.state.next_timer_ms()
+            if due_ms is None or due_ms > context.clock.now_ms() or self.inflight:
                 continue
             with contextlib.suppress(BrokerUnavailableError):
                 await self.propose(lambda stamp: e.Tick(time_ms=stamp.now_ms))
 
     async def retain_after_snapshot(self) -> None:
         try:
-            await self._node.history.apply_retention()
+            await self._context.history.apply_retention()
         except LeadershipLostError as exc:
             self.depose(str(exc))
         except Exception as exc:

@@ -1,11 +1,18 @@
 r"""The broker's replication node: one state machine on the write-ahead log, in one role.
 
-A :class:`Node` holds what every role shares (the state and its position, the stores, the
-one clock, listeners, injected instruments, local snapshots) and delegates the rest to the
-object of its current role (docs/DESIGN.md §4): a :class:`~broker.replication.leader.Leader`
-(take-over, the write path with group commit, ledger rolls, retention) or a
-:class:`~broker.replication.follower.Follower` (tail the ledgers, apply what the leader
-confirmed). A role change swaps that object.
+A :class:`Node` holds what every role shares (the applier with the state and its position,
+the stores, the one clock, listeners, injected instruments, local snapshots) and delegates the
+rest to the object of its current role (docs/DESIGN.md §4): a
+:class:`~broker.replication.leader.Leader` (take-over, the write path with group commit, ledger
+rolls, retention) or a :class:`~broker.replication.follower.Follower` (tail the ledgers, apply
+what the leader confirmed). A role change swaps that object.
+
+One hand writes the state: only the :class:`~broker.replication.applier.Applier` moves
+``state`` and ``position`` (an applied entry, a Confirm marker, an installed snapshot); the
+node shows them read-only. The roles and parts get a
+:class:`~broker.replication.context.RoleContext` (stores, history, applier, clock, config,
+metrics), never the node; only this module imports the role modules, so the package has no
+import circle.
 
 Boot: newest valid local snapshot, then every ledger after its position; a ledger left open
 by a dead writer is recovered (fenced, truncated to its valid prefix, marked closed with
@@ -36,6 +43,7 @@ from broker.replication.common import (
     ApplyListener,
     BrokerStartupError,
     BrokerUnavailableError,
+    Election,
     HistoryGapError,
     LeadershipLostError,
     NodeConfig,
@@ -44,11 +52,13 @@ from broker.replication.common import (
     cancel_all,
     logger,
 )
+from broker.replication.context import RoleContext
 from broker.replication.follower import Follower
 from broker.replication.history import LedgerHistory
 from broker.replication.instruments import NoReplicationMetrics, ReplicationMetrics
-from broker.replication.leader import Leader, Stamp
+from broker.replication.leader import Leader
 from broker.replication.snapshots import Snapshots
+from broker.replication.stamp import Stamp
 from log.api import LedgerListStore, LedgerStore
 from log.private_fs import FILE_MODE, make_private_dirs
 from snapshot.store import SnapshotStore
@@ -100,32 +110,87 @@ class Node:
         self.ledger_list = ledger_list
         self.snapshots = snapshots
         self.clock = NodeClock(clock_ms)  # every time read of the node and its roles
-        self.state = StateMachine()
-        self.position: tuple[int, int] = (-1, -1)  # (ledger id, entry id) last applied
         self.stats = NodeStats(started_ms=self.clock.now_ms())
-        # Cluster mode: the elector's synchronous "am I the leader right now" (connected and
-        # lowest in the queue). None: standalone, durable entries are applied at once.
-        self.leadership_check: Callable[[], bool] | None = None
-        # Called (on the loop) when this leader finds it was deposed; the owner steps down.
-        self.on_deposed: Callable[[str], None] | None = None
+        # The one writer of the state and its position (read them as ``node.state``,
+        # ``node.position``).
+        self.applier = Applier()
+        # Called after every applied entry (leader, follower, replay), and before them only
+        # for the entries this leader wrote: the applier's lists (common.ApplyListener).
+        self.listeners: list[ApplyListener] = self.applier.listeners
+        self.leader_listeners: list[ApplyListener] = self.applier.leader_listeners
+        # Cluster mode: the elector's hooks (set through leadership_check, on_deposed).
+        self._election = Election()
         self.closing = False  # stop() began: no more writes
-        # Called after every applied entry (leader, follower, replay) with its effects;
-        # a listener reads what it needs from them (e.g. ``applied.trees_ended``).
-        self.listeners: list[ApplyListener] = []
-        # Called, before ``listeners``, only for the entries this leader wrote and applied
-        # (once per acknowledged write; never for a follower or a replay): the task
-        # counters and the task log (broker.observability's ``observe_node`` adds them).
-        self.leader_listeners: list[ApplyListener] = []
         # While a worker link leads: puts assignments into submit entries as they are built.
         self.placer: SubmitPlacer | None = None
-        # Replication's instruments (injected by ``observe_node``; by default they drop
-        # everything): docs/DESIGN.md §9, replication imports no metrics.
-        self.metrics: ReplicationMetrics = NoReplicationMetrics()
-        self.applier = Applier(self)
-        self.history = LedgerHistory(self)
-        self.local_snapshots = Snapshots(self)
+        self.history = LedgerHistory(
+            config=config,
+            ledgers=ledgers,
+            ledger_list=ledger_list,
+            snapshots=snapshots,
+            applier=self.applier,
+            clock=self.clock,
+            election=self._election,
+        )
+        # What the roles and parts are given of the node.
+        self._context = RoleContext(
+            config=config,
+            ledgers=ledgers,
+            ledger_list=ledger_list,
+            snapshots=snapshots,
+            clock=self.clock,
+            stats=self.stats,
+            applier=self.applier,
+            history=self.history,
+            election=self._election,
+            metrics=NoReplicationMetrics(),
+            closing=lambda: self.closing,
+            unavailable_error=self.unavailable_error,
+        )
+        self.local_snapshots = Snapshots(self._context, after_take=self._retain_after_snapshot)
         self._duty: Leader | Follower | None = None  # the current role's object
         self._background: list[asyncio.Task[None]] = []  # all roles: periodic snapshots
+
+    # --- what the applier and the server set -------------------------------------------
+
+    @property
+    def state(self) -> StateMachine:
+        """The replicated state (read-only here: only the applier moves it)."""
+        return self.applier.state
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """(ledger id, entry id) of the last entry applied (or passed: a Confirm marker)."""
+        return self.applier.position
+
+    @property
+    def leadership_check(self) -> Callable[[], bool] | None:
+        """Cluster mode: the elector's synchronous "am I the leader right now" (connected
+        and lowest in the queue). None: standalone, durable entries are applied at once."""
+        return self._election.leadership_check
+
+    @leadership_check.setter
+    def leadership_check(self, check: Callable[[], bool] | None) -> None:
+        self._election.leadership_check = check
+
+    @property
+    def on_deposed(self) -> Callable[[str], None] | None:
+        """Called (on the loop) when this leader finds it was deposed; the owner steps down."""
+        return self._election.on_deposed
+
+    @on_deposed.setter
+    def on_deposed(self, callback: Callable[[str], None] | None) -> None:
+        self._election.on_deposed = callback
+
+    @property
+    def metrics(self) -> ReplicationMetrics:
+        """Replication's instruments (injected by ``observe_node``; by default they drop
+        everything): docs/DESIGN.md §9, replication imports no metrics."""
+        return self._context.metrics
+
+    @metrics.setter
+    def metrics(self, metrics: ReplicationMetrics) -> None:
+        self._context.metrics = metrics
 
     # --- the current role -------------------------------------------------------------
 
@@ -165,9 +230,9 @@ class Node:
     async def start(self) -> None:
         """Standalone: boot, recover the log and lead at once."""
         await self.boot()
-        leader = self._duty = Leader(self, Role.STANDALONE)
+        leader = self._duty = Leader(self._context, Role.STANDALONE)
         await leader.recover_log()
-        await leader.open_for_writes()
+        await self.open_for_writes()
 
     async def boot(self) -> None:
         """Load the newest usable local snapshot and start the periodic snapshots."""
@@ -182,7 +247,7 @@ class Node:
         recovering a ledger left open (by a dead or deposed leader)."""
         leader = self._duty
         if not isinstance(leader, Leader) or leader.role != Role.STANDALONE:
-            leader = self._duty = Leader(self, Role.CANDIDATE)
+            leader = self._duty = Leader(self._context, Role.CANDIDATE)
         else:
             leader.deposed = None
             leader.failure = None
@@ -193,6 +258,7 @@ class Node:
         leader = self._duty
         assert isinstance(leader, Leader), "open_for_writes before recover_log"
         await leader.open_for_writes()
+        self.closing = False
 
     async def follow(self) -> None:
         """Apply what the leader confirms, until cancelled.
@@ -202,7 +268,7 @@ class Node:
         """
         follower = self._duty
         if not isinstance(follower, Follower):
-            follower = self._duty = Follower(self, deposed=self.deposed_reason)
+            follower = self._duty = Follower(self._context, deposed=self.deposed_reason)
         await follower.run()
 
     async def stop(self, *, snapshot: bool = True, drain_timeout_s: float = 10.0) -> None:
@@ -214,7 +280,11 @@ class Node:
         await cancel_all(self._background)
         if duty is not None:
             await duty.close_ledger()
-        if snapshot and self.failure is None and self.position != self.local_snapshots.position:
+        if (
+            snapshot
+            and self.failure is None
+            and self.position != self.local_snapshots.snapshot_position
+        ):
             await self.take_snapshot()
 
     async def step_down(self, reason: str) -> None:
@@ -224,7 +294,8 @@ class Node:
         if not isinstance(leader, Leader) or leader.role not in (Role.LEADER, Role.CANDIDATE):
             return
         logger.warning("broker %s steps down: %s", self.config.broker_id, reason)
-        self._duty = Follower(self, deposed=reason if leader.deposed is None else leader.deposed)
+        deposed = reason if leader.deposed is None else leader.deposed
+        self._duty = Follower(self._context, deposed=deposed)
         await leader.step_down(reason)
 
     def depose(self, reason: str) -> None:
@@ -240,6 +311,11 @@ class Node:
 
     async def take_snapshot(self) -> None:
         await self.local_snapshots.take()
+
+    async def _retain_after_snapshot(self) -> None:
+        leader = self.leader
+        if leader is not None and not self.closing and self.writable:
+            await leader.retain_after_snapshot()
 
     # --- write path -------------------------------------------------------------------
 

@@ -10,42 +10,51 @@ planned nothing (``plan_firing``), and apply refuses a firing planned before its
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from broker.core import entries as e
 from broker.core.schedules import MAX_CATCH_UP, plan_firing
+from broker.core.state import ApplyResult
 from broker.replication.common import BrokerUnavailableError, logger
-
-if TYPE_CHECKING:
-    from broker.replication.leader import Leader, Stamp
-    from broker.replication.node import Node
+from broker.replication.context import RoleContext
+from broker.replication.stamp import Stamp
 
 
-async def fire_schedules_loop(node: Node, leader: Leader) -> None:
+class Proposer(Protocol):
+    """The leader term the loop fires for (:class:`~broker.replication.leader.Leader`)."""
+
+    @property
+    def writable(self) -> bool: ...
+
+    async def propose(self, build: Callable[[Stamp], e.Entry]) -> ApplyResult: ...
+
+
+async def fire_schedules_loop(context: RoleContext, leader: Proposer) -> None:
     # Schedules whose ticks could not be computed (a cron expression this croniter refuses,
     # logged once per term): left alone until deleted.
     broken: set[tuple[str, str]] = set()
     while True:
-        await asyncio.sleep(node.config.timer_poll_interval_s)
+        await asyncio.sleep(context.config.timer_poll_interval_s)
         try:
-            for key in list(node.state.schedules):
+            for key in list(context.applier.state.schedules):
                 # A run_all schedule catches up its missed ticks in one poll.
                 for _ in range(MAX_CATCH_UP + 1):
                     if key in broken or not leader.writable:
                         break
-                    if not await _fire_once(node, leader, key, broken):
+                    if not await _fire_once(context, leader, key, broken):
                         break
         except BrokerUnavailableError:
             continue  # stopping, or this term is over (then this task is cancelled)
 
 
 async def _fire_once(
-    node: Node, leader: Leader, key: tuple[str, str], broken: set[tuple[str, str]]
+    context: RoleContext, leader: Proposer, key: tuple[str, str], broken: set[tuple[str, str]]
 ) -> bool:
     """Log the due firing of one schedule; False when none was due (or it failed)."""
-    schedule = node.state.schedules.get(key)
+    schedule = context.applier.state.schedules.get(key)
     try:
-        plan = plan_firing(schedule, node.clock.now_ms()) if schedule is not None else None
+        plan = plan_firing(schedule, context.clock.now_ms()) if schedule is not None else None
     except Exception:
         logger.exception("schedule %s/%s: cannot compute its ticks; not fired", *key)
         broken.add(key)

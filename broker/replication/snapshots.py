@@ -1,19 +1,18 @@
-"""Local snapshots of the node's state (docs/DESIGN.md §5): load the newest at boot, take
-one periodically (every role) and at a clean stop; after one, the leader applies retention."""
+"""Local snapshots of the node's state (docs/DESIGN.md §5): load the newest at boot (installed
+through the applier), take one periodically (every role) and at a clean stop; after one, the
+node's ``after_take`` runs (the leader applies retention)."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 from broker.core.snapshot_body import SnapshotBodyVersionError
 from broker.core.state import StateMachine
 from broker.replication.common import NewerFormatError, logger
+from broker.replication.context import RoleContext
 from snapshot.format import NewerSnapshotVersionError
-
-if TYPE_CHECKING:
-    from broker.replication.node import Node
 
 
 def _decode(body: bytes) -> StateMachine:
@@ -27,63 +26,66 @@ def _decode(body: bytes) -> StateMachine:
 
 
 class Snapshots:
-    def __init__(self, node: Node) -> None:
-        self._node = node
+    def __init__(self, context: RoleContext, after_take: Callable[[], Awaitable[None]]) -> None:
+        self._context = context
+        self._after_take = after_take  # run under the lock once a snapshot is written
         self.entries_at_snapshot = 0
-        self.position: tuple[int, int] = (-1, -1)  # of the last snapshot loaded or taken
+        self.snapshot_position: tuple[int, int] = (-1, -1)  # of the last snapshot loaded or taken
         self._lock = asyncio.Lock()
 
     async def load(self) -> bool:
         """Replace the state with the newest usable local snapshot (False: none)."""
-        node = self._node
+        context = self._context
+        store = context.snapshots
+        applier = context.applier
         # A snapshot whose verified body this build cannot decode is skipped too; one of a
         # newer release stops the broker (docs/OPERATIONS.md, "Rolling upgrade").
         try:
-            loaded = await asyncio.to_thread(
-                node.snapshots.load_newest_decoded, _decode, refuse_newer=True
-            )
+            loaded = await asyncio.to_thread(store.load_newest_decoded, _decode, refuse_newer=True)
         except NewerSnapshotVersionError as exc:
             raise NewerFormatError(
-                f"{exc}; or move that file out of {node.snapshots.directory} to start from "
+                f"{exc}; or move that file out of {store.directory} to start from "
                 "an older snapshot and the log (if the log still holds what follows it)"
             ) from None
         if loaded is None:
             return False
         header, state = loaded
-        if (header.ledger_id, header.entry_id) <= node.position:
+        position = (header.ledger_id, header.entry_id)
+        if position <= applier.position:
             return False  # not newer than what we have
-        node.state = state
-        node.position = (header.ledger_id, header.entry_id)
-        self.position = node.position
-        self.entries_at_snapshot = node.state.entries_applied
-        logger.info("loaded snapshot at position %s", node.position)
+        applier.install(state, position)
+        self.snapshot_position = position
+        self.entries_at_snapshot = state.entries_applied
+        logger.info("loaded snapshot at position %s", position)
         return True
 
     async def loop(self) -> None:
-        node = self._node
+        context = self._context
         while True:
-            await asyncio.sleep(node.config.snapshot_interval_s)
-            new_entries = node.state.entries_applied - self.entries_at_snapshot
-            if new_entries >= node.config.snapshot_min_entries:
+            await asyncio.sleep(context.config.snapshot_interval_s)
+            new_entries = context.applier.state.entries_applied - self.entries_at_snapshot
+            if new_entries >= context.config.snapshot_min_entries:
                 try:
                     await self.take()
                 except Exception:
                     logger.exception("periodic snapshot failed")
 
     async def take(self) -> None:
-        node = self._node
+        context = self._context
+        clock = context.clock
         async with self._lock:
             # Encoding runs on the loop so the state cannot change under it; the
             # compression, hashing and fsync run in a thread.
-            started = node.clock.monotonic_s()
-            body = node.state.encode_snapshot()
-            ledger_id, entry_id = node.position
-            entries_applied = node.state.entries_applied
-            created_ms = node.clock.now_ms()
+            started = clock.monotonic_s()
+            state = context.applier.state
+            body = state.encode_snapshot()
+            ledger_id, entry_id = context.applier.position
+            entries_applied = state.entries_applied
+            created_ms = clock.now_ms()
 
             def write() -> int | None:
-                info = node.snapshots.write(
-                    cluster_id=node.config.cluster_id,
+                info = context.snapshots.write(
+                    cluster_id=context.config.cluster_id,
                     ledger_id=ledger_id,
                     entry_id=entry_id,
                     created_ms=created_ms,
@@ -96,14 +98,13 @@ class Snapshots:
                     return None  # pruned at once (older than the kept ones)
 
             size_bytes = await asyncio.to_thread(write)
-            node.metrics.snapshot_duration.observe(node.clock.monotonic_s() - started)
-            node.metrics.snapshot_body.set(len(body))
+            metrics = context.metrics
+            metrics.snapshot_duration.observe(clock.monotonic_s() - started)
+            metrics.snapshot_body.set(len(body))
             if size_bytes is not None:
-                node.metrics.snapshot_size.set(size_bytes)
+                metrics.snapshot_size.set(size_bytes)
             self.entries_at_snapshot = entries_applied
-            self.position = (ledger_id, entry_id)
-            node.stats.snapshots_taken += 1
-            node.stats.last_snapshot_ms = node.clock.now_ms()
-            leader = node.leader
-            if leader is not None and not node.closing and node.writable:
-                await leader.retain_after_snapshot()
+            self.snapshot_position = (ledger_id, entry_id)
+            context.stats.snapshots_taken += 1
+            context.stats.last_snapshot_ms = clock.now_ms()
+            await self._after_take()

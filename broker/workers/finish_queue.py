@@ -21,7 +21,7 @@ from broker.workers.session import Session
 from wire import worker_protocol as p
 
 if TYPE_CHECKING:
-    from broker.workers.worker_link import WorkerLinkConfig
+    from broker.workers.link_config import WorkerLinkConfig
 
 # One logger for all of the worker link's parts (operators and tests filter on this name).
 logger = logging.getLogger("broker.workers.worker_link")

@@ -26,7 +26,7 @@ from wire import worker_protocol as p
 from wire.conversation import Conversation
 
 if TYPE_CHECKING:
-    from broker.workers.worker_link import WorkerLinkConfig
+    from broker.workers.link_config import WorkerLinkConfig
 
 # One logger for all of the worker link's parts (operators and tests filter on this name).
 logger = logging.getLogger("broker.workers.worker_link")

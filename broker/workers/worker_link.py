@@ -11,7 +11,8 @@ frame may come when in :mod:`wire.conversation`; this module is the asyncio
 wrapper around them. Its collaborators (docs/DESIGN.md §8, §9): :mod:`~broker.workers.handshake`
 (Hello to Welcome), :mod:`~broker.workers.liveness` (heartbeats, dead workers) and
 :mod:`~broker.workers.finish_queue` (finish reports); scheduling rounds and task output
-stay here. Every reading of the clock goes through the one injected ``clock``.
+stay here. Every reading of the clock goes through the one injected ``clock``. Its
+configuration, which they all read, is :class:`~broker.workers.link_config.WorkerLinkConfig`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import logging
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any
 
 from broker.api.edges import RefusalLog
@@ -32,15 +32,18 @@ from broker.core.effects import Applied
 from broker.core.scheduler import schedule
 from broker.core.state import Rejected, TaskState
 from broker.replication.node import BrokerStartupError, BrokerUnavailableError, Node, Stamp
-from broker.security.tls import TlsConfig, TlsConfigError, server_context
+from broker.security.tls import TlsConfigError, server_context
 from broker.workers.finish_queue import FinishQueue
 from broker.workers.handshake import Handshake
+from broker.workers.link_config import WorkerLinkConfig
 from broker.workers.liveness import Liveness
 from broker.workers.placement import SubmitPlacement
 from broker.workers.session import Clock, Session, peer_address, send_error
 from broker.workers.session_reader import SessionReader
 from wire import worker_protocol as p
 from wire.conversation import Conversation, Role
+
+__all__ = ["WorkerLink", "WorkerLinkConfig"]
 
 logger = logging.getLogger(__name__)  # task events: broker/observability/task_log.py
 
@@ -50,47 +53,6 @@ ROUND_PACING_FLOOR_S = 0.002
 ROUND_PACING_MAX_S = 0.1
 # How long a connection over the handshake cap (max_unauthenticated) waits for a slot.
 HANDSHAKE_WAIT_S = 3.0
-
-
-@dataclass(frozen=True)
-class WorkerLinkConfig:
-    host: str = "127.0.0.1"
-    port: int = 7070
-    heartbeat_interval_ms: int = 1000
-    # A worker silent (or disconnected) this long is declared dead (longer at scale: below).
-    heartbeat_timeout_ms: int = 10_000
-    # Heartbeats per second the leader takes across all its workers: with more workers
-    # than this times the interval, a Welcome names a longer interval, and a timeout of at
-    # least three of them, so idle cost stays flat (docs/DESIGN.md §8). 0: off.
-    heartbeats_per_s: int = 1000
-    # A connection must send its hello within this (it is closed with an error frame after).
-    hello_timeout_s: float = 5.0
-    # Before the hello is accepted nothing longer is read: a hello carries 7 to 15 bytes
-    # per task the worker still runs, so this fits a worker running over 17,000 tasks.
-    max_hello_bytes: int = 256 * 1024
-    # Connections still in their handshake (TLS done, hello not yet accepted); more are
-    # refused with an error frame. Their buffers are bounded by max_hello_bytes each.
-    max_unauthenticated: int = 64
-    # Workers connect over TLS (the broker's certificate) when set.
-    tls: TlsConfig | None = None
-    max_frame_bytes: int = p.DEFAULT_MAX_FRAME_BYTES
-    max_result_bytes: int = 1024 * 1024
-    max_assignments_per_round: int = 2000
-    max_reports_per_entry: int = 5000
-    # Children one finish report may spawn (each admitted as a submit's task is:
-    # broker/core/admission.py, params within its MAX_PARAMS_BYTES).
-    max_spawns_per_report: int = 10_000
-    # The shared worker token (legacy, unscoped): any worker holding it may connect.
-    token: str | None = None
-    # Authentication on: a task may spawn children only in its own tenant, using code
-    # its tenant may use (a task must not act for another tenant).
-    tenant_isolation: bool = False
-    # Authentication on: worker credentials issued through the API (role "worker") are
-    # accepted, and some credential is required even without a shared token.
-    worker_credentials: bool = False
-    # Task output kept on the leader (broker/api/output_store.py): in total, the least
-    # recently written attempt evicted first (each attempt keeps its last 1 MiB).
-    max_output_total_bytes: int = 256 * 1024 * 1024
 
 
 class WorkerLink:

@@ -281,11 +281,12 @@ class AsyncStewardClient(_ClientBase):
         max_batch: int = DEFAULT_MAX_BATCH,
         max_buffered: int = DEFAULT_MAX_BUFFERED,
         max_block_s: float = DEFAULT_MAX_BLOCK_S,
-    ) -> AsyncProducer:
+    ) -> AsyncProducer[AsyncTaskHandle]:
         """As :meth:`StewardClient.producer`: ``async with client.producer() as p``, then
         ``future = await p.submit(...)`` and ``handle = await future``."""
         return AsyncProducer(
-            self,
+            self._clone,
+            lambda task_id, state: AsyncTaskHandle(self, task_id, state),
             linger_ms=linger_ms,
             max_batch=max_batch,
             max_buffered=max_buffered,

@@ -6,8 +6,10 @@ flight, and resolves the futures. The batching rules are in :mod:`.producing`.""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar
 
+from clients.client.api_calls import Request
 from clients.client.producing import (
     Batch,
     Buffer,
@@ -18,29 +20,35 @@ from clients.client.producing import (
     resolve_all,
 )
 
-if TYPE_CHECKING:
-    from clients.client.async_client import AsyncStewardClient, AsyncTaskHandle
-
-_Fut = asyncio.Future["AsyncTaskHandle"]
+H = TypeVar("H")  # what a future resolves to: the client's AsyncTaskHandle
 
 
-def _set_result(future: _Fut, handle: AsyncTaskHandle) -> None:
+class AsyncSender(Protocol):
+    """The connections a producer sends its batches on: its client's ``_clone()``."""
+
+    async def _send(self, request: Request) -> Any: ...
+
+    async def aclose(self) -> None: ...
+
+
+def _set_result(future: asyncio.Future[H], handle: H) -> None:
     if not future.done():  # the caller may have cancelled it meanwhile
         future.set_result(handle)
 
 
-def _set_exception(future: _Fut, error: BaseException) -> None:
+def _set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
 
 
-class AsyncProducer:
+class AsyncProducer(Generic[H]):
     """The asyncio twin of :class:`clients.client.producer.Producer`: ``async with``,
     ``await flush()``, ``await aclose()``; same batching, ordering and failover."""
 
     def __init__(
         self,
-        client: AsyncStewardClient,
+        connect: Callable[[], AsyncSender],
+        handle: Callable[[int, str], H],
         *,
         linger_ms: float,
         max_batch: int,
@@ -48,15 +56,15 @@ class AsyncProducer:
         max_block_s: float,
     ) -> None:
         check_options(max_block_s)
-        self._buffer: Buffer[_Fut] = Buffer(linger_ms, max_batch, max_buffered)
+        self._buffer: Buffer[asyncio.Future[H]] = Buffer(linger_ms, max_batch, max_buffered)
         self._max_block_s = max_block_s
-        self._client = client
-        self._sender = client._clone()  # its own connection pool, closed with the producer
+        self._handle = handle  # (task id, state) -> the handle a future resolves to
+        self._sender = connect()  # its own connection pool, closed with the producer
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()  # for the sender: something to send
         self._progress = asyncio.Event()  # replaced on each step: waiters re-check
 
-    async def __aenter__(self) -> AsyncProducer:
+    async def __aenter__(self) -> AsyncProducer[H]:
         self._start()
         return self
 
@@ -77,7 +85,7 @@ class AsyncProducer:
 
     async def submit(
         self, type: str, params: Any = None, *, tenant: str | None = None, **options: Any
-    ) -> _Fut:
+    ) -> asyncio.Future[H]:
         """Queue one task; returns a future resolving to its AsyncTaskHandle once it is
         durable, or to the StewardError that refused it (see Producer.submit)."""
         body = encode_task(type, params, tenant, options)
@@ -91,7 +99,7 @@ class AsyncProducer:
         if buffer.closed:
             raise ProducerClosedError()
         self._start()
-        future: _Fut = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[H] = asyncio.get_running_loop().create_future()
         if buffer.add(body, future, asyncio.get_running_loop().time()):
             self._wake.set()
         return future
@@ -134,12 +142,8 @@ class AsyncProducer:
                 buffer.done(upto)
                 self._step()
 
-    async def _deliver(self, batch: Batch[_Fut] | None) -> None:
-        from clients.client.async_client import AsyncTaskHandle
-
-        def handle(task_id: int, state: str) -> AsyncTaskHandle:
-            return AsyncTaskHandle(self._client, task_id, state)
-
+    async def _deliver(self, batch: Batch[asyncio.Future[H]] | None) -> None:
+        handle = self._handle
         while batch is not None:
             try:
                 answer: Any = await self._sender._send(batch.request())

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol, TypeVar
 
+from clients.client.api_calls import Request
 from clients.client.producing import (
     Batch,
     Buffer,
@@ -21,11 +23,18 @@ from clients.client.producing import (
     resolve_all,
 )
 
-if TYPE_CHECKING:
-    from clients.client.sync_client import StewardClient, TaskHandle
+H = TypeVar("H")  # what a future resolves to: the client's TaskHandle
 
 
-def _cancelled(future: Future[TaskHandle]) -> bool:
+class Sender(Protocol):
+    """The connection a producer sends its batches on: its client's ``_clone()``."""
+
+    def _send(self, request: Request) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+def _cancelled(future: Future[Any]) -> bool:
     # After this a future can no longer be cancelled: its task is being sent.
     try:
         return not future.set_running_or_notify_cancel()
@@ -33,17 +42,17 @@ def _cancelled(future: Future[TaskHandle]) -> bool:
         return True
 
 
-def _set_result(future: Future[TaskHandle], handle: TaskHandle) -> None:
+def _set_result(future: Future[H], handle: H) -> None:
     with suppress(InvalidStateError):  # resolved by the caller meanwhile
         future.set_result(handle)
 
 
-def _set_exception(future: Future[TaskHandle], error: BaseException) -> None:
+def _set_exception(future: Future[Any], error: BaseException) -> None:
     with suppress(InvalidStateError):
         future.set_exception(error)
 
 
-class Producer:
+class Producer(Generic[H]):
     """Submissions batched in the background; use it as a context manager (exit flushes
     and closes, even when the block raises, as Kafka's producer does).
 
@@ -52,7 +61,8 @@ class Producer:
 
     def __init__(
         self,
-        client: StewardClient,
+        connect: Callable[[], Sender],
+        handle: Callable[[int, str], H],
         *,
         linger_ms: float,
         max_batch: int,
@@ -60,16 +70,16 @@ class Producer:
         max_block_s: float,
     ) -> None:
         check_options(max_block_s)
-        self._buffer: Buffer[Future[TaskHandle]] = Buffer(linger_ms, max_batch, max_buffered)
+        self._buffer: Buffer[Future[H]] = Buffer(linger_ms, max_batch, max_buffered)
         self._max_block_s = max_block_s
-        self._client = client
+        self._handle = handle  # (task id, state) -> the handle a future resolves to
         # Its own connection: the sender thread never shares one with the caller's thread.
-        self._sender = client._clone()
+        self._sender = connect()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="steward-producer", daemon=True)
         self._thread.start()
 
-    def __enter__(self) -> Producer:
+    def __enter__(self) -> Producer[H]:
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -77,13 +87,13 @@ class Producer:
 
     def submit(
         self, type: str, params: Any = None, *, tenant: str | None = None, **options: Any
-    ) -> Future[TaskHandle]:
+    ) -> Future[H]:
         """Queue one task (the options of :meth:`StewardClient.submit`); the future resolves
         to its TaskHandle once it is durable, or to the StewardError that refused it. Blocks
         up to ``max_block_s`` while ``max_buffered`` submissions wait to be sent, then
         raises ProducerFullError; a task the client can tell is invalid raises at once."""
         body = encode_task(type, params, tenant, options)
-        future: Future[TaskHandle] = Future()
+        future: Future[H] = Future()
         buffer = self._buffer
         with self._cond:
             if buffer.full and not buffer.closed:
@@ -138,12 +148,8 @@ class Producer:
                     buffer.done(upto)
                     self._cond.notify_all()
 
-    def _deliver(self, batch: Batch[Future[TaskHandle]] | None) -> None:
-        from clients.client.sync_client import TaskHandle
-
-        def handle(task_id: int, state: str) -> TaskHandle:
-            return TaskHandle(self._client, task_id, state)
-
+    def _deliver(self, batch: Batch[Future[H]] | None) -> None:
+        handle = self._handle
         while batch is not None:
             try:
                 # The client's retries (not_leader, 503, next URL) resend the same bytes

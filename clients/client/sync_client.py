@@ -277,12 +277,13 @@ class StewardClient(_ClientBase):
         max_batch: int = DEFAULT_MAX_BATCH,
         max_buffered: int = DEFAULT_MAX_BUFFERED,
         max_block_s: float = DEFAULT_MAX_BLOCK_S,
-    ) -> Producer:
+    ) -> Producer[TaskHandle]:
         """A pipelining producer: ``p.submit(...)`` returns a future at once; batches of up
         to ``max_batch`` go ``linger_ms`` after the first one waiting (docs/API.md,
         "Pipelining producer"). Use it in a ``with`` block (exit flushes)."""
         return Producer(
-            self,
+            self._clone,
+            lambda task_id, state: TaskHandle(self, task_id, state),
             linger_ms=linger_ms,
             max_batch=max_batch,
             max_buffered=max_buffered,

@@ -1,5 +1,6 @@
-"""The Pulsar client: its creation, its loggers, its errors as ledger errors, and results
-handed from its threads to the event loop."""
+"""The Pulsar client: its creation, its loggers, its errors as ledger errors, results
+handed from its threads to the event loop, and what a ledger's writer and readers use of
+their store (:class:`LedgerHandleStore`)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,46 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import pulsar  # type: ignore[import-untyped]
 
 from log.api import (
     LedgerError,
     LedgerFencedError,
+    LedgerReader,
+    LedgerWriter,
     NoSuchLedgerError,
 )
 from log.pulsar.config import PulsarConfig
+
+_T = TypeVar("_T")
 
 logger = logging.getLogger("log.pulsar")
 #: The Pulsar C++ client logs through this logger. Left at NOTSET, it is set to WARNING:
 #: at INFO the client logs every connection, producer and reader it creates.
 CLIENT_LOGGER = logging.getLogger("log.pulsar.client")
+
+
+class LedgerHandleStore(Protocol):
+    """What a ledger's writer and readers use of the store that made them
+    (:class:`~log.pulsar.store.PulsarLedgerStore`): its settings, client and helpers."""
+
+    @property
+    def config(self) -> PulsarConfig: ...
+
+    @property
+    def client(self) -> Any: ...
+
+    async def blocking(
+        self, what: str, func: Callable[..., _T], *args: Any, **kwargs: Any
+    ) -> _T: ...
+
+    async def close_quietly(self, handle: Any, what: str) -> None: ...
+
+    async def send_and_wait(self, producer: Any, payload: bytes, what: str) -> None: ...
+
+    def forget(self, handle: LedgerWriter | LedgerReader) -> None: ...
 
 
 class PulsarPolicyError(LedgerError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pulsar  # type: ignore[import-untyped]
 
@@ -16,13 +16,9 @@ from log.api import (
     LedgerReader,
     NoSuchLedgerError,
 )
-from log.pulsar.client import logger
+from log.pulsar.client import LedgerHandleStore, logger
 from log.pulsar.entry_buffer import EntryBuffer
 from log.pulsar.reader_thread import ReaderThread
-
-if TYPE_CHECKING:
-    from log.pulsar.store import PulsarLedgerStore
-
 
 #: A reader stops fetching while it holds more than this many bytes nobody read yet.
 READER_BUFFER_BYTES = 32 * 1024 * 1024
@@ -38,7 +34,7 @@ class PulsarLedgerReader(LedgerReader):
     re-creates the client Reader after gaps and stalls and serves reads from the buffer.
     """
 
-    def __init__(self, store: PulsarLedgerStore, ledger_id: int) -> None:
+    def __init__(self, store: LedgerHandleStore, ledger_id: int) -> None:
         self._store = store
         self._ledger_id = ledger_id
         self._topic = store.config.topic(ledger_id)

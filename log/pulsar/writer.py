@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pulsar  # type: ignore[import-untyped]
 
@@ -14,17 +14,20 @@ from log.api import (
     LedgerWriter,
     NoSuchLedgerError,
 )
-from log.pulsar.client import _error_for, _error_for_result, _ThreadInbox, logger
+from log.pulsar.client import (
+    LedgerHandleStore,
+    _error_for,
+    _error_for_result,
+    _ThreadInbox,
+    logger,
+)
 from log.pulsar.wire import MAX_ENTRY_SIZE_BYTES, Kind, encode_entries, encode_message
-
-if TYPE_CHECKING:
-    from log.pulsar.store import PulsarLedgerStore
 
 
 class PulsarLedgerWriter(LedgerWriter):
     """The producer of one ledger's topic; see the :mod:`log.pulsar` docstring."""
 
-    def __init__(self, store: PulsarLedgerStore, ledger_id: int, producer: Any) -> None:
+    def __init__(self, store: LedgerHandleStore, ledger_id: int, producer: Any) -> None:
         self._store = store
         self._ledger_id = ledger_id
         self._producer = producer

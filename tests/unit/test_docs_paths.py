@@ -9,8 +9,8 @@ ROOT = Path(__file__).resolve().parents[2]
 _PATH = re.compile(
     r"((?:broker|clients|log|snapshot|tests|bench|examples|docs)/[\w/.\-]+?\.(?:py|md|sh|yml|toml))"
 )
-# Files whose path strings are test data (planted imports), not references.
-_DATA = {ROOT / "tests" / "unit" / "test_layering.py"}
+# Files whose path strings are test data (planted imports and writers), not references.
+_DATA = {ROOT / "tests" / "unit" / name for name in ("test_layering.py", "test_node_interface.py")}
 
 
 def _referencing_files() -> list[Path]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Union
 
 import msgspec
@@ -18,7 +19,9 @@ from broker.core.snapshot_body import (
     decode_snapshot_body,
 )
 from broker.core.state import StateMachine
+from broker.replication.applier import Applier
 from broker.replication.common import NewerFormatError
+from broker.replication.context import RoleContext
 from broker.replication.snapshots import Snapshots
 from snapshot.format import (
     FORMAT_VERSION,
@@ -144,12 +147,13 @@ def test_a_newer_snapshot_file_is_refused_naming_its_version(tmp_path: Path) -> 
         read_snapshot(path)
 
 
-class _Node:
-    """What Snapshots.load uses of a node."""
+def _context(store: SnapshotStore) -> RoleContext:
+    """What Snapshots.load uses of a node's context: the store and the applier."""
+    return SimpleNamespace(snapshots=store, applier=Applier())  # type: ignore[return-value]
 
-    def __init__(self, store: SnapshotStore) -> None:
-        self.snapshots = store
-        self.position = (-1, -1)
+
+async def _nothing() -> None:
+    pass
 
 
 @pytest.mark.parametrize("what", ["file", "body"])
@@ -160,7 +164,7 @@ async def test_a_broker_refuses_to_boot_from_a_newer_snapshot(tmp_path: Path, wh
         bump_file_version(_write(tmp_path, StateMachine().encode_snapshot(), (2, 1)))
     else:
         _write(tmp_path, _newer_body(), (2, 1))
-    snapshots = Snapshots(_Node(store))  # type: ignore[arg-type]
+    snapshots = Snapshots(_context(store), after_take=_nothing)
     with pytest.raises(NewerFormatError) as info:
         await snapshots.load()
     message = str(info.value)
@@ -172,11 +176,10 @@ async def test_a_broker_refuses_to_boot_from_a_newer_snapshot(tmp_path: Path, wh
 
 
 def test_a_log_entry_of_a_newer_release_stops_the_broker_naming_where() -> None:
-    from broker.replication.applier import Applier
     from log.api import LedgerEntry
 
     data = e.encode_entry(e.Tick(time_ms=1, v=e.ENTRY_FORMAT_VERSION + 1))
-    applier = Applier(None)  # type: ignore[arg-type]  # the entry is refused before use
+    applier = Applier()
     newer = e.ENTRY_FORMAT_VERSION + 1
     with pytest.raises(
         NewerFormatError, match=f"ledger 7 entry 3: log entry format version {newer}"
@@ -220,7 +223,6 @@ def test_each_entry_is_written_in_the_oldest_format_that_knows_its_type() -> Non
 def test_a_broker_of_format_2_refuses_a_format_3_entry_type_naming_the_version(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from broker.replication.applier import Applier
     from log.api import LedgerEntry
 
     # The release before: it reads format 2 and knows none of the format-3 entry types.
@@ -228,7 +230,7 @@ def test_a_broker_of_format_2_refuses_a_format_3_entry_type_naming_the_version(
     monkeypatch.setattr(e, "ENTRY_FORMAT_VERSION", 2)
     older = msgspec.msgpack.Decoder(Union[(e.Confirm, *known)])  # type: ignore[valid-type]
     monkeypatch.setattr(e, "_record_decoder", older)
-    applier = Applier(None)  # type: ignore[arg-type]  # the entry is refused before use
+    applier = Applier()
     for entry in sample_entries():
         if type(entry) not in FORMAT_3_TYPES:
             continue
@@ -245,14 +247,13 @@ def test_a_broker_of_format_2_refuses_a_format_3_entry_type_naming_the_version(
 def test_a_broker_of_format_3_refuses_a_format_4_entry_type_naming_the_version(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from broker.replication.applier import Applier
     from log.api import LedgerEntry
 
     known = tuple(t for t in e.Entry.__args__ if t not in FORMAT_4_TYPES)  # type: ignore[attr-defined]
     monkeypatch.setattr(e, "ENTRY_FORMAT_VERSION", 3)
     older = msgspec.msgpack.Decoder(Union[(e.Confirm, *known)])  # type: ignore[valid-type]
     monkeypatch.setattr(e, "_record_decoder", older)
-    applier = Applier(None)  # type: ignore[arg-type]  # the entry is refused before use
+    applier = Applier()
     refused: set[type] = set()
     for entry in sample_entries():
         if type(entry) not in FORMAT_4_TYPES:
@@ -269,14 +270,13 @@ def test_a_broker_of_format_3_refuses_a_format_4_entry_type_naming_the_version(
 def test_a_broker_of_format_4_refuses_a_format_5_entry_type_naming_the_version(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from broker.replication.applier import Applier
     from log.api import LedgerEntry
 
     known = tuple(t for t in e.Entry.__args__ if t not in FORMAT_5_TYPES)  # type: ignore[attr-defined]
     monkeypatch.setattr(e, "ENTRY_FORMAT_VERSION", 4)
     older = msgspec.msgpack.Decoder(Union[(e.Confirm, *known)])  # type: ignore[valid-type]
     monkeypatch.setattr(e, "_record_decoder", older)
-    applier = Applier(None)  # type: ignore[arg-type]  # the entry is refused before use
+    applier = Applier()
     refused: set[type] = set()
     for entry in sample_entries():
         if type(entry) not in FORMAT_5_TYPES:

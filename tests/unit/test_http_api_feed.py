@@ -159,7 +159,8 @@ async def test_a_state_loaded_from_a_snapshot_answers_410_for_keys_before_it(api
     await finish_some(api)
     events = parse_events((await asyncio.wait_for(opened, 5)).text)
     # As a follower catching up from a snapshot: the entries it covers were never applied.
-    api.node.state = StateMachine.from_snapshot(api.node.state.encode_snapshot())
+    loaded = StateMachine.from_snapshot(api.node.state.encode_snapshot())
+    api.node.applier.install(loaded, api.node.position)
     gone = await api.get(EVENTS, headers={"last-event-id": events[-1]["id"]})
     assert error_of(gone, 410, "event_id_gone")
     ledger, entry = api.node.position

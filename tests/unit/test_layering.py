@@ -39,6 +39,10 @@ Boundaries the table keeps, in words:
   task_processes, runtime, link; the worker's base modules (config, task_api, artifacts,
   sandbox, task_env, task_identity, spark_remote_url) import no room, only the package's
   entry points (``clients.worker``, ``clients.worker.__main__``) take from every room.
+
+Inside a package the modules import each other without a circle (:func:`import_circles`):
+every import counts, ``TYPE_CHECKING`` ones too, since a type-only circle is the same
+coupling (two modules that cannot be read, or split, apart).
 """
 
 from __future__ import annotations
@@ -246,6 +250,75 @@ def check_tree(root: Path, rules: tuple[Rule, ...] = RULES) -> list[str]:
     return problems
 
 
+def import_circles(root: Path) -> list[tuple[str, ...]]:
+    """Each package's import circles among its own modules (the ``.py`` files directly in
+    it; a subpackage is a package of its own), counting every import: at module level,
+    inside functions and under ``TYPE_CHECKING``. One sorted tuple per strongly connected
+    set of two or more modules."""
+    circles: list[tuple[str, ...]] = []
+    for top in PROJECT_PACKAGES:
+        for init in sorted((root / top).rglob("__init__.py")):
+            package = module_name(init, root)
+            files = {
+                f"{package}.{path.stem}": path
+                for path in sorted(init.parent.glob("*.py"))
+                if path.name != "__init__.py"
+            }
+            edges: dict[str, set[str]] = {module: set() for module in files}
+            for module, path in files.items():
+                for _, imported, names in imports_of(path, module):
+                    for target in (imported, *(f"{imported}.{name}" for name in names)):
+                        if not target.startswith(package + "."):
+                            continue
+                        child = package + "." + target[len(package) + 1 :].split(".")[0]
+                        if child in files and child != module:
+                            edges[module].add(child)
+            circles.extend(_strongly_connected(edges))
+    return sorted(circles)
+
+
+def _strongly_connected(edges: dict[str, set[str]]) -> list[tuple[str, ...]]:
+    """Tarjan's algorithm: the sets of two or more nodes that all reach each other."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[tuple[str, ...]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in sorted(edges[node]):
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            members = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                members.append(member)
+                if member == node:
+                    break
+            if len(members) > 1:
+                found.append(tuple(sorted(members)))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_package_has_an_import_circle() -> None:
+    circles = sorted(import_circles(ROOT))
+    assert not circles, "import circles inside a package (TYPE_CHECKING imports count):\n" + (
+        "\n".join(" <-> ".join(circle) for circle in circles)
+    )
+
+
 def test_the_tree_keeps_its_layers() -> None:
     problems = check_tree(ROOT)
     assert not problems, "layering violations:\n" + "\n".join(problems)
@@ -364,6 +437,41 @@ _CLEAN_TREE = {
     "clients/__init__.py": "",
     "clients/client.py": "from broker.security.tls import client_context\n",
 }
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        {  # a type-only circle is still one
+            "a.py": "import typing\nif typing.TYPE_CHECKING:\n    from log.x.b import B\n",
+            "b.py": "from log.x import a\n",
+        },
+        {  # through a function-level import and a relative one, over three modules
+            "a.py": "def f():\n    from .b import g\n",
+            "b.py": "from log.x.c import h\n",
+            "c.py": "from . import a\n",
+        },
+    ],
+)
+def test_import_circles_finds_a_planted_circle(tmp_path: Path, files: dict[str, str]) -> None:
+    _write(tmp_path, {"log/__init__.py": "", "log/x/__init__.py": ""})
+    _write(tmp_path, {f"log/x/{name}": text for name, text in files.items()})
+    assert import_circles(tmp_path) == [tuple(f"log.x.{n[:-3]}" for n in sorted(files))]
+
+
+def test_import_circles_passes_one_way_imports_and_other_packages(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "log/__init__.py": "",
+            "log/x/__init__.py": "from log.x import a\n",  # the package's own __init__
+            "log/x/a.py": "from log.x.b import B\nfrom log.y import a\n",
+            "log/x/b.py": "from log.y.a import A\n",
+            "log/y/__init__.py": "",
+            "log/y/a.py": "from log.x import a\n",  # log.y and log.x: not inside one package
+        },
+    )
+    assert import_circles(tmp_path) == []
 
 
 def test_checker_passes_a_clean_tree(tmp_path: Path) -> None:
