@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from broker.core import ApplyResult
 from broker.core import entries as e
 from broker.core.effects import Applied
-from broker.core.state import ApplyResult
 from broker.replication.common import NewerFormatError, logger
 from log.api import LedgerEntry
 

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from broker.core import ApplyResult
 from broker.core import entries as e
-from broker.core.state import ApplyResult
 from broker.replication.common import (
     BrokerStartupError,
     BrokerUnavailableError,

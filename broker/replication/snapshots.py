@@ -7,8 +7,8 @@ import asyncio
 import hashlib
 from typing import TYPE_CHECKING
 
+from broker.core import StateMachine
 from broker.core.snapshot_body import SnapshotBodyVersionError
-from broker.core.state import StateMachine
 from broker.replication.common import NewerFormatError, logger
 from snapshot.format import NewerSnapshotVersionError
 

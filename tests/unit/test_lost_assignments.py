@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from broker.core import Rejected, TaskRef, TaskState, WorkerReconciled
 from broker.core import entries as e
-from broker.core.state import Rejected, TaskRef, TaskState, WorkerReconciled
 from broker.workers import protocol as p
 from tests.support.link_broker import Broker
 from tests.support.machine import Machine

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from broker.core import TaskState
 from broker.core import entries as e
-from broker.core.state import TaskState
 from broker.workers import protocol as p
 from broker.workers.protocol import AssignedTask
 from clients.worker.task_api import SpawnedChild, TaskContext

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from broker.core.state import WorkerState
+from broker.core import WorkerState
 from broker.workers import protocol as p
 from tests.support.link_broker import WAIT_S, BrokerFactory, Monotonic
 
