@@ -18,9 +18,9 @@ import argparse
 import statistics
 import time
 
+from broker.core import StateMachine, TaskRef
 from broker.core import entries as e
 from broker.core.scheduler import schedule
-from broker.core.state import StateMachine, TaskRef
 
 T0 = 1_700_000_000_000
 

@@ -39,9 +39,9 @@ import tracemalloc
 from collections import deque
 from dataclasses import dataclass, field
 
+from broker.core import Rejected, StateMachine, Task
 from broker.core import entries as e
 from broker.core.scheduler import schedule
-from broker.core.state import Rejected, StateMachine, Task
 
 T0 = 1_700_000_000_000
 PARAMS_BYTES = 100

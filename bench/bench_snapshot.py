@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from broker.core import StateMachine
 from broker.core import entries as e
-from broker.core.state import StateMachine
 from snapshot.store import SnapshotStore
 
 

@@ -57,8 +57,8 @@ from typing import Any
 
 import msgspec
 
+from broker.core import MAX_TREE_TIMEOUT_MS, StateMachine, TreeRecord, TreeState, tree_value
 from broker.core import entries as e
-from broker.core.state import MAX_TREE_TIMEOUT_MS, StateMachine, TreeRecord, TreeState, tree_value
 
 T0_MS = 1_700_000_000_000
 BATCH = 1_000

@@ -19,7 +19,7 @@ Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 IdempotencyKey = Annotated[
     str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[\x20-\x7e]+$")
 ]
-# A tenant (or other) name, as broker.core.state.NAME_RE checks it: for the schema.
+# A tenant (or other) name, as broker.core.validation.NAME_RE checks it: for the schema.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
 NonNegativeInt64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]

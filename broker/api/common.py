@@ -18,8 +18,7 @@ import msgspec
 from broker.api import api_models as m
 from broker.api.edges import HttpEdgeConfig
 from broker.artifacts.code_store import ArtifactLimits
-from broker.core.admission import MAX_PARAMS_BYTES, Inadmissible, Refusal
-from broker.core.state import (
+from broker.core import (
     FINAL_STATES,
     ApiToken,
     Artifact,
@@ -31,6 +30,7 @@ from broker.core.state import (
     WorkerState,
     validate_idempotency_key,
 )
+from broker.core.admission import MAX_PARAMS_BYTES, Inadmissible, Refusal
 from broker.security.auth import ANONYMOUS_ADMIN, AuthConfig, Principal
 
 CHALLENGE: Final = ((b"www-authenticate", b'Bearer realm="steward"'),)

@@ -16,9 +16,9 @@ from broker.api.output_store import OutputStore
 from broker.api.rate_limit import SubmitRateLimiter
 from broker.api.webhooks import WebhookSender
 from broker.artifacts.code_store import CodeStore, UploadChecker
+from broker.core import FINAL_STATES
 from broker.core import entries as e
 from broker.core.effects import Applied
-from broker.core.state import FINAL_STATES
 from broker.observability import dashboard
 from broker.replication.node import Node
 from broker.security.auth import Role as CallerRole

@@ -11,8 +11,8 @@ import msgspec
 from broker.api import api_models as m
 from broker.api.common import HttpError, Request, decode, json_encoder, rejected_error, to_epoch_ms
 from broker.api.context import ApiContext
+from broker.core import LIVE_STATES, CancelCount, Rejected, StateMachine
 from broker.core import entries as e
-from broker.core.state import LIVE_STATES, CancelCount, Rejected, StateMachine
 from broker.replication.node import Stamp
 from broker.security.auth import Role as CallerRole
 

@@ -22,11 +22,11 @@ from broker.api.common import (
     rejected_error,
 )
 from broker.api.context import ApiContext
-from broker.core import entries as e
-from broker.core.state import (
+from broker.core import (
     NAME_RE,
     Rejected,
 )
+from broker.core import entries as e
 from broker.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from broker.observability.metrics import BrokerMetrics
 from broker.replication.node import VERSION, Node, Role

@@ -18,12 +18,12 @@ from broker.api.common import (
 )
 from broker.api.context import ApiContext
 from broker.artifacts.code_store import ArtifactTooLargeError, InvalidArtifactError
-from broker.core import entries as e
-from broker.core.state import (
+from broker.core import (
     Artifact,
     Rejected,
     WorkerState,
 )
+from broker.core import entries as e
 from broker.security.auth import Principal
 from broker.security.auth import Role as CallerRole
 

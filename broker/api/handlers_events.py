@@ -27,7 +27,7 @@ from broker.api.event_feed import (
     FeedSubscription,
     PositionGoneError,
 )
-from broker.core.state import FINAL_STATES
+from broker.core import FINAL_STATES
 from broker.security.auth import Role as CallerRole
 
 _TASK_IDS: Final = re.compile(r"\d{1,18}(?:,\d{1,18})*")

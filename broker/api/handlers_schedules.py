@@ -20,6 +20,7 @@ from broker.api.common import (
     rejected_error,
 )
 from broker.api.context import ApiContext
+from broker.core import NAME_RE, Rejected
 from broker.core import entries as e
 from broker.core.admission import admission_problem
 from broker.core.schedules import (
@@ -30,7 +31,6 @@ from broker.core.schedules import (
     cron_problem,
     tick_after,
 )
-from broker.core.state import NAME_RE, Rejected
 from broker.replication.node import Stamp
 from broker.security.auth import Role as CallerRole
 

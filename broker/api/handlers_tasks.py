@@ -30,15 +30,15 @@ from broker.api.common import (
 )
 from broker.api.context import ApiContext
 from broker.api.output_store import PROXIED_HEADER, LogsError, logs_answer, logs_from_leader
-from broker.core import entries as e
-from broker.core.admission import admission_problem
-from broker.core.state import (
+from broker.core import (
     MAX_TREE_TIMEOUT_MS,
     Rejected,
     ReplayedResults,
     TaskRef,
     TreeState,
 )
+from broker.core import entries as e
+from broker.core.admission import admission_problem
 from broker.replication.node import Stamp
 from broker.security.auth import ANONYMOUS_ADMIN, Principal
 from broker.security.auth import Role as CallerRole

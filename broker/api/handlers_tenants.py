@@ -16,13 +16,13 @@ from broker.api.common import (
     rejected_error,
 )
 from broker.api.context import ApiContext
-from broker.core import entries as e
-from broker.core.state import (
+from broker.core import (
     NAME_RE,
     Rejected,
     Tenant,
     validate_limits,
 )
+from broker.core import entries as e
 
 logger = logging.getLogger(__name__)
 

@@ -17,12 +17,12 @@ from broker.api.common import (
     token_view,
 )
 from broker.api.context import ApiContext
-from broker.core import entries as e
-from broker.core.state import (
+from broker.core import (
     ApiToken,
     Rejected,
     validate_token_fields,
 )
+from broker.core import entries as e
 from broker.security.auth import hash_token, new_token, new_token_id
 
 logger = logging.getLogger(__name__)

@@ -19,13 +19,13 @@ from broker.api.common import (
     rejected_error,
 )
 from broker.api.context import ApiContext
-from broker.core import entries as e
-from broker.core.state import (
+from broker.core import (
     NAME_RE,
     Rejected,
     TransactionDone,
     TransactionRef,
 )
+from broker.core import entries as e
 from broker.replication.node import Stamp
 from broker.security.auth import Role as CallerRole
 

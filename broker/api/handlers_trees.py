@@ -16,7 +16,7 @@ from typing import Final
 from broker.api import api_models as m
 from broker.api.common import HttpError, Request, int_param, iso_ms, json_encoder
 from broker.api.context import ApiContext
-from broker.core.state import StateMachine, TaskState, TreeRecord, TreeState
+from broker.core import StateMachine, TaskState, TreeRecord, TreeState
 from broker.security.auth import Role as CallerRole
 
 #: The reason the state machine gives a run that timed out (broker/core/state.py, _fire).

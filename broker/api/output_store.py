@@ -35,7 +35,7 @@ import httpx
 import msgspec
 
 from broker.api.progress_store import ProgressStore
-from broker.core.state import FINAL_STATES, StateMachine, TaskState
+from broker.core import FINAL_STATES, StateMachine, TaskState
 from broker.security.auth import Principal
 from broker.security.tls import peer_ssl_context
 

@@ -2,7 +2,7 @@
 
 The scheduler (broker/core/scheduler.py), ``apply`` checking the assignments a submit
 carries (broker/core/workers.py), the placement of new tasks in their submit entry
-(broker/core/placement.py) and the capacity index (broker/core/machine_base.py) all ask
+(broker/core/placement.py) and the capacity index (broker/core/capacity.py) all ask
 these functions; each caller only counts what is in use its own way (a round's views, the
 state, placements in flight). Pure: no state of its own.
 

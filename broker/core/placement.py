@@ -20,7 +20,8 @@ from typing import Final
 
 from broker.core import entries as e
 from broker.core.fit import fits, pool_of, resources_left
-from broker.core.state import StateMachine, Worker
+from broker.core.records import Worker
+from broker.core.state import StateMachine
 
 # A batch's first tasks at most: the rest wait for the scheduler (whose heaps scale).
 MAX_PLACED_PER_ENTRY: Final = 64

@@ -347,3 +347,42 @@ def idempotency_scope(tenants: Iterable[str]) -> str:
 
 class InvariantError(AssertionError):
     pass
+
+
+# --- schedules (the handlers and the cron rules: broker/core/schedules.py) ---
+
+#: A skip schedule's tick that the leader reaches later than this is skipped (default).
+DEFAULT_GRACE_MS: Final = 60_000
+
+
+class Missed(StrEnum):
+    """What happens to ticks that passed while no leader fired them."""
+
+    SKIP = "skip"  # run only a tick reached within grace_ms of its time; drop the rest
+    RUN_ONCE = "run_once"  # several missed ticks run once (as the latest of them)
+    RUN_ALL = "run_all"  # every missed tick runs, at most MAX_CATCH_UP of them
+
+
+class Firing(msgspec.Struct, array_like=True, gc=False):
+    tick_ms: int
+    task_id: int | None  # None: the tick ran no task (skipped, or its submit was refused)
+
+
+class Schedule(msgspec.Struct, omit_defaults=True):
+    tenant: str
+    name: str
+    task: e.TaskSpec  # id 0: each firing gets the id its entry carries
+    next_ms: int  # the next tick not yet handled
+    anchor_ms: int  # interval ticks are anchor_ms + k * interval_ms
+    created_ms: int
+    interval_ms: int | None = None
+    cron: str | None = None
+    missed: str = Missed.SKIP.value
+    grace_ms: int = DEFAULT_GRACE_MS
+    runs: int = 0  # tasks created
+    skipped: int = 0  # ticks that created no task
+    last_error: str | None = None  # why the last refused firing created no task
+    history: list[Firing] = []
+    # State time it was paused at (None: not paused): a paused schedule fires nothing
+    # (docs/DESIGN.md §6, "Periodic tasks"). Snapshot body version 3.
+    paused_ms: int | None = None

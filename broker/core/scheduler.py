@@ -45,7 +45,9 @@ from typing import Final
 
 from broker.core.entries import Assignment
 from broker.core.fit import fits, pool_of, resources_left, within_global_limits
-from broker.core.state import StateMachine, Task, TaskState
+from broker.core.records import Task
+from broker.core.state import StateMachine
+from broker.core.transitions import TaskState
 
 DEFAULT_MAX_ASSIGNMENTS: Final = 1000
 DEFAULT_LOOKAHEAD: Final = 16

@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Final
 
 import msgspec
 from croniter import croniter  # type: ignore[import-untyped]  # (no type hints shipped)
 
 from broker.core import entries as e
-from broker.core.records import ErrorCode, Rejected, TaskRef
-from broker.core.tasks import TasksMixin
+from broker.core.books import Books
+from broker.core.records import DEFAULT_GRACE_MS as DEFAULT_GRACE_MS
+from broker.core.records import ErrorCode, Firing, Rejected, TaskRef
+from broker.core.records import Missed as Missed
+from broker.core.records import Schedule as Schedule
+from broker.core.tasks import submit_one
 from broker.core.validation import NAME_RE, validate_task_spec
 
 #: Bounds of an interval schedule's period.
@@ -36,8 +39,6 @@ MAX_SCHEDULES_PER_TENANT: Final = 1_000
 MAX_CATCH_UP: Final = 100
 #: Firings a schedule remembers (newest last), for the API and the acceptance test.
 HISTORY: Final = 32
-#: A skip schedule's tick that the leader reaches later than this is skipped (default).
-DEFAULT_GRACE_MS: Final = 60_000
 #: The longest cron expression taken.
 MAX_CRON_CHARS: Final = 200
 _CRON_CHARS: Final = re.compile(r"[ -~]+")  # printable ASCII, no newline
@@ -45,39 +46,6 @@ _RANDOM_FIELD: Final = re.compile(r"(?i)(?:^|[\s,/-])[RH](?=$|[\s,/(-])")
 #: Counting skipped cron ticks stops here (a long outage of a dense schedule): ``skipped``
 #: then says at least this many.
 _MAX_COUNTED: Final = 10_000
-
-
-class Missed(StrEnum):
-    """What happens to ticks that passed while no leader fired them."""
-
-    SKIP = "skip"  # run only a tick reached within grace_ms of its time; drop the rest
-    RUN_ONCE = "run_once"  # several missed ticks run once (as the latest of them)
-    RUN_ALL = "run_all"  # every missed tick runs, at most MAX_CATCH_UP of them
-
-
-class Firing(msgspec.Struct, array_like=True, gc=False):
-    tick_ms: int
-    task_id: int | None  # None: the tick ran no task (skipped, or its submit was refused)
-
-
-class Schedule(msgspec.Struct, omit_defaults=True):
-    tenant: str
-    name: str
-    task: e.TaskSpec  # id 0: each firing gets the id its entry carries
-    next_ms: int  # the next tick not yet handled
-    anchor_ms: int  # interval ticks are anchor_ms + k * interval_ms
-    created_ms: int
-    interval_ms: int | None = None
-    cron: str | None = None
-    missed: str = Missed.SKIP.value
-    grace_ms: int = DEFAULT_GRACE_MS
-    runs: int = 0  # tasks created
-    skipped: int = 0  # ticks that created no task
-    last_error: str | None = None  # why the last refused firing created no task
-    history: list[Firing] = []
-    # State time it was paused at (None: not paused): a paused schedule fires nothing
-    # (docs/DESIGN.md §6, "Periodic tasks"). Snapshot body version 3.
-    paused_ms: int | None = None
 
 
 def cron_shape_problem(expression: str) -> str | None:
@@ -173,97 +141,93 @@ def plan_firing(schedule: Schedule, now_ms: int) -> tuple[int | None, int, int] 
     return (latest if runs else None), tick_after(schedule, now_ms), due - int(runs)
 
 
-class SchedulesMixin(TasksMixin):
-    """CreateSchedule, DeleteSchedule, FireSchedule and PauseSchedule."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        # (tenant, name) -> schedule, in creation order.
-        self.schedules: dict[tuple[str, str], Schedule] = {}
-
-    def _create_schedule(self, entry: e.CreateSchedule) -> Rejected | None:
-        spec = entry.task
-        problem = _schedule_problem(entry)
-        if problem is None and spec.tenant != entry.tenant:
-            problem = "the task's tenant must be the schedule's"
-        if problem is None:
-            problem = validate_task_spec(spec)
-        if problem is not None:
-            return Rejected(ErrorCode.INVALID, problem)
-        key = (entry.tenant, entry.name)
-        if key in self.schedules:
-            return Rejected(ErrorCode.CONFLICT, f"schedule {entry.name!r} already exists")
-        if sum(1 for t, _ in self.schedules if t == entry.tenant) >= MAX_SCHEDULES_PER_TENANT:
-            return Rejected(
-                ErrorCode.CONFLICT, f"tenant has {MAX_SCHEDULES_PER_TENANT} schedules already"
-            )
-        self._tenant(entry.tenant)
-        self.schedules[key] = Schedule(
-            tenant=entry.tenant,
-            name=entry.name,
-            task=msgspec.structs.replace(spec, id=0),
-            next_ms=entry.first_ms,
-            anchor_ms=entry.first_ms,
-            created_ms=self.now_ms,
-            interval_ms=entry.interval_ms,
-            cron=entry.cron,
-            missed=entry.missed,
-            grace_ms=entry.grace_ms,
+def create_schedule(books: Books, entry: e.CreateSchedule) -> Rejected | None:
+    spec = entry.task
+    problem = _schedule_problem(entry)
+    if problem is None and spec.tenant != entry.tenant:
+        problem = "the task's tenant must be the schedule's"
+    if problem is None:
+        problem = validate_task_spec(spec)
+    if problem is not None:
+        return Rejected(ErrorCode.INVALID, problem)
+    key = (entry.tenant, entry.name)
+    if key in books.schedules:
+        return Rejected(ErrorCode.CONFLICT, f"schedule {entry.name!r} already exists")
+    if sum(1 for t, _ in books.schedules if t == entry.tenant) >= MAX_SCHEDULES_PER_TENANT:
+        return Rejected(
+            ErrorCode.CONFLICT, f"tenant has {MAX_SCHEDULES_PER_TENANT} schedules already"
         )
+    books.tenant(entry.tenant)
+    books.schedules[key] = Schedule(
+        tenant=entry.tenant,
+        name=entry.name,
+        task=msgspec.structs.replace(spec, id=0),
+        next_ms=entry.first_ms,
+        anchor_ms=entry.first_ms,
+        created_ms=books.now_ms,
+        interval_ms=entry.interval_ms,
+        cron=entry.cron,
+        missed=entry.missed,
+        grace_ms=entry.grace_ms,
+    )
+    return None
+
+
+def delete_schedule(books: Books, entry: e.DeleteSchedule) -> Rejected | None:
+    if books.schedules.pop((entry.tenant, entry.name), None) is None:
+        return Rejected(ErrorCode.NOT_FOUND, f"schedule {entry.name!r} does not exist")
+    return None
+
+
+def pause_schedule(books: Books, entry: e.PauseSchedule) -> Rejected | None:
+    schedule = books.schedules.get((entry.tenant, entry.name))
+    if schedule is None:
+        return Rejected(ErrorCode.NOT_FOUND, f"schedule {entry.name!r} does not exist")
+    if entry.paused and schedule.paused_ms is None:
+        schedule.paused_ms = books.now_ms
+    elif not entry.paused:
+        # next_ms stays the first tick not handled: the ticks passed while paused are
+        # missed ticks, which the leader's next firing handles by the schedule's
+        # missed policy (plan_firing), so a resume runs no more than that policy says.
+        schedule.paused_ms = None
+    return None  # already so (a concurrent request's entry came first): a no-op
+
+
+def fire_schedule(books: Books, entry: e.FireSchedule) -> TaskRef | Rejected | None:
+    schedule = books.schedules.get((entry.tenant, entry.name))
+    if schedule is None:
+        return Rejected(ErrorCode.NOT_FOUND, f"schedule {entry.name!r} does not exist")
+    if schedule.paused_ms is not None:
+        # Planned by a leader before the pause was applied: the tick stays unhandled.
+        return Rejected(ErrorCode.CONFLICT, f"schedule {entry.name!r} is paused")
+    if entry.tick_ms != schedule.next_ms:
+        # Another firing handled this tick already (a retry, or a deposed leader's).
+        return Rejected(ErrorCode.CONFLICT, f"tick {entry.tick_ms} was already handled")
+    if entry.next_ms <= entry.tick_ms:
+        return Rejected(ErrorCode.INVALID, "next_ms must be after tick_ms")
+    schedule.next_ms = entry.next_ms
+    schedule.skipped += entry.skipped
+    if entry.task_id is None:
         return None
+    result = submit_one(books, msgspec.structs.replace(schedule.task, id=entry.task_id))
+    created = result.id if isinstance(result, TaskRef) else None
+    if isinstance(result, Rejected):
+        schedule.skipped += 1
+        schedule.last_error = f"{result.code.value}: {result.message}"
+    else:
+        schedule.runs += 1
+    schedule.history.append(Firing(entry.run_tick_ms or entry.tick_ms, created))
+    del schedule.history[:-HISTORY]
+    return result
 
-    def _delete_schedule(self, entry: e.DeleteSchedule) -> Rejected | None:
-        if self.schedules.pop((entry.tenant, entry.name), None) is None:
-            return Rejected(ErrorCode.NOT_FOUND, f"schedule {entry.name!r} does not exist")
-        return None
 
-    def _pause_schedule(self, entry: e.PauseSchedule) -> Rejected | None:
-        schedule = self.schedules.get((entry.tenant, entry.name))
-        if schedule is None:
-            return Rejected(ErrorCode.NOT_FOUND, f"schedule {entry.name!r} does not exist")
-        if entry.paused and schedule.paused_ms is None:
-            schedule.paused_ms = self.now_ms
-        elif not entry.paused:
-            # next_ms stays the first tick not handled: the ticks passed while paused are
-            # missed ticks, which the leader's next firing handles by the schedule's
-            # missed policy (plan_firing), so a resume runs no more than that policy says.
-            schedule.paused_ms = None
-        return None  # already so (a concurrent request's entry came first): a no-op
-
-    def _fire_schedule(self, entry: e.FireSchedule) -> TaskRef | Rejected | None:
-        schedule = self.schedules.get((entry.tenant, entry.name))
-        if schedule is None:
-            return Rejected(ErrorCode.NOT_FOUND, f"schedule {entry.name!r} does not exist")
-        if schedule.paused_ms is not None:
-            # Planned by a leader before the pause was applied: the tick stays unhandled.
-            return Rejected(ErrorCode.CONFLICT, f"schedule {entry.name!r} is paused")
-        if entry.tick_ms != schedule.next_ms:
-            # Another firing handled this tick already (a retry, or a deposed leader's).
-            return Rejected(ErrorCode.CONFLICT, f"tick {entry.tick_ms} was already handled")
-        if entry.next_ms <= entry.tick_ms:
-            return Rejected(ErrorCode.INVALID, "next_ms must be after tick_ms")
-        schedule.next_ms = entry.next_ms
-        schedule.skipped += entry.skipped
-        if entry.task_id is None:
-            return None
-        result = self._submit_one(msgspec.structs.replace(schedule.task, id=entry.task_id))
-        created = result.id if isinstance(result, TaskRef) else None
-        if isinstance(result, Rejected):
-            schedule.skipped += 1
-            schedule.last_error = f"{result.code.value}: {result.message}"
-        else:
-            schedule.runs += 1
-        schedule.history.append(Firing(entry.run_tick_ms or entry.tick_ms, created))
-        del schedule.history[:-HISTORY]
-        return result
-
-    def _check_schedule_invariants(self) -> str | None:
-        for key, schedule in self.schedules.items():
-            if key != (schedule.tenant, schedule.name) or schedule.task.tenant != key[0]:
-                return f"schedule {key!r} keyed wrongly"
-            if schedule.tenant not in self.tenants:
-                return f"schedule {key!r} of unknown tenant"
-        return None
+def check_schedule_invariants(books: Books) -> str | None:
+    for key, schedule in books.schedules.items():
+        if key != (schedule.tenant, schedule.name) or schedule.task.tenant != key[0]:
+            return f"schedule {key!r} keyed wrongly"
+        if schedule.tenant not in books.tenants:
+            return f"schedule {key!r} of unknown tenant"
+    return None
 
 
 def _schedule_problem(entry: e.CreateSchedule) -> str | None:

@@ -16,6 +16,7 @@ from broker.core.records import (
     ApiToken,
     Artifact,
     Config,
+    Schedule,
     SubmissionRecord,
     Task,
     Tenant,
@@ -24,7 +25,6 @@ from broker.core.records import (
     Worker,
     WorkerState,
 )
-from broker.core.schedules import Schedule
 
 
 class SnapshotBody(msgspec.Struct):

@@ -3,12 +3,13 @@
 ``TRANSITIONS`` maps each state (``None``: the task does not exist yet) to the states it may
 move to (``None``: the task is deleted), each edge with why it happens and the entry types
 that may cause it. The state machine calls ``check_move`` on every change of state
-(``StateMachine._move``), creation of a task (not its restore from a snapshot) and deletion:
-it is deterministic, so an illegal move is a bug (an ``AssertionError``), not an input to
-reject. The simulation test (tests/sim/test_simulation.py, its checks in
-tests/support/sim_checks.py) checks every traced transition, creation and deletion included,
-against the same table, and the state diagram in docs/DESIGN.md ("Task states") is checked
-against it by tests/unit/test_transitions.py.
+(``Books.move``, broker/core/books.py), creation of a task (not its restore from a
+snapshot) and deletion: it is deterministic, so an illegal move is a bug (an
+``AssertionError``), not an input to reject. The simulation test
+(tests/sim/test_simulation.py, its checks in tests/support/sim_checks.py) checks every
+traced transition, creation and deletion included, against the same table, and the state
+diagram in docs/DESIGN.md ("Task states") is checked against it by
+tests/unit/test_transitions.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from typing import Final
 import msgspec
 
 from broker.core import entries as e
-from broker.core.machine_base import MachineBase
+from broker.core.books import Books
 from broker.core.records import ErrorCode, Rejected, Tenant, Webhook
 from broker.core.validation import NAME_RE
 
@@ -33,48 +33,47 @@ def webhook_problem(url: str, secret: str) -> str | None:
     return None
 
 
-class WebhooksMixin(MachineBase):
-    """SetWebhook, WebhookProgress and the outboxes."""
+def set_webhook(books: Books, entry: e.SetWebhook) -> Tenant | Rejected:
+    if not NAME_RE.match(entry.tenant):
+        return Rejected(ErrorCode.INVALID, "tenant name is not valid")
+    if entry.url is not None:
+        problem = webhook_problem(entry.url, entry.secret)
+        if problem is not None:
+            return Rejected(ErrorCode.INVALID, problem)
+    tenant = books.tenant(entry.tenant)
+    hook = None if entry.url is None else Webhook(entry.url, entry.secret, entry.after)
+    tenant.webhook = hook
+    # A new webhook delivers from its own entry on; none: nothing to deliver.
+    if hook is None:
+        books.webhook_outbox.pop(entry.tenant, None)
+    else:
+        books.webhook_outbox[entry.tenant] = deque()
+    # The answer is the tenant as this entry left it: a later entry of the same group
+    # commit must not change it before it is sent (webhooks are replaced, not mutated).
+    return msgspec.structs.replace(tenant)
 
-    def _set_webhook(self, entry: e.SetWebhook) -> Tenant | Rejected:
-        if not NAME_RE.match(entry.tenant):
-            return Rejected(ErrorCode.INVALID, "tenant name is not valid")
-        if entry.url is not None:
-            problem = webhook_problem(entry.url, entry.secret)
-            if problem is not None:
-                return Rejected(ErrorCode.INVALID, problem)
-        tenant = self._tenant(entry.tenant)
-        hook = None if entry.url is None else Webhook(entry.url, entry.secret, entry.after)
-        tenant.webhook = hook
-        # A new webhook delivers from its own entry on; none: nothing to deliver.
-        if hook is None:
-            self.webhook_outbox.pop(entry.tenant, None)
-        else:
-            self.webhook_outbox[entry.tenant] = deque()
-        # The answer is the tenant as this entry left it: a later entry of the same group
-        # commit must not change it before it is sent (webhooks are replaced, not mutated).
-        return msgspec.structs.replace(tenant)
 
-    def _webhook_progress(self, entry: e.WebhookProgress) -> None:
-        for mark in entry.marks:
-            tenant = self.tenants.get(mark.tenant)
-            hook = None if tenant is None else tenant.webhook
-            # Only forward: a mark for an older webhook of the tenant never moves it back.
-            if tenant is not None and hook is not None and mark.delivered > hook.delivered:
-                # A new record, not a change in place: answers already given keep theirs.
-                tenant.webhook = msgspec.structs.replace(hook, delivered=mark.delivered)
-                outbox = self.webhook_outbox.get(mark.tenant)
-                while outbox and outbox[0][0] <= mark.delivered:
-                    outbox.popleft()
+def webhook_progress(books: Books, entry: e.WebhookProgress) -> None:
+    for mark in entry.marks:
+        tenant = books.tenants.get(mark.tenant)
+        hook = None if tenant is None else tenant.webhook
+        # Only forward: a mark for an older webhook of the tenant never moves it back.
+        if tenant is not None and hook is not None and mark.delivered > hook.delivered:
+            # A new record, not a change in place: answers already given keep theirs.
+            tenant.webhook = msgspec.structs.replace(hook, delivered=mark.delivered)
+            outbox = books.webhook_outbox.get(mark.tenant)
+            while outbox and outbox[0][0] <= mark.delivered:
+                outbox.popleft()
 
-    def _queue_webhook_events(self, final_ids: list[int]) -> None:
-        """Put the final tasks of tenants with a webhook into their outboxes, keyed as the
-        event feed keys them (log position, index among the entry's final tasks)."""
-        ledger_id, entry_id = self.position
-        for index, task_id in enumerate(final_ids):
-            task = self.tasks.get(task_id)
-            outbox = None if task is None else self.webhook_outbox.get(task.tenant)
-            if outbox is not None:
-                outbox.append(((ledger_id, entry_id, index), task_id))
-                if len(outbox) > MAX_OUTBOX:
-                    outbox.popleft()
+
+def queue_webhook_events(books: Books, final_ids: list[int]) -> None:
+    """Put the final tasks of tenants with a webhook into their outboxes, keyed as the
+    event feed keys them (log position, index among the entry's final tasks)."""
+    ledger_id, entry_id = books.position
+    for index, task_id in enumerate(final_ids):
+        task = books.tasks.get(task_id)
+        outbox = None if task is None else books.webhook_outbox.get(task.tenant)
+        if outbox is not None:
+            outbox.append(((ledger_id, entry_id, index), task_id))
+            if len(outbox) > MAX_OUTBOX:
+                outbox.popleft()

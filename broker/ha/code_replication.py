@@ -65,8 +65,8 @@ from kazoo.exceptions import (  # type: ignore[import-untyped]
 from kazoo.protocol.states import KazooState  # type: ignore[import-untyped]
 
 from broker.artifacts.code_store import SHA256_RE, CodeStore, code_deleted
+from broker.core import Applied, Artifact, Rejected
 from broker.core import entries as e
-from broker.core.state import Applied, Artifact, Rejected
 from broker.replication.node import BrokerUnavailableError, Node
 from broker.security.auth import bearer_headers
 from log.zk_list import KazooTimeoutError, cluster_path, kazoo_result

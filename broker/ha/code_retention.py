@@ -16,8 +16,8 @@ import logging
 from functools import partial
 from typing import Final
 
+from broker.core import Rejected
 from broker.core import entries as e
-from broker.core.state import Rejected
 from broker.replication.node import BrokerUnavailableError, Node, Stamp
 
 __all__ = ["CodeRetention", "retention_interval_s"]

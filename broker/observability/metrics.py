@@ -63,8 +63,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from broker.core import entries as e
-from broker.core.state import (
+from broker.core import (
     QUEUED_STATES,
     Applied,
     Rejected,
@@ -73,10 +72,11 @@ from broker.core.state import (
     TreeState,
     WorkerState,
 )
+from broker.core import entries as e
 from broker.replication.node import VERSION
 
 if TYPE_CHECKING:
-    from broker.core.state import StateMachine
+    from broker.core import StateMachine
 
 #: The exposition format ``/metrics`` serves (Prometheus text format 0.0.4).
 CONTENT_TYPE: Final = b"text/plain; version=0.0.4; charset=utf-8"

@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Final
 
+from broker.core import Applied, Rejected, StateMachine, TaskRef, TaskState
 from broker.core import entries as e
-from broker.core.state import Applied, Rejected, StateMachine, TaskRef, TaskState
 from broker.observability.logs import task_fields
 
 logger: Final = logging.getLogger("steward.tasks")

@@ -10,9 +10,9 @@ here, the leader listeners (metrics, the task log) of the entries the leader wro
 
 from __future__ import annotations
 
+from broker.core import ApplyResult, StateMachine
 from broker.core import entries as e
 from broker.core.effects import Applied
-from broker.core.state import ApplyResult, StateMachine
 from broker.replication.common import ApplyListener, NewerFormatError, logger
 from log.api import LedgerEntry
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from broker.core import ApplyResult
 from broker.core import entries as e
-from broker.core.state import ApplyResult
 from broker.replication.common import (
     BrokerStartupError,
     BrokerUnavailableError,

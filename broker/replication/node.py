@@ -33,8 +33,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from broker.core import ApplyResult, StateMachine
 from broker.core import entries as e
-from broker.core.state import ApplyResult, StateMachine
 from broker.replication.applier import Applier
 from broker.replication.clock import NodeClock, wall_clock_ms
 from broker.replication.common import (

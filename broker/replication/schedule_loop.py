@@ -13,9 +13,9 @@ import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
+from broker.core import ApplyResult
 from broker.core import entries as e
 from broker.core.schedules import MAX_CATCH_UP, plan_firing
-from broker.core.state import ApplyResult
 from broker.replication.common import BrokerUnavailableError, logger
 from broker.replication.context import RoleContext
 from broker.replication.stamp import Stamp

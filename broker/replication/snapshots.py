@@ -8,8 +8,8 @@ import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable
 
+from broker.core import StateMachine
 from broker.core.snapshot_body import SnapshotBodyVersionError
-from broker.core.state import StateMachine
 from broker.replication.common import NewerFormatError, logger
 from broker.replication.context import RoleContext
 from snapshot.format import NewerSnapshotVersionError

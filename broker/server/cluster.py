@@ -43,7 +43,7 @@ from broker.api.handlers_cluster import catch_up_position
 from broker.api.http_api import ApiApp, ApiConfig
 from broker.api.output_store import OutputStore
 from broker.artifacts.code_store import CodeStore
-from broker.core.state import LIVE_STATES
+from broker.core import LIVE_STATES
 from broker.ha.code_replication import WAIT_FOREVER, CodeReplicator, ReplicationMonitor
 from broker.ha.code_retention import CodeRetention
 from broker.ha.election import (

@@ -12,8 +12,8 @@ import logging
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
+from broker.core import TaskState
 from broker.core import entries as e
-from broker.core.state import TaskState
 from broker.observability.logs import task_fields
 from broker.replication.node import BrokerUnavailableError, Node, Stamp
 from broker.workers.finish_reports import outcome, stamp_ids

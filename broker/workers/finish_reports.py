@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from broker.core import StateMachine
 from broker.core import entries as e
 from broker.core.admission import admission_problem
-from broker.core.state import StateMachine
 from broker.observability.logs import task_fields
 from wire import worker_protocol as p
 

@@ -15,8 +15,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from broker.core import NAME_RE, TASK_TYPE_RE, ErrorCode, Rejected, WorkerReconciled
 from broker.core import entries as e
-from broker.core.state import NAME_RE, TASK_TYPE_RE, ErrorCode, Rejected, WorkerReconciled
 from broker.replication.node import Node
 from broker.security.auth import Role as CallerRole
 from broker.security.auth import hash_token

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Final
 
 import msgspec
 
+from broker.core import TASK_HOLDING_WORKER_STATES, WorkerState
 from broker.core import entries as e
-from broker.core.state import TASK_HOLDING_WORKER_STATES, WorkerState
 from broker.replication.node import BrokerUnavailableError, Node, Stamp
 from broker.workers.session import Clock, Session
 from wire import worker_protocol as p

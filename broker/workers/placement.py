@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from broker.core import StateMachine
 from broker.core import entries as e
 from broker.core.placement import Placement, place_new_tasks
-from broker.core.state import StateMachine
 
 
 class SubmitPlacement:

@@ -27,10 +27,10 @@ from typing import Any
 
 from broker.api.edges import RefusalLog
 from broker.api.output_store import OutputStore
+from broker.core import Rejected, TaskState
 from broker.core import entries as e
 from broker.core.effects import Applied
 from broker.core.scheduler import schedule
-from broker.core.state import Rejected, TaskState
 from broker.replication.node import BrokerStartupError, BrokerUnavailableError, Node, Stamp
 from broker.security.tls import TlsConfigError, server_context
 from broker.workers.finish_queue import FinishQueue

@@ -61,7 +61,7 @@ from typing import Any
 
 import httpx
 
-from broker.core.state import StateMachine
+from broker.core import StateMachine
 from clients.client import StewardClient
 from clients.dev.zk import ZooKeeperServer
 from snapshot.format import read_snapshot

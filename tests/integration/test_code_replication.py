@@ -23,8 +23,8 @@ from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
 from broker.api.http_api import ApiApp, ApiConfig
 from broker.artifacts.code_store import CodeStore
+from broker.core import Applied, Artifact, TaskRef
 from broker.core import entries as e
-from broker.core.state import Applied, Artifact, TaskRef
 from broker.ha.code_replication import CodeReplicator, ReplicationMonitor, replica_path
 from broker.observability.node_observer import observe_node
 from broker.replication.node import Node, NodeConfig

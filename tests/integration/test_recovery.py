@@ -23,8 +23,8 @@ import httpx
 import msgspec
 import pytest
 
+from broker.core import StateMachine, TaskRef
 from broker.core import entries as e
-from broker.core.state import StateMachine, TaskRef
 from broker.replication.node import Node, NodeConfig, Stamp
 from broker.server.standalone import build_node
 from log.api import LedgerState

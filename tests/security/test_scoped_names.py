@@ -14,8 +14,7 @@ from typing import Any
 import msgspec
 
 from broker.api.http_api import iso_ms
-from broker.core import entries as e
-from broker.core.state import (
+from broker.core import (
     ErrorCode,
     Rejected,
     ReplayedResults,
@@ -23,6 +22,7 @@ from broker.core.state import (
     TaskRef,
     TransactionDone,
 )
+from broker.core import entries as e
 from tests.support.auth_env import Env, error_code
 from tests.support.machine import Machine
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import msgspec
 
+from broker.core import StateMachine, TaskRef, TaskState, TreeState
 from broker.core import entries as e
-from broker.core.state import StateMachine, TaskRef, TaskState, TreeState
 from tests.support.fake_worker import FakeWorker
 from tests.support.link_broker import Broker
 from tests.support.machine import Machine
@@ -64,7 +64,7 @@ def test_a_spawn_over_max_waiting_fails_the_attempt_and_creates_no_child() -> No
     fitting = sm.spec()
     assert sm.finish_spawning(other, fitting) == TaskState.FINISHED.value
     assert sm.state(fitting.id) == WAITING and sm.m.tasks[fitting.id].parent == other
-    assert sm.m._queued("t") == 3
+    assert sm.m.queued("t") == 3
 
 
 def test_a_refused_spawn_is_retried_like_any_failed_attempt() -> None:
@@ -88,7 +88,7 @@ def test_children_count_against_their_own_tenants_limit() -> None:
     _queue_of(sm, "u", waiting=1, max_waiting=1)
     assert sm.finish_spawning(parent, sm.spec("t"), sm.spec("u")) == TaskState.ERROR.value
     assert "spawn refused: tenant 'u' max_waiting 1 reached" in (sm.m.tasks[parent].error or "")
-    assert sm.m._queued("t") == 0
+    assert sm.m.queued("t") == 0
 
 
 def test_a_refused_spawn_in_a_tree_fails_the_tree() -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.core.state import TaskState, WorkerState
+from broker.core import TaskState, WorkerState
 from clients import cli
 from clients.worker.__main__ import build_parser, worker_token
 from tests.support.fake_worker import FakeWorker
@@ -272,7 +272,7 @@ async def test_token_api_validates_worker_credentials(broker: SecuredBroker) -> 
     [view] = (await broker.call(ADMIN, "GET", "/api/v1/tokens")).json()["tokens"]
     assert (view["role"], view["tenants"]) == ("worker", ["a", "b"])
     # Worker credentials live in the replicated state: snapshots and digests carry them.
-    from broker.core.state import StateMachine
+    from broker.core import StateMachine
 
     state = broker.node.state
     reloaded = StateMachine.from_snapshot(state.encode_snapshot())
@@ -433,7 +433,7 @@ async def test_snapshots_from_before_worker_credentials_still_load(broker: Secur
     fields: they load as unscoped tokens and shared-token workers."""
     import msgspec
 
-    from broker.core.state import StateMachine
+    from broker.core import StateMachine
 
     await broker.call(ADMIN, "POST", "/api/v1/tokens", json={"name": "t", "tenant": "a"})
     worker = broker.worker("w1", token=SHARED)

@@ -51,8 +51,8 @@ from typing import Final
 
 import pytest
 
+from broker.core import ApplyResult, Tenant
 from broker.core import entries as e
-from broker.core.state import ApplyResult, Tenant
 from broker.replication.node import (
     Node,
     NodeConfig,

@@ -43,11 +43,11 @@ from dataclasses import dataclass
 import msgspec
 import pytest
 
-from broker.core import entries as e
-from broker.core.state import (
+from broker.core import (
     ReplayedResults,
     StateMachine,
 )
+from broker.core import entries as e
 from broker.core.transitions import EDGES
 from tests.support.sim_checker import Checker
 from tests.support.sim_common import (

@@ -44,13 +44,13 @@ from typing import Final
 import pytest
 
 from broker.api.handlers_trees import TIMED_OUT_REASON, TREE_STATES, tree_detail
-from broker.core import entries as e
-from broker.core.state import (
+from broker.core import (
     MAX_TREE_TIMEOUT_MS,
     Applied,
     StateMachine,
     TreeRecord,
 )
+from broker.core import entries as e
 from tests.support.sim_common import (
     SimulationFailure,
     assert_exercised,

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import msgspec
 
+from broker.core import StateMachine
 from broker.core import entries as e
 from broker.core.records import Rejected
-from broker.core.state import StateMachine
 from snapshot.format import FORMAT_VERSION, MAGIC, read_snapshot, write_snapshot
 
 T0 = 1_700_000_000_000

@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 import pytest
 
+from broker.core import Applied, ApplyResult, Task, TaskRef
 from broker.core import entries as e
-from broker.core.state import Applied, ApplyResult, Task, TaskRef
 from broker.observability.node_observer import observe_node
 from broker.replication.node import Node, NodeConfig, Stamp, wall_clock_ms
 from broker.workers.worker_link import WorkerLink, WorkerLinkConfig

@@ -11,8 +11,7 @@ from typing import Any, Final
 
 import msgspec
 
-from broker.core import entries as e
-from broker.core.state import (
+from broker.core import (
     ApplyResult,
     Effect,
     ErrorCode,
@@ -27,6 +26,7 @@ from broker.core.state import (
     TreeRecord,
     WorkerReconciled,
 )
+from broker.core import entries as e
 
 T0: Final = 1_700_000_000_000
 

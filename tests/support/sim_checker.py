@@ -9,8 +9,7 @@ from collections import Counter
 
 import msgspec
 
-from broker.core import entries as e
-from broker.core.state import (
+from broker.core import (
     TASK_HOLDING_WORKER_STATES,
     ApplyResult,
     Artifact,
@@ -29,6 +28,7 @@ from broker.core.state import (
     WorkerReconciled,
     WorkerState,
 )
+from broker.core import entries as e
 from tests.support.sim_checks import RESULT_TYPES, Pre, TransitionChecks
 from tests.support.sim_common import fail
 from tests.support.sim_model import (

@@ -11,8 +11,7 @@ from typing import Final
 
 import msgspec
 
-from broker.core import entries as e
-from broker.core.state import (
+from broker.core import (
     IDEMPOTENCY_MIN_RETENTION_MS,
     ApplyResult,
     Artifact,
@@ -30,6 +29,7 @@ from broker.core.state import (
     idempotency_scope,
     tree_value,
 )
+from broker.core import entries as e
 from broker.core.transitions import EDGES
 from tests.support.sim_common import encode_result, fail
 from tests.support.sim_model import (

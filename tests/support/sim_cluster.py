@@ -18,8 +18,8 @@ from typing import Any
 
 import msgspec
 
+from broker.core import Applied, Rejected, StateMachine, TaskRef
 from broker.core import entries as e
-from broker.core.state import Applied, Rejected, StateMachine, TaskRef
 from broker.replication.node import (
     BrokerUnavailableError,
     HistoryGapError,

@@ -16,7 +16,7 @@ from typing import NoReturn
 import msgspec
 import pytest
 
-from broker.core.state import ApplyResult
+from broker.core import ApplyResult
 
 
 def seeds(default: int) -> list[int]:

@@ -14,9 +14,7 @@ from itertools import islice
 
 import msgspec
 
-from broker.core import entries as e
-from broker.core.backoff import MAX_BACKOFF_MS, MAX_PRIORITY
-from broker.core.state import (
+from broker.core import (
     MAX_TREE_TIMEOUT_MS,
     ErrorCode,
     StateMachine,
@@ -26,6 +24,8 @@ from broker.core.state import (
     WorkerState,
     idempotency_scope,
 )
+from broker.core import entries as e
+from broker.core.backoff import MAX_BACKOFF_MS, MAX_PRIORITY
 from broker.core.validation import MAX_LOST_LIMIT
 from tests.support.sim_generator_code import CodeEntries
 from tests.support.sim_generator_workers import WorkerEntries

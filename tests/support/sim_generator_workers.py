@@ -11,7 +11,7 @@ from broker.core import entries as e
 from tests.support.sim_model import NOT_FOUND, WORKERS, Expect
 
 if TYPE_CHECKING:
-    from broker.core.state import StateMachine
+    from broker.core import StateMachine
 
 
 class WorkerEntries:

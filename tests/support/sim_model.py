@@ -10,8 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Final
 
-from broker.core import entries as e
-from broker.core.state import (
+from broker.core import (
     FINAL_STATES,
     LIVE_STATES,
     QUEUED_STATES,
@@ -20,6 +19,7 @@ from broker.core.state import (
     Task,
     TaskState,
 )
+from broker.core import entries as e
 
 DEFAULT_SEEDS: Final = 20
 DEFAULT_ENTRIES: Final = 10_000
@@ -81,20 +81,20 @@ class TracedMachine(StateMachine):
         super().__init__()
         self.events: list[Event] = []
 
-    def _add_task(self, task: Task) -> None:
+    def add_task(self, task: Task) -> None:
         self.events.append(Event(task.id, None, str(task.state), task.attempt, task))
-        super()._add_task(task)
+        super().add_task(task)
 
-    def _move(self, task: Task, new: TaskState) -> None:
+    def move(self, task: Task, new: TaskState) -> None:
         # Recorded first: a move may cause others (a dependency's end releases or fails
         # its dependants), which then follow it, as their effects do.
         if str(task.state) != str(new):
             self.events.append(Event(task.id, str(task.state), str(new), task.attempt, task))
-        super()._move(task, new)
+        super().move(task, new)
 
-    def _delete_task(self, task: Task) -> None:
+    def delete_task(self, task: Task) -> None:
         self.events.append(Event(task.id, str(task.state), None, task.attempt, task))
-        super()._delete_task(task)
+        super().delete_task(task)
 
 
 # --- the generator --------------------------------------------------------------

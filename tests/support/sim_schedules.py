@@ -19,9 +19,9 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from broker.core import ErrorCode, Rejected, StateMachine
 from broker.core import entries as e
 from broker.core.schedules import Schedule, tick_after
-from broker.core.state import ErrorCode, Rejected, StateMachine
 from broker.replication.node import Stamp
 
 _TENANTS = ("sched-a", "sched-b")

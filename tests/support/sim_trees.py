@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
 
-from broker.core import entries as e
-from broker.core.state import (
+from broker.core import (
     MAX_TREE_TIMEOUT_MS,
     ApplyResult,
     Rejected,
@@ -22,6 +21,7 @@ from broker.core.state import (
     WorkerState,
     tree_value,
 )
+from broker.core import entries as e
 from tests.support.sim_common import fail
 from tests.support.sim_model import CANCELLED, ERROR, FINISHED, RUNNING, WAITING
 

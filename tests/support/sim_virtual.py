@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-from broker.core.state import StateMachine, Task
+from broker.core import StateMachine, Task
 from broker.replication.node import Node
 from log.api import LedgerError, LedgerList, LedgerListStore, LedgerReader, LedgerState
 from log.memory import MemoryLedgerCluster, MemoryLedgerListStore, MemoryLedgerStore
@@ -211,9 +211,9 @@ class ReferenceMachine(StateMachine):
         super().__init__()
         self.deleted: set[int] = set()
 
-    def _delete_task(self, task: Task) -> None:
+    def delete_task(self, task: Task) -> None:
         self.deleted.add(task.id)
-        super()._delete_task(task)
+        super().delete_task(task)
 
 
 @contextlib.contextmanager

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from broker.core import StateMachine, TaskState
 from broker.core import entries as e
 from broker.core.admission import MAX_PARAMS_BYTES, Inadmissible, Refusal, admission_problem
-from broker.core.state import StateMachine, TaskState
 from tests.support.http_api import TASKS, Api, error_of
 from tests.support.link_broker import Broker
 from wire import worker_protocol as p

@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from broker.api.routes import ROUTES, Route
+from broker.core import StateMachine
 from broker.core import entries as e
-from broker.core.state import StateMachine
 from broker.security.auth import Role as CallerRole
 from broker.security.auth import hash_token
 from tests.support.auth_env import ADMIN_SECRET, Env, error_code

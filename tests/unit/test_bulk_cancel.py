@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from broker.core import CancelCount, ErrorCode, StateMachine
 from broker.core import entries as e
-from broker.core.state import CancelCount, ErrorCode, StateMachine
 from tests.support.auth_env import Env, error_code
 from tests.support.http_api import TASKS, Api, get_task
 from tests.support.machine import Trees, code

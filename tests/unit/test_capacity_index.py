@@ -1,4 +1,4 @@
-"""The connected workers' free slots kept across rounds (broker/core/machine_base.py's
+"""The connected workers' free slots kept across rounds (broker/core/capacity.py's
 ``CapacityIndex``, docs/DESIGN.md §8 "Workers at scale"): in step with every entry that
 changes a worker, equal to a rebuild (also after a snapshot round trip), and read so that
 a scheduling round or a submit's placement looks only at the workers it may use, not at
@@ -10,9 +10,9 @@ from __future__ import annotations
 import random
 from typing import Any, Final
 
+from broker.core import Rejected, StateMachine, TaskRef, TaskState, Worker
 from broker.core import entries as e
 from broker.core.scheduler import schedule
-from broker.core.state import Rejected, StateMachine, TaskRef, TaskState, Worker
 from broker.workers.placement import SubmitPlacement
 
 T0: Final = 1_700_000_000_000

@@ -16,9 +16,9 @@ import msgspec
 import pytest
 
 from broker.artifacts.code_store import CodeStore
+from broker.core import Artifact, ErrorCode, StateMachine, TaskState
 from broker.core import entries as e
 from broker.core.effects import Applied
-from broker.core.state import Artifact, ErrorCode, StateMachine, TaskState
 from broker.ha.code_retention import CodeRetention
 from broker.workers.liveness import DROPPED_CODE_MAX, DROPPED_CODE_WINDOW_S, Liveness
 from broker.workers.worker_link import WorkerLinkConfig

@@ -11,9 +11,9 @@ from typing import Final
 
 import msgspec
 
+from broker.core import Artifact, ErrorCode, Rejected, StateMachine, TaskRef, TaskState
 from broker.core import entries as e
 from broker.core.scheduler import schedule
-from broker.core.state import Artifact, ErrorCode, Rejected, StateMachine, TaskRef, TaskState
 from tests.support.machine import Machine, code
 
 SHA: Final = "ab" * 32

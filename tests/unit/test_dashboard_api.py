@@ -18,8 +18,8 @@ import pytest
 
 from broker.api import api_models as m
 from broker.api.http_api import ApiApp, ApiConfig, ClusterView
+from broker.core import Applied, TaskRef
 from broker.core import entries as e
-from broker.core.state import Applied, TaskRef
 from broker.observability.dashboard import ThroughputRecorder
 from broker.replication.node import Node, Stamp
 from broker.server.peer_view import PeerTable

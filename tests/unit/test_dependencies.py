@@ -4,8 +4,8 @@ blocked tasks outside the queues) are checked after every entry by ``Machine``."
 
 from __future__ import annotations
 
+from broker.core import ErrorCode, StateMachine, TaskRef, TaskState, TreeState
 from broker.core import entries as e
-from broker.core.state import ErrorCode, StateMachine, TaskRef, TaskState, TreeState
 from tests.support.machine import Trees, code
 
 WAITING = TaskState.WAITING.value

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
+from broker.core import StateMachine, StopRunning, TaskRef, TaskState
 from broker.core import entries as e
 from broker.core.effects import Applied, TaskFinal, TreeEnded
-from broker.core.state import StateMachine, StopRunning, TaskRef, TaskState
 from tests.support.machine import T0, Trees
 
 

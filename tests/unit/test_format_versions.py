@@ -12,13 +12,13 @@ from typing import Any, Union
 import msgspec
 import pytest
 
+from broker.core import StateMachine
 from broker.core import entries as e
 from broker.core.snapshot_body import (
     SNAPSHOT_BODY_VERSION,
     SnapshotBodyVersionError,
     decode_snapshot_body,
 )
-from broker.core.state import StateMachine
 from broker.replication.applier import Applier
 from broker.replication.common import NewerFormatError
 from broker.replication.context import RoleContext

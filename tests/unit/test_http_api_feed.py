@@ -13,7 +13,7 @@ import httpx
 
 from broker.api.event_feed import FeedFilter
 from broker.api.http_api import ApiApp
-from broker.core.state import StateMachine
+from broker.core import StateMachine
 from tests.support.auth_env import Env, error_code
 from tests.support.event_streams import EVENTS, parse_events
 from tests.support.http_api import CONFIG, TASKS, Api, error_of, run_and_finish, submit

@@ -8,8 +8,7 @@ from typing import Any, Final
 import msgspec
 import pytest
 
-from broker.core import entries as e
-from broker.core.state import (
+from broker.core import (
     IDEMPOTENCY_MIN_RETENTION_MS,
     ErrorCode,
     Rejected,
@@ -17,6 +16,7 @@ from broker.core.state import (
     StateMachine,
     TaskRef,
 )
+from broker.core import entries as e
 
 T0: Final = 1_700_000_000_000
 HOUR_MS: Final = 3600 * 1000

@@ -431,7 +431,7 @@ _CLEAN_TREE = {
     "broker/core/state.py": "import hashlib\nfrom broker.core import entries\n",
     "broker/core/entries.py": "import re\n",
     "broker/api/__init__.py": "",
-    "broker/api/http_api.py": "from broker.core.state import x\nfrom . import api_models\n",
+    "broker/api/http_api.py": "from broker.core import x\nfrom . import api_models\n",
     "broker/api/api_models.py": "",
     "log/__init__.py": "",
     "clients/__init__.py": "",

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from broker.core import Rejected, TaskRef, TaskState, WorkerReconciled
 from broker.core import entries as e
-from broker.core.state import Rejected, TaskRef, TaskState, WorkerReconciled
 from tests.support.link_broker import Broker
 from tests.support.machine import Machine
 from wire import worker_protocol as p

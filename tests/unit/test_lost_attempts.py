@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.core.state import ErrorCode, TaskRef, WorkerState
+from broker.core import ErrorCode, TaskRef, WorkerState
 from tests.support.machine import Machine, code
 
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from broker.core import Rejected, TaskState
 from broker.core import entries as e
-from broker.core.state import Rejected, TaskState
 from broker.observability.node_observer import observe_node
 from broker.replication.node import BrokerStartupError, Node, NodeConfig, Stamp
 from log.api import LedgerList, LedgerListStore, LedgerState

@@ -11,7 +11,7 @@ import pytest
 
 from broker.api.http_api import ApiApp, ApiConfig
 from broker.api.output_store import LogsError, OutputStore, logs_answer, logs_from_leader
-from broker.core.state import Task, TaskState
+from broker.core import Task, TaskState
 from broker.security.auth import ANONYMOUS_ADMIN, Principal, Role
 from clients.client import NotFoundError, StewardClient
 from clients.worker.runtime.task_runtime import split_dropped_note

@@ -6,10 +6,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from broker.core import ErrorCode, Rejected, StateMachine, Task
 from broker.core import entries as e
 from broker.core.backoff import MAX_BACKOFF_MS, MAX_PRIORITY, retry_delay_ms
 from broker.core.scheduler import schedule
-from broker.core.state import ErrorCode, Rejected, StateMachine, Task
 from tests.support.machine import Machine, Trees, code
 
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from broker.core import ErrorCode, Rejected, StateMachine, TaskRef
 from broker.core import entries as e
 from broker.core.schedules import plan_firing
 from broker.core.snapshot_body import decode_snapshot_body
-from broker.core.state import ErrorCode, Rejected, StateMachine, TaskRef
 from tests.support.auth_env import Env
 from tests.support.auth_env import error_code as auth_error
 from tests.support.http_api import Api, error_of

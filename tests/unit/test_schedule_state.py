@@ -11,9 +11,9 @@ from typing import Any
 import msgspec
 import pytest
 
+from broker.core import ErrorCode, Rejected, StateMachine, TaskRef
 from broker.core import entries as e
 from broker.core.schedules import MAX_CATCH_UP, Schedule, plan_firing, tick_after
-from broker.core.state import ErrorCode, Rejected, StateMachine, TaskRef
 from tests.support.auth_env import Env
 from tests.support.auth_env import error_code as auth_error
 from tests.support.http_api import Api, error_of

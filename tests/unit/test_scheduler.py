@@ -13,9 +13,9 @@ from typing import Any, Final
 
 import pytest
 
+from broker.core import Rejected, StateMachine, Task, TaskRef, TaskState
 from broker.core import entries as e
 from broker.core.scheduler import schedule
-from broker.core.state import Rejected, StateMachine, Task, TaskRef, TaskState
 
 T0: Final = 1_700_000_000_000
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from broker.core import StateMachine, WorkerState, served_types
 from broker.core import entries as e
-from broker.core import served_types
 from broker.core.snapshot_body import body_version, decode_snapshot_body
-from broker.core.state import StateMachine, WorkerState
 from broker.core.validation import unknown_type_problem
 from tests.support.link_broker import Broker
 from tests.support.machine import Machine

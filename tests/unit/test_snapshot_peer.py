@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from broker.api.http_api import ApiApp, ApiConfig
+from broker.core import StateMachine
 from broker.core import entries as e
-from broker.core.state import StateMachine
 from broker.observability.node_observer import observe_node
 from broker.replication.history import check_continues
 from broker.replication.node import HistoryGapError, Node, NodeConfig

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from broker.core import TaskState
 from broker.core import entries as e
-from broker.core.state import TaskState
 from clients.worker.task_api import SpawnedChild, TaskContext
 from tests.support.fake_worker import FakeWorker
 from tests.support.link_broker import Broker

@@ -13,8 +13,7 @@ from typing import Any, Final
 import msgspec
 import pytest
 
-from broker.core import entries as e
-from broker.core.state import (
+from broker.core import (
     Artifact,
     ErrorCode,
     Rejected,
@@ -26,6 +25,7 @@ from broker.core.state import (
     WorkerReconciled,
     validate_task_spec,
 )
+from broker.core import entries as e
 from tests.support.machine import T0, Machine, code
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from broker.core import TaskRef
 from broker.core import entries as e
-from broker.core.state import TaskRef
 from tests.support.machine import Machine
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import msgspec
 
+from broker.core import StateMachine
 from broker.core import entries as e
 from broker.core.records import Rejected, Tenant, Webhook
-from broker.core.state import StateMachine
 from tests.support.machine import Machine
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from broker.core import ReplayedResults, StateMachine, TaskRef, TaskState
 from broker.core import entries as e
 from broker.core.effects import TaskAssigned
-from broker.core.state import ReplayedResults, StateMachine, TaskRef, TaskState
 from tests.support.machine import Machine
 
 

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from broker.api.rate_limit import SubmitRateLimiter
+from broker.core import ErrorCode, StateMachine, Tenant
 from broker.core import entries as e
-from broker.core.state import ErrorCode, StateMachine, Tenant
 from tests.support.http_api import TASKS, Api
 from tests.support.machine import Machine, code
 

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
+from broker.core import StateMachine
 from broker.core import entries as e
 from broker.core.backoff import retry_delay_ms
 from broker.core.snapshot_body import body_version
-from broker.core.state import StateMachine
 from clients.cli import output
 from tests.support.http_api import Api, get_task, run_and_finish, submit
 from tests.support.machine import Trees

@@ -15,7 +15,7 @@ import pytest
 import trustme
 
 from broker.api.http_api import ApiApp, ApiConfig
-from broker.core.state import StateMachine
+from broker.core import StateMachine
 from broker.observability.node_observer import observe_node
 from broker.replication.node import BrokerStartupError, Node, NodeConfig
 from broker.security.tls import (

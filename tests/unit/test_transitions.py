@@ -4,7 +4,7 @@
   StateMachine through each one, in an entry of a type the edge allows (the simulation
   test, tests/sim/test_simulation.py, checks its random streams against the same table
   and that they exercise every edge too).
-- An illegal move planted with ``_move`` raises an AssertionError naming it.
+- An illegal move planted with ``move`` raises an AssertionError naming it.
 - The state diagram in docs/DESIGN.md ("Task states") has exactly the table's edges.
 """
 
@@ -16,8 +16,8 @@ from typing import Final
 
 import pytest
 
+from broker.core import Applied, StateMachine, Task, TaskState
 from broker.core import entries as e
-from broker.core.state import Applied, StateMachine, Task, TaskState
 from broker.core.transitions import EDGES, TRANSITIONS, check_move
 from tests.support.machine import Trees
 
@@ -41,19 +41,19 @@ class Recorder(StateMachine):
         finally:
             self.entry = None
 
-    def _add_task(self, task: Task) -> None:
+    def add_task(self, task: Task) -> None:
         self.moves.append(((None, str(task.state)), self.entry))
-        super()._add_task(task)
+        super().add_task(task)
 
-    def _move(self, task: Task, new: TaskState) -> None:
+    def move(self, task: Task, new: TaskState) -> None:
         old = str(task.state)
-        super()._move(task, new)
+        super().move(task, new)
         if old != str(new):
             self.moves.append(((old, str(new)), self.entry))
 
-    def _delete_task(self, task: Task) -> None:
+    def delete_task(self, task: Task) -> None:
         self.moves.append(((str(task.state), None), self.entry))
-        super()._delete_task(task)
+        super().delete_task(task)
 
 
 def _machine() -> tuple[Trees, Recorder]:
@@ -220,16 +220,16 @@ def test_planted_illegal_moves_raise_and_change_nothing() -> None:
     machine = m.m
     task = machine.tasks[task_id]
     with pytest.raises(AssertionError, match="illegal task state transition finished -> running"):
-        machine._move(task, TaskState.RUNNING)
+        machine.move(task, TaskState.RUNNING)
     assert task.state == "finished" and task_id in machine.by_state[TaskState.FINISHED]
     machine.check_invariants()
     waiting = machine.tasks[m.add()]
     with pytest.raises(AssertionError, match="waiting -> finished"):
-        machine._move(waiting, TaskState.FINISHED)
+        machine.move(waiting, TaskState.FINISHED)
     machine.check_invariants()
-    machine._move(waiting, TaskState.WAITING)  # no change is no move
+    machine.move(waiting, TaskState.WAITING)  # no change is no move
     with pytest.raises(AssertionError, match="illegal task state transition waiting -> None"):
-        machine._delete_task(waiting)
+        machine.delete_task(waiting)
     assert waiting.id in machine.tasks
     machine.check_invariants()
 

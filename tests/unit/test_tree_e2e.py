@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from broker.core.state import TaskState, TreeState
+from broker.core import TaskState, TreeState
 from clients.worker import TaskContext, Worker, WorkerConfig
 from tests.support.link_broker import Broker, BrokerFactory
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from broker.api.handlers_trees import TIMED_OUT_REASON, list_trees, tree_detail, view_state
+from broker.core import ApplyResult, StateMachine
 from broker.core import entries as e
-from broker.core.state import ApplyResult, StateMachine
 from broker.observability.metrics import BrokerMetrics
 from tests.support.http_api import Api, error_of, run_and_finish, submit
 from tests.support.machine import Trees

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.core import entries as e
-from broker.core.state import (
+from broker.core import (
     StateMachine,
     StopRunning,
     TaskRef,
@@ -17,6 +16,7 @@ from broker.core.state import (
     TreeState,
     tree_value,
 )
+from broker.core import entries as e
 from tests.support.machine import Trees
 
 FINISHED = TaskState.FINISHED.value

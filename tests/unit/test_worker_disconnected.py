@@ -9,10 +9,10 @@ import asyncio
 import msgspec
 
 from broker.api.common import task_view
+from broker.core import Rejected, StateMachine, TaskRef, TaskState, WorkerState
 from broker.core import entries as e
 from broker.core.scheduler import schedule
 from broker.core.snapshot_body import decode_snapshot_body
-from broker.core.state import Rejected, StateMachine, TaskRef, TaskState, WorkerState
 from tests.support.link_broker import WAIT_S, BrokerFactory, Monotonic
 from tests.support.machine import Machine
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import pytest
 
+from broker.core import ApplyResult, TaskState, WorkerState
 from broker.core import entries as e
-from broker.core.state import ApplyResult, TaskState, WorkerState
 from broker.replication.node import Stamp
 from tests.support.fake_worker import FakeWorker
 from tests.support.link_broker import (

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from broker.core.state import WorkerState
+from broker.core import WorkerState
 from tests.support.link_broker import WAIT_S, BrokerFactory, Monotonic
 from wire import worker_protocol as p
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
+from broker.core import TaskState
 from broker.core import entries as e
-from broker.core.state import TaskState
 from broker.replication.node import Stamp
 from tests.support.link_broker import Broker
 from wire import worker_protocol as p

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from broker.core import WorkerState
 from broker.core import entries as e
-from broker.core.state import WorkerState
 from tests.support.link_broker import BrokerFactory
 from wire import worker_protocol as p
 

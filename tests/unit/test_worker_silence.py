@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from broker.core import StateMachine, WorkerState
 from broker.core import entries as e
 from broker.core.snapshot_body import decode_snapshot_body
-from broker.core.state import StateMachine, WorkerState
 from broker.replication.node import Node, NodeConfig, Stamp
 from broker.workers.liveness import Liveness
 from broker.workers.worker_link import WorkerLinkConfig

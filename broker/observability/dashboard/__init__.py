@@ -13,8 +13,8 @@ from importlib import resources
 from typing import Final
 
 from broker.api import api_models as m
+from broker.core import Applied, TaskRef, TaskState
 from broker.core import entries as e
-from broker.core.state import Applied, TaskRef, TaskState
 from broker.replication.node import Node
 
 # Only these files are served; anything else under /dashboard/ is a 404.
