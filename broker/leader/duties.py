@@ -52,13 +52,17 @@ def broker_duties(
     link: WorkerLink,
     *,
     code_retention_ms: int,
+    webhooks: LeaderDuty,
     code_replicas: CodeReplicaMonitor | None = None,
 ) -> LeaderDuties:
     """A broker's duties for a term, for the cluster and the standalone broker alike: the
     worker endpoint first (workers reconnect to it at once), then the code replica monitor
-    (a cluster with ``min_code_replicas`` > 1 only), then code retention."""
+    (a cluster with ``min_code_replicas`` > 1 only), code retention, and the webhook sender
+    (``broker.api.webhooks.WebhookSender``: the API shows its failures, so the server
+    builds it and hands it to both)."""
     duties: list[LeaderDuty] = [link]
     if code_replicas is not None:
         duties.append(code_replicas)
     duties.append(CodeRetention(node, code_retention_ms))
+    duties.append(webhooks)
     return LeaderDuties(duties)

@@ -43,6 +43,7 @@ from broker.api import api_models as m
 from broker.api.handlers_cluster import catch_up_position
 from broker.api.http_api import ApiApp, ApiConfig
 from broker.api.output_store import OutputStore
+from broker.api.webhooks import WebhookSender
 from broker.artifacts.code_store import CodeStore
 from broker.core import LIVE_STATES
 from broker.ha.code_replication import WAIT_FOREVER, CodeReplicator
@@ -236,6 +237,8 @@ class ClusterBroker:
         self.metrics.bind_code_store(self.code_store.usage)
         # Task output while this broker leads (every leadership's link feeds the same one).
         self.outputs = OutputStore(max_total_bytes=config.workers.max_output_total_bytes)
+        # Every leadership's webhook deliveries (its failures are the API's to show).
+        self.webhooks = WebhookSender(self.node)
         try:
             # Built up front: a bad certificate, key or CA bundle stops the broker at start.
             self._peer_ssl = config.tls.client_context() if config.tls is not None else None
@@ -540,6 +543,7 @@ class ClusterBroker:
             node,
             link,
             code_retention_ms=self.config.code_retention_ms,
+            webhooks=self.webhooks,
             code_replicas=code_replicas,
         )
         try:
@@ -613,7 +617,12 @@ async def serve_broker(config: BrokerConfig, *, ready: asyncio.Event | None = No
         gc.freeze()
         api_config = dataclasses.replace(config.api, min_code_replicas=config.min_code_replicas)
         app = ApiApp(
-            broker.node, api_config, broker.code_store, cluster=broker, outputs=broker.outputs
+            broker.node,
+            api_config,
+            broker.code_store,
+            cluster=broker,
+            outputs=broker.outputs,
+            webhooks=broker.webhooks,
         )
         server, server_task = await start_http_server(app, config.api, tls=config.tls)
         stop = asyncio.Event()

@@ -21,6 +21,7 @@ import uvicorn
 from broker.api import api_models as m
 from broker.api.edges import bounded_http_protocol
 from broker.api.http_api import ApiApp, ApiConfig
+from broker.api.webhooks import WebhookSender
 from broker.artifacts.code_store import CodeStore
 from broker.core import entries as e
 from broker.core.records import Task, TaskRef
@@ -100,7 +101,10 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
             node.metrics.bind_code_store(code_store.usage)
         # Open for writes since node.start(): the one term of a standalone broker.
         link = WorkerLink(node, dataclasses.replace(config.workers, tls=config.tls))
-        duties = broker_duties(node, link, code_retention_ms=config.code_retention_ms)
+        webhooks = WebhookSender(node)
+        duties = broker_duties(
+            node, link, code_retention_ms=config.code_retention_ms, webhooks=webhooks
+        )
         await duties.start()
         url = f"{http_scheme(config.tls)}://{config.api.host}:{config.api.port}"
         # The cluster view advertises the worker endpoint (GET /api/v1/cluster), so a
@@ -111,7 +115,9 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
             worker_address=f"{config.workers.host}:{link.port}",
             worker_tls=config.tls is not None,
         )
-        app = ApiApp(node, config.api, code_store, cluster=view, outputs=link.outputs)
+        app = ApiApp(
+            node, config.api, code_store, cluster=view, outputs=link.outputs, webhooks=webhooks
+        )
         server, server_task = await start_http_server(app, config.api, tls=config.tls)
         stop = asyncio.Event()
         hurry = asyncio.Event()  # a second signal: give running tasks back now

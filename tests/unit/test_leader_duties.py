@@ -4,11 +4,13 @@ those started before it, and raises; both servers build the same list."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from broker.api.webhooks import WebhookSender
 from broker.leader.code_replicas import CodeReplicaMonitor
 from broker.leader.code_retention import CodeRetention
 from broker.leader.duties import LeaderDuties, broker_duties
@@ -78,15 +80,33 @@ async def test_a_duty_failing_to_stop_does_not_keep_the_others_running() -> None
     assert journal[-2:] == ["stop replicas", "stop link"]
 
 
-def test_a_broker_term_runs_the_worker_link_then_code_replicas_then_retention(
+def test_a_broker_term_runs_the_worker_link_code_replicas_retention_then_webhooks(
     tmp_path: Path,
 ) -> None:
     node = memory_node(tmp_path)
     link = WorkerLink(node, WorkerLinkConfig(port=0))
+    webhooks = WebhookSender(node)
     zk: Any = object()  # the monitor touches ZooKeeper only once started
     monitor = CodeReplicaMonitor(node, zk, "c", min_code_replicas=2, max_replication_wait_ms=0)
-    cluster = broker_duties(node, link, code_retention_ms=0, code_replicas=monitor)
-    assert [type(d) for d in cluster.duties] == [WorkerLink, CodeReplicaMonitor, CodeRetention]
-    assert cluster.duties[:2] == (link, monitor)
-    standalone = broker_duties(node, link, code_retention_ms=0)
-    assert [type(d) for d in standalone.duties] == [WorkerLink, CodeRetention]
+    cluster = broker_duties(
+        node, link, code_retention_ms=0, webhooks=webhooks, code_replicas=monitor
+    )
+    assert [type(d) for d in cluster.duties] == [
+        WorkerLink,
+        CodeReplicaMonitor,
+        CodeRetention,
+        WebhookSender,
+    ]
+    assert cluster.duties[:2] == (link, monitor) and cluster.duties[-1] is webhooks
+    standalone = broker_duties(node, link, code_retention_ms=0, webhooks=webhooks)
+    assert [type(d) for d in standalone.duties] == [WorkerLink, CodeRetention, WebhookSender]
+
+
+async def test_the_webhook_sender_runs_only_between_start_and_stop(tmp_path: Path) -> None:
+    sender = WebhookSender(memory_node(tmp_path))
+    assert not asyncio.all_tasks() - {asyncio.current_task()}  # building it starts nothing
+    await sender.start()
+    running = {t.get_name() for t in asyncio.all_tasks()}
+    assert "webhook-sender" in running
+    await sender.stop()
+    assert "webhook-sender" not in {t.get_name() for t in asyncio.all_tasks() if not t.done()}
