@@ -325,7 +325,7 @@ class ArtifactView(msgspec.Struct):
     name: str
     size_bytes: int
     created_at: DateTime
-    # False until min_replication brokers hold it (or max_replication_wait passed):
+    # False until min_code_replicas brokers hold it (or max_replication_wait passed):
     # tasks using it wait meanwhile.
     ready: bool = True
 

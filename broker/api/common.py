@@ -82,9 +82,9 @@ class ApiConfig:
     max_tasks_per_request: int = 10_000
     max_params_bytes: int = MAX_PARAMS_BYTES
     max_list_limit: int = 1_000
-    # Replicas an uploaded artifact needs before tasks using it may run (docs/DESIGN.md §7). Above
-    # 1 the upload is logged not ready; the leader's ReplicationMonitor readies it.
-    min_replication: int = 1
+    # Brokers that must hold an uploaded artifact before tasks using it may run (docs/DESIGN.md
+    # §7). Above 1 the upload is logged not ready; the leader's CodeReplicaMonitor readies it.
+    min_code_replicas: int = 1
     # Tokens from the configuration; authentication is on when it holds an admin token.
     auth: AuthConfig = field(default_factory=AuthConfig)
     # Header size, header and body deadlines, connection cap (broker/api/edges.py).

@@ -168,6 +168,7 @@ class ApiContext:
         code_store: CodeStore | None,
         cluster: ClusterView | None,
         outputs: OutputStore | None,
+        webhooks: WebhookSender | None = None,
     ) -> None:
         self.node = node
         self.config = config
@@ -181,7 +182,8 @@ class ApiContext:
         # Per-tenant submit rate limit, enforced while this broker leads (rate_limit.py).
         self.submit_limiter = SubmitRateLimiter()
         self.feed = EventFeed(node, config.event_history, config.max_event_backlog)
-        self.webhooks = WebhookSender(node)  # runs on the leader only
+        # Delivers only while started: a leader duty the server runs (broker/leader).
+        self.webhooks = webhooks if webhooks is not None else WebhookSender(node)
         # The dashboard's throughput series, counted from the entries this broker applies.
         self.throughput = dashboard.ThroughputRecorder(node)
         # The OpenAPI document (ApiApp sets it: it is generated from the route table).
@@ -195,7 +197,6 @@ class ApiContext:
         self.waiters.end_all()
         self.events.end_all()
         self.feed.end_all()
-        self.webhooks.stop()
 
     @staticmethod
     def require(request: Request, *roles: CallerRole, message: str | None = None) -> None:

@@ -53,7 +53,7 @@ async def upload_code(api: ApiContext, request: Request) -> tuple[int, bytes]:
             raise HttpError(413, "too_large", str(exc)) from None
         raise HttpError(400, "invalid_artifact", str(exc)) from None
     sha256 = await asyncio.to_thread(store.put, data)
-    ready = api.config.min_replication <= 1
+    ready = api.config.min_code_replicas <= 1
     result = await api.node.propose(
         lambda stamp: e.AddCode(
             time_ms=stamp.now_ms,

@@ -46,6 +46,7 @@ from broker.api.context import ApiContext
 from broker.api.openapi import openapi_document
 from broker.api.output_store import OutputStore
 from broker.api.routes import ROUTES, Route
+from broker.api.webhooks import WebhookSender
 from broker.artifacts.code_store import CodeStore
 from broker.observability.metrics import OTHER, BrokerMetrics
 from broker.replication.node import BrokerUnavailableError, Node, Role
@@ -120,10 +121,11 @@ class ApiApp:
         code_store: CodeStore | None = None,
         cluster: ClusterView | None = None,
         outputs: OutputStore | None = None,
+        webhooks: WebhookSender | None = None,
     ) -> None:
         self.node = node
         self.config = config
-        self.context = ApiContext(node, config, code_store, cluster, outputs)
+        self.context = ApiContext(node, config, code_store, cluster, outputs, webhooks)
         self.context.describe = lambda: json_encoder.encode(openapi_document(config))
         self._routes = compile_routes(ROUTES)
         self._exact_routes = exact_routes(self._routes)

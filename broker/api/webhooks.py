@@ -9,6 +9,10 @@ is delivered: at least once. What was delivered is logged in batches (one
 ``WebhookProgress`` entry every ``FLUSH_S`` at most), so a new leader resumes after the
 last logged key and redelivers at most what came after it.
 
+The sender is a leader duty (broker/leader, docs/DESIGN.md §4): the server starts it when a
+term opens for writes and stops it at step-down. It lives here, with the HTTP API, because
+the API shows its delivery failures (``GET .../webhook``).
+
 The events come from the state: applying an entry puts the tasks it made final into the
 outbox of their tenant's webhook (broker/core/webhooks.py), and a logged delivery takes
 them out. The outbox is replicated and in every snapshot, so a restarted broker or a new
@@ -33,7 +37,6 @@ import httpx
 from broker.api.common import json_encoder, task_view
 from broker.api.event_feed import EventKey
 from broker.core import entries as e
-from broker.core.effects import Applied
 from broker.core.records import Webhook
 from broker.replication.node import Node
 
@@ -45,9 +48,7 @@ FIRST_BACKOFF_S: Final = 0.1
 MAX_BACKOFF_S: Final = 30.0
 POST_TIMEOUT_S: Final = 10.0
 BATCH: Final = 256  # events taken from the outbox at a time
-# How often a leader that applies nothing looks for pending deliveries (a broker restarted
-# with events undelivered, a quiet take-over: no entry would start the sender).
-WATCH_S: Final = 1.0
+RETRY_S: Final = 1.0  # after the delivery loop itself failed (logged), it starts again
 
 
 def signature(secret: str, body: bytes) -> str:
@@ -73,50 +74,33 @@ class DeliveryFailure:
 
 
 class WebhookSender:
-    """Runs on the leader only: started by the first entry applied while leading with a
-    webhook configured (or, with nothing applied, within ``WATCH_S`` of leading), it ends
-    when the broker is no longer the leader."""
+    """A leader duty: from ``start`` (a term opened for writes) to ``stop`` (step-down) it
+    delivers every tenant's pending events, picking up a webhook set meanwhile within
+    ``FLUSH_S``; a new term resumes after the last logged key."""
 
     def __init__(self, node: Node) -> None:
         self._node = node
         self._task: asyncio.Task[None] | None = None
-        self._look = True
         # Delivered here, not yet logged: tenant -> key.
         self._delivered: dict[str, EventKey] = {}
         # The event each tenant's delivery fails on now (none once it is delivered).
         self.failing: dict[str, DeliveryFailure] = {}
-        node.listeners.append(self._on_applied)
-        self._watch: asyncio.Task[None] | None = None
-        # Built outside a loop (a test's app): only entries start it.
-        with contextlib.suppress(RuntimeError):
-            self._watch = asyncio.get_running_loop().create_task(self._watch_leading())
 
-    def _on_applied(self, entry: e.Entry, applied: Applied) -> None:
-        if self._task is not None:
-            return
-        if not self._node.is_leader:
-            self._look = True  # on becoming leader, look once for webhooks
-            return
-        # Not every entry scans the tenants: the first one led, and those setting a webhook.
-        if self._look or type(entry) is e.SetWebhook:
-            self._look = False
-            self._start_if_hooked()
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run_term(), name="webhook-sender")
 
-    def _start_if_hooked(self) -> None:
-        if any(t.webhook is not None for t in self._node.state.tenants.values()):
-            self._task = asyncio.get_running_loop().create_task(self._run())
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
-    async def _watch_leading(self) -> None:
+    async def _run_term(self) -> None:
         while True:
-            await asyncio.sleep(WATCH_S)
-            node = self._node
-            if self._task is None and node.is_leader and node.writable:
-                self._start_if_hooked()
-
-    def stop(self) -> None:
-        for task in (self._watch, self._task):
-            if task is not None:
-                task.cancel()
+            await self._run()
+            await asyncio.sleep(RETRY_S)
 
     def _hooks(self) -> dict[str, Webhook]:
         return {
@@ -127,7 +111,7 @@ class WebhookSender:
         senders: dict[str, asyncio.Task[None]] = {}
         try:
             async with httpx.AsyncClient(timeout=POST_TIMEOUT_S) as http:
-                while self._node.is_leader:
+                while True:
                     hooks = self._hooks()
                     for tenant in hooks.keys() - senders.keys():
                         senders[tenant] = asyncio.create_task(self._deliver(http, tenant))
@@ -136,14 +120,12 @@ class WebhookSender:
                     await asyncio.sleep(FLUSH_S)
                     await self._flush()
         except Exception:
-            logger.exception("webhook delivery stopped")
+            logger.exception("webhook delivery failed; starting again in %g s", RETRY_S)
         finally:
             for task in senders.values():
                 task.cancel()
             self._delivered.clear()
             self.failing.clear()
-            self._task = None
-            self._look = True
 
     async def _flush(self) -> None:
         """Log what was delivered since the last flush, in one entry."""

@@ -1,6 +1,6 @@
 """Code artifact replication between brokers (docs/DESIGN.md §7, Storm's code distributor).
 
-The leader stores an upload, then logs ``AddCode``; with ``min_replication`` > 1 it logs
+The leader stores an upload, then logs ``AddCode``; with ``min_code_replicas`` > 1 it logs
 it with ``ready=False``, and tasks that use the artifact stay waiting, outside the
 scheduler's queues, until a ``CodeReady`` entry (broker/core/state.py). Two parts make that
 happen, both on the broker's event loop:
@@ -13,11 +13,9 @@ happen, both on the broker's event loop:
   ``sync_interval_s``) is only the safety net for missed entries and failed fetches.
   Replicas are registered again after the ZooKeeper session is lost (its ephemerals
   vanish with it).
-- :class:`ReplicationMonitor`, run by the acting leader only: watches the replica
-  children of every not-ready artifact and proposes ``CodeReady`` as soon as there are
-  ``min_replication`` of them, or once ``max_replication_wait_ms`` has passed since the
-  ``AddCode`` (the artifact's ``created_ms``, the replicated clock, so a new leader keeps
-  the same deadline; -1: never, only the replicas make it ready).
+- :class:`~broker.leader.code_replicas.CodeReplicaMonitor`, a leader duty: watches the
+  replica znodes this module's replicators register and readies an artifact once there
+  are ``min_code_replicas`` of them (or its wait is over).
 
 Wiring in a cluster broker (the caller owns the started ``KazooClient``)::
 
@@ -31,14 +29,10 @@ Wiring in a cluster broker (the caller owns the started ``KazooClient``)::
     ...
     # docs/DESIGN.md §4 step 3, before acting as leader:
     still_missing = await replicator.fetch_missing(codes of non-final tasks, timeout_s)
-    # while acting as leader (stop it when leadership ends):
-    monitor = ReplicationMonitor(node, zk, cluster, min_replication=m, max_replication_wait_ms=w)
-    await monitor.start()
     ...
-    await monitor.stop()
     await replicator.stop()
 
-and the HTTP API with ``ApiConfig(min_replication=m)`` so uploads are logged not ready.
+and the HTTP API with ``ApiConfig(min_code_replicas=m)`` so uploads are logged not ready.
 
 kazoo calls go through its async API with a timeout (``log.zk_list.kazoo_result``);
 kazoo's watch and state callbacks only hand work to the loop (``call_soon_threadsafe``).
@@ -65,18 +59,24 @@ from kazoo.exceptions import (  # type: ignore[import-untyped]
 from kazoo.protocol.states import KazooState  # type: ignore[import-untyped]
 
 from broker.artifacts.code_store import SHA256_RE, CodeStore, code_deleted
-from broker.core import Applied, Artifact, Rejected
+from broker.core import Applied, Artifact
 from broker.core import entries as e
-from broker.replication.node import BrokerUnavailableError, Node
 from broker.security.auth import bearer_headers
 from log.zk_list import KazooTimeoutError, cluster_path, kazoo_result
 
-__all__ = ["CodeReplicator", "ReplicationMonitor", "code_dir", "replica_path"]
+__all__ = [
+    "DEFAULT_OPERATION_TIMEOUT_S",
+    "WAIT_FOREVER",
+    "CodeReplicator",
+    "call_on_loop",
+    "code_dir",
+    "replica_path",
+]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_OPERATION_TIMEOUT_S: Final = 5.0
-#: ``max_replication_wait_ms`` that never gives up: tasks wait for ``min_replication`` copies.
+#: ``max_replication_wait_ms`` that never gives up: tasks wait for ``min_code_replicas`` copies.
 WAIT_FOREVER: Final = -1
 DEFAULT_FETCH_TIMEOUT_S: Final = 60.0
 #: Uploads are capped at 64 MiB (ApiConfig.max_code_bytes); refuse a peer sending more.
@@ -98,7 +98,7 @@ def replica_path(cluster: str, sha256: str, broker_id: str) -> str:
     return f"{code_dir(cluster)}/{sha256}/{broker_id}"
 
 
-def _call_on_loop(loop: asyncio.AbstractEventLoop | None, func: Callable[..., None]) -> None:
+def call_on_loop(loop: asyncio.AbstractEventLoop | None, func: Callable[..., None]) -> None:
     """From a kazoo thread: hand ``func`` to the loop; never block, never raise."""
     if loop is None or loop.is_closed():
         return
@@ -452,203 +452,8 @@ class CodeReplicator:
         # On kazoo's thread: must not block or call ZooKeeper. A (re)connection may come
         # with a new session whose ephemerals are gone: the sync registers them again.
         if state == KazooState.CONNECTED:
-            _call_on_loop(self._loop, self._resync.set)
+            call_on_loop(self._loop, self._resync.set)
 
 
 class _PeerError(Exception):
     """A peer's answer is unusable."""
-
-
-class ReplicationMonitor:
-    """On the acting leader: readies not-ready artifacts once replicated (or waited out).
-
-    Start it when this broker becomes the acting leader and stop it when that ends; a
-    new leader's monitor picks up every artifact still not ready from the state.
-    """
-
-    def __init__(
-        self,
-        node: Node,
-        zk_client: Any,
-        cluster: str,
-        min_replication: int,
-        max_replication_wait_ms: int,
-        *,
-        operation_timeout_s: float = DEFAULT_OPERATION_TIMEOUT_S,
-        retry_interval_s: float = 1.0,
-    ) -> None:
-        if min_replication < 1:
-            raise ValueError("min_replication must be >= 1")
-        if max_replication_wait_ms < WAIT_FOREVER:
-            raise ValueError("max_replication_wait_ms must be >= 0, or -1 (wait forever)")
-        self._node = node
-        self._zk = zk_client
-        self._dir = code_dir(cluster)
-        self._min_replication = min_replication
-        self._max_wait_ms = max_replication_wait_ms
-        self._timeout_s = operation_timeout_s
-        self._retry_interval_s = retry_interval_s
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._worker: asyncio.Task[None] | None = None
-        self._dirty: set[str] = set()
-        self._kick = asyncio.Event()
-        self._deadlines: dict[str, asyncio.TimerHandle | None] = {}
-        self._started = False
-        self._stopping = False
-
-    async def start(self) -> None:
-        if self._started:
-            raise RuntimeError("ReplicationMonitor already started")
-        self._started = True
-        self._loop = asyncio.get_running_loop()
-        self._node.listeners.append(self._on_applied)
-        self._zk.add_listener(self._on_kazoo_state)
-        self._worker = self._loop.create_task(self._run(), name="code-replication-monitor")
-        for artifact in list(self._node.state.artifacts.values()):
-            if not artifact.ready:
-                self._track(artifact)
-
-    async def stop(self) -> None:
-        if not self._started or self._stopping:
-            return
-        self._stopping = True
-        with contextlib.suppress(ValueError):
-            self._node.listeners.remove(self._on_applied)
-        self._zk.remove_listener(self._on_kazoo_state)
-        for handle in self._deadlines.values():
-            if handle is not None:
-                handle.cancel()
-        self._deadlines.clear()
-        if self._worker is not None:
-            self._worker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._worker
-
-    # -- events (all on the loop) -----------------------------------------------------------
-
-    def _on_applied(self, entry: e.Entry, applied: Applied) -> None:
-        result = applied.result
-        if isinstance(entry, e.AddCode) and isinstance(result, Artifact) and not result.ready:
-            self._track(result)
-        elif isinstance(entry, e.CodeReady | e.AddCode) and isinstance(result, Artifact):
-            self._forget(result.sha256)
-
-    def _track(self, artifact: Artifact) -> None:
-        sha256 = artifact.sha256
-        if self._loop is None or self._stopping:
-            return
-        if sha256 not in self._deadlines:
-            due_ms = artifact.created_ms + self._max_wait_ms
-            delay_s = max(0.0, (due_ms - self._node.clock_ms()) / 1000)
-            # Waiting forever: no timer, only replica watches mark it (None: tracked).
-            self._deadlines[sha256] = (
-                None
-                if self._max_wait_ms == WAIT_FOREVER
-                else self._loop.call_later(delay_s, self._mark, sha256)
-            )
-        self._mark(sha256)
-
-    def _forget(self, sha256: str) -> None:
-        handle = self._deadlines.pop(sha256, None)
-        if handle is not None:
-            handle.cancel()
-        self._dirty.discard(sha256)
-
-    def _mark(self, sha256: str) -> None:
-        if sha256 in self._deadlines:
-            self._dirty.add(sha256)
-            self._kick.set()
-
-    def _mark_all(self) -> None:
-        for sha256 in self._deadlines:
-            self._dirty.add(sha256)
-        self._kick.set()
-
-    def _on_children(self, event: Any) -> None:
-        # A kazoo watch (its thread). Path None: the connection dropped; the CONNECTED
-        # state change re-reads everything (and so re-arms the watches).
-        path = getattr(event, "path", None)
-        if path:
-            sha256 = path.rsplit("/", 1)[-1]
-            _call_on_loop(self._loop, lambda: self._mark(sha256))
-
-    def _on_kazoo_state(self, state: Any) -> None:
-        if state == KazooState.CONNECTED:
-            _call_on_loop(self._loop, self._mark_all)
-
-    # -- the worker ---------------------------------------------------------------------------
-
-    async def _run(self) -> None:
-        while True:
-            await self._kick.wait()
-            self._kick.clear()
-            while self._dirty:
-                sha256 = min(self._dirty)
-                self._dirty.discard(sha256)
-                try:
-                    done = await self._check(sha256)
-                except (*_ZK_ERRORS, BrokerUnavailableError) as exc:
-                    logger.info("code artifact %s: readiness check failed: %r", sha256, exc)
-                    self._retry_later(sha256)
-                    continue
-                except Exception:
-                    logger.exception("code artifact %s: readiness check failed", sha256)
-                    self._retry_later(sha256)
-                    continue
-                if done:
-                    self._forget(sha256)
-
-    def _retry_later(self, sha256: str) -> None:
-        assert self._loop is not None
-        self._loop.call_later(self._retry_interval_s, self._mark, sha256)
-
-    async def _check(self, sha256: str) -> bool:
-        """Propose CodeReady when due; True when nothing more is to be done for it."""
-        artifact = self._node.state.artifacts.get(sha256)
-        if artifact is None or artifact.ready:
-            return True
-        waited_out = (
-            self._max_wait_ms != WAIT_FOREVER
-            and self._node.clock_ms() >= artifact.created_ms + self._max_wait_ms
-        )
-        count = 0
-        if not waited_out:
-            count = await self._replicas(sha256)
-            if count < self._min_replication:
-                if self._max_wait_ms == WAIT_FOREVER:
-                    return False  # the replica watch marks it again
-                # The watch marks it again when a replica comes; and the wait's end is
-                # checked again (the deadline timer runs on the loop's clock, which may
-                # fire a little before the wall clock says the wait is over).
-                remaining_s = (
-                    artifact.created_ms + self._max_wait_ms - self._node.clock_ms()
-                ) / 1000
-                assert self._loop is not None
-                self._loop.call_later(max(0.01, remaining_s + 0.005), self._mark, sha256)
-                return False
-        result = await self._node.propose(
-            lambda stamp: e.CodeReady(time_ms=stamp.now_ms, sha256=sha256)
-        )
-        if isinstance(result, Rejected):
-            logger.warning("code artifact %s: CodeReady rejected: %s", sha256, result.message)
-        elif waited_out:
-            logger.warning(
-                "code artifact %s ready without %d replicas: max_replication_wait of %d ms passed",
-                sha256,
-                self._min_replication,
-                self._max_wait_ms,
-            )
-        else:
-            logger.info("code artifact %s ready with %d replicas", sha256, count)
-        return True
-
-    async def _replicas(self, sha256: str) -> int:
-        """Replica count, leaving a watch on the artifact's children."""
-        path = f"{self._dir}/{sha256}"
-        # The parent is persistent; create it so the children watch can be set even
-        # before the first replica (the leader's own) is registered.
-        await kazoo_result(self._zk.ensure_path_async(path), self._timeout_s)
-        children = await kazoo_result(
-            self._zk.get_children_async(path, self._on_children), self._timeout_s
-        )
-        return len(children)

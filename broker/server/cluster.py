@@ -11,10 +11,11 @@ elector's view changes or the node finds itself deposed:
 - elected: ``Node.recover_log`` (fence and recover the previous leader's ledger, apply
   to its end), check that every code artifact a live task needs is here (otherwise
   give the leadership back, fetch them and queue again), ``Node.open_for_writes``, then
-  start the worker endpoint; only then are writes and workers accepted;
+  start the term's leader duties (broker/leader: the worker endpoint first); only then
+  are writes and workers accepted;
 - no longer elected (SUSPENDED, LOST, someone else lowest) or deposed (the ZooKeeper
   check after a group commit failed, or the ledger was fenced): ``Node.step_down`` at
-  once, stop the worker endpoint, leave and re-join the queue (to its back), follow.
+  once, stop the leader duties in reverse, leave and re-join the queue (to its back), follow.
 
 Graceful shutdown of the leader drains in-flight writes, closes its ledger cleanly
 (so the next leader has nothing to recover), then leaves the queue: hand-over is one
@@ -42,10 +43,10 @@ from broker.api import api_models as m
 from broker.api.handlers_cluster import catch_up_position
 from broker.api.http_api import ApiApp, ApiConfig
 from broker.api.output_store import OutputStore
+from broker.api.webhooks import WebhookSender
 from broker.artifacts.code_store import CodeStore
 from broker.core import LIVE_STATES
-from broker.ha.code_replication import WAIT_FOREVER, CodeReplicator, ReplicationMonitor
-from broker.ha.code_retention import CodeRetention
+from broker.ha.code_replication import WAIT_FOREVER, CodeReplicator
 from broker.ha.election import (
     ElectionError,
     LeaderElector,
@@ -53,6 +54,8 @@ from broker.ha.election import (
     default_client_factory,
 )
 from broker.ha.zk_session import ClientReturn
+from broker.leader.code_replicas import CodeReplicaMonitor
+from broker.leader.duties import LeaderDuties, broker_duties
 from broker.observability.node_observer import observe_node
 from broker.replication.common import NewerFormatError
 from broker.replication.node import (
@@ -106,7 +109,8 @@ class BrokerConfig:
     api: ApiConfig = field(default_factory=ApiConfig)
     workers: WorkerLinkConfig = field(default_factory=WorkerLinkConfig)
     session_timeout_ms: int = 4_000
-    min_replication: int = 1
+    # Brokers that must hold an uploaded artifact before tasks use it (--min-replication).
+    min_code_replicas: int = 1
     max_replication_wait_ms: int = 60_000  # -1: wait forever
     # How long to keep trying peers for a snapshot / artifacts before retrying later.
     peer_timeout_s: float = 60.0
@@ -233,6 +237,8 @@ class ClusterBroker:
         self.metrics.bind_code_store(self.code_store.usage)
         # Task output while this broker leads (every leadership's link feeds the same one).
         self.outputs = OutputStore(max_total_bytes=config.workers.max_output_total_bytes)
+        # Every leadership's webhook deliveries (its failures are the API's to show).
+        self.webhooks = WebhookSender(self.node)
         try:
             # Built up front: a bad certificate, key or CA bundle stops the broker at start.
             self._peer_ssl = config.tls.client_context() if config.tls is not None else None
@@ -271,9 +277,7 @@ class ClusterBroker:
         # A deleted artifact's file goes from every broker (docs/DESIGN.md §7).
         self.node.listeners.append(self.code_store.on_applied)
         self.node.listeners.append(self.replicator.on_applied)
-        self.retention: CodeRetention | None = None
-        self.link: WorkerLink | None = None
-        self.monitor: ReplicationMonitor | None = None
+        self.duties: LeaderDuties | None = None  # this term's, worker link first (§4)
         self.leader_changes = 0
         self._leader_node: str | None = None  # the leadership term last seen
         self._changed = asyncio.Event()
@@ -526,25 +530,29 @@ class ClusterBroker:
             await self._retry_or_requeue()
             return
         link = WorkerLink(node, self._workers_config, self.outputs)
-        try:
-            await link.start()
-        except BrokerStartupError as exc:
-            await link.stop()
-            await node.step_down(str(exc))
-            await self._requeue()
-            return
-        self.link = link
-        if self.config.min_replication > 1:
-            self.monitor = ReplicationMonitor(
+        code_replicas = None
+        if self.config.min_code_replicas > 1:
+            code_replicas = CodeReplicaMonitor(
                 node,
                 self.zk,
                 node.config.cluster_id,
-                min_replication=self.config.min_replication,
+                min_code_replicas=self.config.min_code_replicas,
                 max_replication_wait_ms=self.config.max_replication_wait_ms,
             )
-            await self.monitor.start()
-        self.retention = CodeRetention(node, self.config.code_retention_ms)
-        await self.retention.start()
+        duties = broker_duties(
+            node,
+            link,
+            code_retention_ms=self.config.code_retention_ms,
+            webhooks=self.webhooks,
+            code_replicas=code_replicas,
+        )
+        try:
+            await duties.start()  # a failed start stops those started
+        except BrokerStartupError as exc:
+            await node.step_down(str(exc))
+            await self._requeue()
+            return
+        self.duties = duties
         self.leader_changes += 1
         self.metrics.leaderships.inc()
         logger.info("broker %s is the acting leader at %s", node.config.broker_id, node.position)
@@ -554,15 +562,9 @@ class ClusterBroker:
         await self._stop_leader_services()
 
     async def _stop_leader_services(self) -> None:
-        link, self.link = self.link, None
-        if link is not None:
-            await link.stop()
-        monitor, self.monitor = self.monitor, None
-        if monitor is not None:
-            await monitor.stop()
-        retention, self.retention = self.retention, None
-        if retention is not None:
-            await retention.stop()
+        duties, self.duties = self.duties, None
+        if duties is not None:
+            await duties.stop()
 
     async def _retry_or_requeue(self) -> None:
         # The ledger list's ZooKeeper client was down and is back: keep our place (§4).
@@ -613,9 +615,14 @@ async def serve_broker(config: BrokerConfig, *, ready: asyncio.Event | None = No
         await broker.start()
         gc.collect()
         gc.freeze()
-        api_config = dataclasses.replace(config.api, min_replication=config.min_replication)
+        api_config = dataclasses.replace(config.api, min_code_replicas=config.min_code_replicas)
         app = ApiApp(
-            broker.node, api_config, broker.code_store, cluster=broker, outputs=broker.outputs
+            broker.node,
+            api_config,
+            broker.code_store,
+            cluster=broker,
+            outputs=broker.outputs,
+            webhooks=broker.webhooks,
         )
         server, server_task = await start_http_server(app, config.api, tls=config.tls)
         stop = asyncio.Event()

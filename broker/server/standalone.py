@@ -21,11 +21,12 @@ import uvicorn
 from broker.api import api_models as m
 from broker.api.edges import bounded_http_protocol
 from broker.api.http_api import ApiApp, ApiConfig
+from broker.api.webhooks import WebhookSender
 from broker.artifacts.code_store import CodeStore
 from broker.core import entries as e
 from broker.core.records import Task, TaskRef
 from broker.core.transitions import TaskState
-from broker.ha.code_retention import CodeRetention
+from broker.leader.duties import broker_duties
 from broker.observability.metrics import BrokerMetrics
 from broker.observability.node_observer import observe_node
 from broker.replication.node import (
@@ -91,8 +92,20 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
         # Boot created most long-lived objects: keep them out of GC passes (latency).
         gc.collect()
         gc.freeze()
+        code_store = CodeStore(config.node.data_dir / "code")
+        # Deletes replayed at start (or missed by a crash just after one) first, then
+        # those applied from now on (docs/DESIGN.md §7).
+        await asyncio.to_thread(code_store.remove_unknown, set(node.state.artifacts))
+        node.listeners.append(code_store.on_applied)
+        if isinstance(node.metrics, BrokerMetrics):
+            node.metrics.bind_code_store(code_store.usage)
+        # Open for writes since node.start(): the one term of a standalone broker.
         link = WorkerLink(node, dataclasses.replace(config.workers, tls=config.tls))
-        await link.start()
+        webhooks = WebhookSender(node)
+        duties = broker_duties(
+            node, link, code_retention_ms=config.code_retention_ms, webhooks=webhooks
+        )
+        await duties.start()
         url = f"{http_scheme(config.tls)}://{config.api.host}:{config.api.port}"
         # The cluster view advertises the worker endpoint (GET /api/v1/cluster), so a
         # worker given this broker's URL finds it as it finds a cluster leader's.
@@ -102,16 +115,9 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
             worker_address=f"{config.workers.host}:{link.port}",
             worker_tls=config.tls is not None,
         )
-        code_store = CodeStore(config.node.data_dir / "code")
-        # Deletes replayed at start (or missed by a crash just after one) first, then
-        # those applied from now on (docs/DESIGN.md §7).
-        await asyncio.to_thread(code_store.remove_unknown, set(node.state.artifacts))
-        node.listeners.append(code_store.on_applied)
-        if isinstance(node.metrics, BrokerMetrics):
-            node.metrics.bind_code_store(code_store.usage)
-        retention = CodeRetention(node, config.code_retention_ms)
-        await retention.start()
-        app = ApiApp(node, config.api, code_store, cluster=view, outputs=link.outputs)
+        app = ApiApp(
+            node, config.api, code_store, cluster=view, outputs=link.outputs, webhooks=webhooks
+        )
         server, server_task = await start_http_server(app, config.api, tls=config.tls)
         stop = asyncio.Event()
         hurry = asyncio.Event()  # a second signal: give running tasks back now
@@ -146,9 +152,8 @@ async def serve_standalone(config: StandaloneConfig, *, ready: asyncio.Event | N
         if not server_task.done():
             await let_tasks_finish(node, link, children, config.stop_grace_s, hurry)
         await stop_http_server(server, server_task, app)
-        await retention.stop()
         await children.stop()
-        await link.stop()
+        await duties.stop()
         await node.stop()
     finally:
         await node.ledgers.close()

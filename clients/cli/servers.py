@@ -237,7 +237,8 @@ def run_broker(args: argparse.Namespace) -> int:
         cluster_token=args.cluster_token,
         zookeeper_auth=args.zookeeper_auth,
         session_timeout_ms=args.session_timeout_ms,
-        min_replication=args.min_replication,
+        # The flag keeps its user-facing name, --min-replication.
+        min_code_replicas=args.min_replication,
         max_replication_wait_ms=args.max_replication_wait_ms,
         snapshot_source_wait_s=args.snapshot_source_wait_s,
         tls=_tls_config(args),
@@ -284,7 +285,8 @@ def run_cluster_up(args: argparse.Namespace) -> int:
         session_timeout_ms=args.session_timeout_ms,
         first_http_port=args.first_http_port,
         log_format=args.log_format,
-        min_replication=args.min_replication,
+        # The flag keeps its user-facing name, --min-replication.
+        min_code_replicas=args.min_replication,
         ledgers=args.ledgers,
         pulsar_flavor=args.pulsar_flavor,
         tls=_tls_config(args),

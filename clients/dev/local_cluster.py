@@ -57,7 +57,7 @@ class LocalClusterConfig:
     first_http_port: int = 0  # 0: free ports; else brokers use this port and the next ones
     cluster: str = "local"
     zookeeper_port: int | None = None
-    min_replication: int = 1
+    min_code_replicas: int = 1  # passed as --min-replication
     log_level: str = "INFO"
     # Of brokers and workers: "text" or "json" (broker/observability/logs.py).
     log_format: str = "text"
@@ -266,7 +266,7 @@ class LocalCluster:
                 "--session-timeout-ms",
                 str(config.session_timeout_ms),
                 "--min-replication",
-                str(config.min_replication),
+                str(config.min_code_replicas),
                 "--log-format",
                 config.log_format,
                 "--log-level",

@@ -3,7 +3,7 @@
 Three "brokers" share one in-memory Node (one log, so one applied entry stream) but each
 has its own CodeStore, its own ZooKeeper session, its own CodeReplicator and its own
 real ApiApp served by uvicorn, through which the others fetch artifacts. The leader's
-ReplicationMonitor runs on the Node. Every wait is bounded.
+CodeReplicaMonitor runs on the Node. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from broker.api.http_api import ApiApp, ApiConfig
 from broker.artifacts.code_store import CodeStore
 from broker.core import Applied, Artifact, TaskRef
 from broker.core import entries as e
-from broker.ha.code_replication import CodeReplicator, ReplicationMonitor, replica_path
+from broker.ha.code_replication import CodeReplicator, replica_path
+from broker.leader.code_replicas import CodeReplicaMonitor
 from broker.observability.node_observer import observe_node
 from broker.replication.node import Node, NodeConfig
 from clients.dev.zk import ZooKeeperServer
@@ -74,7 +75,7 @@ class Cluster:
     node: Node
     connect_string: str
     brokers: list[Broker] = field(default_factory=list)
-    monitor: ReplicationMonitor | None = None
+    monitor: CodeReplicaMonitor | None = None
     # Monotonic times at which entries were applied, for the upload-to-ready figure.
     applied_at: dict[str, float] = field(default_factory=dict)
 
@@ -143,7 +144,7 @@ async def cluster(zookeeper: ZooKeeperServer, tmp_path: Path) -> AsyncIterator[C
     try:
         for index in range(3):
             store = CodeStore(tmp_path / f"b{index}" / "code")
-            app = ApiApp(node, ApiConfig(min_replication=3), code_store=store)
+            app = ApiApp(node, ApiConfig(min_code_replicas=3), code_store=store)
             made.brokers.append(
                 Broker(
                     f"b{index}",
@@ -187,7 +188,7 @@ async def test_upload_replicates_to_three_and_becomes_ready(cluster: Cluster) ->
     replicators = [cluster.replicator(i) for i in range(3)]
     for replicator in replicators:
         await replicator.start()
-    cluster.monitor = ReplicationMonitor(
+    cluster.monitor = CodeReplicaMonitor(
         cluster.node, cluster.brokers[0].zk, cluster.name, 3, 60_000
     )
     await cluster.monitor.start()
@@ -219,7 +220,7 @@ async def test_tasks_wait_until_ready(cluster: Cluster) -> None:
     assert task_id not in state.waiting.get("t", {})
     assert task_id in state.parked[JOB_SHA]
     # Only one replica of the three wanted: the other brokers come up late.
-    cluster.monitor = ReplicationMonitor(
+    cluster.monitor = CodeReplicaMonitor(
         cluster.node, cluster.brokers[0].zk, cluster.name, 3, 60_000
     )
     await cluster.monitor.start()
@@ -237,7 +238,7 @@ async def test_tasks_wait_until_ready(cluster: Cluster) -> None:
 async def test_max_replication_wait_readies_with_too_few_replicas(cluster: Cluster) -> None:
     replicator = cluster.replicator(0)  # the only broker running a replicator
     await replicator.start()
-    cluster.monitor = ReplicationMonitor(cluster.node, cluster.brokers[0].zk, cluster.name, 3, 400)
+    cluster.monitor = CodeReplicaMonitor(cluster.node, cluster.brokers[0].zk, cluster.name, 3, 400)
     await cluster.monitor.start()
     await cluster.upload()
     await wait_for(lambda: cluster.ready(), "ready after max_replication_wait")
@@ -250,7 +251,7 @@ async def test_max_replication_wait_readies_with_too_few_replicas(cluster: Clust
 async def test_a_wait_of_minus_one_waits_for_the_replicas(cluster: Cluster) -> None:
     replicator = cluster.replicator(0)
     await replicator.start()
-    cluster.monitor = ReplicationMonitor(cluster.node, cluster.brokers[0].zk, cluster.name, 2, -1)
+    cluster.monitor = CodeReplicaMonitor(cluster.node, cluster.brokers[0].zk, cluster.name, 2, -1)
     await cluster.monitor.start()
     await cluster.upload()
     await asyncio.sleep(1.0)  # 0 would have readied it at once; -1 never gives up alone
@@ -263,7 +264,7 @@ async def test_a_wait_of_minus_one_waits_for_the_replicas(cluster: Cluster) -> N
 
 def test_other_negative_waits_are_refused(cluster: Cluster) -> None:
     with pytest.raises(ValueError, match="or -1"):
-        ReplicationMonitor(cluster.node, cluster.brokers[0].zk, cluster.name, 2, -2)
+        CodeReplicaMonitor(cluster.node, cluster.brokers[0].zk, cluster.name, 2, -2)
 
 
 async def test_new_leaders_monitor_picks_up_unready_artifacts(cluster: Cluster) -> None:
@@ -273,7 +274,7 @@ async def test_new_leaders_monitor_picks_up_unready_artifacts(cluster: Cluster) 
     await cluster.upload()  # no monitor yet: the leader died right after logging it
     await wait_for_async(lambda: _count_is(replicators[0], 3), "three replicas registered")
     assert not cluster.ready()
-    cluster.monitor = ReplicationMonitor(
+    cluster.monitor = CodeReplicaMonitor(
         cluster.node, cluster.brokers[1].zk, cluster.name, 3, 60_000
     )
     await cluster.monitor.start()
@@ -290,7 +291,7 @@ async def test_safety_net_sync_fetches_a_missed_artifact(cluster: Cluster) -> No
         known=lambda: cluster.node.state.artifacts.keys(),
     )
     await missed.start()
-    cluster.monitor = ReplicationMonitor(
+    cluster.monitor = CodeReplicaMonitor(
         cluster.node, cluster.brokers[0].zk, cluster.name, 3, 60_000
     )
     await cluster.monitor.start()

@@ -19,7 +19,7 @@ from broker.artifacts.code_store import CodeStore
 from broker.core import Artifact, ErrorCode, StateMachine, TaskState
 from broker.core import entries as e
 from broker.core.effects import Applied
-from broker.ha.code_retention import CodeRetention
+from broker.leader.code_retention import CodeRetention
 from broker.workers.liveness import DROPPED_CODE_MAX, DROPPED_CODE_WINDOW_S, Liveness
 from broker.workers.worker_link import WorkerLinkConfig
 from clients.worker.artifacts import ArtifactCache, CodeDrops

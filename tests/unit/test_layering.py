@@ -127,6 +127,10 @@ RULES: tuple[Rule, ...] = (
          ("broker.core", "broker.replication", "broker.security", "broker.artifacts",
           "log.zk_list"),
          why="election and code replication: above the node, not the API or workers"),
+    Rule("broker.leader",
+         ("broker.core", "broker.replication", "broker.workers", "broker.ha", "log.zk_list"),
+         why="the acting leader's duties: above the node, the worker link and code replication;"
+             " below the servers that start them, beside the API"),
     Rule("broker.server", ("broker", "log", "snapshot"),
          why="the process entry points wire every broker package together"),
     # --- wire/ ------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Code retention (docs/DESIGN.md §7): the acting leader deletes artifacts no task has
-needed for ``retention_ms`` by logging ``DeleteCode(unused_for_ms=retention_ms)``.
+"""Code retention (docs/DESIGN.md §7), a leader duty: the acting leader deletes artifacts
+no task has needed for ``retention_ms`` by logging ``DeleteCode(unused_for_ms=retention_ms)``.
 
 The candidates come from the replicated state (an artifact's ``created_ms`` and
 ``last_used_ms``, and the live tasks using it); ``apply`` checks the same condition again,
