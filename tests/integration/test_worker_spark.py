@@ -191,11 +191,12 @@ async def test_one_session_for_all_tasks_and_job_groups_do_not_leak(env: Env, sp
     worker.runtime.register("uses_spark", uses_spark)
     worker.runtime.register("peeks", peeks)
     conn.assign(task(61, "uses_spark"))
-    assert result_of(await conn.report(SPARK_WAIT_S)) == 3
+    assert result_of(await conn.report_for(61, SPARK_WAIT_S)) == 3
     conn.assign(task(62, "uses_spark"))
-    assert result_of(await conn.report(SPARK_WAIT_S)) == 3
+    assert result_of(await conn.report_for(62, SPARK_WAIT_S)) == 3
     conn.assign(task(63, "peeks"))
-    await conn.report(SPARK_WAIT_S)
+    peeked = await conn.report_for(63, SPARK_WAIT_S)
+    assert peeked.error is None, peeked.error
     assert sessions[0] is sessions[1] is spark
     assert groups == [None]
     for group in ("steward-61-1", "steward-62-1"):  # each task's jobs in its own group

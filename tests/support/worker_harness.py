@@ -124,6 +124,16 @@ class BrokerConn:
         (report,) = (await self.reports(1, timeout_s)).values()
         return report
 
+    async def report_for(self, task_id: int, timeout_s: float = WAIT_S) -> TaskReport:
+        """The report of ``task_id``, skipping others' (a report the worker sends again
+        before our acknowledgement reached it, for one)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            for report in (await self.reports(1, max(0.01, left))).values():
+                if report.task_id == task_id:
+                    return report
+
     async def expect_silence(self, seconds: float) -> None:
         """No non-heartbeat frame for ``seconds``."""
         with pytest.raises(TimeoutError):
