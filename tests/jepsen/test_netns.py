@@ -10,7 +10,13 @@ import sys
 
 import pytest
 
-from tests.jepsen.netns import Network, NetworkError, cleanup_leftovers, harness_namespaces
+from tests.jepsen.netns import (
+    Network,
+    NetworkError,
+    cleanup_leftovers,
+    harness_namespaces,
+    run,
+)
 from tests.support.worker_procs import wait_until
 
 PORT = 8000
@@ -57,6 +63,13 @@ def test_a_killed_runs_leftovers_are_cleaned_up() -> None:
     net.create()  # never torn down, as after a SIGKILL of the run
     net.unlock_host()  # a killed run's flock goes with its process
     sleeper = subprocess.Popen([*net.exec_prefix("a"), "sleep", "300"])
+    # In the namespace before the clean-up: removed earlier, `ip netns exec` fails to enter it
+    # (exit 255) instead of being killed there.
+    wait_until(
+        lambda: str(sleeper.pid) in run("ip", "netns", "pids", "sj-a", check=False).stdout.split(),
+        10,
+        "the sleeper inside sj-a",
+    )
     assert cleanup_leftovers() == ["sj-a", "sj-ctl", "sj-net"]
     assert sleeper.wait(timeout=10) == -9
     assert harness_namespaces() == []
